@@ -1,0 +1,57 @@
+"""The errors flowtrain raises, in one place.
+
+Every error a user can cause derives from :class:`FlowtrainError`; the command line prints
+its message as one line and exits non-zero, so messages say what is wrong *and* how to fix
+it ("--micro-batch-size 3 does not divide --batch-size 8"). ``assert`` is kept for internal
+invariants only.
+"""
+
+from __future__ import annotations
+
+
+class FlowtrainError(Exception):
+    """Base class: a problem the user can act on."""
+
+
+class ConfigError(FlowtrainError):
+    """A flag, preset or config value is invalid or unsupported."""
+
+
+class ScheduleError(FlowtrainError):
+    """A graph or a policy's proposal cannot be scheduled (bad order, unknown task, ...)."""
+
+
+class CycleError(ScheduleError):
+    """The task graph has a cycle, so no order can satisfy its dependencies."""
+
+
+class SlotError(ScheduleError):
+    """A slot budget is missing, too small, or was violated."""
+
+
+class DeadlockError(ScheduleError):
+    """Nothing can run, nothing is running, and tasks remain: the slot budget is too small
+    for the proposed order."""
+
+
+class StepFailed(FlowtrainError):
+    """A task failed during a step; the step was cancelled.
+
+    ``task`` is the task that failed and ``__cause__`` the original exception.
+    """
+
+    def __init__(self, task: object, cause: BaseException) -> None:
+        self.task = task
+        super().__init__(f"task {task} failed: {type(cause).__name__}: {cause}")
+
+
+class CheckpointError(FlowtrainError):
+    """A model directory or checkpoint file is missing, corrupt or inconsistent."""
+
+
+class DataError(FlowtrainError):
+    """Training data is missing, empty or malformed."""
+
+
+class PlanError(FlowtrainError):
+    """The requested run does not fit in host or GPU memory."""

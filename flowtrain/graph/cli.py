@@ -1,0 +1,34 @@
+"""``flowtrain graph``: compile one step and write it as node-link JSON."""
+
+from __future__ import annotations
+
+import argparse
+
+from .compiler import StepSpec, compile_steps
+from .export import write_graph
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--layers", type=int, required=True, help="decoder layers")
+    p.add_argument("--micro-batches", type=int, default=1, help="micro-batches per optimizer step")
+    p.add_argument("--checkpoint-every", type=int, default=1, help="keep a layer input every K layers (recompute between)")
+    p.add_argument("--order", choices=["layer", "micro"], default="layer", help="layer-major or micro-batch-major")
+    p.add_argument("--tied", action="store_true", help="tied input and output embeddings")
+    p.add_argument("--grad-clip", action="store_true", help="include the global gradient norm before Adam")
+    p.add_argument("--steps", type=int, default=1, help="consecutive steps, linked by cpu_adam -> next fetch")
+    p.add_argument("--out", required=True, help="output JSON file")
+
+
+def run(args: argparse.Namespace) -> int:
+    spec = StepSpec(
+        layers=args.layers,
+        micro_batches=args.micro_batches,
+        checkpoint_every=args.checkpoint_every,
+        order=args.order,
+        tied=args.tied,
+        grad_clip=args.grad_clip,
+    ).validate()
+    graph = compile_steps(spec, args.steps)
+    write_graph(args.out, graph)
+    print(f"wrote {args.out}: {graph.number_of_nodes()} tasks, {graph.number_of_edges()} edges")
+    return 0

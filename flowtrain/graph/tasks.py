@@ -1,0 +1,193 @@
+"""Typed tasks: the nodes of a training step's DAG.
+
+A task is a small frozen, tagged ``msgspec.Struct``. It is hashable, so the struct itself is
+the networkx node, and it round-trips to JSON for free::
+
+    >>> t = Forward(layer=3, micro_batch=1)
+    >>> t.kind, t.lane
+    ('forward', 'compute')
+    >>> msgspec.json.decode(msgspec.json.encode(t), type=AnyTask) == t
+    True
+
+Every task carries the same fields (most of them ``None`` where they do not apply), so that
+every node of an exported graph has ``kind``, ``layer``, ``micro_batch`` and ``lane``:
+
+- ``step``: which optimizer step the task belongs to (steps may overlap).
+- ``unit``: which parameter unit it touches: ``"embed"``, ``"layer"`` or ``"head"`` (final norm
+  and output projection).
+- ``layer``: the decoder layer for per-layer tasks, ``None`` otherwise.
+- ``micro_batch``: for per-micro-batch tasks, ``None`` otherwise.
+- ``phase``: for ``fetch``, which pass the weights are fetched for.
+
+Each kind knows its **lane** (``h2d``, ``compute``, ``d2h`` or ``cpu``) and which buffer
+**pool** it takes a slot from (``takes``). A task that takes a slot holds it until every task
+that *reads* the slot (an edge marked ``reads=True`` in the graph) has been launched; the next
+task granted that slot waits for them, on its own lane, through a fence.
+
+This module is pure data: it imports neither torch nor asyncio.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal
+
+import msgspec
+
+Lane = Literal["h2d", "compute", "d2h", "cpu"]
+Unit = Literal["embed", "layer", "head"]
+Phase = Literal["forward", "recompute", "backward"]
+
+#: Lanes whose work can be fenced without the host: a task on one of these lanes may be
+#: launched as soon as its producers on these lanes are *launched* (it waits for them on
+#: the lane, like a CUDA stream waiting on an event). ``cpu`` work needs finished inputs.
+DEVICE_LANES: frozenset[str] = frozenset({"h2d", "compute", "d2h"})
+LANES: tuple[str, ...] = ("h2d", "compute", "d2h", "cpu")
+
+#: Buffer pools. ``weights``: slots that hold one unit's streamed weights on the device.
+#: ``grads``: device gradient accumulators, one unit each, held until offloaded.
+WEIGHTS = "weights"
+GRADS = "grads"
+
+
+class Task(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
+    """Base of every task kind. Subclasses set ``lane`` and, if they take a slot, ``takes``."""
+
+    step: int = 0
+    unit: str | None = None
+    layer: int | None = None
+    micro_batch: int | None = None
+    phase: str | None = None
+
+    lane: ClassVar[str] = "compute"
+    takes: ClassVar[str | None] = None
+
+    @property
+    def kind(self) -> str:
+        """The tag string, e.g. ``"forward"``."""
+        return self.__struct_config__.tag  # type: ignore[return-value]
+
+    @property
+    def label(self) -> str:
+        """A short human name such as ``forward L3 m1`` or ``fetch head (backward)``."""
+        parts = [self.kind]
+        if self.unit in ("embed", "head") and self.unit != self.kind:
+            parts.append(self.unit)
+        if self.layer is not None:
+            parts.append(f"L{self.layer}")
+        if self.micro_batch is not None:
+            parts.append(f"m{self.micro_batch}")
+        if self.phase is not None:
+            parts.append(f"({self.phase})")
+        if self.step:
+            parts.append(f"s{self.step}")
+        return " ".join(parts)
+
+    def __str__(self) -> str:
+        return self.label
+
+
+class Fetch(Task, tag="fetch"):
+    """Copy one unit's weights from host memory into a free weight slot."""
+
+    lane: ClassVar[str] = "h2d"
+    takes: ClassVar[str | None] = WEIGHTS
+
+
+class Embed(Task, tag="embed"):
+    """Look up token embeddings for one micro-batch (reads the embedding's slot)."""
+
+
+class Forward(Task, tag="forward"):
+    """Run decoder layer ``layer`` on micro-batch ``micro_batch`` with the slot's weights."""
+
+
+class Loss(Task, tag="loss"):
+    """Final norm, output projection and chunked cross-entropy for one micro-batch, forward and
+    backward at once: yields the loss, the gradient of the last hidden state and the head's
+    weight gradient (accumulated into the head's gradient slot)."""
+
+
+class Recompute(Task, tag="recompute"):
+    """Rebuild the output of ``layer`` for ``micro_batch`` from the nearest checkpoint, so that
+    the layer above has its input during backward."""
+
+
+class Backward(Task, tag="backward"):
+    """Gradients of ``layer`` for ``micro_batch`` w.r.t. its input and its flat weights; the
+    weight gradient accumulates into the layer's gradient slot."""
+
+
+class EmbedBackward(Task, tag="embed_backward"):
+    """Scatter one micro-batch's input gradient into the embedding's gradient slot."""
+
+
+class ZeroGrad(Task, tag="zero_grad"):
+    """Take a gradient slot for one unit and zero it before its first backward."""
+
+    takes: ClassVar[str | None] = GRADS
+
+
+class OffloadGrad(Task, tag="offload_grad"):
+    """Copy one unit's accumulated gradient to its host gradient buffer."""
+
+    lane: ClassVar[str] = "d2h"
+
+
+class GradNorm(Task, tag="grad_norm"):
+    """Combine per-unit gradient norms into the global norm (only when clipping)."""
+
+    lane: ClassVar[str] = "cpu"
+
+
+class CpuAdam(Task, tag="cpu_adam"):
+    """AdamW on one unit's fp32 master weights from its host gradient."""
+
+    lane: ClassVar[str] = "cpu"
+
+
+AnyTask = (
+    Fetch
+    | Embed
+    | Forward
+    | Loss
+    | Recompute
+    | Backward
+    | EmbedBackward
+    | ZeroGrad
+    | OffloadGrad
+    | GradNorm
+    | CpuAdam
+)
+
+#: Every task class by its ``kind`` string.
+KINDS: dict[str, type[Task]] = {
+    cls.__struct_config__.tag: cls  # type: ignore[misc]
+    for cls in (
+        Fetch,
+        Embed,
+        Forward,
+        Loss,
+        Recompute,
+        Backward,
+        EmbedBackward,
+        ZeroGrad,
+        OffloadGrad,
+        GradNorm,
+        CpuAdam,
+    )
+}
+
+
+def task_to_dict(task: Task) -> dict:
+    """The task as plain JSON-able data, with ``kind`` and ``lane`` included."""
+    data = msgspec.to_builtins(task)
+    data["lane"] = task.lane
+    data["takes"] = task.takes
+    return data
+
+
+def task_from_dict(data: dict) -> Task:
+    """Inverse of :func:`task_to_dict` (extra keys such as ``lane`` are ignored)."""
+    fields = {k: data.get(k) for k in ("step", "unit", "layer", "micro_batch", "phase")}
+    fields["step"] = fields["step"] or 0
+    return KINDS[data["kind"]](**fields)

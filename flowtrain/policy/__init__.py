@@ -1,0 +1,17 @@
+"""Scheduling policies: a protocol, a registry and the built-ins."""
+
+from .base import POLICIES, Policy, Proposal, natural_order, register_policy, resolve_policy
+from . import builtin as _builtin  # noqa: F401  (registers the built-ins)
+from .builtin import DoubleBuffer, Lookahead, Sequential
+
+__all__ = [
+    "POLICIES",
+    "Policy",
+    "Proposal",
+    "natural_order",
+    "register_policy",
+    "resolve_policy",
+    "Sequential",
+    "DoubleBuffer",
+    "Lookahead",
+]

@@ -1,0 +1,93 @@
+"""Policies propose; the engine decides.
+
+A policy looks at a compiled step graph and proposes a plan: an order in which each lane should
+issue its tasks, and a slot budget per pool (how many weight slots, how many gradient
+accumulators). The engine still enforces dependencies and budgets, checks that the order is
+topological, and reports a deadlock if the budget is too small for the order.
+
+Built-ins live in a registry keyed by name, so ``--policy double_buffer`` and a user's own
+class go through the same door::
+
+    @register_policy("my_policy")
+    class MyPolicy:
+        def propose(self, graph):
+            return Proposal(order=natural_order(graph), budgets={"weights": 3, "grads": 2})
+
+    resolve_policy("my_policy")      # or resolve_policy(MyPolicy())
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, runtime_checkable
+
+import msgspec
+import networkx as nx
+
+from ..errors import ConfigError
+from ..graph.tasks import GRADS, WEIGHTS, Task
+
+
+class Proposal(msgspec.Struct, frozen=True):
+    """A plan: every task of the graph in issue order, and a slot budget per pool."""
+
+    order: list[Task]
+    budgets: dict[str, int]
+
+
+@runtime_checkable
+class Policy(Protocol):
+    """Anything with ``propose(graph) -> Proposal``."""
+
+    def propose(self, graph: nx.DiGraph) -> Proposal: ...
+
+
+POLICIES: dict[str, Callable[..., Policy]] = {}
+
+
+def register_policy(name: str) -> Callable[[type], type]:
+    """Class decorator: make a policy available by name (``--policy NAME``)."""
+
+    def deco(cls: type) -> type:
+        POLICIES[name] = cls
+        cls.name = name
+        return cls
+
+    return deco
+
+
+def resolve_policy(policy: "str | Policy", **options) -> Policy:
+    """A policy instance from a registered name (with constructor ``options``) or an object."""
+    if isinstance(policy, str):
+        try:
+            factory = POLICIES[policy]
+        except KeyError:
+            names = ", ".join(sorted(POLICIES))
+            raise ConfigError(f"unknown policy {policy!r}; choose one of: {names}") from None
+        return factory(**options)
+    if not isinstance(policy, Policy):
+        raise ConfigError(f"{policy!r} is not a policy: it needs a propose(graph) method")
+    return policy
+
+
+def natural_order(graph: nx.DiGraph) -> list[Task]:
+    """A topological order that stays as close as possible to the order in which the compiler
+    inserted the tasks (its serial order: fetch, then the work that reads it, and so on)."""
+    index = {t: i for i, t in enumerate(graph.nodes)}
+    if all(index[u] < index[v] for u, v in graph.edges):
+        return list(graph.nodes)  # already topological (the compiler's case): the same answer, faster
+    return list(nx.lexicographical_topological_sort(graph, key=index.__getitem__))
+
+
+def min_grad_slots(graph: nx.DiGraph) -> int:
+    """Gradient accumulators the graph needs at once: one per unit when micro-batches run
+    through the whole model one at a time (every unit accumulates until the last one)."""
+    spec = graph.graph.get("spec", {})
+    if spec.get("order") == "micro" and spec.get("micro_batches", 1) > 1:
+        first = min(t.step for t in graph)
+        return sum(1 for t in graph if t.takes == GRADS and t.step == first)
+    return 1
+
+
+def budgets(graph: nx.DiGraph, weights: int, grads: int) -> dict[str, int]:
+    """Slot budgets for a built-in policy: ``weights`` slots and at least ``grads`` accumulators."""
+    return {WEIGHTS: weights, GRADS: max(grads, min_grad_slots(graph))}

@@ -1,0 +1,411 @@
+"""The shape of a Llama-family model, and the presets flowtrain knows by name.
+
+A :class:`ModelConfig` is everything the layer math, the flat-buffer layout and the
+checkpoint code need to know about a model: sizes, rotary settings and which optional
+biases exist. It is a frozen ``msgspec.Struct``, so it hashes, compares by value and
+round-trips through JSON; it converts to and from a Hugging Face ``config.json`` dict::
+
+    cfg = preset("tiny")                        # or ModelConfig.from_hf(json.load(f))
+    cfg.num_parameters()                        # 123,712
+    ModelConfig.from_hf(cfg.to_hf()) == cfg     # True
+
+Three Hugging Face architectures share this shape: ``LlamaForCausalLM``,
+``MistralForCausalLM`` (without a sliding window) and ``Qwen2ForCausalLM`` (biases on
+q, k and v). Anything else is refused with a :class:`~flowtrain.errors.ConfigError` rather
+than trained wrongly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from flowtrain.errors import ConfigError
+
+__all__ = ["ModelConfig", "RopeScaling", "PRESETS", "preset", "SUPPORTED_ARCHITECTURES"]
+
+SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
+
+_MODEL_TYPES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+
+# What each Hugging Face config class assumes when config.json leaves a key out; reading
+# a config must give the model transformers would build from the same file.
+_HF_DEFAULTS: dict[str, dict[str, Any]] = {
+    "LlamaForCausalLM": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
+    "MistralForCausalLM": {"rms_norm_eps": 1e-6, "max_position_embeddings": 4096 * 32},
+    "Qwen2ForCausalLM": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
+}
+
+_REQUIRED_HF_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+
+
+class RopeScaling(msgspec.Struct, frozen=True):
+    """Llama 3.1's rotary frequency scaling (``rope_type == "llama3"``).
+
+    Low frequencies (wavelengths longer than ``original_max_position_embeddings /
+    low_freq_factor``) are divided by ``factor``, high ones are kept, and the band between
+    is interpolated smoothly; this lets a model pre-trained at 8K positions run at 128K.
+    """
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float
+    high_freq_factor: float
+    original_max_position_embeddings: int
+
+
+class ModelConfig(msgspec.Struct, frozen=True):
+    """Sizes and options of one Llama-family decoder-only model.
+
+    ``head_dim`` defaults to ``hidden_size // num_heads``. ``attention_bias`` puts biases on
+    q, k, v *and* o (Llama's option); ``qkv_bias`` on q, k and v only (Qwen2).
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qkv_bias: bool = False
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    architecture: str = "LlamaForCausalLM"
+
+    def __post_init__(self) -> None:
+        # head_dim is always an int after construction; None only means "derive it".
+        if self.head_dim is None and self.num_heads > 0:
+            msgspec.structs.force_setattr(self, "head_dim", self.hidden_size // self.num_heads)
+
+    # ------------------------------------------------------------------ checks and sizes
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        """Whether q, k and v projections carry biases (either option turns them on)."""
+        return self.attention_bias or self.qkv_bias
+
+    def validate(self) -> ModelConfig:
+        """Raise :class:`ConfigError` if the sizes cannot form a model; return ``self``."""
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"model config: {name} must be a positive integer, got {value!r}")
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(
+                f"model config: num_heads {self.num_heads} does not divide hidden_size "
+                f"{self.hidden_size}; choose a head count that divides it"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"model config: num_kv_heads {self.num_kv_heads} does not divide num_heads "
+                f"{self.num_heads}; grouped-query attention needs whole groups"
+            )
+        assert self.head_dim is not None
+        if self.head_dim % 2:
+            raise ConfigError(
+                f"model config: head_dim {self.head_dim} is odd; rotary embeddings rotate pairs, "
+                "so head_dim must be even"
+            )
+        if not self.rms_norm_eps > 0:
+            raise ConfigError(f"model config: rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if not self.rope_theta > 0:
+            raise ConfigError(f"model config: rope_theta must be > 0, got {self.rope_theta}")
+        if self.initializer_range < 0:
+            raise ConfigError(
+                f"model config: initializer_range must be >= 0, got {self.initializer_range}"
+            )
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(_unsupported(self.architecture))
+        rs = self.rope_scaling
+        if rs is not None:
+            if rs.rope_type != "llama3":
+                raise ConfigError(
+                    f"model config: rope scaling type {rs.rope_type!r} is not supported; "
+                    "flowtrain implements 'llama3' scaling (or none)"
+                )
+            if not (rs.factor > 0 and rs.high_freq_factor > rs.low_freq_factor > 0
+                    and rs.original_max_position_embeddings > 0):
+                raise ConfigError(
+                    f"model config: llama3 rope scaling needs factor > 0, high_freq_factor > "
+                    f"low_freq_factor > 0 and original_max_position_embeddings > 0, got {rs}"
+                )
+        return self
+
+    def _check_exportable(self) -> None:
+        """Each Hugging Face architecture fixes which biases exist; refuse a mismatch."""
+        if self.architecture == "Qwen2ForCausalLM" and (self.attention_bias or not self.qkv_bias):
+            raise ConfigError(
+                "model config: Qwen2ForCausalLM always has biases on q, k and v and none on o; "
+                "set qkv_bias=True and attention_bias=False"
+            )
+        if self.architecture == "MistralForCausalLM" and self.has_qkv_bias:
+            raise ConfigError(
+                "model config: MistralForCausalLM has no attention biases; "
+                "use architecture LlamaForCausalLM for a model with biases"
+            )
+        if self.architecture == "LlamaForCausalLM" and self.qkv_bias and not self.attention_bias:
+            raise ConfigError(
+                "model config: LlamaForCausalLM cannot express q/k/v-only biases; "
+                "use architecture Qwen2ForCausalLM or attention_bias=True"
+            )
+
+    def layer_parameters(self) -> int:
+        """Parameters in one decoder layer."""
+        assert self.head_dim is not None
+        h = self.hidden_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        n = 2 * h                        # the two RMSNorm weights
+        n += h * q + 2 * h * kv + q * h  # q, k, v, o projections
+        n += 3 * h * self.intermediate_size
+        if self.has_qkv_bias:
+            n += q + 2 * kv
+        if self.attention_bias:
+            n += h
+        return n
+
+    def num_parameters(self) -> int:
+        """Total trainable parameters (a tied head counts once, as the embedding)."""
+        embed = self.vocab_size * self.hidden_size
+        head = self.hidden_size + (0 if self.tie_word_embeddings else embed)
+        return embed + self.num_layers * self.layer_parameters() + head
+
+    # ------------------------------------------------------------------ Hugging Face I/O
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
+        """Read a Hugging Face ``config.json`` dict; :class:`ConfigError` if unsupported."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"config.json must hold a JSON object, got {type(d).__name__}")
+        arch = _architecture(d)
+        missing = [k for k in _REQUIRED_HF_KEYS if d.get(k) is None]
+        if missing:
+            raise ConfigError(
+                f"config.json for {arch} lacks required key(s) {', '.join(missing)}; "
+                "add them (see the model card's config.json)"
+            )
+        act = d.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(
+                f"config.json has hidden_act {act!r}; flowtrain's SwiGLU MLP supports 'silu' only"
+            )
+        if d.get("mlp_bias"):
+            raise ConfigError(
+                "config.json sets mlp_bias; flowtrain supports MLPs without biases only"
+            )
+        defaults = _HF_DEFAULTS[arch]
+        max_pos = int(d.get("max_position_embeddings") or defaults["max_position_embeddings"])
+        if arch == "MistralForCausalLM":
+            window = d.get("sliding_window")
+            if window is not None and window < max_pos:
+                raise ConfigError(
+                    f"config.json: MistralForCausalLM with sliding_window {window} < "
+                    f"max_position_embeddings {max_pos}; flowtrain implements full causal "
+                    "attention only (set sliding_window to null)"
+                )
+        if arch == "Qwen2ForCausalLM" and d.get("use_sliding_window"):
+            raise ConfigError(
+                "config.json: Qwen2ForCausalLM with use_sliding_window true; flowtrain implements "
+                "full causal attention only (set use_sliding_window to false)"
+            )
+        theta, scaling = _rope(d)
+        heads = int(d["num_attention_heads"])
+        eos = d.get("eos_token_id")
+        if isinstance(eos, list):
+            eos = eos[0] if eos else None
+        cfg = cls(
+            vocab_size=int(d["vocab_size"]),
+            hidden_size=int(d["hidden_size"]),
+            intermediate_size=int(d["intermediate_size"]),
+            num_layers=int(d["num_hidden_layers"]),
+            num_heads=heads,
+            num_kv_heads=int(d.get("num_key_value_heads") or heads),
+            head_dim=None if d.get("head_dim") is None else int(d["head_dim"]),
+            rms_norm_eps=float(d.get("rms_norm_eps", defaults["rms_norm_eps"])),
+            rope_theta=theta,
+            rope_scaling=scaling,
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+            attention_bias=arch == "LlamaForCausalLM" and bool(d.get("attention_bias", False)),
+            qkv_bias=arch == "Qwen2ForCausalLM",
+            initializer_range=float(d.get("initializer_range", 0.02)),
+            bos_token_id=d.get("bos_token_id"),
+            eos_token_id=eos,
+            pad_token_id=d.get("pad_token_id"),
+            architecture=arch,
+        )
+        return cfg.validate()
+
+    def to_hf(self) -> dict[str, Any]:
+        """A ``config.json`` dict that transformers loads into the same architecture.
+
+        Rotary settings are written both as ``rope_parameters`` (transformers 5) and as
+        ``rope_theta``/``rope_scaling`` (transformers 4), so either version reads them.
+        """
+        self.validate()
+        self._check_exportable()
+        rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        rope_scaling = None
+        if self.rope_scaling is not None:
+            rope_scaling = msgspec.structs.asdict(self.rope_scaling)
+            rope_parameters = {**rope_scaling, "rope_theta": self.rope_theta}
+        d: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": _MODEL_TYPES[self.architecture],
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": rope_scaling,
+            "rope_parameters": rope_parameters,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_range": self.initializer_range,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "attention_dropout": 0.0,
+            "use_cache": True,
+            "torch_dtype": "float32",
+            "dtype": "float32",
+        }
+        match self.architecture:
+            case "LlamaForCausalLM":
+                d.update(attention_bias=self.attention_bias, mlp_bias=False, pretraining_tp=1)
+            case "MistralForCausalLM":
+                d.update(sliding_window=None)
+            case "Qwen2ForCausalLM":
+                d.update(use_sliding_window=False, sliding_window=None,
+                         max_window_layers=self.num_layers)
+        return d
+
+
+def _unsupported(arch: object) -> str:
+    return (
+        f"unsupported architecture {arch!r}: flowtrain trains Llama-family models "
+        f"({', '.join(SUPPORTED_ARCHITECTURES)})"
+    )
+
+
+def _architecture(d: dict[str, Any]) -> str:
+    archs = d.get("architectures")
+    if isinstance(archs, list) and archs:
+        arch = archs[0]
+    else:
+        # Some configs only carry model_type; map it back when it is one we know.
+        by_type = {v: k for k, v in _MODEL_TYPES.items()}
+        arch = by_type.get(d.get("model_type"), d.get("model_type"))
+        if arch is None:
+            raise ConfigError(
+                "config.json names no architecture (no 'architectures' or 'model_type' key); "
+                f"add \"architectures\": [\"LlamaForCausalLM\"] or another of "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(_unsupported(arch))
+    return arch
+
+
+def _rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+    """Rotary base and scaling from either the transformers 4 or 5 spelling."""
+    params = d.get("rope_parameters")
+    if not isinstance(params, dict):
+        params = dict(d.get("rope_scaling") or {})
+    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return theta, None
+    if kind != "llama3":
+        raise ConfigError(
+            f"config.json uses rope scaling {kind!r}; flowtrain supports 'llama3' scaling or none"
+        )
+    try:
+        scaling = RopeScaling(
+            rope_type="llama3",
+            factor=float(params["factor"]),
+            low_freq_factor=float(params["low_freq_factor"]),
+            high_freq_factor=float(params["high_freq_factor"]),
+            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
+        )
+    except KeyError as e:
+        raise ConfigError(f"config.json: llama3 rope scaling lacks {e.args[0]!r}") from None
+    return theta, scaling
+
+
+_LLAMA3_SCALING = RopeScaling(
+    rope_type="llama3",
+    factor=32.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+)
+
+PRESETS: dict[str, ModelConfig] = {
+    # Byte-level vocabulary, trains on a CPU in seconds; for tests and smoke runs.
+    "tiny": ModelConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=172, num_layers=2,
+        num_heads=4, num_kv_heads=2, max_position_embeddings=1024,
+    ),
+    # Llama-3.2-1B's shape.
+    "llama-1b": ModelConfig(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+        num_heads=32, num_kv_heads=8, rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING,
+        max_position_embeddings=131072, tie_word_embeddings=True,
+        bos_token_id=128000, eos_token_id=128001,
+    ),
+    # Llama-3.2-3B's shape with an untied head.
+    "llama-3b": ModelConfig(
+        vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_layers=28,
+        num_heads=24, num_kv_heads=8, rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING,
+        max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001,
+    ),
+    # Llama-3-8B.
+    "llama-8b": ModelConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, rope_theta=500000.0, max_position_embeddings=8192,
+        bos_token_id=128000, eos_token_id=128001,
+    ),
+    # Qwen2.5-14B's shape.
+    "qwen-14b": ModelConfig(
+        vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_layers=48,
+        num_heads=40, num_kv_heads=8, qkv_bias=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=32768, bos_token_id=151643, eos_token_id=151643,
+        architecture="Qwen2ForCausalLM",
+    ),
+}
+
+
+def preset(name: str) -> ModelConfig:
+    """The preset called ``name``; :class:`ConfigError` listing valid names otherwise."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}"
+        ) from None

@@ -1,0 +1,290 @@
+"""Read what the visualizer draws: executed traces and compiled graphs.
+
+A **trace** is Chrome trace event JSON (what ``write_chrome_trace`` and ``flowtrain train
+--trace`` write, and what Perfetto opens): one complete event (``"ph": "X"``) per task, times
+in microseconds, the task's fields under ``args``. A **graph** is ``flowtrain graph`` output
+(``networkx`` node-link JSON). :func:`load_input` tells them apart by their keys::
+
+    >>> item = load_input("trace.json")          # doctest: +SKIP
+    >>> item.tasks[0].kind, item.lanes            # doctest: +SKIP
+    ('fetch', ['compute', 'h2d', 'd2h', 'cpu:0'])
+
+Times are re-based so that the first task starts at 0 and are kept in **seconds**. Anything
+malformed raises :class:`~flowtrain.errors.DataError` naming the file and what to fix; the
+visualizer is written against the format, not against one producer, so fields it can do without
+(``deps``, ``reads``, ``slot``, ``bytes``, ...) may be missing.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from bisect import bisect_right
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import networkx as nx
+
+from ..errors import DataError
+from ..graph.export import graph_from_json
+from ..graph.tasks import KINDS
+
+#: Lane kinds in the order rows are drawn; unknown lanes come after, by name.
+LANE_KINDS = ("compute", "h2d", "d2h", "cpu")
+
+
+class TraceTask(msgspec.Struct, frozen=True, kw_only=True):
+    """One executed task. ``start``/``end`` are seconds since the trace's first task started."""
+
+    index: int  # position in Trace.tasks (sorted by start)
+    id: str
+    name: str
+    kind: str
+    lane: str  # lane kind: compute, h2d, d2h, cpu
+    lane_name: str  # the row: compute, h2d, d2h, cpu:N
+    start: float
+    end: float
+    step: int = 0
+    unit: str | None = None
+    layer: int | None = None
+    micro_batch: int | None = None
+    phase: str | None = None
+    takes: str | None = None  # pool the task takes a slot from
+    slot: int | None = None  # the slot it took
+    reads: dict[str, tuple[int, ...]] = {}  # pool -> slots it reads
+    bytes: int = 0
+    deps: tuple[str, ...] = ()  # ids of its dependencies
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+def lane_sort_key(lane_name: str) -> tuple:
+    """compute, h2d, d2h, cpu:0, cpu:1, ..., then anything else by name."""
+    kind, _, worker = lane_name.partition(":")
+    if kind in LANE_KINDS:
+        return (LANE_KINDS.index(kind), int(worker) if worker.isdigit() else 0, lane_name)
+    return (len(LANE_KINDS), 0, lane_name)
+
+
+class Trace:
+    """An executed run: tasks sorted by start, lanes in drawing order, and the producer's
+    metadata (``otherData.flowtrain``: policy, slot budgets, ...)."""
+
+    def __init__(self, tasks: list[TraceTask], meta: dict | None = None, name: str = "trace",
+                 path: str | None = None, offset: float = 0.0) -> None:
+        self.tasks = tasks
+        self.meta = dict(meta or {})
+        self.name = name
+        self.path = path
+        self.offset = offset  # seconds: the original timestamp of time 0
+        self.lanes = sorted({t.lane_name for t in tasks}, key=lane_sort_key)
+
+    def __repr__(self) -> str:
+        return f"<Trace {self.name!r}: {len(self.tasks)} tasks on {len(self.lanes)} lanes, {self.wall * 1e3:.3f} ms>"
+
+    @property
+    def wall(self) -> float:
+        """Seconds from the first start to the last end."""
+        return max((t.end for t in self.tasks), default=0.0)
+
+    @property
+    def policy(self) -> str | None:
+        policy = self.meta.get("policy")
+        return str(policy) if policy is not None else None
+
+    @property
+    def label(self) -> str:
+        return f"{self.policy} ({self.name})" if self.policy else self.name
+
+    @cached_property
+    def by_lane(self) -> dict[str, list[TraceTask]]:
+        """Tasks of each lane, sorted by start."""
+        out: dict[str, list[TraceTask]] = {lane: [] for lane in self.lanes}
+        for t in self.tasks:
+            out[t.lane_name].append(t)
+        return out
+
+    @cached_property
+    def dep_indices(self) -> list[tuple[int, ...]]:
+        """For each task, the indices of its dependencies that appear in the trace. If an id
+        occurs more than once (a producer that reuses ids), the latest occurrence that started
+        no later than the dependent task is meant."""
+        occurrences: dict[str, list[int]] = {}
+        for t in self.tasks:
+            occurrences.setdefault(t.id, []).append(t.index)
+        starts = {k: [self.tasks[i].start for i in v] for k, v in occurrences.items()}
+        out = []
+        for t in self.tasks:
+            found = []
+            for d in t.deps:
+                idx = occurrences.get(d)
+                if not idx:
+                    continue
+                j = bisect_right(starts[d], t.start) - 1
+                found.append(idx[max(j, 0)])
+            out.append(tuple(i for i in found if i != t.index))
+        return out
+
+
+def _opt_int(value: Any, what: str, where: str) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value):
+        raise DataError(f"{where}: {what} must be an integer or null (got {value!r})")
+    return int(value)
+
+
+def _number(value: Any, what: str, where: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise DataError(f"{where}: {what!r} must be a finite number of microseconds (got {value!r})")
+    return float(value)
+
+
+def _reads(value: Any, where: str) -> dict[str, tuple[int, ...]]:
+    if value in (None, {}):
+        return {}
+    if not isinstance(value, dict):
+        raise DataError(f"{where}: args.reads must map a pool to a list of slot indices (got {value!r})")
+    out = {}
+    for pool, slots in value.items():
+        if isinstance(slots, (int, float)) and not isinstance(slots, bool):
+            slots = [slots]
+        if not isinstance(slots, list):
+            raise DataError(f"{where}: args.reads[{pool!r}] must be a list of slot indices (got {slots!r})")
+        out[str(pool)] = tuple(_opt_int(s, f"args.reads[{pool!r}]", where) for s in slots)  # type: ignore[misc]
+    return out
+
+
+def trace_from_json(data: Any, name: str = "trace", path: str | None = None) -> Trace:
+    """Build a :class:`Trace` from a decoded Chrome trace document (an object with
+    ``traceEvents``, or a bare list of events)."""
+    src = path or name
+    if isinstance(data, dict):
+        events = data.get("traceEvents")
+        other = data.get("otherData") or {}
+        meta = other.get("flowtrain", {}) if isinstance(other, dict) else {}
+    else:
+        events, meta = data, {}
+    if not isinstance(events, list):
+        raise DataError(f"{src}: 'traceEvents' must be a list of events")
+    if not isinstance(meta, dict):
+        raise DataError(f"{src}: otherData.flowtrain must be an object (got {type(meta).__name__})")
+    threads: dict[Any, str] = {}
+    for ev in events:
+        if isinstance(ev, dict) and ev.get("ph") == "M" and ev.get("name") == "thread_name":
+            threads[(ev.get("pid"), ev.get("tid"))] = str((ev.get("args") or {}).get("name"))
+    raw = []
+    for n, ev in enumerate(events):
+        if not isinstance(ev, dict):
+            raise DataError(f"{src}: event {n} is not an object")
+        if ev.get("ph") != "X":
+            continue
+        where = f"{src}: event {n} ({ev.get('name', '?')!r})"
+        ts = _number(ev.get("ts"), "ts", where)
+        dur = _number(ev.get("dur", 0.0), "dur", where)
+        if dur < 0:
+            raise DataError(f"{where}: negative duration {dur}")
+        args = ev.get("args") or {}
+        if not isinstance(args, dict):
+            raise DataError(f"{where}: args must be an object")
+        kind = str(args.get("kind") or ev.get("cat") or ev.get("name") or "task")
+        lane_name = args.get("lane_name") or threads.get((ev.get("pid"), ev.get("tid")))
+        if lane_name is None:
+            lane_name = args.get("lane") or f"tid {ev.get('tid')}"
+        lane_name = str(lane_name)
+        lane = str(args.get("lane") or lane_name.partition(":")[0])
+        deps = args.get("deps") or []
+        if not isinstance(deps, list):
+            raise DataError(f"{where}: args.deps must be a list of task ids")
+        raw.append(dict(
+            id=str(args.get("id") or f"#{n}"),
+            name=str(ev.get("name") or kind),
+            kind=kind,
+            lane=lane,
+            lane_name=lane_name,
+            start=ts,
+            end=ts + dur,
+            step=_opt_int(args.get("step"), "args.step", where) or 0,
+            unit=None if args.get("unit") is None else str(args["unit"]),
+            layer=_opt_int(args.get("layer"), "args.layer", where),
+            micro_batch=_opt_int(args.get("micro_batch"), "args.micro_batch", where),
+            phase=None if args.get("phase") is None else str(args["phase"]),
+            takes=None if args.get("takes") is None else str(args["takes"]),
+            slot=_opt_int(args.get("slot"), "args.slot", where),
+            reads=_reads(args.get("reads"), where),
+            bytes=_opt_int(args.get("bytes"), "args.bytes", where) or 0,
+            deps=tuple(str(d) for d in deps),
+        ))
+    if not raw:
+        raise DataError(f"{src}: no task events (\"ph\": \"X\") in the trace; "
+                        "was it written by write_chrome_trace or 'flowtrain train --trace'?")
+    raw.sort(key=lambda r: (r["start"], lane_sort_key(r["lane_name"]), r["end"]))
+    t0 = raw[0]["start"]
+    tasks = []
+    for i, r in enumerate(raw):
+        r["start"] = (r["start"] - t0) * 1e-6
+        r["end"] = (r["end"] - t0) * 1e-6
+        tasks.append(TraceTask(index=i, **r))
+    return Trace(tasks, meta=meta, name=name, path=path, offset=t0 * 1e-6)
+
+
+class GraphInput:
+    """A compiled step graph read from ``flowtrain graph`` JSON."""
+
+    def __init__(self, graph: nx.DiGraph, name: str = "graph", path: str | None = None) -> None:
+        self.graph = graph
+        self.name = name
+        self.path = path
+
+    def __repr__(self) -> str:
+        return f"<GraphInput {self.name!r}: {self.graph.number_of_nodes()} tasks, {self.graph.number_of_edges()} edges>"
+
+
+def graph_input_from_json(data: dict, name: str = "graph", path: str | None = None) -> GraphInput:
+    src = path or name
+    if "edges" not in data and "links" in data:
+        data = {**data, "edges": data["links"]}
+    nodes = data.get("nodes")
+    if not isinstance(nodes, list) or not isinstance(data.get("edges"), list):
+        raise DataError(f"{src}: a graph needs 'nodes' and 'edges' lists (networkx node_link_data)")
+    for n, node in enumerate(nodes):
+        if not isinstance(node, dict) or "id" not in node:
+            raise DataError(f"{src}: node {n} needs an 'id'")
+        if node.get("kind") not in KINDS:
+            raise DataError(f"{src}: node {node['id']!r} has unknown kind {node.get('kind')!r}; "
+                            f"expected one of: {', '.join(KINDS)}")
+    try:
+        graph = graph_from_json(data)
+    except (KeyError, TypeError, ValueError, nx.NetworkXError, msgspec.ValidationError) as exc:
+        raise DataError(f"{src}: not a valid flowtrain graph ({type(exc).__name__}: {exc}); "
+                        "write one with 'flowtrain graph --out FILE.json'") from None
+    if not nx.is_directed_acyclic_graph(graph):
+        raise DataError(f"{src}: the graph has a cycle, so it is not a training step")
+    return GraphInput(graph, name=name, path=path)
+
+
+def load_input(path: str | Path) -> Trace | GraphInput:
+    """Read ``path`` as a trace or a graph, whichever it is."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except FileNotFoundError:
+        raise DataError(f"{p}: no such file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise DataError(f"{p}: cannot read it ({exc})") from None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise DataError(f"{p}: not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    name = p.name
+    if isinstance(data, list) or (isinstance(data, dict) and "traceEvents" in data):
+        return trace_from_json(data, name=name, path=str(p))
+    if isinstance(data, dict) and "nodes" in data:
+        return graph_input_from_json(data, name=name, path=str(p))
+    raise DataError(f"{p}: neither a trace (Chrome trace JSON with 'traceEvents') nor a graph "
+                    "(node-link JSON with 'nodes' and 'edges')")
+
