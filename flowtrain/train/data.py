@@ -162,7 +162,7 @@ def load_sequences(
     if parsed.kind == "rows":
         ids, lengths = _pack_rows(path, parsed, seq_len, pad_id)
     else:
-        ids, lengths = _pack_stream(path, parsed, seq_len, pad_id, eos_id)
+        ids, lengths = _pack_stream(path, parsed, seq_len, pad_id)
     return _sequences(ids, lengths)
 
 
@@ -185,6 +185,13 @@ def step_batches(
     n = len(seqs)
     if n == 0:
         raise DataError("there are no sequences to batch; the data set is empty")
+    return _batches(seqs, batch_size, shuffle, seed, start_step)  # checks above run eagerly
+
+
+def _batches(
+    seqs: Sequences, batch_size: int, shuffle: bool, seed: int, start_step: int
+) -> Iterator[Batch]:
+    n = len(seqs)
     epoch, offset = divmod(start_step * batch_size, n)
     order = _epoch_order(n, epoch, shuffle, seed)[offset:]
     while True:
@@ -248,13 +255,13 @@ def _pack_rows(
 
 
 def _pack_stream(
-    path: Path, parsed: Parsed, seq_len: int, pad_id: int, eos_id: int | None
+    path: Path, parsed: Parsed, seq_len: int, pad_id: int
 ) -> tuple[np.ndarray, np.ndarray]:
     """Documents joined (EOS between) and cut into windows of exactly seq_len tokens.
 
     The tail after the last full window is kept, padded, if it has 2 tokens or more.
     """
-    eos = parsed.eos_id if eos_id is None else eos_id
+    eos = parsed.eos_id  # the eos_id argument, else the tokenizer's (make_encoder decides)
     parts: list[np.ndarray] = []
     for doc in (d for d in parsed.pieces if d.size):
         if parts and eos is not None and parts[-1][-1] != eos:

@@ -114,6 +114,7 @@ def read_npy(path: Path, vocab_size: int) -> Parsed:
             "np.save(path, ids.astype(np.int32))"
         ) from None
     if not isinstance(array, np.ndarray):  # an .npz archive saved under an .npy name
+        array.close()
         raise DataError(f"{path} is an .npz archive, not one array; save one array with np.save")
     if array.dtype.kind not in "iu":
         raise DataError(

@@ -186,8 +186,15 @@ def _split_lines(text: str) -> list[str]:
     pieces, start = [], 0
     while len(text) - start > CHUNK_CHARS:
         cut = start + CHUNK_CHARS
-        while cut < len(text) and not (text[cut - 1] == "\n" and not text[cut].isspace()):
-            cut += 1
+        while True:  # the first newline at or after cut - 1 that a non-blank line follows
+            newline = text.find("\n", cut - 1)
+            if newline < 0 or newline + 1 >= len(text):
+                cut = len(text)
+                break
+            if not text[newline + 1].isspace():
+                cut = newline + 1
+                break
+            cut = newline + 2
         pieces.append(text[start:cut])
         start = cut
     pieces.append(text[start:])

@@ -26,6 +26,20 @@ from .model import ModelConfig, UnitLayout, init_unit, load_into, model_layouts,
 BYTES_PER_PARAM = 16
 
 
+def pinned_zeros(n: int, pin: bool) -> torch.Tensor:
+    """A zeroed fp32 host tensor of ``n`` elements, page-locked when ``pin``.
+
+    Pinning registers the tensor's own pages with CUDA (``cudaHostRegister``) rather than using
+    torch's pinned allocator, which rounds every block up to a power of two (up to 2x the
+    memory for layer-sized buffers)."""
+    t = torch.zeros(n, dtype=torch.float32)
+    if pin:
+        rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
+        if int(rc) != 0:  # fall back to torch's pinned allocator
+            t = torch.zeros(n, dtype=torch.float32, pin_memory=True)
+    return t
+
+
 class UnitState:
     """The flat host tensors of one unit."""
 
@@ -34,8 +48,8 @@ class UnitState:
     def __init__(self, layout: UnitLayout, pin: bool) -> None:
         n = layout.numel
         self.layout = layout
-        self.master = torch.zeros(n, dtype=torch.float32, pin_memory=pin)
-        self.grad = torch.zeros(n, dtype=torch.float32, pin_memory=pin)
+        self.master = pinned_zeros(n, pin)
+        self.grad = pinned_zeros(n, pin)
         self.exp_avg = torch.zeros(n, dtype=torch.float32)
         self.exp_avg_sq = torch.zeros(n, dtype=torch.float32)
         self.step = torch.zeros((), dtype=torch.float32)

@@ -50,7 +50,7 @@ from ..graph.tasks import (
     ZeroGrad,
 )
 from ..runtime.executor import TaskContext
-from .host_state import HostState, UnitState
+from .host_state import HostState, UnitState, pinned_zeros
 from .model import bind, decoder_layer, embed, head_loss_and_grads, rope_tables
 from .optimizer import AdamWConfig, adamw_step, clip_coefficient
 
@@ -98,7 +98,7 @@ class StepProgram:
         slot_n = max(u.layout.numel for u in state.units)
         if self.tied:
             slot_n = max(slot_n, self.head_n + embed_n)
-            self.tied_grad = torch.zeros(embed_n, dtype=torch.float32, pin_memory=self._pin)
+            self.tied_grad = pinned_zeros(embed_n, self._pin)
         on_gpu = self.device.type == "cuda"
         self.weight_f32 = [torch.empty(slot_n, dtype=torch.float32, device=self.device) for _ in range(budgets[WEIGHTS])]
         if dtype == torch.float32:

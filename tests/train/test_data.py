@@ -279,6 +279,10 @@ def error_cases(tmp_path: Path):
 
         return write
 
+    def npz_named_npy():
+        np.savez(tmp_path / "archive.npz", ids=np.arange(4))
+        return (tmp_path / "archive.npz").rename(tmp_path / "archive.npy")
+
     def tokenizer_model_only():
         (tmp_path / "sp").mkdir()
         (tmp_path / "sp" / "tokenizer.model").write_bytes(b"\x00")
@@ -299,7 +303,8 @@ def error_cases(tmp_path: Path):
         ("not an object", text("d.jsonl", "[1, 2, 3]\n"), {}, r"line 1 is a JSON list"),
         ("neither key", text("d.jsonl", '{"input_ids": [1, 2]}\n{"tokens": [1]}\n'), {},
          r"line 2 has neither \"input_ids\" nor \"text\" \(it has tokens\)"),
-        ("text not a string", text("d.jsonl", '{"text": ["a"]}\n'), {}, r"line 1: \"text\" is a list"),
+        ("text not a string", text("d.jsonl", '{"text": ["a"]}\n'), {},
+         r"line 1: \"text\" is a list"),
         ("ids not ints", text("d.jsonl", '{"input_ids": [1, 2.5]}\n'), {}, "flat list of integers"),
         ("ids nested", text("d.jsonl", '{"input_ids": [[1, 2]]}\n'), {}, "flat list of integers"),
         ("mixed kinds", text("d.jsonl", '{"input_ids": [1, 2]}\n{"text": "hi"}\n'), {},
@@ -320,6 +325,7 @@ def error_cases(tmp_path: Path):
         ("npy 2-D id too large", npy("r.npy", np.array([[1, 2], [3, 999]])), {},
          r"row 1: token id 999 at position 1"),
         ("npy garbage", text("g.npy", "not an array"), {}, "not a readable .npy"),
+        ("npz under an .npy name", npz_named_npy, {}, "an .npz archive"),
         ("tokenizer.model only", tokenizer_model_only, {"tokenizer_dir": tmp_path / "sp"},
          "tokenizer.model but no tokenizer.json"),
         ("broken tokenizer.json", broken_tokenizer, {"tokenizer_dir": tmp_path / "bad"},
@@ -412,11 +418,12 @@ def test_start_step_resumes_the_same_sequence_of_batches(tmp_path):
 def test_bad_batch_size_is_a_config_error(tmp_path):
     seqs = numbered(tmp_path, 3)
     with pytest.raises(ConfigError, match="--batch-size 0"):
-        next(step_batches(seqs, 0, shuffle=False, seed=0))
+        step_batches(seqs, 0, shuffle=False, seed=0)  # raised at the call, not the first step
 
 
 def test_micro_batches_split_the_step_in_order(tmp_path):
-    path = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": list(range(1, n))} for n in range(3, 11)])
+    rows = [{"input_ids": list(range(1, n))} for n in range(3, 11)]  # 2..9 tokens
+    path = write_jsonl(tmp_path / "d.jsonl", rows)
     seqs = load_sequences(path, seq_len=6, vocab_size=20)
     batch = next(step_batches(seqs, 8, shuffle=True, seed=3))
     micro = batch.micro_batches(2)
