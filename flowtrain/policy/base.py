@@ -23,7 +23,7 @@ from typing import Callable, Protocol, runtime_checkable
 import msgspec
 import networkx as nx
 
-from ..errors import ConfigError
+from ..errors import ConfigError, CycleError
 from ..graph.tasks import GRADS, WEIGHTS, Task
 
 
@@ -75,7 +75,11 @@ def natural_order(graph: nx.DiGraph) -> list[Task]:
     index = {t: i for i, t in enumerate(graph.nodes)}
     if all(index[u] < index[v] for u, v in graph.edges):
         return list(graph.nodes)  # already topological (the compiler's case): the same answer, faster
-    return list(nx.lexicographical_topological_sort(graph, key=index.__getitem__))
+    try:
+        return list(nx.lexicographical_topological_sort(graph, key=index.__getitem__))
+    except nx.NetworkXUnfeasible:
+        cycle = " -> ".join(str(u) for u, _ in nx.find_cycle(graph))
+        raise CycleError(f"the task graph has a cycle ({cycle}), so no order satisfies its dependencies") from None
 
 
 def min_grad_slots(graph: nx.DiGraph) -> int:

@@ -14,7 +14,7 @@ scheduler events. Nothing here decides *what* runs next. Usage::
         await engine.wait(step0)
 
 A *program* is any callable ``program(task, ctx) -> bytes moved | None`` that does the work of
-one task (see :class:`TaskContext`); on CUDA it runs on the loop thread inside the task's
+one task (see :class:`TaskContext`); on CUDA it runs on the lane's launcher thread inside the task's
 stream and only enqueues kernels; without CUDA it runs in the lane's worker thread.
 
 One failing task fails the run: the lanes are aborted (queued jobs are skipped), the engine
@@ -167,6 +167,11 @@ class Engine:
         pending = [f for f in fences if not f.is_set()]
         if pending:
             await asyncio.to_thread(self._wait_fences, pending)
+        while self._error is None and any(f.failed for f in fences):
+            # A lane sets a failed job's fence before its report reaches the loop: wait for the
+            # report, or this step would look finished.
+            self._wake.clear()
+            await self._wake.wait()
         self._raise_if_failed()
         records = [self._record(t) for t in tasks]
         for r in records:

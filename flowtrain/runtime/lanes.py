@@ -2,9 +2,9 @@
 
 A lane accepts jobs in order and runs them in order, each after the *fences* it was given:
 
-- :class:`CudaLane` is a CUDA stream. ``submit`` runs the job's Python at once on the calling
-  thread, inside ``torch.cuda.stream(...)``, after ``stream.wait_event`` on each fence; it
-  returns an event recorded after the job's kernels. GPU-to-GPU dependencies never touch the
+- :class:`CudaLane` is a CUDA stream. Its launcher thread runs each job's Python (which only
+  enqueues kernels) inside ``torch.cuda.stream(...)``, after ``stream.wait_event`` on each
+  fence, and records an event after the job's kernels. GPU-to-GPU dependencies never touch the
   host. A per-lane waiter thread reports completions the host asked for, in stream order.
 - :class:`ThreadLane` gives a machine without a GPU the same semantics with threads: each job
   waits for its fences (thread events) in the lane's worker thread, then runs there. With
@@ -133,47 +133,84 @@ class ThreadLane:
 
 
 class CudaLane:
-    """A CUDA stream; jobs enqueue kernels from the calling thread and return at once."""
+    """A CUDA stream fed by its own launcher thread.
+
+    The launcher thread waits until each fence's producer has been *launched* (its CUDA event
+    recorded), makes the stream wait on those events, runs the job's Python (which only
+    enqueues kernels) inside ``torch.cuda.stream``, and records an end event. Launching off the
+    event loop keeps the loop free to react to completions (e.g. to start ``cpu_adam``) even
+    when the launcher blocks on a full CUDA launch queue far ahead of the GPU. A waiter thread
+    synchronizes end events in stream order and reports the completions the host asked for.
+    """
 
     def __init__(self, name: str, clock: _Clock, on_done: Callable, on_error: Callable, device: Any) -> None:
         import torch
 
         self.name = name
         self.torch = torch
+        index = device.index if getattr(device, "index", None) is not None else torch.cuda.current_device()
+        self.device = torch.device("cuda", index)
         self.stream = torch.cuda.Stream(device=device)
         self.on_done = on_done
         self.on_error = on_error
         self.aborted = False
         self.base = clock.cuda_base  # type: ignore[attr-defined]
+        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._launcher = threading.Thread(target=self._launch_loop, name=f"flowtrain-{name}-launcher", daemon=True)
         self._waiter = threading.Thread(target=self._wait_loop, name=f"flowtrain-{name}-waiter", daemon=True)
+        self._launcher.start()
         self._waiter.start()
 
     def submit(self, job: Job, fences: Sequence[Fence], tag: Any, notify: bool) -> Fence:
-        torch = self.torch
         fence = Fence()
-        if self.aborted or any(f.failed for f in fences):
-            fence.failed = True
-            fence.set()
-            return fence
-        with torch.cuda.stream(self.stream):
-            for f in fences:
-                if f.cuda_end is not None:
-                    self.stream.wait_event(f.cuda_end)
-                else:  # a host-side producer: it has already finished when we are launched
-                    assert f.is_set()
-            fence.cuda_start = torch.cuda.Event(enable_timing=True)
-            fence.cuda_end = torch.cuda.Event(enable_timing=True)
-            fence.cuda_start.record(self.stream)
-            try:
-                fence.bytes = job() or 0
-            except BaseException:
-                fence.failed = True
-                fence.set()
-                raise
-            fence.cuda_end.record(self.stream)
-        self._queue.put((fence, tag, notify))
+        fence.launched = threading.Event()
+        self._jobs.put((job, fences, fence, tag, notify))
         return fence
+
+    def _launch_loop(self) -> None:
+        try:
+            self.torch.cuda.set_device(self.device)
+        except BaseException as exc:  # noqa: BLE001 - never die silently: the engine would hang
+            self.aborted = True
+            self.on_error(None, exc)
+        self._launch_jobs()
+
+    def _launch_jobs(self) -> None:
+        torch = self.torch
+        while True:
+            item = self._jobs.get()
+            if item is None:
+                self._queue.put(None)
+                return
+            job, fences, fence, tag, notify = item
+            for f in fences:
+                f.launched.wait()
+                if f.failed and f.cuda_end is None:
+                    fence.failed = True
+            if self.aborted or fence.failed or any(f.failed for f in fences):
+                fence.failed = True
+                fence.launched.set()
+                fence.set()
+                continue
+            try:
+                with torch.cuda.stream(self.stream):
+                    for f in fences:
+                        if f.cuda_end is not None:
+                            self.stream.wait_event(f.cuda_end)
+                    fence.cuda_start = torch.cuda.Event(enable_timing=True)
+                    fence.cuda_end = torch.cuda.Event(enable_timing=True)
+                    fence.cuda_start.record(self.stream)
+                    fence.bytes = job() or 0
+                    fence.cuda_end.record(self.stream)
+            except BaseException as exc:  # noqa: BLE001 - reported to the engine
+                fence.failed = True
+                fence.launched.set()
+                fence.set()
+                self.on_error(tag, exc)
+                continue
+            fence.launched.set()
+            self._queue.put((fence, tag, notify))
 
     def _wait_loop(self) -> None:
         while True:
@@ -195,5 +232,6 @@ class CudaLane:
                 self.on_done(tag, fence)
 
     def close(self) -> None:
-        self._queue.put(None)
+        self._jobs.put(None)
+        self._launcher.join()
         self._waiter.join()

@@ -173,7 +173,9 @@ class Scheduler:
                     queue.popleft()
                     out.append(launch)
                     progress = True
-        if not out and self.unlaunched and not self.outstanding:
+        # Only a completion can unblock a lane head now; with none to come, tasks left over
+        # can never start (checked even when this poll launched some: no later event would).
+        if self.unlaunched and not self.outstanding:
             heads = [q[0].task for q in self.lanes.values() if q]
             stuck = ", ".join(f"{t} ({self._why(self.nodes[t])})" for t in heads)
             raise DeadlockError(f"no task can start and none is running; waiting: {stuck}. "

@@ -20,7 +20,7 @@ import tempfile
 import time
 from collections import deque
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Sequence
 
 import msgspec
 import torch
@@ -29,7 +29,7 @@ from ..errors import CheckpointError, ConfigError
 from ..graph.compiler import StepSpec, compile_step, cross_step_edges
 from ..policy import resolve_policy
 from ..runtime.executor import Engine, use_uvloop
-from ..runtime.trace import TraceRecorder, lane_busy, write_chrome_trace
+from ..runtime.trace import Instrument, TraceRecorder, lane_busy, write_chrome_trace
 from .data import Sequences, default_corpus_path, load_sequences, step_batches, tokenizer_files
 from .host_state import HostState
 from .model import ModelConfig, PRESETS, preset, read_config
@@ -167,8 +167,10 @@ class _Reporter:
             self.metrics.close()
 
 
-def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None) -> list[StepMetrics]:
-    """Run a whole training job as configured; returns the metrics of every step."""
+def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None,
+          instruments: Sequence[Instrument] = ()) -> list[StepMetrics]:
+    """Run a whole training job as configured; returns the metrics of every step.
+    ``instruments`` see every task the engine runs (e.g. a :class:`TraceRecorder`)."""
     mcfg, model_dir = load_model_config(cfg.model)
     mcfg.validate()
     validate(cfg, mcfg)
@@ -202,7 +204,8 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
     reporter = _Reporter(cfg, cfg.steps)
     try:
         use_uvloop()
-        metrics = asyncio.run(_run(cfg, spec, policy, program, seqs, schedule, device, recorder, reporter, on_step))
+        hooks = [*instruments, *([recorder] if recorder else [])]
+        metrics = asyncio.run(_run(cfg, spec, policy, program, seqs, schedule, device, hooks, reporter, on_step))
     finally:
         reporter.close()
     if recorder is not None:
@@ -216,10 +219,10 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
     return metrics
 
 
-async def _run(cfg, spec, policy, program, seqs: Sequences, schedule, device, recorder, reporter, on_step):
+async def _run(cfg, spec, policy, program, seqs: Sequences, schedule, device, hooks, reporter, on_step):
     batches = step_batches(seqs, cfg.batch_size, shuffle=cfg.shuffle, seed=cfg.seed)
     engine = Engine(program, policy, device=str(device), cpu_workers=cfg.adam_workers,
-                    instruments=[recorder] if recorder else [])
+                    instruments=hooks)
     metrics: list[StepMetrics] = []
     in_flight: deque = deque()
     async with engine:

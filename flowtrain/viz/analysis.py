@@ -13,18 +13,20 @@ task before it, every dependency has finished (device lanes wait on fences, whic
 thing in time), and, if it takes a slot, the previous holder's readers are done with that slot.
 :func:`blocker` returns whichever of these finished last. An idle gap on the compute lane is
 explained by the blocker of the task that ended it, followed back while the blame stays inside
-the gap ("fetch L3, which waited for a weights slot, freed by forward L1 m1").
+the gap ("fetch L3, which waited for a weights slot, freed when forward L1 m1 finished").
 """
 
 from __future__ import annotations
 
 import statistics
+from bisect import bisect_right
 from typing import Iterable, Sequence
 
 import msgspec
 import networkx as nx
 
 from ..graph.tasks import Task
+from ..policy import resolve_policy
 from .load import Trace, TraceTask
 
 Span = tuple[float, float]
@@ -91,17 +93,20 @@ def slot_uses(trace: Trace) -> list[SlotUse]:
     trace, the latest taker of that slot that started no later than the reader."""
     holders = [t for t in trace.tasks if t.takes is not None and t.slot is not None]
     by_slot: dict[tuple[str, int], list[TraceTask]] = {}
-    for h in holders:
+    for h in holders:  # tasks are sorted by start, so each list is too
         by_slot.setdefault((h.takes, h.slot), []).append(h)  # type: ignore[arg-type]
+    starts = {k: [h.start for h in v] for k, v in by_slot.items()}
     readers: dict[int, list[int]] = {h.index: [] for h in holders}
     for t in trace.tasks:
         deps = trace.dep_indices[t.index]
         for pool, slots in t.reads.items():
             for s in slots:
                 owner = next((d for d in deps if trace.tasks[d].takes == pool and trace.tasks[d].slot == s), None)
-                if owner is None:
-                    earlier = [h for h in by_slot.get((pool, s), []) if h.start <= t.start and h.index != t.index]
-                    owner = earlier[-1].index if earlier else None
+                if owner is None and (pool, s) in by_slot:
+                    j = bisect_right(starts[(pool, s)], t.start) - 1
+                    while j >= 0 and by_slot[(pool, s)][j].index == t.index:
+                        j -= 1
+                    owner = by_slot[(pool, s)][j].index if j >= 0 else None
                 if owner is not None:
                     readers[owner].append(t.index)
     out = []
@@ -146,7 +151,7 @@ def occupancy(trace: Trace, uses: Sequence[SlotUse] | None = None) -> dict[str, 
                 steps[-1] = (t, count)
             else:
                 steps.append((t, count))
-        out[pool] = steps
+        out[pool] = [p for n, p in enumerate(steps) if n == 0 or p[1] != steps[n - 1][1]]
     return out
 
 
@@ -261,15 +266,19 @@ def _explain(trace: Trace, task: TraceTask, idle_since: float, waits: Sequence[W
     cur = task
     for _ in range(8):
         w = waits[cur.index]
-        if w is None or w.end <= idle_since or w.task in chain:
+        if w is None or w.task in chain or w.end < idle_since:
             break
+        if not chain and w.end == idle_since:
+            break  # the lane's own last task: nothing outside the lane held it back
         if not chain:
             reason = "slot" if w.cause == "slot" else trace.tasks[w.task].kind
         chain.append(w.task)
         words.append(describe_wait(trace, w))
         cur = trace.tasks[w.task]
-        if w.cause == "slot" or cur.start <= idle_since:
+        if w.cause == "slot" or cur.start < idle_since:
             break  # the blamed task was already running when the lane went idle
+        # A blamed task that started during the gap (or the instant it began) was itself
+        # held back: follow it, even to a slot freed by the lane's own last task.
     if not words:
         text = f"{task.name} had all it needed before the lane went idle (launch overhead)"
     else:
@@ -431,8 +440,6 @@ def mean_durations(traces: Iterable[Trace]) -> dict[str, float]:
 
 def planned_order(graph: nx.DiGraph, policy: object = "double_buffer") -> tuple[list[Task], dict[str, int]]:
     """The order and slot budgets a policy (a registered name or an object) proposes."""
-    from ..policy import resolve_policy
-
     proposal = resolve_policy(policy).propose(graph)  # type: ignore[arg-type]
     return list(proposal.order), dict(proposal.budgets)
 

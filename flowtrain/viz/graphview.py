@@ -67,8 +67,13 @@ def short_label(t: Task) -> str:
 
 
 def layout(graph: nx.DiGraph) -> dict[Task, tuple[int, int]]:
-    """(column, row) of every task: column = depth, rows ordered by the producers' rows."""
-    depth = depths(graph)
+    """(column, row) of every task: column = depth, except that a task with no dependencies
+    (a fetch, a zero_grad) sits just left of its first consumer; rows follow the producers."""
+    depth = dict(depths(graph))
+    for t in graph.nodes:
+        succ = [depth[s] for s in graph.successors(t)]
+        if graph.in_degree(t) == 0 and succ:
+            depth[t] = min(succ) - 1
     index = {t: i for i, t in enumerate(graph.nodes)}
     columns: dict[int, list[Task]] = {}
     for t in graph.nodes:
@@ -113,8 +118,9 @@ def graph_svg(graph: nx.DiGraph, critical: Sequence[Task], order: Sequence[Task]
         crit = (u, v) in crit_edges
         style = f'stroke="{CRITICAL}" stroke-width="2.5"' if crit else 'stroke="#9aa" stroke-width="1"'
         dash = ' stroke-dasharray="4 3"' if d.get("reads") else ""
+        reads = " (reads its slot)" if d.get("reads") else ""
         out.append(f'<path d="M{x0:.0f},{y0:.0f} C{mid:.0f},{y0:.0f} {mid:.0f},{y1:.0f} {x1:.0f},{y1:.0f}" '
-                   f'{style}{dash}><title>{_esc(u)} -&gt; {_esc(v)}{" (reads its slot)" if d.get("reads") else ""}</title></path>')
+                   f'{style}{dash}><title>{_esc(u)} -&gt; {_esc(v)}{reads}</title></path>')
     out.append("</g>")
     for t, (x, y) in place.items():
         crit = t in crit_nodes

@@ -226,10 +226,10 @@ def trace_from_json(data: Any, name: str = "trace", path: str | None = None) -> 
     t0 = raw[0]["start"]
     tasks = []
     for i, r in enumerate(raw):
-        r["start"] = (r["start"] - t0) * 1e-6
-        r["end"] = (r["end"] - t0) * 1e-6
+        r["start"] = (r["start"] - t0) / 1e6  # division: 45 us becomes exactly 45e-6
+        r["end"] = (r["end"] - t0) / 1e6
         tasks.append(TraceTask(index=i, **r))
-    return Trace(tasks, meta=meta, name=name, path=path, offset=t0 * 1e-6)
+    return Trace(tasks, meta=meta, name=name, path=path, offset=t0 / 1e6)
 
 
 class GraphInput:

@@ -1,0 +1,101 @@
+"""``flowtrain bench --model``: tokens/s, model TFLOP/s, memory and lane busy fractions.
+
+Trains ``--steps`` steps of a preset (or model directory) on random tokens and reports the
+steps after ``--warmup`` (excluded: compilation, allocator growth, first fetches)::
+
+    flowtrain bench --model llama-3b --seq-len 4096 --batch-size 4 --micro-batch-size 4 --steps 8
+
+Model FLOPs per token are ``6 N + 6 L h S`` (weights, and causal attention at half of
+``12 L h S``), recompute not counted, the same definition as the anchors in ../shared/anchors.
+Busy fractions come from the executed trace: for each lane, the union of its tasks' intervals
+over the measured window, so they say where the time went.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import tempfile
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from ..errors import ConfigError
+from ..runtime.trace import TraceRecorder, lane_busy, write_chrome_trace
+from .model import model_layouts
+from .trainer import TrainConfig, load_model_config, train
+
+
+def add_model_arguments(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--model", help="preset or model directory: benchmark training it (random tokens)")
+    a("--seq-len", type=int, default=4096)
+    a("--batch-size", type=int, default=4, help="sequences per optimizer step")
+    a("--micro-batch-size", type=int, default=4)
+    a("--steps", type=int, default=8, help="steps in all, warm-up included")
+    a("--warmup", type=int, default=2, help="first steps excluded from the numbers")
+    a("--policy", default="double_buffer")
+    a("--precision", choices=["fp32", "bf16"], default=None)
+    a("--device", default="auto")
+    a("--checkpoint-every", type=int, default=1)
+    a("--adam-workers", type=int, default=1)
+    a("--trace", default=None, help="also write the executed trace (Chrome JSON)")
+
+
+def model_flops_per_token(model: str, seq_len: int) -> float:
+    cfg, _ = load_model_config(model)
+    n = sum(e.numel for lay in model_layouts(cfg) for e in lay.entries)
+    return 6.0 * n + 6.0 * cfg.num_layers * cfg.hidden_size * seq_len
+
+
+def run_model(args: argparse.Namespace) -> dict:
+    if args.steps <= args.warmup:
+        raise ConfigError(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    cfg_m, _ = load_model_config(args.model)
+    tokens = args.seq_len * args.batch_size * args.steps
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "tokens.npy"
+        np.save(data, np.random.default_rng(0).integers(0, cfg_m.vocab_size, size=tokens, dtype=np.int64))
+        recorder = TraceRecorder()
+        cfg = TrainConfig(model=args.model, data=str(data), steps=args.steps, batch_size=args.batch_size,
+                          micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, lr=1e-5,
+                          policy=args.policy, precision=args.precision, device=args.device,
+                          checkpoint_every=args.checkpoint_every, adam_workers=args.adam_workers, progress=False)
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        metrics = train(cfg, instruments=[recorder])
+    measured = metrics[args.warmup:]
+    seconds = sum(m.seconds for m in measured)
+    tok = sum(m.tokens for m in measured)
+    tok_s = tok / seconds
+    first = {r.task.step for r in recorder.records}
+    window = [r for r in recorder.records if r.task.step >= args.warmup]
+    t0 = min(r.start for r in window)
+    t1 = max(r.end for r in window)
+    busy = {lane: round(b / (t1 - t0), 4) for lane, b in lane_busy(window).items()}
+    result = {
+        "model": args.model, "seq_len": args.seq_len, "batch_size": args.batch_size,
+        "micro_batch_size": args.micro_batch_size, "policy": args.policy, "steps_measured": len(measured),
+        "tokens_per_s": round(tok_s, 1),
+        "model_tflops": round(tok_s * model_flops_per_token(args.model, args.seq_len) / 1e12, 1),
+        "step_seconds": [round(m.seconds, 4) for m in measured],
+        "loss": [round(m.loss, 4) for m in metrics],
+        "host_peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        "busy_fraction": busy,
+        "steps_traced": len(first),
+    }
+    if torch.cuda.is_available() and cfg.device != "cpu":
+        result["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+        result["gpu_reserved_peak_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+        result["gpu"] = torch.cuda.get_device_name()
+    if args.trace:
+        write_chrome_trace(args.trace, recorder.records, meta={"policy": args.policy, "model": args.model})
+    return result
+
+
+def print_result(result: dict, json_path: str | None) -> None:
+    print(json.dumps(result))
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=1) + "\n")

@@ -1,0 +1,211 @@
+"""The compiler: the structure of a training step's DAG for every option of :class:`StepSpec`."""
+
+from __future__ import annotations
+
+import itertools
+
+import networkx as nx
+import pytest
+
+from flowtrain.errors import ConfigError
+from flowtrain.graph import (
+    Backward, CpuAdam, Embed, EmbedBackward, Fetch, Forward, GradNorm, Loss, OffloadGrad, Recompute,
+    StepSpec, ZeroGrad, compile_step, compile_steps, cross_step_edges, graph_from_json,
+    graph_to_json, units,
+)
+
+SPECS = [
+    StepSpec(layers=L, micro_batches=M, checkpoint_every=k, order=o, tied=t, grad_clip=c)
+    for L, M, k, o, t, c in itertools.product(
+        [1, 4, 5], [1, 3], [1, 2, 3], ["layer", "micro"], [False, True], [False, True]
+    )
+]
+
+
+def spec_id(s: StepSpec) -> str:
+    return f"L{s.layers}-M{s.micro_batches}-k{s.checkpoint_every}-{s.order}" + "-tied" * s.tied + "-clip" * s.grad_clip
+
+
+def of(graph, cls, **fields):
+    return [t for t in graph if type(t) is cls and all(getattr(t, k) == v for k, v in fields.items())]
+
+
+def one(graph, cls, **fields):
+    found = of(graph, cls, **fields)
+    assert len(found) == 1, f"{cls.__name__} {fields}: {found}"
+    return found[0]
+
+
+def segments(spec):
+    return [(c, min(c + spec.checkpoint_every, spec.layers)) for c in range(0, spec.layers, spec.checkpoint_every)]
+
+
+@pytest.mark.parametrize(
+    "fields, flag",
+    [
+        (dict(layers=0), "--layers"),
+        (dict(layers=2, micro_batches=0), "--micro-batches"),
+        (dict(layers=2, checkpoint_every=0), "--checkpoint-every"),
+        (dict(layers=2, order="random"), "--order"),
+    ],
+)
+def test_spec_errors_name_the_flag(fields, flag):
+    with pytest.raises(ConfigError, match=flag):
+        compile_step(StepSpec(**fields))
+
+
+def test_units_bottom_to_top():
+    assert units(StepSpec(layers=2)) == [("embed", None), ("layer", 0), ("layer", 1), ("head", None)]
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=spec_id)
+def test_structure(spec):
+    g = compile_step(spec, step=4)
+    L, M, k = spec.layers, spec.micro_batches, spec.checkpoint_every
+    assert nx.is_directed_acyclic_graph(g)
+    index = {t: i for i, t in enumerate(g)}
+    assert all(index[u] < index[v] for u, v in g.edges), "nodes are inserted in a serial (topological) order"
+    assert all(t.step == 4 for t in g)
+    assert g.graph["spec"]["layers"] == L
+    for u, v, reads in g.edges(data="reads"):
+        assert not reads or u.takes is not None, f"{v} reads a slot of {u}, which takes none"
+
+    # One task per (layer, micro-batch) of each per-layer kind; per micro-batch kinds; per unit kinds.
+    n_recompute = sum(end - c - 1 for c, end in segments(spec))
+    assert len(of(g, Forward)) == len(of(g, Backward)) == L * M
+    assert len(of(g, Recompute)) == n_recompute * M
+    assert len(of(g, Embed)) == len(of(g, Loss)) == len(of(g, EmbedBackward)) == M
+    for cls in (ZeroGrad, OffloadGrad, CpuAdam):
+        assert {(t.unit, t.layer) for t in of(g, cls)} == set(units(spec))
+        assert len(of(g, cls)) == L + 2
+    assert len(of(g, GradNorm)) == int(spec.grad_clip)
+    # Layer-major fetches each unit once per pass; micro-batch-major once per pass per micro-batch.
+    per_pass = 1 + L + 1 + L + n_recompute  # embed, forward, head, backward, recompute
+    assert len(of(g, Fetch)) == per_pass * (1 if spec.order == "layer" else M)
+
+    for t in g:
+        takes = [p for p, _, r in g.in_edges(t, data="reads") if r]
+        pools = sorted(p.takes for p in takes)
+        expected = {
+            Embed: ["weights"], Forward: ["weights"], Recompute: ["weights"], Loss: ["grads", "weights"],
+            Backward: ["grads", "weights"], EmbedBackward: ["grads"], OffloadGrad: ["grads"],
+        }.get(type(t), [])
+        assert pools == expected, f"{t} reads slots of {takes}"
+        for p in takes:
+            assert (p.unit, p.layer) == (t.unit, t.layer), f"{t} reads the slot of another unit: {p}"
+            if isinstance(p, Fetch) and spec.order == "micro":
+                assert p.micro_batch == t.micro_batch or t.micro_batch is None
+
+
+@pytest.mark.parametrize("spec", SPECS, ids=spec_id)
+def test_data_flow(spec):
+    """Forward reads its layer's fetch, backward flows down through the layers, and each layer's
+    input in backward comes from a checkpoint or a recompute."""
+    g = compile_step(spec)
+    L, M, k = spec.layers, spec.micro_batches, spec.checkpoint_every
+    for i, m in itertools.product(range(L), range(M)):
+        fwd, bwd = one(g, Forward, layer=i, micro_batch=m), one(g, Backward, layer=i, micro_batch=m)
+        preds = set(g.predecessors(fwd))
+        assert any(isinstance(p, Fetch) and p.layer == i and p.phase == "forward" for p in preds)
+        assert (one(g, Embed, micro_batch=m) if i == 0 else one(g, Forward, layer=i - 1, micro_batch=m)) in preds
+        above = one(g, Loss, micro_batch=m) if i == L - 1 else one(g, Backward, layer=i + 1, micro_batch=m)
+        assert g.has_edge(above, bwd)
+        assert g.has_edge(one(g, ZeroGrad, unit="layer", layer=i), bwd)
+        assert any(isinstance(p, Fetch) and p.layer == i and p.phase == "backward" for p in g.predecessors(bwd))
+        if i % k == 0:
+            src = one(g, Embed, micro_batch=m) if i == 0 else one(g, Forward, layer=i - 1, micro_batch=m)
+        else:
+            src = one(g, Recompute, layer=i - 1, micro_batch=m)
+        assert g.has_edge(src, bwd), f"backward L{i} m{m} gets its input from {src}"
+    for t in of(g, Recompute):
+        c = t.layer - t.layer % k
+        expected = (one(g, Embed, micro_batch=t.micro_batch) if c == 0 else one(g, Forward, layer=c - 1, micro_batch=t.micro_batch)) \
+            if t.layer == c else one(g, Recompute, layer=t.layer - 1, micro_batch=t.micro_batch)
+        assert g.has_edge(expected, t)
+        assert t.layer % k != k - 1 and t.layer < L - 1, "the top layer of a segment is never recomputed"
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if not s.grad_clip], ids=spec_id)
+def test_adam_of_a_layer_waits_for_its_own_gradients_only(spec):
+    """``cpu_adam`` of layer i follows every backward of layer i through the layer's
+    ``offload_grad``, and no backward below it: Adam runs while the device is still in backward."""
+    g = compile_step(spec)
+    for i in range(spec.layers):
+        adam, off = one(g, CpuAdam, unit="layer", layer=i), one(g, OffloadGrad, unit="layer", layer=i)
+        assert list(g.predecessors(adam)) == [off]
+        ancestors = nx.ancestors(g, adam)
+        for m in range(spec.micro_batches):
+            assert g.has_edge(one(g, Backward, layer=i, micro_batch=m), off)
+        assert not [t for t in ancestors if isinstance(t, Backward) and t.layer < i]
+        assert not [t for t in ancestors if isinstance(t, EmbedBackward)]
+    head_adam = one(g, CpuAdam, unit="head")
+    assert not [t for t in nx.ancestors(g, head_adam) if isinstance(t, Backward)]
+    embed_adam = one(g, CpuAdam, unit="embed")
+    assert set(of(g, EmbedBackward)) <= nx.ancestors(g, embed_adam)
+    assert g.has_edge(one(g, OffloadGrad, unit="head"), embed_adam) == spec.tied
+
+
+@pytest.mark.parametrize("spec", [s for s in SPECS if s.grad_clip], ids=spec_id)
+def test_grad_clip_puts_the_global_norm_between_every_offload_and_every_adam(spec):
+    g = compile_step(spec)
+    norm = one(g, GradNorm)
+    assert set(g.predecessors(norm)) == set(of(g, OffloadGrad))
+    assert set(g.successors(norm)) == set(of(g, CpuAdam))
+    adam_units = [(t.unit, t.layer) for t in g if isinstance(t, CpuAdam)]
+    assert adam_units == units(spec), "Adam runs bottom-up after the norm"
+
+
+def test_micro_batch_major_runs_each_micro_batch_through_the_model():
+    g = compile_step(StepSpec(layers=2, micro_batches=2, order="micro"))
+    compute = [t.label for t in g if t.lane == "compute" and t.micro_batch is not None]
+    assert compute == [
+        "embed m0", "forward L0 m0", "forward L1 m0", "loss head m0", "backward L1 m0", "backward L0 m0", "embed_backward embed m0",
+        "embed m1", "forward L0 m1", "forward L1 m1", "loss head m1", "backward L1 m1", "backward L0 m1", "embed_backward embed m1",
+    ]
+    assert [t.label for t in g if isinstance(t, Fetch) and t.layer == 0] == [
+        "fetch L0 m0 (forward)", "fetch L0 m0 (backward)", "fetch L0 m1 (forward)", "fetch L0 m1 (backward)",
+    ]
+
+
+def test_layer_major_runs_every_micro_batch_through_a_layer_first():
+    g = compile_step(StepSpec(layers=2, micro_batches=2, checkpoint_every=2))
+    compute = [t.label for t in g if t.lane == "compute" and t.micro_batch is not None]
+    assert compute == [
+        "embed m0", "embed m1", "forward L0 m0", "forward L0 m1", "forward L1 m0", "forward L1 m1",
+        "loss head m0", "loss head m1", "recompute L0 m0", "recompute L0 m1", "backward L1 m0", "backward L1 m1",
+        "backward L0 m0", "backward L0 m1", "embed_backward embed m0", "embed_backward embed m1",
+    ]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_cross_step_edges_link_adam_to_the_next_fetch(tied):
+    spec = StepSpec(layers=3, micro_batches=2, checkpoint_every=2, tied=tied)
+    g = compile_steps(spec, 3)
+    assert nx.is_directed_acyclic_graph(g)
+    assert g.number_of_nodes() == 3 * compile_step(spec).number_of_nodes()
+    between = [(u, v) for u, v in g.edges if u.step != v.step]
+    assert all(isinstance(u, CpuAdam) and isinstance(v, Fetch) and v.step == u.step + 1 for u, v in between)
+    for s in (1, 2):
+        for f in of(g, Fetch, step=s):
+            adams = {(p.unit, p.layer) for p in g.predecessors(f) if p.step == s - 1}
+            want = {(f.unit, f.layer)} | ({("embed", None)} if tied and f.unit == "head" else set())
+            assert adams == want, f"{f} waits for Adam of {adams}"
+    step0, step1 = compile_step(spec, 0), compile_step(spec, 1)
+    assert set(cross_step_edges(step0, step1, spec)) == {(u, v) for u, v in between if v.step == 1}
+
+
+def test_compile_steps_needs_a_step():
+    with pytest.raises(ConfigError, match="steps"):
+        compile_steps(StepSpec(layers=1), 0)
+
+
+@pytest.mark.parametrize("spec", SPECS[::7], ids=spec_id)
+def test_json_round_trip(spec):
+    g = compile_steps(spec, 2)
+    data = graph_to_json(g)
+    for node in data["nodes"]:
+        assert {"kind", "layer", "micro_batch", "lane", "id"} <= node.keys()
+    back = graph_from_json(data)
+    assert list(back.nodes) == list(g.nodes)
+    assert list(back.edges(data="reads")) == list(g.edges(data="reads"))
+    assert back.graph == g.graph

@@ -1,0 +1,81 @@
+"""Task kinds: frozen, tagged, hashable structs that know their lane and the pool they take."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from flowtrain.graph import (
+    DEVICE_LANES, GRADS, KINDS, LANES, WEIGHTS, AnyTask, Backward, CpuAdam, Embed, EmbedBackward,
+    Fetch, Forward, GradNorm, Loss, OffloadGrad, Recompute, ZeroGrad,
+)
+from flowtrain.graph.tasks import task_from_dict, task_to_dict
+
+#: kind -> (class, lane, pool it takes a slot from)
+CARD = {
+    "fetch": (Fetch, "h2d", WEIGHTS),
+    "forward": (Forward, "compute", None),
+    "recompute": (Recompute, "compute", None),
+    "backward": (Backward, "compute", None),
+    "offload_grad": (OffloadGrad, "d2h", None),
+    "cpu_adam": (CpuAdam, "cpu", None),
+    "embed": (Embed, "compute", None),
+    "loss": (Loss, "compute", None),
+    "embed_backward": (EmbedBackward, "compute", None),
+    "zero_grad": (ZeroGrad, "compute", GRADS),
+    "grad_norm": (GradNorm, "cpu", None),
+}
+
+
+def test_every_kind_is_on_the_card():
+    assert set(KINDS) == set(CARD)
+
+
+@pytest.mark.parametrize("kind", sorted(CARD))
+def test_kind_lane_and_pool(kind):
+    cls, lane, takes = CARD[kind]
+    task = cls(layer=2, micro_batch=1)
+    assert KINDS[kind] is cls
+    assert (task.kind, task.lane, task.takes) == (kind, lane, takes)
+    assert lane in LANES
+    assert (lane in DEVICE_LANES) == (lane != "cpu")
+
+
+@pytest.mark.parametrize("kind", sorted(CARD))
+def test_json_round_trip_through_the_tagged_union(kind):
+    task = KINDS[kind](step=3, unit="layer", layer=5, micro_batch=2, phase="backward")
+    raw = msgspec.json.encode(task)
+    assert msgspec.json.decode(raw)["kind"] == kind
+    assert msgspec.json.decode(raw, type=AnyTask) == task
+    data = task_to_dict(task)
+    assert data["lane"] == task.lane and data["takes"] == task.takes
+    assert task_from_dict(data) == task
+
+
+def test_tasks_are_frozen_hashable_values():
+    a, b = Forward(layer=1, micro_batch=0), Forward(layer=1, micro_batch=0)
+    assert a == b and hash(a) == hash(b) and len({a, b}) == 1
+    assert Forward(layer=1) != Backward(layer=1)  # the kind is part of the identity
+    assert Forward(layer=1, step=0) != Forward(layer=1, step=1)
+    with pytest.raises(AttributeError):
+        a.layer = 2  # type: ignore[misc]
+
+
+def test_from_dict_fills_defaults_and_ignores_extras():
+    t = task_from_dict({"kind": "cpu_adam", "unit": "head", "lane": "cpu", "id": "x", "step": None})
+    assert t == CpuAdam(unit="head", step=0)
+
+
+@pytest.mark.parametrize(
+    "task, label",
+    [
+        (Forward(unit="layer", layer=3, micro_batch=1), "forward L3 m1"),
+        (Fetch(unit="head", phase="backward"), "fetch head (backward)"),
+        (Fetch(unit="layer", layer=0, phase="recompute", step=2), "fetch L0 (recompute) s2"),
+        (Embed(unit="embed", micro_batch=0), "embed m0"),
+        (ZeroGrad(unit="embed"), "zero_grad embed"),
+        (GradNorm(), "grad_norm"),
+    ],
+)
+def test_labels(task, label):
+    assert task.label == label == str(task)

@@ -1,0 +1,109 @@
+"""The HTML report, the PNG export and ``flowtrain viz`` (no browser here; see test_viz_browser)."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+from viz_helpers import doc, engine_trace_file, ev, hand_trace
+
+from flowtrain.cli import main
+from flowtrain.graph import StepSpec, compile_steps
+from flowtrain.graph.export import graph_to_json
+from flowtrain.viz.graphview import MAX_DRAWN, graph_section
+from flowtrain.viz.html import render_report
+from flowtrain.viz.load import GraphInput, trace_from_json
+
+
+def page_data(page: str) -> dict:
+    m = re.search(r'<script type="application/json" id="ft-data">(.*?)</script>', page, re.S)
+    assert m, "no data block"
+    return json.loads(m.group(1))
+
+
+def test_report_is_self_contained():
+    g = GraphInput(compile_steps(StepSpec(layers=2), 1), name="g")
+    page = render_report([hand_trace(), g])
+    assert "Content-Security-Policy" in page and "default-src 'none'" in page
+    assert not re.search(r"<link|<iframe|<img|\ssrc\s*=|url\(|@import|fetch\(|XMLHttpRequest", page)
+    assert set(re.findall(r"https?://[^\s\"'<>]*", page)) <= {"http://www.w3.org/2000/svg"}  # SVG namespace only
+
+
+def test_report_holds_every_task_lane_slot_and_gap():
+    tr = hand_trace()
+    page = render_report([tr], min_gap=0)
+    data = page_data(page)
+    (t,) = data["traces"]
+    assert t["lanes"] == ["compute", "h2d", "d2h", "cpu:0"]
+    assert [t["lanes"][i] for i in t["t"]["l"]].count("compute") == 6 and len(t["t"]["s"]) == 11
+    assert [(s["pool"], s["slot"], len(s["iv"])) for s in t["slots"]] == [("grads", 0, 2), ("weights", 0, 2), ("weights", 1, 1)]
+    gaps = [(g["s"], g["e"], g["r"]) for g in t["gaps"]]
+    assert gaps == [(0, 10, "fetch"), (40, 45, "slot"), (47, 50, "host"), (55, 70, "fetch")]
+    assert data["maxWall"] == 80
+    assert 'id="panel-0"' in page and page.count("<canvas") == 1
+    # the summary names the lanes and the reasons in words
+    assert "zB waited for a grads slot, freed when oA finished" in page
+    assert "compute hid <b>28.6%</b> of copy time" in page
+
+
+def test_several_traces_share_one_scale_and_get_compared():
+    a = hand_trace()
+    b = trace_from_json(doc(ev("x", "compute", 0, 200, kind="forward")), name="long")
+    page = render_report([a, b])
+    data = page_data(page)
+    assert data["maxWall"] == 200 and len(data["traces"]) == 2
+    assert "<h2>Comparison</h2>" in page and page.count("<canvas") == 2
+
+
+def test_task_names_cannot_break_out_of_the_data_block():
+    evil = "</script><script>alert(1)</script><!--"
+    tr = trace_from_json(doc(ev(evil, "compute", 0, 5, kind="forward")))
+    page = render_report([tr])
+    assert page_data(page)["traces"][0]["t"]["name"] == [evil]
+    assert "<script>alert(1)" not in page and page.count("</script>") == 3
+
+
+def test_small_graphs_are_drawn_and_large_ones_tabled():
+    small = compile_steps(StepSpec(layers=2, micro_batches=2), 1)
+    svg = graph_section(small, "double_buffer")
+    assert svg.count('<g class="node"') == small.number_of_nodes()
+    assert svg.count("<path ") == small.number_of_edges()
+    assert 'stroke="#e31a1c"' in svg  # the critical path
+    assert "planned issue order per lane (double_buffer)" in svg
+    big = compile_steps(StepSpec(layers=32, micro_batches=4), 1)
+    assert big.number_of_nodes() > MAX_DRAWN
+    table = graph_section(big, "sequential")
+    assert "<svg" not in table and table.count("<tr") >= big.number_of_nodes()
+
+
+def test_cli_writes_html_and_png(tmp_path, capsys):
+    seq = engine_trace_file(tmp_path / "seq.json", policy="sequential", layers=2, steps=1)
+    dbl = engine_trace_file(tmp_path / "dbl.json", policy="double_buffer", layers=2, steps=1)
+    graph = tmp_path / "g.json"
+    graph.write_text(json.dumps(graph_to_json(compile_steps(StepSpec(layers=2), 1))))
+    out, png = tmp_path / "r.html", tmp_path / "r.png"
+    rc = main(["viz", str(seq), str(dbl), str(graph), "--out", str(out), "--png", str(png), "--policy", "lookahead"])
+    assert rc == 0
+    page = out.read_text()
+    assert page.count("<canvas") == 2 and "planned issue order per lane (lookahead)" in page
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "wrote" in capsys.readouterr().out
+    graph_png = tmp_path / "g.png"
+    assert main(["viz", str(graph), "--out", str(tmp_path / "g.html"), "--png", str(graph_png)]) == 0
+    assert graph_png.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize("args, message", [
+    (["missing.json"], "missing.json: no such file"),
+    (["TRACE", "--policy", "sequential"], "--policy applies to graph inputs"),
+    (["GRAPH", "--policy", "nope"], "unknown policy 'nope'"),
+    (["TRACE", "--min-gap-ms", "-1"], "--min-gap-ms must be at least 0"),
+])
+def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch, args, message):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "TRACE").write_text(json.dumps(doc(ev("a", "compute", 0, 1))))
+    (tmp_path / "GRAPH").write_text(json.dumps(graph_to_json(compile_steps(StepSpec(layers=1), 1))))
+    assert main(["viz", *args]) == 2
+    err = capsys.readouterr().err
+    assert message in err and err.count("\n") == 1
