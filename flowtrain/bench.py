@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime
+import gc
 import json
 import os
 import platform
@@ -40,6 +41,11 @@ BUILTIN_POLICIES = ("sequential", "double_buffer", "lookahead")
 def add_arguments(p: argparse.ArgumentParser) -> None:
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--scheduler", action="store_true", help="scheduling overhead per task on a DAG of no-op tasks")
+    mode.add_argument("--model", metavar="PRESET|DIR",
+                      help="train a model on random tokens: tokens/s, TFLOP/s, memory, lane busy fractions")
+    from .train.bench_model import add_model_arguments
+
+    add_model_arguments(p.add_argument_group("--model options"))
 
     sched = p.add_argument_group("--scheduler options")
     sched.add_argument("--tasks", type=int, default=10_000, help="about how many tasks in the DAG (default 10000)")
@@ -47,6 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     sched.add_argument("--policy", action="append", metavar="NAME",
                        help="policy to measure (repeatable; default: every built-in policy)")
     sched.add_argument("--repeat", type=int, default=5, help="timed runs per policy, after one warm-up (default 5)")
+    sched.add_argument("--gc-freeze", action="store_true",
+                       help="gc.freeze() once set up, so full collections skip the heap found at start (torch's)")
 
     p.add_argument("--json", metavar="FILE", help="also write the results as JSON to FILE")
 
@@ -58,8 +66,14 @@ def run(args: argparse.Namespace) -> int:
             micro_batches=args.micro_batches,
             policies=tuple(args.policy or BUILTIN_POLICIES),
             repeat=args.repeat,
+            gc_freeze=args.gc_freeze,
         )
         print(format_scheduler(result))
+    elif args.model:
+        from .train.bench_model import run_model
+
+        result = run_model(args)
+        print(json.dumps(result))
     else:  # argparse requires one mode
         raise ConfigError("choose what to benchmark, e.g. --scheduler")
     if args.json:
@@ -136,8 +150,14 @@ async def _measure(graphs: dict[str, Any], policies: tuple[str, ...], repeat: in
 
 
 def scheduler_benchmark(tasks: int = 10_000, micro_batches: int = 8, policies: tuple[str, ...] = BUILTIN_POLICIES,
-                        repeat: int = 5) -> dict[str, Any]:
-    """Run the benchmark; returns plain data (see :func:`format_scheduler` for the table)."""
+                        repeat: int = 5, gc_freeze: bool = False) -> dict[str, Any]:
+    """Run the benchmark; returns plain data (see :func:`format_scheduler` for the table).
+
+    Much of the cost in a process that has imported torch (as ``flowtrain`` has) is the
+    garbage collector: the engine's per-task objects trigger full collections, and each one
+    walks torch's few hundred thousand objects too. ``gc_freeze`` moves everything alive after
+    set-up out of the collector's sight, as a long-running trainer may do after loading.
+    """
     if repeat < 1:
         raise ConfigError(f"--repeat must be at least 1 (got {repeat})")
     spec = spec_for(tasks, micro_batches)
@@ -146,10 +166,15 @@ def scheduler_benchmark(tasks: int = 10_000, micro_batches: int = 8, policies: t
 
     previous = asyncio.get_event_loop_policy()
     use_uvloop()
+    if gc_freeze:
+        gc.collect()
+        gc.freeze()
     try:
         loop, seconds = asyncio.run(_measure(graphs, policies, repeat))
     finally:
         asyncio.set_event_loop_policy(previous)
+        if gc_freeze:
+            gc.unfreeze()
 
     def shape(s: StepSpec, g) -> dict:
         return {"layers": s.layers, "micro_batches": s.micro_batches, "tasks": g.number_of_nodes(),
@@ -170,6 +195,8 @@ def scheduler_benchmark(tasks: int = 10_000, micro_batches: int = 8, policies: t
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": machine(),
         "loop": loop,
+        "gc_freeze": gc_freeze,
+        "torch_imported": "torch" in sys.modules,
         "repeat": repeat,
         "graph": shape(spec, graphs["dag"]),
         "step_graph": shape(step_spec, graphs["step"]),
@@ -181,7 +208,8 @@ def format_scheduler(result: dict[str, Any]) -> str:
     g, s, m = result["graph"], result["step_graph"], result["machine"]
     lines = [
         f"scheduler overhead: {g['tasks']:,} no-op tasks ({g['layers']} layers x {g['micro_batches']} micro-batches, "
-        f"{g['edges']:,} edges), {result['loop']} loop, {m['cpus']} CPUs, median of {result['repeat']} runs",
+        f"{g['edges']:,} edges), {result['loop']} loop, {m['cpus']} CPUs, median of {result['repeat']} runs"
+        + (", gc frozen after set-up" if result["gc_freeze"] else ""),
         f"{'policy':<16}{'us/task':>10}{'best':>10}   {s['layers']}x{s['micro_batches']} step ({s['tasks']:,} tasks)",
     ]
     for policy, r in result["results"].items():

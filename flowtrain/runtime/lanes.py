@@ -32,9 +32,12 @@ class Fence:
     create. Only the lane that owns the job sets it; any number of threads may wait.
     """
 
-    __slots__ = ("_lock", "_set", "failed", "start", "end", "bytes", "worker", "cuda_start", "cuda_end")
+    __slots__ = ("_lock", "_set", "launched", "failed", "start", "end", "bytes", "worker", "cuda_start", "cuda_end")
 
     def __init__(self) -> None:
+        # Host lanes: launched means finished. CUDA lanes give each fence a separate
+        # ``launched`` fence, set once the job's kernels are enqueued and its event recorded.
+        self.launched: Fence = self
         self._lock = threading.Lock()
         self._lock.acquire()
         self._set = False
@@ -164,13 +167,14 @@ class CudaLane:
 
     def submit(self, job: Job, fences: Sequence[Fence], tag: Any, notify: bool) -> Fence:
         fence = Fence()
-        fence.launched = threading.Event()
+        fence.launched = Fence()
         self._jobs.put((job, fences, fence, tag, notify))
         return fence
 
     def _launch_loop(self) -> None:
         try:
             self.torch.cuda.set_device(self.device)
+            self.torch.cuda.synchronize(self.device)  # make the primary context current here (cuBLAS)
         except BaseException as exc:  # noqa: BLE001 - never die silently: the engine would hang
             self.aborted = True
             self.on_error(None, exc)

@@ -28,15 +28,14 @@ from .model import model_layouts
 from .trainer import TrainConfig, load_model_config, train
 
 
-def add_model_arguments(p: argparse.ArgumentParser) -> None:
+def add_model_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """Options of ``--model`` mode (``--model`` itself and ``--policy`` belong to the caller)."""
     a = p.add_argument
-    a("--model", help="preset or model directory: benchmark training it (random tokens)")
     a("--seq-len", type=int, default=4096)
     a("--batch-size", type=int, default=4, help="sequences per optimizer step")
     a("--micro-batch-size", type=int, default=4)
     a("--steps", type=int, default=8, help="steps in all, warm-up included")
     a("--warmup", type=int, default=2, help="first steps excluded from the numbers")
-    a("--policy", default="double_buffer")
     a("--precision", choices=["fp32", "bf16"], default=None)
     a("--device", default="auto")
     a("--checkpoint-every", type=int, default=1)
@@ -51,6 +50,8 @@ def model_flops_per_token(model: str, seq_len: int) -> float:
 
 
 def run_model(args: argparse.Namespace) -> dict:
+    policy = args.policy[0] if isinstance(args.policy, list) else (args.policy or "double_buffer")
+    args.policy = policy
     if args.steps <= args.warmup:
         raise ConfigError(f"--steps {args.steps} must exceed --warmup {args.warmup}")
     cfg_m, _ = load_model_config(args.model)

@@ -12,6 +12,7 @@ while Adam for the units above still runs on the CPU. At most two steps are in f
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
 import os
 import shutil
@@ -200,6 +201,7 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
     program = StepProgram(state, device=device, dtype=dtype, seq_len=cfg.seq_len,
                           checkpoint_every=cfg.checkpoint_every, budgets=budgets, adamw=adamw,
                           chunk_tokens=cfg.chunk_tokens)
+    gc.freeze()  # the model and torch's objects are long-lived: keep full collections off them
     recorder = TraceRecorder() if cfg.trace else None
     reporter = _Reporter(cfg, cfg.steps)
     try:

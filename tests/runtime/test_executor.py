@@ -107,9 +107,13 @@ async def test_double_buffer_overlaps_the_next_fetch_with_compute(policy):
     def fetch_hook(task, ctx):
         started[(task.phase, task.layer)].set()
 
+    gave_up = threading.Event()  # after one probe times out, the rest fail fast
+
     def probe(nxt):
         def hook(task, ctx):
-            saw[task] = started[nxt].wait(HANG_GUARD_S)
+            saw[task] = started[nxt].wait(0 if gave_up.is_set() else 10.0)
+            if not saw[task]:
+                gave_up.set()
         return hook
 
     hooks = {t: fetch_hook for t in graph if isinstance(t, Fetch) and t.unit == "layer"}
@@ -188,23 +192,28 @@ async def test_a_failure_cancels_queued_work_that_does_not_depend_on_it():
 
         forward L0 (fails) -> forward L1           d2h lane: offload_grad L0, then offload_grad L1
 
-    The first copy is held until the engine has seen the failure; the second, queued behind it
-    and independent of the failing task, must then be skipped. The engine returns only after
-    the held copy has finished.
+    The forward fails only once the first copy has started, and that copy is held until the
+    engine has seen the failure; the second copy, queued behind it and independent of the
+    failing task, must then be skipped. The engine returns only after the held copy finished.
     """
     f0, f1 = Forward(unit="layer", layer=0), Forward(unit="layer", layer=1)
     y, x = OffloadGrad(unit="layer", layer=0), OffloadGrad(unit="layer", layer=1)
     graph = nx.DiGraph()
     graph.add_nodes_from([f0, f1, y, x])
     graph.add_edge(f0, f1, reads=False)
-    seen = threading.Event()
+    copying, seen = threading.Event(), threading.Event()
     events = Events()
     events.on_error_hook = seen.set
 
     def boom(task, ctx):
+        copying.wait(HANG_GUARD_S)
         raise RuntimeError("nan loss")
 
-    rec = Recorder({f0: boom, y: lambda t, c: seen.wait(HANG_GUARD_S)})
+    def hold(task, ctx):
+        copying.set()
+        seen.wait(HANG_GUARD_S)
+
+    rec = Recorder({f0: boom, y: hold})
     with pytest.raises(StepFailed, match="forward L0 failed: RuntimeError: nan loss"):
         await guarded(run_graph(graph, rec, instruments=[events]))
     assert rec.ran == {f0, y} and set(rec.end) == {f0, y}

@@ -28,7 +28,7 @@ from flowtrain.policy import Proposal, natural_order, resolve_policy
 from flowtrain.runtime import Scheduler, run_graph
 
 POLICIES = ["sequential", "double_buffer", "lookahead"]
-SETTINGS = settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 # Slot takers drawn more often than their share, so budgets are actually contested.
 KIND_CHOICES = sorted(KINDS) + ["fetch", "fetch", "fetch", "zero_grad", "zero_grad"]

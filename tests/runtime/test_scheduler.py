@@ -14,7 +14,7 @@ from flowtrain.graph import (
     GRADS, WEIGHTS, Backward, CpuAdam, Fetch, Forward, GradNorm, OffloadGrad, StepSpec, ZeroGrad,
     compile_step,
 )
-from flowtrain.policy import natural_order, resolve_policy
+from flowtrain.policy import resolve_policy
 from flowtrain.runtime import Launch, Scheduler
 
 
@@ -141,6 +141,9 @@ def test_too_small_budget_is_a_deadlock_naming_the_stuck_tasks():
     """::
 
         fetch L0 ==> forward L0 m0 <== fetch L1      (one task reads two weight slots)
+
+    The deadlock is reported by the very poll that launched ``fetch L0``: nothing is left that
+    the host waits for, so no later event could unblock the rest (an engine would hang).
     """
     g = dag((F0, A0, True), (F1, A0, True), nodes=[F0, F1, A0])
     s = Scheduler({WEIGHTS: 1})

@@ -1,0 +1,49 @@
+"""``flowtrain bench --scheduler``: a small run end to end, and the DAG size it picks."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from flowtrain.bench import spec_for
+from flowtrain.cli import main
+from flowtrain.graph import compile_step
+
+
+@pytest.mark.parametrize("tasks", [50, 1000, 10_000])
+def test_the_dag_has_about_the_requested_number_of_tasks(tasks):
+    spec = spec_for(tasks, 8)
+    assert spec.micro_batches == 8
+    per_layer = 2 * 8 + 5
+    assert abs(compile_step(spec).number_of_nodes() - tasks) <= per_layer
+
+
+def test_bench_scheduler_prints_and_writes_json(tmp_path, capsys):
+    out = tmp_path / "sched.json"
+    policy_before = asyncio.get_event_loop_policy()
+    argv = ["bench", "--scheduler", "--tasks", "300", "--repeat", "2", "--policy", "sequential",
+            "--policy", "lookahead", "--json", str(out)]
+    assert main(argv) == 0
+    assert asyncio.get_event_loop_policy() is policy_before, "uvloop must not leak out of the benchmark"
+    printed = capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["benchmark"] == "scheduler" and result["repeat"] == 2
+    assert result["loop"] == "uvloop"
+    assert abs(result["graph"]["tasks"] - 300) <= 21
+    assert result["step_graph"] == {"layers": 100, "micro_batches": 8, "tasks": 2132, "edges": 5868}
+    assert list(result["results"]) == ["sequential", "lookahead"]
+    for policy, r in result["results"].items():
+        assert len(r["runs_s"]) == len(r["step_runs_s"]) == 2
+        assert r["us_per_task"] > 0 and r["us_per_task_min"] <= r["us_per_task"]
+        assert f"{policy} " in printed
+    assert result["machine"]["cpus"] >= 1
+
+
+def test_bench_needs_a_mode_and_sane_numbers(capsys):
+    with pytest.raises(SystemExit):
+        main(["bench"])
+    assert "--scheduler" in capsys.readouterr().err
+    assert main(["bench", "--scheduler", "--tasks", "0"]) == 2
+    assert capsys.readouterr().err == "flowtrain: error: --tasks must be at least 1 (got 0)\n"
