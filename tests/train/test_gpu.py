@@ -10,7 +10,13 @@ import torch
 
 from flowtrain.train.trainer import TrainConfig, train
 
-pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    # torch warns once per new thread (autograd's device thread, our launcher threads) that it
+    # makes the primary CUDA context current before the first cuBLAS call: harmless.
+    pytest.mark.filterwarnings("ignore:Attempting to run cuBLAS"),
+]
 
 
 def _weights(tmp_path, device, precision, policy="double_buffer", **kw):

@@ -80,10 +80,17 @@ def assert_clean_render(attrs: dict[str, str], console: list[str], traces: list[
 
 @pytest.fixture(scope="module")
 def cpu_traces(tmp_path_factory) -> list[Path]:
-    """Real runs of the engine on CPU lanes: the same step under two policies."""
+    """Real CPU training runs (``flowtrain train --trace``): the tiny model under two policies."""
+    from flowtrain.train.trainer import TrainConfig, train
+
     d = tmp_path_factory.mktemp("traces")
-    return [engine_trace_file(d / f"{p}.json", policy=p, layers=4, micro_batches=2, steps=2, sleep=0.002)
-            for p in ("sequential", "double_buffer")]
+    paths = []
+    for p in ("sequential", "double_buffer"):
+        path = d / f"{p}.json"
+        train(TrainConfig(model="tiny", steps=2, batch_size=4, micro_batch_size=2, seq_len=64, policy=p,
+                          device="cpu", trace=str(path), progress=False))
+        paths.append(path)
+    return paths
 
 
 def test_report_renders_every_lane_without_errors(chromium, tmp_path, cpu_traces):

@@ -17,6 +17,7 @@ from model_helpers import flats_from_hf, hf_model, rel_err, small_cfg
 pytestmark = [
     pytest.mark.gpu,
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA"),
+    pytest.mark.filterwarnings("ignore:Attempting to run cuBLAS"),
 ]
 
 
