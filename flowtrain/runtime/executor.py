@@ -29,7 +29,7 @@ from typing import Any, Callable, Iterable, Sequence
 import networkx as nx
 
 from ..errors import ScheduleError, StepFailed
-from ..graph.tasks import DEVICE_LANES, LANES, Task
+from ..graph.tasks import DEVICE_LANES, Task
 from ..policy import Policy, resolve_policy
 from .lanes import CudaLane, Fence, ThreadLane, _Clock
 from .scheduler import Launch, Scheduler

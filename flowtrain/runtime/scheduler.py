@@ -50,7 +50,7 @@ class Launch(NamedTuple):
 
 
 class _Node:
-    __slots__ = ("task", "waiting", "succ_launch", "succ_done", "holders", "readers_left",
+    __slots__ = ("task", "waiting", "succ_launch", "succ_done", "holders", "readers", "readers_left",
                  "launched", "done", "notify", "slot", "fence_preds")
 
     def __init__(self, task: Task) -> None:
@@ -59,6 +59,7 @@ class _Node:
         self.succ_launch: list[_Node] = []  # successors satisfied by our launch
         self.succ_done: list[_Node] = []  # successors satisfied by our completion
         self.holders: list[_Node] = []  # slot takers whose slots we read
+        self.readers: list[_Node] = []  # for a taker: the tasks that read its slot
         self.readers_left = 0  # for a taker: readers not yet launched
         self.launched = False
         self.done = False
@@ -135,6 +136,7 @@ class Scheduler:
                 if pu.launched:
                     raise ScheduleError(f"{v} reads the slot of {u}, which was already released")
                 nv.holders.append(pu)
+                pu.readers.append(nv)
                 pu.readers_left += 1
             fenced = u.lane in DEVICE_LANES and v.lane in DEVICE_LANES
             if fenced:
@@ -258,11 +260,6 @@ class Scheduler:
         slot = holder.slot
         assert slot is not None and pool.held.get(slot) is holder.task
         del pool.held[slot]
-        readers = tuple(n.task for n in self._readers_of(holder))
+        readers = tuple(n.task for n in holder.readers)
         pool.fences[slot] = readers or (holder.task,)
         pool.free.append(slot)
-
-    def _readers_of(self, holder: _Node) -> list[_Node]:
-        return [n for n in holder.succ_launch if holder in n.holders] + [
-            n for n in holder.succ_done if holder in n.holders
-        ]

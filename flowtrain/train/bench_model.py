@@ -71,7 +71,7 @@ def run_model(args: argparse.Namespace) -> dict:
     seconds = sum(m.seconds for m in measured)
     tok = sum(m.tokens for m in measured)
     tok_s = tok / seconds
-    first = {r.task.step for r in recorder.records}
+    traced_steps = {r.task.step for r in recorder.records}
     window = [r for r in recorder.records if r.task.step >= args.warmup]
     t0 = min(r.start for r in window)
     t1 = max(r.end for r in window)
@@ -85,7 +85,7 @@ def run_model(args: argparse.Namespace) -> dict:
         "loss": [round(m.loss, 4) for m in metrics],
         "host_peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         "busy_fraction": busy,
-        "steps_traced": len(first),
+        "steps_traced": len(traced_steps),
     }
     if torch.cuda.is_available() and cfg.device != "cpu":
         result["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)

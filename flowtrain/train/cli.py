@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 
-from ..errors import ConfigError
 from .trainer import TrainConfig, train
 
 _D = TrainConfig()

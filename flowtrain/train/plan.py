@@ -42,7 +42,7 @@ class Plan(msgspec.Struct, kw_only=True):
 
 
 def make_plan(cfg: ModelConfig, *, seq_len: int, micro_batch_size: int, micro_batches: int, dtype: torch.dtype,
-              budgets: dict[str, int], checkpoint_every: int, tied_extra: bool | None = None,
+              budgets: dict[str, int], checkpoint_every: int,
               chunk_tokens: int | None = None) -> Plan:
     layouts = model_layouts(cfg)
     params = sum(lay.numel for lay in layouts)

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any
 
 import torch
 
@@ -305,10 +304,3 @@ class StepProgram:
             unit.grad.mul_(data.clip)
         adamw_step(unit.master, unit.grad, unit.exp_avg, unit.exp_avg_sq, unit.step, self.adamw, data.lr)
 
-
-def describe_device(device: torch.device) -> dict[str, Any]:
-    """A short description of the device for logs and benchmark JSON."""
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        return {"type": "cuda", "name": props.name, "memory_gib": round(props.total_memory / 2**30, 1)}
-    return {"type": "cpu", "threads": torch.get_num_threads()}

@@ -129,8 +129,14 @@ def validate(cfg: TrainConfig, mcfg: ModelConfig) -> None:
         )
     if cfg.adam_workers < 1:
         raise ConfigError("--adam-workers must be at least 1")
-    if cfg.out and Path(cfg.out).exists() and any(Path(cfg.out).iterdir()) and not cfg.overwrite:
-        raise ConfigError(f"--out {cfg.out} exists and is not empty; choose another directory or add --overwrite")
+    if cfg.out:
+        check_out(Path(cfg.out), cfg.overwrite)
+
+
+def check_out(out: Path, overwrite: bool) -> None:
+    """Refuse to replace a non-empty ``--out`` unless ``overwrite``."""
+    if out.exists() and any(out.iterdir()) and not overwrite:
+        raise ConfigError(f"--out {out} exists and is not empty; choose another directory or add --overwrite")
 
 
 class _Reporter:
@@ -275,8 +281,7 @@ def save_output(state: HostState, out: str, model_dir: Path | None, overwrite: b
         for f in tokenizer_files(model_dir):
             shutil.copy2(f, tmp / f.name)
         if out_path.exists():
-            if not overwrite and any(out_path.iterdir()):
-                raise ConfigError(f"--out {out} exists and is not empty; add --overwrite")
+            check_out(out_path, overwrite)  # again: it may have appeared while we trained
             shutil.rmtree(out_path)
         os.replace(tmp, out_path)
     except BaseException:
