@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import math
 import threading
 from collections import defaultdict
@@ -19,12 +20,14 @@ from typing import Callable
 
 import networkx as nx
 import torch
+from hypothesis import strategies as st
 
 from flowtrain.graph import (
     GRADS, WEIGHTS, Backward, CpuAdam, Embed, EmbedBackward, Fetch, Forward, GradNorm, Loss,
     OffloadGrad, Recompute, StepSpec, Task, ZeroGrad,
 )
 from flowtrain.graph.tasks import DEVICE_LANES
+from flowtrain.runtime import run_graph
 
 HANG_GUARD_S = 60.0  # only ever reached when something hangs
 
@@ -348,3 +351,24 @@ def same_state(a: dict, b: dict) -> None:
     assert a["W"].keys() == b["W"].keys()
     for k in a["W"]:
         assert torch.equal(a["W"][k], b["W"][k]), f"{k}: {a['W'][k]} != {b['W'][k]}"
+
+
+#: Random step shapes for hypothesis: every compiler option.
+specs = st.builds(
+    StepSpec,
+    layers=st.integers(1, 5),
+    micro_batches=st.integers(1, 3),
+    checkpoint_every=st.integers(1, 3),
+    order=st.sampled_from(["layer", "micro"]),
+    tied=st.booleans(),
+    grad_clip=st.booleans(),
+)
+
+
+def run_async(graph, program, policy):
+    """``run_graph`` on a fresh event loop, with a guard that only trips on a hang."""
+
+    async def main():
+        return await asyncio.wait_for(run_graph(graph, program, policy), HANG_GUARD_S)
+
+    return asyncio.run(main())

@@ -13,19 +13,18 @@
 
 from __future__ import annotations
 
-import asyncio
 import threading
 
 import networkx as nx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from runtime_helpers import HANG_GUARD_S, Recorder, check_slots, check_topological, lane_order_ok, slots_suffice
+from runtime_helpers import Recorder, run_async, specs, check_slots, check_topological, lane_order_ok, slots_suffice
 
 from flowtrain.errors import DeadlockError, ScheduleError, StepFailed
-from flowtrain.graph import GRADS, KINDS, WEIGHTS, StepSpec, compile_steps
+from flowtrain.graph import GRADS, KINDS, WEIGHTS, compile_steps
 from flowtrain.policy import Proposal, natural_order, resolve_policy
-from flowtrain.runtime import Scheduler, run_graph
+from flowtrain.runtime import Scheduler
 
 POLICIES = ["sequential", "double_buffer", "lookahead"]
 SETTINGS = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -51,22 +50,9 @@ def random_dags(draw, max_tasks: int = 14) -> nx.DiGraph:
     return graph
 
 
-specs = st.builds(
-    StepSpec,
-    layers=st.integers(1, 5),
-    micro_batches=st.integers(1, 3),
-    checkpoint_every=st.integers(1, 3),
-    order=st.sampled_from(["layer", "micro"]),
-    tied=st.booleans(),
-    grad_clip=st.booleans(),
-)
 
 
-def run(graph, program, policy):
-    async def main():
-        return await asyncio.wait_for(run_graph(graph, program, policy), HANG_GUARD_S)
-
-    return asyncio.run(main())
+run = run_async
 
 
 def lane_threads():

@@ -8,36 +8,33 @@ must match the same model computed by plain loops, bit for bit.
 
 from __future__ import annotations
 
-import asyncio
 
 import networkx as nx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from runtime_helpers import HANG_GUARD_S, Recorder, ToyModel, check_slots, check_topological, same_state
+from runtime_helpers import Recorder, run_async, specs, ToyModel, check_slots, check_topological, same_state
 
 from flowtrain.errors import StepFailed
 from flowtrain.graph import GRADS, WEIGHTS, Fetch, Forward, StepSpec, compile_steps
-from flowtrain.runtime import run_graph, run_reference
+from flowtrain.runtime import run_reference
 
 POLICIES = ["sequential", "double_buffer", "lookahead"]
 
-specs = st.builds(
-    StepSpec,
-    layers=st.integers(1, 5),
-    micro_batches=st.integers(1, 3),
-    checkpoint_every=st.integers(1, 3),
-    order=st.sampled_from(["layer", "micro"]),
-    tied=st.booleans(),
-    grad_clip=st.booleans(),
-)
 
 
-def run_async(graph, program, policy):
-    async def main():
-        return await asyncio.wait_for(run_graph(graph, program, policy), HANG_GUARD_S)
-
-    return asyncio.run(main())
+def engine_matches_reference(spec, steps, policy):
+    """Run ``steps`` steps on the reference executor and on the engine; both must reach the
+    toy's expected state. Returns the graph and the engine's records."""
+    graph = compile_steps(spec, steps)
+    expected = ToyModel(spec).expected(steps)
+    ref = ToyModel(spec)
+    run_reference(graph, ref)
+    same_state(ref.state(), expected)
+    toy = ToyModel(spec)
+    records = run_async(graph, toy, policy)
+    same_state(toy.state(), expected)
+    return graph, records
 
 
 def test_reference_runs_one_task_at_a_time_in_topological_order():
@@ -86,17 +83,7 @@ def test_reference_failure_names_the_task_and_stops():
     ids=["plain", "everything"],
 )
 def test_engine_gives_the_reference_numbers(spec, policy):
-    steps = 2
-    graph = compile_steps(spec, steps)
-    expected = ToyModel(spec).expected(steps)
-
-    ref = ToyModel(spec)
-    run_reference(graph, ref)
-    same_state(ref.state(), expected)
-
-    toy = ToyModel(spec)
-    records = run_async(graph, toy, policy)
-    same_state(toy.state(), expected)
+    graph, records = engine_matches_reference(spec, 2, policy)
     assert {r.task: r.bytes for r in records if isinstance(r.task, Fetch)} == {
         t: 8 * (8 if t.unit == "head" else 4) for t in graph if isinstance(t, Fetch)
     }
@@ -123,11 +110,4 @@ def test_the_toy_notices_a_wrong_order():
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(spec=specs, steps=st.integers(1, 2), policy=st.sampled_from(POLICIES))
 def test_engine_and_reference_agree_on_random_steps(spec, steps, policy):
-    graph = compile_steps(spec, steps)
-    expected = ToyModel(spec).expected(steps)
-    ref = ToyModel(spec)
-    run_reference(graph, ref)
-    same_state(ref.state(), expected)
-    toy = ToyModel(spec)
-    run_async(graph, toy, policy)
-    same_state(toy.state(), expected)
+    engine_matches_reference(spec, steps, policy)
