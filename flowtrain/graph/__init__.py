@@ -3,13 +3,14 @@
 from .compiler import StepSpec, compile_step, compile_steps, cross_step_edges, units
 from .export import graph_from_json, graph_to_json
 from .tasks import (
-    DEVICE_LANES, GRADS, KINDS, LANES, WEIGHTS, AnyTask, Backward, CpuAdam, Embed, EmbedBackward,
-    Fetch, Forward, GradNorm, Loss, OffloadGrad, Recompute, Task, ZeroGrad,
+    DEVICE_LANES, GRADS, HOST_GRADS, KINDS, LANES, WEIGHTS, AnyTask, Backward, CpuAdam, Embed,
+    EmbedBackward, Fetch, Forward, GpuAdam, GradNorm, GradSqNorm, Loss, OffloadGrad, Recompute, Task,
+    ZeroGrad,
 )
 
 __all__ = [
     "StepSpec", "compile_step", "compile_steps", "cross_step_edges", "units", "graph_from_json",
-    "graph_to_json", "DEVICE_LANES", "GRADS", "KINDS", "LANES", "WEIGHTS", "AnyTask", "Backward",
-    "CpuAdam", "Embed", "EmbedBackward", "Fetch", "Forward", "GradNorm", "Loss", "OffloadGrad",
+    "graph_to_json", "DEVICE_LANES", "GRADS", "HOST_GRADS", "KINDS", "LANES", "WEIGHTS", "AnyTask", "Backward",
+    "CpuAdam", "Embed", "EmbedBackward", "Fetch", "Forward", "GpuAdam", "GradNorm", "GradSqNorm", "Loss", "OffloadGrad",
     "Recompute", "Task", "ZeroGrad",
 ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from ..errors import ConfigError
 from .compiler import StepSpec, compile_steps
 from .export import write_graph
 
@@ -15,8 +16,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--order", choices=["layer", "micro"], default="layer", help="layer-major or micro-batch-major")
     p.add_argument("--tied", action="store_true", help="tied input and output embeddings")
     p.add_argument("--grad-clip", action="store_true", help="include the global gradient norm before Adam")
+    p.add_argument("--resident", default="", metavar="UNITS",
+                   help="comma-separated units kept on the device with their Adam there (embed, head, layer.N)")
+    p.add_argument("--staged", action="store_true", help="gradients leave through host staging slots (12 B/param layout)")
+    p.add_argument("--grad-chunks", action="append", default=[], metavar="UNIT=N",
+                   help="with --staged: a unit whose gradient passes in N staging chunks (repeatable)")
     p.add_argument("--steps", type=int, default=1, help="consecutive steps, linked by cpu_adam -> next fetch")
     p.add_argument("--out", required=True, help="output JSON file")
+
+
+def _chunks(items: list[str]) -> dict[str, int]:
+    out = {}
+    for item in items:
+        unit, _, n = item.partition("=")
+        if not n.isdigit():
+            raise ConfigError(f"--grad-chunks takes UNIT=N, like embed=4 (got {item!r})")
+        out[unit] = int(n)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -27,6 +43,9 @@ def run(args: argparse.Namespace) -> int:
         order=args.order,
         tied=args.tied,
         grad_clip=args.grad_clip,
+        resident=tuple(u for u in args.resident.split(",") if u),
+        staged=args.staged,
+        grad_chunks=_chunks(args.grad_chunks),
     ).validate()
     graph = compile_steps(spec, args.steps)
     write_graph(args.out, graph)

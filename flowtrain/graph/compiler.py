@@ -22,6 +22,17 @@ in backward, each segment ``[c, c+k)`` first rebuilds the inputs of ``c+1 .. c+k
 ``recompute`` tasks (which fetch those layers' weights once more), then runs backward from the
 top of the segment down.
 
+Placement: a unit named in ``resident`` keeps its master weights and Adam state in device
+memory. It has no ``fetch``, ``zero_grad`` or ``offload_grad``: its tasks read the unit's own
+device buffers, and a ``gpu_adam`` on the compute lane updates it once its last gradient is
+in; the next step's tasks that read the unit wait for that ``gpu_adam``, fenced on the device.
+
+Gradient layout: with ``staged``, ``offload_grad`` copies a unit's gradient into a pinned host
+*staging slot* (pool ``host_grads``) that its ``cpu_adam`` reads and then gives back, so no
+per-unit host gradient exists. A unit larger than one staging slot (the embedding, the head)
+is offloaded and updated in ``grad_chunks[key]`` pieces, each a pair ``offload_grad c<k>`` ->
+``cpu_adam c<k>``.
+
 Micro-batch order: ``"layer"`` (layer-major) runs every micro-batch through a layer before the
 next layer, so each unit is fetched once per pass; ``"micro"`` (micro-batch-major) runs each
 micro-batch through the whole model and fetches weights per micro-batch.
@@ -46,7 +57,10 @@ from .tasks import (
     Loss,
     OffloadGrad,
     Recompute,
+    GpuAdam,
+    GradSqNorm,
     Task,
+    WEIGHT_READERS,
     ZeroGrad,
 )
 
@@ -60,6 +74,21 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
     order: str = "layer"
     tied: bool = False
     grad_clip: bool = False
+    #: units whose state lives on the device (``"embed"``, ``"head"``, ``"layer.3"``, ...).
+    resident: tuple[str, ...] = ()
+    #: gradients leave through host staging slots (12 bytes per parameter), not per-unit buffers.
+    staged: bool = False
+    #: with ``staged``: how many staging-slot chunks a unit's gradient takes (1 if not named).
+    grad_chunks: dict[str, int] = msgspec.field(default_factory=dict)
+
+    def unit_key(self, unit: str, layer: int | None) -> str:
+        return f"layer.{layer}" if unit == "layer" else unit
+
+    def is_resident(self, unit: str, layer: int | None) -> bool:
+        return self.unit_key(unit, layer) in self.resident
+
+    def chunks(self, unit: str, layer: int | None) -> int:
+        return self.grad_chunks.get(self.unit_key(unit, layer), 1)
 
     def validate(self) -> "StepSpec":
         if self.layers < 1:
@@ -70,6 +99,19 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"--checkpoint-every must be at least 1 (got {self.checkpoint_every})")
         if self.order not in ("layer", "micro"):
             raise ConfigError(f"--order must be 'layer' or 'micro' (got {self.order!r})")
+        valid = {"embed", "head", *(f"layer.{i}" for i in range(self.layers))}
+        unknown = sorted(set(self.resident) - valid)
+        if unknown:
+            raise ConfigError(f"resident units {unknown} are not units of this model (embed, layer.0..layer.{self.layers - 1}, head)")
+        if self.tied and ("embed" in self.resident) != ("head" in self.resident):
+            raise ConfigError("a tied embedding is read by the head: keep embed and head both resident or both streamed")
+        if self.staged and self.grad_clip:
+            raise ConfigError(
+                "--grad-clip needs every gradient before any update, so it keeps a whole host gradient: "
+                "use --layout full (16 bytes per parameter) with --grad-clip"
+            )
+        if any(c < 1 for c in self.grad_chunks.values()):
+            raise ConfigError(f"grad_chunks must be at least 1 (got {self.grad_chunks})")
         return self
 
 
@@ -106,8 +148,15 @@ def compile_step(spec: StepSpec, step: int = 0) -> nx.DiGraph:
     layer_major = spec.order == "layer"
     mbs = range(M)
 
-    def fetch(unit: str, layer: int | None, phase: str, m: int | None) -> Task:
+    def fetch(unit: str, layer: int | None, phase: str, m: int | None) -> Task | None:
+        """The fetch of a streamed unit; ``None`` for a resident one (its weights are there)."""
+        if spec.is_resident(unit, layer):
+            return None
         return b.node(Fetch, unit=unit, layer=layer, phase=phase, micro_batch=None if layer_major else m)
+
+    def reads(slot_task: Task | None, consumer: Task) -> None:
+        if slot_task is not None:
+            b.dep(slot_task, consumer, reads=True)
 
     # Which task produced the input of layer i for micro-batch m during the forward pass.
     fwd_input: dict[tuple[int, int], Task] = {}
@@ -119,14 +168,14 @@ def compile_step(spec: StepSpec, step: int = 0) -> nx.DiGraph:
         f = fetch("embed", None, "forward", per_mb)
         for m in m_range:
             embeds[m] = b.node(Embed, unit="embed", micro_batch=m)
-            b.dep(f, embeds[m], reads=True)
+            reads(f, embeds[m])
             fwd_input[(0, m)] = embeds[m]
 
     def layer_forward(i: int, m_range, per_mb: int | None) -> None:
         f = fetch("layer", i, "forward", per_mb)
         for m in m_range:
             t = b.node(Forward, unit="layer", layer=i, micro_batch=m)
-            b.dep(f, t, reads=True)
+            reads(f, t)
             b.dep(fwd_input[(i, m)], t)
             fwd_input[(i + 1, m)] = t
 
@@ -136,11 +185,11 @@ def compile_step(spec: StepSpec, step: int = 0) -> nx.DiGraph:
         nonlocal head_grad
         f = fetch("head", None, "forward", per_mb)
         if head_grad is None:
-            head_grad = b.node(ZeroGrad, unit="head")
+            head_grad = zero_grad("head", None)
         for m in m_range:
             t = b.node(Loss, unit="head", micro_batch=m)
-            b.dep(f, t, reads=True)
-            b.dep(head_grad, t, reads=True)
+            reads(f, t)
+            reads(head_grad, t)
             b.dep(fwd_input[(L, m)], t)
             losses[m] = t
 
@@ -150,7 +199,10 @@ def compile_step(spec: StepSpec, step: int = 0) -> nx.DiGraph:
     bwd_input: dict[tuple[int, int], Task] = {}  # producer of the input of layer i in backward
     offloads: list[Task] = []
 
-    def zero_grad(unit: str, layer: int | None) -> Task:
+    def zero_grad(unit: str, layer: int | None) -> Task | None:
+        """The gradient slot of a streamed unit; ``None`` for a resident one (it has its own)."""
+        if spec.is_resident(unit, layer):
+            return None
         key = (unit, layer)
         if key not in grad_slot:
             grad_slot[key] = b.node(ZeroGrad, unit=unit, layer=layer)
@@ -160,7 +212,7 @@ def compile_step(spec: StepSpec, step: int = 0) -> nx.DiGraph:
         f = fetch("layer", j, "recompute", per_mb)
         for m in m_range:
             t = b.node(Recompute, unit="layer", layer=j, micro_batch=m)
-            b.dep(f, t, reads=True)
+            reads(f, t)
             b.dep(bwd_input[(j, m)], t)
             bwd_input[(j + 1, m)] = t
 
@@ -169,8 +221,8 @@ def compile_step(spec: StepSpec, step: int = 0) -> nx.DiGraph:
         z = zero_grad("layer", i)
         for m in m_range:
             t = b.node(Backward, unit="layer", layer=i, micro_batch=m)
-            b.dep(f, t, reads=True)
-            b.dep(z, t, reads=True)
+            reads(f, t)
+            reads(z, t)
             b.dep(bwd_input[(i, m)], t)
             b.dep(grad_out[(i, m)], t)
             grad_out[(i - 1, m)] = t
@@ -179,28 +231,60 @@ def compile_step(spec: StepSpec, step: int = 0) -> nx.DiGraph:
         z = zero_grad("embed", None)
         for m in m_range:
             t = b.node(EmbedBackward, unit="embed", micro_batch=m)
-            b.dep(z, t, reads=True)
+            reads(z, t)
             b.dep(grad_out[(-1, m)], t)
 
-    def offload(unit: str, layer: int | None, readers: list[Task]) -> Task:
-        t = b.node(OffloadGrad, unit=unit, layer=layer)
+    def offload(unit: str, layer: int | None, readers: list[Task]) -> list[Task]:
+        """What hands a unit's finished gradient to its optimizer: ``offload_grad`` tasks of a
+        streamed unit (one per staging chunk), or, for a resident unit, its last gradient
+        writers themselves (plus a ``grad_sq_norm`` when clipping needs the norm first)."""
+        if spec.is_resident(unit, layer):
+            if spec.grad_clip:
+                t = b.node(GradSqNorm, unit=unit, layer=layer)
+                for r in readers:
+                    b.dep(r, t)
+                offloads.append(t)
+            return list(readers)
         slot = grad_slot[(unit, layer)] if unit != "head" else head_grad
-        b.dep(slot, t, reads=True)
-        for r in readers:
-            b.dep(r, t)
-        offloads.append(t)
-        return t
+        chunks = [None] if not spec.staged else list(range(spec.chunks(unit, layer)))
+        out = []
+        for c in chunks:
+            t = b.node(OffloadGrad, unit=unit, layer=layer, chunk=c)
+            b.dep(slot, t, reads=True)
+            for r in readers:
+                b.dep(r, t)
+            offloads.append(t)
+            out.append(t)
+        return out
 
-    adam_after: list[tuple[Task, str, int | None]] = []
+    adam_after: list[tuple[list[Task], str, int | None]] = []
 
-    def adam(off: Task, unit: str, layer: int | None) -> None:
+    def adam(offs: list[Task], unit: str, layer: int | None) -> None:
         if spec.grad_clip:
-            adam_after.append((off, unit, layer))  # placed after the global norm
+            adam_after.append((offs, unit, layer))  # placed after the global norm
             return
-        t = b.node(CpuAdam, unit=unit, layer=layer)
-        b.dep(off, t)
-        if spec.tied and unit == "embed":
-            b.dep(head_offload, t)  # the tied matrix also has the head's gradient
+        adam_tasks(offs, unit, layer, norm=None)
+
+    def adam_tasks(offs: list[Task], unit: str, layer: int | None, norm: Task | None) -> None:
+        """``gpu_adam`` of a resident unit after all its gradient writers; ``cpu_adam`` of a
+        streamed one, per offloaded chunk (reading the chunk's staging slot when staged)."""
+        if spec.is_resident(unit, layer):
+            t = b.node(GpuAdam, unit=unit, layer=layer)
+            for off in offs:
+                b.dep(off, t)
+            after = [t]
+        else:
+            after = []
+            for off in offs:
+                t = b.node(CpuAdam, unit=unit, layer=layer, chunk=off.chunk)
+                b.dep(off, t, reads=off.takes is not None)
+                after.append(t)
+        for t in after:
+            if norm is not None:
+                b.dep(norm, t)
+            if spec.tied and unit == "embed" and not spec.is_resident(unit, layer):
+                for h in head_offload:
+                    b.dep(h, t)  # the tied matrix also has the head's gradient
 
     segments = [(c, min(c + k, L)) for c in range(0, L, k)]
 
@@ -209,7 +293,7 @@ def compile_step(spec: StepSpec, step: int = 0) -> nx.DiGraph:
             bwd_input[(c, m)] = fwd_input[(c, m)]
         grad_out[(L - 1, m)] = losses[m]
 
-    head_offload: Task | None = None
+    head_offload: list[Task] = []
     if layer_major:
         forward_pass(mbs, None)
         for i in range(L):
@@ -257,26 +341,27 @@ def compile_step(spec: StepSpec, step: int = 0) -> nx.DiGraph:
             b.dep(off, norm)
         # Bottom-up, so that the next step's forward can start as soon as possible.
         order = {"embed": -1, "layer": 0, "head": L}
-        for off, unit, layer in sorted(adam_after, key=lambda a: order[a[1]] + (a[2] or 0)):
-            t = b.node(CpuAdam, unit=unit, layer=layer)
-            b.dep(off, t)
-            b.dep(norm, t)
-            if spec.tied and unit == "embed":
-                b.dep(head_offload, t)
+        for offs, unit, layer in sorted(adam_after, key=lambda a: order[a[1]] + (a[2] or 0)):
+            adam_tasks(offs, unit, layer, norm=norm)
     return b.g
 
 
 def cross_step_edges(earlier: Iterable[Task], later: Iterable[Task], spec: StepSpec) -> list[tuple[Task, Task]]:
-    """The edges from one step's ``cpu_adam`` of each unit to every ``fetch`` of that unit in
-    a later step. With tied embeddings the head's fetch carries the embedding matrix, so it
-    waits for both. Executors that receive steps one at a time add these themselves."""
-    adams = {(t.unit, t.layer): t for t in earlier if isinstance(t, CpuAdam)}
+    """The edges from one step's Adam of each unit (every chunk's ``cpu_adam``, or its
+    ``gpu_adam``) to what reads that unit's weights in a later step: every ``fetch`` of a
+    streamed unit, every weight-reading task of a resident one. With tied embeddings the head
+    also reads the embedding matrix, so it waits for both. Executors that receive steps one at
+    a time add these themselves."""
+    adams: dict[tuple[str | None, int | None], list[Task]] = {}
+    for t in earlier:
+        if isinstance(t, (CpuAdam, GpuAdam)):
+            adams.setdefault((t.unit, t.layer), []).append(t)
     edges = []
     for t in later:
-        if isinstance(t, Fetch):
-            edges.append((adams[(t.unit, t.layer)], t))
+        if isinstance(t, Fetch) or (isinstance(t, WEIGHT_READERS) and spec.is_resident(t.unit, t.layer)):  # type: ignore[arg-type]
+            edges += [(a, t) for a in adams[(t.unit, t.layer)]]
             if spec.tied and t.unit == "head":
-                edges.append((adams[("embed", None)], t))
+                edges += [(a, t) for a in adams[("embed", None)]]
     return edges
 
 

@@ -1,7 +1,7 @@
 """Graphs as JSON: ``networkx.node_link_data`` with one plain dict per task.
 
 Every node carries ``kind``, ``layer``, ``micro_batch``, ``lane`` (and ``step``, ``unit``,
-``phase``, ``takes``, ``id``); every edge carries ``reads`` (the consumer reads the producer's
+``phase``, ``chunk``, ``takes``, ``id``); every edge carries ``reads`` (the consumer reads the producer's
 slot). :func:`graph_from_json` rebuilds the typed graph.
 """
 
@@ -16,7 +16,8 @@ from .tasks import task_from_dict, task_to_dict
 
 
 def _node_id(data: dict) -> str:
-    return "{kind}:{unit}:{layer}:{micro_batch}:{phase}:{step}".format(**data)
+    base = "{kind}:{unit}:{layer}:{micro_batch}:{phase}:{step}".format(**data)
+    return base if data.get("chunk") is None else f"{base}:c{data['chunk']}"
 
 
 def graph_to_json(graph: nx.DiGraph) -> dict:

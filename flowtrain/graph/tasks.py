@@ -18,6 +18,8 @@ every node of an exported graph has ``kind``, ``layer``, ``micro_batch`` and ``l
 - ``layer``: the decoder layer for per-layer tasks, ``None`` otherwise.
 - ``micro_batch``: for per-micro-batch tasks, ``None`` otherwise.
 - ``phase``: for ``fetch``, which pass the weights are fetched for.
+- ``chunk``: for ``offload_grad`` and ``cpu_adam`` under the staged gradient layout, which
+  piece of the unit's gradient passes through one host staging slot (``None`` otherwise).
 
 Each kind knows its **lane** (``h2d``, ``compute``, ``d2h`` or ``cpu``) and which buffer
 **pool** it takes a slot from (``takes``). A task that takes a slot holds it until every task
@@ -45,8 +47,12 @@ LANES: tuple[str, ...] = ("h2d", "compute", "d2h", "cpu")
 
 #: Buffer pools. ``weights``: slots that hold one unit's streamed weights on the device.
 #: ``grads``: device gradient accumulators, one unit each, held until offloaded.
+#: ``host_grads``: pinned host staging slots that a staged ``offload_grad`` fills and the
+#: ``cpu_adam`` of the same chunk reads (the 12-bytes-per-parameter layout keeps no
+#: per-unit host gradient).
 WEIGHTS = "weights"
 GRADS = "grads"
+HOST_GRADS = "host_grads"
 
 
 class Task(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
@@ -57,6 +63,7 @@ class Task(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
     layer: int | None = None
     micro_batch: int | None = None
     phase: str | None = None
+    chunk: int | None = None
 
     lane: ClassVar[str] = "compute"
     takes: ClassVar[str | None] = None
@@ -76,6 +83,8 @@ class Task(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
             parts.append(f"L{self.layer}")
         if self.micro_batch is not None:
             parts.append(f"m{self.micro_batch}")
+        if self.chunk is not None:
+            parts.append(f"c{self.chunk}")
         if self.phase is not None:
             parts.append(f"({self.phase})")
         if self.step:
@@ -128,9 +137,18 @@ class ZeroGrad(Task, tag="zero_grad"):
 
 
 class OffloadGrad(Task, tag="offload_grad"):
-    """Copy one unit's accumulated gradient to its host gradient buffer."""
+    """Copy one unit's accumulated gradient to its host gradient buffer, or (staged layout,
+    ``chunk`` set) one chunk of it into a host staging slot."""
 
     lane: ClassVar[str] = "d2h"
+
+    @property
+    def takes(self) -> str | None:  # type: ignore[override]
+        return HOST_GRADS if self.chunk is not None else None
+
+
+class GradSqNorm(Task, tag="grad_sq_norm"):
+    """Squared norm of a device-resident unit's gradient, for exact clipping."""
 
 
 class GradNorm(Task, tag="grad_norm"):
@@ -140,9 +158,15 @@ class GradNorm(Task, tag="grad_norm"):
 
 
 class CpuAdam(Task, tag="cpu_adam"):
-    """AdamW on one unit's fp32 master weights from its host gradient."""
+    """AdamW on one unit's fp32 master weights (or one chunk of them) from its host gradient."""
 
     lane: ClassVar[str] = "cpu"
+
+
+class GpuAdam(Task, tag="gpu_adam"):
+    """AdamW on a device-resident unit: its fp32 master and Adam state live in GPU memory, so
+    the update runs there; it then refreshes the unit's compute-dtype copy and zeroes its
+    gradient accumulator for the next step."""
 
 
 AnyTask = (
@@ -155,8 +179,10 @@ AnyTask = (
     | EmbedBackward
     | ZeroGrad
     | OffloadGrad
+    | GradSqNorm
     | GradNorm
     | CpuAdam
+    | GpuAdam
 )
 
 #: Every task class by its ``kind`` string.
@@ -172,10 +198,16 @@ KINDS: dict[str, type[Task]] = {
         EmbedBackward,
         ZeroGrad,
         OffloadGrad,
+        GradSqNorm,
         GradNorm,
         CpuAdam,
+        GpuAdam,
     )
 }
+
+#: Kinds whose work reads a unit's weights: the tasks of a device-resident unit that the next
+#: step must hold back until that unit's ``gpu_adam`` has updated them.
+WEIGHT_READERS: tuple[type[Task], ...] = (Embed, Forward, Loss, Recompute, Backward)
 
 
 def task_to_dict(task: Task) -> dict:
@@ -188,6 +220,6 @@ def task_to_dict(task: Task) -> dict:
 
 def task_from_dict(data: dict) -> Task:
     """Inverse of :func:`task_to_dict` (extra keys such as ``lane`` are ignored)."""
-    fields = {k: data.get(k) for k in ("step", "unit", "layer", "micro_batch", "phase")}
+    fields = {k: data.get(k) for k in ("step", "unit", "layer", "micro_batch", "phase", "chunk")}
     fields["step"] = fields["step"] or 0
     return KINDS[data["kind"]](**fields)

@@ -24,7 +24,7 @@ import msgspec
 import networkx as nx
 
 from ..errors import ConfigError, CycleError
-from ..graph.tasks import GRADS, WEIGHTS, Task
+from ..graph.tasks import GRADS, HOST_GRADS, WEIGHTS, Task
 
 
 class Proposal(msgspec.Struct, frozen=True):
@@ -92,6 +92,11 @@ def min_grad_slots(graph: nx.DiGraph) -> int:
     return 1
 
 
-def budgets(graph: nx.DiGraph, weights: int, grads: int) -> dict[str, int]:
-    """Slot budgets for a built-in policy: ``weights`` slots and at least ``grads`` accumulators."""
-    return {WEIGHTS: weights, GRADS: max(grads, min_grad_slots(graph))}
+def budgets(graph: nx.DiGraph, weights: int, grads: int, host_grads: int = 3) -> dict[str, int]:
+    """Slot budgets for a built-in policy: ``weights`` slots and at least ``grads`` accumulators,
+    plus ``host_grads`` host staging slots where the graph's gradients are staged (one chunk
+    in flight to the host while the CPU runs Adam on the one before, and one spare)."""
+    out = {WEIGHTS: weights, GRADS: max(grads, min_grad_slots(graph))}
+    if any(t.takes == HOST_GRADS for t in graph):
+        out[HOST_GRADS] = host_grads
+    return out

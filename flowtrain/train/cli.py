@@ -45,11 +45,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--checkpoint-every", type=int, default=1, help="keep a layer input every K layers; recompute the rest")
     a("--order", choices=["layer", "micro"], default="layer", help="micro-batch order (layer-major streams weights once)")
     a("--adam-workers", type=int, default=1, help="CPU threads running AdamW tasks concurrently")
+    add_memory_arguments(p)
+    a("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+      help="torch.compile the decoder layer (default backend: inductor)")
     a("--out", default=None, help="write the trained model here (Hugging Face format)")
     a("--overwrite", action="store_true", help="replace a non-empty --out directory")
     a("--metrics", default=None, help="write one JSON line per step here")
     a("--trace", default=None, help="write the executed tasks as Chrome trace JSON here")
     a("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
+
+
+def add_memory_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """The placement and memory options shared by ``train``, ``plan`` and ``bench --model``."""
+    a = p.add_argument
+    a("--layout", choices=["auto", "staged", "full", "stream-bf16"], default="auto",
+      help="host state layout: staged (12 B/param), full (16, needed by --grad-clip), stream-bf16 (14, "
+           "half the PCIe bytes); auto: staged, or full with --grad-clip")
+    a("--resident", default="auto", metavar="auto|none|UNITS",
+      help="units whose state lives on the GPU, Adam there: auto (the planner decides), none, or e.g. embed,head,layer.0")
+    a("--gpu-mem", type=float, default=None, metavar="GiB", help="cap on the GPU memory flowtrain takes (enforced)")
+    a("--host-mem", type=float, default=None, metavar="GiB", help="host memory to plan for (default: what is available)")
+    a("--chunk-tokens", type=int, default=None, help="tokens per loss chunk (default: planned)")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -61,7 +77,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         shuffle=not args.no_shuffle, precision=args.precision, device=args.device, policy=args.policy,
         checkpoint_every=args.checkpoint_every, order=args.order, adam_workers=args.adam_workers,
         out=args.out, overwrite=args.overwrite, metrics=args.metrics, trace=args.trace,
-        progress=False if args.no_progress else None,
+        progress=False if args.no_progress else None, layout=args.layout, resident=args.resident,
+        gpu_mem=args.gpu_mem, host_mem=args.host_mem, chunk_tokens=args.chunk_tokens, compile=args.compile,
     )
 
 

@@ -1,70 +1,149 @@
-"""Host state: what lives in host memory for every unit of the model.
+"""Model state: what every unit of the model keeps between steps, and where.
 
-Per unit (the embedding, each decoder layer, the head), all flat fp32:
+A *unit* is the embedding, one decoder layer, or the head. Each is either **streamed** (its
+state lives in host memory and its weights cross PCIe to the GPU for every pass) or
+**resident** (its state lives in device memory and its Adam runs there). Per unit, flat:
 
-- ``master``: the weights (pinned on a CUDA machine: it is what ``fetch`` copies to the GPU,
-  where it is cast to the compute dtype, so no separate streaming copy is kept),
-- ``exp_avg``, ``exp_avg_sq``: Adam's moments,
-- ``grad``: the gradient that ``offload_grad`` writes and ``cpu_adam`` reads (pinned on CUDA),
-- ``step``: Adam's step count.
+- ``master``: fp32 weights. Streamed: in host memory, pinned on a CUDA machine, since it is
+  what ``fetch`` copies to the GPU (cast there to the compute dtype) unless a streaming copy
+  exists. Resident: in device memory.
+- ``exp_avg``, ``exp_avg_sq``: Adam's fp32 moments, beside the master.
+- ``grad``: a whole fp32 gradient: pinned host memory in the ``full`` layout (what
+  ``offload_grad`` writes and ``cpu_adam`` reads), device memory for a resident unit (the
+  accumulator its backward adds into), absent in the ``staged`` layouts, where gradients pass
+  through a small ring of pinned staging slots owned by the step program instead.
+- ``stream``: only in the ``stream-bf16`` layout, a pinned compute-dtype copy of the master that
+  ``fetch`` copies (half the PCIe bytes of fp32) and ``cpu_adam`` refreshes after each update.
+- ``compute``: a resident unit's compute-dtype copy (the master itself when computing in fp32).
+- ``steps``: Adam's step count, one per gradient chunk (chunks are updated independently).
 
-That is 16 bytes per parameter. A state is built unit by unit, either from a seeded random
-initialisation or from a Hugging Face checkpoint, so the model never exists twice in memory::
+Host bytes per streamed parameter by layout:
 
-    state = HostState.create(cfg, pin=False)
-    state.init_random(seed=0)           # or state.load_checkpoint(model_dir)
+=============== ============================================== =====
+layout          host state                                     bytes
+=============== ============================================== =====
+``staged``      master, m, v (+ the shared staging ring)       12
+``full``        master, m, v, gradient                         16
+``stream-bf16`` master, m, v, bf16 copy (+ the staging ring)   14
+=============== ============================================== =====
+
+A state is built unit by unit, either from a seeded random initialisation or from a Hugging
+Face checkpoint, so the model never exists twice in memory::
+
+    state = HostState.create(cfg, pin=False)                    # everything streamed, full layout
+    state.init_random(seed=0)                                   # or state.load_checkpoint(model_dir)
+    state.refresh_copies()                                      # compute / stream copies from masters
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
+from typing import Iterable
 
 import torch
 
+from ..errors import ConfigError
 from .model import ModelConfig, UnitLayout, init_unit, load_into, model_layouts, save_hf
 
-BYTES_PER_PARAM = 16
+LAYOUTS = ("staged", "full", "stream-bf16")
+#: Host bytes per streamed parameter (master and Adam state, plus what the layout adds).
+LAYOUT_BYTES = {"staged": 12, "full": 16, "stream-bf16": 14}
 
 
-def pinned_zeros(n: int, pin: bool) -> torch.Tensor:
-    """A zeroed fp32 host tensor of ``n`` elements, page-locked when ``pin``.
+def pinned_zeros(n: int, pin: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A zeroed host tensor of ``n`` elements, page-locked when ``pin``.
 
     Pinning registers the tensor's own pages with CUDA (``cudaHostRegister``) rather than using
     torch's pinned allocator, which rounds every block up to a power of two (up to 2x the
     memory for layer-sized buffers)."""
-    t = torch.zeros(n, dtype=torch.float32)
-    if pin:
+    t = torch.zeros(n, dtype=dtype)
+    if pin and n > 0:
         rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
         if int(rc) != 0:  # fall back to torch's pinned allocator
-            t = torch.zeros(n, dtype=torch.float32, pin_memory=True)
+            t = torch.zeros(n, dtype=dtype, pin_memory=True)
     return t
 
 
+def staging_numel(layouts: Iterable[UnitLayout], resident: Iterable[str] = ()) -> int:
+    """Elements of one host staging slot: the largest streamed decoder layer (or, with no
+    streamed layer, the largest streamed unit). Bigger units pass through it in chunks."""
+    res = set(resident)
+    streamed = [lay for lay in layouts if lay.key not in res]
+    layers = [lay.numel for lay in streamed if lay.unit == "layer"]
+    return max(layers or [lay.numel for lay in streamed] or [0])
+
+
+def grad_chunks(layouts: Iterable[UnitLayout], resident: Iterable[str], stage_n: int) -> dict[str, int]:
+    """Staging chunks of every streamed unit larger than one staging slot."""
+    res = set(resident)
+    return {lay.key: math.ceil(lay.numel / stage_n) for lay in layouts
+            if lay.key not in res and stage_n and lay.numel > stage_n}
+
+
+def chunk_range(numel: int, stage_n: int, chunk: int | None) -> tuple[int, int]:
+    """``[lo, hi)`` of chunk ``chunk`` of a unit of ``numel`` elements (all of it for ``None``)."""
+    if chunk is None:
+        return 0, numel
+    lo = chunk * stage_n
+    return lo, min(numel, lo + stage_n)
+
+
 class UnitState:
-    """The flat host tensors of one unit."""
+    """The flat tensors of one unit; see the module docstring for each field."""
 
-    __slots__ = ("layout", "master", "exp_avg", "exp_avg_sq", "grad", "step")
+    __slots__ = ("layout", "master", "exp_avg", "exp_avg_sq", "grad", "stream", "compute", "steps", "resident")
 
-    def __init__(self, layout: UnitLayout, pin: bool) -> None:
+    def __init__(self, layout: UnitLayout, *, pin: bool, layout_name: str, resident: bool,
+                 device: torch.device, dtype: torch.dtype, chunks: int) -> None:
         n = layout.numel
         self.layout = layout
-        self.master = pinned_zeros(n, pin)
-        self.grad = pinned_zeros(n, pin)
+        self.resident = resident
+        self.stream: torch.Tensor | None = None
+        self.compute: torch.Tensor | None = None
+        if resident:
+            z = lambda dt=torch.float32: torch.zeros(n, dtype=dt, device=device)  # noqa: E731
+            self.master, self.exp_avg, self.exp_avg_sq, self.grad = z(), z(), z(), z()
+            self.compute = self.master if dtype == torch.float32 else z(dtype)
+            self.steps = [torch.zeros((), dtype=torch.float32, device=device)]
+            return
+        streams_copy = layout_name == "stream-bf16" and dtype != torch.float32
+        self.master = pinned_zeros(n, pin and not streams_copy)
+        if streams_copy:
+            self.stream = pinned_zeros(n, pin, dtype)
+        self.grad = pinned_zeros(n, pin) if layout_name == "full" else None
         self.exp_avg = torch.zeros(n, dtype=torch.float32)
         self.exp_avg_sq = torch.zeros(n, dtype=torch.float32)
-        self.step = torch.zeros((), dtype=torch.float32)
+        self.steps = [torch.zeros((), dtype=torch.float32) for _ in range(chunks)]
+
+    def refresh_copies(self, lo: int = 0, hi: int | None = None) -> None:
+        """Bring the compute / streaming copy of ``master[lo:hi]`` up to date."""
+        for copy in (self.compute, self.stream):
+            if copy is not None and copy is not self.master:
+                copy[lo:hi].copy_(self.master[lo:hi])
 
 
 class HostState:
-    """All units' host tensors, indexed like :func:`model_layouts` (embed, layers, head)."""
+    """All units' state, indexed like :func:`model_layouts` (embed, layers, head)."""
 
-    def __init__(self, cfg: ModelConfig, units: list[UnitState]) -> None:
+    def __init__(self, cfg: ModelConfig, units: list[UnitState], layout: str = "full") -> None:
         self.cfg = cfg
         self.units = units
+        self.layout = layout
 
     @classmethod
-    def create(cls, cfg: ModelConfig, *, pin: bool) -> "HostState":
-        return cls(cfg, [UnitState(layout, pin) for layout in model_layouts(cfg)])
+    def create(cls, cfg: ModelConfig, *, pin: bool, layout: str = "full", resident: Iterable[str] = (),
+               device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+               chunks: dict[str, int] | None = None) -> "HostState":
+        """Allocate every unit's state (zeros): ``resident`` unit keys on ``device``, the rest in
+        host memory in ``layout``; ``chunks`` gives the staging chunks of large units."""
+        if layout not in LAYOUTS:
+            raise ConfigError(f"--layout must be one of {', '.join(LAYOUTS)} (got {layout!r})")
+        res = set(resident)
+        chunks = chunks or {}
+        units = [UnitState(lay, pin=pin, layout_name=layout, resident=lay.key in res, device=torch.device(device),
+                           dtype=dtype, chunks=chunks.get(lay.key, 1)) for lay in model_layouts(cfg)]
+        return cls(cfg, units, layout)
 
     @property
     def layouts(self) -> list[UnitLayout]:
@@ -78,6 +157,10 @@ class HostState:
     def head(self) -> UnitState:
         return self.units[-1]
 
+    @property
+    def resident(self) -> tuple[str, ...]:
+        return tuple(u.layout.key for u in self.units if u.resident)
+
     def unit(self, unit: str, layer: int | None) -> UnitState:
         """The state of ``("embed", None)``, ``("layer", i)`` or ``("head", None)``."""
         if unit == "embed":
@@ -89,14 +172,21 @@ class HostState:
     def init_random(self, seed: int) -> None:
         for u in self.units:
             init_unit(u.master, u.layout, self.cfg, seed)
+        self.refresh_copies()
 
     def load_checkpoint(self, model_dir: str | Path) -> None:
         load_into(model_dir, self.cfg, self.layouts, [u.master for u in self.units])
+        self.refresh_copies()
+
+    def refresh_copies(self) -> None:
+        for u in self.units:
+            u.refresh_copies()
 
     def save(self, out_dir: str | Path) -> None:
         save_hf(out_dir, self.cfg, self.layouts, [u.master for u in self.units])
 
     @staticmethod
-    def nbytes(cfg: ModelConfig) -> int:
-        """Host bytes this state takes for ``cfg`` (padding included)."""
-        return sum(BYTES_PER_PARAM * lay.numel for lay in model_layouts(cfg))
+    def nbytes(cfg: ModelConfig, layout: str = "full") -> int:
+        """Host bytes of the per-unit state of ``cfg`` with every unit streamed (padding
+        included; the staging ring and other shared buffers are the plan's to count)."""
+        return sum(LAYOUT_BYTES[layout] * lay.numel for lay in model_layouts(cfg))

@@ -1,79 +1,146 @@
-"""The memory plan: host and GPU bytes of a training run, before anything is allocated.
+"""The memory plan: where every byte of a training run lives, decided before anything is allocated.
 
-``flowtrain train`` refuses a run whose plan does not fit; ``flowtrain plan`` prints it::
+``flowtrain train`` follows the plan and refuses a run that does not fit; ``flowtrain plan``
+prints it::
 
-    p = make_plan(cfg, seq_len=4096, micro_batch_size=4, micro_batches=4, dtype=torch.bfloat16,
-                  budgets={"weights": 2, "grads": 2}, checkpoint_every=1)
-    p.host_total, p.gpu_total       # bytes
+    req = RunRequest(seq_len=4096, batch_size=16, micro_batch_size=4, gpu_mem=10)
+    plan = plan_run(preset("llama-8b"), req, device=torch.device("cuda"), dtype=torch.bfloat16)
+    plan.fits, plan.host, plan.gpu, plan.spec.resident, plan.max_micro_batch
 
-Host (per unit, flat fp32): master, Adam m and v, gradient: 16 bytes per parameter.
-GPU: weight slots (fp32 landing buffer, plus a compute-dtype twin in bf16), gradient slots
-(fp32), layer-input checkpoints for every micro-batch of a pass, the working set of one
-layer's backward, and the chunked loss.
+What the plan decides:
+
+- **Layout** of the streamed units' host state (see ``host_state``): ``staged`` (12 bytes per
+  parameter: fp32 master and Adam m, v; gradients pass through a few pinned staging slots) by
+  default, ``full`` (16: a whole host gradient) where ``--grad-clip`` needs every gradient before
+  any update, ``stream-bf16`` (14: a pinned bf16 copy, half the PCIe bytes per fetch) on request.
+- **Placement**: on a GPU, which units are *resident* (state in GPU memory, Adam there). For
+  speed, the embedding and head (whose Adam and fetch sit at the step boundary) and the bottom
+  quarter of the layers (the first the next step's forward needs), as far as GPU memory allows;
+  for capacity, further layers while the host cannot hold the streamed state.
+- **Loss chunk** size: the largest (up to the default) whose logits fit the GPU budget.
+
+Host bytes: ``master`` (4 per streamed parameter), ``adam`` (8), ``gradients`` (4, full
+layout), ``streaming_copy`` (2, stream-bf16), ``staging`` (the ring), ``tied_gradient``, and
+``runtime`` (the Python process with torch loaded, measured). GPU bytes: ``weight_slots``,
+``landing`` (the fp32 piece buffer of casting fetches), ``grad_slots``, ``resident`` (master, m,
+v, gradient and compute copy: 18 bytes per parameter in bf16), ``checkpoints``, ``recompute``,
+``layer_work`` (one layer under autograd) and ``loss_chunks``. On a CPU-only run the GPU
+categories are host memory too.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from typing import Any
 
 import msgspec
 import torch
 
-from ..errors import PlanError
-from ..graph.compiler import StepSpec
-from ..graph.tasks import GRADS, WEIGHTS
+from ..errors import ConfigError
+from ..graph.compiler import StepSpec, compile_step
+from ..graph.tasks import GRADS, HOST_GRADS, WEIGHTS
+from .host_state import LAYOUT_BYTES, LAYOUTS, grad_chunks, staging_numel
 from .model import ModelConfig, default_chunk_tokens, model_layouts
+from .program import LANDING_NUMEL
 
 GiB = 2**30
+#: Host memory of the process itself (interpreter, torch, flowtrain), measured: ``flowtrain
+#: bench`` of a tiny model peaks at about this much above its state.
+RUNTIME_HOST = {"cpu": int(0.45 * GiB), "cuda": int(3.0 * GiB)}
+#: Fraction of the GPU budget the plan fills: the caching allocator needs room to round and split.
+GPU_FILL = 0.92
+#: Fraction of the host budget the plan fills: page cache, the data set, pinned-page bookkeeping.
+HOST_FILL = 0.95
+
+
+class RunRequest(msgspec.Struct, kw_only=True):
+    """What the user asked for (the planning-relevant part of ``TrainConfig``)."""
+
+    seq_len: int
+    batch_size: int
+    micro_batch_size: int
+    checkpoint_every: int = 1
+    order: str = "layer"
+    grad_clip: bool = False
+    layout: str = "auto"
+    resident: str = "auto"
+    gpu_mem: float | None = None  # GiB
+    host_mem: float | None = None  # GiB
+    chunk_tokens: int | None = None
+
+
+def run_request(cfg: Any) -> RunRequest:
+    """The request of a ``TrainConfig`` (or anything with the same attributes)."""
+    return RunRequest(seq_len=cfg.seq_len, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size,
+                      checkpoint_every=cfg.checkpoint_every, order=cfg.order, grad_clip=cfg.grad_clip is not None,
+                      layout=cfg.layout, resident=cfg.resident, gpu_mem=cfg.gpu_mem, host_mem=cfg.host_mem,
+                      chunk_tokens=cfg.chunk_tokens)
 
 
 class Plan(msgspec.Struct, kw_only=True):
+    device: str
+    params: int
+    layout: str
+    spec: StepSpec
+    budgets: dict[str, int]
+    chunk_tokens: int
     host: dict[str, int]
     gpu: dict[str, int]
+    host_limit: int | None
+    gpu_limit: int | None
+    max_micro_batch: int | None = None
+    suggestions: list[str] = msgspec.field(default_factory=list)
 
     @property
     def host_total(self) -> int:
-        return sum(self.host.values())
+        return sum(self.host.values()) + (self.gpu_total if self.device == "cpu" else 0)
 
     @property
     def gpu_total(self) -> int:
         return sum(self.gpu.values())
 
+    @property
+    def host_state_bytes_per_param(self) -> float:
+        """Host bytes of model and optimizer state (runtime excluded) per model parameter."""
+        return (sum(self.host.values()) - self.host.get("runtime", 0)) / self.params
 
-def make_plan(cfg: ModelConfig, *, seq_len: int, micro_batch_size: int, micro_batches: int, dtype: torch.dtype,
-              budgets: dict[str, int], checkpoint_every: int,
-              chunk_tokens: int | None = None) -> Plan:
-    layouts = model_layouts(cfg)
-    params = sum(lay.numel for lay in layouts)
-    slot_n = max(lay.numel for lay in layouts)
-    if cfg.tie_word_embeddings:
-        slot_n = max(slot_n, layouts[-1].numel + layouts[0].numel)
-    cbytes = torch.empty((), dtype=dtype).element_size()
-    host = {"master": 4 * params, "adam": 8 * params, "gradients": 4 * params}
-    if cfg.tie_word_embeddings:
-        host["tied_gradient"] = 4 * layouts[0].numel
-    tokens = micro_batch_size * seq_len
-    hidden = tokens * cfg.hidden_size * cbytes
-    checkpoints = math.ceil(cfg.num_layers / checkpoint_every) * micro_batches * hidden
-    q = cfg.num_heads * cfg.head_dim
-    kv = cfg.num_kv_heads * cfg.head_dim
-    # One layer under autograd: its saved tensors and the gradients flowing back.
-    layer_work = tokens * cbytes * (6 * cfg.hidden_size + 2 * q + 4 * kv + 4 * cfg.intermediate_size)
-    layer_work += 4 * slot_n  # the fp32 weight gradient before accumulation (upper bound)
-    chunk = min(chunk_tokens or default_chunk_tokens(cfg.vocab_size), tokens)
-    loss = 3 * chunk * cfg.vocab_size * 4 + 2 * hidden
-    gpu = {
-        "weight_slots": budgets[WEIGHTS] * slot_n * (4 + (cbytes if cbytes != 4 else 0)),
-        "grad_slots": budgets[GRADS] * slot_n * 4,
-        "checkpoints": checkpoints,
-        "recompute": (checkpoint_every - 1) * micro_batches * hidden,
-        "layer_work": layer_work,
-        "loss_chunks": loss,
-    }
-    return Plan(host=host, gpu=gpu)
+    @property
+    def host_fits(self) -> bool:
+        return self.host_limit is None or self.host_total <= self.host_limit
+
+    @property
+    def gpu_fits(self) -> bool:
+        return self.device == "cpu" or self.gpu_limit is None or self.gpu_total <= self.gpu_limit
+
+    @property
+    def fits(self) -> bool:
+        return self.host_fits and self.gpu_fits
+
+    def refusal(self) -> str:
+        """One line: what does not fit, by how much, and what would make it fit."""
+        parts = []
+        if not self.host_fits:
+            parts.append(f"host memory: needs {self.host_total / GiB:.1f} GiB, {self.host_limit / GiB:.1f} GiB usable")  # type: ignore[operator]
+        if not self.gpu_fits:
+            parts.append(f"GPU memory: needs {self.gpu_total / GiB:.1f} GiB, {self.gpu_limit / GiB:.1f} GiB usable")  # type: ignore[operator]
+        fix = "; ".join(self.suggestions) or "use a smaller model"
+        return f"the run does not fit ({'; '.join(parts)}); {fix} (see `flowtrain plan`)"
+
+    def to_dict(self) -> dict:
+        return {
+            "device": self.device, "params": self.params, "layout": self.layout,
+            "resident": list(self.spec.resident), "budgets": self.budgets, "chunk_tokens": self.chunk_tokens,
+            "grad_chunks": self.spec.grad_chunks,
+            "host": self.host, "gpu": self.gpu, "host_total": self.host_total, "gpu_total": self.gpu_total,
+            "host_limit": self.host_limit, "gpu_limit": self.gpu_limit,
+            "host_state_bytes_per_param": round(self.host_state_bytes_per_param, 3),
+            "fits": self.fits, "host_fits": self.host_fits, "gpu_fits": self.gpu_fits,
+            "max_micro_batch": self.max_micro_batch, "suggestions": self.suggestions,
+        }
 
 
+# ---- limits -------------------------------------------------------------------------------
 def host_available() -> int | None:
     """Bytes of host memory available now (MemAvailable), or None where unknown."""
     try:
@@ -89,24 +156,202 @@ def host_available() -> int | None:
         return None
 
 
-def check_fits(cfg: ModelConfig, device: torch.device, dtype: torch.dtype, seq_len: int, micro_batch_size: int,
-               spec: StepSpec, budgets: dict[str, int]) -> Plan:
-    """Raise :class:`PlanError` (before anything is allocated) if the run cannot fit."""
-    plan = make_plan(cfg, seq_len=seq_len, micro_batch_size=micro_batch_size, micro_batches=spec.micro_batches,
-                     dtype=dtype, budgets=budgets, checkpoint_every=spec.checkpoint_every)
-    avail = host_available()
-    host_need = plan.host_total + (plan.gpu_total if device.type == "cpu" else 0)
-    if avail is not None and host_need > avail:
-        raise PlanError(
-            f"the model needs {host_need / GiB:.1f} GiB of host memory "
-            f"({plan.host_total / GiB:.1f} GiB of weights, Adam state and gradients), but only "
-            f"{avail / GiB:.1f} GiB is available; use a smaller model"
-        )
-    if device.type == "cuda":
+def _limits(req: RunRequest, device: torch.device) -> tuple[int | None, int | None]:
+    host = int(req.host_mem * GiB) if req.host_mem is not None else host_available()
+    gpu = None
+    if req.gpu_mem is not None:
+        gpu = int(req.gpu_mem * GiB)
+    elif device.type == "cuda" and torch.cuda.is_available():
         free, _ = torch.cuda.mem_get_info(device)
-        if plan.gpu_total > free:
-            raise PlanError(
-                f"the run needs about {plan.gpu_total / GiB:.1f} GiB of GPU memory but {free / GiB:.1f} GiB is free; "
-                f"lower --micro-batch-size or --seq-len, or raise --checkpoint-every"
-            )
+        gpu = int(free)
+    if req.gpu_mem is not None and device.type == "cuda" and torch.cuda.is_available():
+        free, _ = torch.cuda.mem_get_info(device)
+        gpu = min(gpu, int(free))  # type: ignore[type-var]
+    return (None if host is None else int(host * HOST_FILL)), (None if gpu is None else int(gpu * GPU_FILL))
+
+
+def cap_gpu_memory(device: torch.device, gib: float) -> None:
+    """Enforce ``--gpu-mem``: the caching allocator refuses to grow this process past it."""
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * GiB / total), device)
+
+
+# ---- the byte counts ----------------------------------------------------------------------
+def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch.dtype, layout: str,
+           resident: tuple[str, ...], budgets: dict[str, int], chunk_tokens: int) -> tuple[dict, dict]:
+    layouts = model_layouts(cfg)
+    res = set(resident)
+    streamed = [lay for lay in layouts if lay.key not in res]
+    streamed_n = sum(lay.numel for lay in streamed)
+    resident_n = sum(lay.numel for lay in layouts if lay.key in res)
+    embed_n = layouts[0].numel
+    cbytes = torch.empty((), dtype=dtype).element_size()
+    tied_streamed = cfg.tie_word_embeddings and "head" not in res
+    slot_n = max((lay.numel for lay in streamed), default=0)
+    if tied_streamed:
+        slot_n = max(slot_n, layouts[-1].numel + embed_n)
+    stage_n = staging_numel(layouts, resident)
+
+    host = {"master": 4 * streamed_n, "adam": 8 * streamed_n}
+    if layout == "full":
+        host["gradients"] = 4 * streamed_n
+    else:
+        host["staging"] = budgets.get(HOST_GRADS, 0) * stage_n * 4
+    if layout == "stream-bf16" and cbytes != 4:
+        host["streaming_copy"] = cbytes * streamed_n
+    if tied_streamed:
+        host["tied_gradient"] = 4 * embed_n
+    host["runtime"] = RUNTIME_HOST["cuda" if device.type == "cuda" else "cpu"]
+
+    M = req.batch_size // req.micro_batch_size
+    tokens = req.micro_batch_size * req.seq_len
+    hidden = tokens * cfg.hidden_size * cbytes
+    live_mbs = M if req.order == "layer" else 1
+    k = req.checkpoint_every
+    q = cfg.num_heads * cfg.head_dim  # type: ignore[operator]
+    kv = cfg.num_kv_heads * cfg.head_dim  # type: ignore[operator]
+    layer_n = max((lay.numel for lay in layouts if lay.unit == "layer"), default=0)
+    # One layer under autograd: its saved tensors, the gradients flowing back, and its weight
+    # gradient in the compute dtype before it is added to the fp32 accumulator.
+    layer_work = tokens * cbytes * (6 * cfg.hidden_size + 2 * q + 4 * kv + 4 * cfg.intermediate_size)
+    layer_work += cbytes * layer_n
+    chunk = min(chunk_tokens, tokens)
+    casting = cbytes != 4 and layout != "stream-bf16" and slot_n > 0
+    resident_per = 16 + (cbytes if cbytes != 4 else 0)
+    gpu = {
+        "weight_slots": budgets[WEIGHTS] * slot_n * cbytes,
+        "landing": 4 * min(slot_n, LANDING_NUMEL) if casting else 0,
+        "grad_slots": budgets[GRADS] * slot_n * 4,
+        "resident": resident_per * resident_n,
+        "checkpoints": math.ceil(cfg.num_layers / k) * live_mbs * hidden,
+        "recompute": (k - 1) * live_mbs * hidden,
+        "layer_work": layer_work,
+        # fp32 logits and their softmax in place, the bf16 gradient, the head's gradient
+        # before accumulation, and the micro-batch's hidden-state gradient.
+        "loss_chunks": chunk * cfg.vocab_size * (4 + 4 + cbytes) + 2 * hidden
+        + cbytes * cfg.vocab_size * cfg.hidden_size,
+    }
+    return host, gpu
+
+
+# ---- the decision -------------------------------------------------------------------------
+def _layout(req: RunRequest) -> str:
+    if req.layout == "auto":
+        return "full" if req.grad_clip else "staged"
+    if req.layout not in LAYOUTS:
+        raise ConfigError(f"--layout must be auto or one of {', '.join(LAYOUTS)} (got {req.layout!r})")
+    return req.layout
+
+
+def _explicit_resident(req: RunRequest, cfg: ModelConfig) -> tuple[str, ...] | None:
+    if req.resident == "auto":
+        return None
+    if req.resident in ("none", ""):
+        return ()
+    keys = tuple(k.strip() for k in req.resident.split(",") if k.strip())
+    valid = {"embed", "head", *(f"layer.{i}" for i in range(cfg.num_layers))}
+    bad = [k for k in keys if k not in valid]
+    if bad:
+        raise ConfigError(f"--resident: {bad} are not units of this model (embed, head, layer.0..layer.{cfg.num_layers - 1})")
+    return keys
+
+
+def _candidates(cfg: ModelConfig) -> list[tuple[str, ...]]:
+    """Residency steps in the order the planner takes them: embedding and head together, then
+    layers bottom-up."""
+    return [("embed", "head"), *((f"layer.{i}",) for i in range(cfg.num_layers))]
+
+
+def _make(cfg, req, device, dtype, policy, layout, resident, chunk_tokens) -> Plan:
+    from ..policy import resolve_policy
+
+    spec = _spec(cfg, req, layout, resident)
+    budgets = dict(resolve_policy(policy).propose(compile_step(spec)).budgets)
+    host, gpu = _bytes(cfg, req, device, dtype, layout, resident, budgets, chunk_tokens)
+    params = sum(lay.numel for lay in model_layouts(cfg))
+    return Plan(device=device.type, params=params, layout=layout, spec=spec, budgets=budgets,
+                chunk_tokens=chunk_tokens, host=host, gpu=gpu, host_limit=None, gpu_limit=None)
+
+
+def _spec(cfg: ModelConfig, req: RunRequest, layout: str, resident: tuple[str, ...]) -> StepSpec:
+    layouts = model_layouts(cfg)
+    staged = layout != "full"
+    chunks = grad_chunks(layouts, resident, staging_numel(layouts, resident)) if staged else {}
+    return StepSpec(layers=cfg.num_layers, micro_batches=req.batch_size // req.micro_batch_size,
+                    checkpoint_every=req.checkpoint_every, order=req.order, tied=cfg.tie_word_embeddings,
+                    grad_clip=req.grad_clip, resident=resident, staged=staged, grad_chunks=chunks).validate()
+
+
+def _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
+    layout = _layout(req)
+    explicit = _explicit_resident(req, cfg)
+    default_chunk = req.chunk_tokens or default_chunk_tokens(cfg.vocab_size)
+
+    def build(resident: tuple[str, ...]) -> Plan:
+        chunk = default_chunk
+        p = _make(cfg, req, device, dtype, policy, layout, resident, chunk)
+        while (req.chunk_tokens is None and gpu_limit is not None and p.gpu_total > gpu_limit and chunk > 256):
+            chunk = max(256, chunk // 2)  # smaller loss chunks before giving up on the GPU
+            p = _make(cfg, req, device, dtype, policy, layout, resident, chunk)
+        p.host_limit, p.gpu_limit = host_limit, gpu_limit
+        return p
+
+    if explicit is not None or device.type != "cuda":
+        return build(explicit or ())
+    resident: tuple[str, ...] = ()
+    plan = build(resident)
+    steps = _candidates(cfg)
+    speed_steps = 1 + math.ceil(cfg.num_layers / 4)
+    for i, add in enumerate(steps):
+        if i >= speed_steps and plan.host_fits:
+            break  # past the speed set, residency is only for capacity
+        trial = build(resident + add)
+        if not trial.gpu_fits:
+            if i == 0:
+                continue  # embedding and head do not fit: layers may still
+            break
+        resident, plan = resident + add, trial
     return plan
+
+
+def plan_run(cfg: ModelConfig, req: RunRequest, *, device: torch.device, dtype: torch.dtype,
+             policy: Any = "double_buffer") -> Plan:
+    """The plan for ``req`` on ``device``, with the largest micro-batch that fits and, if the run
+    does not fit, what would."""
+    if req.batch_size < 1 or req.micro_batch_size < 1 or req.batch_size % req.micro_batch_size:
+        raise ConfigError(f"--micro-batch-size {req.micro_batch_size} does not divide --batch-size {req.batch_size}")
+    host_limit, gpu_limit = _limits(req, device)
+    plan = _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit)
+    divisors = [b for b in range(req.batch_size, 0, -1) if req.batch_size % b == 0]
+    for b in divisors:
+        trial = plan if b == req.micro_batch_size else _plan_once(
+            cfg, msgspec.structs.replace(req, micro_batch_size=b), device, dtype, policy, host_limit, gpu_limit)
+        if trial.fits:
+            plan.max_micro_batch = b
+            break
+    plan.suggestions = _suggest(plan, cfg, req)
+    return plan
+
+
+def _suggest(plan: Plan, cfg: ModelConfig, req: RunRequest) -> list[str]:
+    out = []
+    if not plan.host_fits:
+        if plan.layout == "full" and not req.grad_clip:
+            out.append("use --layout staged (12 bytes per parameter instead of 16)")
+        if req.grad_clip:
+            out.append("drop --grad-clip so gradients can be staged (12 bytes per parameter instead of 16)")
+        if plan.device == "cuda":
+            out.append("give the GPU more room for resident layers (--gpu-mem, a smaller --micro-batch-size)")
+        need = plan.host_total / GiB
+        out.append(f"run where about {need / HOST_FILL:.0f} GiB of host memory is free")
+    if not plan.gpu_fits:
+        if plan.max_micro_batch is not None and plan.max_micro_batch < req.micro_batch_size:
+            out.append(f"use --micro-batch-size {plan.max_micro_batch} (the largest that fits)")
+        elif req.micro_batch_size > 1:
+            out.append("lower --micro-batch-size or --seq-len")
+        if req.checkpoint_every > 1:
+            out.append("use --checkpoint-every 1 (less recompute memory)")
+        if plan.spec.resident:
+            out.append("keep fewer units resident (--resident none)")
+        out.append("use --policy sequential (one weight slot)")
+    return out

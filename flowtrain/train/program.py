@@ -10,18 +10,29 @@ does. :class:`StepProgram` is the callable the engine runs for every task::
 
 Device buffers, allocated once:
 
-- weight slots: ``budgets["weights"]`` flat fp32 buffers that ``fetch`` fills from the pinned
-  fp32 masters, plus (in bf16) a compute-dtype twin that the fetch casts into on its own lane,
+- weight slots: ``budgets["weights"]`` flat compute-dtype buffers. ``fetch`` fills one from the
+  unit's host copy: the pinned bf16 streaming copy where the layout keeps one, otherwise the
+  pinned fp32 master, piece by piece through a small fp32 landing buffer and cast on the
+  device, on the fetch's own lane (so a slot costs 2 bytes per parameter in bf16, not 6),
 - gradient slots: ``budgets["grads"]`` flat fp32 accumulators,
 - activations: a dict keyed ``(step, layer, micro_batch)``; the input of layer ``i`` is kept
   from the forward pass when ``i % checkpoint_every == 0`` and rebuilt by ``recompute``
   otherwise.
 
+Host buffers: in the staged layouts, ``budgets["host_grads"]`` pinned staging slots, each the
+size of the largest streamed layer; ``offload_grad`` of chunk ``c`` copies that piece of the
+unit's gradient into one, and ``cpu_adam`` of the same chunk updates the matching piece of the
+master from it.
+
+A resident unit (``state.unit(...).resident``) has no slots: its tasks read its own device
+copies, its backward accumulates into its own device gradient, and ``gpu_adam`` updates it.
+
 A layer's backward re-runs it under autograd from its saved input and takes the gradient with
 respect to the input and to the *flat* weight leaf, which is one contiguous tensor ready to be
 accumulated and offloaded in a single copy. With tied embeddings the head's slot holds the
 final norm followed by the embedding matrix, and its gradient slot likewise; the embedding's
-Adam adds the head's part of the tied gradient before stepping.
+Adam adds the head's part of the tied gradient before stepping. (Resident and tied, the head
+reads the embedding's own copy and adds into the embedding's own gradient.)
 """
 
 from __future__ import annotations
@@ -34,6 +45,7 @@ import torch
 from ..errors import ConfigError
 from ..graph.tasks import (
     GRADS,
+    HOST_GRADS,
     WEIGHTS,
     Backward,
     CpuAdam,
@@ -41,7 +53,9 @@ from ..graph.tasks import (
     EmbedBackward,
     Fetch,
     Forward,
+    GpuAdam,
     GradNorm,
+    GradSqNorm,
     Loss,
     OffloadGrad,
     Recompute,
@@ -49,7 +63,7 @@ from ..graph.tasks import (
     ZeroGrad,
 )
 from ..runtime.executor import TaskContext
-from .host_state import HostState, UnitState, pinned_zeros
+from .host_state import HostState, UnitState, chunk_range, pinned_zeros, staging_numel
 from .model import bind, decoder_layer, embed, head_loss_and_grads, rope_tables
 from .optimizer import AdamWConfig, adamw_step, clip_coefficient
 
@@ -63,10 +77,15 @@ class _StepData:
         self.n_targets = n_targets
         self.lr = lr
         self.loss: torch.Tensor | None = None
-        self.sq_norms: dict[str, torch.Tensor] = {}  # unit key -> squared grad norm (device)
+        self.sq_norms: dict[tuple[str, int | None], torch.Tensor] = {}  # (unit key, chunk) -> squared grad norm
         self.clip: torch.Tensor | None = None  # clip coefficient, once known
         self.total_norm: float | None = None
         self.tied_summed = False
+
+
+#: Elements of the fp32 landing buffer that fetches of fp32 masters pass through on their way
+#: to a bf16 slot (64 MiB): large enough that each piece's copy runs at full PCIe speed.
+LANDING_NUMEL = 16 << 20
 
 
 class StepProgram:
@@ -83,6 +102,7 @@ class StepProgram:
         budgets: dict[str, int],
         adamw: AdamWConfig,
         chunk_tokens: int | None = None,
+        compile_backend: str | None = None,
     ) -> None:
         self.state = state
         self.cfg = state.cfg
@@ -94,17 +114,18 @@ class StepProgram:
         self.tied = self.cfg.tie_word_embeddings
         self.head_n = state.head.layout.numel
         embed_n = state.embed.layout.numel
-        slot_n = max(u.layout.numel for u in state.units)
-        if self.tied:
+        streamed = [u.layout.numel for u in state.units if not u.resident]
+        slot_n = max(streamed, default=0)
+        if self.tied and not state.head.resident:
             slot_n = max(slot_n, self.head_n + embed_n)
             self.tied_grad = pinned_zeros(embed_n, self._pin)
-        on_gpu = self.device.type == "cuda"
-        self.weight_f32 = [torch.empty(slot_n, dtype=torch.float32, device=self.device) for _ in range(budgets[WEIGHTS])]
-        if dtype == torch.float32:
-            self.weight_c = self.weight_f32
-        else:
-            self.weight_c = [torch.empty(slot_n, dtype=dtype, device=self.device) for _ in range(budgets[WEIGHTS])]
+        self.weight_c = [torch.empty(slot_n, dtype=dtype, device=self.device) for _ in range(budgets[WEIGHTS])]
+        needs_landing = dtype != torch.float32 and any(u.stream is None for u in state.units if not u.resident)
+        self.landing = torch.empty(min(slot_n, LANDING_NUMEL) if needs_landing else 0, dtype=torch.float32,
+                                   device=self.device)
         self.grad_slots = [torch.empty(slot_n, dtype=torch.float32, device=self.device) for _ in range(budgets[GRADS])]
+        self.stage_n = staging_numel(state.layouts, state.resident)
+        self.staging = [pinned_zeros(self.stage_n, self._pin) for _ in range(budgets.get(HOST_GRADS, 0))]
         self.cos, self.sin = rope_tables(self.cfg, seq_len, self.device, dtype)
         self.acts: dict[tuple[int, int, int], torch.Tensor] = {}
         self.dacts: dict[tuple[int, int, int], torch.Tensor] = {}
@@ -112,7 +133,11 @@ class StepProgram:
         self.dev_targets: dict[tuple[int, int], torch.Tensor] = {}
         self.steps: dict[int, _StepData] = {}
         self._lock = threading.Lock()
-        self._non_blocking = on_gpu
+        self._non_blocking = self.device.type == "cuda"
+        #: the decoder layer, compiled by torch.compile (``compile_backend``, e.g. "inductor")
+        #: so norms, rotary and SwiGLU fuse; forward, recompute and backward share it.
+        self.layer_fn = decoder_layer if compile_backend is None else torch.compile(
+            decoder_layer, backend=compile_backend, dynamic=False)
 
     @property
     def _pin(self) -> bool:
@@ -142,26 +167,30 @@ class StepProgram:
             case Fetch():
                 return self._fetch(task, ctx.slot)  # type: ignore[arg-type]
             case Embed():
-                return self._embed(task, ctx.read(WEIGHTS))
-            case Forward():
-                return self._forward(task, ctx.read(WEIGHTS))
+                return self._embed(task, ctx)
+            case Forward() | Recompute():
+                return self._forward(task, ctx)
             case Loss():
-                return self._loss(task, ctx.read(WEIGHTS), ctx.read(GRADS))
-            case Recompute():
-                return self._recompute(task, ctx.read(WEIGHTS))
+                return self._loss(task, ctx)
             case Backward():
-                return self._backward(task, ctx.read(WEIGHTS), ctx.read(GRADS))
+                return self._backward(task, ctx)
             case EmbedBackward():
-                return self._embed_backward(task, ctx.read(GRADS))
+                return self._embed_backward(task, ctx)
             case ZeroGrad():
                 self.grad_slots[ctx.slot][: self._unit(task).layout.numel + self._tied_extra(task)].zero_()  # type: ignore[index]
                 return None
             case OffloadGrad():
-                return self._offload(task, ctx.read(GRADS))
+                return self._offload(task, ctx)
+            case GradSqNorm():
+                unit = self._unit(task)
+                self.steps[task.step].sq_norms[(unit.layout.key, None)] = unit.grad[: unit.layout.numel].square().sum()
+                return None
             case GradNorm():
                 return self._grad_norm(task)
             case CpuAdam():
-                return self._adam(task)
+                return self._cpu_adam(task, ctx)
+            case GpuAdam():
+                return self._gpu_adam(task)
         raise ConfigError(f"the training program cannot run task kind {task.kind!r}")
 
     # ---- helpers --------------------------------------------------------------------------
@@ -171,8 +200,14 @@ class StepProgram:
     def _tied_extra(self, task: Task) -> int:
         return self.state.embed.layout.numel if (self.tied and task.unit == "head") else 0
 
-    def _weights(self, slot: int, unit: UnitState) -> dict[str, torch.Tensor]:
-        return bind(self.weight_c[slot], unit.layout)
+    def _weights(self, unit: UnitState, ctx: TaskContext) -> torch.Tensor:
+        """The flat compute-dtype weights a task reads: the unit's own copy if resident, else
+        the weight slot it was given."""
+        return unit.compute if unit.resident else self.weight_c[ctx.read(WEIGHTS)]  # type: ignore[return-value]
+
+    def _grads(self, unit: UnitState, ctx: TaskContext) -> torch.Tensor:
+        """The flat fp32 gradient accumulator a task adds into (own if resident, else its slot)."""
+        return unit.grad if unit.resident else self.grad_slots[ctx.read(GRADS)]  # type: ignore[return-value]
 
     def _tied_matrix(self, buf: torch.Tensor) -> torch.Tensor:
         e = self.state.embed.layout.entries[0]
@@ -180,65 +215,86 @@ class StepProgram:
 
     # ---- task bodies ----------------------------------------------------------------------
     def _fetch(self, task: Fetch, slot: int) -> int:
-        unit = self._unit(task)
-        n = unit.layout.numel
-        dst = self.weight_f32[slot]
-        dst[:n].copy_(unit.master, non_blocking=self._non_blocking)
-        if self.tied and task.unit == "head":
-            m = self.state.embed.layout.numel
-            dst[n : n + m].copy_(self.state.embed.master, non_blocking=self._non_blocking)
-            n += m
-        if self.weight_c is not self.weight_f32:
-            self.weight_c[slot][:n].copy_(dst[:n])  # cast on the device, on this lane
-        return 4 * n
+        units = [self._unit(task)] + ([self.state.embed] if self.tied and task.unit == "head" else [])
+        dst = self.weight_c[slot]
+        moved = off = 0
+        for unit in units:
+            n = unit.layout.numel
+            moved += self._stream_in(unit, dst[off : off + n])
+            off += n
+        return moved
 
-    def _embed(self, task: Embed, slot: int) -> None:
+    def _stream_in(self, unit: UnitState, dst: torch.Tensor) -> int:
+        """Copy a streamed unit's weights from host memory into ``dst`` (compute dtype, on the
+        device); returns the bytes that crossed PCIe."""
+        nb = self._non_blocking
+        if unit.stream is not None:
+            dst.copy_(unit.stream, non_blocking=nb)
+            return unit.stream.numel() * unit.stream.element_size()
+        if dst.dtype == torch.float32:
+            dst.copy_(unit.master, non_blocking=nb)
+        else:  # fp32 pieces through the landing buffer, cast on the device, all on this lane
+            piece = self.landing.numel()
+            for lo in range(0, dst.numel(), piece):
+                hi = min(dst.numel(), lo + piece)
+                land = self.landing[: hi - lo]
+                land.copy_(unit.master[lo:hi], non_blocking=nb)
+                dst[lo:hi].copy_(land)
+        return 4 * dst.numel()
+
+    def _embed(self, task: Embed, ctx: TaskContext) -> None:
         s, m = task.step, task.micro_batch
         data = self.steps[s]
         ids = data.ids[m].to(self.device, non_blocking=self._non_blocking)  # type: ignore[index]
         self.dev_ids[(s, m)] = ids  # type: ignore[index]
-        w = self._weights(slot, self.state.embed)["embed_tokens"]
+        embed_state = self.state.embed
+        w = bind(self._weights(embed_state, ctx), embed_state.layout)["embed_tokens"]
         self.acts[(s, 0, m)] = embed(ids, w)  # type: ignore[index]
 
     def _layer_input(self, s: int, i: int, m: int, keep: bool) -> torch.Tensor:
         return self.acts[(s, i, m)] if keep else self.acts.pop((s, i, m))
 
     @torch.no_grad()
-    def _forward(self, task: Forward, slot: int) -> None:
+    def _forward(self, task: Forward | Recompute, ctx: TaskContext) -> None:
+        """A layer's forward pass; as ``recompute`` (in backward) its input is always kept."""
         s, i, m = task.step, task.layer, task.micro_batch
-        x = self._layer_input(s, i, m, keep=i % self.k == 0)  # type: ignore[operator, arg-type]
-        w = self._weights(slot, self.state.unit("layer", i))
-        self.acts[(s, i + 1, m)] = decoder_layer(x, w, self.cos, self.sin, self.cfg)  # type: ignore[operator, index]
+        keep = isinstance(task, Recompute) or i % self.k == 0  # type: ignore[operator]
+        x = self._layer_input(s, i, m, keep=keep)  # type: ignore[arg-type]
+        unit = self.state.unit("layer", i)
+        w = bind(self._weights(unit, ctx), unit.layout)
+        self.acts[(s, i + 1, m)] = self.layer_fn(x, w, self.cos, self.sin, self.cfg)  # type: ignore[operator, index]
 
-    @torch.no_grad()
-    def _recompute(self, task: Recompute, slot: int) -> None:
-        s, j, m = task.step, task.layer, task.micro_batch
-        w = self._weights(slot, self.state.unit("layer", j))
-        self.acts[(s, j + 1, m)] = decoder_layer(self.acts[(s, j, m)], w, self.cos, self.sin, self.cfg)  # type: ignore[operator, index]
+    def _head_tensors(self, ctx: TaskContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(norm_w, head_w, norm_grad, head_grad)`` views the loss reads and adds into."""
+        head = self.state.head
+        wbuf, gbuf = self._weights(head, ctx), self._grads(head, ctx)
+        w, g = bind(wbuf, head.layout), bind(gbuf, head.layout)
+        if not self.tied:
+            return w["norm"], w["lm_head"], g["norm"], g["lm_head"]
+        if head.resident:  # the embedding is resident too: its own copy and gradient
+            emb = self.state.embed
+            e = emb.layout.entries[0]
+            return (w["norm"], bind(emb.compute, emb.layout)[e.key], g["norm"],  # type: ignore[arg-type]
+                    bind(emb.grad, emb.layout)[e.key])  # type: ignore[arg-type]
+        return w["norm"], self._tied_matrix(wbuf), g["norm"], self._tied_matrix(gbuf)
 
-    def _loss(self, task: Loss, slot: int, gslot: int) -> None:
+    def _loss(self, task: Loss, ctx: TaskContext) -> None:
         s, m = task.step, task.micro_batch
         data = self.steps[s]
         L = self.cfg.num_layers
         h = self.acts.pop((s, L, m))  # type: ignore[arg-type]
         targets = data.targets[m].to(self.device, non_blocking=self._non_blocking)  # type: ignore[index]
-        head = self.state.head
-        w = self._weights(slot, head)
-        g = bind(self.grad_slots[gslot], head.layout)
-        if self.tied:
-            head_w, head_g = self._tied_matrix(self.weight_c[slot]), self._tied_matrix(self.grad_slots[gslot])
-        else:
-            head_w, head_g = w["lm_head"], g["lm_head"]
+        norm_w, head_w, norm_g, head_g = self._head_tensors(ctx)
         loss_sum, d_h, d_norm, d_head = head_loss_and_grads(
-            h, w["norm"], head_w, targets, self.cfg.rms_norm_eps, 1.0 / data.n_targets, self.chunk_tokens
+            h, norm_w, head_w, targets, self.cfg.rms_norm_eps, 1.0 / data.n_targets, self.chunk_tokens
         )
-        g["norm"].add_(d_norm)
+        norm_g.add_(d_norm)
         head_g.add_(d_head)
         with self._lock:
             data.loss = loss_sum if data.loss is None else data.loss + loss_sum
         self.dacts[(s, L - 1, m)] = d_h  # type: ignore[index]
 
-    def _backward(self, task: Backward, slot: int, gslot: int) -> None:
+    def _backward(self, task: Backward, ctx: TaskContext) -> None:
         s, i, m = task.step, task.layer, task.micro_batch
         unit = self.state.unit("layer", i)
         n = unit.layout.numel
@@ -246,43 +302,47 @@ class StepProgram:
         dy = self.dacts.pop((s, i, m))  # type: ignore[arg-type]
         with torch.enable_grad():
             x = x.detach().requires_grad_(True)
-            flat = self.weight_c[slot][:n].detach().requires_grad_(True)
-            y = decoder_layer(x, bind(flat, unit.layout), self.cos, self.sin, self.cfg)
+            flat = self._weights(unit, ctx)[:n].detach().requires_grad_(True)
+            y = self.layer_fn(x, bind(flat, unit.layout), self.cos, self.sin, self.cfg)
             dx, dw = torch.autograd.grad(y, (x, flat), dy)
-        self.grad_slots[gslot][:n].add_(dw)
+        self._grads(unit, ctx)[:n].add_(dw)
         self.dacts[(s, i - 1, m)] = dx  # type: ignore[operator, index]
 
-    def _embed_backward(self, task: EmbedBackward, gslot: int) -> None:
+    def _embed_backward(self, task: EmbedBackward, ctx: TaskContext) -> None:
         s, m = task.step, task.micro_batch
         dx = self.dacts.pop((s, -1, m))  # type: ignore[arg-type]
         ids = self.dev_ids.pop((s, m))  # type: ignore[arg-type]
-        g = bind(self.grad_slots[gslot], self.state.embed.layout)["embed_tokens"]
+        emb = self.state.embed
+        g = bind(self._grads(emb, ctx), emb.layout)["embed_tokens"]
         g.index_add_(0, ids.reshape(-1), dx.reshape(-1, dx.shape[-1]).float())
 
-    def _offload(self, task: OffloadGrad, gslot: int) -> int:
+    def _offload(self, task: OffloadGrad, ctx: TaskContext) -> int:
+        """Device gradient -> host: the whole unit into its own buffer (``full`` layout), or one
+        chunk into the staging slot this task took. Each piece's squared norm is taken on the
+        device on the way (for a tied embedding, on the host once the head's part is added)."""
         unit = self._unit(task)
-        n = unit.layout.numel
-        src = self.grad_slots[gslot]
+        src = self.grad_slots[ctx.read(GRADS)]
         data = self.steps[task.step]
-        key = unit.layout.key
-        if self.tied and task.unit == "head":
-            m = self.state.embed.layout.numel
-            self.tied_grad.copy_(src[n : n + m], non_blocking=self._non_blocking)
-            data.sq_norms[key] = src[:n].square().sum()
-            unit.grad.copy_(src[:n], non_blocking=self._non_blocking)
-            return 4 * (n + m)
-        if not (self.tied and task.unit == "embed"):  # the tied sum's norm is taken on the host
-            data.sq_norms[key] = src[:n].square().sum()
-        unit.grad.copy_(src[:n], non_blocking=self._non_blocking)
-        return 4 * n
+        nb = self._non_blocking
+        moved = 0
+        if self.tied and task.unit == "head" and task.chunk in (None, 0):
+            n, m = unit.layout.numel, self.state.embed.layout.numel
+            self.tied_grad.copy_(src[n : n + m], non_blocking=nb)
+            moved += 4 * m
+        lo, hi = chunk_range(unit.layout.numel, self.stage_n, task.chunk)
+        dst = unit.grad if task.chunk is None else self.staging[ctx.slot][: hi - lo]  # type: ignore[index]
+        if not (self.tied and task.unit == "embed"):
+            data.sq_norms[(unit.layout.key, task.chunk)] = src[lo:hi].square().sum()
+        dst.copy_(src[lo:hi], non_blocking=nb)  # type: ignore[union-attr]
+        return moved + 4 * (hi - lo)
 
     def _sum_tied(self, data: _StepData) -> None:
-        """Add the head's part of the tied embedding gradient, once per step."""
+        """Full layout: add the head's part of the tied embedding gradient, once per step."""
         with self._lock:
-            if self.tied and not data.tied_summed:
-                g = self.state.embed.grad
-                g.add_(self.tied_grad)
-                data.sq_norms[self.state.embed.layout.key] = g.square().sum()
+            emb = self.state.embed
+            if self.tied and not emb.resident and emb.grad is not None and not data.tied_summed:
+                emb.grad.add_(self.tied_grad)
+                data.sq_norms[(emb.layout.key, None)] = emb.grad.square().sum()
                 data.tied_summed = True
 
     def _total_norm(self, data: _StepData) -> float:
@@ -295,12 +355,36 @@ class StepProgram:
         data = self.steps[task.step]
         data.clip = clip_coefficient(self._total_norm(data), self.adamw.grad_clip)
 
-    def _adam(self, task: CpuAdam) -> None:
+    def _cpu_adam(self, task: CpuAdam, ctx: TaskContext) -> None:
         data = self.steps[task.step]
         unit = self._unit(task)
-        if task.unit == "embed":
-            self._sum_tied(data)
+        lo, hi = chunk_range(unit.layout.numel, self.stage_n, task.chunk)
+        if task.chunk is None:  # full layout: the unit's own host gradient
+            if task.unit == "embed":
+                self._sum_tied(data)
+            grad = unit.grad
+        else:
+            grad = self.staging[ctx.read(HOST_GRADS)][: hi - lo]
+            if self.tied and task.unit == "embed":
+                grad.add_(self.tied_grad[lo:hi])
+                data.sq_norms[(unit.layout.key, task.chunk)] = grad.square().sum()
         if data.clip is not None:
-            unit.grad.mul_(data.clip)
-        adamw_step(unit.master, unit.grad, unit.exp_avg, unit.exp_avg_sq, unit.step, self.adamw, data.lr)
+            grad.mul_(data.clip)  # type: ignore[union-attr]
+        adamw_step(unit.master[lo:hi], grad, unit.exp_avg[lo:hi], unit.exp_avg_sq[lo:hi],  # type: ignore[arg-type]
+                   unit.steps[task.chunk or 0], self.adamw, data.lr)
+        unit.refresh_copies(lo, hi)
 
+    def _gpu_adam(self, task: GpuAdam) -> None:
+        """AdamW of a resident unit on the device (torch's fused CUDA kernel on a GPU), then a
+        fresh compute copy and a zeroed accumulator for the next step."""
+        data = self.steps[task.step]
+        unit = self._unit(task)
+        grad = unit.grad
+        key = (unit.layout.key, None)
+        if data.clip is not None:
+            grad.mul_(data.clip.to(grad.device))  # type: ignore[union-attr]
+        elif key not in data.sq_norms:
+            data.sq_norms[key] = grad.square().sum()  # type: ignore[union-attr]
+        adamw_step(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.steps[0], self.adamw, data.lr)  # type: ignore[arg-type]
+        unit.refresh_copies()
+        grad.zero_()  # type: ignore[union-attr]

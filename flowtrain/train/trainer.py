@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 import msgspec
 import torch
 
-from ..errors import CheckpointError, ConfigError
+from ..errors import CheckpointError, ConfigError, PlanError
 from ..graph.compiler import StepSpec, compile_step, cross_step_edges
 from ..policy import resolve_policy
 from ..runtime.executor import Engine, use_uvloop
@@ -35,7 +35,7 @@ from .data import Sequences, default_corpus_path, load_sequences, step_batches, 
 from .host_state import HostState
 from .model import ModelConfig, PRESETS, preset, read_config
 from .optimizer import AdamWConfig, LRSchedule
-from .plan import check_fits
+from .plan import cap_gpu_memory, plan_run, run_request
 from .program import StepProgram
 
 
@@ -70,6 +70,15 @@ class TrainConfig(msgspec.Struct, kw_only=True):
     trace: str | None = None
     progress: bool | None = None  # None: a bar on a terminal, plain lines otherwise
     chunk_tokens: int | None = None
+    #: host state layout: "auto" (staged, or full with --grad-clip), "staged", "full", "stream-bf16"
+    layout: str = "auto"
+    #: units kept on the device with their Adam there: "auto" (the planner decides), "none",
+    #: or comma-separated unit keys ("embed,head,layer.0")
+    resident: str = "auto"
+    #: torch.compile the decoder layer (e.g. "inductor"); None: eager
+    compile: str | None = None
+    gpu_mem: float | None = None  # GiB flowtrain may take on the GPU (enforced)
+    host_mem: float | None = None  # GiB of host memory to plan for (default: what is available)
 
 
 class StepMetrics(msgspec.Struct):
@@ -187,26 +196,29 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
                         grad_clip=cfg.grad_clip).validate()
     schedule = LRSchedule(lr=cfg.lr, warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule,
                           total_steps=cfg.steps, min_lr=cfg.min_lr).validate()
-    spec = StepSpec(layers=mcfg.num_layers, micro_batches=cfg.batch_size // cfg.micro_batch_size,
-                    checkpoint_every=cfg.checkpoint_every, order=cfg.order,
-                    tied=mcfg.tie_word_embeddings, grad_clip=cfg.grad_clip is not None).validate()
     policy = resolve_policy(cfg.policy)
-    budgets = dict(policy.propose(compile_step(spec)).budgets)
-
     data_path = cfg.data or str(default_corpus_path())
     seqs = load_sequences(data_path, cfg.seq_len, mcfg.vocab_size, tokenizer_dir=model_dir,
                           pad_id=mcfg.pad_token_id or 0, eos_id=mcfg.eos_token_id)
-    check_fits(mcfg, device, dtype, cfg.seq_len, cfg.micro_batch_size, spec, budgets)
+    plan = plan_run(mcfg, run_request(cfg), device=device, dtype=dtype, policy=policy)
+    if not plan.fits:
+        raise PlanError(plan.refusal())
+    spec = plan.spec
+    budgets = plan.budgets
+    chunk_tokens = cfg.chunk_tokens or plan.chunk_tokens
+    if device.type == "cuda" and cfg.gpu_mem is not None:
+        cap_gpu_memory(device, cfg.gpu_mem)
 
     torch.manual_seed(cfg.seed)
-    state = HostState.create(mcfg, pin=device.type == "cuda")
+    state = HostState.create(mcfg, pin=device.type == "cuda", layout=plan.layout, resident=spec.resident,
+                             device=device, dtype=dtype, chunks=spec.grad_chunks)
     if model_dir is None:
         state.init_random(cfg.seed)
     else:
         state.load_checkpoint(model_dir)
     program = StepProgram(state, device=device, dtype=dtype, seq_len=cfg.seq_len,
                           checkpoint_every=cfg.checkpoint_every, budgets=budgets, adamw=adamw,
-                          chunk_tokens=cfg.chunk_tokens)
+                          chunk_tokens=chunk_tokens, compile_backend=cfg.compile)
     gc.freeze()  # the model and torch's objects are long-lived: keep full collections off them
     recorder = TraceRecorder() if cfg.trace else None
     reporter = _Reporter(cfg, cfg.steps)
@@ -220,7 +232,8 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
         write_chrome_trace(cfg.trace, recorder.records, meta={
             "policy": cfg.policy, "budgets": budgets, "model": cfg.model, "device": str(device),
             "precision": "fp32" if dtype == torch.float32 else "bf16", "steps": cfg.steps,
-            "busy_seconds": lane_busy(recorder.records),
+            "busy_seconds": lane_busy(recorder.records), "layout": plan.layout,
+            "resident": list(spec.resident),
         })
     if cfg.out:
         save_output(state, cfg.out, model_dir, cfg.overwrite)

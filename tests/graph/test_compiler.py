@@ -209,3 +209,47 @@ def test_json_round_trip(spec):
     assert list(back.nodes) == list(g.nodes)
     assert list(back.edges(data="reads")) == list(g.edges(data="reads"))
     assert back.graph == g.graph
+
+
+def test_resident_units_have_no_transfers_and_adam_on_the_device():
+    """Resident embed, head and layer 0: no fetch, zero_grad or offload_grad for them; one
+    gpu_adam each after its last gradient writer; the next step's readers of those units wait
+    for it (and only streamed units' fetches wait for a cpu_adam)::
+
+        backward L0 m0, backward L0 m1 -> gpu_adam L0 -> (step 1) forward L0 m0, m1, backward L0 ...
+    """
+    spec = StepSpec(layers=3, micro_batches=2, resident=("embed", "head", "layer.0"))
+    g = compile_steps(spec, 2)
+    res = {("embed", None), ("head", None), ("layer", 0)}
+    for t in g:
+        if (t.unit, t.layer) in res:
+            assert t.kind not in ("fetch", "zero_grad", "offload_grad", "cpu_adam"), t
+    s0 = [t for t in g if t.step == 0]
+    adam_l0 = next(t for t in s0 if t.kind == "gpu_adam" and t.layer == 0)
+    assert {str(p) for p in g.predecessors(adam_l0)} == {"backward L0 m0", "backward L0 m1"}
+    later = {str(t) for t in g.successors(adam_l0)}
+    assert later == {"forward L0 m0 s1", "forward L0 m1 s1", "backward L0 m0 s1", "backward L0 m1 s1"}
+    assert sum(t.kind == "gpu_adam" for t in s0) == 3
+    assert sum(t.kind == "cpu_adam" for t in s0) == 2
+    fetch1 = next(t for t in g if t.kind == "fetch" and t.step == 1 and t.layer == 1)
+    assert [p.kind for p in g.predecessors(fetch1)] == ["cpu_adam"]
+
+
+def test_staged_chunks_each_take_a_staging_slot_read_by_their_adam():
+    spec = StepSpec(layers=2, staged=True, grad_chunks={"embed": 3})
+    g = compile_step(spec)
+    offs = [t for t in g if t.kind == "offload_grad" and t.unit == "embed"]
+    assert [t.chunk for t in offs] == [0, 1, 2]
+    for off in offs:
+        assert off.takes == "host_grads"
+        (adam,) = [v for v in g.successors(off)]
+        assert adam.kind == "cpu_adam" and adam.chunk == off.chunk and g.edges[off, adam]["reads"]
+
+
+def test_staged_with_clip_or_mixed_tied_residency_is_refused():
+    with pytest.raises(ConfigError, match="--layout full"):
+        StepSpec(layers=2, staged=True, grad_clip=True).validate()
+    with pytest.raises(ConfigError, match="both resident"):
+        StepSpec(layers=2, tied=True, resident=("embed",)).validate()
+    with pytest.raises(ConfigError, match="not units"):
+        StepSpec(layers=2, resident=("layer.2",)).validate()

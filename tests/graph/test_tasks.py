@@ -6,8 +6,8 @@ import msgspec
 import pytest
 
 from flowtrain.graph import (
-    DEVICE_LANES, GRADS, KINDS, LANES, WEIGHTS, AnyTask, Backward, CpuAdam, Embed, EmbedBackward,
-    Fetch, Forward, GradNorm, Loss, OffloadGrad, Recompute, ZeroGrad,
+    DEVICE_LANES, GRADS, HOST_GRADS, KINDS, LANES, WEIGHTS, AnyTask, Backward, CpuAdam, Embed,
+    EmbedBackward, Fetch, Forward, GpuAdam, GradNorm, GradSqNorm, Loss, OffloadGrad, Recompute, ZeroGrad,
 )
 from flowtrain.graph.tasks import task_from_dict, task_to_dict
 
@@ -24,7 +24,18 @@ CARD = {
     "embed_backward": (EmbedBackward, "compute", None),
     "zero_grad": (ZeroGrad, "compute", GRADS),
     "grad_norm": (GradNorm, "cpu", None),
+    "grad_sq_norm": (GradSqNorm, "compute", None),
+    "gpu_adam": (GpuAdam, "compute", None),
 }
+
+
+def test_a_staged_offload_takes_a_host_staging_slot():
+    """``chunk`` marks the staged layout: that offload fills a host staging slot."""
+    assert OffloadGrad(layer=1, chunk=0).takes == HOST_GRADS
+    assert OffloadGrad(layer=1).takes is None
+    assert OffloadGrad(layer=1, chunk=2).label == "offload_grad L1 c2"
+    t = OffloadGrad(unit="embed", chunk=1, step=3)
+    assert task_from_dict(task_to_dict(t)) == t
 
 
 def test_every_kind_is_on_the_card():

@@ -23,10 +23,10 @@ ROWS = 4  # sequences per step
 STEPS = 3
 
 
-def make_checkpoint(path, *, tied=False, layers=3, seed=0):
+def make_checkpoint(path, *, tied=False, layers=3, seed=0, vocab=64):
     torch.manual_seed(seed)
     config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
+        vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0, tie_word_embeddings=tied,
         attn_implementation="sdpa",
     )
@@ -35,13 +35,13 @@ def make_checkpoint(path, *, tied=False, layers=3, seed=0):
     return model
 
 
-def make_data(path, seed=1):
+def make_data(path, seed=1, vocab=64):
     """Rows of varying length: some cut at SEQ, some padded."""
     g = torch.Generator().manual_seed(seed)
     rows = []
     for i in range(ROWS * STEPS):
         n = int(torch.randint(3, SEQ + 5, (1,), generator=g))
-        rows.append(torch.randint(0, 64, (n,), generator=g).tolist())
+        rows.append(torch.randint(0, vocab, (n,), generator=g).tolist())
     with open(path, "w") as f:
         for r in rows:
             f.write(json.dumps({"input_ids": r}) + "\n")
@@ -118,11 +118,56 @@ def test_training_changed_the_weights(setup, tmp_path):
 
 
 @pytest.mark.parametrize("order", ["layer", "micro"])
-def test_tied_with_grad_clip(tmp_path, order):
+@pytest.mark.parametrize("resident", ["none", "embed,head,layer.0"])
+def test_tied_with_grad_clip(tmp_path, order, resident):
     make_checkpoint(tmp_path / "model", tied=True, layers=2, seed=3)
     rows = make_data(tmp_path / "data.jsonl", seed=4)
     ref = reference_train(make_checkpoint(tmp_path / "ref", tied=True, layers=2, seed=3), rows, lr=0.01, wd=0.1,
                           betas=(0.9, 0.95), eps=1e-6, clip=0.5)
     run_flowtrain(tmp_path / "model", tmp_path / "data.jsonl", tmp_path / "out", "--grad-clip", "0.5",
-                  "--order", order)
+                  "--order", order, "--resident", resident)
     assert_same_weights(tmp_path / "out", ref)
+
+
+@pytest.mark.parametrize("placement", [
+    ("--layout", "full"),
+    ("--layout", "stream-bf16"),
+    ("--resident", "embed,head,layer.1"),
+    ("--resident", "layer.0,layer.2", "--layout", "full"),
+    ("--resident", "embed,head,layer.0,layer.1,layer.2"),
+])
+@pytest.mark.parametrize("order", ["layer", "micro"])
+def test_layouts_and_resident_units_match_hf(setup, tmp_path, placement, order):
+    """Every host layout and any mix of device-resident units (Adam on the device) trains the
+    same weights as the reference, in both micro-batch orders."""
+    d, ref, _ = setup
+    run_flowtrain(d / "model", d / "data.jsonl", tmp_path / "out", "--order", order, *placement)
+    assert_same_weights(tmp_path / "out", ref)
+
+
+@pytest.mark.parametrize("tied", [False, True])
+@pytest.mark.parametrize("placement", [(), ("--resident", "embed,head"), ("--resident", "layer.1")])
+def test_staged_chunks_of_large_units_match_hf(tmp_path, tied, placement):
+    """A vocabulary of 512 makes the embedding (and head) larger than one staging slot (the
+    largest layer), so their gradients pass to the host in several chunks, each updated by its
+    own cpu_adam; tied, the embedding's chunks also add the head's part."""
+    make_checkpoint(tmp_path / "model", tied=tied, layers=2, seed=5, vocab=512)
+    rows = make_data(tmp_path / "data.jsonl", seed=6, vocab=512)
+    ref = reference_train(make_checkpoint(tmp_path / "ref", tied=tied, layers=2, seed=5, vocab=512), rows,
+                          lr=0.01, wd=0.1, betas=(0.9, 0.95), eps=1e-6)
+    run_flowtrain(tmp_path / "model", tmp_path / "data.jsonl", tmp_path / "out", "--trace",
+                  str(tmp_path / "t.json"), *placement)
+    assert_same_weights(tmp_path / "out", ref)
+    kinds = [e["name"] for e in json.loads((tmp_path / "t.json").read_text())["traceEvents"] if e.get("ph") == "X"]
+    if not placement:
+        assert any("cpu_adam embed c1" in k for k in kinds), "the embedding should be staged in chunks"
+
+
+def test_staged_layout_refuses_grad_clip(setup, tmp_path, capsys):
+    d, _, _ = setup
+    args = ["train", "--model", str(d / "model"), "--data", str(d / "data.jsonl"), "--steps", "1",
+            "--batch-size", "4", "--micro-batch-size", "2", "--seq-len", str(SEQ), "--device", "cpu",
+            "--layout", "staged", "--grad-clip", "1.0", "--out", str(tmp_path / "out")]
+    assert main(args) == 2
+    assert "--layout full" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
