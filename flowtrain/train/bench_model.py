@@ -41,6 +41,11 @@ def add_model_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) ->
     a("--checkpoint-every", type=int, default=1)
     a("--adam-workers", type=int, default=1)
     a("--trace", default=None, help="also write the executed trace (Chrome JSON)")
+    from .cli import add_memory_arguments
+
+    add_memory_arguments(p)
+    a("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
+      help="torch.compile the decoder layer (default backend: inductor)")
 
 
 def model_flops_per_token(model: str, seq_len: int) -> float:
@@ -63,10 +68,13 @@ def run_model(args: argparse.Namespace) -> dict:
         cfg = TrainConfig(model=args.model, data=str(data), steps=args.steps, batch_size=args.batch_size,
                           micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, lr=1e-5,
                           policy=args.policy, precision=args.precision, device=args.device,
-                          checkpoint_every=args.checkpoint_every, adam_workers=args.adam_workers, progress=False)
+                          checkpoint_every=args.checkpoint_every, adam_workers=args.adam_workers, progress=False,
+                          layout=args.layout, resident=args.resident, gpu_mem=args.gpu_mem, host_mem=args.host_mem,
+                          chunk_tokens=args.chunk_tokens, compile=args.compile)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
-        metrics = train(cfg, instruments=[recorder])
+        plans: list = []
+        metrics = train(cfg, instruments=[recorder], on_plan=plans.append)
     measured = metrics[args.warmup:]
     seconds = sum(m.seconds for m in measured)
     tok = sum(m.tokens for m in measured)
@@ -86,7 +94,15 @@ def run_model(args: argparse.Namespace) -> dict:
         "host_peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
         "busy_fraction": busy,
         "steps_traced": len(traced_steps),
+        "compile": args.compile,
     }
+    if plans:
+        p = plans[0]
+        result.update(layout=p.layout, resident=list(p.spec.resident), budgets=p.budgets,
+                      planned_host_gib=round(p.host_total / 2**30, 2), planned_gpu_gib=round(p.gpu_total / 2**30, 2),
+                      planned_host_state_bytes_per_param=round(p.host_state_bytes_per_param, 3),
+                      measured_host_bytes_per_param=round(
+                          (result["host_peak_gib"] * 2**30 - p.host.get("runtime", 0)) / p.params, 3))
     if torch.cuda.is_available() and cfg.device != "cpu":
         result["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
         result["gpu_reserved_peak_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)

@@ -47,7 +47,7 @@ from .program import LANDING_NUMEL
 GiB = 2**30
 #: Host memory of the process itself (interpreter, torch, flowtrain), measured: ``flowtrain
 #: bench`` of a tiny model peaks at about this much above its state.
-RUNTIME_HOST = {"cpu": int(0.45 * GiB), "cuda": int(3.0 * GiB)}
+RUNTIME_HOST = {"cpu": int(0.30 * GiB), "cuda": int(3.0 * GiB)}
 #: Fraction of the GPU budget the plan fills: the caching allocator needs room to round and split.
 GPU_FILL = 0.92
 #: Fraction of the host budget the plan fills: page cache, the data set, pinned-page bookkeeping.
@@ -262,11 +262,18 @@ def _candidates(cfg: ModelConfig) -> list[tuple[str, ...]]:
     return [("embed", "head"), *((f"layer.{i}",) for i in range(cfg.num_layers))]
 
 
-def _make(cfg, req, device, dtype, policy, layout, resident, chunk_tokens) -> Plan:
+def _make(cfg, req, device, dtype, policy, layout, resident, chunk_tokens, shrink: dict[str, int]) -> Plan:
+    """One candidate plan; ``shrink`` caps the policy's slot budgets (pool -> at most)."""
     from ..policy import resolve_policy
+    from ..policy.base import min_grad_slots
 
     spec = _spec(cfg, req, layout, resident)
-    budgets = dict(resolve_policy(policy).propose(compile_step(spec)).budgets)
+    graph = compile_step(spec)
+    budgets = dict(resolve_policy(policy).propose(graph).budgets)
+    floor = {WEIGHTS: 1, GRADS: min_grad_slots(graph)}
+    for pool, cap in shrink.items():
+        if pool in budgets:
+            budgets[pool] = max(floor.get(pool, 1), min(budgets[pool], cap))
     host, gpu = _bytes(cfg, req, device, dtype, layout, resident, budgets, chunk_tokens)
     params = sum(lay.numel for lay in model_layouts(cfg))
     return Plan(device=device.type, params=params, layout=layout, spec=spec, budgets=budgets,
@@ -288,11 +295,20 @@ def _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
     default_chunk = req.chunk_tokens or default_chunk_tokens(cfg.vocab_size)
 
     def build(resident: tuple[str, ...]) -> Plan:
-        chunk = default_chunk
-        p = _make(cfg, req, device, dtype, policy, layout, resident, chunk)
-        while (req.chunk_tokens is None and gpu_limit is not None and p.gpu_total > gpu_limit and chunk > 256):
-            chunk = max(256, chunk // 2)  # smaller loss chunks before giving up on the GPU
-            p = _make(cfg, req, device, dtype, policy, layout, resident, chunk)
+        """The plan for one placement, shrunk to the GPU budget: smaller loss chunks first, then
+        one gradient accumulator instead of two, then one weight slot (no prefetch)."""
+        chunk, shrink = default_chunk, {}
+        p = _make(cfg, req, device, dtype, policy, layout, resident, chunk, shrink)
+        while device.type == "cuda" and gpu_limit is not None and p.gpu_total > gpu_limit:
+            if req.chunk_tokens is None and chunk > 256:
+                chunk = max(256, chunk // 2)
+            elif GRADS not in shrink and p.budgets[GRADS] > 1:
+                shrink = {**shrink, GRADS: 1}
+            elif p.budgets[WEIGHTS] > 1 and WEIGHTS not in shrink:
+                shrink = {**shrink, WEIGHTS: 1}
+            else:
+                break
+            p = _make(cfg, req, device, dtype, policy, layout, resident, chunk, shrink)
         p.host_limit, p.gpu_limit = host_limit, gpu_limit
         return p
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import math
 import threading
+import warnings
 
 import torch
 
@@ -136,8 +137,12 @@ class StepProgram:
         self._non_blocking = self.device.type == "cuda"
         #: the decoder layer, compiled by torch.compile (``compile_backend``, e.g. "inductor")
         #: so norms, rotary and SwiGLU fuse; forward, recompute and backward share it.
-        self.layer_fn = decoder_layer if compile_backend is None else torch.compile(
-            decoder_layer, backend=compile_backend, dynamic=False)
+        self.layer_fn = decoder_layer
+        if compile_backend is not None:
+            # Dynamo inspects .grad of the weight views (non-leaf: the flat slot is the leaf) while
+            # tracing; torch warns about that access, harmlessly.
+            warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+            self.layer_fn = torch.compile(decoder_layer, backend=compile_backend, dynamic=False)
 
     @property
     def _pin(self) -> bool:

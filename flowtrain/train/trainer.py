@@ -184,9 +184,10 @@ class _Reporter:
 
 
 def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None,
-          instruments: Sequence[Instrument] = ()) -> list[StepMetrics]:
+          instruments: Sequence[Instrument] = (), on_plan: Callable | None = None) -> list[StepMetrics]:
     """Run a whole training job as configured; returns the metrics of every step.
-    ``instruments`` see every task the engine runs (e.g. a :class:`TraceRecorder`)."""
+    ``instruments`` see every task the engine runs (e.g. a :class:`TraceRecorder`);
+    ``on_plan`` receives the memory plan the run follows."""
     mcfg, model_dir = load_model_config(cfg.model)
     mcfg.validate()
     validate(cfg, mcfg)
@@ -203,11 +204,16 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
     plan = plan_run(mcfg, run_request(cfg), device=device, dtype=dtype, policy=policy)
     if not plan.fits:
         raise PlanError(plan.refusal())
+    if on_plan:
+        on_plan(plan)
     spec = plan.spec
     budgets = plan.budgets
     chunk_tokens = cfg.chunk_tokens or plan.chunk_tokens
-    if device.type == "cuda" and cfg.gpu_mem is not None:
-        cap_gpu_memory(device, cfg.gpu_mem)
+    if device.type == "cuda":
+        if cfg.gpu_mem is not None:
+            cap_gpu_memory(device, cfg.gpu_mem)
+        # CPU Adam's threads leave cores to the lane launchers, waiters and the event loop.
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 3))
 
     torch.manual_seed(cfg.seed)
     state = HostState.create(mcfg, pin=device.type == "cuda", layout=plan.layout, resident=spec.resident,

@@ -38,6 +38,29 @@ def test_cuda_fp32_matches_cpu(tmp_path, policy):
         assert err < 1e-3, f"{name}: {err:.2e}"  # TF32 may be on for matmuls
 
 
+@pytest.mark.parametrize("placement", [
+    {"resident": "embed,head,layer.0"},
+    {"layout": "stream-bf16", "resident": "none"},
+    {"layout": "full", "resident": "layer.1"},
+])
+def test_cuda_placements_match_cpu(tmp_path, placement):
+    """Resident units (Adam on the GPU), staged chunks and the streaming copy compute the same
+    training run on the GPU as on the CPU."""
+    cpu, _ = _weights(tmp_path / "cpu", "cpu", "fp32")
+    gpu, _ = _weights(tmp_path / "gpu", "cuda", "fp32", **placement)
+    for name, ref in cpu.items():
+        err = float((gpu[name] - ref).norm() / ref.norm())
+        assert err < 1e-3, f"{name}: {err:.2e}"
+
+
+def test_cuda_compiled_layer_matches_eager(tmp_path):
+    eager, _ = _weights(tmp_path / "eager", "cuda", "fp32")
+    compiled, _ = _weights(tmp_path / "compiled", "cuda", "fp32", compile="inductor")
+    for name, ref in eager.items():
+        err = float((compiled[name] - ref).norm() / ref.norm())
+        assert err < 1e-3, f"{name}: {err:.2e}"
+
+
 def test_cuda_bf16_trains(tmp_path):
     _, metrics = _weights(tmp_path, "cuda", "bf16")
     assert metrics[-1].loss < metrics[0].loss

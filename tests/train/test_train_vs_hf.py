@@ -171,3 +171,11 @@ def test_staged_layout_refuses_grad_clip(setup, tmp_path, capsys):
     assert main(args) == 2
     assert "--layout full" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+
+
+def test_compiled_layer_matches_hf(setup, tmp_path):
+    """``--compile``: the decoder layer through torch.compile (dynamo + AOTAutograd; the
+    ``aot_eager`` backend keeps the CPU test fast, the GPU runs inductor) trains the same weights."""
+    d, ref, _ = setup
+    run_flowtrain(d / "model", d / "data.jsonl", tmp_path / "out", "--compile", "aot_eager")
+    assert_same_weights(tmp_path / "out", ref)

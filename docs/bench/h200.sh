@@ -1,0 +1,59 @@
+#!/usr/bin/env bash
+# Runs benchmark jobs on the lent H200 in one device call and collects their results.
+#   bash docs/bench/h200.sh JOB [JOB...]
+# from the repository root on the device machine, with .whl and .anchors carried (see
+# docs/benchmarks.md). Every job appends its JSON result as one line to $OUT/results.jsonl;
+# its output goes to $OUT/log.txt. The anchors' own JSON lines go to $OUT/train_*.jsonl.
+set -u
+OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  >/dev/null 2>&1 || echo "warning: wheel install failed"
+export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
+FT="python3 -m flowtrain.cli"
+RES=$OUT/results.jsonl
+log() { echo "=== $* ($(date +%T))" | tee -a "$OUT/log.txt"; }
+bench() {  # NAME ARGS...: one flowtrain bench, its JSON tagged with NAME
+  local name=$1; shift
+  log "$name: flowtrain bench $*"
+  if timeout 420 $FT bench "$@" --json /tmp/r.json >>"$OUT/log.txt" 2>&1; then
+    python3 -c "import json,sys; d=json.load(open('/tmp/r.json')); d['job']='$name'; print(json.dumps(d))" >>"$RES"
+    tail -c 600 /tmp/r.json; echo
+  else
+    echo "{\"job\": \"$name\", \"failed\": true}" >>"$RES"; tail -5 "$OUT/log.txt"
+  fi
+}
+anchor() {  # MODE GA STEPS
+  log "anchor $1 ga$2"
+  (cd .anchors && OUT=$OUT timeout 400 python3 llama_train.py "$1" 3b 4096 4 "$3" "$2" 2>&1 | grep -v Warning | tail -3) | tee -a "$OUT/log.txt"
+}
+W="--model llama-3b --seq-len 4096 --micro-batch-size 4 --host-mem 110"
+for job in "$@"; do
+  case $job in
+    info) nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee -a "$OUT/log.txt"; free -g | tee -a "$OUT/log.txt" ;;
+    tests) log tests; timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/train/test_gpu.py tests/train/model/test_model_gpu.py 2>&1 | tail -15 | tee -a "$OUT/log.txt" ;;
+    w1) bench w1 $W --batch-size 4 --steps 7 --trace "$OUT/w1-trace.json" ;;
+    w1c) bench w1c $W --batch-size 4 --steps 7 --compile ;;
+    w1none) bench w1none $W --batch-size 4 --steps 6 --resident none ;;
+    w2) bench w2 $W --batch-size 16 --steps 5 ;;
+    w2c) bench w2c $W --batch-size 16 --steps 5 --compile ;;
+    gpu1) anchor gpu 1 6 ;;
+    gpu4) anchor gpu 4 4 ;;
+    ds1) anchor ds 1 5 ;;
+    ds4) anchor ds 4 4 ;;
+    8b) bench 8b --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 --resident none ${EXTRA8:-} ;;
+    8bauto) bench 8bauto --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 ${EXTRA8:-} ;;
+    8b10) bench 8b10 --model llama-8b --seq-len 4096 --batch-size 2 --micro-batch-size 1 --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 ;;
+    14b) bench 14b --model qwen-14b --seq-len 4096 --batch-size 8 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 ${EXTRA8:-} ;;
+    *) echo "unknown job $job" ;;
+  esac
+done
+log done
+python3 - "$RES" <<'PY'
+import json, sys
+for line in open(sys.argv[1]):
+    d = json.loads(line)
+    keys = ("job", "tokens_per_s", "model_tflops", "gpu_peak_gib", "planned_gpu_gib", "host_peak_gib",
+            "planned_host_gib", "measured_host_bytes_per_param", "busy_fraction", "resident", "failed")
+    print({k: d[k] for k in keys if k in d})
+PY
