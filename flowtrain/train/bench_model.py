@@ -44,8 +44,8 @@ def add_model_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) ->
     from .cli import add_memory_arguments
 
     add_memory_arguments(p)
-    a("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
-      help="torch.compile the decoder layer (default backend: inductor)")
+    a("--compile", default="auto", metavar="auto|none|BACKEND",
+      help="torch.compile backend for the decoder layer; auto: inductor on CUDA, eager on the CPU")
 
 
 def model_flops_per_token(model: str, seq_len: int) -> float:

@@ -46,8 +46,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--order", choices=["layer", "micro"], default="layer", help="micro-batch order (layer-major streams weights once)")
     a("--adam-workers", type=int, default=1, help="CPU threads running AdamW tasks concurrently")
     add_memory_arguments(p)
-    a("--compile", nargs="?", const="inductor", default=None, metavar="BACKEND",
-      help="torch.compile the decoder layer (default backend: inductor)")
+    a("--compile", default="auto", metavar="auto|none|BACKEND",
+      help="torch.compile backend for the decoder layer; auto: inductor on CUDA, eager on the CPU")
     a("--out", default=None, help="write the trained model here (Hugging Face format)")
     a("--overwrite", action="store_true", help="replace a non-empty --out directory")
     a("--metrics", default=None, help="write one JSON line per step here")

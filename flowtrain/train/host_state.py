@@ -60,7 +60,14 @@ def pinned_zeros(n: int, pin: bool, dtype: torch.dtype = torch.float32) -> torch
     t = torch.zeros(n, dtype=dtype)
     if pin and n > 0:
         rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-        if int(rc) != 0:  # fall back to torch's pinned allocator
+        if int(rc) != 0:
+            # E.g. the range is still registered from a freed tensor of an earlier run in this
+            # process. The failure stays CUDA's "last error" until something reads it; let a
+            # throwaway op read (and clear) it here, then use torch's pinned allocator instead.
+            try:
+                torch.zeros(1, device="cuda").add_(1)
+            except RuntimeError:
+                pass
             t = torch.zeros(n, dtype=dtype, pin_memory=True)
     return t
 

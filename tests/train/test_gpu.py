@@ -19,12 +19,12 @@ pytestmark = [
 ]
 
 
-def _weights(tmp_path, device, precision, policy="double_buffer", **kw):
+def _weights(tmp_path, device, precision, policy="double_buffer", compile="none", **kw):
     from safetensors.torch import load_file
 
     out = tmp_path / f"{device}-{precision}-{policy}"
     cfg = TrainConfig(model="tiny", steps=4, batch_size=8, micro_batch_size=4, seq_len=64, device=device,
-                      precision=precision, policy=policy, out=str(out), progress=False, **kw)
+                      precision=precision, policy=policy, out=str(out), progress=False, compile=compile, **kw)
     metrics = train(cfg)
     return load_file(out / "model.safetensors"), metrics
 
