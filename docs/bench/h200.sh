@@ -35,12 +35,12 @@ for job in "$@"; do
     w1) bench w1 $W --batch-size 4 --steps 7 --trace "$OUT/w1-trace.json" ;;
     w1c) bench w1c $W --batch-size 4 --steps 7 --compile ;;
     w1none) bench w1none $W --batch-size 4 --steps 6 --resident none ;;
-    w2) bench w2 $W --batch-size 16 --steps 5 ;;
+    w2) bench w2 $W --batch-size 16 --steps 5 --trace "$OUT/w2-trace.json" ;;
     w2c) bench w2c $W --batch-size 16 --steps 5 --compile ;;
-    gpu1) anchor gpu 1 6 ;;
+    gpu1) anchor gpu 1 4 ;;
     gpu4) anchor gpu 4 4 ;;
-    ds1) anchor ds 1 5 ;;
-    ds4) anchor ds 4 4 ;;
+    ds1) anchor ds 1 4 ;;
+    ds4) anchor ds 4 3 ;;
     8b) bench 8b --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 --resident none ${EXTRA8:-} ;;
     8bauto) bench 8bauto --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 ${EXTRA8:-} ;;
     8b10) bench 8b10 --model llama-8b --seq-len 4096 --batch-size 2 --micro-batch-size 1 --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 ;;

@@ -15,7 +15,8 @@ What the plan decides:
   any update, ``stream-bf16`` (14: a pinned bf16 copy, half the PCIe bytes per fetch) on request.
 - **Placement**: on a GPU, which units are *resident* (state in GPU memory, Adam there). For
   speed, the embedding and head (whose Adam and fetch sit at the step boundary) and the bottom
-  quarter of the layers (the first the next step's forward needs), as far as GPU memory allows;
+  third of the layers (the first the next step's forward needs, while CPU Adam of the layers
+  above is still running), as far as GPU memory allows;
   for capacity, further layers while the host cannot hold the streamed state.
 - **Loss chunk** size: the largest (up to the default) whose logits fit the GPU budget.
 
@@ -98,7 +99,11 @@ class Plan(msgspec.Struct, kw_only=True):
 
     @property
     def gpu_total(self) -> int:
-        return sum(self.gpu.values())
+        """Peak device bytes: everything at once, except that the loss chunks (forward's end) and
+        one layer's backward working set are never live together, so only the larger counts."""
+        g = self.gpu
+        overlap = min(g.get("layer_work", 0), g.get("loss_chunks", 0))
+        return sum(g.values()) - overlap
 
     @property
     def host_state_bytes_per_param(self) -> float:
@@ -172,8 +177,9 @@ def _limits(req: RunRequest, device: torch.device) -> tuple[int | None, int | No
 
 def cap_gpu_memory(device: torch.device, gib: float) -> None:
     """Enforce ``--gpu-mem``: the caching allocator refuses to grow this process past it."""
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * GiB / total), device)
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    total = torch.cuda.get_device_properties(index).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * GiB / total), index)
 
 
 # ---- the byte counts ----------------------------------------------------------------------
@@ -299,7 +305,7 @@ def _backlog(cfg: ModelConfig, resident: tuple[str, ...]) -> dict[str, int]:
     stalling backward (each offload waits for a host staging slot, which waits for Adam). A
     quarter of the streamed layers can queue; measured on the H200 at W1, docs/benchmarks.md."""
     streamed_layers = sum(1 for i in range(cfg.num_layers) if f"layer.{i}" not in resident)
-    return {GRADS: 2 + math.ceil(streamed_layers / 4)}
+    return {GRADS: 2 + math.ceil(streamed_layers / 8)}
 
 
 def _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
@@ -335,7 +341,7 @@ def _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
     resident: tuple[str, ...] = ()
     plan = build(resident)
     steps = _candidates(cfg)
-    speed_steps = 1 + math.ceil(cfg.num_layers / 4)
+    speed_steps = 1 + math.ceil(cfg.num_layers / 3)
     for i, add in enumerate(steps):
         if i >= speed_steps and plan.host_fits:
             break  # past the speed set, residency is only for capacity
@@ -369,6 +375,8 @@ def plan_run(cfg: ModelConfig, req: RunRequest, *, device: torch.device, dtype: 
 
 def _suggest(plan: Plan, cfg: ModelConfig, req: RunRequest) -> list[str]:
     out = []
+    if not plan.fits and plan.max_micro_batch is not None and plan.max_micro_batch < req.micro_batch_size:
+        out.append(f"use --micro-batch-size {plan.max_micro_batch} (the largest that fits)")
     if not plan.host_fits:
         if plan.layout == "full" and not req.grad_clip:
             out.append("use --layout staged (12 bytes per parameter instead of 16)")
@@ -379,9 +387,7 @@ def _suggest(plan: Plan, cfg: ModelConfig, req: RunRequest) -> list[str]:
         need = plan.host_total / GiB
         out.append(f"run where about {need / HOST_FILL:.0f} GiB of host memory is free")
     if not plan.gpu_fits:
-        if plan.max_micro_batch is not None and plan.max_micro_batch < req.micro_batch_size:
-            out.append(f"use --micro-batch-size {plan.max_micro_batch} (the largest that fits)")
-        elif req.micro_batch_size > 1:
+        if plan.max_micro_batch is None and req.micro_batch_size > 1:
             out.append("lower --micro-batch-size or --seq-len")
         if req.checkpoint_every > 1:
             out.append("use --checkpoint-every 1 (less recompute memory)")

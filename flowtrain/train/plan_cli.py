@@ -1,0 +1,92 @@
+"""``flowtrain plan``: the memory plan of a training run, without running it.
+
+Prints where every byte would live (host: master, Adam, gradients, staging, ...; GPU: weight
+slots, gradient accumulators, resident units, checkpoints, activations, loss chunks), whether
+the run fits, the largest micro-batch that fits, and what would make it fit. ``flowtrain
+train`` follows the same plan and refuses a run that does not fit before allocating anything::
+
+    flowtrain plan --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4
+    flowtrain plan --model llama-8b --seq-len 4096 --batch-size 2 --micro-batch-size 1 --gpu-mem 10 --json
+
+Without a GPU here, ``--device cuda`` (the default when ``--gpu-mem`` is given) plans for one
+on paper; with no ``--gpu-mem`` either, the GPU side is reported without a limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import torch
+
+from ..errors import ConfigError
+from .cli import add_memory_arguments
+from .plan import GiB, RunRequest, plan_run
+from .trainer import load_model_config, resolve_dtype
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--model", required=True, help="Hugging Face model directory or preset")
+    a("--seq-len", type=int, required=True)
+    a("--batch-size", type=int, required=True, help="sequences per optimizer step")
+    a("--micro-batch-size", type=int, required=True)
+    a("--checkpoint-every", type=int, default=1)
+    a("--order", choices=["layer", "micro"], default="layer")
+    a("--grad-clip", action="store_true", help="plan for exact gradient clipping (full layout)")
+    a("--precision", choices=["fp32", "bf16"], default=None, help="default: bf16 on CUDA, fp32 on the CPU")
+    a("--device", choices=["auto", "cpu", "cuda"], default="auto",
+      help="auto: cuda if this machine has one or --gpu-mem is given, else cpu")
+    a("--policy", default="double_buffer")
+    a("--json", action="store_true", help="print the plan as JSON")
+    add_memory_arguments(p)
+
+
+def run(args: argparse.Namespace) -> int:
+    cfg, _ = load_model_config(args.model)
+    cfg.validate()
+    if args.device == "auto":
+        device = torch.device("cuda" if (torch.cuda.is_available() or args.gpu_mem is not None) else "cpu")
+    else:
+        device = torch.device(args.device)
+    if args.seq_len < 2:
+        raise ConfigError(f"--seq-len must be at least 2 (got {args.seq_len})")
+    dtype = resolve_dtype(args.precision, device)
+    req = RunRequest(seq_len=args.seq_len, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
+                     checkpoint_every=args.checkpoint_every, order=args.order, grad_clip=args.grad_clip,
+                     layout=args.layout, resident=args.resident, gpu_mem=args.gpu_mem, host_mem=args.host_mem,
+                     chunk_tokens=args.chunk_tokens)
+    plan = plan_run(cfg, req, device=device, dtype=dtype, policy=args.policy)
+    if args.json:
+        print(json.dumps({"model": args.model, **plan.to_dict()}, indent=1))
+    else:
+        print(format_plan(args.model, plan))
+    return 0 if plan.fits else 1
+
+
+def _gib(n: int | None) -> str:
+    return "no limit" if n is None else f"{n / GiB:8.2f} GiB"
+
+
+def format_plan(model: str, plan) -> str:  # noqa: ANN001 - a Plan
+    lines = [f"{model}: {plan.params / 1e9:.2f} B parameters, layout {plan.layout} "
+             f"({plan.host_state_bytes_per_param:.2f} host bytes of state per parameter), device {plan.device}"]
+    res = plan.spec.resident
+    lines.append(f"resident on the GPU (Adam there): {', '.join(res) if res else 'none'}")
+    lines.append(f"slots: {plan.budgets}; loss chunk {plan.chunk_tokens} tokens"
+                 + (f"; staged gradient chunks {plan.spec.grad_chunks}" if plan.spec.grad_chunks else ""))
+    for title, part, total, limit, ok in (("host", plan.host, plan.host_total, plan.host_limit, plan.host_fits),
+                                          ("GPU", plan.gpu, plan.gpu_total, plan.gpu_limit, plan.gpu_fits)):
+        lines.append(f"{title} memory:")
+        for k, v in part.items():
+            if v:
+                lines.append(f"  {k:<16}{v / GiB:8.2f} GiB")
+        if title == "host" and plan.device == "cpu":
+            lines.append(f"  {'(GPU items)':<16}{plan.gpu_total / GiB:8.2f} GiB  (on the CPU they are host memory)")
+        lines.append(f"  {'total':<16}{total / GiB:8.2f} GiB of {_gib(limit).strip()} usable: "
+                     + ("fits" if ok else "DOES NOT FIT"))
+    mb = plan.max_micro_batch
+    lines.append(f"largest micro-batch that fits: {mb if mb is not None else 'none (not even 1)'}")
+    if not plan.fits:
+        lines.append("to make it fit: " + "; ".join(plan.suggestions or ["use a smaller model"]))
+    return "\n".join(lines)
