@@ -100,3 +100,19 @@ def budgets(graph: nx.DiGraph, weights: int, grads: int, host_grads: int = 3) ->
     if any(t.takes == HOST_GRADS for t in graph):
         out[HOST_GRADS] = host_grads
     return out
+
+
+class WithBudgets:
+    """A policy's order with other slot budgets: how a memory plan that shrank or grew the
+    policy's budgets (``flowtrain.train.plan``) hands them to the engine::
+
+        engine = Engine(program, WithBudgets(resolve_policy("double_buffer"), {"weights": 2, "grads": 1}))
+    """
+
+    def __init__(self, policy: Policy, budgets: dict[str, int]) -> None:
+        self.policy = policy
+        self.budgets = dict(budgets)
+
+    def propose(self, graph: nx.DiGraph) -> Proposal:
+        inner = self.policy.propose(graph)
+        return Proposal(inner.order, {**inner.budgets, **self.budgets})

@@ -72,6 +72,29 @@ def pinned_zeros(n: int, pin: bool, dtype: torch.dtype = torch.float32) -> torch
     return t
 
 
+def return_freed_memory() -> None:
+    """Make glibc give large freed blocks back to the OS at once.
+
+    By default glibc raises its mmap threshold each time a large block is freed, so later blocks
+    of that size come from per-thread heaps that keep the memory after ``free``; with tensors
+    allocated and freed on several lane threads the process's resident memory then drifts far
+    above what is live (0.7 GiB for a 57M-parameter model on the CPU). A fixed 1 MiB threshold
+    keeps host memory what the plan says it is. A no-op where glibc is not the allocator."""
+    global _RETURN_SET
+    if _RETURN_SET:
+        return
+    _RETURN_SET = True
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
+_RETURN_SET = False
+
+
 def staging_numel(layouts: Iterable[UnitLayout], resident: Iterable[str] = ()) -> int:
     """Elements of one host staging slot: the largest streamed decoder layer (or, with no
     streamed layer, the largest streamed unit). Bigger units pass through it in chunks."""

@@ -21,8 +21,9 @@ What the plan decides:
 - **Loss chunk** size: the largest (up to the default) whose logits fit the GPU budget.
 
 Host bytes: ``master`` (4 per streamed parameter), ``adam`` (8), ``gradients`` (4, full
-layout), ``streaming_copy`` (2, stream-bf16), ``staging`` (the ring), ``tied_gradient``, and
-``runtime`` (the Python process with torch loaded, measured). GPU bytes: ``weight_slots``,
+layout), ``streaming_copy`` (2, stream-bf16), ``staging`` (the ring), ``tied_gradient``,
+``runtime`` (the Python process with torch loaded, measured) and ``checkpoint_load`` (the largest
+checkpoint file, mapped while it is read). GPU bytes: ``weight_slots``,
 ``landing`` (the fp32 piece buffer of casting fetches), ``grad_slots``, ``resident`` (master, m,
 v, gradient and compute copy: 18 bytes per parameter in bf16), ``checkpoints``, ``recompute``,
 ``layer_work`` (one layer under autograd) and ``loss_chunks``. On a CPU-only run the GPU
@@ -33,6 +34,7 @@ from __future__ import annotations
 
 import math
 import os
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -69,14 +71,24 @@ class RunRequest(msgspec.Struct, kw_only=True):
     gpu_mem: float | None = None  # GiB
     host_mem: float | None = None  # GiB
     chunk_tokens: int | None = None
+    #: bytes of the largest checkpoint file read at start (mapped while it is copied in)
+    load_bytes: int = 0
 
 
-def run_request(cfg: Any) -> RunRequest:
+def checkpoint_read_bytes(model_dir: str | os.PathLike[str] | None) -> int:
+    """The largest safetensors file of a model directory: loading maps one file at a time, and
+    its pages count towards the process's resident memory while the state is filled."""
+    if model_dir is None:
+        return 0
+    return max((f.stat().st_size for f in Path(model_dir).glob("*.safetensors")), default=0)
+
+
+def run_request(cfg: Any, model_dir: str | os.PathLike[str] | None = None) -> RunRequest:
     """The request of a ``TrainConfig`` (or anything with the same attributes)."""
     return RunRequest(seq_len=cfg.seq_len, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size,
                       checkpoint_every=cfg.checkpoint_every, order=cfg.order, grad_clip=cfg.grad_clip is not None,
                       layout=cfg.layout, resident=cfg.resident, gpu_mem=cfg.gpu_mem, host_mem=cfg.host_mem,
-                      chunk_tokens=cfg.chunk_tokens)
+                      chunk_tokens=cfg.chunk_tokens, load_bytes=checkpoint_read_bytes(model_dir))
 
 
 class Plan(msgspec.Struct, kw_only=True):
@@ -95,7 +107,11 @@ class Plan(msgspec.Struct, kw_only=True):
 
     @property
     def host_total(self) -> int:
-        return sum(self.host.values()) + (self.gpu_total if self.device == "cpu" else 0)
+        """Peak host bytes. Loading a checkpoint happens before any activation exists, so of the
+        file being read and (on a CPU-only run) the device-side items only the larger counts."""
+        load = self.host.get("checkpoint_load", 0)
+        on_host = self.gpu_total if self.device == "cpu" else 0
+        return sum(self.host.values()) - load + max(load, on_host)
 
     @property
     def gpu_total(self) -> int:
@@ -108,7 +124,8 @@ class Plan(msgspec.Struct, kw_only=True):
     @property
     def host_state_bytes_per_param(self) -> float:
         """Host bytes of model and optimizer state (runtime excluded) per model parameter."""
-        return (sum(self.host.values()) - self.host.get("runtime", 0)) / self.params
+        transient = self.host.get("runtime", 0) + self.host.get("checkpoint_load", 0)
+        return (sum(self.host.values()) - transient) / self.params
 
     @property
     def host_fits(self) -> bool:
@@ -208,6 +225,8 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
     if tied_streamed:
         host["tied_gradient"] = 4 * embed_n
     host["runtime"] = RUNTIME_HOST["cuda" if device.type == "cuda" else "cpu"]
+    if req.load_bytes:
+        host["checkpoint_load"] = req.load_bytes
 
     M = req.batch_size // req.micro_batch_size
     tokens = req.micro_batch_size * req.seq_len

@@ -21,7 +21,7 @@ import torch
 
 from ..errors import ConfigError
 from .cli import add_memory_arguments
-from .plan import GiB, RunRequest, plan_run
+from .plan import GiB, RunRequest, checkpoint_read_bytes, plan_run
 from .trainer import load_model_config, resolve_dtype
 
 
@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    cfg, _ = load_model_config(args.model)
+    cfg, model_dir = load_model_config(args.model)
     cfg.validate()
     if args.device == "auto":
         device = torch.device("cuda" if (torch.cuda.is_available() or args.gpu_mem is not None) else "cpu")
@@ -55,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
     req = RunRequest(seq_len=args.seq_len, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
                      checkpoint_every=args.checkpoint_every, order=args.order, grad_clip=args.grad_clip,
                      layout=args.layout, resident=args.resident, gpu_mem=args.gpu_mem, host_mem=args.host_mem,
-                     chunk_tokens=args.chunk_tokens)
+                     chunk_tokens=args.chunk_tokens, load_bytes=checkpoint_read_bytes(model_dir))
     plan = plan_run(cfg, req, device=device, dtype=dtype, policy=args.policy)
     if args.json:
         print(json.dumps({"model": args.model, **plan.to_dict()}, indent=1))

@@ -28,11 +28,11 @@ import torch
 
 from ..errors import CheckpointError, ConfigError, PlanError
 from ..graph.compiler import StepSpec, compile_step, cross_step_edges
-from ..policy import resolve_policy
+from ..policy import WithBudgets, resolve_policy
 from ..runtime.executor import Engine, use_uvloop
 from ..runtime.trace import Instrument, TraceRecorder, lane_busy, write_chrome_trace
 from .data import Sequences, default_corpus_path, load_sequences, step_batches, tokenizer_files
-from .host_state import HostState
+from .host_state import HostState, return_freed_memory
 from .model import ModelConfig, PRESETS, preset, read_config
 from .optimizer import AdamWConfig, LRSchedule
 from .plan import cap_gpu_memory, plan_run, run_request
@@ -203,6 +203,7 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
     mcfg, model_dir = load_model_config(cfg.model)
     mcfg.validate()
     validate(cfg, mcfg)
+    return_freed_memory()
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.precision, device)
     adamw = AdamWConfig(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
@@ -213,13 +214,14 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
     data_path = cfg.data or str(default_corpus_path())
     seqs = load_sequences(data_path, cfg.seq_len, mcfg.vocab_size, tokenizer_dir=model_dir,
                           pad_id=mcfg.pad_token_id or 0, eos_id=mcfg.eos_token_id)
-    plan = plan_run(mcfg, run_request(cfg), device=device, dtype=dtype, policy=policy)
+    plan = plan_run(mcfg, run_request(cfg, model_dir), device=device, dtype=dtype, policy=policy)
     if not plan.fits:
         raise PlanError(plan.refusal())
     if on_plan:
         on_plan(plan)
     spec = plan.spec
     budgets = plan.budgets
+    policy = WithBudgets(policy, budgets)  # the engine enforces the budgets the plan sized buffers for
     chunk_tokens = cfg.chunk_tokens or plan.chunk_tokens
     if device.type == "cuda":
         if cfg.gpu_mem is not None:

@@ -94,3 +94,13 @@ def test_natural_order_stays_close_to_insertion_order_otherwise():
     g.add_edge(x, z)
     with pytest.raises(CycleError, match="cycle"):
         natural_order(g)
+
+
+def test_with_budgets_keeps_the_order_and_replaces_the_budgets():
+    from flowtrain.policy import WithBudgets
+
+    g = compile_step(StepSpec(layers=3, micro_batches=2))
+    inner = resolve_policy("double_buffer").propose(g)
+    wrapped = WithBudgets(resolve_policy("double_buffer"), {"grads": 1}).propose(g)
+    assert wrapped.order == inner.order
+    assert wrapped.budgets == {**inner.budgets, "grads": 1}
