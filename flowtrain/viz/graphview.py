@@ -32,6 +32,8 @@ KIND_COLORS = {
     "offload_grad": "#76b7b2",
     "grad_norm": "#ff9da7",
     "cpu_adam": "#b07aa1",
+    "gpu_adam": "#7b4173",
+    "grad_sq_norm": "#e7969c",
 }
 OTHER_COLOR = "#888888"
 #: Colours of compute-gap markers by reason (a task kind, or these two).
@@ -40,7 +42,7 @@ CRITICAL = "#e31a1c"
 
 _SHORT = {"forward": "fwd", "backward": "bwd", "recompute": "rec", "zero_grad": "zero",
           "offload_grad": "offload", "cpu_adam": "adam", "embed_backward": "emb_bwd",
-          "grad_norm": "norm"}
+          "grad_norm": "norm", "gpu_adam": "gadam", "grad_sq_norm": "sqnorm"}
 
 #: Above this many tasks the graph is shown as a table instead of a drawing.
 MAX_DRAWN = 400
