@@ -47,8 +47,6 @@ from ..errors import ConfigError
 from .model import ModelConfig, UnitLayout, init_unit, load_into, model_layouts, save_hf
 
 LAYOUTS = ("staged", "full", "stream-bf16")
-#: Host bytes per streamed parameter (master and Adam state, plus what the layout adds).
-LAYOUT_BYTES = {"staged": 12, "full": 16, "stream-bf16": 14}
 
 
 def pinned_zeros(n: int, pin: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -214,9 +212,3 @@ class HostState:
 
     def save(self, out_dir: str | Path) -> None:
         save_hf(out_dir, self.cfg, self.layouts, [u.master for u in self.units])
-
-    @staticmethod
-    def nbytes(cfg: ModelConfig, layout: str = "full") -> int:
-        """Host bytes of the per-unit state of ``cfg`` with every unit streamed (padding
-        included; the staging ring and other shared buffers are the plan's to count)."""
-        return sum(LAYOUT_BYTES[layout] * lay.numel for lay in model_layouts(cfg))

@@ -43,7 +43,7 @@ import torch
 from ..errors import ConfigError
 from ..graph.compiler import StepSpec, compile_step
 from ..graph.tasks import GRADS, HOST_GRADS, WEIGHTS
-from .host_state import LAYOUT_BYTES, LAYOUTS, grad_chunks, staging_numel
+from .host_state import LAYOUTS, grad_chunks, staging_numel
 from .model import ModelConfig, default_chunk_tokens, model_layouts
 from .program import LANDING_NUMEL
 
@@ -273,12 +273,7 @@ def _explicit_resident(req: RunRequest, cfg: ModelConfig) -> tuple[str, ...] | N
         return None
     if req.resident in ("none", ""):
         return ()
-    keys = tuple(k.strip() for k in req.resident.split(",") if k.strip())
-    valid = {"embed", "head", *(f"layer.{i}" for i in range(cfg.num_layers))}
-    bad = [k for k in keys if k not in valid]
-    if bad:
-        raise ConfigError(f"--resident: {bad} are not units of this model (embed, head, layer.0..layer.{cfg.num_layers - 1})")
-    return keys
+    return tuple(k.strip() for k in req.resident.split(",") if k.strip())  # StepSpec checks the keys
 
 
 def _candidates(cfg: ModelConfig) -> list[tuple[str, ...]]:
@@ -321,8 +316,8 @@ def _spec(cfg: ModelConfig, req: RunRequest, layout: str, resident: tuple[str, .
 def _backlog(cfg: ModelConfig, resident: tuple[str, ...]) -> dict[str, int]:
     """Extra gradient accumulators for speed: when a layer's backward is shorter than its CPU
     Adam (one micro-batch per step), finished gradients queue on the device instead of
-    stalling backward (each offload waits for a host staging slot, which waits for Adam). A
-    quarter of the streamed layers can queue; measured on the H200 at W1, docs/benchmarks.md."""
+    stalling backward (each offload waits for a host staging slot, which waits for Adam). An
+    eighth of the streamed layers can queue (docs/benchmarks.md, W1 on the H200)."""
     streamed_layers = sum(1 for i in range(cfg.num_layers) if f"layer.{i}" not in resident)
     return {GRADS: 2 + math.ceil(streamed_layers / 8)}
 
