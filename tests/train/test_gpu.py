@@ -53,7 +53,7 @@ def test_cuda_placements_match_cpu(tmp_path, placement):
         assert err < 1e-3, f"{name}: {err:.2e}"
 
 
-@pytest.mark.filterwarnings("ignore::DeprecationWarning", "ignore::UserWarning")
+@pytest.mark.filterwarnings("ignore")  # inductor and its dependencies warn while compiling; numbers matter here
 def test_cuda_compiled_layer_matches_eager(tmp_path):
     eager, _ = _weights(tmp_path / "eager", "cuda", "fp32")
     compiled, _ = _weights(tmp_path / "compiled", "cuda", "fp32", compile="inductor")
