@@ -179,3 +179,23 @@ def test_compiled_layer_matches_hf(setup, tmp_path):
     d, ref, _ = setup
     run_flowtrain(d / "model", d / "data.jsonl", tmp_path / "out", "--compile", "aot_eager")
     assert_same_weights(tmp_path / "out", ref)
+
+
+@pytest.mark.parametrize("other", [("--layout", "stream-bf16"), ("--resident", "embed,head,layer.0")])
+def test_bf16_copies_give_the_same_weights_as_casting_on_the_fly(setup, tmp_path, other):
+    """In bf16 compute, the stream-bf16 layout's pinned bf16 copy (refreshed by cpu_adam) and a
+    resident unit's compute copy (refreshed by gpu_adam) hold exactly the rounding that a fetch
+    of the fp32 master casts on the fly, so training gives bit-identical weights."""
+    from safetensors.torch import load_file
+
+    d, _, _ = setup
+    runs = {}
+    for name, extra in (("cast", ("--layout", "staged", "--resident", "none")), ("copy", other)):
+        out = tmp_path / name
+        args = ["train", "--model", str(d / "model"), "--data", str(d / "data.jsonl"), "--steps", str(STEPS),
+                "--batch-size", str(ROWS), "--micro-batch-size", "2", "--seq-len", str(SEQ), "--no-shuffle",
+                "--lr", "0.01", "--device", "cpu", "--precision", "bf16", "--out", str(out), "--no-progress", *extra]
+        assert main(args) == 0
+        runs[name] = load_file(out / "model.safetensors")
+    for key, ref in runs["cast"].items():
+        assert torch.equal(runs["copy"][key], ref), key
