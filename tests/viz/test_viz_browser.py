@@ -152,12 +152,11 @@ window.addEventListener("load", function () {
   window.dispatchEvent(new MouseEvent("mouseup", m));
   var panned = window.ftViz.view.x0 - x0;
   c.dispatchEvent(new MouseEvent("dblclick", at(mid)));                                    // reset
-  requestAnimationFrame(function () {
-    root.setAttribute("data-test", JSON.stringify({
-      full: full, zoomed: zoomed, name: T.name[i], tip: tip.textContent, tipShown: tip.style.display,
-      info: p.el.querySelector(".info").textContent, selected: p.selected, task: i, panned: panned,
-      after: JSON.parse(c.getAttribute("data-drawn")).compute }));
-  });
+  window.ftViz.redraw();  // draw now rather than on the next frame, which a loaded machine may not give
+  root.setAttribute("data-test", JSON.stringify({
+    full: full, zoomed: zoomed, name: T.name[i], tip: tip.textContent, tipShown: tip.style.display,
+    info: p.el.querySelector(".info").textContent, selected: p.selected, task: i, panned: panned,
+    after: JSON.parse(c.getAttribute("data-drawn")).compute }));
 });
 """
 
@@ -166,7 +165,7 @@ def test_zoom_pan_hover_and_click(chromium, tmp_path, cpu_traces):
     """Synthetic wheel, drag, hover, click and double-click events on the first panel."""
     page = write_report(tmp_path / "report.html", [load_input(cpu_traces[1])])
     page.write_text(page.read_text().replace("</body>", f"<script>{INTERACT_JS}</script></body>"))
-    proc = browse(chromium, tmp_path, page, "--virtual-time-budget=3000", "--dump-dom")
+    proc = browse(chromium, tmp_path, page, "--virtual-time-budget=10000", "--dump-dom")
     parser = _HtmlAttrs()
     parser.feed(proc.stdout)
     attrs = parser.attrs or {}
