@@ -180,6 +180,7 @@ class Engine:
         self.scheduler.forget(tasks)  # type: ignore[union-attr]
         for t in tasks:
             self._launches.pop(t, None)
+            del self._fences[t]  # finished: keeps a long run's memory (and CUDA events) flat
         return records
 
     @staticmethod
@@ -216,7 +217,9 @@ class Engine:
             task = launch.task
             lane = self._lanes[task.lane]
             ctx = TaskContext(launch, lane)
-            fences = [self._fences[w] for w in launch.waits]
+            # A producer missing here was waited for already (its fence set, then dropped by
+            # ``wait``): it is finished, so there is nothing to wait for.
+            fences = [self._fences[w] for w in launch.waits if w in self._fences]
             notify = self.scheduler.needs_completion(task)  # type: ignore[union-attr]
             for ins in self.instruments:
                 ins.on_launch(task, task.lane)

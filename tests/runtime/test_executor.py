@@ -278,6 +278,25 @@ async def test_steps_overlap_through_cross_step_edges():
     }
 
 
+async def test_a_long_run_keeps_no_bookkeeping_of_finished_steps():
+    """Step after step, as the trainer feeds them (the next added before this one is waited
+    for): once a step is waited for, the engine holds nothing of it, and later steps that wait
+    on its tasks (cross-step edges, slot fences) still run in a valid order."""
+    spec = StepSpec(layers=2, micro_batches=2, staged=True)
+    rec = Recorder()
+    graphs = [compile_step(spec, s) for s in range(5)]
+    async with Engine(rec, "double_buffer") as engine:
+        engine.add(graphs[0])
+        for s in range(1, 5):
+            engine.add(graphs[s], after=cross_step_edges(graphs[s - 1], graphs[s], spec))
+            await guarded(engine.wait(graphs[s - 1]))
+            assert len(engine._fences) <= graphs[s].number_of_nodes()
+        await guarded(engine.wait(graphs[4]))
+        assert not engine._fences and not engine._launches
+    edges = [e for s in range(1, 5) for e in cross_step_edges(graphs[s - 1], graphs[s], spec)]
+    check_topological(nx.compose_all(graphs), rec, extra_edges=edges)
+
+
 async def test_budgets_may_not_change_between_graphs():
     class Growing:
         calls = 0
