@@ -8,7 +8,10 @@ steps after ``--warmup`` (excluded: compilation, allocator growth, first fetches
 Model FLOPs per token are ``6 N + 6 L h S`` (weights, and causal attention at half of
 ``12 L h S``), recompute not counted, the same definition as the anchors in ../shared/anchors.
 Busy fractions come from the executed trace: for each lane, the union of its tasks' intervals
-over the measured window, so they say where the time went.
+over the measured window, so they say where the time went. Beside the measured peaks (host RSS,
+GPU ``max_memory_allocated``) the result carries the memory plan the run followed (layout,
+resident units, slot budgets, planned host and GPU bytes), so every benchmark also checks the
+planner.
 """
 
 from __future__ import annotations
@@ -101,6 +104,9 @@ def run_model(args: argparse.Namespace) -> dict:
         result.update(layout=p.layout, resident=list(p.spec.resident), budgets=p.budgets,
                       planned_host_gib=round(p.host_total / 2**30, 2), planned_gpu_gib=round(p.gpu_total / 2**30, 2),
                       planned_host_state_bytes_per_param=round(p.host_state_bytes_per_param, 3),
+                      # peak RSS per parameter: of the whole process, and less the planner's
+                      # allowance for the process itself (interpreter, torch, CUDA libraries)
+                      host_bytes_per_param=round(result["host_peak_gib"] * 2**30 / p.params, 3),
                       measured_host_bytes_per_param=round(
                           (result["host_peak_gib"] * 2**30 - p.host.get("runtime", 0)) / p.params, 3))
     if torch.cuda.is_available() and cfg.device != "cpu":
