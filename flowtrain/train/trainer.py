@@ -111,7 +111,7 @@ def resolve_dtype(precision: str | None, device: torch.device) -> torch.dtype:
 
 def resolve_compile(name: str | None, device: torch.device) -> str | None:
     """The torch.compile backend for the layer, or None for eager. ``auto`` compiles on CUDA
-    (fused norms, rotary and SwiGLU: 8% at W1 and 25% at W2 on the H200, docs/benchmarks.md)
+    (fused norms, rotary and SwiGLU: 8% faster than eager at W1 on the H200, docs/benchmarks.md)
     and stays eager on the CPU, where compiling costs more than it saves on small test runs."""
     if name in (None, "none", "eager"):
         return None
