@@ -44,11 +44,10 @@ def add_model_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) ->
     a("--checkpoint-every", type=int, default=1)
     a("--adam-workers", type=int, default=1)
     a("--trace", default=None, help="also write the executed trace (Chrome JSON)")
-    from .cli import add_memory_arguments
+    from .cli import add_compile_argument, add_memory_arguments
 
     add_memory_arguments(p)
-    a("--compile", default="auto", metavar="auto|none|BACKEND",
-      help="torch.compile backend for the decoder layer; auto: inductor on CUDA, eager on the CPU")
+    add_compile_argument(p)
 
 
 def model_flops_per_token(model: str, seq_len: int) -> float:

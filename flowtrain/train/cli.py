@@ -46,8 +46,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--order", choices=["layer", "micro"], default="layer", help="micro-batch order (layer-major streams weights once)")
     a("--adam-workers", type=int, default=1, help="CPU threads running AdamW tasks concurrently")
     add_memory_arguments(p)
-    a("--compile", default="auto", metavar="auto|none|BACKEND",
-      help="torch.compile backend for the decoder layer; auto: inductor on CUDA, eager on the CPU")
+    add_compile_argument(p)
     a("--out", default=None, help="write the trained model here (Hugging Face format)")
     a("--overwrite", action="store_true", help="replace a non-empty --out directory")
     a("--metrics", default=None, help="write one JSON line per step here")
@@ -66,6 +65,12 @@ def add_memory_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -
     a("--gpu-mem", type=float, default=None, metavar="GiB", help="cap on the GPU memory flowtrain takes (enforced)")
     a("--host-mem", type=float, default=None, metavar="GiB", help="host memory to plan for (default: what is available)")
     a("--chunk-tokens", type=int, default=None, help="tokens per loss chunk (default: planned)")
+
+
+def add_compile_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """``--compile``, shared by ``train`` and ``bench --model``."""
+    p.add_argument("--compile", default="auto", metavar="auto|none|BACKEND",
+                   help="torch.compile backend for the decoder layer; auto: inductor on CUDA, eager on the CPU")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:

@@ -93,6 +93,16 @@ def return_freed_memory() -> None:
 _RETURN_SET = False
 
 
+def slot_numel(layouts: list[UnitLayout], resident: Iterable[str], tied: bool) -> int:
+    """Elements of one device weight or gradient slot: the largest streamed unit; a streamed
+    tied head's slot also carries the embedding matrix after the final norm."""
+    res = set(resident)
+    n = max((lay.numel for lay in layouts if lay.key not in res), default=0)
+    if tied and "head" not in res:
+        n = max(n, layouts[-1].numel + layouts[0].numel)
+    return n
+
+
 def staging_numel(layouts: Iterable[UnitLayout], resident: Iterable[str] = ()) -> int:
     """Elements of one host staging slot: the largest streamed decoder layer (or, with no
     streamed layer, the largest streamed unit). Bigger units pass through it in chunks."""

@@ -43,7 +43,7 @@ import torch
 from ..errors import ConfigError
 from ..graph.compiler import StepSpec, compile_step
 from ..graph.tasks import GRADS, HOST_GRADS, WEIGHTS
-from .host_state import LAYOUTS, grad_chunks, staging_numel
+from .host_state import LAYOUTS, grad_chunks, slot_numel, staging_numel
 from .model import ModelConfig, default_chunk_tokens, model_layouts
 from .program import LANDING_NUMEL
 
@@ -181,15 +181,10 @@ def host_available() -> int | None:
 
 def _limits(req: RunRequest, device: torch.device) -> tuple[int | None, int | None]:
     host = int(req.host_mem * GiB) if req.host_mem is not None else host_available()
-    gpu = None
-    if req.gpu_mem is not None:
-        gpu = int(req.gpu_mem * GiB)
-    elif device.type == "cuda" and torch.cuda.is_available():
-        free, _ = torch.cuda.mem_get_info(device)
-        gpu = int(free)
-    if req.gpu_mem is not None and device.type == "cuda" and torch.cuda.is_available():
-        free, _ = torch.cuda.mem_get_info(device)
-        gpu = min(gpu, int(free))  # type: ignore[type-var]
+    caps = [] if req.gpu_mem is None else [int(req.gpu_mem * GiB)]
+    if device.type == "cuda" and torch.cuda.is_available():
+        caps.append(int(torch.cuda.mem_get_info(device)[0]))  # never more than is free now
+    gpu = min(caps) if caps else None
     return (None if host is None else int(host * HOST_FILL)), (None if gpu is None else int(gpu * GPU_FILL))
 
 
@@ -211,9 +206,7 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
     embed_n = layouts[0].numel
     cbytes = torch.empty((), dtype=dtype).element_size()
     tied_streamed = cfg.tie_word_embeddings and "head" not in res
-    slot_n = max((lay.numel for lay in streamed), default=0)
-    if tied_streamed:
-        slot_n = max(slot_n, layouts[-1].numel + embed_n)
+    slot_n = slot_numel(layouts, resident, cfg.tie_word_embeddings)
     stage_n = staging_numel(layouts, resident)
 
     host = {"master": 4 * streamed_n, "adam": 8 * streamed_n}
@@ -269,7 +262,7 @@ def _layout(req: RunRequest) -> str:
     return req.layout
 
 
-def _explicit_resident(req: RunRequest, cfg: ModelConfig) -> tuple[str, ...] | None:
+def _explicit_resident(req: RunRequest) -> tuple[str, ...] | None:
     if req.resident == "auto":
         return None
     if req.resident in ("none", ""):
@@ -325,7 +318,7 @@ def _backlog(cfg: ModelConfig, resident: tuple[str, ...]) -> dict[str, int]:
 
 def _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
     layout = _layout(req)
-    explicit = _explicit_resident(req, cfg)
+    explicit = _explicit_resident(req)
     default_chunk = req.chunk_tokens or default_chunk_tokens(cfg.vocab_size)
 
     def build(resident: tuple[str, ...]) -> Plan:

@@ -64,7 +64,7 @@ from ..graph.tasks import (
     ZeroGrad,
 )
 from ..runtime.executor import TaskContext
-from .host_state import HostState, UnitState, chunk_range, pinned_zeros, staging_numel
+from .host_state import HostState, UnitState, chunk_range, pinned_zeros, slot_numel, staging_numel
 from .model import bind, decoder_layer, embed, head_loss_and_grads, rope_tables
 from .optimizer import AdamWConfig, adamw_step, clip_coefficient
 
@@ -115,10 +115,8 @@ class StepProgram:
         self.tied = self.cfg.tie_word_embeddings
         self.head_n = state.head.layout.numel
         embed_n = state.embed.layout.numel
-        streamed = [u.layout.numel for u in state.units if not u.resident]
-        slot_n = max(streamed, default=0)
+        slot_n = slot_numel(state.layouts, state.resident, self.tied)
         if self.tied and not state.head.resident:
-            slot_n = max(slot_n, self.head_n + embed_n)
             self.tied_grad = pinned_zeros(embed_n, self._pin)
         self.weight_c = [torch.empty(slot_n, dtype=dtype, device=self.device) for _ in range(budgets[WEIGHTS])]
         needs_landing = dtype != torch.float32 and any(u.stream is None for u in state.units if not u.resident)

@@ -222,7 +222,6 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
     spec = plan.spec
     budgets = plan.budgets
     policy = WithBudgets(policy, budgets)  # the engine enforces the budgets the plan sized buffers for
-    chunk_tokens = cfg.chunk_tokens or plan.chunk_tokens
     if device.type == "cuda":
         if cfg.gpu_mem is not None:
             cap_gpu_memory(device, cfg.gpu_mem)
@@ -238,7 +237,7 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
         state.load_checkpoint(model_dir)
     program = StepProgram(state, device=device, dtype=dtype, seq_len=cfg.seq_len,
                           checkpoint_every=cfg.checkpoint_every, budgets=budgets, adamw=adamw,
-                          chunk_tokens=chunk_tokens, compile_backend=resolve_compile(cfg.compile, device))
+                          chunk_tokens=plan.chunk_tokens, compile_backend=resolve_compile(cfg.compile, device))
     gc.freeze()  # the model and torch's objects are long-lived: keep full collections off them
     recorder = TraceRecorder() if cfg.trace else None
     reporter = _Reporter(cfg, cfg.steps)
