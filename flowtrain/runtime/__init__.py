@@ -1,6 +1,8 @@
-"""Running task graphs: the pure scheduler, lanes, the asyncio engine and the reference."""
+"""Running task graphs: the pure scheduler, lanes, the asyncio engine, the reference, and fault
+injection for tests."""
 
 from .executor import Engine, Program, TaskContext, run_graph, use_uvloop
+from .faults import Fault, FaultInjector, FaultSpec, InjectedFault
 from .reference import run_reference
 from .scheduler import Launch, Scheduler
 from .trace import Instrument, TaskRecord, TraceRecorder, chrome_trace, lane_busy, write_chrome_trace
@@ -11,6 +13,10 @@ __all__ = [
     "TaskContext",
     "run_graph",
     "use_uvloop",
+    "Fault",
+    "FaultInjector",
+    "FaultSpec",
+    "InjectedFault",
     "run_reference",
     "Launch",
     "Scheduler",

@@ -17,23 +17,50 @@ A *program* is any callable ``program(task, ctx) -> bytes moved | None`` that do
 one task (see :class:`TaskContext`); on CUDA it runs on the lane's launcher thread inside the task's
 stream and only enqueues kernels; without CUDA it runs in the lane's worker thread.
 
-One failing task fails the run: the lanes are aborted (queued jobs are skipped), the engine
-waits until nothing is running, and raises :class:`~flowtrain.errors.StepFailed` naming the task.
+Stopping. The engine *stops* when a task fails (:class:`~flowtrain.errors.StepFailed` naming
+it), when :meth:`Engine.cancel` is called, when the ``async with`` block is left with an
+exception (a ``CancelledError`` from Ctrl-C included), or when it is left at all. From that
+moment, in this order:
+
+1. no task is launched any more (completions still arriving are ignored);
+2. every lane is aborted: jobs that have not started are skipped, their fences set and failed;
+3. the engine waits for the jobs still running, at most ``grace`` seconds after the stop,
+   without blocking the event loop: fences wake the loop through done callbacks, so no thread
+   of asyncio's default executor is ever parked on a job that may never finish;
+4. the lanes' daemon threads are joined within what is left of the grace period. Jobs still
+   running then are *abandoned*: listed in :attr:`Engine.stuck` (host state they touch may be
+   half-updated) and their fences set as failed, so that every fence ever made ends up set.
+
+A watchdog (``task_timeout``) fails the engine with ``StepFailed(task, TimeoutError(...))`` when
+one job has run longer than that, and the engine then stops as above. What a caller sees::
+
+    engine = Engine(program, policy, grace=5.0, task_timeout=600.0)
+    try:
+        async with engine:                   # Ctrl-C under asyncio.run cancels the task
+            engine.add(step)                 # awaiting here: CancelledError leaves the block,
+            await engine.wait(step)          # which cancels the engine (or call engine.cancel())
+    finally:
+        if engine.stuck:                     # still running after the grace period
+            print(f"task {engine.stuck[0]} was still running; host state may be half-updated")
 """
 
 from __future__ import annotations
 
 import asyncio
+import threading
+import time
 from typing import Any, Callable, Iterable, Sequence
 
 import networkx as nx
 
-from ..errors import ScheduleError, StepFailed
-from ..graph.tasks import DEVICE_LANES, Task
+from ..errors import ConfigError, ScheduleError, StepFailed
+from ..graph.tasks import DEVICE_LANES, LANES, Task
 from ..policy import Policy, resolve_policy
 from .lanes import CudaLane, Fence, ThreadLane, _Clock
 from .scheduler import Launch, Scheduler
 from .trace import Instrument, TaskRecord
+
+_JOIN_MIN_S = 0.1  # lanes that are done but for their threads' exit get at least this long
 
 
 class TaskContext:
@@ -67,8 +94,37 @@ def use_uvloop() -> None:
     asyncio.set_event_loop_policy(uvloop.EventLoopPolicy())
 
 
+class _Countdown:
+    """Calls ``wake()`` once, from whichever thread sets the last of ``fences``: one loop
+    wake-up per waited step rather than one per task. ``done`` may be read from any thread."""
+
+    __slots__ = ("_lock", "_left", "_wake", "done")
+
+    def __init__(self, fences: Sequence[Fence], wake: Callable[[], None]) -> None:
+        self._lock = threading.Lock()
+        self._left = len(fences)
+        self._wake = wake
+        self.done = not fences
+        for f in fences:
+            f.add_done_callback(self._one)
+
+    def _one(self, fence: Fence) -> None:
+        with self._lock:
+            self._left -= 1
+            if self._left:
+                return
+        self.done = True
+        self._wake()
+
+
 class Engine:
-    """Runs task graphs on lanes under a policy; see the module docstring."""
+    """Runs task graphs on lanes under a policy; see the module docstring.
+
+    ``grace``: seconds that running jobs get to finish once the engine stops (default 5).
+    ``task_timeout``: fail the run when a job has been running longer than this (``None``:
+    never). After the ``async with`` block, :attr:`stuck` lists the tasks that were still
+    running when the grace period ended (empty if everything finished or was skipped).
+    """
 
     def __init__(
         self,
@@ -78,28 +134,53 @@ class Engine:
         device: str = "cpu",
         cpu_workers: int = 1,
         instruments: Sequence[Instrument] = (),
+        grace: float = 5.0,
+        task_timeout: float | None = None,
     ) -> None:
+        if not grace >= 0:
+            raise ConfigError(f"the engine's grace period must be >= 0 seconds (got {grace})")
+        if task_timeout is not None and not task_timeout > 0:
+            raise ConfigError(f"task_timeout must be > 0 seconds or None (got {task_timeout})")
         self.program = program
         self.policy = resolve_policy(policy)
         self.device = device
         self.cpu_workers = cpu_workers
         self.instruments = list(instruments)
+        self.grace = grace
+        self.task_timeout = task_timeout
+        self.stuck: list[Task] = []
         self.scheduler: Scheduler | None = None
         self.budgets: dict[str, int] | None = None
         self._fences: dict[Task, Fence] = {}
         self._launches: dict[Task, Launch] = {}
         self._graph_preds: dict[Task, list[Task]] = {}
-        self._error: StepFailed | None = None
+        self._error: BaseException | None = None
+        self._stopped = False  # failing, cancelled or closing: nothing is launched any more
+        self._deadline = 0.0  # monotonic time at which the grace period ends (once stopped)
+        self._attached = False  # lane threads may call into the loop (cleared at close)
         self._lanes: dict[str, Any] = {}
+        self._lane_list: tuple[Any, ...] = ()  # the same, for lane threads (never mutated)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
-        self._cpu_lane_name = "cpu"
+        self._watchdog: asyncio.TimerHandle | None = None
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def __aenter__(self) -> "Engine":
         self._loop = asyncio.get_running_loop()
         self._wake = asyncio.Event()
-        clock = _Clock()
+        self._attached = True  # before any lane thread starts: a lane may fail at once
+        try:
+            self._open_lanes(_Clock())
+        except BaseException:
+            self._lane_list = tuple(self._lanes.values())  # those made before the failure
+            self._abort_lanes()
+            self._close(_JOIN_MIN_S)
+            raise
+        self._lane_list = tuple(self._lanes.values())
+        self._arm_watchdog()
+        return self
+
+    def _open_lanes(self, clock: _Clock) -> None:
         done, err = self._done_threadsafe, self._error_threadsafe
         if self.device.startswith("cuda"):
             import torch
@@ -107,30 +188,97 @@ class Engine:
             clock.cuda_base = torch.cuda.Event(enable_timing=True)  # type: ignore[attr-defined]
             clock.cuda_base.record()  # type: ignore[attr-defined]
             clock.cuda_base.synchronize()  # type: ignore[attr-defined]
-            clock.zero = __import__("time").perf_counter()
+            clock.zero = time.perf_counter()
             for lane in DEVICE_LANES:
                 self._lanes[lane] = CudaLane(lane, clock, done, err, torch.device(self.device))
         else:
             for lane in DEVICE_LANES:
                 self._lanes[lane] = ThreadLane(lane, clock, done, err)
-        self._lanes["cpu"] = ThreadLane("cpu", clock, done, err, workers=self.cpu_workers)
-        return self
+        for lane in LANES:  # host lanes: the CPU pool, and one thread for each other (e.g. io)
+            if lane not in DEVICE_LANES:
+                workers = self.cpu_workers if lane == "cpu" else 1
+                self._lanes[lane] = ThreadLane(lane, clock, done, err, workers=workers)
 
-    async def __aexit__(self, *exc: object) -> None:
-        for lane in self._lanes.values():
-            lane.aborted = exc[0] is not None or lane.aborted
-        await asyncio.to_thread(self._close_lanes)
+    async def __aexit__(self, exc_type: object, exc: object, tb: object) -> None:
+        if exc_type is not None:
+            self.cancel()
+        else:
+            self._stop()
+        try:
+            await self._settle()
+        except BaseException:
+            self._close(0.0)  # interrupted again: do not wait any more
+            raise
+        self._close(max(self._deadline - time.monotonic(), _JOIN_MIN_S))
 
-    def _close_lanes(self) -> None:
-        for lane in self._lanes.values():
-            lane.close()
+    def cancel(self, msg: str = "the engine was cancelled") -> None:
+        """Stop: launch nothing more, skip every job that has not started, and make waits raise
+        ``asyncio.CancelledError(msg)`` (unless a task failed first: then its StepFailed).
+        Idempotent. Call it from the loop's thread (e.g. a ``loop.add_signal_handler`` callback);
+        from another thread, use ``loop.call_soon_threadsafe(engine.cancel)``. Leaving the
+        ``async with`` block then waits at most ``grace`` seconds for jobs still running."""
+        if self._error is None:
+            self._error = asyncio.CancelledError(msg)
+        self._stop()
+
+    async def drain(self) -> None:
+        """Cancel (if nothing failed yet) and wait, at most until the grace period ends, until
+        no job runs. For callers that want the lanes quiet before they handle an error."""
+        self.cancel()
+        await self._settle()
+
+    def _stop(self) -> None:
+        if self._stopped:
+            return
+        self._stopped = True
+        self._deadline = time.monotonic() + self.grace
+        self._abort_lanes()
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+            self._watchdog = None
+        if self._wake is not None:
+            self._wake.set()
+
+    def _abort_lanes(self) -> None:
+        """Safe from any thread: lanes take their own gate lock."""
+        for lane in self._lane_list:
+            lane.abort()
+
+    async def _settle(self) -> None:
+        """Wait until every job launched has finished or been skipped, or the grace period
+        has ended, whichever comes first; the loop keeps running meanwhile."""
+        pending = [f for f in self._fences.values() if not f.is_set()]
+        if not pending or self._loop is None:
+            return
+        settled = self._loop.create_future()
+        _Countdown(pending, lambda: self._call_soon(_resolve, settled))
+        await asyncio.wait([settled], timeout=max(self._deadline - time.monotonic(), 0.0))
+
+    def _close(self, timeout: float) -> None:
+        """Join the lanes within ``timeout`` seconds; abandon what still runs (see module doc)."""
+        if not self._lane_list:
+            return
+        deadline = time.monotonic() + timeout
+        running: list[tuple[Any, Fence]] = []
+        for lane in self._lane_list:  # every lane's threads start ending now, then one deadline
+            lane.finish()
+        for lane in self._lane_list:
+            running += lane.close(max(deadline - time.monotonic(), 0.0))
+        self.stuck = [tag for tag, f in running if tag is not None and not f.is_set()]
+        self._attached = False  # a job that returns later must not call into a closed loop
+        for f in self._fences.values():
+            if not f.is_set():
+                f.skip()  # abandoned: nothing may wait for it for ever
         self._lanes.clear()
+        self._lane_list = ()
 
     # ---- adding work --------------------------------------------------------------------
     def add(self, graph: nx.DiGraph, after: Iterable[tuple[Task, Task]] = ()) -> None:
         """Add a graph (e.g. one step) under the policy's proposal; ``after`` are edges from
         tasks added earlier into this graph. Launching starts at once."""
-        self._raise_if_failed()
+        self._raise_if_stopped()
+        if self._loop is None:
+            raise ScheduleError("add graphs to the engine inside 'async with engine'")
         proposal = self.policy.propose(graph)
         if self.scheduler is None:
             self.scheduler = Scheduler(dict(proposal.budgets))
@@ -151,28 +299,30 @@ class Engine:
         return await self.wait(graph)
 
     async def wait(self, graph: nx.DiGraph | Iterable[Task]) -> list[TaskRecord]:
-        """Wait until every task of ``graph`` has finished; return their records."""
+        """Wait until every task of ``graph`` has finished; return their records.
+
+        Raises as soon as the engine fails (StepFailed) or is cancelled (CancelledError),
+        while other jobs may still run: leave the ``async with`` block to wait for those."""
         tasks = list(graph)
         assert self._wake is not None, "use the engine inside 'async with'"
         launched = 0  # tasks[:launched] have been launched (checked once each, not per wake-up)
         while True:
-            self._raise_if_failed()
+            self._raise_if_stopped()
             while launched < len(tasks) and tasks[launched] in self._fences:
                 launched += 1
             if launched == len(tasks):
                 break
-            self._wake.clear()
-            await self._wake.wait()
+            await self._changed()
         fences = [self._fences[t] for t in tasks]
-        pending = [f for f in fences if not f.is_set()]
-        if pending:
-            await asyncio.to_thread(self._wait_fences, pending)
+        finished = _Countdown([f for f in fences if not f.is_set()], self._wake_threadsafe)
+        while not finished.done:
+            self._raise_if_stopped()
+            await self._changed()
         while self._error is None and any(f.failed for f in fences):
-            # A lane sets a failed job's fence before its report reaches the loop: wait for the
-            # report, or this step would look finished.
-            self._wake.clear()
-            await self._wake.wait()
-        self._raise_if_failed()
+            # A lane reports a failure before it sets the fence, but the report may still be
+            # on its way to the loop: wait for it, or this step would look finished.
+            await self._changed()
+        self._raise_if_stopped()
         records = [self._record(t) for t in tasks]
         for r in records:
             for ins in self.instruments:
@@ -183,10 +333,10 @@ class Engine:
             del self._fences[t]  # finished: keeps a long run's memory (and CUDA events) flat
         return records
 
-    @staticmethod
-    def _wait_fences(fences: list[Fence]) -> None:
-        for f in fences:
-            f.wait()
+    async def _changed(self) -> None:
+        """Sleep until something happened: a launch, a completion, a failure or a stop."""
+        self._wake.clear()  # type: ignore[union-attr]
+        await self._wake.wait()  # type: ignore[union-attr]
 
     def _record(self, task: Task) -> TaskRecord:
         f = self._fences[task]
@@ -205,8 +355,8 @@ class Engine:
 
     # ---- the pump -----------------------------------------------------------------------
     def _pump(self) -> None:
-        """Launch everything the scheduler allows now."""
-        if self._error is not None:
+        """Launch everything the scheduler allows now (nothing once stopped)."""
+        if self._stopped:
             return
         try:
             launches = self.scheduler.poll()  # type: ignore[union-attr]
@@ -235,40 +385,80 @@ class Engine:
         if launches:
             self._wake.set()  # type: ignore[union-attr]
 
+    # ---- events from lane threads ---------------------------------------------------------
+    def _call_soon(self, fn: Callable, *args: Any) -> None:
+        """Run ``fn(*args)`` on the loop, from any thread; dropped once the engine closed."""
+        if not self._attached:
+            return
+        try:
+            self._loop.call_soon_threadsafe(fn, *args)  # type: ignore[union-attr]
+        except RuntimeError:  # the loop closed meanwhile: nobody is listening any more
+            pass
+
+    def _wake_threadsafe(self) -> None:
+        self._call_soon(self._wake.set)  # type: ignore[union-attr]
+
     def _done_threadsafe(self, task: Task, fence: Fence) -> None:
-        self._loop.call_soon_threadsafe(self._on_done, task)  # type: ignore[union-attr]
+        self._call_soon(self._on_done, task)
 
     def _error_threadsafe(self, task: Task, exc: BaseException) -> None:
-        self._loop.call_soon_threadsafe(self._fail, task, exc)  # type: ignore[union-attr]
+        self._abort_lanes()  # at once, from the failing thread: no other job starts from now on
+        self._call_soon(self._fail, task, exc)
 
     def _on_done(self, task: Task) -> None:
-        if self._error is not None:
+        if self._stopped:
             return
         self.scheduler.complete(task)  # type: ignore[union-attr]
         self._pump()
         self._wake.set()  # type: ignore[union-attr]
 
     def _fail(self, task: Task | None, exc: BaseException) -> None:
+        """The first failure (or cancel) wins; later ones are consequences and are dropped."""
         if self._error is None:
             if task is None:
-                self._error = exc  # type: ignore[assignment]
+                self._error = exc
             else:
                 self._error = StepFailed(task, exc)
                 self._error.__cause__ = exc
-            for lane in self._lanes.values():
-                lane.aborted = True
             for ins in self.instruments:
                 ins.on_error(task, exc)  # type: ignore[arg-type]
+        self._stop()
         self._wake.set()  # type: ignore[union-attr]
 
-    def _raise_if_failed(self) -> None:
-        if self._error is not None:
-            raise self._error
+    def _raise_if_stopped(self) -> None:
+        err = self._error
+        if isinstance(err, asyncio.CancelledError):
+            raise asyncio.CancelledError(*err.args)
+        if err is not None:
+            raise err
+        if self._stopped:
+            raise ScheduleError("the engine has closed: add and wait for graphs inside 'async with engine'")
 
-    async def drain(self) -> None:
-        """Wait until every launched job has finished or been skipped (after a failure)."""
-        fences = list(self._fences.values())
-        await asyncio.to_thread(self._wait_fences, fences)
+    # ---- the watchdog -------------------------------------------------------------------
+    def _arm_watchdog(self) -> None:
+        if self.task_timeout is None or self._stopped:
+            return
+        period = min(max(self.task_timeout / 4, 0.01), 1.0)
+        self._watchdog = self._loop.call_later(period, self._check_timeouts)  # type: ignore[union-attr]
+
+    def _check_timeouts(self) -> None:
+        """One timer on the loop for every lane: fail on the first job running too long."""
+        self._watchdog = None
+        now = time.perf_counter()
+        limit = self.task_timeout
+        for lane in self._lane_list:
+            for task, fence in lane.running():
+                began = fence.began
+                if task is not None and began and now - began > limit and not fence.is_set():
+                    self._abort_lanes()
+                    self._fail(task, TimeoutError(f"did not finish within {limit:g} s"))
+                    return
+        self._arm_watchdog()
+
+
+def _resolve(fut: asyncio.Future) -> None:
+    if not fut.done():
+        fut.set_result(None)
 
 
 async def run_graph(
@@ -279,12 +469,12 @@ async def run_graph(
     device: str = "cpu",
     cpu_workers: int = 1,
     instruments: Sequence[Instrument] = (),
+    grace: float = 5.0,
+    task_timeout: float | None = None,
 ) -> list[TaskRecord]:
-    """Run one graph to completion. On failure, waits until nothing runs, then raises."""
-    engine = Engine(program, policy, device=device, cpu_workers=cpu_workers, instruments=instruments)
+    """Run one graph to completion. On failure, waits (at most ``grace`` seconds) until
+    nothing runs, then raises."""
+    engine = Engine(program, policy, device=device, cpu_workers=cpu_workers, instruments=instruments,
+                    grace=grace, task_timeout=task_timeout)
     async with engine:
-        try:
-            return await engine.run(graph)
-        except BaseException:
-            await engine.drain()
-            raise
+        return await engine.run(graph)

@@ -10,8 +10,24 @@ A lane accepts jobs in order and runs them in order, each after the *fences* it 
   waits for its fences (thread events) in the lane's worker thread, then runs there. With
   several workers (the CPU pool) jobs start in order but may run concurrently.
 
-Both record start and end times per job and report failures to the engine, which then
-aborts the lanes: queued jobs are skipped, their fences marked failed, so nothing runs on.
+Both record start and end times per job and report failures to the engine.
+
+Stopping is part of the interface, because a run must end within seconds of a Ctrl-C even
+when a job never returns:
+
+- :meth:`abort` skips every job that has not started: its fence is set and ``failed``. A job
+  starts under the lane's gate lock, so once ``abort()`` returns no job of the lane starts.
+- :meth:`submit` on an aborted or closed lane returns a fence that is already set and failed
+  (never a job queued behind the workers' stop sentinel, whose fence nobody would set).
+- :meth:`finish` accepts no more jobs and lets the threads end once the queue is done;
+  :meth:`close` does that and joins the (daemon) threads for at most ``timeout`` seconds; if one
+  is still busy then, the lane aborts, skips what is still queued and returns the jobs still
+  running (a hung job: the caller reports it and leaves its thread behind).
+- :meth:`running` lists the jobs running now with ``fence.began`` (a ``perf_counter`` time),
+  which the engine's watchdog compares with its ``task_timeout``.
+
+A thread waiting for another lane's fence checks ``aborted`` every ``_POLL_S`` seconds, so a
+hung producer cannot pin its consumers' threads as well.
 """
 
 from __future__ import annotations
@@ -23,16 +39,22 @@ from typing import Any, Callable, Sequence
 
 Job = Callable[[], "int | None"]
 
+_POLL_S = 0.05  # how often a thread blocked on a fence looks at ``aborted``
+_SETTING = threading.Lock()  # makes Fence.set atomic against a second set and new callbacks
+
 
 class Fence:
     """Set when a job has finished (``failed`` if it raised or was skipped).
 
     One fence is made per task, so it is built on a bare lock (held until :meth:`set`)
     rather than a ``threading.Event``, whose condition variable costs several times more to
-    create. Only the lane that owns the job sets it; any number of threads may wait.
+    create. Normally only the lane that owns the job sets it; the engine also sets (as failed)
+    the fence of a job it abandoned, so :meth:`set` is idempotent. Any number of threads may
+    wait, and :meth:`add_done_callback` turns completion into a call instead of a blocked thread.
     """
 
-    __slots__ = ("_lock", "_set", "launched", "failed", "start", "end", "bytes", "worker", "cuda_start", "cuda_end")
+    __slots__ = ("_lock", "_set", "_callbacks", "launched", "failed", "start", "end", "began", "bytes",
+                 "worker", "cuda_start", "cuda_end")
 
     def __init__(self) -> None:
         # Host lanes: launched means finished. CUDA lanes give each fence a separate
@@ -41,18 +63,45 @@ class Fence:
         self._lock = threading.Lock()
         self._lock.acquire()
         self._set = False
+        self._callbacks: list[Callable[[Fence], None]] | None = None
         self.failed = False
         self.start = 0.0
         self.end = 0.0
+        self.began = 0.0  # perf_counter() when the job began running; 0.0 while it is not
         self.bytes = 0
         self.worker = 0
         self.cuda_start: Any = None
         self.cuda_end: Any = None
 
     def set(self) -> None:
-        if not self._set:
+        """Mark finished (a second call does nothing) and run the done callbacks, here."""
+        with _SETTING:
+            if self._set:
+                return
             self._set = True
-            self._lock.release()
+            callbacks, self._callbacks = self._callbacks, None
+        self._lock.release()
+        for fn in callbacks or ():
+            fn(self)
+
+    def skip(self) -> None:
+        """Finish without running: failed, and launched (CUDA) as well as set."""
+        self.failed = True
+        if self.launched is not self:
+            self.launched.set()
+        self.set()
+
+    def add_done_callback(self, fn: Callable[["Fence"], None]) -> None:
+        """Call ``fn(fence)`` once the fence is set: at once if it is, else in the thread that
+        sets it (so ``fn`` must be quick and must not raise; typically it wakes an event loop)."""
+        with _SETTING:
+            if not self._set:
+                if self._callbacks is None:
+                    self._callbacks = [fn]
+                else:
+                    self._callbacks.append(fn)
+                return
+        fn(self)
 
     def wait(self, timeout: float | None = None) -> bool:
         if self._set:
@@ -77,16 +126,75 @@ class _Clock:
         return time.perf_counter() - self.zero
 
 
-class ThreadLane:
-    """A lane run by ``workers`` threads pulling jobs from one FIFO queue."""
+def _skip_queued(q: queue.SimpleQueue, fence_of: Callable[[tuple], Fence]) -> None:
+    """Skip every job still in ``q``; stop sentinels (``None``) are put back for late workers."""
+    sentinels = 0
+    while True:
+        try:
+            item = q.get_nowait()
+        except queue.Empty:
+            break
+        if item is None:
+            sentinels += 1
+        else:
+            fence_of(item).skip()
+    for _ in range(sentinels):
+        q.put(None)
+
+
+def _join(threads: Sequence[threading.Thread], timeout: float | None) -> bool:
+    """Join ``threads`` within ``timeout`` seconds in all; whether they all ended."""
+    deadline = None if timeout is None else time.perf_counter() + timeout
+    for t in threads:
+        t.join(None if deadline is None else max(0.0, deadline - time.perf_counter()))
+    return not any(t.is_alive() for t in threads)
+
+
+class _Lane:
+    """What both lanes share: the gate that orders job starts against abort and close."""
+
+    def __init__(self, name: str, on_done: Callable, on_error: Callable) -> None:
+        self.name = name
+        self.on_done = on_done  # (tag, fence) -> None, called from a lane thread
+        self.on_error = on_error  # (tag, exc) -> None, called from a lane thread
+        self.aborted = False
+        self.closed = False
+        self._gate = threading.Lock()
+
+    def abort(self) -> None:
+        """Skip every job that has not started; once this returns, none of this lane starts."""
+        with self._gate:
+            self.aborted = True
+
+    def _admit(self, item: tuple, q: queue.SimpleQueue) -> bool:
+        """Queue ``item`` unless the lane is aborted or closed (then the caller skips it)."""
+        with self._gate:
+            if self.aborted or self.closed:
+                return False
+            q.put(item)
+            return True
+
+    def _await_fences(self, fences: Sequence[Fence], launched: bool = False) -> bool:
+        """Block until every fence is set (``launched`` for CUDA producers); False if one
+        failed or the lane was aborted meanwhile."""
+        for f in fences:
+            g = f.launched if launched else f
+            while not g.wait(_POLL_S):
+                if self.aborted:
+                    return False
+            if f.failed:
+                return False
+        return not self.aborted
+
+
+class ThreadLane(_Lane):
+    """A lane run by ``workers`` daemon threads pulling jobs from one FIFO queue."""
 
     def __init__(self, name: str, clock: _Clock, on_done: Callable, on_error: Callable, workers: int = 1) -> None:
-        self.name = name
+        super().__init__(name, on_done, on_error)
         self.clock = clock
-        self.on_done = on_done  # (tag, fence) -> None, called from the worker thread
-        self.on_error = on_error  # (tag, exc) -> None, called from the worker thread
-        self.aborted = False
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._running: list[tuple[Any, Fence] | None] = [None] * workers
         self._threads = [
             threading.Thread(target=self._work, args=(i,), name=f"flowtrain-{name}-{i}", daemon=True)
             for i in range(workers)
@@ -96,8 +204,13 @@ class ThreadLane:
 
     def submit(self, job: Job, fences: Sequence[Fence], tag: Any, notify: bool) -> Fence:
         fence = Fence()
-        self._queue.put((job, fences, fence, tag, notify))
+        if not self._admit((job, fences, fence, tag, notify), self._queue):
+            fence.skip()
         return fence
+
+    def running(self) -> list[tuple[Any, Fence]]:
+        """``(tag, fence)`` of the jobs running now (a snapshot)."""
+        return [r for r in self._running if r is not None]
 
     def _work(self, worker: int) -> None:
         while True:
@@ -106,36 +219,55 @@ class ThreadLane:
                 return
             job, fences, fence, tag, notify = item
             fence.worker = worker
-            for f in fences:
-                f.wait()
-                if f.failed:
-                    fence.failed = True
-            if self.aborted or fence.failed:
-                fence.failed = True
-                fence.set()
+            if not self._await_fences(fences):
+                fence.skip()
+                continue
+            with self._gate:  # start, or not at all once abort() has returned
+                started = not self.aborted
+                if started:
+                    fence.began = time.perf_counter()
+                    self._running[worker] = (tag, fence)
+            if not started:
+                fence.skip()
                 continue
             fence.start = self.clock.now()
             try:
                 fence.bytes = job() or 0
             except BaseException as exc:  # noqa: BLE001 - reported to the engine
                 fence.end = self.clock.now()
+                self._running[worker] = None
                 fence.failed = True
+                self.on_error(tag, exc)  # before set: the engine aborts before dependents see it
                 fence.set()
-                self.on_error(tag, exc)
                 continue
             fence.end = self.clock.now()
+            self._running[worker] = None
             fence.set()
             if notify:
                 self.on_done(tag, fence)
 
-    def close(self) -> None:
-        for _ in self._threads:
-            self._queue.put(None)
-        for t in self._threads:
-            t.join()
+    def finish(self) -> None:
+        """Accept no more jobs; the workers end once the queue is done. Does not wait."""
+        with self._gate:
+            if not self.closed:
+                self.closed = True
+                for _ in self._threads:
+                    self._queue.put(None)
+
+    def close(self, timeout: float | None = None) -> list[tuple[Any, Fence]]:
+        """Accept no more jobs and end the workers once the queue is done, waiting at most
+        ``timeout`` seconds (``None``: for ever). Workers still busy then are left behind (they
+        are daemon threads): the lane aborts, skips what is queued, and returns the jobs still
+        running."""
+        self.finish()
+        if _join(self._threads, timeout):
+            return []
+        self.abort()
+        _skip_queued(self._queue, lambda item: item[2])
+        return self.running()
 
 
-class CudaLane:
+class CudaLane(_Lane):
     """A CUDA stream fed by its own launcher thread.
 
     The launcher thread waits until each fence's producer has been *launched* (its CUDA event
@@ -144,22 +276,25 @@ class CudaLane:
     event loop keeps the loop free to react to completions (e.g. to start ``cpu_adam``) even
     when the launcher blocks on a full CUDA launch queue far ahead of the GPU. A waiter thread
     synchronizes end events in stream order and reports the completions the host asked for.
+
+    A job counts as running (:meth:`running`, ``fence.began``) while its Python runs on the
+    launcher, and again from when the waiter starts waiting for its end event (everything
+    before it on the stream has finished) until the event is reached.
     """
 
     def __init__(self, name: str, clock: _Clock, on_done: Callable, on_error: Callable, device: Any) -> None:
         import torch
 
-        self.name = name
+        super().__init__(name, on_done, on_error)
         self.torch = torch
         index = device.index if getattr(device, "index", None) is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", index)
         self.stream = torch.cuda.Stream(device=device)
-        self.on_done = on_done
-        self.on_error = on_error
-        self.aborted = False
         self.base = clock.cuda_base  # type: ignore[attr-defined]
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._launching: tuple[Any, Fence] | None = None
+        self._syncing: tuple[Any, Fence] | None = None
         self._launcher = threading.Thread(target=self._launch_loop, name=f"flowtrain-{name}-launcher", daemon=True)
         self._waiter = threading.Thread(target=self._wait_loop, name=f"flowtrain-{name}-waiter", daemon=True)
         self._launcher.start()
@@ -168,15 +303,19 @@ class CudaLane:
     def submit(self, job: Job, fences: Sequence[Fence], tag: Any, notify: bool) -> Fence:
         fence = Fence()
         fence.launched = Fence()
-        self._jobs.put((job, fences, fence, tag, notify))
+        if not self._admit((job, fences, fence, tag, notify), self._jobs):
+            fence.skip()
         return fence
+
+    def running(self) -> list[tuple[Any, Fence]]:
+        return [r for r in (self._launching, self._syncing) if r is not None]
 
     def _launch_loop(self) -> None:
         try:
             self.torch.cuda.set_device(self.device)
             self.torch.cuda.synchronize(self.device)  # make the primary context current here (cuBLAS)
         except BaseException as exc:  # noqa: BLE001 - never die silently: the engine would hang
-            self.aborted = True
+            self.abort()
             self.on_error(None, exc)
         self._launch_jobs()
 
@@ -188,14 +327,16 @@ class CudaLane:
                 self._queue.put(None)
                 return
             job, fences, fence, tag, notify = item
-            for f in fences:
-                f.launched.wait()
-                if f.failed and f.cuda_end is None:
-                    fence.failed = True
-            if self.aborted or fence.failed or any(f.failed for f in fences):
-                fence.failed = True
-                fence.launched.set()
-                fence.set()
+            if not self._await_fences(fences, launched=True):
+                fence.skip()
+                continue
+            with self._gate:  # start, or not at all once abort() has returned
+                started = not self.aborted
+                if started:
+                    fence.began = time.perf_counter()
+                    self._launching = (tag, fence)
+            if not started:
+                fence.skip()
                 continue
             try:
                 with torch.cuda.stream(self.stream):
@@ -208,11 +349,14 @@ class CudaLane:
                     fence.bytes = job() or 0
                     fence.cuda_end.record(self.stream)
             except BaseException as exc:  # noqa: BLE001 - reported to the engine
+                self._launching = None
                 fence.failed = True
+                self.on_error(tag, exc)
                 fence.launched.set()
                 fence.set()
-                self.on_error(tag, exc)
                 continue
+            fence.began = 0.0  # queued on the stream: running again once the waiter reaches it
+            self._launching = None
             fence.launched.set()
             self._queue.put((fence, tag, notify))
 
@@ -222,20 +366,40 @@ class CudaLane:
             if item is None:
                 return
             fence, tag, notify = item
+            fence.began = time.perf_counter()
+            self._syncing = (tag, fence)
             try:
                 fence.cuda_end.synchronize()
                 fence.start = self.base.elapsed_time(fence.cuda_start) / 1e3
                 fence.end = self.base.elapsed_time(fence.cuda_end) / 1e3
             except BaseException as exc:  # noqa: BLE001
+                self._syncing = None
                 fence.failed = True
-                fence.set()
                 self.on_error(tag, exc)
+                fence.set()
                 continue
+            self._syncing = None
             fence.set()
             if notify:
                 self.on_done(tag, fence)
 
-    def close(self) -> None:
-        self._jobs.put(None)
-        self._launcher.join()
-        self._waiter.join()
+    def finish(self) -> None:
+        """Accept no more jobs; the threads end once the stream's work is done. Does not wait."""
+        with self._gate:
+            if not self.closed:
+                self.closed = True
+                self._jobs.put(None)
+
+    def close(self, timeout: float | None = None) -> list[tuple[Any, Fence]]:
+        """As :meth:`ThreadLane.close`: at most ``timeout`` seconds, then abort and skip what is
+        queued (jobs not launched, and launched jobs the waiter has not reached)."""
+        self.finish()
+        if _join([self._launcher, self._waiter], timeout):
+            return []
+        self.abort()
+        if self._launcher.is_alive():  # stuck in a job's Python: let the waiter end anyway
+            _skip_queued(self._jobs, lambda item: item[2])
+            self._queue.put(None)
+        if self._waiter.is_alive():
+            _skip_queued(self._queue, lambda item: item[0])
+        return self.running()
