@@ -32,7 +32,7 @@ def test_bench_scheduler_prints_and_writes_json(tmp_path, capsys):
     assert result["benchmark"] == "scheduler" and result["repeat"] == 2
     assert result["loop"] == "uvloop"
     assert abs(result["graph"]["tasks"] - 300) <= 21
-    assert result["step_graph"] == {"layers": 100, "micro_batches": 8, "tasks": 2132, "edges": 5868}
+    assert result["step_graph"] == {"layers": 100, "micro_batches": 8, "tasks": 2133, "edges": 5970}
     assert list(result["results"]) == ["sequential", "lookahead"]
     for policy, r in result["results"].items():
         assert len(r["runs_s"]) == len(r["step_runs_s"]) == 2

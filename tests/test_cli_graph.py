@@ -26,7 +26,7 @@ def written(tmp_path_factory):
     cmd = [script, *args] if script else [sys.executable, "-m", "flowtrain.cli", *args]
     done = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == f"wrote {out}: 50 tasks, 84 edges"
+    assert done.stdout.strip() == f"wrote {out}: 51 tasks, 90 edges"
     return json.loads(out.read_text())
 
 

@@ -2,15 +2,16 @@
 
 from .compiler import StepSpec, compile_step, compile_steps, cross_step_edges, units
 from .export import graph_from_json, graph_to_json
+from .saving import add_saves, save_edges
 from .tasks import (
     DEVICE_LANES, GRADS, HOST_GRADS, KINDS, LANES, WEIGHTS, AnyTask, Backward, CpuAdam, Embed,
-    EmbedBackward, Fetch, Forward, GpuAdam, GradNorm, GradSqNorm, Loss, OffloadGrad, Recompute, Task,
-    ZeroGrad,
+    EmbedBackward, Fetch, Forward, FoundInf, GpuAdam, GradNorm, GradSqNorm, Loss, OffloadGrad, Recompute, SaveUnit,
+    Task, VerifyStep, ZeroGrad,
 )
 
 __all__ = [
     "StepSpec", "compile_step", "compile_steps", "cross_step_edges", "units", "graph_from_json",
-    "graph_to_json", "DEVICE_LANES", "GRADS", "HOST_GRADS", "KINDS", "LANES", "WEIGHTS", "AnyTask", "Backward",
-    "CpuAdam", "Embed", "EmbedBackward", "Fetch", "Forward", "GpuAdam", "GradNorm", "GradSqNorm", "Loss", "OffloadGrad",
-    "Recompute", "Task", "ZeroGrad",
+    "graph_to_json", "add_saves", "save_edges", "DEVICE_LANES", "GRADS", "HOST_GRADS", "KINDS", "LANES", "WEIGHTS", "AnyTask", "Backward",
+    "CpuAdam", "Embed", "EmbedBackward", "Fetch", "Forward", "FoundInf", "GpuAdam", "GradNorm", "GradSqNorm", "Loss", "OffloadGrad",
+    "Recompute", "SaveUnit", "Task", "VerifyStep", "ZeroGrad",
 ]

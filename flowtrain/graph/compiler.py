@@ -24,8 +24,19 @@ top of the segment down.
 
 Placement: a unit named in ``resident`` keeps its master weights and Adam state in device
 memory. It has no ``fetch``, ``zero_grad`` or ``offload_grad``: its tasks read the unit's own
-device buffers, and a ``gpu_adam`` on the compute lane updates it once its last gradient is
-in; the next step's tasks that read the unit wait for that ``gpu_adam``, fenced on the device.
+device buffers, and a ``gpu_adam`` on the compute lane updates it; the next step's tasks that
+read the unit wait for that ``gpu_adam``, fenced on the device.
+
+Non-finite steps (see ``flowtrain.train.nonfinite``): a step whose loss or any gradient is not
+finite must not change any weight. Every ``loss`` precedes every Adam task (all gradients flow
+from the losses), so the loss is always checked first. A ``cpu_adam`` checks what is known when
+it runs; a lower layer's gradient can still turn out bad afterwards, so one ``verify_step``
+(cpu lane) follows every ``cpu_adam`` of the step and puts back what they changed, and the next
+step's fetches wait for it (:func:`cross_step_edges`). A resident unit cannot be put back
+without a host sync, so every ``gpu_adam`` waits for one ``found_inf`` task (compute lane) that
+follows every gradient of the step and flags, on the device, whether any is not finite. With
+``grad_clip`` the ``grad_norm`` task already follows every gradient and precedes every Adam:
+it decides for the whole step, and neither task is added.
 
 Gradient layout: with ``staged``, ``offload_grad`` copies a unit's gradient into a pinned host
 *staging slot* (pool ``host_grads``) that its ``cpu_adam`` reads and then gives back, so no
@@ -53,6 +64,7 @@ from .tasks import (
     EmbedBackward,
     Fetch,
     Forward,
+    FoundInf,
     GradNorm,
     Loss,
     OffloadGrad,
@@ -60,6 +72,7 @@ from .tasks import (
     GpuAdam,
     GradSqNorm,
     Task,
+    VerifyStep,
     WEIGHT_READERS,
     ZeroGrad,
 )
@@ -198,6 +211,7 @@ def compile_step(spec: StepSpec, step: int = 0) -> nx.DiGraph:
     grad_out: dict[tuple[int, int], Task] = {}  # producer of d(output of layer i) for m
     bwd_input: dict[tuple[int, int], Task] = {}  # producer of the input of layer i in backward
     offloads: list[Task] = []
+    resident_done: list[Task] = []  # the last gradient writers of resident units
 
     def zero_grad(unit: str, layer: int | None) -> Task | None:
         """The gradient slot of a streamed unit; ``None`` for a resident one (it has its own)."""
@@ -239,6 +253,7 @@ def compile_step(spec: StepSpec, step: int = 0) -> nx.DiGraph:
         streamed unit (one per staging chunk), or, for a resident unit, its last gradient
         writers themselves (plus a ``grad_sq_norm`` when clipping needs the norm first)."""
         if spec.is_resident(unit, layer):
+            resident_done.extend(readers)
             if spec.grad_clip:
                 t = b.node(GradSqNorm, unit=unit, layer=layer)
                 for r in readers:
@@ -260,14 +275,15 @@ def compile_step(spec: StepSpec, step: int = 0) -> nx.DiGraph:
     adam_after: list[tuple[list[Task], str, int | None]] = []
 
     def adam(offs: list[Task], unit: str, layer: int | None) -> None:
-        if spec.grad_clip:
-            adam_after.append((offs, unit, layer))  # placed after the global norm
+        if spec.grad_clip or spec.is_resident(unit, layer):
+            adam_after.append((offs, unit, layer))  # placed after the global norm / found_inf
             return
         adam_tasks(offs, unit, layer, norm=None)
 
     def adam_tasks(offs: list[Task], unit: str, layer: int | None, norm: Task | None) -> None:
         """``gpu_adam`` of a resident unit after all its gradient writers; ``cpu_adam`` of a
-        streamed one, per offloaded chunk (reading the chunk's staging slot when staged)."""
+        streamed one, per offloaded chunk (reading the chunk's staging slot when staged); each
+        also after ``norm`` (the step's ``grad_norm`` or ``found_inf``) where there is one."""
         if spec.is_resident(unit, layer):
             t = b.node(GpuAdam, unit=unit, layer=layer)
             for off in offs:
@@ -335,33 +351,65 @@ def compile_step(spec: StepSpec, step: int = 0) -> nx.DiGraph:
     if spec.tied:
         adam(head_offload, "head", None)
 
+    gate = None
     if spec.grad_clip:
-        norm = b.node(GradNorm)
-        for off in offloads:
-            b.dep(off, norm)
-        # Bottom-up, so that the next step's forward can start as soon as possible.
-        order = {"embed": -1, "layer": 0, "head": L}
-        for offs, unit, layer in sorted(adam_after, key=lambda a: order[a[1]] + (a[2] or 0)):
-            adam_tasks(offs, unit, layer, norm=norm)
+        gate = _after_all(b, GradNorm, offloads)
+    elif adam_after:
+        gate = _after_all(b, FoundInf, offloads + resident_done)
+    # Bottom-up, so that the next step's forward can start as soon as possible.
+    order = {"embed": -1, "layer": 0, "head": L}
+    for offs, unit, layer in sorted(adam_after, key=lambda a: order[a[1]] + (a[2] or 0)):
+        adam_tasks(offs, unit, layer, norm=gate)
+    if not spec.grad_clip:
+        _verify_step(b, gate)
     return b.g
+
+
+def _after_all(b: _Builder, cls: type[Task], gradients: list[Task]) -> Task:
+    """One task after every gradient of the step (each offload, or each resident unit's last
+    writer), which every held-back Adam task then waits for: ``grad_norm`` (the global norm for
+    clipping, on the host) or ``found_inf`` (whether any gradient or the loss is not finite, on
+    the device, for the resident units' ``gpu_adam``)."""
+    t = b.node(cls)
+    for g in gradients:
+        b.dep(g, t)
+    return t
+
+
+def _verify_step(b: _Builder, found_inf: Task | None) -> None:
+    """``verify_step`` after every ``cpu_adam`` of the step (and ``found_inf``, which covers the
+    resident units' gradients): the point from which the step's updates are final. None without
+    a ``cpu_adam``: resident units are only ever updated once the step is known finite."""
+    adams = [t for t in b.g if isinstance(t, CpuAdam)]
+    if not adams:
+        return
+    t = b.node(VerifyStep)
+    for a in adams + ([found_inf] if found_inf is not None else []):
+        b.dep(a, t)
 
 
 def cross_step_edges(earlier: Iterable[Task], later: Iterable[Task], spec: StepSpec) -> list[tuple[Task, Task]]:
     """The edges from one step's Adam of each unit (every chunk's ``cpu_adam``, or its
     ``gpu_adam``) to what reads that unit's weights in a later step: every ``fetch`` of a
     streamed unit, every weight-reading task of a resident one. With tied embeddings the head
-    also reads the embedding matrix, so it waits for both. Executors that receive steps one at
-    a time add these themselves."""
+    also reads the embedding matrix, so it waits for both. Every ``fetch`` also waits for the
+    step's ``verify_step``, which may put streamed units back. Executors that receive steps one
+    at a time add these themselves."""
     adams: dict[tuple[str | None, int | None], list[Task]] = {}
+    verify = []
     for t in earlier:
         if isinstance(t, (CpuAdam, GpuAdam)):
             adams.setdefault((t.unit, t.layer), []).append(t)
+        elif isinstance(t, VerifyStep):
+            verify.append(t)
     edges = []
     for t in later:
         if isinstance(t, Fetch) or (isinstance(t, WEIGHT_READERS) and spec.is_resident(t.unit, t.layer)):  # type: ignore[arg-type]
             edges += [(a, t) for a in adams[(t.unit, t.layer)]]
             if spec.tied and t.unit == "head":
                 edges += [(a, t) for a in adams[("embed", None)]]
+        if isinstance(t, Fetch):
+            edges += [(v, t) for v in verify]
     return edges
 
 

@@ -21,10 +21,11 @@ every node of an exported graph has ``kind``, ``layer``, ``micro_batch`` and ``l
 - ``chunk``: for ``offload_grad`` and ``cpu_adam`` under the staged gradient layout, which
   piece of the unit's gradient passes through one host staging slot (``None`` otherwise).
 
-Each kind knows its **lane** (``h2d``, ``compute``, ``d2h`` or ``cpu``) and which buffer
-**pool** it takes a slot from (``takes``). A task that takes a slot holds it until every task
-that *reads* the slot (an edge marked ``reads=True`` in the graph) has been launched; the next
-task granted that slot waits for them, on its own lane, through a fence.
+Each kind knows its **lane** (``h2d``, ``compute``, ``d2h``, ``cpu``, or ``io`` for disk
+writes) and which buffer **pool** it takes a slot from (``takes``). A task that takes a slot
+holds it until every task that *reads* the slot (an edge marked ``reads=True`` in the graph)
+has been launched; the next task granted that slot waits for them, on its own lane, through a
+fence.
 
 This module is pure data: it imports neither torch nor asyncio.
 """
@@ -35,7 +36,7 @@ from typing import ClassVar, Literal
 
 import msgspec
 
-Lane = Literal["h2d", "compute", "d2h", "cpu"]
+Lane = Literal["h2d", "compute", "d2h", "cpu", "io"]
 Unit = Literal["embed", "layer", "head"]
 Phase = Literal["forward", "recompute", "backward"]
 
@@ -43,7 +44,7 @@ Phase = Literal["forward", "recompute", "backward"]
 #: launched as soon as its producers on these lanes are *launched* (it waits for them on
 #: the lane, like a CUDA stream waiting on an event). ``cpu`` work needs finished inputs.
 DEVICE_LANES: frozenset[str] = frozenset({"h2d", "compute", "d2h"})
-LANES: tuple[str, ...] = ("h2d", "compute", "d2h", "cpu")
+LANES: tuple[str, ...] = ("h2d", "compute", "d2h", "cpu", "io")
 
 #: Buffer pools. ``weights``: slots that hold one unit's streamed weights on the device.
 #: ``grads``: device gradient accumulators, one unit each, held until offloaded.
@@ -169,6 +170,28 @@ class GpuAdam(Task, tag="gpu_adam"):
     gradient accumulator for the next step."""
 
 
+class FoundInf(Task, tag="found_inf"):
+    """Whether this step's loss or any of its gradients is not finite, as one flag on the
+    device (only where some unit is resident): every ``gpu_adam`` of the step waits for it and
+    hands it to the fused kernel, which then leaves the unit untouched. No host sync."""
+
+
+class VerifyStep(Task, tag="verify_step"):
+    """After every ``cpu_adam`` of the step: if the loss or a gradient turned out not finite
+    after some units' Adam had run, put those units back from the step's undo record. The next
+    step's fetches wait for it, so they never read an update that is then undone."""
+
+    lane: ClassVar[str] = "cpu"
+
+
+class SaveUnit(Task, tag="save"):
+    """Write one unit's state after this step's Adam (fp32 master, Adam m, v and step count)
+    into the step's checkpoint. It runs on the ``io`` lane while the next step computes; the
+    next step's Adam of the unit waits for it, so the checkpoint holds exactly this step."""
+
+    lane: ClassVar[str] = "io"
+
+
 AnyTask = (
     Fetch
     | Embed
@@ -183,6 +206,9 @@ AnyTask = (
     | GradNorm
     | CpuAdam
     | GpuAdam
+    | FoundInf
+    | VerifyStep
+    | SaveUnit
 )
 
 #: Every task class by its ``kind`` string.
@@ -202,6 +228,9 @@ KINDS: dict[str, type[Task]] = {
         GradNorm,
         CpuAdam,
         GpuAdam,
+        FoundInf,
+        VerifyStep,
+        SaveUnit,
     )
 }
 

@@ -26,6 +26,10 @@ import msgspec
 from ..graph.tasks import Task, task_to_dict
 
 
+#: Lanes run by a pool of worker threads: each worker is its own row in a trace.
+HOST_POOL_LANES = ("cpu", "io")
+
+
 class TaskRecord(msgspec.Struct, kw_only=True):
     """One executed task. ``start``/``end`` are seconds since the engine started."""
 
@@ -45,8 +49,8 @@ class TaskRecord(msgspec.Struct, kw_only=True):
 
     @property
     def lane_name(self) -> str:
-        """``compute``, ``h2d``, ``d2h``, or ``cpu:N`` for each CPU worker."""
-        return f"{self.lane}:{self.worker}" if self.lane == "cpu" else self.lane
+        """``compute``, ``h2d``, ``d2h``, or ``cpu:N`` / ``io:N`` for each worker thread."""
+        return f"{self.lane}:{self.worker}" if self.lane in HOST_POOL_LANES else self.lane
 
 
 class Instrument:
@@ -72,7 +76,7 @@ class TraceRecorder(Instrument):
         self.records.append(record)
 
 
-LANE_ORDER = ("compute", "h2d", "d2h", "cpu")
+LANE_ORDER = ("compute", "h2d", "d2h", "cpu", "io")
 
 
 def _tid(lane_name: str) -> int:

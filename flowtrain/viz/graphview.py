@@ -34,6 +34,7 @@ KIND_COLORS = {
     "cpu_adam": "#b07aa1",
     "gpu_adam": "#7b4173",
     "grad_sq_norm": "#e7969c",
+    "save": "#17becf",
 }
 OTHER_COLOR = "#888888"
 #: Colours of compute-gap markers by reason (a task kind, or these two).

@@ -32,7 +32,7 @@ from ..graph.export import graph_from_json
 from ..graph.tasks import KINDS
 
 #: Lane kinds in the order rows are drawn; unknown lanes come after, by name.
-LANE_KINDS = ("compute", "h2d", "d2h", "cpu")
+LANE_KINDS = ("compute", "h2d", "d2h", "cpu", "io")
 
 
 class TraceTask(msgspec.Struct, frozen=True, kw_only=True):
@@ -42,8 +42,8 @@ class TraceTask(msgspec.Struct, frozen=True, kw_only=True):
     id: str
     name: str
     kind: str
-    lane: str  # lane kind: compute, h2d, d2h, cpu
-    lane_name: str  # the row: compute, h2d, d2h, cpu:N
+    lane: str  # lane kind: compute, h2d, d2h, cpu, io
+    lane_name: str  # the row: compute, h2d, d2h, cpu:N, io:N
     start: float
     end: float
     step: int = 0

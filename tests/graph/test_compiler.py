@@ -9,9 +9,9 @@ import pytest
 
 from flowtrain.errors import ConfigError
 from flowtrain.graph import (
-    Backward, CpuAdam, Embed, EmbedBackward, Fetch, Forward, GradNorm, Loss, OffloadGrad, Recompute,
-    StepSpec, ZeroGrad, compile_step, compile_steps, cross_step_edges, graph_from_json,
-    graph_to_json, units,
+    Backward, CpuAdam, Embed, EmbedBackward, Fetch, Forward, FoundInf, GpuAdam, GradNorm, GradSqNorm, Loss,
+    OffloadGrad, Recompute, StepSpec, VerifyStep, ZeroGrad, compile_step, compile_steps, cross_step_edges,
+    graph_from_json, graph_to_json, units,
 )
 
 SPECS = [
@@ -184,12 +184,14 @@ def test_cross_step_edges_link_adam_to_the_next_fetch(tied):
     assert nx.is_directed_acyclic_graph(g)
     assert g.number_of_nodes() == 3 * compile_step(spec).number_of_nodes()
     between = [(u, v) for u, v in g.edges if u.step != v.step]
-    assert all(isinstance(u, CpuAdam) and isinstance(v, Fetch) and v.step == u.step + 1 for u, v in between)
+    assert all(isinstance(u, (CpuAdam, VerifyStep)) and isinstance(v, Fetch) and v.step == u.step + 1
+               for u, v in between)
     for s in (1, 2):
         for f in of(g, Fetch, step=s):
-            adams = {(p.unit, p.layer) for p in g.predecessors(f) if p.step == s - 1}
+            adams = {(p.unit, p.layer) for p in g.predecessors(f) if p.step == s - 1 and isinstance(p, CpuAdam)}
             want = {(f.unit, f.layer)} | ({("embed", None)} if tied and f.unit == "head" else set())
             assert adams == want, f"{f} waits for Adam of {adams}"
+            assert g.has_edge(one(g, VerifyStep, step=s - 1), f), "a fetch never reads an update that is undone"
     step0, step1 = compile_step(spec, 0), compile_step(spec, 1)
     assert set(cross_step_edges(step0, step1, spec)) == {(u, v) for u, v in between if v.step == 1}
 
@@ -226,13 +228,13 @@ def test_resident_units_have_no_transfers_and_adam_on_the_device():
             assert t.kind not in ("fetch", "zero_grad", "offload_grad", "cpu_adam"), t
     s0 = [t for t in g if t.step == 0]
     adam_l0 = next(t for t in s0 if t.kind == "gpu_adam" and t.layer == 0)
-    assert {str(p) for p in g.predecessors(adam_l0)} == {"backward L0 m0", "backward L0 m1"}
+    assert {str(p) for p in g.predecessors(adam_l0)} == {"backward L0 m0", "backward L0 m1", "found_inf"}
     later = {str(t) for t in g.successors(adam_l0)}
     assert later == {"forward L0 m0 s1", "forward L0 m1 s1", "backward L0 m0 s1", "backward L0 m1 s1"}
     assert sum(t.kind == "gpu_adam" for t in s0) == 3
     assert sum(t.kind == "cpu_adam" for t in s0) == 2
     fetch1 = next(t for t in g if t.kind == "fetch" and t.step == 1 and t.layer == 1)
-    assert [p.kind for p in g.predecessors(fetch1)] == ["cpu_adam"]
+    assert [p.kind for p in g.predecessors(fetch1)] == ["cpu_adam", "verify_step"]
 
 
 def test_staged_chunks_each_take_a_staging_slot_read_by_their_adam():
@@ -253,3 +255,72 @@ def test_staged_with_clip_or_mixed_tied_residency_is_refused():
         StepSpec(layers=2, tied=True, resident=("embed",)).validate()
     with pytest.raises(ConfigError, match="not units"):
         StepSpec(layers=2, resident=("layer.2",)).validate()
+
+
+NONFINITE_SPECS = [
+    StepSpec(layers=L, micro_batches=M, order=o, tied=t, grad_clip=c, resident=r, staged=st,
+             grad_chunks={"embed": 2} if st else {})
+    for L, M, o, t, c, r, st in itertools.product(
+        [1, 3], [1, 2], ["layer", "micro"], [False, True], [False, True],
+        [(), ("layer.0",), ("embed", "head", "layer.1"), ("embed", "head", "layer.0", "layer.1", "layer.2")], [False, True],
+    )
+    if not (st and c) and all(u in ("embed", "head") or int(u[6:]) < L for u in r)
+]
+
+
+def nf_id(s: StepSpec) -> str:
+    return spec_id(s) + f"-res{len(s.resident)}" + "-staged" * s.staged
+
+
+@pytest.mark.parametrize("spec", NONFINITE_SPECS, ids=nf_id)
+def test_the_loss_and_every_gradient_are_checked_before_they_can_reach_the_weights(spec):
+    """Every ``loss`` precedes every Adam task, in both orders, so a bad loss is known before
+    any update. Without clipping, ``found_inf`` follows every gradient (each offload, each
+    resident unit's last writer) and precedes every ``gpu_adam``; ``verify_step`` follows every
+    ``cpu_adam`` (and ``found_inf``). With clipping ``grad_norm`` plays both parts::
+
+        offload_grad * ----> found_inf --> gpu_adam *        (resident units, bottom-up)
+        cpu_adam *  ---------------------> verify_step --> fetch * (next step)
+    """
+    g = compile_step(spec)
+    losses = set(of(g, Loss))
+    adams = [t for t in g if isinstance(t, (CpuAdam, GpuAdam))]
+    for a in adams:
+        assert losses <= nx.ancestors(g, a), f"{a} may run before a loss"
+    gpu, cpu = of(g, GpuAdam), of(g, CpuAdam)
+    assert {(t.unit, t.layer) for t in gpu} == {(u, None) if u in ("embed", "head") else ("layer", int(u[6:]))
+                                                 for u in spec.resident}
+    gradients = set(of(g, OffloadGrad)) | set(of(g, Backward)) | set(of(g, EmbedBackward)) | losses
+    if spec.grad_clip:
+        assert not of(g, FoundInf) and not of(g, VerifyStep)
+        norm = one(g, GradNorm)
+        assert gradients <= nx.ancestors(g, norm)
+        assert all(g.has_edge(norm, a) for a in adams)
+        return
+    assert not of(g, GradNorm) and not of(g, GradSqNorm)
+    if gpu:
+        found = one(g, FoundInf)
+        assert gradients <= nx.ancestors(g, found)
+        assert all(g.has_edge(found, a) for a in gpu)
+        order = [(t.unit, t.layer) for t in g if isinstance(t, GpuAdam)]
+        assert order == [u for u in units(spec) if u in order], "resident Adam runs bottom-up"
+    else:
+        assert not of(g, FoundInf)
+    if cpu:
+        verify = one(g, VerifyStep)
+        assert set(g.predecessors(verify)) == set(cpu) | set(of(g, FoundInf))
+        assert list(g)[-1] == verify
+    else:
+        assert not of(g, VerifyStep)
+
+
+def test_the_next_step_waits_for_verify_step_only_where_it_fetches():
+    """Resident units are never put back, so the next step's work on them (the forward of the
+    bottom layers) still overlaps the CPU Adam of the streamed layers above; only fetches wait
+    for ``verify_step``."""
+    spec = StepSpec(layers=3, micro_batches=2, resident=("embed", "head", "layer.0"))
+    g = compile_steps(spec, 2)
+    verify = one(g, VerifyStep, step=0)
+    assert all(isinstance(v, Fetch) for v in g.successors(verify))
+    assert {v for v in g.successors(verify)} == set(of(g, Fetch, step=1))
+    assert not nx.has_path(g, verify, one(g, Forward, layer=0, micro_batch=1, step=1))

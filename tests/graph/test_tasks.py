@@ -7,7 +7,8 @@ import pytest
 
 from flowtrain.graph import (
     DEVICE_LANES, GRADS, HOST_GRADS, KINDS, LANES, WEIGHTS, AnyTask, Backward, CpuAdam, Embed,
-    EmbedBackward, Fetch, Forward, GpuAdam, GradNorm, GradSqNorm, Loss, OffloadGrad, Recompute, ZeroGrad,
+    EmbedBackward, Fetch, Forward, FoundInf, GpuAdam, GradNorm, GradSqNorm, Loss, OffloadGrad, Recompute, SaveUnit,
+    VerifyStep, ZeroGrad,
 )
 from flowtrain.graph.tasks import task_from_dict, task_to_dict
 
@@ -26,6 +27,9 @@ CARD = {
     "grad_norm": (GradNorm, "cpu", None),
     "grad_sq_norm": (GradSqNorm, "compute", None),
     "gpu_adam": (GpuAdam, "compute", None),
+    "found_inf": (FoundInf, "compute", None),
+    "verify_step": (VerifyStep, "cpu", None),
+    "save": (SaveUnit, "io", None),
 }
 
 
@@ -49,7 +53,7 @@ def test_kind_lane_and_pool(kind):
     assert KINDS[kind] is cls
     assert (task.kind, task.lane, task.takes) == (kind, lane, takes)
     assert lane in LANES
-    assert (lane in DEVICE_LANES) == (lane != "cpu")
+    assert (lane in DEVICE_LANES) == (lane not in ("cpu", "io"))
 
 
 @pytest.mark.parametrize("kind", sorted(CARD))

@@ -8,6 +8,8 @@
 - :func:`slots_suffice`: an oracle that says whether a plan can finish under a slot budget.
 - :class:`ToyModel`: a numeric program for compiled graphs (float64 arithmetic on buffers keyed
   by slot) and :meth:`ToyModel.expected`, the same model computed by plain loops.
+- :class:`FenceLog`: every fence the lanes make during a test, to check that all were set.
+- :class:`Hold`: a hook that blocks a task until the test lets it go, and tells the loop it began.
 """
 
 from __future__ import annotations
@@ -23,8 +25,8 @@ import torch
 from hypothesis import strategies as st
 
 from flowtrain.graph import (
-    GRADS, WEIGHTS, Backward, CpuAdam, Embed, EmbedBackward, Fetch, Forward, GradNorm, Loss,
-    OffloadGrad, Recompute, StepSpec, Task, ZeroGrad,
+    GRADS, WEIGHTS, Backward, CpuAdam, Embed, EmbedBackward, Fetch, Forward, FoundInf, GradNorm, Loss,
+    OffloadGrad, Recompute, StepSpec, Task, VerifyStep, ZeroGrad,
 )
 from flowtrain.graph.tasks import DEVICE_LANES
 from flowtrain.runtime import run_graph
@@ -275,6 +277,8 @@ class ToyModel:
                 self.scale[s] = clip_scale([self.G[(s, *u)] for u in self.W])
             case CpuAdam():
                 self._sgd(s, key)
+            case FoundInf() | VerifyStep():
+                pass  # the toy's numbers are always finite
             case _:
                 raise AssertionError(f"unknown task {task}")
         return 0
@@ -372,3 +376,69 @@ def run_async(graph, program, policy):
         return await asyncio.wait_for(run_graph(graph, program, policy), HANG_GUARD_S)
 
     return asyncio.run(main())
+
+
+# ---- cancellation and faults ------------------------------------------------------------------
+
+
+def lane_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith("flowtrain-")]
+
+
+def join_lane_threads(timeout: float = HANG_GUARD_S) -> list[threading.Thread]:
+    """Wait for lane threads left behind (e.g. by a job that hung, now released) to end;
+    returns those still alive."""
+    for t in lane_threads():
+        t.join(timeout)
+    return lane_threads()
+
+
+class FenceLog:
+    """Every :class:`~flowtrain.runtime.lanes.Fence` the lanes create while installed (it
+    patches the class the lanes instantiate), so a test can check that each one ended up set."""
+
+    def __init__(self, monkeypatch) -> None:
+        from flowtrain.runtime import lanes
+
+        self.fences: list = []
+        log = self.fences
+
+        class Logged(lanes.Fence):
+            def __init__(self) -> None:
+                super().__init__()
+                log.append(self)
+
+        monkeypatch.setattr(lanes, "Fence", Logged)
+
+    @property
+    def unset(self) -> list:
+        return [f for f in self.fences if not f.is_set()]
+
+    def started_after(self, t: float) -> list:
+        """Fences of jobs that began running (``perf_counter``) after ``t``."""
+        return [f for f in self.fences if f.began > t]
+
+
+class Hold:
+    """A hook that blocks its task until :meth:`release` (or for ever), after telling the
+    test it began: ``await hold.began()`` returns once the task runs, without blocking the loop."""
+
+    def __init__(self) -> None:
+        self._began = threading.Event()
+        self._go = threading.Event()
+        self.tasks: list[Task] = []
+
+    def __call__(self, task: Task, ctx) -> None:
+        self.tasks.append(task)
+        self._began.set()
+        self._go.wait()
+
+    async def began(self, timeout: float = HANG_GUARD_S) -> None:
+        async def poll():
+            while not self._began.is_set():
+                await asyncio.sleep(0.002)
+
+        await asyncio.wait_for(poll(), timeout)
+
+    def release(self) -> None:
+        self._go.set()

@@ -16,8 +16,8 @@ from runtime_helpers import HANG_GUARD_S, Recorder, check_slots, check_topologic
 
 from flowtrain.errors import DeadlockError, ScheduleError, SlotError, StepFailed
 from flowtrain.graph import (
-    GRADS, WEIGHTS, Backward, CpuAdam, Fetch, Forward, OffloadGrad, StepSpec, compile_step, compile_steps,
-    cross_step_edges,
+    GRADS, WEIGHTS, Backward, CpuAdam, Fetch, Forward, OffloadGrad, StepSpec, VerifyStep, compile_step,
+    compile_steps, cross_step_edges,
 )
 from flowtrain.policy import Proposal, natural_order, resolve_policy
 from flowtrain.runtime import Engine, Instrument, TraceRecorder, chrome_trace, run_graph
@@ -274,7 +274,7 @@ async def test_steps_overlap_through_cross_step_edges():
     assert [r.task for r in first] == list(step0) and [r.task for r in second] == list(step1)
     by_task = {r.task: r for r in second}
     assert set(by_task[Fetch(unit="layer", layer=2, phase="forward", step=1)].deps) == {
-        CpuAdam(unit="layer", layer=2, step=0)
+        CpuAdam(unit="layer", layer=2, step=0), VerifyStep(step=0)
     }
 
 

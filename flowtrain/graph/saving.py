@@ -1,0 +1,59 @@
+"""Checkpoints as tasks: one ``save`` per unit, placed between two steps' Adam of that unit.
+
+A checkpoint after step ``s`` must hold every unit exactly as step ``s``'s Adam left it. In the
+DAG that is two kinds of edge per unit, and nothing else waits::
+
+    cpu_adam L3 (s) -> save L3 (s) -> cpu_adam L3 (s+1)
+    gpu_adam embed (s) -> save embed (s) -> gpu_adam embed (s+1)
+
+So the next step's forward and backward run while the ``io`` lane writes the checkpoint (they
+read the weights, which the save only reads too); only the next step's update of a unit waits
+for that unit's write. :func:`add_saves` adds the save tasks to step ``s``'s graph;
+:func:`save_edges` gives the edges into the next step's graph, for the executor to add beside
+:func:`~flowtrain.graph.compiler.cross_step_edges`::
+
+    graph = compile_step(spec, step=s)
+    saves = add_saves(graph, spec)                    # step s ends with a checkpoint
+    ...
+    nxt = compile_step(spec, step=s + 1)
+    edges = cross_step_edges(graph, nxt, spec) + save_edges(saves, nxt)
+
+This module is pure graph code: no torch.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import networkx as nx
+
+from .compiler import StepSpec, units
+from .tasks import CpuAdam, GpuAdam, SaveUnit, Task
+
+ADAM_KINDS = (CpuAdam, GpuAdam)
+
+
+def add_saves(graph: nx.DiGraph, spec: StepSpec) -> list[Task]:
+    """Add a ``save`` task per unit to one step's graph, after every Adam task of that unit
+    (all of its gradient chunks); returns them, bottom unit first."""
+    step = next(iter(graph)).step
+    adams: dict[tuple[str | None, int | None], list[Task]] = {}
+    for t in graph:
+        if isinstance(t, ADAM_KINDS):
+            adams.setdefault((t.unit, t.layer), []).append(t)
+    saves = []
+    for unit, layer in units(spec):
+        save = SaveUnit(step=step, unit=unit, layer=layer)
+        graph.add_node(save)
+        for a in adams.get((unit, layer), []):
+            graph.add_edge(a, save, reads=False)
+        saves.append(save)
+    return saves
+
+
+def save_edges(saves: Iterable[Task], later: Iterable[Task]) -> list[tuple[Task, Task]]:
+    """Edges from each unit's save to that unit's Adam tasks in a later step: the update must
+    not change the weights while they are being written."""
+    by_unit = {(s.unit, s.layer): s for s in saves}
+    return [(by_unit[(t.unit, t.layer)], t) for t in later
+            if isinstance(t, ADAM_KINDS) and (t.unit, t.layer) in by_unit]
