@@ -6,8 +6,8 @@ policy (:mod:`flowtrain.policy`) by an asyncio engine over CUDA streams or threa
 """
 
 from .errors import (
-    CheckpointError, ConfigError, CycleError, DataError, DeadlockError, FlowtrainError, PlanError,
-    ScheduleError, SlotError, StepFailed,
+    CheckpointError, ConfigError, CycleError, DataError, DeadlockError, FlowtrainError, NonFiniteError,
+    PlanError, ScheduleError, SlotError, StepFailed,
 )
 from .graph import StepSpec, compile_step, compile_steps, cross_step_edges
 from .policy import Policy, Proposal, natural_order, register_policy, resolve_policy
@@ -17,7 +17,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError", "ConfigError", "CycleError", "DataError", "DeadlockError", "FlowtrainError",
-    "PlanError", "ScheduleError", "SlotError", "StepFailed", "StepSpec", "compile_step", "compile_steps",
+    "NonFiniteError", "PlanError", "ScheduleError", "SlotError", "StepFailed", "StepSpec", "compile_step", "compile_steps",
     "cross_step_edges", "Policy", "Proposal", "natural_order", "register_policy", "resolve_policy", "Engine",
     "Instrument", "TaskRecord", "TraceRecorder", "run_graph", "run_reference",
 ]

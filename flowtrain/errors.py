@@ -55,3 +55,21 @@ class DataError(FlowtrainError):
 
 class PlanError(FlowtrainError):
     """The requested run does not fit in host or GPU memory."""
+
+
+class NonFiniteError(FlowtrainError):
+    """Training stopped because loss or gradients were not finite: too many steps in a row were
+    skipped, or a step could not be undone. The message names the steps and what to resume from."""
+
+
+class Interrupted(FlowtrainError):
+    """The run was ended by a signal (SIGINT, SIGTERM); the message says what was saved. The
+    command line exits with ``128 + signum`` (130, 143)."""
+
+    def __init__(self, signum: int, message: str) -> None:
+        self.signum = signum
+        super().__init__(message)
+
+    @property
+    def exit_status(self) -> int:
+        return 128 + self.signum

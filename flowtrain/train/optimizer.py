@@ -84,11 +84,19 @@ def adamw_step(
     step: torch.Tensor,  # () fp32 step count, incremented here
     cfg: AdamWConfig,
     lr: float,
+    found_inf: torch.Tensor | None = None,  # () fp32 on master's device: 1.0 leaves everything as it was
 ) -> None:
-    """One AdamW update of one flat unit with torch's fused CPU kernel."""
+    """One AdamW update of one flat unit with torch's fused kernel (CPU or CUDA).
+
+    With ``found_inf`` set to 1.0 the kernel returns before touching master, m or v, and the
+    step count is taken back down, as ``torch.optim.AdamW`` does under a gradient scaler: the
+    decision stays on the device, with no host sync."""
     step += 1
     b1, b2 = cfg.betas
     torch._fused_adamw_(
         [master], [grad], [exp_avg], [exp_avg_sq], [], [step],
         lr=lr, beta1=b1, beta2=b2, weight_decay=cfg.weight_decay, eps=cfg.eps, amsgrad=False, maximize=False,
+        found_inf=found_inf,
     )
+    if found_inf is not None:
+        step -= found_inf

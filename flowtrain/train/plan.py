@@ -22,8 +22,10 @@ What the plan decides:
 
 Host bytes: ``master`` (4 per streamed parameter), ``adam`` (8), ``gradients`` (4, full
 layout), ``streaming_copy`` (2, stream-bf16), ``staging`` (the ring), ``tied_gradient``,
-``runtime`` (the Python process with torch loaded, measured) and ``checkpoint_load`` (the largest
-checkpoint file, mapped while it is read). GPU bytes: ``weight_slots``,
+``runtime`` (the Python process with torch loaded, measured), ``checkpoint_load`` (the largest
+checkpoint file, mapped while it is read) and ``undo_record`` (without clipping: up to
+``--undo-mem`` of the master, m and v that ``cpu_adam`` copies aside until the step is known
+finite; see :mod:`flowtrain.train.nonfinite`). GPU bytes: ``weight_slots``,
 ``landing`` (the fp32 piece buffer of casting fetches), ``grad_slots``, ``resident`` (master, m,
 v, gradient and compute copy: 18 bytes per parameter in bf16), ``checkpoints``, ``recompute``,
 ``layer_work`` (one layer under autograd) and ``loss_chunks``. On a CPU-only run the GPU
@@ -44,6 +46,7 @@ from ..errors import ConfigError
 from ..graph.compiler import StepSpec, compile_step
 from ..graph.tasks import GRADS, HOST_GRADS, WEIGHTS
 from .host_state import LAYOUTS, grad_chunks, slot_numel, staging_numel
+from .nonfinite import undo_arena_bytes
 from .model import ModelConfig, default_chunk_tokens, model_layouts
 from .program import LANDING_NUMEL
 
@@ -74,6 +77,8 @@ class RunRequest(msgspec.Struct, kw_only=True):
     chunk_tokens: int | None = None
     #: bytes of the largest checkpoint file read at start (mapped while it is copied in)
     load_bytes: int = 0
+    #: GiB the undo record of a step not yet known finite may hold
+    undo_mem: float = 1.0
 
 
 def checkpoint_read_bytes(model_dir: str | os.PathLike[str] | None) -> int:
@@ -89,7 +94,8 @@ def run_request(cfg: Any, model_dir: str | os.PathLike[str] | None = None) -> Ru
     return RunRequest(seq_len=cfg.seq_len, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size,
                       checkpoint_every=cfg.checkpoint_every, order=cfg.order, grad_clip=cfg.grad_clip is not None,
                       layout=cfg.layout, resident=cfg.resident, gpu_mem=cfg.gpu_mem, host_mem=cfg.host_mem,
-                      chunk_tokens=cfg.chunk_tokens, load_bytes=checkpoint_read_bytes(model_dir))
+                      chunk_tokens=cfg.chunk_tokens, load_bytes=checkpoint_read_bytes(model_dir),
+                      undo_mem=getattr(cfg, "undo_mem", 1.0))
 
 
 class Plan(msgspec.Struct, kw_only=True):
@@ -221,6 +227,10 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
     host["runtime"] = RUNTIME_HOST["cuda" if device.type == "cuda" else "cpu"]
     if req.load_bytes:
         host["checkpoint_load"] = req.load_bytes
+    if not req.grad_clip and streamed:
+        chunks = grad_chunks(layouts, resident, stage_n) if layout != "full" else {}
+        units = [(lay.numel, chunks.get(lay.key, 1)) for lay in streamed]
+        host["undo_record"] = undo_arena_bytes(units, stage_n, int(req.undo_mem * GiB), touched=not resident)
 
     M = req.batch_size // req.micro_batch_size
     tokens = req.micro_batch_size * req.seq_len

@@ -6,7 +6,7 @@ does. :class:`StepProgram` is the callable the engine runs for every task::
     program = StepProgram(cfg, state, device="cpu", dtype=torch.float32, ...)
     program.begin_step(step, batch, lr)      # host data for one optimizer step
     ... engine runs the step's tasks: program(task, ctx) ...
-    loss, grad_norm = program.end_step(step)
+    loss, grad_norm, skipped = program.end_step(step)
 
 Device buffers, allocated once:
 
@@ -33,6 +33,12 @@ accumulated and offloaded in a single copy. With tied embeddings the head's slot
 final norm followed by the embedding matrix, and its gradient slot likewise; the embedding's
 Adam adds the head's part of the tied gradient before stepping. (Resident and tied, the head
 reads the embedding's own copy and adds into the embedding's own gradient.)
+
+A step whose loss or any gradient is not finite changes no weight (``skipped``): each piece is
+flagged on the device on its way, ``cpu_adam`` skips once anything is known bad and records what
+it changes until the step is verified, ``verify_step`` puts that back if the step turns out
+bad, and ``gpu_adam`` passes the step's ``found_inf`` flag to the fused kernel. How, and why
+without a host sync per layer: :mod:`flowtrain.train.nonfinite`.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ import warnings
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import ConfigError, NonFiniteError
 from ..graph.tasks import (
     GRADS,
     HOST_GRADS,
@@ -54,25 +60,32 @@ from ..graph.tasks import (
     EmbedBackward,
     Fetch,
     Forward,
+    FoundInf,
     GpuAdam,
     GradNorm,
     GradSqNorm,
     Loss,
     OffloadGrad,
     Recompute,
+    SaveUnit,
     Task,
+    VerifyStep,
     ZeroGrad,
 )
 from ..runtime.executor import TaskContext
+from .checkpoints import CheckpointWriter
 from .host_state import HostState, UnitState, chunk_range, pinned_zeros, slot_numel, staging_numel
 from .model import bind, decoder_layer, embed, head_loss_and_grads, rope_tables
+from .nonfinite import (SKIP, UPDATE, Injection, Saved, StepCheck, UndoBudget, injection_from_env, nonfinite,
+                        undo_arena_bytes)
 from .optimizer import AdamWConfig, adamw_step, clip_coefficient
 
 
 class _StepData:
     """Host-side inputs and per-step accumulators of one optimizer step."""
 
-    def __init__(self, ids: list[torch.Tensor], targets: list[torch.Tensor], n_targets: int, lr: float) -> None:
+    def __init__(self, ids: list[torch.Tensor], targets: list[torch.Tensor], n_targets: int, lr: float,
+                 check: StepCheck) -> None:
         self.ids = ids
         self.targets = targets
         self.n_targets = n_targets
@@ -82,6 +95,7 @@ class _StepData:
         self.clip: torch.Tensor | None = None  # clip coefficient, once known
         self.total_norm: float | None = None
         self.tied_summed = False
+        self.check = check  # is the step finite: see flowtrain.train.nonfinite
 
 
 #: Elements of the fp32 landing buffer that fetches of fp32 masters pass through on their way
@@ -104,6 +118,8 @@ class StepProgram:
         adamw: AdamWConfig,
         chunk_tokens: int | None = None,
         compile_backend: str | None = None,
+        undo_bytes: int = 1 << 30,
+        inject_nonfinite: Injection | None = None,
     ) -> None:
         self.state = state
         self.cfg = state.cfg
@@ -131,6 +147,8 @@ class StepProgram:
         self.dev_ids: dict[tuple[int, int], torch.Tensor] = {}
         self.dev_targets: dict[tuple[int, int], torch.Tensor] = {}
         self.steps: dict[int, _StepData] = {}
+        #: open checkpoint writers by the step they save (``save`` tasks write into them)
+        self.checkpoints: dict[int, CheckpointWriter] = {}
         self._lock = threading.Lock()
         self._non_blocking = self.device.type == "cuda"
         #: the decoder layer, compiled by torch.compile (``compile_backend``, e.g. "inductor")
@@ -141,10 +159,26 @@ class StepProgram:
             # tracing; torch warns about that access, harmlessly.
             warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
             self.layer_fn = torch.compile(decoder_layer, backend=compile_backend, dynamic=False)
+        #: host bytes the undo records of not yet verified steps may hold (see nonfinite.py)
+        streamed = [(u.layout.numel, len(u.steps)) for u in state.units if not u.resident]
+        self.undo = UndoBudget(undo_bytes, most=undo_arena_bytes(streamed, self.stage_n, undo_bytes))
+        #: a value written into one gradient or loss, for tests (else $FLOWTRAIN_INJECT_NAN)
+        self.inject = inject_nonfinite or injection_from_env(self.cfg.num_layers)
+        self._checks = self._checks_per_step()
 
     @property
     def _pin(self) -> bool:
         return self.device.type == "cuda"
+
+    def _checks_per_step(self) -> int:
+        """Host checks that verify a step: a flag per offloaded gradient piece (one per staging
+        chunk), one for the head's part of a tied embedding, and, tied, one per embedding chunk
+        once the two parts are summed on the host."""
+        streamed = [u for u in self.state.units if not u.resident]
+        n = sum(len(u.steps) for u in streamed)
+        if self.tied and not self.state.embed.resident:
+            n += 1 + len(self.state.embed.steps)
+        return n
 
     # ---- step boundaries -----------------------------------------------------------------
     def begin_step(self, step: int, micro_ids: list[torch.Tensor], micro_targets: list[torch.Tensor], lr: float) -> None:
@@ -155,14 +189,22 @@ class StepProgram:
         if self._pin:
             micro_ids = [t.pin_memory() for t in micro_ids]
             micro_targets = [t.pin_memory() for t in micro_targets]
-        self.steps[step] = _StepData(micro_ids, micro_targets, n_targets, lr)
+        check = StepCheck(step, self._checks, bool(self.state.resident), self.undo)
+        self.steps[step] = _StepData(micro_ids, micro_targets, n_targets, lr, check)
 
-    def end_step(self, step: int) -> tuple[float, float]:
-        """``(mean loss, global grad norm)`` of a finished step; frees its bookkeeping."""
+    def end_step(self, step: int) -> tuple[float, float, bool]:
+        """``(mean loss, global grad norm, skipped)`` of a finished step; frees its bookkeeping.
+        ``skipped``: the loss or a gradient was not finite, so no weight, Adam moment or step
+        count changed (the loss and norm are reported as computed, NaN or inf). Raises
+        :class:`~flowtrain.errors.NonFiniteError` if the step was not finite and some update
+        could not be put back."""
         data = self.steps.pop(step)
         loss = float(data.loss) / data.n_targets if data.loss is not None else math.nan
         norm = data.total_norm if data.total_norm is not None else self._total_norm(data)
-        return loss, norm
+        self._settle(data)  # a no-op where verify_step or grad_norm has settled the step
+        if data.check.error is not None:
+            raise NonFiniteError(data.check.error)
+        return loss, norm, data.check.skipped
 
     # ---- dispatch ---------------------------------------------------------------------------
     def __call__(self, task: Task, ctx: TaskContext) -> int | None:
@@ -185,15 +227,20 @@ class StepProgram:
             case OffloadGrad():
                 return self._offload(task, ctx)
             case GradSqNorm():
-                unit = self._unit(task)
-                self.steps[task.step].sq_norms[(unit.layout.key, None)] = unit.grad[: unit.layout.numel].square().sum()
+                self._resident_sq_norm(self.steps[task.step], self._unit(task))
                 return None
             case GradNorm():
                 return self._grad_norm(task)
             case CpuAdam():
                 return self._cpu_adam(task, ctx)
+            case FoundInf():
+                return self._found_inf(task)
             case GpuAdam():
                 return self._gpu_adam(task)
+            case VerifyStep():
+                return self._settle(self.steps[task.step])
+            case SaveUnit():
+                return self._save(task)
         raise ConfigError(f"the training program cannot run task kind {task.kind!r}")
 
     # ---- helpers --------------------------------------------------------------------------
@@ -291,10 +338,12 @@ class StepProgram:
         loss_sum, d_h, d_norm, d_head = head_loss_and_grads(
             h, norm_w, head_w, targets, self.cfg.rms_norm_eps, 1.0 / data.n_targets, self.chunk_tokens
         )
-        norm_g.add_(d_norm)
+        loss_sum = self._poison(loss_sum, s, "loss", m)  # type: ignore[arg-type]
+        norm_g.add_(self._poison(d_norm, s, "head", m))  # type: ignore[arg-type]
         head_g.add_(d_head)
         with self._lock:
             data.loss = loss_sum if data.loss is None else data.loss + loss_sum
+            data.check.loss_host = self._host_copy(data.loss)  # read by cpu_adam, on the host
         self.dacts[(s, L - 1, m)] = d_h  # type: ignore[index]
 
     def _backward(self, task: Backward, ctx: TaskContext) -> None:
@@ -308,7 +357,7 @@ class StepProgram:
             flat = self._weights(unit, ctx)[:n].detach().requires_grad_(True)
             y = self.layer_fn(x, bind(flat, unit.layout), self.cos, self.sin, self.cfg)
             dx, dw = torch.autograd.grad(y, (x, flat), dy)
-        self._grads(unit, ctx)[:n].add_(dw)
+        self._grads(unit, ctx)[:n].add_(self._poison(dw, s, f"layer.{i}", m))  # type: ignore[arg-type]
         self.dacts[(s, i - 1, m)] = dx  # type: ignore[operator, index]
 
     def _embed_backward(self, task: EmbedBackward, ctx: TaskContext) -> None:
@@ -318,6 +367,22 @@ class StepProgram:
         emb = self.state.embed
         g = bind(self._grads(emb, ctx), emb.layout)["embed_tokens"]
         g.index_add_(0, ids.reshape(-1), dx.reshape(-1, dx.shape[-1]).float())
+        self._poison(g, s, "embed", m)  # type: ignore[arg-type]
+
+    def _poison(self, t: torch.Tensor, step: int, where: str, micro_batch: int) -> torch.Tensor:
+        """``t`` with the injected value in its first element where the test hook says so."""
+        if self.inject is not None and self.inject.hits(step, where, micro_batch):
+            return self.inject.apply(t)
+        return t
+
+    def _host_copy(self, t: torch.Tensor) -> torch.Tensor:
+        """A device scalar as host memory the CPU may read once the work so far on this lane is
+        done: a pinned copy queued on the lane's stream (no sync); on the CPU, ``t`` itself."""
+        if self.device.type != "cuda":
+            return t
+        out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        out.copy_(t, non_blocking=True)
+        return out
 
     def _offload(self, task: OffloadGrad, ctx: TaskContext) -> int:
         """Device gradient -> host: the whole unit into its own buffer (``full`` layout), or one
@@ -334,10 +399,26 @@ class StepProgram:
             moved += 4 * m
         lo, hi = chunk_range(unit.layout.numel, self.stage_n, task.chunk)
         dst = unit.grad if task.chunk is None else self.staging[ctx.slot][: hi - lo]  # type: ignore[index]
-        if not (self.tied and task.unit == "embed"):
-            data.sq_norms[(unit.layout.key, task.chunk)] = src[lo:hi].square().sum()
+        self._flag_pieces(task, unit, src, lo, hi)
         dst.copy_(src[lo:hi], non_blocking=nb)  # type: ignore[union-attr]
         return moved + 4 * (hi - lo)
+
+    def _flag_pieces(self, task: OffloadGrad, unit: UnitState, src: torch.Tensor, lo: int, hi: int) -> None:
+        """Squared norm and non-finite flag of the piece ``src[lo:hi]`` an offload copies (a tied
+        embedding's norm waits for the host sum, its flag does not), and of the head's part of a
+        tied embedding; each flag also goes to the host, on this lane."""
+        data = self.steps[task.step]
+        key = unit.layout.key
+        piece = src[lo:hi]
+        if self.tied and task.unit == "embed":
+            flags = [(key, nonfinite(piece))]
+        else:
+            sq = data.sq_norms[(key, task.chunk)] = piece.square().sum()
+            flags = [(key, nonfinite(piece, sq))]
+        if self.tied and task.unit == "head" and task.chunk in (None, 0):
+            n, m = unit.layout.numel, self.state.embed.layout.numel
+            flags.append((self.state.embed.layout.key, nonfinite(src[n : n + m])))
+        data.check.add_pieces((key, task.chunk), [(name, f, self._host_copy(f)) for name, f in flags])
 
     def _sum_tied(self, data: _StepData) -> None:
         """Full layout: add the head's part of the tied embedding gradient, once per step."""
@@ -345,7 +426,8 @@ class StepProgram:
             emb = self.state.embed
             if self.tied and not emb.resident and emb.grad is not None and not data.tied_summed:
                 emb.grad.add_(self.tied_grad)
-                data.sq_norms[(emb.layout.key, None)] = emb.grad.square().sum()
+                sq = data.sq_norms[(emb.layout.key, None)] = emb.grad.square().sum()
+                data.check.host_checked(emb.layout.key, bool(nonfinite(emb.grad, sq)))
                 data.tied_summed = True
 
     def _total_norm(self, data: _StepData) -> float:
@@ -355,8 +437,18 @@ class StepProgram:
         return data.total_norm
 
     def _grad_norm(self, task: GradNorm) -> None:
+        """With clipping every gradient is in before any Adam: the step is settled here, so its
+        Adam tasks either all skip or all update, and nothing needs an undo record."""
         data = self.steps[task.step]
         data.clip = clip_coefficient(self._total_norm(data), self.adamw.grad_clip)
+        self._settle(data)
+
+    def _settle(self, data: _StepData) -> None:
+        """The step's verdict once every flag is on the host (``verify_step``, ``grad_norm`` or
+        ``end_step``): put back what its ``cpu_adam`` tasks changed if it was not finite."""
+        for saved in data.check.settle():
+            saved.restore()
+        data.check.release()
 
     def _cpu_adam(self, task: CpuAdam, ctx: TaskContext) -> None:
         data = self.steps[task.step]
@@ -370,24 +462,64 @@ class StepProgram:
             grad = self.staging[ctx.read(HOST_GRADS)][: hi - lo]
             if self.tied and task.unit == "embed":
                 grad.add_(self.tied_grad[lo:hi])
-                data.sq_norms[(unit.layout.key, task.chunk)] = grad.square().sum()
+                sq = data.sq_norms[(unit.layout.key, task.chunk)] = grad.square().sum()
+                data.check.host_checked(unit.layout.key, bool(nonfinite(grad, sq)))
+        if not self._admit(data, task, unit, lo, hi):
+            return
         if data.clip is not None:
             grad.mul_(data.clip)  # type: ignore[union-attr]
         adamw_step(unit.master[lo:hi], grad, unit.exp_avg[lo:hi], unit.exp_avg_sq[lo:hi],  # type: ignore[arg-type]
                    unit.steps[task.chunk or 0], self.adamw, data.lr)
         unit.refresh_copies(lo, hi)
 
+    def _admit(self, data: _StepData, task: CpuAdam, unit: UnitState, lo: int, hi: int) -> bool:
+        """Whether ``cpu_adam`` may update ``[lo, hi)`` of ``unit`` (not if the step is known not
+        finite); copies the range into the step's undo record first while it is not verified."""
+        key = (unit.layout.key, task.chunk)
+        label = unit.layout.key if task.chunk is None else f"{unit.layout.key} c{task.chunk}"
+        verdict = data.check.admit(key, label, hi - lo)
+        if isinstance(verdict, torch.Tensor):
+            data.check.keep(Saved(unit, lo, hi, task.chunk or 0, verdict))
+            return True
+        return verdict == UPDATE
+
+    def _resident_sq_norm(self, data: _StepData, unit: UnitState) -> None:
+        """Squared norm and non-finite flag (on the device) of a resident unit's gradient."""
+        grad = unit.grad[: unit.layout.numel]  # type: ignore[index]
+        sq = data.sq_norms[(unit.layout.key, None)] = grad.square().sum()
+        data.check.resident.append((unit.layout.key, nonfinite(grad, sq)))
+
+    def _found_inf(self, task: FoundInf) -> None:
+        """Once every gradient of the step is in: 1.0 on the device if the loss or any of them is
+        not finite, else 0.0, for every ``gpu_adam`` (and a host copy for ``verify_step``)."""
+        data = self.steps[task.step]
+        for unit in self.state.units:
+            if unit.resident:
+                self._resident_sq_norm(data, unit)
+        check = data.check
+        flags = [~torch.isfinite(data.loss), *(f for _, f, _ in check.pieces), *(f for _, f in check.resident)]  # type: ignore[arg-type]
+        check.found_inf = torch.stack(flags).any().float()
+        check.found_inf_host = self._host_copy(check.found_inf)
+
     def _gpu_adam(self, task: GpuAdam) -> None:
         """AdamW of a resident unit on the device (torch's fused CUDA kernel on a GPU), then a
-        fresh compute copy and a zeroed accumulator for the next step."""
+        fresh compute copy and a zeroed accumulator for the next step. The kernel leaves the
+        unit as it was where the step's ``found_inf`` flag is set (no host sync)."""
         data = self.steps[task.step]
         unit = self._unit(task)
         grad = unit.grad
-        key = (unit.layout.key, None)
-        if data.clip is not None:
-            grad.mul_(data.clip.to(grad.device))  # type: ignore[union-attr]
-        elif key not in data.sq_norms:
-            data.sq_norms[key] = grad.square().sum()  # type: ignore[union-attr]
-        adamw_step(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.steps[0], self.adamw, data.lr)  # type: ignore[arg-type]
-        unit.refresh_copies()
+        if not data.check.skipped:  # known on the host already: with clipping, or a bad loss
+            if data.clip is not None:
+                grad.mul_(data.clip.to(grad.device))  # type: ignore[union-attr]
+            adamw_step(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.steps[0], self.adamw, data.lr,  # type: ignore[arg-type]
+                       found_inf=data.check.found_inf)
+            data.check.gpu_updated.append(unit.layout.key)
+            unit.refresh_copies()
         grad.zero_()  # type: ignore[union-attr]
+
+    def _save(self, task: SaveUnit) -> int:
+        """Write one unit into its step's checkpoint (after this step's Adam of the unit, before
+        the next step's); returns the bytes written."""
+        unit = self._unit(task)
+        self.checkpoints[task.step].write_unit(self.state.units.index(unit), unit)
+        return 12 * unit.layout.numel
