@@ -18,6 +18,7 @@ Problems with the files (missing, truncated, wrong shapes) raise
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import os
@@ -33,7 +34,7 @@ from flowtrain.errors import CheckpointError
 from flowtrain.train.model.config import ModelConfig
 from flowtrain.train.model.layout import Entry, UnitLayout, bind
 
-__all__ = ["load_into", "read_config", "save_hf"]
+__all__ = ["hf_config_text", "load_into", "read_config", "save_hf", "unit_tensors", "write_safetensors"]
 
 log = logging.getLogger(__name__)
 
@@ -167,11 +168,9 @@ def save_hf(
 ) -> None:
     """Write ``config.json`` and ``model.safetensors`` (tensors in ``dtype``) to ``out_dir``.
 
-    The file is written by hand: an 8-byte little-endian header length, a JSON header of
-    names, dtypes, shapes and byte ranges, then each tensor's bytes in order. Tensors are
-    streamed in pieces of at most 16M elements, so no second copy of the model is made
-    whatever ``dtype`` is. A stale ``model.safetensors.index.json`` is removed so the
-    directory holds one consistent model.
+    The weights go through :func:`write_safetensors`, which streams each tensor in pieces,
+    so no second copy of the model is made whatever ``dtype`` is. A stale
+    ``model.safetensors.index.json`` is removed so the directory holds one consistent model.
     """
     if dtype not in _ST_DTYPES:
         raise CheckpointError(
@@ -182,45 +181,84 @@ def save_hf(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    tensors: list[tuple[Entry, Tensor]] = []
+    tensors: list[tuple[str, Tensor]] = []
     for layout, flat in zip(layouts, flats):
-        views = bind(flat, layout)
-        tensors += [(e, views[e.key]) for e in layout.entries]
+        tensors += unit_tensors(flat, layout)
     if cfg.tie_word_embeddings:
-        tensors = [(e, t) for e, t in tensors if e.name != "lm_head.weight"]
-
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    header: dict[str, object] = {"__metadata__": {"format": "pt"}}
-    offset = 0
-    for e, _ in tensors:
-        size = e.numel * itemsize
-        header[e.name] = {"dtype": _ST_DTYPES[dtype], "shape": list(e.shape),
-                          "data_offsets": [offset, offset + size]}
-        offset += size
-    blob = json.dumps(header, separators=(",", ":")).encode()
-    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+        tensors = [(name, t) for name, t in tensors if name != "lm_head.weight"]
 
     tmp = out / (WEIGHTS_NAME + ".partial")
     try:
-        with open(tmp, "wb") as f:
-            f.write(struct.pack("<Q", len(blob)))
-            f.write(blob)
-            for _, t in tensors:
-                _write_tensor(f, t, dtype)
+        write_safetensors(tmp, tensors, dtype)
         os.replace(tmp, out / WEIGHTS_NAME)
         (out / INDEX_NAME).unlink(missing_ok=True)
-        hf = cfg.to_hf()
-        hf["torch_dtype"] = hf["dtype"] = _HF_DTYPE_NAMES[dtype]
-        (out / CONFIG_NAME).write_text(json.dumps(hf, indent=2, sort_keys=True) + "\n")
+        (out / CONFIG_NAME).write_text(hf_config_text(cfg, dtype))
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise CheckpointError(f"cannot write a checkpoint to {str(out)!r}: {e}") from e
 
 
-def _write_tensor(f, t: Tensor, dtype: torch.dtype) -> None:  # noqa: ANN001 (binary file)
+def hf_config_text(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> str:
+    """The ``config.json`` text of ``cfg`` for weights stored in ``dtype``."""
+    hf = cfg.to_hf()
+    hf["torch_dtype"] = hf["dtype"] = _HF_DTYPE_NAMES[dtype]
+    return json.dumps(hf, indent=2, sort_keys=True) + "\n"
+
+
+def unit_tensors(flat: Tensor, layout: UnitLayout) -> list[tuple[str, Tensor]]:
+    """``(checkpoint name, view)`` of every tensor of one unit, in layout order."""
+    views = bind(flat, layout)
+    return [(e.name, views[e.key]) for e in layout.entries]
+
+
+def write_safetensors(
+    path: str | os.PathLike[str],
+    tensors: Sequence[tuple[str, Tensor]],
+    dtype: torch.dtype | None = None,
+    metadata: dict[str, str] | None = None,
+) -> tuple[int, str]:
+    """Write one safetensors file holding ``tensors``; return its size in bytes and sha256.
+
+    The file is written by hand: an 8-byte little-endian header length, a JSON header of
+    names, dtypes, shapes and byte ranges, then each tensor's bytes in order. Each tensor is
+    streamed in pieces of at most 16M elements, cast to ``dtype`` (``None``: its own) and
+    copied to the host piece by piece if it lives on a device, so no second copy of the
+    tensors is made. The hash is computed from the same pieces as they are written, and the
+    file is fsynced before returning. ``tensors`` must be contiguous (``bind`` views are).
+    """
+    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offset = 0
+    for name, t in tensors:
+        dt = dtype or t.dtype
+        if dt not in _ST_DTYPES:
+            raise CheckpointError(
+                f"cannot save {name} in {dt}; choose one of {', '.join(map(str, _ST_DTYPES))}"
+            )
+        size = t.numel() * torch.empty((), dtype=dt).element_size()
+        header[name] = {"dtype": _ST_DTYPES[dt], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for chunk in (struct.pack("<Q", len(blob)), blob):
+            f.write(chunk)
+            digest.update(chunk)
+        for _, t in tensors:
+            _write_tensor(f, t, dtype or t.dtype, digest)
+        f.flush()
+        os.fsync(f.fileno())
+    return 8 + len(blob) + offset, digest.hexdigest()
+
+
+def _write_tensor(f, t: Tensor, dtype: torch.dtype, digest) -> None:  # noqa: ANN001 (binary file)
     """Stream ``t``'s elements, as ``dtype`` and little-endian, to the open file ``f``."""
     flat = t.reshape(-1)  # a view: bind() entries are contiguous
     for start in range(0, flat.numel(), _WRITE_PIECE):
         piece = flat[start : start + _WRITE_PIECE]
         piece = piece.to(device="cpu", dtype=dtype).contiguous()
-        f.write(piece.view(torch.uint8).numpy().data)
+        data = piece.view(torch.uint8).numpy().data
+        f.write(data)
+        digest.update(data)
