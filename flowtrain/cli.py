@@ -1,18 +1,28 @@
 """The ``flowtrain`` command line: a thin dispatcher over the package.
 
 Subcommands: ``train`` (the product), ``graph`` (compile a step DAG to JSON), ``plan`` (memory
-plan), ``viz`` (HTML report of graphs and traces), ``bench`` (benchmarks). Any
-:class:`~flowtrain.errors.FlowtrainError` ends the command with one line on stderr and exit
-status 2: no traceback.
+plan), ``viz`` (HTML report of graphs and traces), ``bench`` (benchmarks).
+
+A failure ends the command with one line on stderr, never a traceback, and an exit status
+that says whose it is:
+
+- 2: the input. A :class:`~flowtrain.errors.FlowtrainError` (bad flag, model, data, plan) or a
+  ``ValueError`` (a bad value found deeper down); argparse's own errors exit 2 as well.
+- 1: the system. An ``OSError``: a file that cannot be read or written, a full disk.
+- 130 / 143: ended by SIGINT (Ctrl-C) / SIGTERM; the line says what was saved.
+
+Set ``FLOWTRAIN_DEBUG=1`` to let the exception through with its traceback instead. Any other
+exception is a bug in flowtrain and keeps its traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
-from .errors import FlowtrainError
+from .errors import FlowtrainError, Interrupted
 
 #: subcommand -> module with ``add_arguments(parser)`` and ``run(args) -> int``
 COMMANDS = {
@@ -52,12 +62,40 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args._run(args) or 0)
-    except FlowtrainError as exc:
-        print(f"flowtrain: error: {exc}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        print("flowtrain: interrupted", file=sys.stderr)
+    except Interrupted as exc:
+        print(f"flowtrain: {exc}", file=sys.stderr)
+        return exc.exit_status
+    except (FlowtrainError, ValueError, OSError, KeyboardInterrupt) as exc:
+        if os.environ.get("FLOWTRAIN_DEBUG") == "1":
+            raise
+        print(f"flowtrain: {_one_line(exc)}", file=sys.stderr)
+        return _exit_status(exc)
+
+
+def _exit_status(exc: BaseException) -> int:
+    if isinstance(exc, KeyboardInterrupt):
         return 130
+    if isinstance(exc, OSError):
+        return 1
+    return 2
+
+
+def _one_line(exc: BaseException) -> str:
+    """The message of ``exc`` as one line; errors from outside flowtrain name their type and
+    how to see where they came from."""
+    if isinstance(exc, KeyboardInterrupt):
+        return "interrupted"
+    if isinstance(exc, FlowtrainError):
+        text = str(exc)
+    elif isinstance(exc, OSError) and exc.strerror:
+        names = [str(f) for f in (exc.filename, exc.filename2) if f is not None]
+        text = exc.strerror + (f": {' -> '.join(names)}" if names else "")
+    else:
+        text = f"{type(exc).__name__}: {exc}"
+    text = " ".join(line.strip() for line in text.splitlines() if line.strip()) or type(exc).__name__
+    if not isinstance(exc, FlowtrainError):
+        text += " (set FLOWTRAIN_DEBUG=1 to see the traceback)"
+    return f"error: {text}"
 
 
 if __name__ == "__main__":

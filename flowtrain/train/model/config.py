@@ -17,6 +17,7 @@ than trained wrongly.
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import msgspec
@@ -127,11 +128,11 @@ class ModelConfig(msgspec.Struct, frozen=True):
                 f"model config: head_dim {self.head_dim} is odd; rotary embeddings rotate pairs, "
                 "so head_dim must be even"
             )
-        if not self.rms_norm_eps > 0:
+        if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
             raise ConfigError(f"model config: rms_norm_eps must be > 0, got {self.rms_norm_eps}")
-        if not self.rope_theta > 0:
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
             raise ConfigError(f"model config: rope_theta must be > 0, got {self.rope_theta}")
-        if self.initializer_range < 0:
+        if not (math.isfinite(self.initializer_range) and self.initializer_range >= 0):
             raise ConfigError(
                 f"model config: initializer_range must be >= 0, got {self.initializer_range}"
             )
@@ -144,7 +145,8 @@ class ModelConfig(msgspec.Struct, frozen=True):
                     f"model config: rope scaling type {rs.rope_type!r} is not supported; "
                     "flowtrain implements 'llama3' scaling (or none)"
                 )
-            if not (rs.factor > 0 and rs.high_freq_factor > rs.low_freq_factor > 0
+            finite = all(math.isfinite(x) for x in (rs.factor, rs.low_freq_factor, rs.high_freq_factor))
+            if not (finite and rs.factor > 0 and rs.high_freq_factor > rs.low_freq_factor > 0
                     and rs.original_max_position_embeddings > 0):
                 raise ConfigError(
                     f"model config: llama3 rope scaling needs factor > 0, high_freq_factor > "
@@ -194,7 +196,9 @@ class ModelConfig(msgspec.Struct, frozen=True):
 
     @classmethod
     def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
-        """Read a Hugging Face ``config.json`` dict; :class:`ConfigError` if unsupported."""
+        """Read a Hugging Face ``config.json`` dict; :class:`ConfigError` if unsupported or if
+        a value has the wrong type ("lots", 4.5, true where an integer belongs), is out of
+        range or not finite. An absent or null optional key takes transformers' default."""
         if not isinstance(d, dict):
             raise ConfigError(f"config.json must hold a JSON object, got {type(d).__name__}")
         arch = _architecture(d)
@@ -209,49 +213,49 @@ class ModelConfig(msgspec.Struct, frozen=True):
             raise ConfigError(
                 f"config.json has hidden_act {act!r}; flowtrain's SwiGLU MLP supports 'silu' only"
             )
-        if d.get("mlp_bias"):
+        if _hf_bool(d, "mlp_bias", False):
             raise ConfigError(
                 "config.json sets mlp_bias; flowtrain supports MLPs without biases only"
             )
         defaults = _HF_DEFAULTS[arch]
-        max_pos = int(d.get("max_position_embeddings") or defaults["max_position_embeddings"])
+        max_pos = _hf_int(d, "max_position_embeddings", defaults["max_position_embeddings"])
         if arch == "MistralForCausalLM":
-            window = d.get("sliding_window")
+            window = _hf_int(d, "sliding_window", None)
             if window is not None and window < max_pos:
                 raise ConfigError(
                     f"config.json: MistralForCausalLM with sliding_window {window} < "
                     f"max_position_embeddings {max_pos}; flowtrain implements full causal "
                     "attention only (set sliding_window to null)"
                 )
-        if arch == "Qwen2ForCausalLM" and d.get("use_sliding_window"):
+        if arch == "Qwen2ForCausalLM" and _hf_bool(d, "use_sliding_window", False):
             raise ConfigError(
                 "config.json: Qwen2ForCausalLM with use_sliding_window true; flowtrain implements "
                 "full causal attention only (set use_sliding_window to false)"
             )
         theta, scaling = _rope(d)
-        heads = int(d["num_attention_heads"])
+        heads = _hf_int(d, "num_attention_heads")
         eos = d.get("eos_token_id")
-        if isinstance(eos, list):
+        if isinstance(eos, list):  # several end tokens: the first is the one flowtrain appends
             eos = eos[0] if eos else None
         cfg = cls(
-            vocab_size=int(d["vocab_size"]),
-            hidden_size=int(d["hidden_size"]),
-            intermediate_size=int(d["intermediate_size"]),
-            num_layers=int(d["num_hidden_layers"]),
+            vocab_size=_hf_int(d, "vocab_size"),
+            hidden_size=_hf_int(d, "hidden_size"),
+            intermediate_size=_hf_int(d, "intermediate_size"),
+            num_layers=_hf_int(d, "num_hidden_layers"),
             num_heads=heads,
-            num_kv_heads=int(d.get("num_key_value_heads") or heads),
-            head_dim=None if d.get("head_dim") is None else int(d["head_dim"]),
-            rms_norm_eps=float(d.get("rms_norm_eps", defaults["rms_norm_eps"])),
+            num_kv_heads=_hf_int(d, "num_key_value_heads", heads),
+            head_dim=_hf_int(d, "head_dim", None),
+            rms_norm_eps=_hf_float(d, "rms_norm_eps", defaults["rms_norm_eps"]),
             rope_theta=theta,
             rope_scaling=scaling,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
-            attention_bias=arch == "LlamaForCausalLM" and bool(d.get("attention_bias", False)),
+            tie_word_embeddings=_hf_bool(d, "tie_word_embeddings", False),
+            attention_bias=arch == "LlamaForCausalLM" and _hf_bool(d, "attention_bias", False),
             qkv_bias=arch == "Qwen2ForCausalLM",
-            initializer_range=float(d.get("initializer_range", 0.02)),
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_id=eos,
-            pad_token_id=d.get("pad_token_id"),
+            initializer_range=_hf_float(d, "initializer_range", 0.02),
+            bos_token_id=_hf_int(d, "bos_token_id", None, minimum=None),
+            eos_token_id=_hf_int({"eos_token_id": eos}, "eos_token_id", None, minimum=None),
+            pad_token_id=_hf_int(d, "pad_token_id", None, minimum=None),
             architecture=arch,
         )
         return cfg.validate()
@@ -306,6 +310,49 @@ class ModelConfig(msgspec.Struct, frozen=True):
         return d
 
 
+_REQUIRED = object()
+
+
+def _hf_int(d: dict[str, Any], key: str, default: Any = _REQUIRED, *, minimum: int | None = 1,
+            where: str = "") -> Any:
+    """``d[key]`` as a JSON integer >= ``minimum`` (any integer if None); absent or null gives
+    ``default``. A float is refused, not truncated: 4096.5 layers is a typo, not a size."""
+    v = d.get(key)
+    if v is None:
+        if default is _REQUIRED:
+            raise ConfigError(f"config.json lacks required key {where}{key}")
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or (minimum is not None and v < minimum):
+        what = ("an integer" if minimum is None else "a positive integer" if minimum == 1
+                else f"an integer >= {minimum}")
+        raise ConfigError(f"config.json: {where}{key} must be {what} (got {v!r})")
+    return v
+
+
+def _hf_float(d: dict[str, Any], key: str, default: Any = _REQUIRED, *, where: str = "") -> float:
+    """``d[key]`` as a finite number (ranges are :meth:`ModelConfig.validate`'s); absent or null
+    gives ``default``."""
+    v = d.get(key)
+    if v is None:
+        if default is _REQUIRED:
+            raise ConfigError(f"config.json lacks required key {where}{key}")
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ConfigError(f"config.json: {where}{key} must be a finite number (got {v!r})")
+    return float(v)
+
+
+def _hf_bool(d: dict[str, Any], key: str, default: bool) -> bool:
+    """``d[key]`` as JSON true/false (the string "false" is not false); absent or null gives
+    ``default``."""
+    v = d.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ConfigError(f"config.json: {key} must be true or false (got {v!r})")
+    return v
+
+
 def _unsupported(arch: object) -> str:
     return (
         f"unsupported architecture {arch!r}: flowtrain trains Llama-family models "
@@ -320,7 +367,8 @@ def _architecture(d: dict[str, Any]) -> str:
     else:
         # Some configs only carry model_type; map it back when it is one we know.
         by_type = {v: k for k, v in _MODEL_TYPES.items()}
-        arch = by_type.get(d.get("model_type"), d.get("model_type"))
+        model_type = d.get("model_type")
+        arch = by_type.get(model_type, model_type) if isinstance(model_type, str) else model_type
         if arch is None:
             raise ConfigError(
                 "config.json names no architecture (no 'architectures' or 'model_type' key); "
@@ -334,10 +382,15 @@ def _architecture(d: dict[str, Any]) -> str:
 
 def _rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     """Rotary base and scaling from either the transformers 4 or 5 spelling."""
-    params = d.get("rope_parameters")
+    params, where = d.get("rope_parameters"), "rope_parameters."
     if not isinstance(params, dict):
-        params = dict(d.get("rope_scaling") or {})
-    theta = float(params.get("rope_theta", d.get("rope_theta", 10000.0)))
+        params, where = d.get("rope_scaling") or {}, "rope_scaling."
+        if not isinstance(params, dict):
+            raise ConfigError(f"config.json: rope_scaling must be an object or null (got {params!r})")
+    if params.get("rope_theta") is not None:
+        theta = _hf_float(params, "rope_theta", where=where)
+    else:
+        theta = _hf_float(d, "rope_theta", 10000.0)
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in (None, "default"):
         return theta, None
@@ -345,16 +398,16 @@ def _rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
         raise ConfigError(
             f"config.json uses rope scaling {kind!r}; flowtrain supports 'llama3' scaling or none"
         )
-    try:
-        scaling = RopeScaling(
-            rope_type="llama3",
-            factor=float(params["factor"]),
-            low_freq_factor=float(params["low_freq_factor"]),
-            high_freq_factor=float(params["high_freq_factor"]),
-            original_max_position_embeddings=int(params["original_max_position_embeddings"]),
-        )
-    except KeyError as e:
-        raise ConfigError(f"config.json: llama3 rope scaling lacks {e.args[0]!r}") from None
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        if params.get(key) is None:
+            raise ConfigError(f"config.json: llama3 rope scaling lacks {key!r}")
+    scaling = RopeScaling(
+        rope_type="llama3",
+        factor=_hf_float(params, "factor", where=where),
+        low_freq_factor=_hf_float(params, "low_freq_factor", where=where),
+        high_freq_factor=_hf_float(params, "high_freq_factor", where=where),
+        original_max_position_embeddings=_hf_int(params, "original_max_position_embeddings", where=where),
+    )
     return theta, scaling
 
 

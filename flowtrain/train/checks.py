@@ -1,0 +1,225 @@
+"""Checks on a training run that need nothing loaded: its numbers, its compile backend, the
+paths it will write.
+
+A run should not fail after an hour of training because ``--trace`` names a folder, nor end in
+a traceback because of ``--lr nan``. These checks run first, before a model is read or a byte
+is allocated, and refuse with one :class:`~flowtrain.errors.ConfigError` line that names the
+flag and says what it accepts::
+
+    validate_numbers(cfg)               # --lr must be a finite number >= 0 (got nan)
+    check_compile_backend(cfg.compile)  # --compile 'nosuch' is not a torch.compile backend; ...
+    check_output_paths(cfg.out, cfg.overwrite, cfg.trace, cfg.metrics)
+
+What the paths must allow, and why:
+
+- ``--out`` is a folder: the model is written into a temporary folder beside it and renamed into
+  place, and checkpoints go to ``OUT/checkpoint-STEP``. So it must not be a file; if it exists,
+  it and its parent must be writable, and it must be empty unless ``overwrite`` or the run
+  resumes from a checkpoint inside it; if it does not exist, its nearest existing ancestor
+  must be a writable folder (the folders are created when the model is saved, not here).
+- ``--trace`` and ``--metrics`` are files opened as they are: not folders, not the same file,
+  and their folder must already exist and be writable (nothing creates it).
+
+"Writable" is asked twice: ``os.access`` (which says yes to root for any folder), then by
+creating and removing a uniquely named probe file, which catches read-only file systems. The
+module imports torch only to list compile backends, and only for a non-trivial name.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..errors import ConfigError
+
+__all__ = ["check_compile_backend", "check_output_paths", "validate_numbers"]
+
+#: float fields: (name, lowest accepted value, whether that value itself is accepted)
+_FLOATS = (
+    ("lr", 0.0, True),
+    ("min_lr", 0.0, True),
+    ("weight_decay", 0.0, True),
+    ("eps", 0.0, True),  # torch.optim.AdamW accepts eps == 0
+    ("grad_clip", 0.0, False),
+    ("gpu_mem", 0.0, False),
+    ("host_mem", 0.0, False),
+    ("undo_mem", 0.0, True),
+    ("task_timeout", 0.0, False),
+)
+#: integer fields: (name, minimum)
+_INTS = (
+    ("steps", 1),
+    ("batch_size", 1),
+    ("micro_batch_size", 1),
+    ("seq_len", 2),
+    ("warmup_steps", 0),
+    ("checkpoint_every", 1),
+    ("adam_workers", 1),
+    ("chunk_tokens", 1),
+    ("save_every", 1),
+    ("save_total_limit", 1),
+    ("max_skipped", 0),
+)
+#: fields where None means "not set" (planned, unlimited, off)
+_OPTIONAL = {"grad_clip", "gpu_mem", "host_mem", "task_timeout", "chunk_tokens", "save_every",
+             "save_total_limit", "max_skipped"}
+_SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts
+_TRIVIAL_BACKENDS = ("auto", "none", "eager")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def validate_numbers(cfg: Any) -> None:
+    """Refuse any numeric field of a :class:`TrainConfig` that is NaN, infinite, of the wrong
+    type or out of range. Fields a config does not have are skipped, so this works for any
+    object with some of :class:`TrainConfig`'s fields."""
+    for name, low, inclusive in _FLOATS:
+        if not hasattr(cfg, name):
+            continue
+        v = getattr(cfg, name)
+        if v is None and name in _OPTIONAL:
+            continue
+        op = ">=" if inclusive else ">"
+        if not (_is_number(v) and math.isfinite(v) and (v >= low if inclusive else v > low)):
+            raise ConfigError(f"{_flag(name)} must be a finite number {op} {low:g} (got {v!r})")
+    for name, minimum in _INTS:
+        if not hasattr(cfg, name):
+            continue
+        v = getattr(cfg, name)
+        if v is None and name in _OPTIONAL:
+            continue
+        if not _is_int(v):
+            raise ConfigError(f"{_flag(name)} must be an integer >= {minimum} (got {v!r})")
+        if v < minimum:
+            raise ConfigError(f"{_flag(name)} must be at least {minimum} (got {v})")
+    _check_betas(getattr(cfg, "betas", (0.9, 0.999)))
+    seed = getattr(cfg, "seed", 0)
+    if not (_is_int(seed) and _SEED_RANGE[0] <= seed <= _SEED_RANGE[1]):
+        raise ConfigError(f"--seed must be an integer from -2**63 to 2**64-1 (got {seed!r})")
+    batch, micro = getattr(cfg, "batch_size", 1), getattr(cfg, "micro_batch_size", 1)
+    if batch % micro:
+        raise ConfigError(f"--micro-batch-size {micro} does not divide --batch-size {batch}")
+
+
+def _check_betas(betas: Any) -> None:
+    ok = (isinstance(betas, (tuple, list)) and len(betas) == 2
+          and all(_is_number(b) and math.isfinite(b) and 0.0 <= b < 1.0 for b in betas))
+    if not ok:
+        shown = ",".join(map(str, betas)) if isinstance(betas, (tuple, list)) else repr(betas)
+        raise ConfigError(f"--betas must be two numbers in [0, 1) like 0.9,0.999 (got {shown})")
+
+
+def check_compile_backend(name: str | None) -> None:
+    """Refuse a ``--compile`` name that torch.compile does not know, listing those it does.
+    ``auto``, ``none`` and ``eager`` (and None) pass without importing torch._dynamo."""
+    if name is None or name in _TRIVIAL_BACKENDS:
+        return
+    import torch._dynamo
+
+    if isinstance(name, str) and name in torch._dynamo.list_backends(exclude_tags=()):
+        return
+    # The default listing leaves out debug backends (aot_eager, ...), which are accepted too.
+    shown = ", ".join([*_TRIVIAL_BACKENDS, *torch._dynamo.list_backends()])
+    raise ConfigError(
+        f"--compile {name!r} is not a torch.compile backend; choose {shown} "
+        "(debug backends such as aot_eager work too)"
+    )
+
+
+def check_output_paths(out: str | os.PathLike[str] | None, overwrite: bool,
+                       trace: str | os.PathLike[str] | None, metrics: str | os.PathLike[str] | None,
+                       resume: str | os.PathLike[str] | None = None) -> None:
+    """Refuse, before anything is loaded, any path the run could not write at its end (see the
+    module docstring for the rules). Creates nothing but short-lived probe files."""
+    files = [(flag, Path(p)) for flag, p in (("--trace", trace), ("--metrics", metrics)) if p]
+    named = [*([("--out", Path(out))] if out else []), *files]
+    for i, (flag_a, a) in enumerate(named):
+        for flag_b, b in named[i + 1:]:
+            if _real(a) == _real(b):
+                raise ConfigError(f"{flag_a} and {flag_b} both name {a}; give each its own path")
+    if out:
+        _check_out(Path(out), overwrite, None if resume is None else Path(resume))
+    for flag, path in files:
+        _check_file(flag, path)
+
+
+def _real(p: Path) -> Path:
+    return Path(os.path.realpath(p))
+
+
+def _inside(p: Path, folder: Path) -> bool:
+    """Whether ``p`` is ``folder`` or below it, symlinks resolved."""
+    p, folder = _real(p), _real(folder)
+    return p == folder or folder in p.parents
+
+
+def _check_out(out: Path, overwrite: bool, resume: Path | None) -> None:
+    if out.exists() and not out.is_dir():
+        raise ConfigError(f"--out {out} is a file; give a folder to write the model into (created if missing)")
+    if not out.exists():
+        _check_creatable("--out", out)
+        return
+    try:
+        non_empty = any(out.iterdir())
+    except OSError as e:
+        raise ConfigError(f"--out {out} cannot be read ({e.strerror})") from None
+    if non_empty and not overwrite and not (resume is not None and _inside(resume, out)):
+        raise ConfigError(f"--out {out} exists and is not empty; choose another directory or add --overwrite")
+    _check_writable("--out", out, out)  # checkpoints are written inside it
+    _check_writable("--out", out, Path(os.path.abspath(out)).parent)  # the model is renamed in beside it
+
+
+def _check_file(flag: str, path: Path) -> None:
+    if path.is_dir():
+        example = path / ("trace.json" if flag == "--trace" else "metrics.jsonl")
+        raise ConfigError(f"{flag} {path} is a folder; give a file name, e.g. {example}")
+    parent = Path(os.path.abspath(path)).parent
+    if not parent.exists():
+        _check_creatable(flag, path)  # refuses a path under a file or in a read-only tree first
+        raise ConfigError(f"{flag} {path}: its folder {parent} does not exist; create it first")
+    if not parent.is_dir():
+        raise ConfigError(f"{flag} {path}: {parent} is a file, so nothing can be written under it")
+    _check_writable(flag, path, parent)
+    if path.exists() and not os.access(path, os.W_OK):
+        raise ConfigError(f"{flag} {path} exists and is read-only; choose another file or make it writable")
+
+
+def _check_creatable(flag: str, path: Path) -> None:
+    """``path`` does not exist: its nearest existing ancestor must be a folder we may write in."""
+    for ancestor in Path(os.path.abspath(path)).parents:
+        if ancestor.exists():
+            break
+    if not ancestor.is_dir():
+        raise ConfigError(f"{flag} {path}: {ancestor} is a file, so no folder can be made under it")
+    _check_writable(flag, path, ancestor)
+
+
+def _check_writable(flag: str, path: Path, folder: Path) -> None:
+    """A file can be created in ``folder``: ask os.access, then try it (root passes os.access
+    for read-only folders; a read-only file system still refuses the probe)."""
+    why = None
+    if not os.access(folder, os.W_OK | os.X_OK):
+        why = "permission denied"
+    else:
+        try:
+            fd, probe = tempfile.mkstemp(prefix=".flowtrain-probe-", dir=folder)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            why = e.strerror or str(e)
+    if why is not None:
+        where = "" if _real(folder) == _real(path) else f" (in {folder})"
+        raise ConfigError(f"{flag} {path} cannot be written{where}: {why}; choose a writable location")
