@@ -7,6 +7,7 @@ with the package, on the CPU, in well under two minutes, the loss falling clearl
 from __future__ import annotations
 
 import argparse
+import math
 
 from .trainer import TrainConfig, train
 
@@ -23,7 +24,8 @@ def _betas(text: str) -> tuple[float, float]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
-    a("--model", default=_D.model, help="Hugging Face model directory or preset (tiny, llama-1b, llama-3b, llama-8b, qwen-14b)")
+    a("--model", default=None, help="Hugging Face model directory or preset (tiny, llama-1b, llama-3b, llama-8b, "
+                                    "qwen-14b); default: tiny, or the resumed checkpoint's model")
     a("--data", default=None, help=".jsonl (input_ids or text), .txt or .npy; default: the bundled corpus")
     a("--steps", type=int, default=_D.steps, help="optimizer steps")
     a("--batch-size", type=int, default=_D.batch_size, help="sequences per optimizer step")
@@ -47,8 +49,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--adam-workers", type=int, default=1, help="CPU threads running AdamW tasks concurrently")
     add_memory_arguments(p)
     add_compile_argument(p)
-    a("--out", default=None, help="write the trained model here (Hugging Face format)")
-    a("--overwrite", action="store_true", help="replace a non-empty --out directory")
+    a("--out", default=None, help="write the trained model here (Hugging Face format), checkpoints in OUT/checkpoint-STEP")
+    a("--overwrite", action="store_true", help="replace the model in a non-empty --out (the old one stays until the new one is in place)")
+    g = p.add_argument_group("checkpoints and safety")
+    g.add_argument("--save-every", type=int, default=None, metavar="N",
+                   help="write OUT/checkpoint-STEP every N steps (weights, Adam state, data position, settings)")
+    g.add_argument("--save-total-limit", type=int, default=None, metavar="K", help="keep only the newest K checkpoints")
+    g.add_argument("--resume", default=None, metavar="PATH",
+                   help="continue from a checkpoint folder, or from an --out folder's newest checkpoint; "
+                        "--steps stays the total")
+    g.add_argument("--max-skipped", type=int, default=_D.max_skipped, metavar="N",
+                   help="stop once more than N steps in a row were skipped because loss or gradients were not finite "
+                        f"(default {_D.max_skipped})")
+    g.add_argument("--undo-mem", type=float, default=_D.undo_mem, metavar="GiB",
+                   help="host memory for undoing the updates of a step whose gradients turn non-finite late "
+                        f"(default {_D.undo_mem:g})")
+    g.add_argument("--task-timeout", type=float, default=None, metavar="S",
+                   help="fail the run if one task runs longer than S seconds (default: no limit)")
     a("--metrics", default=None, help="write one JSON line per step here")
     a("--trace", default=None, help="write the executed tasks as Chrome trace JSON here")
     a("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
@@ -84,6 +101,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         out=args.out, overwrite=args.overwrite, metrics=args.metrics, trace=args.trace,
         progress=False if args.no_progress else None, layout=args.layout, resident=args.resident,
         gpu_mem=args.gpu_mem, host_mem=args.host_mem, chunk_tokens=args.chunk_tokens, compile=args.compile,
+        save_every=args.save_every, save_total_limit=args.save_total_limit, resume=args.resume,
+        max_skipped=args.max_skipped, undo_mem=args.undo_mem, task_timeout=args.task_timeout,
     )
 
 
@@ -91,8 +110,10 @@ def run(args: argparse.Namespace) -> int:
     cfg = config_from_args(args)
     metrics = train(cfg)
     first, last = metrics[0], metrics[-1]
-    tail = metrics[-max(1, len(metrics) // 10):]
-    mean_tail = sum(m.loss for m in tail) / len(tail)
+    tail = [m.loss for m in metrics[-max(1, len(metrics) // 10):] if math.isfinite(m.loss)]
+    mean_tail = sum(tail) / len(tail) if tail else math.nan
+    skipped = sum(m.skipped for m in metrics)
     print(f"done: {len(metrics)} steps, loss {first.loss:.4f} -> {last.loss:.4f} (last-10% mean {mean_tail:.4f})"
+          + (f", {skipped} skipped as not finite" if skipped else "")
           + (f", model saved to {cfg.out}" if cfg.out else ""))
     return 0

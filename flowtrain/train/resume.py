@@ -1,0 +1,100 @@
+"""What a checkpoint remembers of the run, and when a resume may continue it.
+
+A checkpoint's ``trainer_state.json`` (built by :func:`trainer_state`) holds the steps done,
+the skipped-step counters, the run's settings, a fingerprint of the data and the random state.
+A resume continues only where the remaining steps would compute what the original run would
+have: :func:`check_compatible` refuses, in one line naming the setting, a checkpoint from a
+different model, different data, or different optimizer, schedule or batching settings.
+Settings that change *how* the run executes but not *what* it computes (policy, layout,
+resident units, device, micro-batch size, compile, memory caps, where outputs go, ``--steps``)
+may change on a resume::
+
+    state = trainer_state(cfg, steps_done=4, skipped=0, consecutive=0, data=fp, last_loss=2.3)
+    check_compatible(state, cfg, data=fp)       # raises ConfigError naming what differs
+"""
+
+from __future__ import annotations
+
+import base64
+import hashlib
+import math
+
+import msgspec
+import torch
+
+from ..errors import CheckpointError, ConfigError
+
+FORMAT = 1
+
+#: TrainConfig fields that decide what the remaining steps compute, with their flags.
+MUST_MATCH = {
+    "batch_size": "--batch-size", "seq_len": "--seq-len", "lr": "--lr", "weight_decay": "--weight-decay",
+    "betas": "--betas", "eps": "--eps", "grad_clip": "--grad-clip", "warmup_steps": "--warmup-steps",
+    "lr_schedule": "--lr-schedule", "min_lr": "--min-lr", "seed": "--seed", "shuffle": "--no-shuffle",
+}
+
+
+def data_fingerprint(input_ids: torch.Tensor, targets: torch.Tensor) -> str:
+    """A short hash of the training sequences as the run sees them (after tokenising)."""
+    h = hashlib.sha256()
+    for t in (input_ids, targets):
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
+def trainer_state(cfg, *, steps_done: int, skipped: int, consecutive: int, data: str,
+                  last_loss: float | None) -> dict:
+    """The JSON-able run state stored in a checkpoint after ``steps_done`` steps."""
+    settings = msgspec.to_builtins(cfg)
+    return {
+        "format": FORMAT,
+        "step": steps_done,
+        "skipped_steps": skipped,
+        "consecutive_skipped": consecutive,
+        "last_loss": last_loss if last_loss is not None and math.isfinite(last_loss) else None,
+        "data": {"fingerprint": data, "position": steps_done},
+        "settings": settings,
+        "rng": {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()},
+    }
+
+
+def restore_rng(state: dict) -> None:
+    raw = base64.b64decode(state["rng"]["torch"])
+    torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+
+
+def steps_done(state: dict, where: str) -> int:
+    """The checkpoint's step count, checked."""
+    if state.get("format") != FORMAT:
+        raise CheckpointError(f"{where}: trainer_state.json has format {state.get('format')!r}; "
+                              f"this flowtrain reads format {FORMAT}")
+    step = state.get("step")
+    if not isinstance(step, int) or step < 1:
+        raise CheckpointError(f"{where}: trainer_state.json has no valid step count (got {step!r})")
+    return step
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+def check_compatible(state: dict, cfg, *, data: str, where: str, total_steps: int) -> None:
+    """Refuse to resume from ``state`` when the remaining steps would compute something else."""
+    saved = state.get("settings", {})
+    now = msgspec.to_builtins(cfg)
+    for field, flag in MUST_MATCH.items():
+        if field in saved and not _same(saved[field], now[field]):
+            raise ConfigError(
+                f"--resume {where}: it was trained with {field}={saved[field]!r}, this run has {flag} giving "
+                f"{now[field]!r}; use the same setting to continue it, or start a new run"
+            )
+    if state.get("data", {}).get("fingerprint") != data:
+        raise ConfigError(f"--resume {where}: the training data differs from the data this checkpoint was "
+                          f"trained on (pass the same --data, tokenised the same way)")
+    done = steps_done(state, where)
+    if total_steps <= done:
+        raise ConfigError(f"--resume {where}: it has done {done} steps already and --steps is {total_steps}; "
+                          f"--steps counts the whole run: raise it above {done}")

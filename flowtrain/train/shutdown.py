@@ -1,0 +1,103 @@
+"""Ending a run on SIGINT (Ctrl-C) or SIGTERM, within seconds, with nothing half-written.
+
+While the training loop runs, :class:`Shutdown` turns the first signal into a *request*:
+
+- with ``--save-every``, the loop adds no new step, lets the steps in flight finish, writes a
+  checkpoint of the last finished step and ends;
+- without it (nothing to save), or on a second signal, the engine is cancelled at once: no task
+  starts after the cancel, the lanes drain, temporary folders are removed.
+
+Either way the run ends with :class:`Interrupted`, which the command line prints as one line
+(what was saved, where to resume from) and turns into exit status 128 + the signal number
+(130 for SIGINT, 143 for SIGTERM). Outside the loop (loading, the final save) a signal raises
+:class:`Interrupted` straight away in the main thread, so ``finally`` blocks clean up::
+
+    with Shutdown(graceful=cfg.save_every is not None) as shutdown:
+        ...                                  # load: a signal raises Interrupted here
+        shutdown.attach(loop, main_task)     # inside the loop: request, then cancel
+        ...
+        if shutdown.requested: ...           # stop adding steps
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import threading
+
+from ..errors import Interrupted
+
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+class Shutdown:
+    """Signal handling for one run; see the module docstring."""
+
+    def __init__(self, graceful: bool, say=print) -> None:
+        self.graceful = graceful
+        self.say = say
+        self.signum: int | None = None
+        self.count = 0
+        self._task: asyncio.Task | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._old: dict[int, object] = {}
+        self._active = threading.current_thread() is threading.main_thread()
+
+    # ---- outside the loop: raise at once --------------------------------------------------
+    def __enter__(self) -> "Shutdown":
+        if self._active:
+            for s in SIGNALS:
+                self._old[s] = signal.signal(s, self._raise)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for s, old in self._old.items():
+            signal.signal(s, old)  # type: ignore[arg-type]
+
+    def _raise(self, signum: int, frame: object) -> None:
+        self.signum = self.signum or signum
+        self.count += 1
+        raise Interrupted(signum, f"stopped by {signal_name(signum)} before training started or while "
+                                  f"saving; nothing was written")
+
+    def restore_sync_handlers(self) -> None:
+        """After the event loop closed (asyncio resets the handlers it owned)."""
+        if self._active:
+            for s in SIGNALS:
+                signal.signal(s, self._raise)
+
+    # ---- inside the loop: request, then cancel -------------------------------------------
+    def attach(self, loop: asyncio.AbstractEventLoop, task: asyncio.Task) -> None:
+        self._loop, self._task = loop, task
+        if self._active:
+            for s in SIGNALS:
+                loop.add_signal_handler(s, self._on_signal, s)
+
+    def detach(self) -> None:
+        if self._active and self._loop is not None:
+            for s in SIGNALS:
+                self._loop.remove_signal_handler(s)
+        self._loop = self._task = None
+
+    @property
+    def requested(self) -> bool:
+        return self.count > 0
+
+    @property
+    def cancelled(self) -> bool:
+        """The loop was (or will be) cancelled by a signal rather than allowed to finish."""
+        return self.count > 1 or (self.count == 1 and not self.graceful)
+
+    def _on_signal(self, signum: int) -> None:
+        self.signum = self.signum or signum
+        self.count += 1
+        if self.count == 1 and self.graceful:
+            self.say(f"{signal_name(signum)}: finishing the steps in flight and saving a checkpoint "
+                     f"(send it again to stop at once, without saving)")
+            return
+        if self._task is not None:
+            self._task.cancel()
