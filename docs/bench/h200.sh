@@ -45,6 +45,15 @@ for job in "$@"; do
     8bauto) bench 8bauto --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 ${EXTRA8:-} ;;
     8b10) bench 8b10 --model llama-8b --seq-len 4096 --batch-size 2 --micro-batch-size 1 --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 ;;
     14b) bench 14b --model qwen-14b --seq-len 4096 --batch-size 8 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 ${EXTRA8:-} ;;
+    ckpt)  # checkpoint cost and exact resume: llama-1b (a 3b/8b checkpoint outgrows the 64 GiB disk)
+      C="--model llama-1b --seq-len 4096 --batch-size 4 --micro-batch-size 4 --steps 10 --compile none --no-progress"
+      log "ckpt: no saves"; $FT train $C --metrics "$OUT/ckpt-plain.jsonl" 2>&1 | tail -2 | tee -a "$OUT/log.txt"
+      log "ckpt: --save-every 5"; $FT train $C --out /tmp/ck --save-every 5 --save-total-limit 2 \
+        --metrics "$OUT/ckpt-saved.jsonl" 2>&1 | tail -2 | tee -a "$OUT/log.txt"
+      du -sh /tmp/ck/checkpoint-* | tee -a "$OUT/log.txt"
+      log "ckpt: resume from checkpoint-5"
+      $FT train $C --resume /tmp/ck/checkpoint-5 --out /tmp/ck2 --metrics "$OUT/ckpt-resumed.jsonl" 2>&1 | tail -2 | tee -a "$OUT/log.txt"
+      log "ckpt: done" ;;
     *) echo "unknown job $job" ;;
   esac
 done

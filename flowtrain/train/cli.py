@@ -24,7 +24,7 @@ def _betas(text: str) -> tuple[float, float]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
-    a("--model", default=None, help="Hugging Face model directory or preset (tiny, llama-1b, llama-3b, llama-8b, "
+    a("--model", default=None, help="Hugging Face model directory or preset (tiny, qwen-0.5b, llama-1b, llama-3b, llama-8b, "
                                     "qwen-14b); default: tiny, or the resumed checkpoint's model")
     a("--data", default=None, help=".jsonl (input_ids or text), .txt or .npy; default: the bundled corpus")
     a("--steps", type=int, default=_D.steps, help="optimizer steps")

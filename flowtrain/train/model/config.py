@@ -425,6 +425,13 @@ PRESETS: dict[str, ModelConfig] = {
         vocab_size=256, hidden_size=64, intermediate_size=172, num_layers=2,
         num_heads=4, num_kv_heads=2, max_position_embeddings=1024,
     ),
+    # Qwen2.5-0.5B's shape (tied): the smallest real-size model, for CPU runs of a real shape.
+    "qwen-0.5b": ModelConfig(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+        num_heads=14, num_kv_heads=2, qkv_bias=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=32768, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151643,
+        architecture="Qwen2ForCausalLM",
+    ),
     # Llama-3.2-1B's shape.
     "llama-1b": ModelConfig(
         vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
