@@ -115,11 +115,13 @@ def undo_arena_bytes(units: list[tuple[int, int]], stage_n: int, limit: int, *, 
     streamed unit's elements and staging chunks, bottom unit first). The program sizes the arena
     with it (pages are touched only when written). ``touched``: what the planner counts, with
     nothing resident: the bottom unit's last chunk is offloaded last, so its ``cpu_adam`` finds
-    the step verified and records nothing."""
+    the step verified and records nothing. A range whose record alone exceeds ``limit`` is never
+    recorded, so it takes no room (a model whose every layer does gets no arena at all)."""
     ranges = [hi - lo for n, k in units for c in range(k) for lo, hi in [chunk_range(n, stage_n, c if k > 1 else None)]]
     if touched and ranges:
         ranges.pop(units[0][1] - 1)
-    return 4 * (min(limit, 4 * sum(Saved.numel(r) for r in ranges)) // 4)
+    fitting = [r for r in ranges if 4 * Saved.numel(r) <= limit]  # a larger range is never recorded
+    return 4 * (min(limit, 4 * sum(Saved.numel(r) for r in fitting)) // 4)
 
 
 class UndoBudget:

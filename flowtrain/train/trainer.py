@@ -171,6 +171,13 @@ def validate(cfg: TrainConfig, mcfg: ModelConfig) -> None:
         raise ConfigError("--adam-workers must be at least 1")
     if cfg.save_every is not None and not cfg.out:
         raise ConfigError("--save-every writes OUT/checkpoint-STEP folders: give --out OUT")
+    if cfg.save_every is not None and cfg.resume is None and cfg.out and Path(cfg.out).is_dir():
+        old = sorted(p.name for p in Path(cfg.out).glob("checkpoint-*"))
+        if old:
+            raise ConfigError(
+                f"--out {cfg.out} holds checkpoints of an earlier run ({', '.join(old[-3:])}); continue it with "
+                f"--resume {cfg.out}, or write this run's checkpoints to another --out"
+            )
 
 
 @dataclass

@@ -121,3 +121,14 @@ def test_a_corrupt_checkpoint_is_refused(tmp_path):
     shard.write_bytes(bytes(data))
     with pytest.raises(CheckpointError, match=shard.name):
         train(TrainConfig(**BASE, steps=4, out=str(out), resume=str(out)))
+
+
+def test_new_checkpoints_never_mix_with_an_earlier_runs(tmp_path):
+    out = tmp_path / "run"
+    train(TrainConfig(**BASE, steps=2, out=str(out), save_every=1))
+    with pytest.raises(ConfigError, match="--resume"):
+        train(TrainConfig(**BASE, steps=2, out=str(out), overwrite=True, save_every=1))
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    # a checkpoint is a model: training can start from it like from any Hugging Face folder
+    train(TrainConfig(**dict(BASE, model=str(out / "checkpoint-2")), steps=1, out=str(tmp_path / "fresh")))
+    assert (tmp_path / "fresh" / "model.safetensors").exists()
