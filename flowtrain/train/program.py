@@ -76,7 +76,7 @@ from ..runtime.executor import TaskContext
 from .checkpoints import CheckpointWriter
 from .host_state import HostState, UnitState, chunk_range, pinned_zeros, slot_numel, staging_numel
 from .model import bind, decoder_layer, embed, head_loss_and_grads, rope_tables
-from .nonfinite import (SKIP, UPDATE, Injection, Saved, StepCheck, UndoBudget, injection_from_env, nonfinite,
+from .nonfinite import (UPDATE, Injection, Saved, StepCheck, UndoBudget, injection_from_env, nonfinite,
                         undo_arena_bytes)
 from .optimizer import AdamWConfig, adamw_step, clip_coefficient
 
@@ -390,7 +390,6 @@ class StepProgram:
         device on the way (for a tied embedding, on the host once the head's part is added)."""
         unit = self._unit(task)
         src = self.grad_slots[ctx.read(GRADS)]
-        data = self.steps[task.step]
         nb = self._non_blocking
         moved = 0
         if self.tied and task.unit == "head" and task.chunk in (None, 0):

@@ -442,3 +442,20 @@ class Hold:
 
     def release(self) -> None:
         self._go.set()
+
+
+async def guarded(coro):
+    """Await ``coro``, failing the test instead of hanging it."""
+    return await asyncio.wait_for(coro, HANG_GUARD_S)
+
+
+class Budget:
+    """A user policy: the natural order with fixed budgets."""
+
+    def __init__(self, **budgets: int) -> None:
+        self.budgets = budgets
+
+    def propose(self, graph):
+        from flowtrain.policy import Proposal, natural_order
+
+        return Proposal(natural_order(graph), dict(self.budgets))

@@ -28,30 +28,17 @@ import time
 import networkx as nx
 import pytest
 import torch
-from runtime_helpers import HANG_GUARD_S, FenceLog, Hold, Recorder, join_lane_threads, lane_threads
+from runtime_helpers import HANG_GUARD_S, Budget, FenceLog, Hold, Recorder, guarded, join_lane_threads, lane_threads
 
 from flowtrain.errors import ConfigError, ScheduleError, StepFailed
 from flowtrain.graph import (
     WEIGHTS, Backward, CpuAdam, Fetch, Forward, OffloadGrad, StepSpec, compile_step, compile_steps,
 )
-from flowtrain.policy import Proposal, natural_order
 from flowtrain.runtime import Engine, FaultInjector, Instrument
 from flowtrain.runtime.lanes import Fence, ThreadLane, _Clock
 
 GRACE = 0.3  # for tests where a job hangs: the exit must wait this long, and not much longer
 SLACK = 3.0  # what a loaded machine may add to a bound; a hang takes HANG_GUARD_S
-
-
-async def guarded(coro):
-    return await asyncio.wait_for(coro, HANG_GUARD_S)
-
-
-class Budget:
-    def __init__(self, **budgets: int) -> None:
-        self.budgets = budgets
-
-    def propose(self, graph):
-        return Proposal(natural_order(graph), dict(self.budgets))
 
 
 class Launches(Instrument):

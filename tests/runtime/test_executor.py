@@ -12,7 +12,7 @@ import threading
 import networkx as nx
 import pytest
 import uvloop
-from runtime_helpers import HANG_GUARD_S, Recorder, check_slots, check_topological, lane_order_ok
+from runtime_helpers import HANG_GUARD_S, Budget, Recorder, check_slots, check_topological, guarded, lane_order_ok
 
 from flowtrain.errors import DeadlockError, ScheduleError, SlotError, StepFailed
 from flowtrain.graph import (
@@ -27,20 +27,6 @@ POLICIES = ["sequential", "double_buffer", "lookahead"]
 
 def lane_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name.startswith("flowtrain-")]
-
-
-async def guarded(coro):
-    return await asyncio.wait_for(coro, HANG_GUARD_S)
-
-
-class Budget:
-    """A user policy: the natural order with fixed budgets."""
-
-    def __init__(self, **budgets: int) -> None:
-        self.budgets = budgets
-
-    def propose(self, graph):
-        return Proposal(natural_order(graph), dict(self.budgets))
 
 
 class Events(Instrument):
