@@ -42,6 +42,8 @@ class Shutdown:
         self.say = say
         self.signum: int | None = None
         self.count = 0
+        #: what a signal outside the loop interrupts, for its one line
+        self.phase = "before training started; nothing was written"
         self._task: asyncio.Task | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
         self._old: dict[int, object] = {}
@@ -61,8 +63,7 @@ class Shutdown:
     def _raise(self, signum: int, frame: object) -> None:
         self.signum = self.signum or signum
         self.count += 1
-        raise Interrupted(signum, f"stopped by {signal_name(signum)} before training started or while "
-                                  f"saving; nothing was written")
+        raise Interrupted(signum, f"stopped by {signal_name(signum)} {self.phase}")
 
     def restore_sync_handlers(self) -> None:
         """After the event loop closed (asyncio resets the handlers it owned)."""

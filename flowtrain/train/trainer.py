@@ -308,6 +308,8 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
             if recorder is not None:
                 _write_trace(run, recorder)
         if cfg.out:
+            shutdown.phase = (f"while writing the final model; --out {cfg.out} holds what it held before"
+                              + (f" and {loop.last_saved.name}" if loop.last_saved is not None else ""))
             save_final_model(state, cfg.out, run.model_dir)
         return metrics
 
