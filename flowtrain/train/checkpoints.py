@@ -62,8 +62,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import CheckpointError
-from .host_state import HostState, UnitState
-from .model import ModelConfig, UnitLayout, load_into
+from .host_state import HostState, UnitState, all_finite
+from .model import ModelConfig, UnitLayout
 from .model.checkpoint import CONFIG_NAME, INDEX_NAME, hf_config_text, unit_tensors, write_safetensors
 
 __all__ = [
@@ -448,13 +448,8 @@ def load_training_state(path: str | os.PathLike[str], state: HostState) -> Path:
         )
     for i, unit in enumerate(state.units):  # check every header before touching the state
         _check_header(ckpt / expected[i], unit.layout)
-    load_into(ckpt, state.cfg, state.layouts, [u.master for u in state.units])
+    state.load_checkpoint(ckpt)  # masters, refused if not finite
     for i, unit in enumerate(state.units):
-        for entry_name, view in unit_tensors(unit.master, unit.layout):
-            if not _finite(view):
-                raise CheckpointError(
-                    f"{ckpt.name}/{model_file(i, n)}: {entry_name} of {unit.layout.key} holds NaN or inf"
-                )
         _load_moments(ckpt / expected[i], unit)
     state.refresh_copies()
     return ckpt
@@ -491,7 +486,7 @@ def _load_moments(file: Path, unit: UnitState) -> None:
                 for lo in range(0, numel, _READ_PIECE):
                     hi = min(numel, lo + _READ_PIECE)
                     piece = src[lo:hi]
-                    if not _finite(piece):
+                    if not all_finite(piece):
                         raise CheckpointError(f"{where}: {name} of {key} holds NaN or inf")
                     dst[lo:hi].copy_(piece)
             step = float(f.get_tensor("step").reshape(-1)[0])
@@ -501,10 +496,3 @@ def _load_moments(file: Path, unit: UnitState) -> None:
         raise CheckpointError(f"{where}: step of {key} is {step}, not a step count")
     for s in unit.steps:
         s.fill_(step)
-
-
-def _finite(t: torch.Tensor) -> bool:
-    """Whether every element is finite, in pieces (the bool temporary stays small)."""
-    flat = t.reshape(-1)
-    return all(bool(torch.isfinite(flat[lo : lo + _READ_PIECE]).all())
-               for lo in range(0, flat.numel(), _READ_PIECE))

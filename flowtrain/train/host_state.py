@@ -43,8 +43,9 @@ from typing import Iterable
 
 import torch
 
-from ..errors import ConfigError
+from ..errors import CheckpointError, ConfigError
 from .model import ModelConfig, UnitLayout, init_unit, load_into, model_layouts, save_hf
+from .model.checkpoint import unit_tensors
 
 LAYOUTS = ("staged", "full", "stream-bf16")
 
@@ -68,6 +69,13 @@ def pinned_zeros(n: int, pin: bool, dtype: torch.dtype = torch.float32) -> torch
                 pass
             t = torch.zeros(n, dtype=dtype, pin_memory=True)
     return t
+
+
+def all_finite(t: torch.Tensor, piece: int = 1 << 24) -> bool:
+    """Whether every element of ``t`` is finite, checked in pieces (the bool temporary stays
+    small)."""
+    flat = t.reshape(-1)
+    return all(bool(torch.isfinite(flat[lo : lo + piece]).all()) for lo in range(0, flat.numel(), piece))
 
 
 def return_freed_memory() -> None:
@@ -213,7 +221,13 @@ class HostState:
         self.refresh_copies()
 
     def load_checkpoint(self, model_dir: str | Path) -> None:
+        """Fill the masters from a Hugging Face model directory; weights that hold NaN or inf are
+        refused (training from them would only spread it)."""
         load_into(model_dir, self.cfg, self.layouts, [u.master for u in self.units])
+        for u in self.units:
+            for name, view in unit_tensors(u.master, u.layout):
+                if not all_finite(view):
+                    raise CheckpointError(f"{model_dir}: the weight {name} ({u.layout.key}) holds NaN or inf")
         self.refresh_copies()
 
     def refresh_copies(self) -> None:

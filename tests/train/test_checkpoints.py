@@ -196,8 +196,17 @@ def test_inf_in_master_is_refused(tmp_path):
     state = make_state()
     state.units[-1].master[0] = float("inf")
     path = save(state, tmp_path, 4)
-    with pytest.raises(CheckpointError, match="model-00004-of-00004.safetensors: model.norm.weight of head holds"):
+    with pytest.raises(CheckpointError, match=r"checkpoint-4: the weight model.norm.weight \(head\) holds NaN or inf"):
         load_training_state(path, make_state(filled=False))
+
+
+def test_a_hugging_face_model_with_nan_weights_is_refused(tmp_path):
+    """Not only checkpoints: any --model folder whose weights hold NaN would only spread it."""
+    state = make_state()
+    state.units[1].master[3] = float("nan")
+    state.save(tmp_path / "model")
+    with pytest.raises(CheckpointError, match=r"model: the weight model.layers.0.\S+ \(layer.0\) holds NaN or inf"):
+        make_state(filled=False).load_checkpoint(tmp_path / "model")
 
 
 def test_other_model_is_refused(saved):
