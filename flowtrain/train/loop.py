@@ -1,0 +1,216 @@
+"""The asynchronous part of a run: steps through the engine, checkpoints, skipped steps, signals.
+
+Two steps are in flight at a time: step ``s + 1`` is added to the engine (with the edges that
+let it overlap step ``s``) before step ``s`` is waited for and reported. Around that:
+
+- a step that ends a checkpoint interval gets a ``save`` task per unit; once the step is done
+  its checkpoint is completed and renamed into place (or, if the step was skipped, written at
+  the next step instead: its saves may hold updates that were then undone);
+- skipped steps are counted, and more than ``max_skipped`` in a row end the run with
+  :class:`~flowtrain.errors.NonFiniteError`;
+- a signal (:mod:`flowtrain.train.shutdown`) stops adding steps, or cancels the engine, and the
+  run ends with :class:`~flowtrain.errors.Interrupted` saying what was saved::
+
+    loop = TrainingLoop(run, state, program, reporter, shutdown, on_step=None, hooks=[])
+    metrics = asyncio.run(loop.main())
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections import deque
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import networkx as nx
+
+from ..errors import Interrupted, NonFiniteError
+from ..graph.compiler import StepSpec, compile_step, cross_step_edges, units
+from ..graph.saving import add_saves, save_edges
+from ..graph.tasks import SaveUnit
+from ..policy import WithBudgets, resolve_policy
+from ..runtime.executor import Engine
+from ..runtime.faults import from_env as faults_from_env
+from ..runtime.trace import Instrument
+from . import checkpoints
+from .data import step_batches, tokenizer_files
+from .host_state import HostState
+from .program import StepProgram
+from .reporting import Reporter, StepMetrics
+from .resume import trainer_state
+from .shutdown import Shutdown, signal_name
+
+if TYPE_CHECKING:
+    from .trainer import Run
+
+
+class TrainingLoop:
+    """The asynchronous part of a run: steps through the engine, checkpoints, skipped steps,
+    signals. One instance per run."""
+
+    def __init__(self, run: "Run", state: HostState, program: StepProgram, reporter: Reporter,
+                 shutdown: Shutdown, on_step, hooks: list[Instrument]) -> None:
+        self.run, self.cfg, self.state, self.program = run, run.cfg, state, program
+        self.spec: StepSpec = run.plan.spec
+        self.reporter, self.shutdown, self.on_step, self.hooks = reporter, shutdown, on_step, hooks
+        self.metrics: list[StepMetrics] = []
+        self.writers: dict[int, checkpoints.CheckpointWriter] = {}
+        rs = run.resume_state
+        self.skipped = rs.get("skipped_steps", 0)
+        self.consecutive = rs.get("consecutive_skipped", 0)
+        self.last_saved: Path | None = run.resume_from
+        self.last_saved_step = run.first_step if run.resume_from is not None else None
+        self.save_pending = False  # a checkpoint step was skipped: save at the next step
+        self.t_last = 0.0
+
+    # ---- the loop -------------------------------------------------------------------------
+    async def main(self) -> list[StepMetrics]:
+        cfg, run = self.cfg, self.run
+        policy = WithBudgets(resolve_policy(cfg.policy), run.plan.budgets)
+        program = faults_from_env(self.program)
+        engine = Engine(program, policy, device=str(run.device), cpu_workers=cfg.adam_workers,
+                        instruments=self.hooks, task_timeout=cfg.task_timeout)
+        self.shutdown.attach(asyncio.get_running_loop(), asyncio.current_task())  # type: ignore[arg-type]
+        batches = step_batches(run.seqs, cfg.batch_size, shuffle=cfg.shuffle, seed=cfg.seed, start_step=run.first_step)
+        in_flight: deque = deque()
+        try:
+            async with engine:
+                self.t_last = time.perf_counter()
+                prev, prev_saves = None, []
+                for s in range(run.first_step, cfg.steps):
+                    if self.shutdown.requested:
+                        break
+                    batch = next(batches)
+                    graph, saves = self._add_step(engine, s, batch, prev, prev_saves)
+                    prev, prev_saves = list(graph), saves
+                    in_flight.append((s, graph, int(batch.input_ids.numel())))
+                    if len(in_flight) == 2:
+                        await self._finish(engine, *in_flight.popleft())
+                while in_flight:
+                    await self._finish(engine, *in_flight.popleft())
+                if self.shutdown.requested:
+                    await self._save_on_signal(engine)
+        except asyncio.CancelledError:
+            if not self.shutdown.cancelled:
+                raise
+            raise self._interrupted(saved=False, stuck=engine.stuck) from None
+        finally:
+            self.shutdown.detach()
+        if self.shutdown.requested:
+            raise self._interrupted(saved=True, stuck=[])
+        return self.metrics
+
+    def _add_step(self, engine: Engine, s: int, batch, prev, prev_saves):
+        cfg = self.cfg
+        mbs = batch.micro_batches(cfg.micro_batch_size)
+        self.program.begin_step(s, [mb.input_ids for mb in mbs], [mb.targets for mb in mbs], self.run.schedule(s))
+        graph = compile_step(self.spec, step=s)
+        saves = []
+        if self._saves_after(s):
+            saves = add_saves(graph, self.spec)
+            self._open_checkpoint(s)
+        edges = []
+        if prev is not None:
+            edges = cross_step_edges(prev, graph, self.spec) + save_edges(prev_saves, graph)
+        engine.add(graph, edges)
+        return graph, saves
+
+    def _saves_after(self, s: int) -> bool:
+        every = self.cfg.save_every
+        if every is None:
+            return False
+        due = (s + 1) % every == 0 or self.save_pending
+        self.save_pending = False
+        return due
+
+    async def _finish(self, engine: Engine, s: int, graph, tokens: int) -> None:
+        await engine.wait(graph)
+        loss, grad_norm, skipped = self.program.end_step(s)
+        now = time.perf_counter()
+        seconds, self.t_last = now - self.t_last, now
+        m = StepMetrics(step=s, loss=loss, tokens=tokens, seconds=seconds,
+                        tokens_per_s=tokens / seconds if seconds > 0 else 0.0, lr=self.run.schedule(s),
+                        grad_norm=grad_norm, skipped=skipped)
+        self.metrics.append(m)
+        self._count_skipped(m)
+        if s in self.writers:
+            if skipped:  # its saves may hold updates that were then undone: write it again
+                self.writers.pop(s).abort()
+                self.program.checkpoints.pop(s, None)
+                self.save_pending = True
+            else:
+                self._complete_checkpoint(s, m)
+        self.reporter.step(m)
+        if self.on_step:
+            self.on_step(m)
+        self._check_skipped(s)
+
+    # ---- skipped steps ----------------------------------------------------------------------
+    def _count_skipped(self, m: StepMetrics) -> None:
+        if m.skipped:
+            self.skipped += 1
+            self.consecutive += 1
+        else:
+            self.consecutive = 0
+
+    def _check_skipped(self, s: int) -> None:
+        if self.consecutive <= self.cfg.max_skipped:
+            return
+        first = s - self.consecutive + 1
+        where = (f"resume from {self.last_saved}" if self.last_saved is not None
+                 else "no checkpoint was written (use --save-every)")
+        raise NonFiniteError(
+            f"steps {first + 1}-{s + 1}: {self.consecutive} steps in a row had a loss or gradients that were not "
+            f"finite and were skipped (more than --max-skipped {self.cfg.max_skipped}); the weights are those after "
+            f"step {first}, nothing more was saved; {where}, with a lower --lr or --grad-clip"
+        )
+
+    # ---- checkpoints -----------------------------------------------------------------------
+    def _open_checkpoint(self, s: int) -> None:
+        writer = checkpoints.CheckpointWriter(self.cfg.out, s + 1, self.state.cfg, self.state.layouts)  # type: ignore[arg-type]
+        self.writers[s] = writer
+        self.program.checkpoints[s] = writer
+
+    def _complete_checkpoint(self, s: int, m: StepMetrics) -> None:
+        writer = self.writers.pop(s)
+        self.program.checkpoints.pop(s, None)
+        ts = trainer_state(self.cfg, steps_done=s + 1, skipped=self.skipped, consecutive=self.consecutive,
+                           data=self.run.data_fp, last_loss=m.loss)
+        self.last_saved = writer.finish(ts, extra_files=tokenizer_files(self.run.model_dir))
+        self.last_saved_step = s + 1
+        if self.cfg.save_total_limit:
+            checkpoints.prune(self.cfg.out, self.cfg.save_total_limit)  # type: ignore[arg-type]
+
+    async def _save_on_signal(self, engine: Engine) -> None:
+        """After a graceful stop: every step in flight has finished; save the last one unless it
+        was just saved."""
+        if not self.metrics or self.last_saved_step == self.metrics[-1].step + 1:
+            return
+        s = self.metrics[-1].step
+        graph = nx.DiGraph()
+        graph.add_nodes_from(SaveUnit(step=s, unit=unit, layer=layer) for unit, layer in units(self.spec))
+        self._open_checkpoint(s)
+        engine.add(graph)
+        await engine.wait(graph)
+        self._complete_checkpoint(s, self.metrics[-1])
+
+    def abort_checkpoints(self) -> None:
+        """Remove the temporary folders of checkpoints that were not completed."""
+        for writer in self.writers.values():
+            writer.abort()
+        self.writers.clear()
+
+    def _interrupted(self, *, saved: bool, stuck) -> Interrupted:
+        signum = self.shutdown.signum or 2
+        done = self.metrics[-1].step + 1 if self.metrics else self.run.first_step
+        if saved and self.last_saved is not None:
+            what = f"checkpoint of step {self.last_saved_step} saved to {self.last_saved}"
+        elif self.last_saved is not None:
+            what = f"nothing saved since {self.last_saved} (step {self.last_saved_step})"
+        else:
+            what = "no checkpoint was written (use --save-every to keep one)"
+        tail = f"; task {stuck[0]} was still running and was abandoned" if stuck else ""
+        return Interrupted(signum, f"stopped by {signal_name(signum)} after step {done}: {what}{tail}")
+
+
