@@ -23,14 +23,17 @@ ROWS = 4  # sequences per step
 STEPS = 3
 
 
-def make_checkpoint(path, *, tied=False, layers=3, seed=0, vocab=64):
+def make_checkpoint(path, *, tied=False, layers=3, seed=0, vocab=64, model_type="llama", **extra):
+    """A small random model of ``model_type`` ("llama", "mistral", "qwen3", ...), saved to
+    ``path``; ``extra`` config keys override or add to the shared shape."""
     torch.manual_seed(seed)
-    config = transformers.LlamaConfig(
+    shape = dict(
         vocab_size=vocab, hidden_size=32, intermediate_size=48, num_hidden_layers=layers, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=64, rope_theta=10000.0, tie_word_embeddings=tied,
         attn_implementation="sdpa",
     )
-    model = transformers.LlamaForCausalLM(config)
+    config = transformers.AutoConfig.for_model(model_type, **{**shape, **extra})
+    model = transformers.AutoModelForCausalLM.from_config(config)
     model.save_pretrained(path)
     return model
 

@@ -9,38 +9,69 @@ round-trips through JSON; it converts to and from a Hugging Face ``config.json``
     cfg.num_parameters()                        # 123,712
     ModelConfig.from_hf(cfg.to_hf()) == cfg     # True
 
-Three Hugging Face architectures share this shape: ``LlamaForCausalLM``,
-``MistralForCausalLM`` (without a sliding window) and ``Qwen2ForCausalLM`` (biases on
-q, k and v). Anything else is refused with a :class:`~flowtrain.errors.ConfigError` rather
-than trained wrongly.
+Four Hugging Face architectures share this shape, each described by one :class:`Family`
+in :data:`FAMILIES`: ``LlamaForCausalLM`` (optional biases on q, k, v and o),
+``MistralForCausalLM`` (a sliding window), ``Qwen2ForCausalLM`` (biases on q, k and v,
+an optional sliding window) and ``Qwen3ForCausalLM`` (RMSNorm over each head of q and k, an
+explicit head_dim, an optional sliding window). flowtrain computes full causal attention,
+which is what a sliding window computes on sequences no longer than the window;
+:meth:`ModelConfig.check_seq_len` refuses longer ones. Anything else is refused with a
+:class:`~flowtrain.errors.ConfigError` rather than trained wrongly.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Literal
 
 import msgspec
 
 from flowtrain.errors import ConfigError
 
-__all__ = ["ModelConfig", "RopeScaling", "PRESETS", "preset", "SUPPORTED_ARCHITECTURES"]
+__all__ = [
+    "FAMILIES",
+    "PRESETS",
+    "SUPPORTED_ARCHITECTURES",
+    "Family",
+    "ModelConfig",
+    "RopeScaling",
+    "preset",
+]
 
-SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 
-_MODEL_TYPES = {
-    "LlamaForCausalLM": "llama",
-    "MistralForCausalLM": "mistral",
-    "Qwen2ForCausalLM": "qwen2",
-}
+class Family(msgspec.Struct, frozen=True):
+    """What one Hugging Face architecture fixes about the layer, and what its config class
+    assumes when config.json leaves a key out (reading a config must give the model
+    transformers would build from the same file)."""
 
-# What each Hugging Face config class assumes when config.json leaves a key out; reading
-# a config must give the model transformers would build from the same file.
-_HF_DEFAULTS: dict[str, dict[str, Any]] = {
-    "LlamaForCausalLM": {"rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
-    "MistralForCausalLM": {"rms_norm_eps": 1e-6, "max_position_embeddings": 4096 * 32},
-    "Qwen2ForCausalLM": {"rms_norm_eps": 1e-6, "max_position_embeddings": 32768},
-}
+    architecture: str
+    model_type: str
+    max_position_embeddings: int       # default when absent
+    rms_norm_eps: float = 1e-6         # default when absent
+    head_dim: int | None = None        # default when absent; None: hidden_size // num_heads
+    qkv_bias: bool = False             # q, k and v always carry biases, o none (Qwen2)
+    attention_bias: bool = False       # config.json's attention_bias may bias q, k, v and o
+    qk_norm: bool = False              # RMSNorm over each head of q and k, before rotary
+    # How config.json spells a sliding window. "mistral": sliding_window (absent: 4096) on
+    # every layer; "qwen": sliding_window on the layers from max_window_layers on, only
+    # when use_sliding_window is true.
+    window: Literal["none", "mistral", "qwen"] = "none"
+
+
+FAMILIES: dict[str, Family] = {f.architecture: f for f in (
+    Family("LlamaForCausalLM", "llama", max_position_embeddings=2048, attention_bias=True),
+    Family("MistralForCausalLM", "mistral", max_position_embeddings=4096 * 32, window="mistral"),
+    Family("Qwen2ForCausalLM", "qwen2", max_position_embeddings=32768, qkv_bias=True,
+           window="qwen"),
+    Family("Qwen3ForCausalLM", "qwen3", max_position_embeddings=32768, head_dim=128,
+           attention_bias=True, qk_norm=True, window="qwen"),
+)}
+
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+
+_MISTRAL_WINDOW = 4096   # MistralConfig's sliding_window when config.json omits the key
+_QWEN_WINDOW = 4096      # Qwen2Config's and Qwen3Config's, used only with use_sliding_window
+_QWEN_FULL_LAYERS = 28   # their max_window_layers default
 
 _REQUIRED_HF_KEYS = (
     "vocab_size",
@@ -70,7 +101,13 @@ class ModelConfig(msgspec.Struct, frozen=True):
     """Sizes and options of one Llama-family decoder-only model.
 
     ``head_dim`` defaults to ``hidden_size // num_heads``. ``attention_bias`` puts biases on
-    q, k, v *and* o (Llama's option); ``qkv_bias`` on q, k and v only (Qwen2).
+    q, k, v *and* o (Llama's and Qwen3's option); ``qkv_bias`` on q, k and v only (Qwen2).
+    Whether q and k are normalised per head follows from ``architecture`` (:attr:`qk_norm`).
+
+    ``sliding_window`` (None: none) is how many positions each token of the layers from
+    ``max_window_layers`` on may see, itself included (Mistral: every layer). flowtrain
+    computes full causal attention, the same thing while sequences are no longer than the
+    window; :meth:`check_seq_len` refuses longer ones.
     """
 
     vocab_size: int
@@ -92,6 +129,8 @@ class ModelConfig(msgspec.Struct, frozen=True):
     eos_token_id: int | None = None
     pad_token_id: int | None = None
     architecture: str = "LlamaForCausalLM"
+    sliding_window: int | None = None
+    max_window_layers: int = 0
 
     def __post_init__(self) -> None:
         # head_dim is always an int after construction; None only means "derive it".
@@ -101,9 +140,38 @@ class ModelConfig(msgspec.Struct, frozen=True):
     # ------------------------------------------------------------------ checks and sizes
 
     @property
+    def family(self) -> Family:
+        """The :class:`Family` of ``architecture``; :class:`ConfigError` if unsupported."""
+        fam = FAMILIES.get(self.architecture)
+        if fam is None:
+            raise ConfigError(_unsupported(self.architecture))
+        return fam
+
+    @property
     def has_qkv_bias(self) -> bool:
         """Whether q, k and v projections carry biases (either option turns them on)."""
         return self.attention_bias or self.qkv_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether q and k pass through an RMSNorm over each head (weights of head_dim)."""
+        return self.family.qk_norm
+
+    def check_seq_len(self, seq_len: int) -> None:
+        """Raise :class:`ConfigError` if sequences of ``seq_len`` tokens cannot be trained:
+        beyond the model's positions, or longer than its sliding window (where full causal
+        attention would let tokens see further back than the model was built to)."""
+        if seq_len > self.max_position_embeddings:
+            raise ConfigError(
+                f"--seq-len {seq_len} is beyond the model's {self.max_position_embeddings} positions "
+                f"(max_position_embeddings); use --seq-len {self.max_position_embeddings} or less"
+            )
+        if self.sliding_window is not None and seq_len > self.sliding_window:
+            raise ConfigError(
+                f"--seq-len {seq_len} exceeds the model's sliding window {self.sliding_window}; "
+                "flowtrain implements full causal attention only: "
+                f"use --seq-len {self.sliding_window} or less"
+            )
 
     def validate(self) -> ModelConfig:
         """Raise :class:`ConfigError` if the sizes cannot form a model; return ``self``."""
@@ -138,6 +206,18 @@ class ModelConfig(msgspec.Struct, frozen=True):
             )
         if self.architecture not in SUPPORTED_ARCHITECTURES:
             raise ConfigError(_unsupported(self.architecture))
+        if self.sliding_window is not None and (
+            isinstance(self.sliding_window, bool) or self.sliding_window <= 0
+        ):
+            raise ConfigError(
+                f"model config: sliding_window must be a positive integer or None, "
+                f"got {self.sliding_window!r}"
+            )
+        if not 0 <= self.max_window_layers <= self.num_layers:
+            raise ConfigError(
+                f"model config: max_window_layers must be between 0 and num_layers "
+                f"{self.num_layers}, got {self.max_window_layers}"
+            )
         rs = self.rope_scaling
         if rs is not None:
             if rs.rope_type != "llama3":
@@ -155,21 +235,31 @@ class ModelConfig(msgspec.Struct, frozen=True):
         return self
 
     def _check_exportable(self) -> None:
-        """Each Hugging Face architecture fixes which biases exist; refuse a mismatch."""
-        if self.architecture == "Qwen2ForCausalLM" and (self.attention_bias or not self.qkv_bias):
+        """Each Hugging Face architecture fixes which biases and windows exist; refuse a
+        mismatch."""
+        fam, arch = self.family, self.architecture
+        if fam.qkv_bias and (self.attention_bias or not self.qkv_bias):
             raise ConfigError(
-                "model config: Qwen2ForCausalLM always has biases on q, k and v and none on o; "
+                f"model config: {arch} always has biases on q, k and v and none on o; "
                 "set qkv_bias=True and attention_bias=False"
             )
-        if self.architecture == "MistralForCausalLM" and self.has_qkv_bias:
+        if not fam.qkv_bias and not fam.attention_bias and self.has_qkv_bias:
             raise ConfigError(
-                "model config: MistralForCausalLM has no attention biases; "
+                f"model config: {arch} has no attention biases; "
                 "use architecture LlamaForCausalLM for a model with biases"
             )
-        if self.architecture == "LlamaForCausalLM" and self.qkv_bias and not self.attention_bias:
+        if not fam.qkv_bias and self.qkv_bias and not self.attention_bias:
             raise ConfigError(
-                "model config: LlamaForCausalLM cannot express q/k/v-only biases; "
+                f"model config: {arch} cannot express q/k/v-only biases; "
                 "use architecture Qwen2ForCausalLM or attention_bias=True"
+            )
+        if self.sliding_window is not None and (
+            fam.window == "none" or (fam.window == "mistral" and self.max_window_layers)
+        ):
+            raise ConfigError(
+                f"model config: {arch} cannot express a sliding window"
+                + (" on some layers only" if fam.window == "mistral" else "")
+                + "; set sliding_window=None or choose a family that has one"
             )
 
     def layer_parameters(self) -> int:
@@ -184,6 +274,8 @@ class ModelConfig(msgspec.Struct, frozen=True):
             n += q + 2 * kv
         if self.attention_bias:
             n += h
+        if self.qk_norm:
+            n += 2 * self.head_dim
         return n
 
     def num_parameters(self) -> int:
@@ -217,23 +309,11 @@ class ModelConfig(msgspec.Struct, frozen=True):
             raise ConfigError(
                 "config.json sets mlp_bias; flowtrain supports MLPs without biases only"
             )
-        defaults = _HF_DEFAULTS[arch]
-        max_pos = _hf_int(d, "max_position_embeddings", defaults["max_position_embeddings"])
-        if arch == "MistralForCausalLM":
-            window = _hf_int(d, "sliding_window", None)
-            if window is not None and window < max_pos:
-                raise ConfigError(
-                    f"config.json: MistralForCausalLM with sliding_window {window} < "
-                    f"max_position_embeddings {max_pos}; flowtrain implements full causal "
-                    "attention only (set sliding_window to null)"
-                )
-        if arch == "Qwen2ForCausalLM" and _hf_bool(d, "use_sliding_window", False):
-            raise ConfigError(
-                "config.json: Qwen2ForCausalLM with use_sliding_window true; flowtrain implements "
-                "full causal attention only (set use_sliding_window to false)"
-            )
+        fam = FAMILIES[arch]
         theta, scaling = _rope(d)
         heads = _hf_int(d, "num_attention_heads")
+        layers = _hf_int(d, "num_hidden_layers")
+        window, full_layers = _sliding_window(d, fam, layers)
         eos = d.get("eos_token_id")
         if isinstance(eos, list):  # several end tokens: the first is the one flowtrain appends
             eos = eos[0] if eos else None
@@ -241,22 +321,25 @@ class ModelConfig(msgspec.Struct, frozen=True):
             vocab_size=_hf_int(d, "vocab_size"),
             hidden_size=_hf_int(d, "hidden_size"),
             intermediate_size=_hf_int(d, "intermediate_size"),
-            num_layers=_hf_int(d, "num_hidden_layers"),
+            num_layers=layers,
             num_heads=heads,
             num_kv_heads=_hf_int(d, "num_key_value_heads", heads),
-            head_dim=_hf_int(d, "head_dim", None),
-            rms_norm_eps=_hf_float(d, "rms_norm_eps", defaults["rms_norm_eps"]),
+            head_dim=_hf_int(d, "head_dim", fam.head_dim),
+            rms_norm_eps=_hf_float(d, "rms_norm_eps", fam.rms_norm_eps),
             rope_theta=theta,
             rope_scaling=scaling,
-            max_position_embeddings=max_pos,
+            max_position_embeddings=_hf_int(d, "max_position_embeddings",
+                                            fam.max_position_embeddings),
             tie_word_embeddings=_hf_bool(d, "tie_word_embeddings", False),
-            attention_bias=arch == "LlamaForCausalLM" and _hf_bool(d, "attention_bias", False),
-            qkv_bias=arch == "Qwen2ForCausalLM",
+            attention_bias=fam.attention_bias and _hf_bool(d, "attention_bias", False),
+            qkv_bias=fam.qkv_bias,
             initializer_range=_hf_float(d, "initializer_range", 0.02),
             bos_token_id=_hf_int(d, "bos_token_id", None, minimum=None),
             eos_token_id=_hf_int({"eos_token_id": eos}, "eos_token_id", None, minimum=None),
             pad_token_id=_hf_int(d, "pad_token_id", None, minimum=None),
             architecture=arch,
+            sliding_window=window,
+            max_window_layers=full_layers,
         )
         return cfg.validate()
 
@@ -275,7 +358,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
             rope_parameters = {**rope_scaling, "rope_theta": self.rope_theta}
         d: dict[str, Any] = {
             "architectures": [self.architecture],
-            "model_type": _MODEL_TYPES[self.architecture],
+            "model_type": self.family.model_type,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -299,14 +382,18 @@ class ModelConfig(msgspec.Struct, frozen=True):
             "torch_dtype": "float32",
             "dtype": "float32",
         }
-        match self.architecture:
-            case "LlamaForCausalLM":
-                d.update(attention_bias=self.attention_bias, mlp_bias=False, pretraining_tp=1)
-            case "MistralForCausalLM":
-                d.update(sliding_window=None)
-            case "Qwen2ForCausalLM":
-                d.update(use_sliding_window=False, sliding_window=None,
-                         max_window_layers=self.num_layers)
+        fam = self.family
+        if fam.attention_bias:
+            d.update(attention_bias=self.attention_bias)
+        if self.architecture == "LlamaForCausalLM":
+            d.update(mlp_bias=False, pretraining_tp=1)
+        match fam.window:
+            case "mistral":
+                d.update(sliding_window=self.sliding_window)
+            case "qwen":
+                slides = self.sliding_window is not None
+                d.update(use_sliding_window=slides, sliding_window=self.sliding_window,
+                         max_window_layers=self.max_window_layers if slides else self.num_layers)
         return d
 
 
@@ -360,13 +447,41 @@ def _unsupported(arch: object) -> str:
     )
 
 
+def _sliding_window(d: dict[str, Any], fam: Family, layers: int) -> tuple[int | None, int]:
+    """``(window, max_window_layers)`` as transformers reads them; ``(None, 0)`` when no
+    layer slides (then the window cannot matter and is dropped)."""
+    match fam.window:
+        case "mistral":
+            # An absent key means MistralConfig's 4096, an explicit null no window.
+            window = _hf_int(d, "sliding_window", None) if "sliding_window" in d else _MISTRAL_WINDOW
+            return window, 0
+        case "qwen":
+            if not _hf_bool(d, "use_sliding_window", False):
+                return None, 0
+            window = _hf_int(d, "sliding_window", None) if "sliding_window" in d else _QWEN_WINDOW
+            full = _hf_int(d, "max_window_layers", _QWEN_FULL_LAYERS, minimum=0)
+            types = d.get("layer_types")
+            if isinstance(types, list):
+                sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+                full = sliding[0] if sliding else layers
+                if sliding != list(range(full, len(types))):
+                    raise ConfigError(
+                        "config.json: layer_types mixes full and sliding attention other than "
+                        "full layers first, then sliding ones; flowtrain cannot express that"
+                    )
+            if window is None or full >= layers:
+                return None, 0
+            return window, full
+    return None, 0
+
+
 def _architecture(d: dict[str, Any]) -> str:
     archs = d.get("architectures")
     if isinstance(archs, list) and archs:
         arch = archs[0]
     else:
         # Some configs only carry model_type; map it back when it is one we know.
-        by_type = {v: k for k, v in _MODEL_TYPES.items()}
+        by_type = {f.model_type: f.architecture for f in FAMILIES.values()}
         model_type = d.get("model_type")
         arch = by_type.get(model_type, model_type) if isinstance(model_type, str) else model_type
         if arch is None:
@@ -457,6 +572,13 @@ PRESETS: dict[str, ModelConfig] = {
         num_heads=40, num_kv_heads=8, qkv_bias=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
         max_position_embeddings=32768, bos_token_id=151643, eos_token_id=151643,
         architecture="Qwen2ForCausalLM",
+    ),
+    # Qwen3-8B's shape: per-head q/k norms, untied.
+    "qwen3-8b": ModelConfig(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645,
+        architecture="Qwen3ForCausalLM",
     ),
 }
 

@@ -124,17 +124,23 @@ def decoder_layer(
 ) -> Tensor:
     """One pre-norm Llama block: x + attn(norm(x)), then + SwiGLU(norm(.)). Returns x's shape.
 
+    Qwen3 (``cfg.qk_norm``) also normalises each head of q and k, before the rotation.
     Attention is causal with no padding mask: batches are right-padded, so real tokens
     never attend to padding, and padded positions are dropped from the loss instead.
+    A sliding window is not applied: :meth:`ModelConfig.check_seq_len` keeps sequences
+    within it, where it changes nothing.
     """
     assert cfg.head_dim is not None
     batch, seq, _ = x.shape
     heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
 
     h = rms_norm(x, w["input_layernorm"], cfg.rms_norm_eps)
-    q = F.linear(h, w["q_proj"], w.get("q_bias")).view(batch, seq, heads, hd).transpose(1, 2)
-    k = F.linear(h, w["k_proj"], w.get("k_bias")).view(batch, seq, kv_heads, hd).transpose(1, 2)
+    q = F.linear(h, w["q_proj"], w.get("q_bias")).view(batch, seq, heads, hd)
+    k = F.linear(h, w["k_proj"], w.get("k_bias")).view(batch, seq, kv_heads, hd)
     v = F.linear(h, w["v_proj"], w.get("v_bias")).view(batch, seq, kv_heads, hd).transpose(1, 2)
+    if cfg.qk_norm:
+        q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
+    q, k = q.transpose(1, 2), k.transpose(1, 2)
     q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
     # SDPA's grouped-query mode shares each kv head across heads // kv_heads query heads
     # without materialising the repeated keys and values.

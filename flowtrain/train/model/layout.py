@@ -99,6 +99,11 @@ def _layer_specs(cfg: ModelConfig, i: int) -> list[_Spec]:
         ]
     if cfg.attention_bias:
         specs.append(("o_bias", f"{attn}.o_proj.bias", (h,)))
+    if cfg.qk_norm:
+        specs += [
+            ("q_norm", f"{attn}.q_norm.weight", (cfg.head_dim,)),
+            ("k_norm", f"{attn}.k_norm.weight", (cfg.head_dim,)),
+        ]
     specs += [
         ("o_proj", f"{attn}.o_proj.weight", (h, q_out)),
         ("post_attention_layernorm", f"model.layers.{i}.post_attention_layernorm.weight", (h,)),

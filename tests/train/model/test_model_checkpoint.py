@@ -20,6 +20,11 @@ CONFIGS = {
     "tied": small_cfg(tie_word_embeddings=True),
     "qwen2": small_cfg(architecture="Qwen2ForCausalLM", qkv_bias=True),
     "attention-bias-head-dim": small_cfg(attention_bias=True, head_dim=32),
+    "qwen3": small_cfg(architecture="Qwen3ForCausalLM", head_dim=32),
+    "qwen3-bias-tied-window": small_cfg(architecture="Qwen3ForCausalLM", head_dim=8,
+                                        attention_bias=True, tie_word_embeddings=True,
+                                        sliding_window=32, max_window_layers=1),
+    "mistral-window": small_cfg(architecture="MistralForCausalLM", sliding_window=32),
 }
 
 

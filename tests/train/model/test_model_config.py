@@ -18,6 +18,13 @@ VARIANTS = {
     "llama-head-dim": small_cfg(head_dim=32, eos_token_id=5, bos_token_id=4),
     "mistral": small_cfg(architecture="MistralForCausalLM", rms_norm_eps=1e-6),
     "qwen2": small_cfg(architecture="Qwen2ForCausalLM", qkv_bias=True, rope_theta=1e6),
+    "mistral-window": small_cfg(architecture="MistralForCausalLM", sliding_window=16),
+    "qwen2-window": small_cfg(architecture="Qwen2ForCausalLM", qkv_bias=True, sliding_window=16,
+                              max_window_layers=1),
+    "qwen3-head-dim": small_cfg(architecture="Qwen3ForCausalLM", head_dim=32, rms_norm_eps=1e-6),
+    "qwen3-bias-tied-window": small_cfg(architecture="Qwen3ForCausalLM", head_dim=8,
+                                        attention_bias=True, tie_word_embeddings=True,
+                                        sliding_window=64),
 }
 
 
@@ -85,8 +92,9 @@ def _hf(**changes):
         ({k: v for k, v in _hf().items() if k != "hidden_size"}, "hidden_size"),
         (_hf(hidden_act="gelu"), "hidden_act 'gelu'"),
         (_hf(mlp_bias=True), "mlp_bias"),
-        (_hf(architectures=["MistralForCausalLM"], sliding_window=16), "sliding_window 16"),
-        (_hf(architectures=["Qwen2ForCausalLM"], use_sliding_window=True), "use_sliding_window"),
+        (_hf(architectures=["Qwen2ForCausalLM"], use_sliding_window=True, sliding_window=16,
+             layer_types=["sliding_attention", "full_attention"]), "layer_types mixes"),
+        (_hf(architectures=["MistralForCausalLM"], sliding_window=0), "sliding_window must be"),
         (_hf(rope_parameters={"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e4}), "'yarn'"),
         (_hf(num_key_value_heads=3), "num_kv_heads 3 does not divide num_heads 4"),
         (_hf(num_attention_heads=5), "num_heads 5 does not divide hidden_size 64"),
@@ -101,8 +109,9 @@ def test_from_hf_rejects_with_a_reason(d, needle):
 def test_unsupported_message_lists_supported_architectures():
     with pytest.raises(ConfigError) as info:
         ModelConfig.from_hf(_hf(architectures=["GPT2LMHeadModel"]))
-    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM"):
+    for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         assert arch in str(info.value)
+    assert "\n" not in str(info.value)
 
 
 def test_mistral_with_window_covering_all_positions_is_accepted():
@@ -110,11 +119,72 @@ def test_mistral_with_window_covering_all_positions_is_accepted():
     assert ModelConfig.from_hf(d).architecture == "MistralForCausalLM"
 
 
+@pytest.mark.parametrize("d", [
+    _hf(architectures=["MistralForCausalLM"], model_type="mistral", sliding_window=16),
+    _hf(architectures=["Qwen2ForCausalLM"], model_type="qwen2", use_sliding_window=True,
+        sliding_window=16, max_window_layers=1),
+    _hf(architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=True,
+        sliding_window=16, max_window_layers=0),
+])
+def test_sliding_window_is_accepted_and_bounds_seq_len(d):
+    """A window shorter than the model's positions changes nothing on sequences that fit in it;
+    only longer sequences are refused, in one line that says what to use instead."""
+    cfg = ModelConfig.from_hf(d)
+    assert cfg.sliding_window == 16
+    assert hf_config(cfg).sliding_window == 16  # written back for transformers
+    cfg.check_seq_len(12)
+    cfg.check_seq_len(16)
+    with pytest.raises(ConfigError) as info:
+        cfg.check_seq_len(32)
+    assert str(info.value) == (
+        "--seq-len 32 exceeds the model's sliding window 16; flowtrain implements full causal "
+        "attention only: use --seq-len 16 or less"
+    )
+    with pytest.raises(ConfigError, match="beyond the model's 256 positions"):
+        cfg.check_seq_len(257)
+
+
+@pytest.mark.parametrize("changes", [
+    dict(use_sliding_window=False, sliding_window=16),         # switched off
+    dict(use_sliding_window=True, sliding_window=16, max_window_layers=2),  # no layer slides
+    dict(use_sliding_window=True, sliding_window=None),
+])
+def test_qwen_window_that_no_layer_uses_is_dropped(changes):
+    for arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
+        cfg = ModelConfig.from_hf(_hf(architectures=[arch], **changes))
+        assert cfg.sliding_window is None and cfg.max_window_layers == 0
+        cfg.check_seq_len(256)
+
+
+def test_absent_keys_take_each_family_transformers_default():
+    """Mistral without a sliding_window key slides over 4096 (MistralConfig's default), with
+    an explicit null it does not; Qwen3 without head_dim has 128-wide heads."""
+    from transformers import MistralConfig, Qwen3Config
+
+    d = {k: v for k, v in _hf(architectures=["MistralForCausalLM"]).items() if k != "sliding_window"}
+    assert ModelConfig.from_hf(d).sliding_window == MistralConfig().sliding_window == 4096
+    assert ModelConfig.from_hf({**d, "sliding_window": None}).sliding_window is None
+    d = {k: v for k, v in _hf(architectures=["Qwen3ForCausalLM"]).items()
+         if k not in ("head_dim", "attention_bias", "max_position_embeddings")}
+    cfg, ref = ModelConfig.from_hf(d), Qwen3Config()
+    assert cfg.head_dim == ref.head_dim == 128 and cfg.qk_norm and not cfg.has_qkv_bias
+    assert cfg.max_position_embeddings == ref.max_position_embeddings
+
+
+def test_qwen3_attention_bias_is_honoured():
+    cfg = ModelConfig.from_hf(_hf(architectures=["Qwen3ForCausalLM"], attention_bias=True))
+    assert cfg.attention_bias and cfg.has_qkv_bias and cfg.qk_norm
+
+
 def test_to_hf_refuses_biases_the_architecture_cannot_hold():
     with pytest.raises(ConfigError, match="Qwen2ForCausalLM"):
         small_cfg(architecture="Qwen2ForCausalLM").to_hf()
     with pytest.raises(ConfigError, match="q/k/v-only"):
         small_cfg(qkv_bias=True).to_hf()
+    with pytest.raises(ConfigError, match="q/k/v-only"):
+        small_cfg(architecture="Qwen3ForCausalLM", qkv_bias=True).to_hf()
+    with pytest.raises(ConfigError, match="cannot express a sliding window"):
+        small_cfg(sliding_window=16).to_hf()
 
 
 def test_preset_unknown_lists_names():
@@ -149,3 +219,4 @@ def test_published_sizes():
     assert PRESETS["llama-3b"].num_parameters() == pytest.approx(3.6e9, rel=0.01)
     assert PRESETS["llama-8b"].num_parameters() == pytest.approx(8.03e9, rel=0.001)
     assert PRESETS["qwen-14b"].num_parameters() == pytest.approx(14.77e9, rel=0.01)
+    assert PRESETS["qwen3-8b"].num_parameters() == pytest.approx(8.19e9, rel=0.001)

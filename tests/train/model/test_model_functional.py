@@ -35,6 +35,11 @@ CONFIGS = {
     "mistral-mha-head-dim-8": small_cfg(architecture="MistralForCausalLM", num_kv_heads=4,
                                         head_dim=8),
     "tied": small_cfg(tie_word_embeddings=True),
+    # Qwen3: per-head q/k norms; 4 heads of 32 make q 128 wide on a 64-wide model.
+    "qwen3-head-dim-32": small_cfg(architecture="Qwen3ForCausalLM", head_dim=32, rope_theta=1e6,
+                                   rms_norm_eps=1e-6),
+    "qwen3-bias-mqa-tied": small_cfg(architecture="Qwen3ForCausalLM", head_dim=8, num_kv_heads=1,
+                                     attention_bias=True, tie_word_embeddings=True),
 }
 
 
@@ -111,7 +116,8 @@ def test_rms_norm_matches_transformers(dtype):
         assert torch.equal(rms_norm(x, ref.weight, 1e-5), ref(x))
 
 
-@pytest.mark.parametrize("name", ["gqa", "qwen2-qkv-bias", "tied"])
+@pytest.mark.parametrize("name", ["gqa", "qwen2-qkv-bias", "tied", "qwen3-head-dim-32",
+                                  "qwen3-bias-mqa-tied"])
 def test_full_forward_loss_matches_transformers(name):
     cfg = CONFIGS[name]
     model = hf_model(cfg, seed=21)
@@ -221,9 +227,10 @@ def test_head_never_builds_full_logits(monkeypatch):
     assert widest and max(widest) <= 16
 
 
-def test_end_to_end_gradients_match_transformers():
+@pytest.mark.parametrize("name", ["attention-bias", "qwen3-head-dim-32"])
+def test_end_to_end_gradients_match_transformers(name):
     """Backprop through head_loss_and_grads and autograd over decoder_layer gives HF's grads."""
-    cfg = CONFIGS["attention-bias"]
+    cfg = CONFIGS[name]
     model = hf_model(cfg, seed=31)
     batch, seq = 2, 17
     ids = _ids(cfg, batch, seq, seed=32)

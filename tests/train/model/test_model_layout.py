@@ -21,6 +21,9 @@ CONFIGS = {
     "attention-bias": small_cfg(attention_bias=True),
     "qwen2": small_cfg(architecture="Qwen2ForCausalLM", qkv_bias=True),
     "head-dim": small_cfg(head_dim=32, intermediate_size=77),
+    "qwen3": small_cfg(architecture="Qwen3ForCausalLM", head_dim=32),
+    "qwen3-bias-tied": small_cfg(architecture="Qwen3ForCausalLM", head_dim=8, attention_bias=True,
+                                 tie_word_embeddings=True),
 }
 
 
@@ -62,6 +65,11 @@ def test_layer_key_order():
                     "up_proj", "down_proj"]
     qwen = model_layouts(CONFIGS["qwen2"])[1]
     assert "o_bias" not in [e.key for e in qwen.entries] and qwen.entry("v_bias").shape == (32,)
+    qwen3 = model_layouts(CONFIGS["qwen3"])[1]
+    assert [e.name for e in qwen3.entries if e.key.endswith("_norm")] == [
+        "model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"]
+    assert qwen3.entry("q_norm").shape == qwen3.entry("k_norm").shape == (32,)
+    assert qwen3.entry("q_proj").shape == (4 * 32, 64)
     head = model_layouts(CONFIGS["tied"])[-1]
     assert [e.key for e in head.entries] == ["norm"]
     with pytest.raises(KeyError, match="lm_head"):
@@ -93,8 +101,9 @@ def _init_all(cfg, seed, dtype=torch.float32, order=None):
     return layouts, flats
 
 
-def test_init_values_by_kind():
-    cfg = CONFIGS["attention-bias"]
+@pytest.mark.parametrize("name", ["attention-bias", "qwen3-bias-tied"])
+def test_init_values_by_kind(name):
+    cfg = CONFIGS[name]
     layouts, flats = _init_all(cfg, seed=1)
     for lay, flat in zip(layouts, flats):
         covered = torch.zeros(lay.numel, dtype=torch.bool)
