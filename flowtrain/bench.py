@@ -34,6 +34,7 @@ from typing import Any
 from .errors import ConfigError
 from .graph import StepSpec, compile_step
 from .runtime import Engine, use_uvloop
+from .train.bench_model import add_model_arguments, run_model
 
 BUILTIN_POLICIES = ("sequential", "double_buffer", "lookahead")
 
@@ -43,8 +44,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     mode.add_argument("--scheduler", action="store_true", help="scheduling overhead per task on a DAG of no-op tasks")
     mode.add_argument("--model", metavar="PRESET|DIR",
                       help="train a model on random tokens: tokens/s, TFLOP/s, memory, lane busy fractions")
-    from .train.bench_model import add_model_arguments
-
     add_model_arguments(p.add_argument_group("--model options"))
 
     sched = p.add_argument_group("--scheduler options")
@@ -61,6 +60,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     if args.scheduler:
+        _import_torch()
         result = scheduler_benchmark(
             tasks=args.tasks,
             micro_batches=args.micro_batches,
@@ -70,8 +70,6 @@ def run(args: argparse.Namespace) -> int:
         )
         print(format_scheduler(result))
     elif args.model:
-        from .train.bench_model import run_model
-
         result = run_model(args)
         print(json.dumps(result))
     else:  # argparse requires one mode
@@ -149,13 +147,23 @@ async def _measure(graphs: dict[str, Any], policies: tuple[str, ...], repeat: in
     return loop, out
 
 
+def _import_torch() -> None:
+    """Measure the scheduler in the heap of a training process: with torch imported, whose few
+    hundred thousand objects every full garbage collection walks. The command line imports torch
+    only where a command needs it, so ``bench --scheduler`` does it here (where it is installed)."""
+    try:
+        import torch  # noqa: F401
+    except ImportError:
+        pass
+
+
 def scheduler_benchmark(tasks: int = 10_000, micro_batches: int = 8, policies: tuple[str, ...] = BUILTIN_POLICIES,
                         repeat: int = 5, gc_freeze: bool = False) -> dict[str, Any]:
     """Run the benchmark; returns plain data (see :func:`format_scheduler` for the table).
 
-    Much of the cost in a process that has imported torch (as ``flowtrain`` has) is the
-    garbage collector: the engine's per-task objects trigger full collections, and each one
-    walks torch's few hundred thousand objects too. ``gc_freeze`` moves everything alive after
+    Much of the cost in a process that has imported torch (as a trainer has, and as ``flowtrain
+    bench --scheduler`` does before measuring) is the garbage collector: the engine's per-task
+    objects trigger full collections, and each one walks torch's few hundred thousand objects too. ``gc_freeze`` moves everything alive after
     set-up out of the collector's sight, as a long-running trainer may do after loading.
     """
     if repeat < 1:

@@ -13,6 +13,11 @@ that says whose it is:
 
 Set ``FLOWTRAIN_DEBUG=1`` to let the exception through with its traceback instead. Any other
 exception is a bug in flowtrain and keeps its traceback.
+
+Starting is cheap: ``flowtrain --help`` lists the commands from :data:`COMMANDS` without
+importing them, and ``flowtrain train ...`` imports ``train``'s module alone, whose
+``add_arguments`` imports no torch; torch, the trainer, the planner and matplotlib are imported
+where a command runs (tests/test_cli_startup.py holds every ``--help`` to that).
 """
 
 from __future__ import annotations
@@ -34,25 +39,43 @@ COMMANDS = {
 }
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(command: str | None = None) -> argparse.ArgumentParser:
+    """The ``flowtrain`` parser, with the arguments of ``command`` alone.
+
+    Every subcommand is listed (its help comes from :data:`COMMANDS`), but only ``command``'s
+    module is imported to add its arguments and its ``run``: the others stay bare, since
+    importing all of them would cost the seconds that torch takes to import.
+    """
     parser = argparse.ArgumentParser(prog="flowtrain", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text)
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name != module:
-                raise
-            p.set_defaults(_unavailable=module)
-            continue
-        mod.add_arguments(p)
-        p.set_defaults(_run=mod.run)
+        if name == command:
+            _add_command(p, module)
     return parser
 
 
+def _add_command(p: argparse.ArgumentParser, module: str) -> None:
+    try:
+        mod = importlib.import_module(module)
+    except ModuleNotFoundError as exc:
+        if exc.name != module:
+            raise
+        p.set_defaults(_unavailable=module)
+        return
+    mod.add_arguments(p)
+    p.set_defaults(_run=mod.run)
+
+
+def _command(argv: list[str]) -> str | None:
+    """The subcommand ``argv`` names: its first argument that is not an option (the top-level
+    parser has no option that takes a value)."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
-    parser = build_parser()
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = build_parser(_command(argv))
     args = parser.parse_args(argv)
     if args.command is None:
         parser.print_help()

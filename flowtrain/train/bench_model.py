@@ -22,13 +22,12 @@ import resource
 import tempfile
 from pathlib import Path
 
-import numpy as np
-import torch
-
 from ..errors import ConfigError
 from ..runtime.trace import TraceRecorder, lane_busy, write_chrome_trace
-from .model import model_layouts
-from .trainer import TrainConfig, load_model_config, train
+from .cli import add_compile_argument, add_memory_arguments
+
+# numpy, torch, the model and the trainer are imported where a benchmark runs, so that
+# ``flowtrain bench --help`` (which adds these options) stays instant.
 
 
 def add_model_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -44,19 +43,25 @@ def add_model_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) ->
     a("--checkpoint-every", type=int, default=1)
     a("--adam-workers", type=int, default=1)
     a("--trace", default=None, help="also write the executed trace (Chrome JSON)")
-    from .cli import add_compile_argument, add_memory_arguments
-
     add_memory_arguments(p)
     add_compile_argument(p)
 
 
 def model_flops_per_token(model: str, seq_len: int) -> float:
+    from .model import model_layouts
+    from .trainer import load_model_config
+
     cfg, _ = load_model_config(model)
     n = sum(e.numel for lay in model_layouts(cfg) for e in lay.entries)
     return 6.0 * n + 6.0 * cfg.num_layers * cfg.hidden_size * seq_len
 
 
 def run_model(args: argparse.Namespace) -> dict:
+    import numpy as np
+    import torch
+
+    from .trainer import TrainConfig, load_model_config, train
+
     policy = args.policy[0] if isinstance(args.policy, list) else (args.policy or "double_buffer")
     args.policy = policy
     if args.steps <= args.warmup:

@@ -8,10 +8,12 @@ from __future__ import annotations
 
 import argparse
 import math
+from typing import TYPE_CHECKING
 
-from .trainer import TrainConfig, train
+from . import defaults
 
-_D = TrainConfig()
+if TYPE_CHECKING:  # the trainer imports torch; ``--help`` must not
+    from .trainer import TrainConfig
 
 
 def _betas(text: str) -> tuple[float, float]:
@@ -27,23 +29,23 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--model", default=None, help="Hugging Face model directory or preset (tiny, qwen-0.5b, llama-1b, llama-3b, llama-8b, "
                                     "qwen-14b); default: tiny, or the resumed checkpoint's model")
     a("--data", default=None, help=".jsonl (input_ids or text), .txt or .npy; default: the bundled corpus")
-    a("--steps", type=int, default=_D.steps, help="optimizer steps")
-    a("--batch-size", type=int, default=_D.batch_size, help="sequences per optimizer step")
-    a("--micro-batch-size", type=int, default=_D.micro_batch_size, help="sequences per micro-batch")
-    a("--seq-len", type=int, default=_D.seq_len, help="tokens per sequence")
-    a("--lr", type=float, default=_D.lr, help="learning rate (constant unless --warmup-steps/--lr-schedule)")
+    a("--steps", type=int, default=defaults.STEPS, help="optimizer steps")
+    a("--batch-size", type=int, default=defaults.BATCH_SIZE, help="sequences per optimizer step")
+    a("--micro-batch-size", type=int, default=defaults.MICRO_BATCH_SIZE, help="sequences per micro-batch")
+    a("--seq-len", type=int, default=defaults.SEQ_LEN, help="tokens per sequence")
+    a("--lr", type=float, default=defaults.LR, help="learning rate (constant unless --warmup-steps/--lr-schedule)")
     a("--warmup-steps", type=int, default=0, help="linear warm-up steps")
     a("--lr-schedule", choices=["constant", "cosine", "linear"], default="constant", help="decay after warm-up")
     a("--min-lr", type=float, default=0.0, help="final rate of a cosine or linear schedule")
-    a("--weight-decay", type=float, default=_D.weight_decay, help="AdamW decoupled weight decay (all parameters)")
-    a("--betas", type=_betas, default=_D.betas, help="AdamW betas, B1,B2")
-    a("--eps", type=float, default=_D.eps, help="AdamW eps")
+    a("--weight-decay", type=float, default=defaults.WEIGHT_DECAY, help="AdamW decoupled weight decay (all parameters)")
+    a("--betas", type=_betas, default=defaults.BETAS, help="AdamW betas, B1,B2")
+    a("--eps", type=float, default=defaults.EPS, help="AdamW eps")
     a("--grad-clip", type=float, default=None, help="clip the global gradient norm to this value (exact)")
-    a("--seed", type=int, default=_D.seed, help="seed for initialisation and shuffling")
+    a("--seed", type=int, default=defaults.SEED, help="seed for initialisation and shuffling")
     a("--no-shuffle", action="store_true", help="sequences in file order")
     a("--precision", choices=["fp32", "bf16"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
     a("--device", default="auto", help="auto, cpu or cuda")
-    a("--policy", default=_D.policy, help="scheduling policy: sequential, double_buffer, lookahead")
+    a("--policy", default=defaults.POLICY, help="scheduling policy: sequential, double_buffer, lookahead")
     a("--checkpoint-every", type=int, default=1, help="keep a layer input every K layers; recompute the rest")
     a("--order", choices=["layer", "micro"], default="layer", help="micro-batch order (layer-major streams weights once)")
     a("--adam-workers", type=int, default=1, help="CPU threads running AdamW tasks concurrently")
@@ -58,12 +60,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", default=None, metavar="PATH",
                    help="continue from a checkpoint folder, or from an --out folder's newest checkpoint; "
                         "--steps stays the total")
-    g.add_argument("--max-skipped", type=int, default=_D.max_skipped, metavar="N",
+    g.add_argument("--max-skipped", type=int, default=defaults.MAX_SKIPPED, metavar="N",
                    help="stop once more than N steps in a row were skipped because loss or gradients were not finite "
-                        f"(default {_D.max_skipped})")
-    g.add_argument("--undo-mem", type=float, default=_D.undo_mem, metavar="GiB",
+                        f"(default {defaults.MAX_SKIPPED})")
+    g.add_argument("--undo-mem", type=float, default=defaults.UNDO_MEM, metavar="GiB",
                    help="host memory for undoing the updates of a step whose gradients turn non-finite late "
-                        f"(default {_D.undo_mem:g})")
+                        f"(default {defaults.UNDO_MEM:g})")
     g.add_argument("--task-timeout", type=float, default=None, metavar="S",
                    help="fail the run if one task runs longer than S seconds (default: no limit)")
     a("--metrics", default=None, help="write one JSON line per step here")
@@ -91,6 +93,8 @@ def add_compile_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup) -
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    from .trainer import TrainConfig
+
     return TrainConfig(
         model=args.model, data=args.data, steps=args.steps, batch_size=args.batch_size,
         micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, lr=args.lr,
@@ -107,6 +111,8 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .trainer import train
+
     cfg = config_from_args(args)
     metrics = train(cfg)
     first, last = metrics[0], metrics[-1]

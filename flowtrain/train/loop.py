@@ -159,11 +159,11 @@ class TrainingLoop:
             return
         first = s - self.consecutive + 1
         where = (f"resume from {self.last_saved}" if self.last_saved is not None
-                 else "no checkpoint was written (use --save-every)")
+                 else "no checkpoint was written (--save-every keeps them)")
         raise NonFiniteError(
             f"steps {first + 1}-{s + 1}: {self.consecutive} steps in a row had a loss or gradients that were not "
-            f"finite and were skipped (more than --max-skipped {self.cfg.max_skipped}); the weights are those after "
-            f"step {first}, nothing more was saved; {where}, with a lower --lr or --grad-clip"
+            f"finite and were skipped (more than --max-skipped {self.cfg.max_skipped}); the weights are still those "
+            f"after step {first} and no model was written; {where}; try a lower --lr or --grad-clip"
         )
 
     # ---- checkpoints -----------------------------------------------------------------------

@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import json
 
-import torch
-
 from ..errors import ConfigError
 from .cli import add_memory_arguments
-from .plan import GiB, RunRequest, checkpoint_read_bytes, plan_run
-from .trainer import load_model_config, resolve_dtype
+
+# The planner and the trainer import torch: they are imported where the command runs, so that
+# ``flowtrain plan --help`` stays instant.
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -43,6 +42,11 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from .plan import RunRequest, checkpoint_read_bytes, plan_run
+    from .trainer import load_model_config, resolve_dtype
+
     cfg, model_dir = load_model_config(args.model)
     cfg.validate()
     if args.device == "auto":
@@ -65,10 +69,14 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _gib(n: int | None) -> str:
+    from .plan import GiB
+
     return "no limit" if n is None else f"{n / GiB:8.2f} GiB"
 
 
 def format_plan(model: str, plan) -> str:  # noqa: ANN001 - a Plan
+    from .plan import GiB
+
     lines = [f"{model}: {plan.params / 1e9:.2f} B parameters, layout {plan.layout} "
              f"({plan.host_state_bytes_per_param:.2f} host bytes of state per parameter), device {plan.device}"]
     res = plan.spec.resident

@@ -30,6 +30,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.min_gap_ms is not None and args.min_gap_ms < 0:
         raise ConfigError(f"--min-gap-ms must be at least 0 (got {args.min_gap_ms})")
+    if args.png:  # matplotlib is optional and slow to import: only for --png, and checked before writing
+        from .png import require_matplotlib
+
+        require_matplotlib()
     inputs = [load_input(path) for path in args.inputs]
     traces = [x for x in inputs if isinstance(x, Trace)]
     graphs = [x for x in inputs if isinstance(x, GraphInput)]

@@ -20,12 +20,22 @@ from .html import TraceView
 from .load import GraphInput, Trace
 
 
-def _figure(width: float, height: float):
+def require_matplotlib() -> None:
+    """Raise a :class:`ConfigError` with the install command when matplotlib cannot be imported.
+
+    matplotlib is optional (``flowtrain[viz]``); the command line calls this before it writes
+    anything, so a missing picture library is one line, not a traceback after the HTML.
+    """
     try:
-        from matplotlib.backends.backend_agg import FigureCanvasAgg
-        from matplotlib.figure import Figure
+        import matplotlib  # noqa: F401 - the package first: a stale submodule in sys.modules proves nothing
     except ImportError:
         raise ConfigError("--png needs matplotlib: pip install 'flowtrain[viz]'") from None
+
+
+def _figure(width: float, height: float):
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
     fig = Figure(figsize=(width, height), dpi=110)
     FigureCanvasAgg(fig)
     return fig
@@ -130,6 +140,7 @@ def _graph_figure(g: GraphInput):
 
 def write_png(path: str | Path, inputs: Sequence[Trace | GraphInput], min_gap: float | None = None) -> Path:
     """Draw the traces among ``inputs`` (or, with none, the first graph) into a PNG file."""
+    require_matplotlib()
     traces = [x for x in inputs if isinstance(x, Trace)]
     graphs = [x for x in inputs if isinstance(x, GraphInput)]
     if not traces and not graphs:
