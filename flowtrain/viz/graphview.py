@@ -35,6 +35,8 @@ KIND_COLORS = {
     "gpu_adam": "#7b4173",
     "grad_sq_norm": "#e7969c",
     "save": "#17becf",
+    "found_inf": "#8c6d31",
+    "verify_step": "#637939",
 }
 OTHER_COLOR = "#888888"
 #: Colours of compute-gap markers by reason (a task kind, or these two).
@@ -43,7 +45,8 @@ CRITICAL = "#e31a1c"
 
 _SHORT = {"forward": "fwd", "backward": "bwd", "recompute": "rec", "zero_grad": "zero",
           "offload_grad": "offload", "cpu_adam": "adam", "embed_backward": "emb_bwd",
-          "grad_norm": "norm", "gpu_adam": "gadam", "grad_sq_norm": "sqnorm"}
+          "grad_norm": "norm", "gpu_adam": "gadam", "grad_sq_norm": "sqnorm",
+          "found_inf": "inf?", "verify_step": "verify"}
 
 #: Above this many tasks the graph is shown as a table instead of a drawing.
 MAX_DRAWN = 400
