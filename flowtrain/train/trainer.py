@@ -34,7 +34,7 @@ from ..errors import CheckpointError, ConfigError, PlanError
 from ..policy import resolve_policy
 from ..runtime.executor import use_uvloop
 from ..runtime.trace import Instrument, TraceRecorder, lane_busy, write_chrome_trace
-from . import checkpoints
+from . import checkpoints, defaults
 from .checks import check_compile_backend, check_output_paths, validate_numbers
 from .data import Sequences, default_corpus_path, load_sequences
 from .host_state import HostState, return_freed_memory
@@ -56,23 +56,23 @@ class TrainConfig(msgspec.Struct, kw_only=True):
 
     model: str | None = None  # None: the resumed checkpoint's model, else "tiny"
     data: str | None = None
-    steps: int = 200
-    batch_size: int = 16
-    micro_batch_size: int = 8
-    seq_len: int = 128
-    lr: float = 3e-3
-    weight_decay: float = 0.01
-    betas: tuple[float, float] = (0.9, 0.999)
-    eps: float = 1e-8
+    steps: int = defaults.STEPS
+    batch_size: int = defaults.BATCH_SIZE
+    micro_batch_size: int = defaults.MICRO_BATCH_SIZE
+    seq_len: int = defaults.SEQ_LEN
+    lr: float = defaults.LR
+    weight_decay: float = defaults.WEIGHT_DECAY
+    betas: tuple[float, float] = defaults.BETAS
+    eps: float = defaults.EPS
     grad_clip: float | None = None
     warmup_steps: int = 0
     lr_schedule: str = "constant"
     min_lr: float = 0.0
-    seed: int = 0
+    seed: int = defaults.SEED
     shuffle: bool = True
     precision: str | None = None
     device: str = "auto"
-    policy: str = "double_buffer"
+    policy: str = defaults.POLICY
     checkpoint_every: int = 1
     order: str = "layer"
     adam_workers: int = 1
@@ -99,9 +99,9 @@ class TrainConfig(msgspec.Struct, kw_only=True):
     #: a checkpoint folder, or an ``out`` folder meaning its newest checkpoint
     resume: str | None = None
     #: stop once more than this many steps in a row were skipped as not finite
-    max_skipped: int = 3
+    max_skipped: int = defaults.MAX_SKIPPED
     #: host memory (GiB) for undo records of a step whose gradients turn non-finite late
-    undo_mem: float = 1.0
+    undo_mem: float = defaults.UNDO_MEM
     #: fail a task that runs longer than this many seconds (None: no limit)
     task_timeout: float | None = None
 
