@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Runs benchmark jobs on the lent H200 in one device call and collects their results.
+# Runs benchmark jobs on an H200 machine, one after another, and collects their results.
 #   bash docs/bench/h200.sh JOB [JOB...]
-# from the repository root on the device machine, with .whl and .anchors carried (see
+# from the repository root, with the wheels in .whl/ and the baseline trainers in .anchors/ (see
 # docs/benchmarks.md). Every job appends its JSON result as one line to $OUT/results.jsonl;
 # its output goes to $OUT/log.txt. The anchors' own JSON lines go to $OUT/train_*.jsonl.
 set -u

@@ -6,7 +6,7 @@ steps after ``--warmup`` (excluded: compilation, allocator growth, first fetches
     flowtrain bench --model llama-3b --seq-len 4096 --batch-size 4 --micro-batch-size 4 --steps 8
 
 Model FLOPs per token are ``6 N + 6 L h S`` (weights, and causal attention at half of
-``12 L h S``), recompute not counted, the same definition as the anchors in ../shared/anchors.
+``12 L h S``), recompute not counted, the same definition as the all-on-GPU and DeepSpeed baseline trainers use.
 Busy fractions come from the executed trace: for each lane, the union of its tasks' intervals
 over the measured window, so they say where the time went. Beside the measured peaks (host RSS,
 GPU ``max_memory_allocated``) the result carries the memory plan the run followed (layout,
