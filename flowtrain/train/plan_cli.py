@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..errors import ConfigError
 from .cli import add_memory_arguments
 
 # The planner and the trainer import torch: they are imported where the command runs, so that
@@ -44,23 +43,27 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from .plan import RunRequest, checkpoint_read_bytes, plan_run
-    from .trainer import load_model_config, resolve_dtype
+    from .checks import validate_numbers
+    from .plan import plan_run, run_request
+    from .trainer import TrainConfig, load_model_config, resolve_dtype, validate
 
+    # The request goes through the same TrainConfig and checks as `flowtrain train`'s, so
+    # plan accepts and refuses exactly what train does.
+    tc = TrainConfig(model=args.model, seq_len=args.seq_len, batch_size=args.batch_size,
+                     micro_batch_size=args.micro_batch_size, checkpoint_every=args.checkpoint_every,
+                     order=args.order, grad_clip=1.0 if args.grad_clip else None, precision=args.precision,
+                     policy=args.policy, layout=args.layout, resident=args.resident, gpu_mem=args.gpu_mem,
+                     host_mem=args.host_mem, chunk_tokens=args.chunk_tokens)
+    validate_numbers(tc)
     cfg, model_dir = load_model_config(args.model)
     cfg.validate()
+    validate(tc, cfg)
     if args.device == "auto":
         device = torch.device("cuda" if (torch.cuda.is_available() or args.gpu_mem is not None) else "cpu")
     else:
         device = torch.device(args.device)
-    if args.seq_len < 2:
-        raise ConfigError(f"--seq-len must be at least 2 (got {args.seq_len})")
     dtype = resolve_dtype(args.precision, device)
-    req = RunRequest(seq_len=args.seq_len, batch_size=args.batch_size, micro_batch_size=args.micro_batch_size,
-                     checkpoint_every=args.checkpoint_every, order=args.order, grad_clip=args.grad_clip,
-                     layout=args.layout, resident=args.resident, gpu_mem=args.gpu_mem, host_mem=args.host_mem,
-                     chunk_tokens=args.chunk_tokens, load_bytes=checkpoint_read_bytes(model_dir))
-    plan = plan_run(cfg, req, device=device, dtype=dtype, policy=args.policy)
+    plan = plan_run(cfg, run_request(tc, model_dir), device=device, dtype=dtype, policy=args.policy)
     if args.json:
         print(json.dumps({"model": args.model, **plan.to_dict()}, indent=1))
     else:

@@ -189,3 +189,18 @@ def test_the_engine_runs_with_the_budgets_the_plan_sized_buffers_for(monkeypatch
     seen = []
     metrics = train(TrainConfig(steps=2, device="cpu", progress=False), on_plan=seen.append)
     assert len(metrics) == 2 and seen[0].budgets[GRADS] == 1
+
+
+@pytest.mark.parametrize("args, needle", [
+    (["--seq-len", "262144"], "beyond the model's 8192 positions"),
+    (["--seq-len", "4096", "--host-mem", "nan"], "--host-mem must be a finite number"),
+    (["--seq-len", "4096", "--micro-batch-size", "3"], "does not divide"),
+])
+def test_plan_refuses_what_train_refuses(capsys, args, needle):
+    """plan builds its request through train's config and checks: no plan for a run train
+    would refuse (it planned --seq-len 262144 for a model of 8192 positions)."""
+    from flowtrain.cli import main
+
+    argv = ["plan", "--model", "llama-8b", "--batch-size", "16", "--micro-batch-size", "4", *args]
+    assert main(argv) == 2
+    assert needle in capsys.readouterr().err
