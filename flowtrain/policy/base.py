@@ -56,17 +56,35 @@ def register_policy(name: str) -> Callable[[type], type]:
 
 
 def resolve_policy(policy: "str | Policy", **options) -> Policy:
-    """A policy instance from a registered name (with constructor ``options``) or an object."""
+    """A policy instance from a registered name, from ``"module:Class"`` (a user's class,
+    imported; both with constructor ``options``), or an object with ``propose``."""
     if isinstance(policy, str):
+        if ":" in policy:
+            return _import_policy(policy, options)
         try:
             factory = POLICIES[policy]
         except KeyError:
             names = ", ".join(sorted(POLICIES))
-            raise ConfigError(f"unknown policy {policy!r}; choose one of: {names}") from None
+            raise ConfigError(f"unknown policy {policy!r}; choose one of: {names}, or module:Class") from None
         return factory(**options)
     if not isinstance(policy, Policy):
         raise ConfigError(f"{policy!r} is not a policy: it needs a propose(graph) method")
     return policy
+
+
+def _import_policy(spec: str, options: dict) -> Policy:
+    """``--policy my_schedules:ZigZag``: the class ``ZigZag`` of the importable module
+    ``my_schedules``, instantiated."""
+    import importlib
+
+    module, _, name = spec.partition(":")
+    try:
+        factory = getattr(importlib.import_module(module), name)
+    except ImportError as exc:
+        raise ConfigError(f"--policy {spec}: cannot import module {module!r} ({exc}); put it on PYTHONPATH") from None
+    except AttributeError:
+        raise ConfigError(f"--policy {spec}: module {module!r} has no {name!r}") from None
+    return resolve_policy(factory(**options))
 
 
 def natural_order(graph: nx.DiGraph) -> list[Task]:

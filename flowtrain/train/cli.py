@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--no-shuffle", action="store_true", help="sequences in file order")
     a("--precision", choices=["fp32", "bf16"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
     a("--device", default="auto", help="auto, cpu or cuda")
-    a("--policy", default=defaults.POLICY, help="scheduling policy: sequential, double_buffer, lookahead")
+    a("--policy", default=defaults.POLICY, help="scheduling policy: sequential, double_buffer, lookahead, or module:Class (your own)")
     a("--checkpoint-every", type=int, default=1, help="keep a layer input every K layers; recompute the rest")
     a("--order", choices=["layer", "micro"], default="layer", help="micro-batch order (layer-major streams weights once)")
     a("--adam-workers", type=int, default=1, help="CPU threads running AdamW tasks concurrently")

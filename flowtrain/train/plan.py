@@ -290,11 +290,14 @@ def _make(cfg, req, device, dtype, policy, layout, resident, chunk_tokens, shrin
           grow: dict[str, int] | None = None) -> Plan:
     """One candidate plan; ``grow`` raises and ``shrink`` caps the policy's slot budgets."""
     from ..policy import resolve_policy
+    from ..policy.base import budgets as default_budgets
     from ..policy.base import min_grad_slots
 
     spec = _spec(cfg, req, layout, resident)
     graph = compile_step(spec)
-    budgets = dict(resolve_policy(policy).propose(graph).budgets)
+    # A pool the graph takes from but the policy did not budget (a user's policy written for
+    # another layout, say) gets the built-ins' default.
+    budgets = {**default_budgets(graph, weights=2, grads=1), **resolve_policy(policy).propose(graph).budgets}
     floor = {WEIGHTS: 1, GRADS: min_grad_slots(graph)}
     for pool, want in (grow or {}).items():
         if pool in budgets:
