@@ -390,29 +390,53 @@ def plan_run(cfg: ModelConfig, req: RunRequest, *, device: torch.device, dtype: 
         if trial.fits:
             plan.max_micro_batch = b
             break
-    plan.suggestions = _suggest(plan, cfg, req)
+    if not plan.fits:
+        plan.suggestions = _suggest(plan, cfg, req, device, dtype, policy, host_limit, gpu_limit)
     return plan
 
 
-def _suggest(plan: Plan, cfg: ModelConfig, req: RunRequest) -> list[str]:
+def _changes(plan: Plan, req: RunRequest, policy: Any) -> list[tuple[str, RunRequest, Any]]:
+    """Single changes that can lower memory, in the order a user would rather make them (what
+    costs least speed or exactness first); none is a setting already in use."""
+    replace = msgspec.structs.replace
     out = []
-    if not plan.fits and plan.max_micro_batch is not None and plan.max_micro_batch < req.micro_batch_size:
+    mbs, steps = req.micro_batch_size, req.batch_size // req.micro_batch_size
+    for n in sorted({steps - 1, *(steps >> i for i in range(1, steps.bit_length()))} - {0}, reverse=True):
+        # fewer micro-batches per step: fewer layer inputs kept for backward
+        out.append((f"--batch-size {n * mbs}", replace(req, batch_size=n * mbs), policy))
+    for k in (2, 4, 8):
+        if k != req.checkpoint_every:
+            out.append((f"--checkpoint-every {k}", replace(req, checkpoint_every=k), policy))
+    if plan.spec.resident and req.resident != "none":
+        out.append(("--resident none", replace(req, resident="none"), policy))
+    if req.layout == "full" or (req.layout == "auto" and plan.layout == "full" and not req.grad_clip):
+        out.append(("--layout staged", replace(req, layout="staged"), policy))
+    if req.grad_clip:
+        out.append(("no --grad-clip (gradients staged: 12 bytes per parameter instead of 16)",
+                    replace(req, grad_clip=False), policy))
+    if policy != "sequential":
+        out.append(("--policy sequential", req, "sequential"))
+    return out
+
+
+def _suggest(plan: Plan, cfg: ModelConfig, req: RunRequest, device, dtype, policy, host_limit, gpu_limit) -> list[str]:
+    """What would make a run that does not fit fit: each suggestion is a change that was planned
+    and fits (the largest micro-batch, the largest batch, ...), not a guess; if no single change
+    does, what memory it would take."""
+    out = []
+    if plan.max_micro_batch is not None and plan.max_micro_batch < req.micro_batch_size:
         out.append(f"use --micro-batch-size {plan.max_micro_batch} (the largest that fits)")
-    if not plan.host_fits:
-        if plan.layout == "full" and not req.grad_clip:
-            out.append("use --layout staged (12 bytes per parameter instead of 16)")
-        if req.grad_clip:
-            out.append("drop --grad-clip so gradients can be staged (12 bytes per parameter instead of 16)")
-        if plan.device == "cuda":
-            out.append("give the GPU more room for resident layers (--gpu-mem, a smaller --micro-batch-size)")
-        need = plan.host_total / GiB
-        out.append(f"run where about {need / HOST_FILL:.0f} GiB of host memory is free")
-    if not plan.gpu_fits:
-        if plan.max_micro_batch is None and req.micro_batch_size > 1:
-            out.append("lower --micro-batch-size or --seq-len")
-        if req.checkpoint_every > 1:
-            out.append("use --checkpoint-every 1 (less recompute memory)")
-        if plan.spec.resident:
-            out.append("keep fewer units resident (--resident none)")
-        out.append("use --policy sequential (one weight slot)")
+    tried_batch = False
+    for text, trial_req, trial_policy in _changes(plan, req, policy):
+        if text.startswith("--batch-size") and tried_batch:
+            continue
+        trial = _plan_once(cfg, trial_req, device, dtype, trial_policy, host_limit, gpu_limit)
+        if trial.fits:
+            tried_batch |= text.startswith("--batch-size")
+            out.append(f"use {text}")
+    if not out:
+        if not plan.host_fits:
+            out.append(f"run where about {plan.host_total / GiB / HOST_FILL:.0f} GiB of host memory is free")
+        if not plan.gpu_fits:
+            out.append(f"a GPU with about {plan.gpu_total / GiB / GPU_FILL:.0f} GiB free (or --gpu-mem that large)")
     return out

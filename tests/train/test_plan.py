@@ -204,3 +204,23 @@ def test_plan_refuses_what_train_refuses(capsys, args, needle):
     argv = ["plan", "--model", "llama-8b", "--batch-size", "16", "--micro-batch-size", "4", *args]
     assert main(argv) == 2
     assert needle in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("extra", [{}, {"checkpoint_every": 4}])
+def test_advice_is_a_change_that_fits_and_never_the_setting_in_use(extra):
+    """8b in 10 GB at 16 sequences of one per micro-batch does not fit: the batch size is the
+    lever (fewer micro-batches, fewer layer inputs kept), and each suggestion, applied, fits."""
+    kw = dict(batch_size=16, micro_batch_size=1, gpu_mem=10, **extra)
+    p = plan(**kw)
+    assert not p.fits and p.suggestions
+    batch = [s for s in p.suggestions if s.startswith("use --batch-size")]
+    assert batch, p.suggestions
+    assert plan(**{**kw, "batch_size": int(batch[0].split()[-1])}).fits
+    assert not any(f"--checkpoint-every {kw.get('checkpoint_every', 1)}" in s for s in p.suggestions)
+
+
+def test_advice_does_not_repeat_the_policy_in_use():
+    req = RunRequest(seq_len=4096, batch_size=16, micro_batch_size=1, host_mem=118.0, gpu_mem=10.0)
+    p = plan_run(preset("llama-8b"), req, device=CUDA, dtype=BF16, policy="sequential")
+    assert not p.fits and p.suggestions
+    assert not any("--policy sequential" in s for s in p.suggestions)
