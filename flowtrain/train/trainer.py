@@ -47,6 +47,7 @@ from .program import StepProgram
 from .reporting import Reporter, StepMetrics
 from .resume import check_compatible, data_fingerprint, restore_rng, steps_done
 from .shutdown import Shutdown
+from .summary import summary_lines
 
 __all__ = ["TrainConfig", "StepMetrics", "train", "prepare"]
 
@@ -287,6 +288,8 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
         recorder = TraceRecorder() if cfg.trace else None
         reporter = Reporter(total=cfg.steps, first=run.first_step, metrics=cfg.metrics, progress=cfg.progress)
         shutdown.say = reporter.say
+        for line in summary_lines(run):
+            reporter.say(line)
         loop = TrainingLoop(run, state, program, reporter, shutdown, on_step,
                             [*instruments, *([recorder] if recorder else [])])
         try:

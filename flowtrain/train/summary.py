@@ -1,0 +1,73 @@
+"""The block a run prints before its first step: what will be trained, where, on what, and where
+the results go, so that a wrong setting shows before hours are spent on it::
+
+    model      qwen-0.5b: Qwen2ForCausalLM, 0.49 B parameters, random init, tied embeddings
+    device     cuda (bf16 compute, fp32 master weights and Adam state)
+    memory     layout staged; resident on the GPU: embed, head, layer.0-7; planned host 6.1 GiB, GPU 9.8 GiB
+    data       corpus.jsonl: 1,204 sequences of 512 tokens, 402,113 target tokens; 200 steps cover 2.7 epochs
+    steps      200 of 16 sequences (8,192 tokens, 2 micro-batches of 8); lr 3e-3 constant
+    output     model to trained/; checkpoints every 50 steps to trained/checkpoint-STEP (keep 3)
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from .trainer import Run
+
+
+def _ranges(keys: tuple[str, ...]) -> str:
+    """``embed, head, layer.0-7`` rather than eight layer names."""
+    layers = sorted(int(k.split(".")[1]) for k in keys if k.startswith("layer."))
+    parts = [k for k in keys if not k.startswith("layer.")]
+    start = prev = None
+    for i in layers + [None]:  # type: ignore[list-item]
+        if start is not None and (i is None or i != prev + 1):
+            parts.append(f"layer.{start}" if start == prev else f"layer.{start}-{prev}")
+            start = None
+        if i is not None and start is None:
+            start = i
+        prev = i
+    return ", ".join(parts) or "none"
+
+
+def summary_lines(run: "Run") -> list[str]:
+    cfg, m, plan = run.cfg, run.mcfg, run.plan
+    gib = 1 << 30
+    source = (f"resumed from {run.resume_from} (step {run.first_step})" if run.resume_from
+              else f"weights from {run.model_dir}" if run.model_dir else "random init")
+    n_params = m.num_parameters()
+    size = f"{n_params / 1e9:.2f} B" if n_params >= 1e8 else f"{n_params / 1e6:.2f} M"
+    lines = [
+        f"model      {cfg.model or ('tiny' if run.model_dir is None else run.model_dir)}: {m.architecture}, "
+        f"{size} parameters, {source}" + (", tied embeddings" if m.tie_word_embeddings else ""),
+        f"device     {run.device} ({'fp32' if run.dtype == torch.float32 else 'bf16'} compute, "
+        "fp32 master weights and Adam state)",
+        f"memory     layout {plan.layout}; " + (
+            f"resident on the GPU: {_ranges(plan.spec.resident)}; planned host {plan.host_total / gib:.1f} GiB, "
+            f"GPU {plan.gpu_total / gib:.1f} GiB" if plan.device == "cuda"
+            else f"everything in host memory; planned {plan.host_total / gib:.1f} GiB"),
+    ]
+    n, seq = run.seqs.input_ids.shape
+    targets = int((run.seqs.targets != -100).sum())
+    epochs = cfg.steps * cfg.batch_size / max(n, 1)
+    lines.append(f"data       {cfg.data or 'the bundled corpus'}: {n:,} sequences of {seq} tokens, "
+                 f"{targets:,} target tokens; {cfg.steps} steps cover {epochs:.1f} epochs")
+    sched = cfg.lr_schedule + (f" after {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else "")
+    lines.append(f"steps      {cfg.steps} of {cfg.batch_size} sequences ({cfg.batch_size * seq:,} tokens, "
+                 f"{cfg.batch_size // cfg.micro_batch_size} micro-batches of {cfg.micro_batch_size}); "
+                 f"lr {cfg.lr:g} {sched}, weight decay {cfg.weight_decay:g}")
+    if cfg.out:
+        out = f"model to {cfg.out}"
+        if cfg.save_every:
+            out += (f"; checkpoints every {cfg.save_every} steps to {cfg.out}/checkpoint-STEP"
+                    + (f" (keep {cfg.save_total_limit})" if cfg.save_total_limit else ""))
+        else:
+            out += "; no checkpoints (--save-every N keeps them)"
+    else:
+        out = "nothing is saved (no --out)"
+    lines.append(f"output     {out}")
+    return lines
