@@ -65,7 +65,7 @@ _INTS = (
 )
 #: fields where None means "not set" (planned, unlimited, off)
 _OPTIONAL = {"grad_clip", "gpu_mem", "host_mem", "task_timeout", "chunk_tokens", "save_every",
-             "save_total_limit", "max_skipped"}
+             "save_total_limit", "max_skipped", "lr", "weight_decay", "warmup_steps"}  # last three: defaults decided later
 _SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts
 _TRIVIAL_BACKENDS = ("auto", "none", "eager")
 

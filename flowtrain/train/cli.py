@@ -33,11 +33,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--batch-size", type=int, default=defaults.BATCH_SIZE, help="sequences per optimizer step")
     a("--micro-batch-size", type=int, default=defaults.MICRO_BATCH_SIZE, help="sequences per micro-batch")
     a("--seq-len", type=int, default=defaults.SEQ_LEN, help="tokens per sequence")
-    a("--lr", type=float, default=defaults.LR, help="learning rate (constant unless --warmup-steps/--lr-schedule)")
-    a("--warmup-steps", type=int, default=0, help="linear warm-up steps")
-    a("--lr-schedule", choices=["constant", "cosine", "linear"], default="constant", help="decay after warm-up")
-    a("--min-lr", type=float, default=0.0, help="final rate of a cosine or linear schedule")
-    a("--weight-decay", type=float, default=defaults.WEIGHT_DECAY, help="AdamW decoupled weight decay (all parameters)")
+    scratch, tune = defaults.FROM_SCRATCH, defaults.FINE_TUNE
+    both = "default: {} for a model folder, {} for a preset (random weights); a resumed run keeps its own"
+    a("--lr", type=float, default=None, help="peak learning rate; " + both.format(tune["lr"], scratch["lr"]))
+    a("--warmup-steps", type=int, default=None, help="linear warm-up steps; " + both.format(
+        f"{defaults.WARMUP_FRACTION * 100:.0f}%% of --steps", scratch["warmup_steps"]))
+    a("--lr-schedule", choices=["constant", "cosine", "linear"], default=None,
+      help="decay after warm-up; " + both.format(tune["lr_schedule"], scratch["lr_schedule"]))
+    a("--min-lr", type=float, default=0.0, help="final rate of a cosine or linear schedule (default 0)")
+    a("--weight-decay", type=float, default=None, help="AdamW decoupled weight decay; " + both.format(
+        tune["weight_decay"], scratch["weight_decay"]))
+    a("--weight-decay-skip", choices=["none", "norms-biases"], default=None,
+      help="parameters without weight decay: norms-biases (norm weights and biases, as Hugging Face's Trainer) "
+           "or none (decay everything, one torch AdamW group); " + both.format(
+               tune["weight_decay_skip"], scratch["weight_decay_skip"]))
     a("--betas", type=_betas, default=defaults.BETAS, help="AdamW betas, B1,B2")
     a("--eps", type=float, default=defaults.EPS, help="AdamW eps")
     a("--grad-clip", type=float, default=None, help="clip the global gradient norm to this value (exact)")
@@ -98,7 +107,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig(
         model=args.model, data=args.data, steps=args.steps, batch_size=args.batch_size,
         micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, lr=args.lr,
-        weight_decay=args.weight_decay, betas=args.betas, eps=args.eps, grad_clip=args.grad_clip,
+        weight_decay=args.weight_decay, weight_decay_skip=args.weight_decay_skip, betas=args.betas, eps=args.eps, grad_clip=args.grad_clip,
         warmup_steps=args.warmup_steps, lr_schedule=args.lr_schedule, min_lr=args.min_lr, seed=args.seed,
         shuffle=not args.no_shuffle, precision=args.precision, device=args.device, policy=args.policy,
         checkpoint_every=args.checkpoint_every, order=args.order, adam_workers=args.adam_workers,

@@ -15,11 +15,19 @@ The learning rate is constant unless a warm-up or schedule says otherwise::
 from __future__ import annotations
 
 import math
+import re
 
 import msgspec
 import torch
 
 from ..errors import ConfigError
+
+
+#: ``--weight-decay-skip``: which parameters get no weight decay.
+DECAY_SKIPS = ("none", "norms-biases")
+#: A weight is a norm's if a dotted part of its Hugging Face name is a norm module, as Hugging
+#: Face's Trainer decides (``input_layernorm``, ``model.norm``, ``q_norm``, ...).
+_NORM_PART = re.compile(r"(^|_)norm$|layernorm|rmsnorm")
 
 
 class AdamWConfig(msgspec.Struct, frozen=True, kw_only=True):
@@ -28,6 +36,9 @@ class AdamWConfig(msgspec.Struct, frozen=True, kw_only=True):
     eps: float = 1e-8
     weight_decay: float = 0.01
     grad_clip: float | None = None
+    #: ``none``: decay every parameter (one torch AdamW group); ``norms-biases``: not the
+    #: weights of norms nor any bias (two groups, as fine-tuning recipes and HF's Trainer do)
+    weight_decay_skip: str = "none"
 
     def validate(self) -> "AdamWConfig":
         b1, b2 = self.betas
@@ -37,7 +48,45 @@ class AdamWConfig(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError("--lr, --eps and --weight-decay must not be negative")
         if self.grad_clip is not None and self.grad_clip <= 0:
             raise ConfigError(f"--grad-clip must be positive (got {self.grad_clip})")
+        if self.weight_decay_skip not in DECAY_SKIPS:
+            raise ConfigError(f"--weight-decay-skip must be one of {', '.join(DECAY_SKIPS)} (got {self.weight_decay_skip!r})")
         return self
+
+
+def skips_decay(name: str) -> bool:
+    """Whether the parameter called ``name`` (Hugging Face's name) is a norm's weight or a bias."""
+    return name.endswith(".bias") or any(_NORM_PART.search(part) for part in name.split(".")[:-1])
+
+
+def no_decay_ranges(entries, rule: str) -> list[tuple[int, int]]:  # noqa: ANN001 - layout entries
+    """``[lo, hi)`` element ranges of a unit's flat buffer that ``rule`` exempts from weight
+    decay, merged where adjacent (padding between entries is zero and decays to zero anyway)."""
+    if rule == "none":
+        return []
+    out: list[tuple[int, int]] = []
+    for e in sorted(entries, key=lambda e: e.offset):
+        if skips_decay(e.name):
+            if out and out[-1][1] >= e.offset:
+                out[-1] = (out[-1][0], e.offset + e.numel)
+            else:
+                out.append((e.offset, e.offset + e.numel))
+    return out
+
+
+def decay_segments(lo: int, hi: int, no_decay: list[tuple[int, int]]) -> list[tuple[int, int, bool]]:
+    """``[lo, hi)`` cut into ``(start, end, decays)`` pieces, relative to ``lo``."""
+    out, at = [], lo
+    for a, b in no_decay:
+        a, b = max(a, lo), min(b, hi)
+        if a >= b:
+            continue
+        if a > at:
+            out.append((at - lo, a - lo, True))
+        out.append((a - lo, b - lo, False))
+        at = b
+    if at < hi:
+        out.append((at - lo, hi - lo, True))
+    return out
 
 
 class LRSchedule(msgspec.Struct, frozen=True, kw_only=True):
@@ -85,18 +134,21 @@ def adamw_step(
     cfg: AdamWConfig,
     lr: float,
     found_inf: torch.Tensor | None = None,  # () fp32 on master's device: 1.0 leaves everything as it was
+    segments: list[tuple[int, int, bool]] | None = None,  # (start, end, decays) pieces; None: all decay
 ) -> None:
     """One AdamW update of one flat unit with torch's fused kernel (CPU or CUDA).
 
     With ``found_inf`` set to 1.0 the kernel returns before touching master, m or v, and the
     step count is taken back down, as ``torch.optim.AdamW`` does under a gradient scaler: the
-    decision stays on the device, with no host sync."""
+    decision stays on the device, with no host sync. ``segments`` (:func:`decay_segments`)
+    updates each piece with or without weight decay, as two torch parameter groups would."""
     step += 1
     b1, b2 = cfg.betas
-    torch._fused_adamw_(
-        [master], [grad], [exp_avg], [exp_avg_sq], [], [step],
-        lr=lr, beta1=b1, beta2=b2, weight_decay=cfg.weight_decay, eps=cfg.eps, amsgrad=False, maximize=False,
-        found_inf=found_inf,
-    )
+    for a, b, decays in segments or [(0, master.numel(), True)]:
+        torch._fused_adamw_(
+            [master[a:b]], [grad[a:b]], [exp_avg[a:b]], [exp_avg_sq[a:b]], [], [step],
+            lr=lr, beta1=b1, beta2=b2, weight_decay=cfg.weight_decay if decays else 0.0, eps=cfg.eps,
+            amsgrad=False, maximize=False, found_inf=found_inf,
+        )
     if found_inf is not None:
         step -= found_inf

@@ -78,7 +78,7 @@ from .host_state import HostState, UnitState, chunk_range, pinned_zeros, slot_nu
 from .model import bind, decoder_layer, embed, head_loss_and_grads, rope_tables
 from .nonfinite import (UPDATE, Injection, Saved, StepCheck, UndoBudget, injection_from_env, nonfinite,
                         undo_arena_bytes)
-from .optimizer import AdamWConfig, adamw_step, clip_coefficient
+from .optimizer import AdamWConfig, adamw_step, clip_coefficient, decay_segments, no_decay_ranges
 
 
 class _StepData:
@@ -127,6 +127,9 @@ class StepProgram:
         self.dtype = dtype
         self.k = checkpoint_every
         self.adamw = adamw
+        #: per unit, the element ranges that get no weight decay (``--weight-decay-skip``)
+        self.no_decay = {u.layout.key: no_decay_ranges(u.layout.entries, adamw.weight_decay_skip)
+                         for u in state.units}
         self.chunk_tokens = chunk_tokens
         self.tied = self.cfg.tie_word_embeddings
         self.head_n = state.head.layout.numel
@@ -468,8 +471,13 @@ class StepProgram:
         if data.clip is not None:
             grad.mul_(data.clip)  # type: ignore[union-attr]
         adamw_step(unit.master[lo:hi], grad, unit.exp_avg[lo:hi], unit.exp_avg_sq[lo:hi],  # type: ignore[arg-type]
-                   unit.steps[task.chunk or 0], self.adamw, data.lr)
+                   unit.steps[task.chunk or 0], self.adamw, data.lr, segments=self._segments(unit, lo, hi))
         unit.refresh_copies(lo, hi)
+
+    def _segments(self, unit: UnitState, lo: int, hi: int) -> list[tuple[int, int, bool]] | None:
+        """Pieces of ``[lo, hi)`` with and without weight decay (None: all of it decays)."""
+        skip = self.no_decay[unit.layout.key]
+        return decay_segments(lo, hi, skip) if skip else None
 
     def _admit(self, data: _StepData, task: CpuAdam, unit: UnitState, lo: int, hi: int) -> bool:
         """Whether ``cpu_adam`` may update ``[lo, hi)`` of ``unit`` (not if the step is known not
@@ -511,7 +519,7 @@ class StepProgram:
             if data.clip is not None:
                 grad.mul_(data.clip.to(grad.device))  # type: ignore[union-attr]
             adamw_step(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.steps[0], self.adamw, data.lr,  # type: ignore[arg-type]
-                       found_inf=data.check.found_inf)
+                       found_inf=data.check.found_inf, segments=self._segments(unit, 0, unit.master.numel()))
             data.check.gpu_updated.append(unit.layout.key)
             unit.refresh_copies()
         grad.zero_()  # type: ignore[union-attr]

@@ -56,10 +56,11 @@ def summary_lines(run: "Run") -> list[str]:
     epochs = cfg.steps * cfg.batch_size / max(n, 1)
     lines.append(f"data       {cfg.data or 'the bundled corpus'}: {n:,} sequences of {seq} tokens, "
                  f"{targets:,} target tokens; {cfg.steps} steps cover {epochs:.1f} epochs")
-    sched = cfg.lr_schedule + (f" after {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else "")
+    sched = f"{cfg.lr_schedule}" + (f" after {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else "")
     lines.append(f"steps      {cfg.steps} of {cfg.batch_size} sequences ({cfg.batch_size * seq:,} tokens, "
                  f"{cfg.batch_size // cfg.micro_batch_size} micro-batches of {cfg.micro_batch_size}); "
-                 f"lr {cfg.lr:g} {sched}, weight decay {cfg.weight_decay:g}")
+                 f"lr {cfg.lr:g} {sched}, weight decay {cfg.weight_decay:g}"
+                 + (" (none on norms and biases)" if cfg.weight_decay_skip == "norms-biases" else ""))
     if cfg.out:
         out = f"model to {cfg.out}"
         if cfg.save_every:

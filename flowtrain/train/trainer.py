@@ -61,13 +61,17 @@ class TrainConfig(msgspec.Struct, kw_only=True):
     batch_size: int = defaults.BATCH_SIZE
     micro_batch_size: int = defaults.MICRO_BATCH_SIZE
     seq_len: int = defaults.SEQ_LEN
-    lr: float = defaults.LR
-    weight_decay: float = defaults.WEIGHT_DECAY
+    #: the optimizer fields left None take defaults by where the weights come from
+    #: (``flowtrain.train.defaults.optimizer_defaults``) or, resuming, the checkpoint's settings
+    lr: float | None = None
+    weight_decay: float | None = None
+    #: "none" or "norms-biases" (no decay on norm weights and biases)
+    weight_decay_skip: str | None = None
     betas: tuple[float, float] = defaults.BETAS
     eps: float = defaults.EPS
     grad_clip: float | None = None
-    warmup_steps: int = 0
-    lr_schedule: str = "constant"
+    warmup_steps: int | None = None
+    lr_schedule: str | None = None
     min_lr: float = 0.0
     seed: int = defaults.SEED
     shuffle: bool = True
@@ -196,12 +200,13 @@ class Run:
 def prepare(cfg: TrainConfig) -> Run:
     """Check every input and output, read the resumed checkpoint's state, load and tokenise the
     data and plan memory: everything that bad input can make fail, before any large allocation."""
-    validate_numbers(cfg)
     check_compile_backend(cfg.compile)
     resume_from, resume_state = _find_resume(cfg)
     check_output_paths(cfg.out, cfg.overwrite, cfg.trace, cfg.metrics, resume=resume_from)
     model = cfg.model or (str(resume_from) if resume_from else "tiny")
     mcfg, model_dir = load_model_config(model)
+    cfg = resolve_defaults(cfg, pretrained=model_dir is not None, saved=resume_state.get("settings"))
+    validate_numbers(cfg)
     mcfg.validate()
     if resume_from is not None:
         saved_cfg = read_config(resume_from)
@@ -212,8 +217,7 @@ def prepare(cfg: TrainConfig) -> Run:
     validate(cfg, mcfg)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.precision, device)
-    AdamWConfig(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                grad_clip=cfg.grad_clip).validate()
+    adamw_config(cfg).validate()
     schedule = LRSchedule(lr=cfg.lr, warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule,
                           total_steps=cfg.steps, min_lr=cfg.min_lr).validate()
     resolve_policy(cfg.policy)
@@ -226,6 +230,22 @@ def prepare(cfg: TrainConfig) -> Run:
     if not plan.fits:
         raise PlanError(plan.refusal())
     return Run(cfg, mcfg, model_dir, device, dtype, plan, schedule, seqs, data_fp, resume_from, resume_state)
+
+
+def resolve_defaults(cfg: TrainConfig, *, pretrained: bool, saved: dict | None) -> TrainConfig:
+    """``cfg`` with its unset optimizer fields filled: from the resumed checkpoint's settings,
+    else by where the weights come from (:func:`~flowtrain.train.defaults.optimizer_defaults`)."""
+    fallback = defaults.optimizer_defaults(pretrained, cfg.steps)
+    fill = {}
+    for name, value in fallback.items():
+        if getattr(cfg, name) is None:
+            fill[name] = saved[name] if saved and saved.get(name) is not None else value
+    return msgspec.structs.replace(cfg, **fill)
+
+
+def adamw_config(cfg: TrainConfig) -> AdamWConfig:
+    return AdamWConfig(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,  # type: ignore[arg-type]
+                       grad_clip=cfg.grad_clip, weight_decay_skip=cfg.weight_decay_skip)  # type: ignore[arg-type]
 
 
 def _find_resume(cfg: TrainConfig) -> tuple[Path | None, dict]:
@@ -251,10 +271,8 @@ def build_state(run: Run) -> tuple[HostState, StepProgram]:
         state.init_random(cfg.seed)
     else:
         state.load_checkpoint(run.model_dir)
-    adamw = AdamWConfig(lr=cfg.lr, betas=cfg.betas, eps=cfg.eps, weight_decay=cfg.weight_decay,
-                        grad_clip=cfg.grad_clip)
     program = StepProgram(state, device=run.device, dtype=run.dtype, seq_len=cfg.seq_len,
-                          checkpoint_every=cfg.checkpoint_every, budgets=plan.budgets, adamw=adamw,
+                          checkpoint_every=cfg.checkpoint_every, budgets=plan.budgets, adamw=adamw_config(cfg),
                           chunk_tokens=plan.chunk_tokens, compile_backend=resolve_compile(cfg.compile, run.device),
                           undo_bytes=int(cfg.undo_mem * 2**30))
     return state, program

@@ -91,7 +91,10 @@ def run_flowtrain(model_dir, data, out, *extra):
     args = ["train", "--model", str(model_dir), "--data", str(data), "--steps", str(STEPS),
             "--batch-size", str(ROWS), "--micro-batch-size", "2", "--seq-len", str(SEQ), "--no-shuffle",
             "--lr", "0.01", "--weight-decay", "0.1", "--betas", "0.9,0.95", "--eps", "1e-6",
-            "--device", "cpu", "--precision", "fp32", "--out", str(out), "--no-progress", *extra]
+            "--device", "cpu", "--precision", "fp32", "--out", str(out), "--no-progress",
+            # the reference is one torch AdamW group at a constant rate (a model folder's defaults
+            # are a fine-tune's: warm-up, cosine, no decay on norms and biases)
+            "--lr-schedule", "constant", "--warmup-steps", "0", "--weight-decay-skip", "none", *extra]
     assert main(args) == 0
 
 
@@ -197,7 +200,8 @@ def test_bf16_copies_give_the_same_weights_as_casting_on_the_fly(setup, tmp_path
         out = tmp_path / name
         args = ["train", "--model", str(d / "model"), "--data", str(d / "data.jsonl"), "--steps", str(STEPS),
                 "--batch-size", str(ROWS), "--micro-batch-size", "2", "--seq-len", str(SEQ), "--no-shuffle",
-                "--lr", "0.01", "--device", "cpu", "--precision", "bf16", "--out", str(out), "--no-progress", *extra]
+                "--lr", "0.01", "--device", "cpu", "--precision", "bf16", "--out", str(out), "--no-progress",
+                "--lr-schedule", "constant", "--warmup-steps", "0", *extra]
         assert main(args) == 0
         runs[name] = load_file(out / "model.safetensors")
     for key, ref in runs["cast"].items():
