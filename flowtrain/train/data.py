@@ -13,9 +13,25 @@
 are token *streams*: documents are tokenised, joined with the EOS token between them and cut
 into windows of exactly ``seq_len`` tokens (a final tail of 2 or more tokens is kept, padded).
 ``.jsonl`` rows with ``input_ids`` and the rows of a 2-D ``.npy`` are *sequences as they
-stand*: cut at ``seq_len`` or right-padded. Sequences under 2 tokens teach nothing and are
-dropped. Formats live in :mod:`~flowtrain.train.data_files`, tokenizers in
+stand*: cut at ``seq_len`` (keeping the start) or right-padded. Sequences under 2 tokens or
+without a single target teach nothing and are dropped. Formats live in
+:mod:`~flowtrain.train.data_files`, tokenizers and chat templates in
 :mod:`~flowtrain.train.data_text`.
+
+**Fine-tuning.** ``.jsonl`` rows may also be ``{"prompt", "completion"}`` (loss on the
+completion and its EOS), ``{"messages": [...]}`` (the model's chat template; loss on the
+assistant turns) or ``{"input_ids", "labels"}`` (labels as transformers takes them: aligned with
+the ids, -100 for no loss). Each example is one sequence of its own, padded to ``seq_len``.
+Several short examples are *not* packed into one sequence: that needs attention masked between
+documents (and positions restarted), which the model does not have yet; until then packing would
+let one example attend to another.
+
+**Which tokenizer.** Text (``.txt``, ``text``, ``prompt``/``completion``, ``messages``) is
+tokenised with ``tokenizer_dir/tokenizer.json``. A preset model (``tokenizer_dir=None``) learns
+raw UTF-8 bytes; a model folder without a tokenizer.json is refused unless ``byte_tokenizer``
+says that bytes are meant (``--byte-tokenizer``), since a pretrained model's ids are not bytes.
+A flowtrain checkpoint without one goes on in bytes: flowtrain copies the tokenizer files into
+every checkpoint, so it was trained on bytes (or on ids) from the start.
 
 **Targets, as Hugging Face defines the loss.** ``LlamaForCausalLM(input_ids, labels=input_ids)``
 with padding labelled -100 shifts inside the loss: position ``t`` predicts token ``t + 1``, the
@@ -24,6 +40,12 @@ scheduler never see a label that is not a target::
 
     input_ids  [ 5  9  7  3 | pad pad ]          (4 real tokens, seq_len 6)
     targets    [ 9  7  3 -100 -100 -100 ]        (3 targets)
+
+Rows with labels shift the labels, so a position predicts only a token that carries a loss::
+
+    input_ids  [ 1  5  9 | 7  3  2 ]              (BOS, prompt 5 9, completion 7 3, EOS 2)
+    labels     [ -100 -100 -100 | 7  3  2 ]
+    targets    [ -100 -100  7  3  2 -100 ]        (3 targets: no prompt token is one)
 
 Summing ``cross_entropy(..., reduction="sum")`` over every micro-batch and dividing by
 ``batch.num_targets()`` gives exactly HF's mean over the whole step, however the step is split.
@@ -43,8 +65,20 @@ import numpy as np
 import torch
 
 from flowtrain.errors import ConfigError, DataError
-from flowtrain.train.data_files import Parsed, read_jsonl, read_npy, read_txt
-from flowtrain.train.data_text import TOKENIZER_FILES, find_tokenizer, make_encoder, tokenizer_files
+from flowtrain.train.data_files import (
+    IGNORE_INDEX,
+    Parsed,
+    read_jsonl,
+    read_npy,
+    read_txt,
+)
+from flowtrain.train.data_text import (
+    TOKENIZER_FILES,
+    find_tokenizer,
+    load_chat_template,
+    make_encoder,
+    tokenizer_files,
+)
 
 __all__ = [
     "IGNORE_INDEX",
@@ -57,8 +91,6 @@ __all__ = [
     "step_batches",
     "tokenizer_files",
 ]
-
-IGNORE_INDEX = -100  # a target that is not one: torch's and Hugging Face's ignore_index
 
 _FORMATS = (".jsonl", ".txt", ".npy")
 
@@ -129,13 +161,16 @@ def load_sequences(
     tokenizer_dir: str | Path | None = None,
     pad_id: int = 0,
     eos_id: int | None = None,
+    byte_tokenizer: bool = False,
 ) -> Sequences:
     """Read a ``.jsonl``, ``.txt`` or ``.npy`` file into :class:`Sequences`.
 
-    Text is tokenised with ``tokenizer_dir/tokenizer.json`` when there is one, else as UTF-8
-    bytes. ``eos_id`` separates joined documents; when None, the tokenizer's
-    ``tokenizer_config.json`` may name one. Raises DataError for a file that cannot be used
-    and ConfigError for impossible sizes or ids.
+    Text is tokenised with ``tokenizer_dir/tokenizer.json`` when there is one; as UTF-8 bytes
+    when ``tokenizer_dir`` is None (a preset) or ``byte_tokenizer`` is set; a ``tokenizer_dir``
+    without tokenizer.json is refused for text. ``messages`` rows use the chat template found in
+    ``tokenizer_dir``. ``eos_id`` separates joined documents and ends completions; when None,
+    the tokenizer's ``tokenizer_config.json`` may name one. Raises DataError for a file that
+    cannot be used and ConfigError for impossible sizes or ids.
     """
     _check_config(seq_len, vocab_size, pad_id, eos_id)
     path = Path(path)
@@ -152,18 +187,17 @@ def load_sequences(
     if path.stat().st_size == 0:
         raise DataError(f"data file {path} is empty; give it some text or token ids")
 
-    encoder = functools.cache(lambda: make_encoder(tokenizer_dir, vocab_size, eos_id))
+    encoder = functools.cache(lambda: make_encoder(tokenizer_dir, vocab_size, eos_id, byte_tokenizer))
     if suffix == ".jsonl":
-        parsed = read_jsonl(path, vocab_size, encoder)
+        parsed = read_jsonl(path, vocab_size, encoder, lambda: load_chat_template(tokenizer_dir))
     elif suffix == ".txt":
         parsed = read_txt(path, vocab_size, encoder)
     else:
         parsed = read_npy(path, vocab_size)
     if parsed.kind == "rows":
-        ids, lengths = _pack_rows(path, parsed, seq_len, pad_id)
-    else:
-        ids, lengths = _pack_stream(path, parsed, seq_len, pad_id)
-    return _sequences(ids, lengths)
+        return _pack_rows(path, parsed, seq_len, pad_id)
+    ids, lengths = _pack_stream(path, parsed, seq_len, pad_id)
+    return _sequences(ids, ids, lengths)
 
 
 def step_batches(
@@ -237,21 +271,27 @@ def _check_config(seq_len: int, vocab_size: int, pad_id: int, eos_id: int | None
         )
 
 
-def _pack_rows(
-    path: Path, parsed: Parsed, seq_len: int, pad_id: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Sequences as they stand: cut at seq_len, right-padded, under-2-token ones dropped."""
-    rows = [row[:seq_len] for row in parsed.pieces if min(len(row), seq_len) >= 2]
+def _pack_rows(path: Path, parsed: Parsed, seq_len: int, pad_id: int) -> Sequences:
+    """Sequences as they stand: cut at seq_len, right-padded; those without a target dropped."""
+    labels_of = parsed.labels if parsed.labels is not None else parsed.pieces
+    rows = [
+        (ids[:seq_len], lab[:seq_len])
+        for ids, lab in zip(parsed.pieces, labels_of)
+        if (lab[1:seq_len] != IGNORE_INDEX).any()  # a target needs a labelled token at t >= 1
+    ]
     if not rows:
         raise DataError(
-            f"{path} has no usable sequences: every one has fewer than 2 tokens, and predicting "
-            "a next token needs at least 2"
+            f"{path} has no usable sequences: every one has fewer than 2 tokens or no token "
+            f"with a loss within the first --seq-len {seq_len}, and predicting a next token "
+            "needs at least 2"
         )
     ids = np.full((len(rows), seq_len), pad_id, dtype=np.int64)
-    lengths = np.array([len(row) for row in rows], dtype=np.int64)
-    for i, row in enumerate(rows):
+    labels = np.full((len(rows), seq_len), IGNORE_INDEX, dtype=np.int64)
+    lengths = np.array([len(row) for row, _ in rows], dtype=np.int64)
+    for i, (row, lab) in enumerate(rows):
         ids[i, : len(row)] = row
-    return ids, lengths
+        labels[i, : len(lab)] = lab
+    return _sequences(ids, labels, lengths)
 
 
 def _pack_stream(
@@ -286,11 +326,12 @@ def _pack_stream(
     return ids.reshape(rows, seq_len), lengths
 
 
-def _sequences(ids: np.ndarray, lengths: np.ndarray) -> Sequences:
-    """Targets from right-padded ids: ``targets[:, t] = ids[:, t + 1]`` where ``t + 1`` is real."""
+def _sequences(ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray) -> Sequences:
+    """Targets from right-padded ids and their labels (the ids themselves, or -100 where no
+    loss is taken): ``targets[:, t] = labels[:, t + 1]`` where ``t + 1`` is real."""
     next_real = np.arange(1, ids.shape[1])[None, :] < lengths[:, None]  # (N, seq_len - 1)
     targets = np.full_like(ids, IGNORE_INDEX)
-    targets[:, :-1] = np.where(next_real, ids[:, 1:], IGNORE_INDEX)
+    targets[:, :-1] = np.where(next_real, labels[:, 1:], IGNORE_INDEX)
     return Sequences(torch.from_numpy(ids), torch.from_numpy(targets))
 
 

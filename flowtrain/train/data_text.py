@@ -1,10 +1,13 @@
-"""Text to token ids: the model's own ``tokenizer.json``, or raw UTF-8 bytes.
+"""Text to token ids: the model's own ``tokenizer.json``, or raw UTF-8 bytes; chat templates.
 
 A model directory that carries a ``tokenizer.json`` is tokenised with it through the
 ``tokenizers`` library, exactly as ``AutoTokenizer.from_pretrained(dir)(text)`` would: the
 tokenizer's template applies, so a Llama tokenizer puts its BOS in front of every document.
-Without one (a preset model that has no directory yet) text falls back to its UTF-8 bytes,
-ids 0..255, which any model with ``vocab_size >= 256`` can learn::
+Without one, text falls back to its UTF-8 bytes, ids 0..255, which any model with
+``vocab_size >= 256`` can learn -- but only for a preset model that has no directory
+(``tokenizer_dir=None``) or when asked for (``byte_tokenizer=True``, ``--byte-tokenizer``): a
+model folder without ``tokenizer.json`` is a pretrained model whose ids are not bytes, and
+training it on bytes would silently teach it nonsense::
 
     encoder = make_encoder(model_dir, vocab_size=32000, eos_id=None)
     encoder.encode_many(["Hello there.", "Bye."])   # [array([1, 15043, 727, 29889]), ...]
@@ -12,17 +15,24 @@ ids 0..255, which any model with ``vocab_size >= 256`` can learn::
 
 Encoders return ``np.ndarray`` int64 id arrays; range checks against the model's vocabulary
 happen in :mod:`flowtrain.train.data_files`, where the line and position are known.
+
+**Chat templates.** :class:`ChatTemplate` renders ``messages`` the way transformers'
+``apply_chat_template`` does (a sandboxed Jinja2 environment with ``trim_blocks`` and
+``lstrip_blocks``, its ``tojson``, ``raise_exception`` and ``strftime_now``, the special tokens
+as variables, ``{% generation %}`` blocks rendered as plain text); the rendered text is
+tokenised without adding special tokens, as transformers does, since the template writes them.
 """
 
 from __future__ import annotations
 
 import json
+from datetime import datetime
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import numpy as np
 
-from flowtrain.errors import DataError
+from flowtrain.errors import ConfigError, DataError
 
 # Files a model directory may carry for its tokenizer; the trainer copies the ones present
 # next to its checkpoints so that --out is a complete, loadable model directory.
@@ -34,6 +44,7 @@ TOKENIZER_FILES = (
     "vocab.json",
     "merges.txt",
     "generation_config.json",
+    "chat_template.jinja",
 )
 
 # Tokenizer files that mean "this model has a real tokenizer", so falling back to bytes
@@ -75,6 +86,14 @@ class Encoder(Protocol):
         """One long document (a whole .txt file) as one int64 id array."""
         ...
 
+    def encode_bare(self, texts: list[str]) -> list[np.ndarray]:
+        """One int64 id array per text, without the template's special tokens."""
+        ...
+
+    def template_ids(self) -> tuple[np.ndarray, np.ndarray]:
+        """The special ids the template puts before and after a document (BOS, ...)."""
+        ...
+
 
 class ByteEncoder:
     """The fallback: a text's UTF-8 bytes are its token ids (0..255), no special tokens."""
@@ -89,6 +108,13 @@ class ByteEncoder:
 
     def encode_document(self, text: str) -> np.ndarray:
         return np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+
+    def encode_bare(self, texts: list[str]) -> list[np.ndarray]:
+        return self.encode_many(texts)
+
+    def template_ids(self) -> tuple[np.ndarray, np.ndarray]:
+        empty = np.zeros(0, dtype=np.int64)
+        return empty, empty
 
 
 class TokenizerEncoder:
@@ -122,11 +148,15 @@ class TokenizerEncoder:
         # Encode the pieces bare and put the template (BOS, ...) around the whole once.
         # Only the few seams between pieces may tokenize differently from a single call.
         pieces = self._tokenizer.encode_batch(_split_lines(text), add_special_tokens=False)
-        prefix, suffix = self._template()
+        prefix, suffix = self.template_ids()
         ids = [prefix, *(np.asarray(p.ids, dtype=np.int64) for p in pieces), suffix]
         return np.concatenate(ids)
 
-    def _template(self) -> tuple[np.ndarray, np.ndarray]:
+    def encode_bare(self, texts: list[str]) -> list[np.ndarray]:
+        encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
+        return [np.asarray(e.ids, dtype=np.int64) for e in encodings]
+
+    def template_ids(self) -> tuple[np.ndarray, np.ndarray]:
         """The special ids the tokenizer's template puts before and after a document."""
         bare = self._tokenizer.encode("a", add_special_tokens=False).ids
         full = self._tokenizer.encode("a", add_special_tokens=True).ids
@@ -140,15 +170,30 @@ class TokenizerEncoder:
         return empty, empty
 
 
-def make_encoder(tokenizer_dir: str | Path | None, vocab_size: int, eos_id: int | None) -> Encoder:
-    """The encoder for a model: its tokenizer.json, else UTF-8 bytes if the vocabulary allows.
+def make_encoder(
+    tokenizer_dir: str | Path | None,
+    vocab_size: int,
+    eos_id: int | None,
+    byte_tokenizer: bool = False,
+) -> Encoder:
+    """The encoder for a model: its tokenizer.json, else UTF-8 bytes where that is allowed.
 
-    Raises DataError when the directory has a tokenizer in another format only (a
-    sentencepiece ``tokenizer.model``, a ``vocab.json``), or when bytes are the only way but
-    ``vocab_size < 256``.
+    Bytes are allowed for a preset model (``tokenizer_dir`` None), when ``byte_tokenizer``
+    asks for them, and for a flowtrain checkpoint without tokenizer.json: flowtrain copies the
+    tokenizer files into every checkpoint, so one without them was trained on bytes (or ids),
+    and resuming or continuing it goes on as it began. Raises DataError when the directory has
+    a tokenizer in another format only (a sentencepiece ``tokenizer.model``, a ``vocab.json``),
+    when it has no tokenizer at all and bytes are not allowed, or when bytes are the way but
+    ``vocab_size < 256``; and ConfigError when bytes are asked for although the directory has
+    a tokenizer.json.
     """
     path = find_tokenizer(tokenizer_dir)
     if path is not None:
+        if byte_tokenizer:
+            raise ConfigError(
+                f"--byte-tokenizer asks for raw UTF-8 bytes, but {tokenizer_dir} has a "
+                "tokenizer.json; drop --byte-tokenizer to use it, or train from a folder without one"
+            )
         return TokenizerEncoder(path, eos_id)
     if tokenizer_dir is not None:
         foreign = [n for n in _FOREIGN_TOKENIZERS if (Path(tokenizer_dir) / n).is_file()]
@@ -157,6 +202,12 @@ def make_encoder(tokenizer_dir: str | Path | None, vocab_size: int, eos_id: int 
                 f"{tokenizer_dir} has {foreign[0]} but no tokenizer.json; flowtrain reads only "
                 "tokenizer.json: convert it with transformers (AutoTokenizer.from_pretrained(dir)"
                 ".save_pretrained(dir)) or pass pre-tokenized input_ids data"
+            )
+        if not byte_tokenizer and not _is_flowtrain_checkpoint(Path(tokenizer_dir)):
+            raise DataError(
+                f"the model folder {tokenizer_dir} has no tokenizer.json, so its text would be "
+                "trained as raw UTF-8 bytes; pass --tokenizer DIR (a folder with tokenizer.json "
+                "[+ tokenizer_config.json]), or --byte-tokenizer to train on bytes on purpose"
             )
     if vocab_size < 256:
         raise DataError(
@@ -167,18 +218,139 @@ def make_encoder(tokenizer_dir: str | Path | None, vocab_size: int, eos_id: int 
     return ByteEncoder(eos_id)
 
 
+def _is_flowtrain_checkpoint(folder: Path) -> bool:
+    """Whether ``folder`` is a checkpoint that flowtrain wrote (its ``manifest.json`` says so)."""
+    manifest = folder / "manifest.json"  # checkpoints.MANIFEST_NAME; data must not import it
+    try:
+        return json.loads(manifest.read_text(encoding="utf-8")).get("format") == "flowtrain-checkpoint"
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def _configured_eos(model_dir: Path, tokenizer) -> int | None:
     """The EOS id named by ``tokenizer_config.json`` (``eos_token``), if any."""
+    token = _special_tokens(model_dir).get("eos_token")
+    return tokenizer.token_to_id(token) if token is not None else None
+
+
+def _tokenizer_config(model_dir: Path) -> dict:
+    """``tokenizer_config.json`` as a dict; {} when absent or unreadable."""
     config = model_dir / "tokenizer_config.json"
     if not config.is_file():
-        return None
+        return {}
     try:
-        token = json.loads(config.read_text(encoding="utf-8")).get("eos_token")
-    except (ValueError, AttributeError):
-        return None  # an unreadable config only costs us the separator, not the run
-    if isinstance(token, dict):
-        token = token.get("content")
-    return tokenizer.token_to_id(token) if isinstance(token, str) else None
+        data = json.loads(config.read_text(encoding="utf-8"))
+    except ValueError:
+        return {}  # an unreadable config only costs us the separator, not the run
+    return data if isinstance(data, dict) else {}
+
+
+_SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
+                   "mask_token")
+
+
+def _special_tokens(model_dir: Path) -> dict[str, str]:
+    """The special tokens ``tokenizer_config.json`` names (``{"eos_token": "</s>", ...}``)."""
+    config, out = _tokenizer_config(model_dir), {}
+    for key in _SPECIAL_TOKENS:
+        token = config.get(key)
+        if isinstance(token, dict):
+            token = token.get("content")
+        if isinstance(token, str):
+            out[key] = token
+    return out
+
+
+class ChatTemplate:
+    """A model's Jinja2 chat template, rendered as transformers' ``apply_chat_template`` does.
+
+    ``messages`` with ``None`` values have those keys dropped first (transformers does too), so
+    ``{"content": None, "tool_calls": [...]}`` renders as the template expects.
+    """
+
+    def __init__(self, source: str, template: str, special_tokens: dict[str, str]) -> None:
+        try:
+            import jinja2
+            import jinja2.ext
+            from jinja2.sandbox import ImmutableSandboxedEnvironment
+        except ImportError:
+            raise DataError(
+                f"rendering the chat template in {source} needs jinja2; pip install 'jinja2>=3.1.6'"
+            ) from None
+        if tuple(int(v) for v in jinja2.__version__.split(".")[:3] if v.isdigit()) < (3, 1, 6):
+            # as transformers: older sandboxes have known escapes, and templates are foreign code
+            raise DataError(
+                f"jinja2 {jinja2.__version__} is too old to run the chat template in {source} "
+                "safely; pip install 'jinja2>=3.1.6'"
+            )
+
+        class Generation(jinja2.ext.Extension):
+            """``{% generation %}...{% endgeneration %}`` renders its body unchanged; assistant
+            tokens are found turn by turn (see data_files), not from these marks."""
+
+            tags = frozenset({"generation"})
+
+            def parse(self, parser):
+                lineno = next(parser.stream).lineno
+                body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+                return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+            def _body(self, caller):
+                return caller()
+
+        def raise_exception(message):
+            raise jinja2.exceptions.TemplateError(message)
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            # transformers' tojson: Jinja's own escapes HTML characters, which would change text
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
+                              sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
+        )
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+        try:
+            self._template = env.from_string(template)
+        except jinja2.exceptions.TemplateError as exc:
+            raise DataError(f"the chat template in {source} does not compile ({exc}); fix it") from None
+        self.source = source
+        self._special = dict(special_tokens)
+
+    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+        """The conversation as text. Raises ``ValueError`` with the template's own message."""
+        import jinja2
+
+        messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        try:
+            return self._template.render(messages=messages, tools=None, documents=None,
+                                         add_generation_prompt=add_generation_prompt, **self._special)
+        except (jinja2.exceptions.TemplateError, TypeError, KeyError, IndexError) as exc:
+            raise ValueError(" ".join(str(exc).split()) or type(exc).__name__) from None
+
+
+def load_chat_template(tokenizer_dir: str | Path | None) -> ChatTemplate | None:
+    """The chat template of ``tokenizer_dir``, or None when it has none.
+
+    As in transformers, a ``chat_template.jinja`` file wins over ``tokenizer_config.json``'s
+    ``chat_template`` (a string, or a list of ``{"name", "template"}`` of which ``default``).
+    """
+    if tokenizer_dir is None:
+        return None
+    root = Path(tokenizer_dir)
+    special = _special_tokens(root)
+    jinja_file = root / "chat_template.jinja"
+    if jinja_file.is_file():
+        return ChatTemplate(str(jinja_file), jinja_file.read_text(encoding="utf-8"), special)
+    template: Any = _tokenizer_config(root).get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    if not isinstance(template, str) or not template:
+        return None
+    return ChatTemplate(str(root / "tokenizer_config.json"), template, special)
 
 
 def _split_lines(text: str) -> list[str]:

@@ -206,7 +206,8 @@ def test_long_txt_is_encoded_in_pieces_with_one_template(tmp_path, monkeypatch):
 def test_byte_fallback_encodes_utf8_and_keeps_only_tails_of_two(tmp_path):
     path = tmp_path / "d.txt"
     path.write_text("héllo wor", encoding="utf-8")  # 10 bytes: é is two
-    seqs = load_sequences(path, seq_len=4, vocab_size=256, tokenizer_dir=tmp_path)
+    seqs = load_sequences(path, seq_len=4, vocab_size=256, tokenizer_dir=tmp_path,
+                          byte_tokenizer=True)  # a folder without tokenizer.json: asked for
     raw = list("héllo wor".encode("utf-8"))
     assert seqs.input_ids.tolist() == [raw[0:4], raw[4:8], raw[8:10] + [0, 0]]
     assert seqs.targets.tolist()[2] == [raw[9], -100, -100, -100]
@@ -302,13 +303,13 @@ def error_cases(tmp_path: Path):
          r"line 3 is not valid JSON"),
         ("not an object", text("d.jsonl", "[1, 2, 3]\n"), {}, r"line 1 is a JSON list"),
         ("neither key", text("d.jsonl", '{"input_ids": [1, 2]}\n{"tokens": [1]}\n'), {},
-         r"line 2 has neither \"input_ids\" nor \"text\" \(it has tokens\)"),
+         r"line 2 has tokens, which is none of the accepted row forms"),
         ("text not a string", text("d.jsonl", '{"text": ["a"]}\n'), {},
          r"line 1: \"text\" is a list"),
         ("ids not ints", text("d.jsonl", '{"input_ids": [1, 2.5]}\n'), {}, "flat list of integers"),
         ("ids nested", text("d.jsonl", '{"input_ids": [[1, 2]]}\n'), {}, "flat list of integers"),
         ("mixed kinds", text("d.jsonl", '{"input_ids": [1, 2]}\n{"text": "hi"}\n'), {},
-         r"mixes \"text\" rows \(line 2\) and \"input_ids\" rows \(line 1\)"),
+         r"mixes \"input_ids\" rows \(line 1\) and \"text\" rows \(line 2\)"),
         ("only blank lines", text("d.jsonl", "\n  \n"), {}, "no JSON lines"),
         ("id too large", text("d.jsonl", '{"input_ids": [1, 2]}\n{"input_ids": [3, 300, 4]}\n'),
          {}, r"line 2: token id 300 at position 1 .*0\.\.255"),
