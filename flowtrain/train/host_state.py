@@ -234,5 +234,8 @@ class HostState:
         for u in self.units:
             u.refresh_copies()
 
-    def save(self, out_dir: str | Path) -> None:
-        save_hf(out_dir, self.cfg, self.layouts, [u.master for u in self.units])
+    def save(self, out_dir: str | Path, dtype: torch.dtype = torch.float32, *, max_shard_bytes: int | None = None,
+             source_config: dict | None = None) -> None:
+        """The masters as a Hugging Face checkpoint in ``dtype`` (see :func:`save_hf`)."""
+        save_hf(out_dir, self.cfg, self.layouts, [u.master for u in self.units], dtype,
+                max_shard_bytes=max_shard_bytes, source_config=source_config)

@@ -10,20 +10,39 @@ disk, then put in place:
   does not have (say, shards of a differently sharded model) are removed last.
 
 A run killed with ``kill -9`` leaves its temporary folder behind; the next run with the same
-``--out`` removes it (:func:`remove_stale_temp`)::
+``--out`` removes it (:func:`remove_stale_temp`).
 
-    path = save_final_model(state, "trained", tokenizer_dir=model_dir)
+The folder is what a user fine-tuning a pretrained model expects of ``save_pretrained``: the
+weights in the checkpoint's own dtype (``save_dtype="auto"``; or ``"fp32"``, ``"bf16"``,
+``"fp16"``), cast piece by piece as they stream to disk; sharded with an index above
+``max_shard_bytes`` (5 GB, transformers' default); the source ``config.json`` kept but for its
+dtype; ``generation_config.json`` and the tokenizer's files copied::
+
+    path = save_final_model(state, "trained", model_dir)                  # as --model was
+    path = save_final_model(state, "trained", model_dir, save_dtype="fp32")
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
+import torch
+
+from ..errors import CheckpointError, ConfigError
 from .data import tokenizer_files
 from .host_state import HostState
+from .model.checkpoint import CONFIG_NAME, checkpoint_dtype
+
+#: ``save_dtype`` names besides ``"auto"`` (the source checkpoint's dtype; fp32 without one).
+SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+#: Weights above this many bytes are sharded: transformers' ``max_shard_size="5GB"``.
+DEFAULT_MAX_SHARD_BYTES = 5 * 10**9
+GENERATION_CONFIG = "generation_config.json"
 
 #: Files of a saved model in a Hugging Face folder (besides tokenizer files).
 MODEL_FILE_GLOBS = ("config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
@@ -62,20 +81,69 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-def save_final_model(state: HostState, out: str | Path, tokenizer_dir: Path | None) -> Path:
-    """Write the model in Hugging Face format (+ the tokenizer's files) and put it at ``out``."""
+def resolve_save_dtype(save_dtype: str, source_dir: str | Path | None) -> torch.dtype:
+    """The dtype to save in: ``save_dtype`` by name, or for ``"auto"`` the dtype of the
+    checkpoint in ``source_dir`` (fp32 for none: a preset or random init)."""
+    if save_dtype == "auto":
+        return (checkpoint_dtype(source_dir) if source_dir is not None else None) or torch.float32
+    if save_dtype not in SAVE_DTYPES:
+        raise ConfigError(f"--save-dtype must be one of auto, {', '.join(SAVE_DTYPES)} (got {save_dtype!r})")
+    return SAVE_DTYPES[save_dtype]
+
+
+def save_final_model(
+    state: HostState,
+    out: str | Path,
+    tokenizer_dir: str | Path | None,
+    *,
+    source_dir: "str | Path | None | object" = "same",
+    save_dtype: str = "auto",
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+) -> Path:
+    """Write the model in Hugging Face format (+ the tokenizer's files) and put it at ``out``.
+
+    ``source_dir`` is the checkpoint trained from (by default ``tokenizer_dir``, the ``--model``
+    folder; ``None``: none): its ``config.json`` is kept but for the dtype, its
+    ``generation_config.json`` copied and, for ``save_dtype="auto"``, its dtype used. Without one
+    (presets, random init) the config is flowtrain's own and ``auto`` means fp32. A bad ``save_dtype`` or ``max_shard_bytes``
+    raises :class:`ConfigError` before anything is written.
+    """
     out = Path(out)
+    if source_dir == "same":
+        source_dir = tokenizer_dir
+    source = Path(source_dir) if source_dir is not None else None  # type: ignore[arg-type]
+    dtype = resolve_save_dtype(save_dtype, source)
+    if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
+        raise ConfigError(f"the shard size must be a positive number of bytes (got {max_shard_bytes!r})")
+    source_config = _source_config(source)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(out), dir=out.parent))
     try:
-        state.save(tmp)
-        for f in tokenizer_files(tokenizer_dir):
+        state.save(tmp, dtype, max_shard_bytes=max_shard_bytes, source_config=source_config)
+        extra = tokenizer_files(tokenizer_dir)
+        if source is not None and (source / GENERATION_CONFIG).is_file():
+            extra.append(source / GENERATION_CONFIG)  # last: the source's wins over the tokenizer dir's
+        for f in extra:
             shutil.copy2(f, tmp / f.name)
         fsync_tree(tmp)
         _place(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return out
+
+
+def _source_config(source: Path | None) -> dict[str, Any] | None:
+    """The source checkpoint's ``config.json`` as a dict, or None where there is none."""
+    path = source / CONFIG_NAME if source is not None else None
+    if path is None or not path.is_file():
+        return None
+    try:
+        d = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from e
+    if not isinstance(d, dict):
+        raise CheckpointError(f"{path} must hold a JSON object, got {type(d).__name__}")
+    return d
 
 
 def _place(tmp: Path, out: Path) -> None:

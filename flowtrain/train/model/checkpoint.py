@@ -12,6 +12,9 @@ saving streams each tensor's bytes to disk in the safetensors format, for the sa
     ...
     save_hf("out", cfg, layouts, flats, dtype=torch.bfloat16)   # from_pretrained("out") works
 
+Saving writes ``model.safetensors``, or above ``max_shard_bytes`` the sharded form that
+``save_pretrained`` writes, and can keep the source checkpoint's ``config.json`` as it was.
+
 Problems with the files (missing, truncated, wrong shapes) raise
 :class:`~flowtrain.errors.CheckpointError` naming the file and tensor.
 """
@@ -21,26 +24,31 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import struct
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
-from flowtrain.errors import CheckpointError
+from flowtrain.errors import CheckpointError, FlowtrainError
 from flowtrain.train.model.config import ModelConfig
 from flowtrain.train.model.layout import Entry, UnitLayout, bind
 
-__all__ = ["hf_config_text", "load_into", "read_config", "save_hf", "unit_tensors", "write_safetensors"]
+__all__ = ["checkpoint_dtype", "hf_config_text", "load_into", "read_config", "save_hf", "shard_tensors",
+           "unit_tensors", "write_safetensors"]
 
 log = logging.getLogger(__name__)
 
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
+SHARD_NAME = "model-{:05d}-of-{:05d}.safetensors"
+SHARD_GLOB = "model-*-of-*.safetensors"
 
 _ST_DTYPES = {
     torch.float32: "F32",
@@ -54,6 +62,8 @@ _HF_DTYPE_NAMES = {
     torch.float16: "float16",
     torch.float64: "float64",
 }
+_DTYPE_BY_HF_NAME = {name: dt for dt, name in _HF_DTYPE_NAMES.items() if dt != torch.float64}
+_DTYPE_BY_ST_NAME = {name: dt for dt, name in _ST_DTYPES.items() if dt != torch.float64}
 _WRITE_PIECE = 1 << 24  # elements converted/copied per write: bounds temporaries
 
 
@@ -165,12 +175,22 @@ def save_hf(
     layouts: Sequence[UnitLayout],
     flats: Sequence[Tensor],
     dtype: torch.dtype = torch.float32,
+    *,
+    max_shard_bytes: int | None = None,
+    source_config: dict[str, Any] | None = None,
 ) -> None:
-    """Write ``config.json`` and ``model.safetensors`` (tensors in ``dtype``) to ``out_dir``.
+    """Write ``config.json`` and the weights (tensors in ``dtype``) to ``out_dir``.
 
-    The weights go through :func:`write_safetensors`, which streams each tensor in pieces,
-    so no second copy of the model is made whatever ``dtype`` is. A stale
-    ``model.safetensors.index.json`` is removed so the directory holds one consistent model.
+    Weights of at most ``max_shard_bytes`` (``None``: no limit) go to one ``model.safetensors``;
+    more are split, as ``save_pretrained(max_shard_size=...)`` does, into
+    ``model-00001-of-0000N.safetensors`` files filled greedily in model order plus
+    ``model.safetensors.index.json`` (:func:`shard_tensors`). Every file goes through
+    :func:`write_safetensors`, which streams each tensor in pieces, so no second copy of the
+    model is made whatever ``dtype`` is. Weight files of a differently saved model already in
+    ``out_dir`` are removed, so the directory holds one consistent model.
+
+    ``source_config`` (the ``config.json`` dict of the checkpoint trained from) is written back
+    with only the dtype changed; without it the config comes from ``cfg`` (:func:`hf_config_text`).
     """
     if dtype not in _ST_DTYPES:
         raise CheckpointError(
@@ -186,23 +206,115 @@ def save_hf(
         tensors += unit_tensors(flat, layout)
     if cfg.tie_word_embeddings:
         tensors = [(name, t) for name, t in tensors if name != "lm_head.weight"]
+    shards = shard_tensors(tensors, dtype, max_shard_bytes)
+    names = [WEIGHTS_NAME] if len(shards) == 1 else [
+        SHARD_NAME.format(i + 1, len(shards)) for i in range(len(shards))]
 
-    tmp = out / (WEIGHTS_NAME + ".partial")
+    tmp = out / "weights.partial"
     try:
-        write_safetensors(tmp, tensors, dtype)
-        os.replace(tmp, out / WEIGHTS_NAME)
-        (out / INDEX_NAME).unlink(missing_ok=True)
-        (out / CONFIG_NAME).write_text(hf_config_text(cfg, dtype))
+        for name, shard in zip(names, shards):
+            write_safetensors(tmp, shard, dtype)
+            os.replace(tmp, out / name)
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(_nbytes(t, dtype) for _, t in tensors)},
+                     "weight_map": {t: name for name, shard in zip(names, shards) for t, _ in shard}}
+            (out / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        keep = {*names, INDEX_NAME} if len(shards) > 1 else {WEIGHTS_NAME}
+        for p in [out / WEIGHTS_NAME, out / INDEX_NAME, *out.glob(SHARD_GLOB)]:
+            if p.name not in keep:
+                p.unlink(missing_ok=True)
+        (out / CONFIG_NAME).write_text(hf_config_text(cfg, dtype, source_config))
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise CheckpointError(f"cannot write a checkpoint to {str(out)!r}: {e}") from e
 
 
-def hf_config_text(cfg: ModelConfig, dtype: torch.dtype = torch.float32) -> str:
-    """The ``config.json`` text of ``cfg`` for weights stored in ``dtype``."""
-    hf = cfg.to_hf()
-    hf["torch_dtype"] = hf["dtype"] = _HF_DTYPE_NAMES[dtype]
-    return json.dumps(hf, indent=2, sort_keys=True) + "\n"
+def shard_tensors(
+    tensors: Sequence[tuple[str, Tensor]], dtype: torch.dtype | None, max_shard_bytes: int | None
+) -> list[list[tuple[str, Tensor]]]:
+    """``tensors`` cut, in order, into shards of at most ``max_shard_bytes`` of data as ``dtype``.
+
+    Greedy, like transformers: a tensor that would overflow the current shard starts the next
+    one. A tensor is never split, so one larger than the limit gets a shard of its own. The
+    limit counts tensor bytes only (as the index's ``total_size`` does), not headers.
+    """
+    if max_shard_bytes is not None and max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be positive (got {max_shard_bytes})")
+    shards: list[list[tuple[str, Tensor]]] = [[]]
+    size = 0
+    for name, t in tensors:
+        n = _nbytes(t, dtype)
+        if max_shard_bytes is not None and shards[-1] and size + n > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, t))
+        size += n
+    return shards
+
+
+def _nbytes(t: Tensor, dtype: torch.dtype | None) -> int:
+    return t.numel() * torch.empty((), dtype=dtype or t.dtype).element_size()
+
+
+def hf_config_text(
+    cfg: ModelConfig, dtype: torch.dtype = torch.float32, source: dict[str, Any] | None = None
+) -> str:
+    """The ``config.json`` text of ``cfg`` for weights stored in ``dtype``.
+
+    With ``source``, the config of the checkpoint trained from, that config is kept as it was
+    (architectures, rope settings, token ids, keys flowtrain does not know) and only its dtype
+    changes; should it not describe ``cfg``, flowtrain's values of the keys it knows win.
+    """
+    if source is None:
+        hf = cfg.to_hf()
+        hf["torch_dtype"] = hf["dtype"] = _HF_DTYPE_NAMES[dtype]
+        return json.dumps(hf, indent=2, sort_keys=True) + "\n"
+    hf = dict(source)
+    try:
+        same = ModelConfig.from_hf(source) == cfg
+    except FlowtrainError:
+        same = False
+    if not same:
+        log.warning("the source config.json does not describe the model saved; "
+                    "writing flowtrain's values for the keys it knows")
+        hf.update(cfg.to_hf())
+    keys = [k for k in ("torch_dtype", "dtype") if k in hf] or ["torch_dtype", "dtype"]
+    for k in keys:
+        hf[k] = _HF_DTYPE_NAMES[dtype]
+    return json.dumps(hf, indent=2) + "\n"
+
+
+def checkpoint_dtype(model_dir: str | os.PathLike[str]) -> torch.dtype | None:
+    """The floating dtype a Hugging Face checkpoint stores its weights in, or None if unknown.
+
+    ``config.json``'s ``torch_dtype`` (transformers 4) or ``dtype`` (5) if it names fp32, bf16
+    or fp16; else the dtype holding most elements in the first weight file's header.
+    """
+    path = Path(model_dir)
+    try:
+        d = json.loads((path / CONFIG_NAME).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        d = {}
+    for key in ("torch_dtype", "dtype"):
+        name = d.get(key) if isinstance(d, dict) else None
+        if isinstance(name, str) and name.removeprefix("torch.") in _DTYPE_BY_HF_NAME:
+            return _DTYPE_BY_HF_NAME[name.removeprefix("torch.")]
+    try:
+        if (path / WEIGHTS_NAME).is_file():
+            file = path / WEIGHTS_NAME
+        else:  # sharded: the first shard stands for all
+            file = path / min(json.loads((path / INDEX_NAME).read_text())["weight_map"].values())
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+    except (OSError, struct.error, UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError):
+        return None
+    elements: dict[torch.dtype, int] = {}
+    for info in header.values() if isinstance(header, dict) else ():
+        dt = _DTYPE_BY_ST_NAME.get(info.get("dtype")) if isinstance(info, dict) else None
+        if dt is not None and isinstance(info.get("shape"), list):
+            elements[dt] = elements.get(dt, 0) + math.prod(info["shape"])
+    return max(elements, key=elements.__getitem__) if elements else None
 
 
 def unit_tensors(flat: Tensor, layout: UnitLayout) -> list[tuple[str, Tensor]]:
