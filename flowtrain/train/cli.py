@@ -28,7 +28,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--model", default=None, help="Hugging Face model directory or preset (tiny, qwen-0.5b, llama-1b, llama-3b, llama-8b, "
                                     "qwen-14b); default: tiny, or the resumed checkpoint's model")
-    a("--data", default=None, help=".jsonl (input_ids or text), .txt or .npy; default: the bundled corpus")
+    a("--data", default=None, help=".jsonl (rows of text, prompt+completion, messages, or input_ids[+labels]), "
+                                   ".txt or .npy; default: the bundled corpus")
+    a("--tokenizer", default=None, metavar="DIR",
+      help="folder with tokenizer.json (+ tokenizer_config.json with a chat template) for text data; "
+           "default: the model folder's")
+    a("--byte-tokenizer", action="store_true", help="train text as raw UTF-8 bytes (presets do this anyway)")
     a("--steps", type=int, default=defaults.STEPS, help="optimizer steps")
     a("--batch-size", type=int, default=defaults.BATCH_SIZE, help="sequences per optimizer step")
     a("--micro-batch-size", type=int, default=defaults.MICRO_BATCH_SIZE, help="sequences per micro-batch")
@@ -61,6 +66,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     add_memory_arguments(p)
     add_compile_argument(p)
     a("--out", default=None, help="write the trained model here (Hugging Face format), checkpoints in OUT/checkpoint-STEP")
+    a("--save-dtype", choices=["auto", "fp32", "bf16", "fp16"], default="auto",
+      help="dtype of the final model: auto (the input model's; fp32 for a preset), fp32, bf16, fp16; sharded "
+           "above 5 GB with model.safetensors.index.json (checkpoints always keep fp32)")
     a("--overwrite", action="store_true", help="replace the model in a non-empty --out (the old one stays until the new one is in place)")
     g = p.add_argument_group("checkpoints and safety")
     g.add_argument("--save-every", type=int, default=None, metavar="N",
@@ -114,6 +122,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         out=args.out, overwrite=args.overwrite, metrics=args.metrics, trace=args.trace,
         progress=False if args.no_progress else None, layout=args.layout, resident=args.resident,
         gpu_mem=args.gpu_mem, host_mem=args.host_mem, chunk_tokens=args.chunk_tokens, compile=args.compile,
+        tokenizer=args.tokenizer, byte_tokenizer=args.byte_tokenizer, save_dtype=args.save_dtype,
         save_every=args.save_every, save_total_limit=args.save_total_limit, resume=args.resume,
         max_skipped=args.max_skipped, undo_mem=args.undo_mem, task_timeout=args.task_timeout,
     )

@@ -177,7 +177,7 @@ class TrainingLoop:
         self.program.checkpoints.pop(s, None)
         ts = trainer_state(self.cfg, steps_done=s + 1, skipped=self.skipped, consecutive=self.consecutive,
                            data=self.run.data_fp, last_loss=m.loss)
-        self.last_saved = writer.finish(ts, extra_files=tokenizer_files(self.run.model_dir))
+        self.last_saved = writer.finish(ts, extra_files=tokenizer_files(self.run.tokenizer_dir))
         self.last_saved_step = s + 1
         if self.cfg.save_total_limit:
             checkpoints.prune(self.cfg.out, self.cfg.save_total_limit)  # type: ignore[arg-type]

@@ -40,7 +40,7 @@ from .data import Sequences, default_corpus_path, load_sequences
 from .host_state import HostState, return_freed_memory
 from .model import ModelConfig, PRESETS, preset, read_config
 from .optimizer import AdamWConfig, LRSchedule
-from .output import remove_stale_temp, save_final_model
+from .output import remove_stale_temp, resolve_save_dtype, save_final_model
 from .plan import Plan, cap_gpu_memory, plan_run, run_request
 from .loop import TrainingLoop
 from .program import StepProgram
@@ -97,6 +97,13 @@ class TrainConfig(msgspec.Struct, kw_only=True):
     compile: str | None = "auto"
     gpu_mem: float | None = None  # GiB flowtrain may take on the GPU (enforced)
     host_mem: float | None = None  # GiB of host memory to plan for (default: what is available)
+    #: a folder with tokenizer.json (+ tokenizer_config.json, chat template) for text data;
+    #: None: the model folder's
+    tokenizer: str | None = None
+    #: train text as raw UTF-8 bytes even with a model folder (presets do so anyway)
+    byte_tokenizer: bool = False
+    #: dtype of the final model: "auto" (the input model's), "fp32", "bf16", "fp16"
+    save_dtype: str = "auto"
     #: write ``out/checkpoint-STEP`` every this many steps (needs ``out``)
     save_every: int | None = None
     #: keep only the newest this many checkpoints
@@ -191,6 +198,8 @@ class Run:
     data_fp: str
     resume_from: Path | None = None
     resume_state: dict = field(default_factory=dict)
+    tokenizer_dir: Path | None = None  # whose tokenizer files go with every saved model
+    source_dir: Path | None = None  # the pretrained folder whose config.json the final model keeps
 
     @property
     def first_step(self) -> int:
@@ -221,15 +230,39 @@ def prepare(cfg: TrainConfig) -> Run:
     schedule = LRSchedule(lr=cfg.lr, warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule,
                           total_steps=cfg.steps, min_lr=cfg.min_lr).validate()
     resolve_policy(cfg.policy)
+    resolve_save_dtype(cfg.save_dtype, model_dir)  # a bad name fails now, not after training
+    tokenizer_dir = _tokenizer_dir(cfg, model_dir)
     seqs = load_sequences(cfg.data or str(default_corpus_path()), cfg.seq_len, mcfg.vocab_size,
-                          tokenizer_dir=model_dir, pad_id=mcfg.pad_token_id or 0, eos_id=mcfg.eos_token_id)
+                          tokenizer_dir=tokenizer_dir, pad_id=mcfg.pad_token_id or 0, eos_id=mcfg.eos_token_id,
+                          byte_tokenizer=cfg.byte_tokenizer)
     data_fp = data_fingerprint(seqs.input_ids, seqs.targets)
     if resume_from is not None:
         check_compatible(resume_state, cfg, data=data_fp, where=str(resume_from), total_steps=cfg.steps)
     plan = plan_run(mcfg, run_request(cfg, model_dir), device=device, dtype=dtype, policy=resolve_policy(cfg.policy))
     if not plan.fits:
         raise PlanError(plan.refusal())
-    return Run(cfg, mcfg, model_dir, device, dtype, plan, schedule, seqs, data_fp, resume_from, resume_state)
+    return Run(cfg, mcfg, model_dir, device, dtype, plan, schedule, seqs, data_fp, resume_from, resume_state,
+               tokenizer_dir=tokenizer_dir, source_dir=_source_dir(model_dir, resume_state))
+
+
+def _tokenizer_dir(cfg: TrainConfig, model_dir: Path | None) -> Path | None:
+    if cfg.tokenizer is None:
+        return model_dir
+    if cfg.byte_tokenizer:
+        raise ConfigError("--tokenizer and --byte-tokenizer contradict each other: give one")
+    path = Path(cfg.tokenizer)
+    if not (path / "tokenizer.json").is_file():
+        raise ConfigError(f"--tokenizer {cfg.tokenizer}: no tokenizer.json there; give the folder that holds it")
+    return path
+
+
+def _source_dir(model_dir: Path | None, resume_state: dict) -> Path | None:
+    """The pretrained folder the run started from: the model folder, or, resuming, the one the
+    checkpoint's run started from (its config.json and generation_config.json are kept)."""
+    first = resume_state.get("settings", {}).get("model")
+    if resume_state and first and Path(first).is_dir() and (Path(first) / "config.json").is_file():
+        return Path(first)
+    return model_dir
 
 
 def resolve_defaults(cfg: TrainConfig, *, pretrained: bool, saved: dict | None) -> TrainConfig:
@@ -322,7 +355,7 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
         if cfg.out:
             shutdown.phase = (f"while writing the final model; --out {cfg.out} holds what it held before"
                               + (f" and {loop.last_saved.name}" if loop.last_saved is not None else ""))
-            save_final_model(state, cfg.out, run.model_dir)
+            save_final_model(state, cfg.out, run.tokenizer_dir, source_dir=run.source_dir, save_dtype=cfg.save_dtype)
         return metrics
 
 
