@@ -5,14 +5,13 @@ what torch AdamW with two parameter groups trains (Hugging Face's Trainer's grou
 from __future__ import annotations
 
 import pytest
-import torch
 
 from flowtrain.train import defaults
 from flowtrain.train.optimizer import decay_segments, no_decay_ranges, skips_decay
 from flowtrain.train.model import model_layouts, preset
 from flowtrain.train.trainer import TrainConfig, resolve_defaults
 
-from test_train_vs_hf import ROWS, SEQ, STEPS, assert_same_weights, make_checkpoint, make_data  # noqa: E402
+from test_train_vs_hf import ROWS, STEPS, SEQ, assert_same_weights, make_checkpoint, make_data, reference_train  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 
@@ -48,30 +47,11 @@ def test_which_parameters_skip_decay():
     assert all(a[1] == b[0] for a, b in zip(segs, segs[1:]))  # contiguous cover
 
 
-def reference_two_groups(model, rows, *, lr, wd, micro=2):
-    import torch.nn.functional as F
-
+def two_groups(model, wd=0.5):
+    """Hugging Face's Trainer's grouping: no decay on norm weights and biases."""
     decay = [p for n, p in model.named_parameters() if not skips_decay(n)]
     no = [p for n, p in model.named_parameters() if skips_decay(n)]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": wd}, {"params": no, "weight_decay": 0.0}], lr=lr)
-    for s in range(STEPS):
-        batch = rows[s * ROWS:(s + 1) * ROWS]
-        ids = torch.zeros(ROWS, SEQ, dtype=torch.long)
-        labels = torch.full((ROWS, SEQ), -100, dtype=torch.long)
-        for i, r in enumerate(batch):
-            r = r[:SEQ]
-            ids[i, :len(r)] = torch.tensor(r)
-            labels[i, :len(r)] = torch.tensor(r)
-        targets = torch.cat([labels[:, 1:], torch.full((ROWS, 1), -100)], dim=1)
-        n = int((targets != -100).sum())
-        opt.zero_grad()
-        for m in range(0, ROWS, micro):
-            logits = model(input_ids=ids[m:m + micro]).logits
-            loss = F.cross_entropy(logits.flatten(0, 1), targets[m:m + micro].flatten(), reduction="sum",
-                                   ignore_index=-100) / n
-            loss.backward()
-        opt.step()
-    return model
+    return [{"params": decay, "weight_decay": wd}, {"params": no, "weight_decay": 0.0}]
 
 
 @pytest.mark.parametrize("extra", [(), ("--resident", "embed,head,layer.0"), ("--layout", "full")])
@@ -80,7 +60,8 @@ def test_no_decay_on_norms_and_biases_matches_two_torch_groups(tmp_path, extra):
 
     make_checkpoint(tmp_path / "model", seed=2)
     rows = make_data(tmp_path / "data.jsonl", seed=3)
-    ref = reference_two_groups(make_checkpoint(tmp_path / "ref", seed=2), rows, lr=0.01, wd=0.5)
+    ref = reference_train(make_checkpoint(tmp_path / "ref", seed=2), rows, lr=0.01, wd=0.5, betas=(0.9, 0.999),
+                          eps=1e-8, groups=two_groups)
     args = ["train", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "data.jsonl"), "--steps", str(STEPS),
             "--batch-size", str(ROWS), "--micro-batch-size", "2", "--seq-len", str(SEQ), "--no-shuffle",
             "--lr", "0.01", "--weight-decay", "0.5", "--lr-schedule", "constant", "--warmup-steps", "0",

@@ -51,8 +51,10 @@ def make_data(path, seed=1, vocab=64):
     return rows
 
 
-def reference_train(model, rows, *, lr, wd, betas, eps, clip=None, micro=2):
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=wd, betas=betas, eps=eps)
+def reference_train(model, rows, *, lr, wd, betas, eps, clip=None, micro=2, groups=None):
+    """``groups(model)``: torch parameter groups instead of one group of every parameter."""
+    params = groups(model) if groups is not None else model.parameters()
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=wd, betas=betas, eps=eps)
     for s in range(STEPS):
         batch = rows[s * ROWS:(s + 1) * ROWS]
         ids = torch.zeros(ROWS, SEQ, dtype=torch.long)
