@@ -43,10 +43,16 @@ def data_fingerprint(input_ids: torch.Tensor, targets: torch.Tensor) -> str:
     return h.hexdigest()[:32]
 
 
+def settings_of(cfg) -> dict:
+    """The run's settings as JSON-able data; an object given as a setting (a user's policy
+    instance) is stored as ``module:Class``."""
+    return msgspec.to_builtins(cfg, enc_hook=lambda o: f"{type(o).__module__}:{type(o).__qualname__}")
+
+
 def trainer_state(cfg, *, steps_done: int, skipped: int, consecutive: int, data: str,
                   last_loss: float | None) -> dict:
     """The JSON-able run state stored in a checkpoint after ``steps_done`` steps."""
-    settings = msgspec.to_builtins(cfg)
+    settings = settings_of(cfg)
     return {
         "format": FORMAT,
         "step": steps_done,
@@ -84,7 +90,7 @@ def _same(a, b) -> bool:
 def check_compatible(state: dict, cfg, *, data: str, where: str, total_steps: int) -> None:
     """Refuse to resume from ``state`` when the remaining steps would compute something else."""
     saved = state.get("settings", {})
-    now = msgspec.to_builtins(cfg)
+    now = settings_of(cfg)
     for field, flag in MUST_MATCH.items():
         if field in saved and not _same(saved[field], now[field]):
             raise ConfigError(
