@@ -1,17 +1,18 @@
 """Task kinds and the compiler that turns a training step into a DAG of them (no torch here)."""
 
 from .compiler import StepSpec, compile_step, compile_steps, cross_step_edges, units
+from .evaluation import compile_eval
 from .export import graph_from_json, graph_to_json
 from .saving import add_saves, save_edges
 from .tasks import (
     DEVICE_LANES, GRADS, HOST_GRADS, KINDS, LANES, WEIGHTS, AnyTask, Backward, CpuAdam, Embed,
-    EmbedBackward, Fetch, Forward, FoundInf, GpuAdam, GradNorm, GradSqNorm, Loss, OffloadGrad, Recompute, SaveUnit,
+    EmbedBackward, EvalLoss, Fetch, Forward, FoundInf, GpuAdam, GradNorm, GradSqNorm, Loss, OffloadGrad, Recompute, SaveUnit,
     Task, VerifyStep, ZeroGrad,
 )
 
 __all__ = [
-    "StepSpec", "compile_step", "compile_steps", "cross_step_edges", "units", "graph_from_json",
+    "StepSpec", "compile_eval", "compile_step", "compile_steps", "cross_step_edges", "units", "graph_from_json",
     "graph_to_json", "add_saves", "save_edges", "DEVICE_LANES", "GRADS", "HOST_GRADS", "KINDS", "LANES", "WEIGHTS", "AnyTask", "Backward",
-    "CpuAdam", "Embed", "EmbedBackward", "Fetch", "Forward", "FoundInf", "GpuAdam", "GradNorm", "GradSqNorm", "Loss", "OffloadGrad",
+    "CpuAdam", "Embed", "EmbedBackward", "EvalLoss", "Fetch", "Forward", "FoundInf", "GpuAdam", "GradNorm", "GradSqNorm", "Loss", "OffloadGrad",
     "Recompute", "SaveUnit", "Task", "VerifyStep", "ZeroGrad",
 ]

@@ -17,7 +17,9 @@ every node of an exported graph has ``kind``, ``layer``, ``micro_batch`` and ``l
   and output projection).
 - ``layer``: the decoder layer for per-layer tasks, ``None`` otherwise.
 - ``micro_batch``: for per-micro-batch tasks, ``None`` otherwise.
-- ``phase``: for ``fetch``, which pass the weights are fetched for.
+- ``phase``: for ``fetch``, which pass the weights are fetched for; ``"eval"`` on the
+  ``fetch``, ``embed`` and ``forward`` tasks of a held-out loss graph, which keeps them apart
+  from the training step's tasks of the same step.
 - ``chunk``: for ``offload_grad`` and ``cpu_adam`` under the staged gradient layout, which
   piece of the unit's gradient passes through one host staging slot (``None`` otherwise).
 
@@ -184,6 +186,12 @@ class VerifyStep(Task, tag="verify_step"):
     lane: ClassVar[str] = "cpu"
 
 
+class EvalLoss(Task, tag="eval_loss"):
+    """Final norm, output projection and the summed cross-entropy of one held-out micro-batch,
+    forward only (reads the head's weight slot; no gradient, no backward, no Adam): the last
+    task of an evaluation graph (:mod:`flowtrain.graph.evaluation`)."""
+
+
 class SaveUnit(Task, tag="save"):
     """Write one unit's state after this step's Adam (fp32 master, Adam m, v and step count)
     into the step's checkpoint. It runs on the ``io`` lane while the next step computes; the
@@ -208,6 +216,7 @@ AnyTask = (
     | GpuAdam
     | FoundInf
     | VerifyStep
+    | EvalLoss
     | SaveUnit
 )
 
@@ -230,13 +239,14 @@ KINDS: dict[str, type[Task]] = {
         GpuAdam,
         FoundInf,
         VerifyStep,
+        EvalLoss,
         SaveUnit,
     )
 }
 
 #: Kinds whose work reads a unit's weights: the tasks of a device-resident unit that the next
-#: step must hold back until that unit's ``gpu_adam`` has updated them.
-WEIGHT_READERS: tuple[type[Task], ...] = (Embed, Forward, Loss, Recompute, Backward)
+#: step (or an evaluation graph) must hold back until that unit's ``gpu_adam`` has updated them.
+WEIGHT_READERS: tuple[type[Task], ...] = (Embed, Forward, Loss, Recompute, Backward, EvalLoss)
 
 
 def task_to_dict(task: Task) -> dict:

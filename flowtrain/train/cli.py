@@ -85,7 +85,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {defaults.UNDO_MEM:g})")
     g.add_argument("--task-timeout", type=float, default=None, metavar="S",
                    help="fail the run if one task runs longer than S seconds (default: no limit)")
-    a("--metrics", default=None, help="write one JSON line per step here")
+    g = p.add_argument_group("held-out loss")
+    g.add_argument("--eval-data", default=None, metavar="FILE",
+                   help="held-out data, read like --data; its mean loss over every target token is reported "
+                        "(progress line and --metrics) every --eval-every steps and after the last; needs --eval-every")
+    g.add_argument("--eval-every", type=int, default=None, metavar="N",
+                   help="evaluate on --eval-data after every N optimizer steps (a forward pass over the whole set)")
+    a("--metrics", default=None, help="write one JSON line per step here (and one per held-out loss)")
     a("--trace", default=None, help="write the executed tasks as Chrome trace JSON here")
     a("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
 
@@ -125,6 +131,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         tokenizer=args.tokenizer, byte_tokenizer=args.byte_tokenizer, save_dtype=args.save_dtype,
         save_every=args.save_every, save_total_limit=args.save_total_limit, resume=args.resume,
         max_skipped=args.max_skipped, undo_mem=args.undo_mem, task_timeout=args.task_timeout,
+        eval_data=args.eval_data, eval_every=args.eval_every,
     )
 
 

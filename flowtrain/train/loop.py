@@ -8,6 +8,12 @@ let it overlap step ``s``) before step ``s`` is waited for and reported. Around 
   the next step instead: its saves may hold updates that were then undone);
 - skipped steps are counted, and more than ``max_skipped`` in a row end the run with
   :class:`~flowtrain.errors.NonFiniteError`;
+- with ``--eval-data`` and ``--eval-every N``, after every N-th step (and after the last) the
+  steps in flight are finished, then a held-out loss graph (:mod:`flowtrain.graph.evaluation`)
+  runs behind that step's Adam of every unit and is *waited for* before the next step is added,
+  so no Adam changes weights it still reads: the step overlap pauses once per evaluation, and
+  its time is not counted in any step's tokens/s
+  (:meth:`~flowtrain.train.reporting.Reporter.eval` reports it);
 - a signal (:mod:`flowtrain.train.shutdown`) stops adding steps, or cancels the engine, and the
   run ends with :class:`~flowtrain.errors.Interrupted` saying what was saved::
 
@@ -27,6 +33,7 @@ import networkx as nx
 
 from ..errors import Interrupted, NonFiniteError
 from ..graph.compiler import StepSpec, compile_step, cross_step_edges, units
+from ..graph.evaluation import compile_eval
 from ..graph.saving import add_saves, save_edges
 from ..graph.tasks import SaveUnit
 from ..policy import WithBudgets, resolve_policy
@@ -63,6 +70,8 @@ class TrainingLoop:
         self.last_saved_step = run.first_step if run.resume_from is not None else None
         self.save_pending = False  # a checkpoint step was skipped: save at the next step
         self.t_last = 0.0
+        #: the held-out micro-batches (ids, targets)
+        self.eval_batches = _eval_micro_batches(run.eval_seqs, self.cfg.micro_batch_size)
 
     # ---- the loop -------------------------------------------------------------------------
     async def main(self) -> list[StepMetrics]:
@@ -85,7 +94,12 @@ class TrainingLoop:
                     graph, saves = self._add_step(engine, s, batch, prev, prev_saves)
                     prev, prev_saves = list(graph), saves
                     in_flight.append((s, graph, int(batch.input_ids.numel())))
-                    if len(in_flight) == 2:
+                    if self._evaluates_after(s):  # steps done first, so their times stay their own
+                        while in_flight:
+                            await self._finish(engine, *in_flight.popleft())
+                        await self._evaluate(engine, s)
+                        prev, prev_saves = None, []  # all done: the next step needs no edges
+                    elif len(in_flight) == 2:
                         await self._finish(engine, *in_flight.popleft())
                 while in_flight:
                     await self._finish(engine, *in_flight.popleft())
@@ -115,6 +129,22 @@ class TrainingLoop:
             edges = cross_step_edges(prev, graph, self.spec) + save_edges(prev_saves, graph)
         engine.add(graph, edges)
         return graph, saves
+
+    # ---- held-out loss ----------------------------------------------------------------------
+    def _evaluates_after(self, s: int) -> bool:
+        every = self.cfg.eval_every
+        return every is not None and ((s + 1) % every == 0 or s == self.cfg.steps - 1)
+
+    async def _evaluate(self, engine: Engine, s: int) -> None:
+        """The held-out loss with the weights after step ``s`` (finished, every Adam of it done):
+        a forward-only graph, waited for here, before step ``s + 1`` may change them."""
+        ids, targets = self.eval_batches
+        self.program.begin_eval(s, ids, targets)
+        graph = compile_eval(self.spec, s, len(ids))
+        engine.add(graph)
+        await engine.wait(graph)
+        self.reporter.eval(s, *self.program.end_eval(s))
+        self.t_last = time.perf_counter()  # tok/s counts training time only
 
     def _saves_after(self, s: int) -> bool:
         every = self.cfg.save_every
@@ -214,3 +244,10 @@ class TrainingLoop:
         return Interrupted(signum, f"stopped by {signal_name(signum)} after step {done}: {what}{tail}")
 
 
+def _eval_micro_batches(seqs, micro_batch_size: int) -> tuple[list, list]:
+    """The held-out set cut into consecutive micro-batches (the last one may be smaller)."""
+    if seqs is None:
+        return [], []
+    rows = range(0, len(seqs), micro_batch_size)
+    return ([seqs.input_ids[i : i + micro_batch_size] for i in rows],
+            [seqs.targets[i : i + micro_batch_size] for i in rows])

@@ -34,6 +34,12 @@ final norm followed by the embedding matrix, and its gradient slot likewise; the
 Adam adds the head's part of the tied gradient before stepping. (Resident and tied, the head
 reads the embedding's own copy and adds into the embedding's own gradient.)
 
+A held-out loss (``--eval-data``) is a forward-only graph of its own
+(:mod:`flowtrain.graph.evaluation`): :meth:`StepProgram.begin_eval` hands over its micro-batches,
+its ``fetch``, ``embed`` and ``forward`` tasks (phase ``"eval"``) run as in training but keep
+their activations apart (``eval_acts``), ``eval_loss`` adds each micro-batch's fp32 CE sum, and
+:meth:`StepProgram.end_eval` returns the mean over every target token.
+
 A step whose loss or any gradient is not finite changes no weight (``skipped``): each piece is
 flagged on the device on its way, ``cpu_adam`` skips once anything is known bad and records what
 it changes until the step is verified, ``verify_step`` puts that back if the step turns out
@@ -58,6 +64,7 @@ from ..graph.tasks import (
     CpuAdam,
     Embed,
     EmbedBackward,
+    EvalLoss,
     Fetch,
     Forward,
     FoundInf,
@@ -75,7 +82,7 @@ from ..graph.tasks import (
 from ..runtime.executor import TaskContext
 from .checkpoints import CheckpointWriter
 from .host_state import HostState, UnitState, chunk_range, pinned_zeros, slot_numel, staging_numel
-from .model import bind, decoder_layer, embed, head_loss_and_grads, rope_tables
+from .model import bind, decoder_layer, embed, head_loss, head_loss_and_grads, rope_tables
 from .nonfinite import (UPDATE, Injection, Saved, StepCheck, UndoBudget, injection_from_env, nonfinite,
                         undo_arena_bytes)
 from .optimizer import AdamWConfig, adamw_step, clip_coefficient, decay_segments, no_decay_ranges
@@ -96,6 +103,16 @@ class _StepData:
         self.total_norm: float | None = None
         self.tied_summed = False
         self.check = check  # is the step finite: see flowtrain.train.nonfinite
+
+
+class _EvalData:
+    """Host-side inputs and per-micro-batch CE sums of one held-out loss evaluation."""
+
+    def __init__(self, ids: list[torch.Tensor], targets: list[torch.Tensor], n_targets: int) -> None:
+        self.ids = ids
+        self.targets = targets
+        self.n_targets = n_targets
+        self.sums: dict[int, torch.Tensor] = {}  # micro-batch -> fp32 CE sum (device scalar)
 
 
 #: Elements of the fp32 landing buffer that fetches of fp32 masters pass through on their way
@@ -150,6 +167,9 @@ class StepProgram:
         self.dev_ids: dict[tuple[int, int], torch.Tensor] = {}
         self.dev_targets: dict[tuple[int, int], torch.Tensor] = {}
         self.steps: dict[int, _StepData] = {}
+        #: held-out loss evaluations by the step whose weights they read, and their activations
+        self.evals: dict[int, _EvalData] = {}
+        self.eval_acts: dict[tuple[int, int, int], torch.Tensor] = {}
         #: open checkpoint writers by the step they save (``save`` tasks write into them)
         self.checkpoints: dict[int, CheckpointWriter] = {}
         self._lock = threading.Lock()
@@ -209,6 +229,24 @@ class StepProgram:
             raise NonFiniteError(data.check.error)
         return loss, norm, data.check.skipped
 
+    def begin_eval(self, step: int, micro_ids: list[torch.Tensor], micro_targets: list[torch.Tensor]) -> None:
+        """Hand over the held-out micro-batches (CPU int64 tensors, (b, seq) each) of the
+        evaluation that reads the weights after ``step``."""
+        n_targets = int(sum(int((t != -100).sum()) for t in micro_targets))
+        if self._pin:
+            micro_ids = [t.pin_memory() for t in micro_ids]
+            micro_targets = [t.pin_memory() for t in micro_targets]
+        self.evals[step] = _EvalData(micro_ids, micro_targets, n_targets)
+
+    def end_eval(self, step: int) -> tuple[float, int]:
+        """``(mean CE over every held-out target token, number of those tokens)`` of a finished
+        evaluation: the micro-batches' fp32 sums added in micro-batch order, then divided."""
+        data = self.evals.pop(step)
+        total = torch.zeros((), dtype=torch.float32)
+        for m in sorted(data.sums):
+            total += data.sums[m].cpu()
+        return float(total) / data.n_targets, data.n_targets
+
     # ---- dispatch ---------------------------------------------------------------------------
     def __call__(self, task: Task, ctx: TaskContext) -> int | None:
         match task:
@@ -220,6 +258,8 @@ class StepProgram:
                 return self._forward(task, ctx)
             case Loss():
                 return self._loss(task, ctx)
+            case EvalLoss():
+                return self._eval_loss(task, ctx)
             case Backward():
                 return self._backward(task, ctx)
             case EmbedBackward():
@@ -297,12 +337,15 @@ class StepProgram:
 
     def _embed(self, task: Embed, ctx: TaskContext) -> None:
         s, m = task.step, task.micro_batch
-        data = self.steps[s]
+        evaluating = task.phase == "eval"
+        data = self.evals[s] if evaluating else self.steps[s]
         ids = data.ids[m].to(self.device, non_blocking=self._non_blocking)  # type: ignore[index]
-        self.dev_ids[(s, m)] = ids  # type: ignore[index]
+        if not evaluating:
+            self.dev_ids[(s, m)] = ids  # type: ignore[index]
         embed_state = self.state.embed
         w = bind(self._weights(embed_state, ctx), embed_state.layout)["embed_tokens"]
-        self.acts[(s, 0, m)] = embed(ids, w)  # type: ignore[index]
+        acts = self.eval_acts if evaluating else self.acts
+        acts[(s, 0, m)] = embed(ids, w)  # type: ignore[index]
 
     def _layer_input(self, s: int, i: int, m: int, keep: bool) -> torch.Tensor:
         return self.acts[(s, i, m)] if keep else self.acts.pop((s, i, m))
@@ -311,10 +354,14 @@ class StepProgram:
     def _forward(self, task: Forward | Recompute, ctx: TaskContext) -> None:
         """A layer's forward pass; as ``recompute`` (in backward) its input is always kept."""
         s, i, m = task.step, task.layer, task.micro_batch
-        keep = isinstance(task, Recompute) or i % self.k == 0  # type: ignore[operator]
-        x = self._layer_input(s, i, m, keep=keep)  # type: ignore[arg-type]
         unit = self.state.unit("layer", i)
         w = bind(self._weights(unit, ctx), unit.layout)
+        if task.phase == "eval":  # nothing is kept for a backward
+            x = self.eval_acts.pop((s, i, m))  # type: ignore[arg-type]
+            self.eval_acts[(s, i + 1, m)] = self.layer_fn(x, w, self.cos, self.sin, self.cfg)  # type: ignore[operator, index]
+            return
+        keep = isinstance(task, Recompute) or i % self.k == 0  # type: ignore[operator]
+        x = self._layer_input(s, i, m, keep=keep)  # type: ignore[arg-type]
         self.acts[(s, i + 1, m)] = self.layer_fn(x, w, self.cos, self.sin, self.cfg)  # type: ignore[operator, index]
 
     def _head_tensors(self, ctx: TaskContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -348,6 +395,26 @@ class StepProgram:
             data.loss = loss_sum if data.loss is None else data.loss + loss_sum
             data.check.loss_host = self._host_copy(data.loss)  # read by cpu_adam, on the host
         self.dacts[(s, L - 1, m)] = d_h  # type: ignore[index]
+
+    def _eval_loss(self, task: EvalLoss, ctx: TaskContext) -> None:
+        """Forward only: final norm, head and the summed CE of one held-out micro-batch (fp32)."""
+        s, m = task.step, task.micro_batch
+        data = self.evals[s]
+        h = self.eval_acts.pop((s, self.cfg.num_layers, m))  # type: ignore[arg-type]
+        targets = data.targets[m].to(self.device, non_blocking=self._non_blocking)  # type: ignore[index]
+        head = self.state.head
+        wbuf = self._weights(head, ctx)
+        norm_w = bind(wbuf, head.layout)["norm"]
+        if not self.tied:
+            head_w = bind(wbuf, head.layout)["lm_head"]
+        elif head.resident:  # the embedding is resident too: its own copy
+            emb = self.state.embed
+            head_w = bind(emb.compute, emb.layout)[emb.layout.entries[0].key]  # type: ignore[arg-type]
+        else:
+            head_w = self._tied_matrix(wbuf)
+        loss_sum = head_loss(h, norm_w, head_w, targets, self.cfg.rms_norm_eps, self.chunk_tokens)
+        with self._lock:
+            data.sums[m] = loss_sum  # type: ignore[index]
 
     def _backward(self, task: Backward, ctx: TaskContext) -> None:
         s, i, m = task.step, task.layer, task.micro_batch

@@ -5,6 +5,15 @@ One :class:`StepMetrics` per optimizer step goes to the progress display and, wi
 blew up) are written as ``null``: bare ``NaN`` is not JSON. A skipped step says so::
 
     {"step": 7, "loss": null, "skipped": true, "grad_norm": null, ...}
+
+A held-out loss (``--eval-data``, ``--eval-every``) is a line of its own, written right after
+its step's line: the mean cross-entropy over every target token of the eval set, with the
+weights after that step (``step`` is 0-based, as on the step lines), and how many tokens that
+is::
+
+    {"step": 7, "eval_loss": 3.1416, "eval_tokens": 12345}
+
+On the terminal it is a line ``step 8/100  eval_loss 3.1416  (12,345 tokens)``.
 """
 
 from __future__ import annotations
@@ -74,6 +83,14 @@ class Reporter:
                 f"{m.tokens_per_s:,.0f} tok/s  lr {m.lr:.3g}" + ("  skipped: not finite, weights unchanged" if m.skipped else ""),
                 flush=True,
             )
+
+    def eval(self, step: int, loss: float, tokens: int) -> None:
+        """The held-out loss after ``step``: its own JSON line and its own progress line."""
+        if self.metrics:
+            value = loss if math.isfinite(loss) else None
+            self.metrics.write(json.dumps({"step": step, "eval_loss": value, "eval_tokens": tokens}, allow_nan=False) + "\n")
+            self.metrics.flush()
+        self.say(f"step {step + 1}/{self.total}  eval_loss {_num(loss, '.4f')}  ({tokens:,} tokens)")
 
     def say(self, line: str) -> None:
         """A line of its own, between progress updates."""

@@ -116,6 +116,10 @@ class TrainConfig(msgspec.Struct, kw_only=True):
     undo_mem: float = defaults.UNDO_MEM
     #: fail a task that runs longer than this many seconds (None: no limit)
     task_timeout: float | None = None
+    #: held-out data (read like ``data``) whose mean loss is reported every ``eval_every`` steps
+    #: and after the last; both or neither
+    eval_data: str | None = None
+    eval_every: int | None = None
 
 
 def resolve_device(name: str) -> torch.device:
@@ -172,6 +176,11 @@ def validate(cfg: TrainConfig, mcfg: ModelConfig) -> None:
     mcfg.check_seq_len(cfg.seq_len)
     if cfg.adam_workers < 1:
         raise ConfigError("--adam-workers must be at least 1")
+    if (cfg.eval_data is None) != (cfg.eval_every is None):
+        given, missing = ("--eval-data", "--eval-every N") if cfg.eval_data is not None else ("--eval-every", "--eval-data FILE")
+        raise ConfigError(f"{given} needs {missing}: give both (held-out loss every N steps) or neither")
+    if cfg.eval_every is not None and cfg.eval_every < 1:
+        raise ConfigError(f"--eval-every must be at least 1 (got {cfg.eval_every})")
     if cfg.save_every is not None and not cfg.out:
         raise ConfigError("--save-every writes OUT/checkpoint-STEP folders: give --out OUT")
     if cfg.save_every is not None and cfg.resume is None and cfg.out and Path(cfg.out).is_dir():
@@ -200,6 +209,7 @@ class Run:
     resume_state: dict = field(default_factory=dict)
     tokenizer_dir: Path | None = None  # whose tokenizer files go with every saved model
     source_dir: Path | None = None  # the pretrained folder whose config.json the final model keeps
+    eval_seqs: Sequences | None = None  # the held-out set of --eval-data
 
     @property
     def first_step(self) -> int:
@@ -236,13 +246,26 @@ def prepare(cfg: TrainConfig) -> Run:
                           tokenizer_dir=tokenizer_dir, pad_id=mcfg.pad_token_id or 0, eos_id=mcfg.eos_token_id,
                           byte_tokenizer=cfg.byte_tokenizer)
     data_fp = data_fingerprint(seqs.input_ids, seqs.targets)
+    eval_seqs = _load_eval(cfg, mcfg, tokenizer_dir)
     if resume_from is not None:
         check_compatible(resume_state, cfg, data=data_fp, where=str(resume_from), total_steps=cfg.steps)
     plan = plan_run(mcfg, run_request(cfg, model_dir), device=device, dtype=dtype, policy=resolve_policy(cfg.policy))
     if not plan.fits:
         raise PlanError(plan.refusal())
     return Run(cfg, mcfg, model_dir, device, dtype, plan, schedule, seqs, data_fp, resume_from, resume_state,
-               tokenizer_dir=tokenizer_dir, source_dir=_source_dir(model_dir, resume_state))
+               tokenizer_dir=tokenizer_dir, source_dir=_source_dir(model_dir, resume_state), eval_seqs=eval_seqs)
+
+
+def _load_eval(cfg: TrainConfig, mcfg: ModelConfig, tokenizer_dir: Path | None) -> Sequences | None:
+    """The held-out set, read and tokenised exactly like ``--data``. Every evaluation runs the
+    model forward over all of it: its cost is that of a forward pass over that many sequences."""
+    if cfg.eval_data is None:
+        return None
+    seqs = load_sequences(cfg.eval_data, cfg.seq_len, mcfg.vocab_size, tokenizer_dir=tokenizer_dir,
+                          pad_id=mcfg.pad_token_id or 0, eos_id=mcfg.eos_token_id, byte_tokenizer=cfg.byte_tokenizer)
+    if len(seqs) == 0 or seqs.num_targets() == 0:
+        raise ConfigError(f"--eval-data {cfg.eval_data}: no target tokens to evaluate; give a file with text in it")
+    return seqs
 
 
 def _tokenizer_dir(cfg: TrainConfig, model_dir: Path | None) -> Path | None:

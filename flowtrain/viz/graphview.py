@@ -37,6 +37,7 @@ KIND_COLORS = {
     "save": "#17becf",
     "found_inf": "#8c6d31",
     "verify_step": "#637939",
+    "eval_loss": "#d4a6c8",
 }
 OTHER_COLOR = "#888888"
 #: Colours of compute-gap markers by reason (a task kind, or these two).

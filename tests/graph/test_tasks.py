@@ -7,7 +7,7 @@ import pytest
 
 from flowtrain.graph import (
     DEVICE_LANES, GRADS, HOST_GRADS, KINDS, LANES, WEIGHTS, AnyTask, Backward, CpuAdam, Embed,
-    EmbedBackward, Fetch, Forward, FoundInf, GpuAdam, GradNorm, GradSqNorm, Loss, OffloadGrad, Recompute, SaveUnit,
+    EmbedBackward, EvalLoss, Fetch, Forward, FoundInf, GpuAdam, GradNorm, GradSqNorm, Loss, OffloadGrad, Recompute, SaveUnit,
     VerifyStep, ZeroGrad,
 )
 from flowtrain.graph.tasks import task_from_dict, task_to_dict
@@ -30,6 +30,7 @@ CARD = {
     "found_inf": (FoundInf, "compute", None),
     "verify_step": (VerifyStep, "cpu", None),
     "save": (SaveUnit, "io", None),
+    "eval_loss": (EvalLoss, "compute", None),
 }
 
 
