@@ -174,6 +174,20 @@ class _Lane:
             q.put(item)
             return True
 
+    def _start(self, fence: Fence, tag: Any, fences: Sequence[Fence], mark: Callable[[tuple], None],
+               launched: bool = False) -> bool:
+        """Wait for the job's fences, then start it, or not at all once abort() has returned:
+        ``mark`` records ``(tag, fence)`` as running, under the same gate. False (the fence
+        skipped) when the job must not run."""
+        if self._await_fences(fences, launched):
+            with self._gate:
+                if not self.aborted:
+                    fence.began = time.perf_counter()
+                    mark((tag, fence))
+                    return True
+        fence.skip()
+        return False
+
     def _await_fences(self, fences: Sequence[Fence], launched: bool = False) -> bool:
         """Block until every fence is set (``launched`` for CUDA producers); False if one
         failed or the lane was aborted meanwhile."""
@@ -219,16 +233,7 @@ class ThreadLane(_Lane):
                 return
             job, fences, fence, tag, notify = item
             fence.worker = worker
-            if not self._await_fences(fences):
-                fence.skip()
-                continue
-            with self._gate:  # start, or not at all once abort() has returned
-                started = not self.aborted
-                if started:
-                    fence.began = time.perf_counter()
-                    self._running[worker] = (tag, fence)
-            if not started:
-                fence.skip()
+            if not self._start(fence, tag, fences, lambda r: self._running.__setitem__(worker, r)):
                 continue
             fence.start = self.clock.now()
             try:
@@ -327,16 +332,7 @@ class CudaLane(_Lane):
                 self._queue.put(None)
                 return
             job, fences, fence, tag, notify = item
-            if not self._await_fences(fences, launched=True):
-                fence.skip()
-                continue
-            with self._gate:  # start, or not at all once abort() has returned
-                started = not self.aborted
-                if started:
-                    fence.began = time.perf_counter()
-                    self._launching = (tag, fence)
-            if not started:
-                fence.skip()
+            if not self._start(fence, tag, fences, lambda r: setattr(self, "_launching", r), launched=True):
                 continue
             try:
                 with torch.cuda.stream(self.stream):

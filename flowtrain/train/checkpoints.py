@@ -64,7 +64,7 @@ from safetensors import SafetensorError, safe_open
 from ..errors import CheckpointError
 from .host_state import HostState, UnitState, all_finite
 from .model import ModelConfig, UnitLayout
-from .model.checkpoint import CONFIG_NAME, INDEX_NAME, hf_config_text, unit_tensors, write_safetensors
+from .model.checkpoint import CONFIG_NAME, INDEX_NAME, fsync_dir, hf_config_text, unit_tensors, write_safetensors
 
 __all__ = [
     "FORMAT_VERSION",
@@ -208,7 +208,7 @@ class CheckpointWriter:
                         "files": {name: {"size": size, "sha256": sha}
                                   for name, (size, sha) in sorted(self._files.items())}}
             _write_file(self.tmp / MANIFEST_NAME, json.dumps(manifest, indent=2).encode() + b"\n")
-            _fsync_dir(self.tmp)
+            fsync_dir(self.tmp)
             self._rename_into_place()
         except BaseException:
             shutil.rmtree(self.tmp, ignore_errors=True)
@@ -257,7 +257,7 @@ class CheckpointWriter:
                     os.replace(aside, self.final)  # put the old one back
                     aside = None
                 raise
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
         except OSError as e:
             raise CheckpointError(f"cannot move {self.final.name} into place in {str(self.root)!r}: {e}") from e
         if aside is not None:
@@ -282,20 +282,6 @@ def _copy_file(src: Path, dst: Path) -> tuple[int, str]:
         fout.flush()
         os.fsync(fout.fileno())
     return size, digest.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    """Make a folder's entries (new files, renames) durable; a no-op where unsupported."""
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 def _sha256(path: Path) -> str:
@@ -340,7 +326,7 @@ def remove_stale(root: str | os.PathLike[str]) -> list[Path]:
             continue
         shutil.rmtree(p, ignore_errors=True)
         removed.append(p)
-    _fsync_dir(root)
+    fsync_dir(root)
     return removed
 
 

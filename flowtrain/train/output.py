@@ -36,7 +36,7 @@ import torch
 from ..errors import CheckpointError, ConfigError
 from .data import tokenizer_files
 from .host_state import HostState
-from .model.checkpoint import CONFIG_NAME, checkpoint_dtype
+from .model.checkpoint import CONFIG_NAME, checkpoint_dtype, fsync_dir
 
 #: ``save_dtype`` names besides ``"auto"`` (the source checkpoint's dtype; fp32 without one).
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -71,14 +71,6 @@ def fsync_tree(folder: Path) -> None:
             finally:
                 os.close(fd)
     fsync_dir(folder)
-
-
-def fsync_dir(folder: Path) -> None:
-    fd = os.open(folder, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def resolve_save_dtype(save_dtype: str, source_dir: str | Path | None) -> torch.dtype:

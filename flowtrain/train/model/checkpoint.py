@@ -323,6 +323,20 @@ def unit_tensors(flat: Tensor, layout: UnitLayout) -> list[tuple[str, Tensor]]:
     return [(e.name, views[e.key]) for e in layout.entries]
 
 
+def fsync_dir(path: Path) -> None:
+    """Make a folder's entries (new files, renames) durable; a no-op where unsupported."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def write_safetensors(
     path: str | os.PathLike[str],
     tensors: Sequence[tuple[str, Tensor]],
