@@ -33,10 +33,11 @@ from .tasks import CpuAdam, GpuAdam, SaveUnit, Task
 ADAM_KINDS = (CpuAdam, GpuAdam)
 
 
-def add_saves(graph: nx.DiGraph, spec: StepSpec) -> list[Task]:
+def add_saves(graph: nx.DiGraph, spec: StepSpec, step: int | None = None) -> list[Task]:
     """Add a ``save`` task per unit to one step's graph, after every Adam task of that unit
-    (all of its gradient chunks); returns them, bottom unit first."""
-    step = next(iter(graph)).step
+    (all of its gradient chunks); returns them, bottom unit first. ``step`` defaults to the
+    graph's; into an empty graph (a step already finished) the saves go with no edges."""
+    step = next(iter(graph)).step if step is None else step
     adams: dict[tuple[str | None, int | None], list[Task]] = {}
     for t in graph:
         if isinstance(t, ADAM_KINDS):

@@ -32,10 +32,9 @@ from typing import TYPE_CHECKING
 import networkx as nx
 
 from ..errors import Interrupted, NonFiniteError
-from ..graph.compiler import StepSpec, compile_step, cross_step_edges, units
+from ..graph.compiler import StepSpec, compile_step, cross_step_edges
 from ..graph.evaluation import compile_eval
 from ..graph.saving import add_saves, save_edges
-from ..graph.tasks import SaveUnit
 from ..policy import WithBudgets, resolve_policy
 from ..runtime.executor import Engine
 from ..runtime.faults import from_env as faults_from_env
@@ -219,7 +218,7 @@ class TrainingLoop:
             return
         s = self.metrics[-1].step
         graph = nx.DiGraph()
-        graph.add_nodes_from(SaveUnit(step=s, unit=unit, layer=layer) for unit, layer in units(self.spec))
+        add_saves(graph, self.spec, step=s)
         self._open_checkpoint(s)
         engine.add(graph)
         await engine.wait(graph)

@@ -59,3 +59,11 @@ def test_next_step_updates_wait_for_the_save_and_nothing_else_does(spec):
     assert nx.is_directed_acyclic_graph(both)
     for f in (t for t in g1 if isinstance(t, Fetch)):
         assert not any(isinstance(a, SaveUnit) for a in nx.ancestors(both, f))
+
+
+def test_saves_of_a_finished_step_stand_alone():
+    spec = StepSpec(layers=2)
+    g = nx.DiGraph()
+    saves = add_saves(g, spec, step=7)
+    assert [(s.unit, s.layer, s.step) for s in saves] == [(u, layer, 7) for u, layer in units(spec)]
+    assert g.number_of_edges() == 0
