@@ -117,7 +117,8 @@ class TrainingLoop:
     def _add_step(self, engine: Engine, s: int, batch, prev, prev_saves):
         cfg = self.cfg
         mbs = batch.micro_batches(cfg.micro_batch_size)
-        self.program.begin_step(s, [mb.input_ids for mb in mbs], [mb.targets for mb in mbs], self.run.schedule(s))
+        self.program.begin_step(s, [mb.input_ids for mb in mbs], [mb.targets for mb in mbs], self.run.schedule(s),
+                                [getattr(mb, "positions", None) for mb in mbs])
         graph = compile_step(self.spec, step=s)
         saves = []
         if self._saves_after(s):
@@ -137,8 +138,8 @@ class TrainingLoop:
     async def _evaluate(self, engine: Engine, s: int) -> None:
         """The held-out loss with the weights after step ``s`` (finished, every Adam of it done):
         a forward-only graph, waited for here, before step ``s + 1`` may change them."""
-        ids, targets = self.eval_batches
-        self.program.begin_eval(s, ids, targets)
+        ids, targets, positions = self.eval_batches
+        self.program.begin_eval(s, ids, targets, positions)
         graph = compile_eval(self.spec, s, len(ids))
         engine.add(graph)
         await engine.wait(graph)
@@ -243,10 +244,13 @@ class TrainingLoop:
         return Interrupted(signum, f"stopped by {signal_name(signum)} after step {done}: {what}{tail}")
 
 
-def _eval_micro_batches(seqs, micro_batch_size: int) -> tuple[list, list]:
-    """The held-out set cut into consecutive micro-batches (the last one may be smaller)."""
+def _eval_micro_batches(seqs, micro_batch_size: int) -> tuple[list, list, list]:
+    """The held-out set cut into consecutive micro-batches (the last one may be smaller):
+    their ids, targets and positions (None where rows are not packed)."""
     if seqs is None:
-        return [], []
+        return [], [], []
     rows = range(0, len(seqs), micro_batch_size)
+    pos = getattr(seqs, "positions", None)
     return ([seqs.input_ids[i : i + micro_batch_size] for i in rows],
-            [seqs.targets[i : i + micro_batch_size] for i in rows])
+            [seqs.targets[i : i + micro_batch_size] for i in rows],
+            [None if pos is None else pos[i : i + micro_batch_size] for i in rows])

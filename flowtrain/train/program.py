@@ -83,6 +83,8 @@ from ..runtime.executor import TaskContext
 from .checkpoints import CheckpointWriter
 from .host_state import HostState, UnitState, chunk_range, pinned_zeros, slot_numel, staging_numel
 from .model import bind, decoder_layer, embed, head_loss, head_loss_and_grads, rope_tables
+from .model.gemma import embed_multiplier
+from .model.attention import Documents, rotary_for
 from .nonfinite import (UPDATE, Injection, Saved, StepCheck, UndoBudget, injection_from_env, nonfinite,
                         undo_arena_bytes)
 from .optimizer import AdamWConfig, adamw_step, clip_coefficient, decay_segments, no_decay_ranges
@@ -92,9 +94,10 @@ class _StepData:
     """Host-side inputs and per-step accumulators of one optimizer step."""
 
     def __init__(self, ids: list[torch.Tensor], targets: list[torch.Tensor], n_targets: int, lr: float,
-                 check: StepCheck) -> None:
+                 check: StepCheck, docs: list[Documents | None]) -> None:
         self.ids = ids
         self.targets = targets
+        self.docs = docs  # per micro-batch: its packed documents, None for one per row
         self.n_targets = n_targets
         self.lr = lr
         self.loss: torch.Tensor | None = None
@@ -108,9 +111,11 @@ class _StepData:
 class _EvalData:
     """Host-side inputs and per-micro-batch CE sums of one held-out loss evaluation."""
 
-    def __init__(self, ids: list[torch.Tensor], targets: list[torch.Tensor], n_targets: int) -> None:
+    def __init__(self, ids: list[torch.Tensor], targets: list[torch.Tensor], n_targets: int,
+                 docs: list[Documents | None]) -> None:
         self.ids = ids
         self.targets = targets
+        self.docs = docs
         self.n_targets = n_targets
         self.sums: dict[int, torch.Tensor] = {}  # micro-batch -> fp32 CE sum (device scalar)
 
@@ -161,11 +166,16 @@ class StepProgram:
         self.grad_slots = [torch.empty(slot_n, dtype=torch.float32, device=self.device) for _ in range(budgets[GRADS])]
         self.stage_n = staging_numel(state.layouts, state.resident)
         self.staging = [pinned_zeros(self.stage_n, self._pin) for _ in range(budgets.get(HOST_GRADS, 0))]
-        self.cos, self.sin = rope_tables(self.cfg, seq_len, self.device, dtype)
+        #: rotary (cos, sin) tables by "is this a Gemma 3 sliding layer" (its own base)
+        self.rope = {local: rope_tables(self.cfg, seq_len, self.device, dtype, local)
+                     for local in {False, any(map(self.cfg.layer_rope_local, range(self.cfg.num_layers)))}}
+        self.embed_multiplier = embed_multiplier(self.cfg)
         self.acts: dict[tuple[int, int, int], torch.Tensor] = {}
         self.dacts: dict[tuple[int, int, int], torch.Tensor] = {}
         self.dev_ids: dict[tuple[int, int], torch.Tensor] = {}
         self.dev_targets: dict[tuple[int, int], torch.Tensor] = {}
+        #: packed micro-batches' documents and their gathered rotary tables, by (phase, step, mb)
+        self.dev_docs: dict[tuple[str, int, int], tuple[Documents, dict]] = {}
         self.steps: dict[int, _StepData] = {}
         #: held-out loss evaluations by the step whose weights they read, and their activations
         self.evals: dict[int, _EvalData] = {}
@@ -204,8 +214,10 @@ class StepProgram:
         return n
 
     # ---- step boundaries -----------------------------------------------------------------
-    def begin_step(self, step: int, micro_ids: list[torch.Tensor], micro_targets: list[torch.Tensor], lr: float) -> None:
-        """Hand over one step's micro-batches (CPU int64 tensors, (b, seq) each)."""
+    def begin_step(self, step: int, micro_ids: list[torch.Tensor], micro_targets: list[torch.Tensor], lr: float,
+                   micro_positions: list[torch.Tensor | None] | None = None) -> None:
+        """Hand over one step's micro-batches (CPU int64 tensors, (b, seq) each), and where rows
+        are packed, each token's position inside its document (0 where one starts)."""
         n_targets = int(sum(int((t != -100).sum()) for t in micro_targets))
         if n_targets == 0:
             raise ConfigError("a step has no target tokens: every position is padding")
@@ -213,7 +225,8 @@ class StepProgram:
             micro_ids = [t.pin_memory() for t in micro_ids]
             micro_targets = [t.pin_memory() for t in micro_targets]
         check = StepCheck(step, self._checks, bool(self.state.resident), self.undo)
-        self.steps[step] = _StepData(micro_ids, micro_targets, n_targets, lr, check)
+        docs = _documents(micro_positions, len(micro_ids))
+        self.steps[step] = _StepData(micro_ids, micro_targets, n_targets, lr, check, docs)
 
     def end_step(self, step: int) -> tuple[float, float, bool]:
         """``(mean loss, global grad norm, skipped)`` of a finished step; frees its bookkeeping.
@@ -229,14 +242,16 @@ class StepProgram:
             raise NonFiniteError(data.check.error)
         return loss, norm, data.check.skipped
 
-    def begin_eval(self, step: int, micro_ids: list[torch.Tensor], micro_targets: list[torch.Tensor]) -> None:
+    def begin_eval(self, step: int, micro_ids: list[torch.Tensor], micro_targets: list[torch.Tensor],
+                   micro_positions: list[torch.Tensor | None] | None = None) -> None:
         """Hand over the held-out micro-batches (CPU int64 tensors, (b, seq) each) of the
-        evaluation that reads the weights after ``step``."""
+        evaluation that reads the weights after ``step`` (positions as in :meth:`begin_step`)."""
         n_targets = int(sum(int((t != -100).sum()) for t in micro_targets))
         if self._pin:
             micro_ids = [t.pin_memory() for t in micro_ids]
             micro_targets = [t.pin_memory() for t in micro_targets]
-        self.evals[step] = _EvalData(micro_ids, micro_targets, n_targets)
+        self.evals[step] = _EvalData(micro_ids, micro_targets, n_targets,
+                                     _documents(micro_positions, len(micro_ids)))
 
     def end_eval(self, step: int) -> tuple[float, int]:
         """``(mean CE over every held-out target token, number of those tokens)`` of a finished
@@ -342,10 +357,24 @@ class StepProgram:
         ids = data.ids[m].to(self.device, non_blocking=self._non_blocking)  # type: ignore[index]
         if not evaluating:
             self.dev_ids[(s, m)] = ids  # type: ignore[index]
+        self._place_documents(task.phase, s, m, data.docs[m])  # type: ignore[arg-type, index]
         embed_state = self.state.embed
         w = bind(self._weights(embed_state, ctx), embed_state.layout)["embed_tokens"]
         acts = self.eval_acts if evaluating else self.acts
-        acts[(s, 0, m)] = embed(ids, w)  # type: ignore[index]
+        acts[(s, 0, m)] = embed(ids, w, self.embed_multiplier)  # type: ignore[index]
+
+    def _place_documents(self, phase: str, s: int, m: int, docs: Documents | None) -> None:
+        """Move a packed micro-batch's documents to the device with its rotary tables gathered
+        at each token's position; every layer of the micro-batch reads them (:meth:`_layer`)."""
+        if docs is not None:
+            dev = docs.to(self.device, non_blocking=self._non_blocking)
+            self.dev_docs[(phase, s, m)] = (dev, {k: rotary_for(*t, dev) for k, t in self.rope.items()})
+
+    def _layer(self, phase: str, s: int, i: int, m: int, x: torch.Tensor, w) -> torch.Tensor:
+        """Decoder layer ``i`` of micro-batch ``m``: its documents, rotary tables and window."""
+        docs, rope = self.dev_docs.get((phase, s, m), (None, self.rope))
+        cos, sin = rope[self.cfg.layer_rope_local(i)]
+        return self.layer_fn(x, w, cos, sin, self.cfg, docs, self.cfg.layer_window(i))  # type: ignore[operator]
 
     def _layer_input(self, s: int, i: int, m: int, keep: bool) -> torch.Tensor:
         return self.acts[(s, i, m)] if keep else self.acts.pop((s, i, m))
@@ -358,11 +387,11 @@ class StepProgram:
         w = bind(self._weights(unit, ctx), unit.layout)
         if task.phase == "eval":  # nothing is kept for a backward
             x = self.eval_acts.pop((s, i, m))  # type: ignore[arg-type]
-            self.eval_acts[(s, i + 1, m)] = self.layer_fn(x, w, self.cos, self.sin, self.cfg)  # type: ignore[operator, index]
+            self.eval_acts[(s, i + 1, m)] = self._layer("eval", s, i, m, x, w)  # type: ignore[arg-type, index]
             return
         keep = isinstance(task, Recompute) or i % self.k == 0  # type: ignore[operator]
         x = self._layer_input(s, i, m, keep=keep)  # type: ignore[arg-type]
-        self.acts[(s, i + 1, m)] = self.layer_fn(x, w, self.cos, self.sin, self.cfg)  # type: ignore[operator, index]
+        self.acts[(s, i + 1, m)] = self._layer("train", s, i, m, x, w)  # type: ignore[arg-type, index]
 
     def _head_tensors(self, ctx: TaskContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(norm_w, head_w, norm_grad, head_grad)`` views the loss reads and adds into."""
@@ -386,7 +415,8 @@ class StepProgram:
         targets = data.targets[m].to(self.device, non_blocking=self._non_blocking)  # type: ignore[index]
         norm_w, head_w, norm_g, head_g = self._head_tensors(ctx)
         loss_sum, d_h, d_norm, d_head = head_loss_and_grads(
-            h, norm_w, head_w, targets, self.cfg.rms_norm_eps, 1.0 / data.n_targets, self.chunk_tokens
+            h, norm_w, head_w, targets, self.cfg.rms_norm_eps, 1.0 / data.n_targets, self.chunk_tokens,
+            plus_one=self.cfg.family.gemma,
         )
         loss_sum = self._poison(loss_sum, s, "loss", m)  # type: ignore[arg-type]
         norm_g.add_(self._poison(d_norm, s, "head", m))  # type: ignore[arg-type]
@@ -412,7 +442,9 @@ class StepProgram:
             head_w = bind(emb.compute, emb.layout)[emb.layout.entries[0].key]  # type: ignore[arg-type]
         else:
             head_w = self._tied_matrix(wbuf)
-        loss_sum = head_loss(h, norm_w, head_w, targets, self.cfg.rms_norm_eps, self.chunk_tokens)
+        loss_sum = head_loss(h, norm_w, head_w, targets, self.cfg.rms_norm_eps, self.chunk_tokens,
+                             plus_one=self.cfg.family.gemma)
+        self.dev_docs.pop(("eval", s, m), None)
         with self._lock:
             data.sums[m] = loss_sum  # type: ignore[index]
 
@@ -425,7 +457,7 @@ class StepProgram:
         with torch.enable_grad():
             x = x.detach().requires_grad_(True)
             flat = self._weights(unit, ctx)[:n].detach().requires_grad_(True)
-            y = self.layer_fn(x, bind(flat, unit.layout), self.cos, self.sin, self.cfg)
+            y = self._layer("train", s, i, m, x, bind(flat, unit.layout))  # type: ignore[arg-type]
             dx, dw = torch.autograd.grad(y, (x, flat), dy)
         self._grads(unit, ctx)[:n].add_(self._poison(dw, s, f"layer.{i}", m))  # type: ignore[arg-type]
         self.dacts[(s, i - 1, m)] = dx  # type: ignore[operator, index]
@@ -434,8 +466,15 @@ class StepProgram:
         s, m = task.step, task.micro_batch
         dx = self.dacts.pop((s, -1, m))  # type: ignore[arg-type]
         ids = self.dev_ids.pop((s, m))  # type: ignore[arg-type]
+        self.dev_docs.pop(("train", s, m), None)
         emb = self.state.embed
         g = bind(self._grads(emb, ctx), emb.layout)["embed_tokens"]
+        if self.embed_multiplier is not None:  # the multiplier, rounded as the forward used it
+            dx = dx * torch.tensor(self.embed_multiplier, dtype=dx.dtype, device=dx.device)
+        if self.cfg.pad_token_id is not None:
+            # transformers' nn.Embedding(padding_idx=pad_token_id): looking up the padding
+            # token's row adds nothing to its gradient (a tied head's part still does).
+            dx = dx.masked_fill((ids == self.cfg.pad_token_id)[..., None], 0)
         g.index_add_(0, ids.reshape(-1), dx.reshape(-1, dx.shape[-1]).float())
         self._poison(g, s, "embed", m)  # type: ignore[arg-type]
 
@@ -597,3 +636,14 @@ class StepProgram:
         unit = self._unit(task)
         self.checkpoints[task.step].write_unit(self.state.units.index(unit), unit)
         return 12 * unit.layout.numel
+
+
+def _documents(positions: list[torch.Tensor | None] | None, n: int) -> list[Documents | None]:
+    """Per micro-batch, its documents where some row holds several (else None: one per row,
+    the plain causal kernel and the shared rotary tables)."""
+    out: list[Documents | None] = [None] * n
+    for m, pos in enumerate(positions or []):
+        if pos is not None:
+            docs = Documents.from_positions(pos)
+            out[m] = docs if docs.packed else None
+    return out

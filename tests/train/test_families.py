@@ -2,9 +2,9 @@
 
 The Llama case is ``test_train_vs_hf``; here the same three steps of two micro-batches run
 on a tiny Qwen3 (per-head q/k RMSNorm, head_dim 16 on a 32-wide model, with and without a
-tied head and attention biases) and on a Mistral whose sliding window (16) is longer than
-the sequences (12), so transformers' windowed attention is full causal attention and
-flowtrain's must match it. A sequence longer than the window is refused.
+tied head and attention biases) and on a Mistral, both with a sliding window (5) shorter than
+the sequences (12), so the window changes what a token sees and flowtrain must apply it as
+transformers does (the last 5 positions, the token itself included).
 
 Qwen3's runs are less well conditioned than Llama's: Adam's first updates (~ g / |g|) magnify
 fp32 rounding of small gradient entries, and transformers' own eager and SDPA attention end
@@ -18,19 +18,23 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from flowtrain.errors import ConfigError
 from flowtrain.train.model import read_config
 from test_train_vs_hf import SEQ, make_checkpoint, make_data, reference_train, run_flowtrain
 
-WINDOW = 16
-assert SEQ < WINDOW
+WINDOW = 5
+assert WINDOW < SEQ
 
 FAMILIES = {
     "qwen3-untied": dict(model_type="qwen3", head_dim=16, rms_norm_eps=1e-6),
-    # Tied, biased, and sliding on layer 1: the window (16) still covers the sequences.
+    # Tied, biased, and sliding on layer 1 only.
     "qwen3-tied-bias-window": dict(model_type="qwen3", head_dim=16, tied=True, attention_bias=True,
                                    use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
     "mistral-window": dict(model_type="mistral", sliding_window=WINDOW),
+    # Gemma 3 (tied, as its checkpoints are): a sliding layer then a global one.
+    "gemma3": dict(model_type="gemma3_text", head_dim=16, sliding_window=WINDOW, tied=True,
+                   layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16),
+    "gemma3-untied-bias": dict(model_type="gemma3_text", head_dim=8, sliding_window=WINDOW,
+                               attention_bias=True, layer_types=["full_attention", "sliding_attention"]),
 }
 
 
@@ -70,14 +74,14 @@ def test_family_matches_hf_adamw(tmp_path, name):
         assert out.head_dim == 16 and out.qk_norm
 
 
-def test_seq_len_beyond_the_sliding_window_is_refused(tmp_path):
-    make_checkpoint(tmp_path / "model", layers=1, **FAMILIES["mistral-window"])
-    cfg = read_config(tmp_path / "model")
-    assert cfg.sliding_window == WINDOW < cfg.max_position_embeddings
-    cfg.check_seq_len(SEQ)
-    with pytest.raises(ConfigError) as info:
-        cfg.check_seq_len(32)
-    assert str(info.value) == (
-        "--seq-len 32 exceeds the model's sliding window 16; flowtrain implements full causal "
-        "attention only: use --seq-len 16 or less"
-    )
+def test_the_window_matters(tmp_path):
+    """Guards the parity above: training the windowed Mistral as if it had no window (its
+    config rewritten without one) ends measurably elsewhere."""
+    spec = FAMILIES["mistral-window"]
+    make_checkpoint(tmp_path / "model", layers=2, seed=7, **spec)
+    rows = make_data(tmp_path / "data.jsonl", seed=8)
+    ref = _reference(tmp_path, spec, rows, 7, "sdpa")
+    make_checkpoint(tmp_path / "full", layers=2, seed=7, **{**spec, "sliding_window": None})
+    run_flowtrain(tmp_path / "full", tmp_path / "data.jsonl", tmp_path / "out")
+    ours = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert max(_rel_errs(ours, ref).values()) > 1e-3

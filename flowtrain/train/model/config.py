@@ -13,9 +13,10 @@ Four Hugging Face architectures share this shape, each described by one :class:`
 in :data:`FAMILIES`: ``LlamaForCausalLM`` (optional biases on q, k, v and o),
 ``MistralForCausalLM`` (a sliding window), ``Qwen2ForCausalLM`` (biases on q, k and v,
 an optional sliding window) and ``Qwen3ForCausalLM`` (RMSNorm over each head of q and k, an
-explicit head_dim, an optional sliding window). flowtrain computes full causal attention,
-which is what a sliding window computes on sequences no longer than the window;
-:meth:`ModelConfig.check_seq_len` refuses longer ones. Anything else is refused with a
+explicit head_dim, an optional sliding window) and ``Gemma3ForCausalLM`` (Gemma 3's text
+model: sliding and global layers, q/k norms, sandwich norms, GeGLU, scaled embeddings; the
+layer math is :mod:`flowtrain.train.model.gemma`). Sliding windows are applied layer by layer
+(:meth:`ModelConfig.layer_window`). Anything else is refused with a
 :class:`~flowtrain.errors.ConfigError` rather than trained wrongly.
 """
 
@@ -55,7 +56,13 @@ class Family(msgspec.Struct, frozen=True):
     # How config.json spells a sliding window. "mistral": sliding_window (absent: 4096) on
     # every layer; "qwen": sliding_window on the layers from max_window_layers on, only
     # when use_sliding_window is true.
-    window: Literal["none", "mistral", "qwen"] = "none"
+    window: Literal["none", "mistral", "qwen", "gemma"] = "none"
+    # Gemma 3's layer: norms scale by (1 + weight) in fp32 and also follow attention and the
+    # MLP, embeddings are multiplied by sqrt(hidden_size), the MLP is GeGLU (tanh GELU),
+    # attention scores by query_pre_attn_scalar ** -0.5, sliding layers rotate with their
+    # own base (rope_local_base_freq).
+    gemma: bool = False
+    tied: bool = False                 # tie_word_embeddings when absent
 
 
 FAMILIES: dict[str, Family] = {f.architecture: f for f in (
@@ -65,6 +72,8 @@ FAMILIES: dict[str, Family] = {f.architecture: f for f in (
            window="qwen"),
     Family("Qwen3ForCausalLM", "qwen3", max_position_embeddings=32768, head_dim=128,
            attention_bias=True, qk_norm=True, window="qwen"),
+    Family("Gemma3ForCausalLM", "gemma3_text", max_position_embeddings=131072, head_dim=256,
+           attention_bias=True, qk_norm=True, window="gemma", gemma=True, tied=True),
 )}
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
@@ -72,6 +81,9 @@ SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
 _MISTRAL_WINDOW = 4096   # MistralConfig's sliding_window when config.json omits the key
 _QWEN_WINDOW = 4096      # Qwen2Config's and Qwen3Config's, used only with use_sliding_window
 _QWEN_FULL_LAYERS = 28   # their max_window_layers default
+_GEMMA_WINDOW = 4096     # Gemma3TextConfig's sliding_window
+_GEMMA_PATTERN = 6       # its sliding_window_pattern: every 6th layer attends globally
+_GEMMA_THETA = (1e6, 1e4)  # its rope_theta (global layers) and rope_local_base_freq
 
 _REQUIRED_HF_KEYS = (
     "vocab_size",
@@ -83,18 +95,20 @@ _REQUIRED_HF_KEYS = (
 
 
 class RopeScaling(msgspec.Struct, frozen=True):
-    """Llama 3.1's rotary frequency scaling (``rope_type == "llama3"``).
+    """Rotary frequency scaling: Llama 3.1's (``rope_type == "llama3"``) or linear.
 
-    Low frequencies (wavelengths longer than ``original_max_position_embeddings /
+    llama3: low frequencies (wavelengths longer than ``original_max_position_embeddings /
     low_freq_factor``) are divided by ``factor``, high ones are kept, and the band between
     is interpolated smoothly; this lets a model pre-trained at 8K positions run at 128K.
+    linear (Gemma 3's global layers): every frequency is divided by ``factor``; the other
+    fields are unused.
     """
 
     rope_type: str
     factor: float
-    low_freq_factor: float
-    high_freq_factor: float
-    original_max_position_embeddings: int
+    low_freq_factor: float = 0.0
+    high_freq_factor: float = 0.0
+    original_max_position_embeddings: int = 0
 
 
 class ModelConfig(msgspec.Struct, frozen=True):
@@ -131,11 +145,28 @@ class ModelConfig(msgspec.Struct, frozen=True):
     architecture: str = "LlamaForCausalLM"
     sliding_window: int | None = None
     max_window_layers: int = 0
+    #: Gemma 3: which layers slide ("sliding_attention") or see everything ("full_attention")
+    layer_types: tuple[str, ...] | None = None
+    #: Gemma 3: the rotary base of sliding layers (``rope_theta`` is the global layers')
+    rope_local_theta: float | None = None
+    #: Gemma 3: attention scores are scaled by this ** -0.5 (None: head_dim ** -0.5)
+    query_pre_attn_scalar: float | None = None
 
     def __post_init__(self) -> None:
         # head_dim is always an int after construction; None only means "derive it".
         if self.head_dim is None and self.num_heads > 0:
             msgspec.structs.force_setattr(self, "head_dim", self.hidden_size // self.num_heads)
+        fam = FAMILIES.get(self.architecture)
+        if fam is not None and fam.gemma and self.layer_types is None and self.num_layers > 0:
+            # Gemma3TextConfig's default: every _GEMMA_PATTERN-th layer attends globally.
+            types = tuple("sliding_attention" if (i + 1) % _GEMMA_PATTERN else "full_attention"
+                          for i in range(self.num_layers))
+            msgspec.structs.force_setattr(self, "layer_types", types)
+        if fam is not None and fam.gemma:  # Gemma3TextConfig's defaults, spelled out
+            if self.rope_local_theta is None:
+                msgspec.structs.force_setattr(self, "rope_local_theta", _GEMMA_THETA[1])
+            if self.query_pre_attn_scalar is None and self.head_dim is not None:
+                msgspec.structs.force_setattr(self, "query_pre_attn_scalar", float(self.head_dim))
 
     # ------------------------------------------------------------------ checks and sizes
 
@@ -158,20 +189,28 @@ class ModelConfig(msgspec.Struct, frozen=True):
         return self.family.qk_norm
 
     def check_seq_len(self, seq_len: int) -> None:
-        """Raise :class:`ConfigError` if sequences of ``seq_len`` tokens cannot be trained:
-        beyond the model's positions, or longer than its sliding window (where full causal
-        attention would let tokens see further back than the model was built to)."""
+        """Raise :class:`ConfigError` if sequences of ``seq_len`` tokens reach beyond the model's
+        positions. (A sliding window shorter than the sequence is applied, not refused.)"""
         if seq_len > self.max_position_embeddings:
             raise ConfigError(
                 f"--seq-len {seq_len} is beyond the model's {self.max_position_embeddings} positions "
                 f"(max_position_embeddings); use --seq-len {self.max_position_embeddings} or less"
             )
-        if self.sliding_window is not None and seq_len > self.sliding_window:
-            raise ConfigError(
-                f"--seq-len {seq_len} exceeds the model's sliding window {self.sliding_window}; "
-                "flowtrain implements full causal attention only: "
-                f"use --seq-len {self.sliding_window} or less"
-            )
+
+    def layer_window(self, layer: int) -> int | None:
+        """How many positions a token of decoder layer ``layer`` sees, itself included: the
+        sliding window on the layers from ``max_window_layers`` on (or, with ``layer_types``,
+        on the "sliding_attention" layers), None (all) elsewhere."""
+        if self.sliding_window is None or layer < self.max_window_layers:
+            return None
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    def layer_rope_local(self, layer: int) -> bool:
+        """Whether layer ``layer`` rotates with the local base (Gemma 3's sliding layers)."""
+        return (self.rope_local_theta is not None and self.layer_types is not None
+                and self.layer_types[layer] == "sliding_attention")
 
     def validate(self) -> ModelConfig:
         """Raise :class:`ConfigError` if the sizes cannot form a model; return ``self``."""
@@ -218,21 +257,46 @@ class ModelConfig(msgspec.Struct, frozen=True):
                 f"model config: max_window_layers must be between 0 and num_layers "
                 f"{self.num_layers}, got {self.max_window_layers}"
             )
+        self._check_rope_scaling()
+        self._check_gemma_fields()
+        return self
+
+    def _check_rope_scaling(self) -> None:
         rs = self.rope_scaling
-        if rs is not None:
-            if rs.rope_type != "llama3":
-                raise ConfigError(
-                    f"model config: rope scaling type {rs.rope_type!r} is not supported; "
-                    "flowtrain implements 'llama3' scaling (or none)"
-                )
-            finite = all(math.isfinite(x) for x in (rs.factor, rs.low_freq_factor, rs.high_freq_factor))
-            if not (finite and rs.factor > 0 and rs.high_freq_factor > rs.low_freq_factor > 0
+        if rs is None:
+            return
+        if rs.rope_type not in ("llama3", "linear"):
+            raise ConfigError(
+                f"model config: rope scaling type {rs.rope_type!r} is not supported; "
+                "flowtrain implements 'llama3' and 'linear' scaling (or none)"
+            )
+        if not (math.isfinite(rs.factor) and rs.factor > 0):
+            raise ConfigError(f"model config: rope scaling needs factor > 0, got {rs}")
+        if rs.rope_type == "llama3":
+            finite = all(math.isfinite(x) for x in (rs.low_freq_factor, rs.high_freq_factor))
+            if not (finite and rs.high_freq_factor > rs.low_freq_factor > 0
                     and rs.original_max_position_embeddings > 0):
                 raise ConfigError(
                     f"model config: llama3 rope scaling needs factor > 0, high_freq_factor > "
                     f"low_freq_factor > 0 and original_max_position_embeddings > 0, got {rs}"
                 )
-        return self
+
+    def _check_gemma_fields(self) -> None:
+        """layer_types, rope_local_theta and query_pre_attn_scalar belong to Gemma 3 only."""
+        gemma = self.family.gemma
+        if not gemma:
+            for name in ("layer_types", "rope_local_theta", "query_pre_attn_scalar"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"model config: {name} is a Gemma 3 setting; "
+                                      f"{self.architecture} has no such option")
+            return
+        if self.layer_types is not None and len(self.layer_types) != self.num_layers:
+            raise ConfigError(f"model config: layer_types names {len(self.layer_types)} layers, "
+                              f"the model has {self.num_layers}")
+        for name in ("rope_local_theta", "query_pre_attn_scalar"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v > 0):
+                raise ConfigError(f"model config: {name} must be > 0, got {v}")
 
     def _check_exportable(self) -> None:
         """Each Hugging Face architecture fixes which biases and windows exist; refuse a
@@ -276,6 +340,8 @@ class ModelConfig(msgspec.Struct, frozen=True):
             n += h
         if self.qk_norm:
             n += 2 * self.head_dim
+        if self.family.gemma:
+            n += 2 * h                   # the norms after attention and around the MLP
         return n
 
     def num_parameters(self) -> int:
@@ -300,20 +366,21 @@ class ModelConfig(msgspec.Struct, frozen=True):
                 f"config.json for {arch} lacks required key(s) {', '.join(missing)}; "
                 "add them (see the model card's config.json)"
             )
-        act = d.get("hidden_act", "silu")
-        if act != "silu":
-            raise ConfigError(
-                f"config.json has hidden_act {act!r}; flowtrain's SwiGLU MLP supports 'silu' only"
-            )
+        fam = FAMILIES[arch]
+        _check_activation(d, fam)
         if _hf_bool(d, "mlp_bias", False):
             raise ConfigError(
                 "config.json sets mlp_bias; flowtrain supports MLPs without biases only"
             )
-        fam = FAMILIES[arch]
-        theta, scaling = _rope(d)
         heads = _hf_int(d, "num_attention_heads")
         layers = _hf_int(d, "num_hidden_layers")
-        window, full_layers = _sliding_window(d, fam, layers)
+        if fam.gemma:
+            extra = _gemma_fields(d, layers)
+        else:
+            theta, scaling = _rope(d)
+            window, full_layers = _sliding_window(d, fam, layers)
+            extra = dict(rope_theta=theta, rope_scaling=scaling, sliding_window=window,
+                         max_window_layers=full_layers)
         eos = d.get("eos_token_id")
         if isinstance(eos, list):  # several end tokens: the first is the one flowtrain appends
             eos = eos[0] if eos else None
@@ -326,11 +393,9 @@ class ModelConfig(msgspec.Struct, frozen=True):
             num_kv_heads=_hf_int(d, "num_key_value_heads", heads),
             head_dim=_hf_int(d, "head_dim", fam.head_dim),
             rms_norm_eps=_hf_float(d, "rms_norm_eps", fam.rms_norm_eps),
-            rope_theta=theta,
-            rope_scaling=scaling,
             max_position_embeddings=_hf_int(d, "max_position_embeddings",
                                             fam.max_position_embeddings),
-            tie_word_embeddings=_hf_bool(d, "tie_word_embeddings", False),
+            tie_word_embeddings=_hf_bool(d, "tie_word_embeddings", fam.tied),
             attention_bias=fam.attention_bias and _hf_bool(d, "attention_bias", False),
             qkv_bias=fam.qkv_bias,
             initializer_range=_hf_float(d, "initializer_range", 0.02),
@@ -338,8 +403,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
             eos_token_id=_hf_int({"eos_token_id": eos}, "eos_token_id", None, minimum=None),
             pad_token_id=_hf_int(d, "pad_token_id", None, minimum=None),
             architecture=arch,
-            sliding_window=window,
-            max_window_layers=full_layers,
+            **extra,
         )
         return cfg.validate()
 
@@ -394,7 +458,22 @@ class ModelConfig(msgspec.Struct, frozen=True):
                 slides = self.sliding_window is not None
                 d.update(use_sliding_window=slides, sliding_window=self.sliding_window,
                          max_window_layers=self.max_window_layers if slides else self.num_layers)
+            case "gemma":
+                self._gemma_to_hf(d)
         return d
+
+    def _gemma_to_hf(self, d: dict[str, Any]) -> None:
+        """Gemma 3's spelling: its activation key, two rotary bases, layer types, score scale."""
+        del d["hidden_act"]
+        local = self.rope_local_theta
+        d["rope_parameters"] = {"full_attention": d["rope_parameters"],
+                                "sliding_attention": {"rope_type": "default", "rope_theta": local}}
+        types = self.layer_types or ()
+        scalar = self.query_pre_attn_scalar
+        d.update(hidden_activation="gelu_pytorch_tanh", rope_local_base_freq=local,
+                 sliding_window=self.sliding_window, layer_types=list(types),
+                 query_pre_attn_scalar=int(scalar) if scalar is not None and scalar.is_integer() else scalar,
+                 final_logit_softcapping=None, attn_logit_softcapping=None)
 
 
 _REQUIRED = object()
@@ -442,8 +521,8 @@ def _hf_bool(d: dict[str, Any], key: str, default: bool) -> bool:
 
 def _unsupported(arch: object) -> str:
     return (
-        f"unsupported architecture {arch!r}: flowtrain trains Llama-family models "
-        f"({', '.join(SUPPORTED_ARCHITECTURES)})"
+        f"unsupported architecture {arch!r}: flowtrain trains "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)}"
     )
 
 
@@ -495,7 +574,7 @@ def _architecture(d: dict[str, Any]) -> str:
     return arch
 
 
-def _rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
+def _rope(d: dict[str, Any], theta_default: float = 10000.0) -> tuple[float, RopeScaling | None]:
     """Rotary base and scaling from either the transformers 4 or 5 spelling."""
     params, where = d.get("rope_parameters"), "rope_parameters."
     if not isinstance(params, dict):
@@ -505,25 +584,80 @@ def _rope(d: dict[str, Any]) -> tuple[float, RopeScaling | None]:
     if params.get("rope_theta") is not None:
         theta = _hf_float(params, "rope_theta", where=where)
     else:
-        theta = _hf_float(d, "rope_theta", 10000.0)
+        theta = _hf_float(d, "rope_theta", theta_default)
+    return theta, _rope_scaling(params, where)
+
+
+def _rope_scaling(params: dict[str, Any], where: str) -> RopeScaling | None:
     kind = params.get("rope_type", params.get("type", "default"))
     if kind in (None, "default"):
-        return theta, None
+        return None
+    if kind == "linear":
+        if params.get("factor") is None:
+            raise ConfigError(f"config.json: linear rope scaling lacks 'factor' ({where})")
+        return RopeScaling(rope_type="linear", factor=_hf_float(params, "factor", where=where))
     if kind != "llama3":
         raise ConfigError(
-            f"config.json uses rope scaling {kind!r}; flowtrain supports 'llama3' scaling or none"
+            f"config.json uses rope scaling {kind!r}; flowtrain supports 'llama3' and 'linear' "
+            "scaling or none"
         )
     for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
         if params.get(key) is None:
             raise ConfigError(f"config.json: llama3 rope scaling lacks {key!r}")
-    scaling = RopeScaling(
+    return RopeScaling(
         rope_type="llama3",
         factor=_hf_float(params, "factor", where=where),
         low_freq_factor=_hf_float(params, "low_freq_factor", where=where),
         high_freq_factor=_hf_float(params, "high_freq_factor", where=where),
         original_max_position_embeddings=_hf_int(params, "original_max_position_embeddings", where=where),
     )
-    return theta, scaling
+
+
+def _check_activation(d: dict[str, Any], fam: Family) -> None:
+    """The MLP's activation must be the one flowtrain implements for the family."""
+    key, want = ("hidden_activation", "gelu_pytorch_tanh") if fam.gemma else ("hidden_act", "silu")
+    act = d.get(key, want)
+    if act != want:
+        mlp = "GeGLU MLP supports 'gelu_pytorch_tanh'" if fam.gemma else "SwiGLU MLP supports 'silu'"
+        raise ConfigError(f"config.json has {key} {act!r}; flowtrain's {mlp} only")
+
+
+def _gemma_fields(d: dict[str, Any], layers: int) -> dict[str, Any]:
+    """Gemma 3's rotary bases (global and local), window, layer types and score scale, read as
+    Gemma3TextConfig reads them (transformers 4 or 5 spelling)."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if d.get(key) is not None:
+            raise ConfigError(f"config.json sets {key}; flowtrain's Gemma 3 has no soft-capping")
+    if _hf_bool(d, "use_bidirectional_attention", False):
+        raise ConfigError("config.json sets use_bidirectional_attention; flowtrain trains causal models only")
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        full = params.get("full_attention") or {}
+        local = params.get("sliding_attention") or {}
+        if not isinstance(full, dict) or not isinstance(local, dict):
+            raise ConfigError("config.json: rope_parameters.full_attention and .sliding_attention must be objects")
+        theta = _hf_float(full, "rope_theta", _GEMMA_THETA[0], where="rope_parameters.full_attention.")
+        scaling = _rope_scaling(full, "rope_parameters.full_attention.")
+        local_theta = _hf_float(local, "rope_theta", _GEMMA_THETA[1], where="rope_parameters.sliding_attention.")
+        if _rope_scaling(local, "rope_parameters.sliding_attention.") is not None:
+            raise ConfigError("config.json scales the rotary of sliding layers; flowtrain scales global layers only")
+    else:
+        theta, scaling = _rope(d, theta_default=_GEMMA_THETA[0])
+        local_theta = _hf_float(d, "rope_local_base_freq", _GEMMA_THETA[1])
+    window = _hf_int(d, "sliding_window", None) if "sliding_window" in d else _GEMMA_WINDOW
+    types = d.get("layer_types")
+    if types is None:
+        pattern = _hf_int(d, "sliding_window_pattern", _GEMMA_PATTERN)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if (not isinstance(types, list) or len(types) != layers
+            or any(t not in ("sliding_attention", "full_attention") for t in types)):
+        raise ConfigError(
+            f"config.json: layer_types must list 'sliding_attention' or 'full_attention' for each of "
+            f"the {layers} layers (got {types!r})"
+        )
+    return dict(rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta,
+                sliding_window=window, layer_types=tuple(types),
+                query_pre_attn_scalar=_hf_float(d, "query_pre_attn_scalar", 256.0))
 
 
 _LLAMA3_SCALING = RopeScaling(
@@ -579,6 +713,14 @@ PRESETS: dict[str, ModelConfig] = {
         num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
         max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645,
         architecture="Qwen3ForCausalLM",
+    ),
+    # Gemma-3-1B's shape: five sliding layers (window 512) per global one, tied.
+    "gemma3-1b": ModelConfig(
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_layers=26,
+        num_heads=4, num_kv_heads=1, head_dim=256, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=32768, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
+        pad_token_id=0, architecture="Gemma3ForCausalLM", sliding_window=512,
+        rope_local_theta=10000.0, query_pre_attn_scalar=256.0,
     ),
 }
 

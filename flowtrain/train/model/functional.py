@@ -31,7 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from flowtrain.train.model.attention import Documents, self_attention
 from flowtrain.train.model.config import ModelConfig
+from flowtrain.train.model.gemma import gemma_layer, gemma_rms_norm
 
 __all__ = [
     "IGNORE_INDEX",
@@ -51,15 +53,19 @@ IGNORE_INDEX = -100
 # ---------------------------------------------------------------------- rotary embeddings
 
 
-def inv_freq(cfg: ModelConfig, device: torch.device | str | None = None) -> Tensor:
-    """Rotary inverse frequencies, (head_dim // 2,) fp32, with llama3 scaling if configured."""
+def inv_freq(cfg: ModelConfig, device: torch.device | str | None = None, local: bool = False) -> Tensor:
+    """Rotary inverse frequencies, (head_dim // 2,) fp32, with the configured scaling.
+    ``local``: Gemma 3's sliding layers, which rotate with ``rope_local_theta``, unscaled."""
     assert cfg.head_dim is not None
     dim = cfg.head_dim
+    theta = cfg.rope_local_theta if local and cfg.rope_local_theta is not None else cfg.rope_theta
     exponents = torch.arange(0, dim, 2, dtype=torch.int64, device=device).float() / dim
-    freq = 1.0 / (cfg.rope_theta**exponents)
+    freq = 1.0 / (theta**exponents)
     rs = cfg.rope_scaling
-    if rs is None:
+    if rs is None or local:
         return freq
+    if rs.rope_type == "linear":
+        return freq / rs.factor
     # Llama 3.1: keep short wavelengths, stretch long ones by `factor`, blend in between.
     wavelength = 2 * math.pi / freq
     long_cutoff = rs.original_max_position_embeddings / rs.low_freq_factor
@@ -78,26 +84,20 @@ def rope_tables(
     seq_len: int,
     device: torch.device | str | None = None,
     dtype: torch.dtype = torch.float32,
+    local: bool = False,
 ) -> tuple[Tensor, Tensor]:
-    """``(cos, sin)``, each (seq_len, head_dim), for positions 0..seq_len-1.
+    """``(cos, sin)``, each (seq_len, head_dim), for positions 0..seq_len-1 (``local``: the
+    tables of Gemma 3's sliding layers, see :meth:`ModelConfig.layer_rope_local`).
 
     Angles are computed in fp32 (bf16 positions would be wrong past 256) and cast last.
     The two halves of head_dim repeat the same frequencies, matching the rotate-half
     convention Hugging Face checkpoints use.
     """
-    freq = inv_freq(cfg, device)
+    freq = inv_freq(cfg, device, local)
     positions = torch.arange(seq_len, dtype=torch.int64, device=device).float()
     angles = positions[:, None] * freq[None, :]
     angles = torch.cat((angles, angles), dim=-1)
     return angles.cos().to(dtype), angles.sin().to(dtype)
-
-
-def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Apply rotary embedding to x: (batch, heads, seq, head_dim); cos/sin (seq, head_dim)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
 
 
 # ---------------------------------------------------------------------- layers
@@ -110,43 +110,37 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * xf.to(x.dtype)
 
 
-def embed(ids: Tensor, weight: Tensor) -> Tensor:
-    """Token embedding: ids (batch, seq) int64, weight (vocab, hidden) -> (batch, seq, hidden)."""
-    return F.embedding(ids, weight)
+def embed(ids: Tensor, weight: Tensor, multiplier: float | None = None) -> Tensor:
+    """Token embedding: ids (batch, seq) int64, weight (vocab, hidden) -> (batch, seq, hidden),
+    times ``multiplier`` rounded to the weight's dtype where there is one (Gemma 3:
+    :func:`~flowtrain.train.model.gemma.embed_multiplier`)."""
+    out = F.embedding(ids, weight)
+    if multiplier is not None:
+        out = out * torch.tensor(multiplier, dtype=weight.dtype, device=weight.device)
+    return out
 
 
 def decoder_layer(
     x: Tensor,  # (batch, seq, hidden) compute dtype
     w: Mapping[str, Tensor],  # bind(flat, layer_layout), same dtype and device as x
-    cos: Tensor,  # (seq, head_dim) x's dtype
-    sin: Tensor,  # (seq, head_dim)
+    cos: Tensor,  # (seq, head_dim) x's dtype, or (batch, 1, seq, head_dim): rotary_for
+    sin: Tensor,  # same shape as cos
     cfg: ModelConfig,
+    docs: Documents | None = None,
+    window: int | None = None,
 ) -> Tensor:
     """One pre-norm Llama block: x + attn(norm(x)), then + SwiGLU(norm(.)). Returns x's shape.
 
     Qwen3 (``cfg.qk_norm``) also normalises each head of q and k, before the rotation.
-    Attention is causal with no padding mask: batches are right-padded, so real tokens
-    never attend to padding, and padded positions are dropped from the loss instead.
-    A sliding window is not applied: :meth:`ModelConfig.check_seq_len` keeps sequences
-    within it, where it changes nothing.
+    Attention is causal (:func:`~flowtrain.train.model.attention.attend`): within each
+    document of ``docs`` when rows are packed, within the last ``window`` positions in a
+    sliding-window layer (``cfg.layer_window(i)``). Padding sits at the right of a row, so
+    real tokens never attend to it, and padded positions are dropped from the loss instead.
     """
-    assert cfg.head_dim is not None
-    batch, seq, _ = x.shape
-    heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-
+    if cfg.family.gemma:
+        return gemma_layer(x, w, cos, sin, cfg, docs, window)
     h = rms_norm(x, w["input_layernorm"], cfg.rms_norm_eps)
-    q = F.linear(h, w["q_proj"], w.get("q_bias")).view(batch, seq, heads, hd)
-    k = F.linear(h, w["k_proj"], w.get("k_bias")).view(batch, seq, kv_heads, hd)
-    v = F.linear(h, w["v_proj"], w.get("v_bias")).view(batch, seq, kv_heads, hd).transpose(1, 2)
-    if cfg.qk_norm:
-        q, k = rms_norm(q, w["q_norm"], cfg.rms_norm_eps), rms_norm(k, w["k_norm"], cfg.rms_norm_eps)
-    q, k = q.transpose(1, 2), k.transpose(1, 2)
-    q, k = _rotate(q, cos, sin), _rotate(k, cos, sin)
-    # SDPA's grouped-query mode shares each kv head across heads // kv_heads query heads
-    # without materialising the repeated keys and values.
-    attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=kv_heads < heads)
-    attn = attn.transpose(1, 2).reshape(batch, seq, heads * hd)
-    x = x + F.linear(attn, w["o_proj"], w.get("o_bias"))
+    x = x + self_attention(h, w, cos, sin, cfg, docs, window, rms_norm)
 
     h = rms_norm(x, w["post_attention_layernorm"], cfg.rms_norm_eps)
     mlp = F.silu(F.linear(h, w["gate_proj"])) * F.linear(h, w["up_proj"])
@@ -188,14 +182,17 @@ def head_loss(
     targets: Tensor,  # (batch, seq) int64, IGNORE_INDEX (-100) = ignore
     eps: float,
     chunk_tokens: int | None = None,
+    plus_one: bool = False,
 ) -> Tensor:
-    """Summed cross-entropy over non-ignored targets: a detached fp32 scalar."""
+    """Summed cross-entropy over non-ignored targets: a detached fp32 scalar. ``plus_one``:
+    the final norm is Gemma 3's (scaled by ``1 + norm_w``, in fp32)."""
     x = hidden.reshape(-1, hidden.shape[-1])
     t = targets.reshape(-1)
     step = _step(chunk_tokens, head_w.shape[0])
     total = torch.zeros((), dtype=torch.float32, device=hidden.device)
+    norm = gemma_rms_norm if plus_one else rms_norm
     for start in range(0, x.shape[0], step):
-        n = rms_norm(x[start : start + step], norm_w, eps)
+        n = norm(x[start : start + step], norm_w, eps)
         logits, lse, safe_t, valid = _logits_and_ce(n, head_w, t[start : start + step])
         picked = logits.gather(1, safe_t[:, None]).squeeze(1)
         total += torch.where(valid, lse - picked, 0.0).sum()
@@ -211,6 +208,7 @@ def head_loss_and_grads(
     eps: float,
     scale: float,
     chunk_tokens: int | None = None,
+    plus_one: bool = False,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """Final norm + head + cross-entropy, forward and backward, one token chunk at a time.
 
@@ -224,6 +222,9 @@ def head_loss_and_grads(
     * ``g = scale * (softmax(logits) - onehot(target))`` (zero on ignored rows),
     * ``d_head_w += g.T @ n``, ``d_n = g @ head_w``, ``d_norm_w += sum(d_n * xh)``,
     * ``d_x = r * (d_xh - xh * mean(d_xh * xh))`` with ``d_xh = d_n * norm_w``.
+
+    ``plus_one`` (Gemma 3): ``n = (xh * (1 + norm_w))`` in fp32, cast last; the same
+    gradients with ``1 + norm_w`` in place of ``norm_w``.
     """
     dt = hidden.dtype
     x = hidden.reshape(-1, hidden.shape[-1])
@@ -238,8 +239,12 @@ def head_loss_and_grads(
         xf = xc.float()
         r = torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
         xh_f = xf * r
-        xh = xh_f.to(dt)
-        n = norm_w * xh
+        if plus_one:
+            w_f = 1.0 + norm_w.float()
+            xh, n = xh_f, (xh_f * w_f).to(dt)
+        else:
+            xh = xh_f.to(dt)
+            n = norm_w * xh
 
         logits, lse, safe_t, valid = _logits_and_ce(n, head_w, tc)
         picked = logits.gather(1, safe_t[:, None]).squeeze(1)
@@ -256,7 +261,7 @@ def head_loss_and_grads(
         d_n = g @ head_w
         del g
         d_norm += (d_n.float() * xh.float()).sum(0)
-        d_xh = (d_n * norm_w).float()
+        d_xh = d_n.float() * w_f if plus_one else (d_n * norm_w).float()
         d_xf = r * (d_xh - xh_f * (d_xh * xh_f).mean(-1, keepdim=True))
         d_x[start : start + step] = d_xf.to(dt)
     return loss, d_x.view_as(hidden), d_norm.to(norm_w.dtype), d_head

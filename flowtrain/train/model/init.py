@@ -8,7 +8,8 @@ gets the same numbers (a 14B model never has to exist twice in memory to be init
         init_unit(flat, lay, cfg, seed=0)
 
 Matrices are drawn from normal(0, ``cfg.initializer_range``) like Hugging Face's Llama,
-norm weights (Qwen3's q_norm and k_norm too) are ones, biases and alignment padding
+norm weights (Qwen3's q_norm and k_norm too) are ones (Gemma 3's zeros: it scales by
+1 + weight), biases and alignment padding
 zeros. Values are drawn in fp32 on the CPU and then cast, so a bf16 buffer holds the
 bf16 rounding of the fp32 buffer's values.
 """
@@ -43,7 +44,7 @@ def init_unit(flat: Tensor, layout: UnitLayout, cfg: ModelConfig, seed: int) -> 
     for e in layout.entries:
         view = views[e.key].view(-1)
         if e.key.endswith("norm"):  # the layer norms, q_norm and k_norm, the final norm
-            view.fill_(1.0)
+            view.fill_(0.0 if cfg.family.gemma else 1.0)  # Gemma scales by (1 + weight)
         elif e.key.endswith("_bias"):
             pass  # already zero
         else:

@@ -107,6 +107,13 @@ def _layer_specs(cfg: ModelConfig, i: int) -> list[_Spec]:
     specs += [
         ("o_proj", f"{attn}.o_proj.weight", (h, q_out)),
         ("post_attention_layernorm", f"model.layers.{i}.post_attention_layernorm.weight", (h,)),
+    ]
+    if cfg.family.gemma:  # Gemma 3 also norms the MLP's input and output
+        specs += [
+            ("pre_feedforward_layernorm", f"model.layers.{i}.pre_feedforward_layernorm.weight", (h,)),
+            ("post_feedforward_layernorm", f"model.layers.{i}.post_feedforward_layernorm.weight", (h,)),
+        ]
+    specs += [
         ("gate_proj", f"{mlp}.gate_proj.weight", (ffn, h)),
         ("up_proj", f"{mlp}.up_proj.weight", (ffn, h)),
         ("down_proj", f"{mlp}.down_proj.weight", (h, ffn)),

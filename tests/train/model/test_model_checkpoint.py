@@ -13,6 +13,7 @@ from transformers import AutoModelForCausalLM
 from flowtrain.errors import CheckpointError, ConfigError
 from flowtrain.train.model import bind, init_unit, load_into, model_layouts, read_config, save_hf
 from flowtrain.train.model import checkpoint as ckpt
+from flowtrain.train.model import RopeScaling
 from model_helpers import flats_from_hf, hf_model, small_cfg
 
 CONFIGS = {
@@ -25,6 +26,11 @@ CONFIGS = {
                                         attention_bias=True, tie_word_embeddings=True,
                                         sliding_window=32, max_window_layers=1),
     "mistral-window": small_cfg(architecture="MistralForCausalLM", sliding_window=32),
+    "gemma3-tied": small_cfg(architecture="Gemma3ForCausalLM", head_dim=16, num_layers=3,
+                             tie_word_embeddings=True, sliding_window=8, rope_local_theta=5e3,
+                             query_pre_attn_scalar=12.0, rope_scaling=RopeScaling("linear", 8.0)),
+    "gemma3-untied-bias": small_cfg(architecture="Gemma3ForCausalLM", head_dim=8, attention_bias=True,
+                                    layer_types=("full_attention", "sliding_attention")),
 }
 
 

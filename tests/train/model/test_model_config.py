@@ -8,7 +8,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from flowtrain.errors import ConfigError
-from flowtrain.train.model import PRESETS, ModelConfig, model_layouts, preset
+from flowtrain.train.model import PRESETS, ModelConfig, RopeScaling, model_layouts, preset
 from model_helpers import LLAMA3_SMALL, hf_config, small_cfg
 
 VARIANTS = {
@@ -25,6 +25,11 @@ VARIANTS = {
     "qwen3-bias-tied-window": small_cfg(architecture="Qwen3ForCausalLM", head_dim=8,
                                         attention_bias=True, tie_word_embeddings=True,
                                         sliding_window=64),
+    "gemma3-tied": small_cfg(architecture="Gemma3ForCausalLM", head_dim=16, num_layers=3,
+                             tie_word_embeddings=True, sliding_window=8, rope_local_theta=5e3,
+                             query_pre_attn_scalar=12.0, rope_scaling=RopeScaling("linear", 8.0)),
+    "gemma3-untied-bias": small_cfg(architecture="Gemma3ForCausalLM", head_dim=8, attention_bias=True,
+                                    layer_types=("full_attention", "sliding_attention")),
 }
 
 
@@ -38,7 +43,9 @@ def test_from_hf_inverts_to_hf(name):
 def test_transformers_reads_to_hf_as_the_same_model(name):
     cfg = VARIANTS[name]
     hc = hf_config(cfg)
-    assert type(hc).__name__.removesuffix("Config") == cfg.architecture.removesuffix("ForCausalLM")
+    # Gemma 3's text-only model is configured by Gemma3TextConfig.
+    family = cfg.architecture.removesuffix("ForCausalLM")
+    assert type(hc).__name__.removesuffix("Config") in (family, family + "Text")
     assert hc.head_dim == cfg.head_dim
     # transformers' own serialisation of that config reads back to the same ModelConfig.
     d = hc.to_dict()
@@ -126,20 +133,16 @@ def test_mistral_with_window_covering_all_positions_is_accepted():
     _hf(architectures=["Qwen3ForCausalLM"], model_type="qwen3", use_sliding_window=True,
         sliding_window=16, max_window_layers=0),
 ])
-def test_sliding_window_is_accepted_and_bounds_seq_len(d):
-    """A window shorter than the model's positions changes nothing on sequences that fit in it;
-    only longer sequences are refused, in one line that says what to use instead."""
+def test_sliding_window_is_read_per_layer(d):
+    """The window applies to the layers transformers slides (Mistral: all; Qwen: from
+    max_window_layers on); sequences longer than it are trained, only positions bound them."""
     cfg = ModelConfig.from_hf(d)
     assert cfg.sliding_window == 16
     assert hf_config(cfg).sliding_window == 16  # written back for transformers
-    cfg.check_seq_len(12)
-    cfg.check_seq_len(16)
-    with pytest.raises(ConfigError) as info:
-        cfg.check_seq_len(32)
-    assert str(info.value) == (
-        "--seq-len 32 exceeds the model's sliding window 16; flowtrain implements full causal "
-        "attention only: use --seq-len 16 or less"
-    )
+    full = {"MistralForCausalLM": 0, "Qwen2ForCausalLM": 1, "Qwen3ForCausalLM": 0}[cfg.architecture]
+    assert [cfg.layer_window(i) for i in range(cfg.num_layers)] == (
+        [None] * full + [16] * (cfg.num_layers - full))
+    cfg.check_seq_len(32)
     with pytest.raises(ConfigError, match="beyond the model's 256 positions"):
         cfg.check_seq_len(257)
 
@@ -220,3 +223,36 @@ def test_published_sizes():
     assert PRESETS["llama-8b"].num_parameters() == pytest.approx(8.03e9, rel=0.001)
     assert PRESETS["qwen-14b"].num_parameters() == pytest.approx(14.77e9, rel=0.01)
     assert PRESETS["qwen3-8b"].num_parameters() == pytest.approx(8.19e9, rel=0.001)
+
+
+def _gemma(**changes):
+    d = preset("gemma3-1b").to_hf()
+    d.update(num_hidden_layers=3, layer_types=["sliding_attention"] * 2 + ["full_attention"])
+    d.update(changes)
+    return d
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(final_logit_softcapping=30.0), "sets final_logit_softcapping; flowtrain's Gemma 3 has no soft-capping"),
+    (dict(attn_logit_softcapping=50.0), "sets attn_logit_softcapping"),
+    (dict(use_bidirectional_attention=True), "trains causal models only"),
+    (dict(layer_types=["sliding_attention"]), "layer_types must list"),
+    (dict(layer_types=["sliding_attention", "chunked_attention", "full_attention"]), "layer_types must list"),
+    (dict(hidden_activation="silu"), "GeGLU MLP supports 'gelu_pytorch_tanh' only"),
+])
+def test_gemma3_options_flowtrain_lacks_are_refused(changes, message):
+    with pytest.raises(ConfigError, match=message):
+        ModelConfig.from_hf(_gemma(**changes))
+
+
+def test_gemma3_transformers4_spelling_and_default_pattern():
+    """Configs on the Hub spell the local base rope_local_base_freq and the layer pattern as
+    sliding_window_pattern; both read as Gemma3TextConfig reads them."""
+    d = _gemma(rope_theta=2e6, rope_local_base_freq=7e3, rope_scaling={"rope_type": "linear", "factor": 8.0},
+               num_hidden_layers=7, sliding_window_pattern=3)
+    del d["rope_parameters"], d["layer_types"]
+    cfg = ModelConfig.from_hf(d)
+    assert (cfg.rope_theta, cfg.rope_local_theta, cfg.rope_scaling.factor) == (2e6, 7e3, 8.0)
+    assert [cfg.layer_window(i) for i in range(7)] == [512, 512, None, 512, 512, None, 512]
+    assert [cfg.layer_rope_local(i) for i in range(7)] == [True, True, False, True, True, False, True]
+    assert hf_config(cfg).layer_types == list(cfg.layer_types)

@@ -20,6 +20,8 @@ from flowtrain.train.model import (
     rms_norm,
     rope_tables,
 )
+from flowtrain.train.model import RopeScaling
+from flowtrain.train.model.gemma import embed_multiplier
 from model_helpers import LLAMA3_SMALL, flats_from_hf, hf_model, rel_err, small_cfg
 
 TOL = 1e-5
@@ -40,6 +42,16 @@ CONFIGS = {
                                    rms_norm_eps=1e-6),
     "qwen3-bias-mqa-tied": small_cfg(architecture="Qwen3ForCausalLM", head_dim=8, num_kv_heads=1,
                                      attention_bias=True, tie_word_embeddings=True),
+    # Gemma 3: sandwich norms scaled by 1 + w, GeGLU, scaled embeddings, a score scalar other
+    # than head_dim, sliding layers (window 7 < seq) with their own rotary base, and global
+    # layers with linear rope scaling; layer 2 of 3 is global.
+    "gemma3-tied": small_cfg(architecture="Gemma3ForCausalLM", head_dim=16, num_layers=3,
+                             rms_norm_eps=1e-6, tie_word_embeddings=True, sliding_window=7,
+                             layer_types=("sliding_attention", "full_attention", "sliding_attention"),
+                             rope_theta=1e6, rope_local_theta=1e4, query_pre_attn_scalar=24.0,
+                             rope_scaling=RopeScaling(rope_type="linear", factor=4.0)),
+    "gemma3-untied-bias": small_cfg(architecture="Gemma3ForCausalLM", head_dim=32, num_layers=2,
+                                    attention_bias=True, sliding_window=5),
 }
 
 
@@ -74,16 +86,19 @@ def test_decoder_layer_matches_transformers(name):
     seq = 40
     with torch.no_grad():
         model(_ids(cfg, 3, seq, seed=12))
-    hf_cos, hf_sin = seen["rope"]
-    cos, sin = rope_tables(cfg, seq, "cpu")
-    assert cos.shape == (seq, cfg.head_dim)
-    assert rel_err(cos, hf_cos[0]) < 1e-6 and rel_err(sin, hf_sin[0]) < 1e-6
+    if not cfg.family.gemma:  # Gemma's two tables are checked through its layers below
+        hf_cos, hf_sin = seen["rope"]
+        cos, sin = rope_tables(cfg, seq, "cpu")
+        assert cos.shape == (seq, cfg.head_dim)
+        assert rel_err(cos, hf_cos[0]) < 1e-6 and rel_err(sin, hf_sin[0]) < 1e-6
 
     layouts, flats = model_layouts(cfg), flats_from_hf(model, cfg)
     assert len(seen["layers"]) == cfg.num_layers
     for i, (x, ref) in enumerate(seen["layers"]):
+        cos, sin = rope_tables(cfg, seq, "cpu", local=cfg.layer_rope_local(i))
         with torch.no_grad():
-            y = decoder_layer(x, bind(flats[1 + i], layouts[1 + i]), cos, sin, cfg)
+            y = decoder_layer(x, bind(flats[1 + i], layouts[1 + i]), cos, sin, cfg, None,
+                              cfg.layer_window(i))
         assert y.shape == x.shape and y.dtype == x.dtype
         assert rel_err(y, ref) < TOL
         assert rel_err(y - x, ref - x) < TOL  # the layer's own contribution, not the residual
@@ -116,8 +131,17 @@ def test_rms_norm_matches_transformers(dtype):
         assert torch.equal(rms_norm(x, ref.weight, 1e-5), ref(x))
 
 
+def _layers(cfg, w, ids):
+    """Embedding and every decoder layer, each with its own window and rotary tables."""
+    x = embed(ids, w[0]["embed_tokens"], embed_multiplier(cfg))
+    for i, wl in enumerate(w[1:-1]):
+        cos, sin = rope_tables(cfg, ids.shape[1], local=cfg.layer_rope_local(i))
+        x = decoder_layer(x, wl, cos, sin, cfg, None, cfg.layer_window(i))
+    return x
+
+
 @pytest.mark.parametrize("name", ["gqa", "qwen2-qkv-bias", "tied", "qwen3-head-dim-32",
-                                  "qwen3-bias-mqa-tied"])
+                                  "qwen3-bias-mqa-tied", "gemma3-tied", "gemma3-untied-bias"])
 def test_full_forward_loss_matches_transformers(name):
     cfg = CONFIGS[name]
     model = hf_model(cfg, seed=21)
@@ -133,21 +157,20 @@ def test_full_forward_loss_matches_transformers(name):
 
     layouts, flats = model_layouts(cfg), flats_from_hf(model, cfg)
     w = [bind(f, lay) for f, lay in zip(flats, layouts)]
-    cos, sin = rope_tables(cfg, seq)
     with torch.no_grad():
-        x = embed(ids, w[0]["embed_tokens"])
-        for wl in w[1:-1]:
-            x = decoder_layer(x, wl, cos, sin, cfg)
+        x = _layers(cfg, w, ids)
     head_w = w[0]["embed_tokens"] if cfg.tie_word_embeddings else w[-1]["lm_head"]
     for chunk in (None, 10, 1000):
-        loss = head_loss(x, w[-1]["norm"], head_w, targets, cfg.rms_norm_eps, chunk)
+        loss = head_loss(x, w[-1]["norm"], head_w, targets, cfg.rms_norm_eps, chunk,
+                         plus_one=cfg.family.gemma)
         assert loss.dtype == torch.float32 and loss.shape == ()
         assert rel_err(loss, ref) < TOL
     # Real tokens do not see later padding: the padded row's loss matches an unpadded run.
     with torch.no_grad():
         short = model(ids[1:2, :20]).logits[0, :19]
     ref_row = F.cross_entropy(short, ids[1, 1:20], reduction="sum")
-    row = head_loss(x[1:2], w[-1]["norm"], head_w, targets[1:2], cfg.rms_norm_eps)
+    row = head_loss(x[1:2], w[-1]["norm"], head_w, targets[1:2], cfg.rms_norm_eps,
+                    plus_one=cfg.family.gemma)
     assert rel_err(row, ref_row) < TOL
 
 
@@ -227,7 +250,8 @@ def test_head_never_builds_full_logits(monkeypatch):
     assert widest and max(widest) <= 16
 
 
-@pytest.mark.parametrize("name", ["attention-bias", "qwen3-head-dim-32"])
+@pytest.mark.parametrize("name", ["attention-bias", "qwen3-head-dim-32", "gemma3-tied",
+                                  "gemma3-untied-bias"])
 def test_end_to_end_gradients_match_transformers(name):
     """Backprop through head_loss_and_grads and autograd over decoder_layer gives HF's grads."""
     cfg = CONFIGS[name]
@@ -245,13 +269,12 @@ def test_end_to_end_gradients_match_transformers(name):
     layouts, flats = model_layouts(cfg), flats_from_hf(model, cfg)
     flats = [f.requires_grad_() for f in flats]
     w = [bind(f, lay) for f, lay in zip(flats, layouts)]
-    cos, sin = rope_tables(cfg, seq)
-    x = embed(ids, w[0]["embed_tokens"])
-    for wl in w[1:-1]:
-        x = decoder_layer(x, wl, cos, sin, cfg)
+    x = _layers(cfg, w, ids)
+    head_w = w[0]["embed_tokens"] if cfg.tie_word_embeddings else w[-1]["lm_head"]
     loss, dx, dnorm, dhead = head_loss_and_grads(
-        x, w[-1]["norm"], w[-1]["lm_head"], targets, cfg.rms_norm_eps, scale, chunk_tokens=9)
-    torch.autograd.backward([x, w[-1]["norm"], w[-1]["lm_head"]], [dx, dnorm, dhead])
+        x, w[-1]["norm"], head_w, targets, cfg.rms_norm_eps, scale, chunk_tokens=9,
+        plus_one=cfg.family.gemma)
+    torch.autograd.backward([x, w[-1]["norm"], head_w], [dx, dnorm, dhead])
     assert rel_err(loss, ref.detach()) < TOL
     params = dict(model.named_parameters())
     for lay, flat in zip(layouts, flats):
