@@ -1,7 +1,8 @@
 """``flowtrain bench --model``: tokens/s, model TFLOP/s, memory and lane busy fractions.
 
-Trains ``--steps`` steps of a preset (or model directory) on random tokens and reports the
-steps after ``--warmup`` (excluded: compilation, allocator growth, first fetches)::
+Trains ``--steps`` steps of a preset (or model directory) on random tokens (or on ``--data``,
+read as ``flowtrain train`` reads it: packed, with document masking, unless ``--no-packing``) and
+reports the steps after ``--warmup`` (excluded: compilation, allocator growth, first fetches)::
 
     flowtrain bench --model llama-3b --seq-len 4096 --batch-size 4 --micro-batch-size 4 --steps 8
 
@@ -43,6 +44,10 @@ def add_model_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) ->
     a("--checkpoint-every", type=int, default=1)
     a("--adam-workers", type=int, default=1)
     a("--trace", default=None, help="also write the executed trace (Chrome JSON)")
+    a("--data", metavar="FILE", default=None,
+      help="train on this data file instead of random tokens (token ids: .npy or input_ids rows)")
+    a("--no-packing", dest="packing", action="store_false",
+      help="with --data: one example per sequence, padded (default: packed, documents masked)")
     add_memory_arguments(p)
     add_compile_argument(p)
 
@@ -69,10 +74,12 @@ def run_model(args: argparse.Namespace) -> dict:
     cfg_m, _ = load_model_config(args.model)
     tokens = args.seq_len * args.batch_size * args.steps
     with tempfile.TemporaryDirectory() as tmp:
-        data = Path(tmp) / "tokens.npy"
-        np.save(data, np.random.default_rng(0).integers(0, cfg_m.vocab_size, size=tokens, dtype=np.int64))
+        data = args.data
+        if data is None:
+            data = str(Path(tmp) / "tokens.npy")
+            np.save(data, np.random.default_rng(0).integers(0, cfg_m.vocab_size, size=tokens, dtype=np.int64))
         recorder = TraceRecorder()
-        cfg = TrainConfig(model=args.model, data=str(data), steps=args.steps, batch_size=args.batch_size,
+        cfg = TrainConfig(model=args.model, data=data, packing=args.packing, steps=args.steps, batch_size=args.batch_size,
                           micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, lr=1e-5,
                           policy=args.policy, precision=args.precision, device=args.device,
                           checkpoint_every=args.checkpoint_every, adam_workers=args.adam_workers, progress=False,
@@ -102,6 +109,8 @@ def run_model(args: argparse.Namespace) -> dict:
         "busy_fraction": busy,
         "steps_traced": len(traced_steps),
         "compile": args.compile,
+        "data": args.data,
+        "packing": args.packing,
     }
     if plans:
         p = plans[0]

@@ -34,6 +34,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="folder with tokenizer.json (+ tokenizer_config.json with a chat template) for text data; "
            "default: the model folder's")
     a("--byte-tokenizer", action="store_true", help="train text as raw UTF-8 bytes (presets do this anyway)")
+    a("--no-packing", action="store_true",
+      help="one fine-tuning example (prompt+completion, messages, input_ids row) per sequence, right-padded; "
+           "default: short examples are packed into each --seq-len sequence, attention kept within each")
     a("--steps", type=int, default=defaults.STEPS, help="optimizer steps")
     a("--batch-size", type=int, default=defaults.BATCH_SIZE, help="sequences per optimizer step")
     a("--micro-batch-size", type=int, default=defaults.MICRO_BATCH_SIZE, help="sequences per micro-batch")
@@ -128,7 +131,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         out=args.out, overwrite=args.overwrite, metrics=args.metrics, trace=args.trace,
         progress=False if args.no_progress else None, layout=args.layout, resident=args.resident,
         gpu_mem=args.gpu_mem, host_mem=args.host_mem, chunk_tokens=args.chunk_tokens, compile=args.compile,
-        tokenizer=args.tokenizer, byte_tokenizer=args.byte_tokenizer, save_dtype=args.save_dtype,
+        tokenizer=args.tokenizer, byte_tokenizer=args.byte_tokenizer, packing=not args.no_packing, save_dtype=args.save_dtype,
         save_every=args.save_every, save_total_limit=args.save_total_limit, resume=args.resume,
         max_skipped=args.max_skipped, undo_mem=args.undo_mem, task_timeout=args.task_timeout,
         eval_data=args.eval_data, eval_every=args.eval_every,

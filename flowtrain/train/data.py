@@ -6,6 +6,7 @@
     for batch in step_batches(seqs, batch_size=8, shuffle=True, seed=0):   # yields forever
         for mb in batch.micro_batches(2):
             logits = model(mb.input_ids)                                  # (2, 512, vocab)
+            # mb.positions: None, or (2, 512) int64 restarting at 0 at every packed example
             ce = F.cross_entropy(logits.flatten(0, 1), mb.targets.flatten(), reduction="sum")
             (ce / batch.num_targets()).backward()                         # mean over the step
 
@@ -50,14 +51,16 @@ Rows with labels shift the labels, so a position predicts only a token that carr
 Summing ``cross_entropy(..., reduction="sum")`` over every micro-batch and dividing by
 ``batch.num_targets()`` gives exactly HF's mean over the whole step, however the step is split.
 Padding sits only at the right, so causal attention never lets a real token see it and no
-attention mask is needed.
+attention mask is needed. Packed rows concatenate the examples' own targets: the last token of
+an example predicts nothing, so no target crosses into the next example, and the step has
+exactly the targets (the loss's denominator) that it has unpacked.
 """
 
 from __future__ import annotations
 
 import functools
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib.resources import files
 from pathlib import Path
 
@@ -65,6 +68,7 @@ import numpy as np
 import torch
 
 from flowtrain.errors import ConfigError, DataError
+from flowtrain.train import data_cache, data_pack, data_text
 from flowtrain.train.data_files import (
     IGNORE_INDEX,
     Parsed,
@@ -74,6 +78,7 @@ from flowtrain.train.data_files import (
 )
 from flowtrain.train.data_text import (
     TOKENIZER_FILES,
+    check_encoder,
     find_tokenizer,
     load_chat_template,
     make_encoder,
@@ -97,16 +102,24 @@ _FORMATS = (".jsonl", ".txt", ".npy")
 
 @dataclass(eq=False)
 class Sequences:
-    """All sequences of a data set, on the CPU, ready to be batched."""
+    """All sequences of a data set, ready to be batched (on the CPU, or mapped from the cache)."""
 
     input_ids: torch.Tensor  # (N, seq_len) int64, padding filled with pad_id
     targets: torch.Tensor  # (N, seq_len) int64, next token where both are real, else -100
+    #: (N, seq_len) int64, each token's position within its own example (0 at every example
+    #: start and at the start of the padding); None: 0..seq_len-1 in every row (not packed)
+    positions: torch.Tensor | None = None
+    _num_targets: int | None = field(default=None, repr=False)  # known from the cache index
+    _fingerprint: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
-        if self.input_ids.shape != self.targets.shape or self.input_ids.ndim != 2:
+        shapes = [self.input_ids.shape, self.targets.shape]
+        if self.positions is not None:
+            shapes.append(self.positions.shape)
+        if len(set(shapes)) != 1 or self.input_ids.ndim != 2:
             raise DataError(
-                f"input_ids {tuple(self.input_ids.shape)} and targets "
-                f"{tuple(self.targets.shape)} must be two (N, seq_len) tensors of one shape"
+                "input_ids, targets (and positions) " + ", ".join(str(tuple(s)) for s in shapes)
+                + " must be (N, seq_len) tensors of one shape"
             )
 
     def __len__(self) -> int:
@@ -118,10 +131,23 @@ class Sequences:
 
     def num_targets(self) -> int:
         """How many positions predict a token (the loss's denominator over the whole set)."""
-        return int((self.targets != IGNORE_INDEX).sum())
+        if self._num_targets is None:
+            self._num_targets = int((self.targets != IGNORE_INDEX).sum())
+        return self._num_targets
+
+    def fingerprint(self) -> str:
+        """A short hash of the rows (input ids, targets, and positions when packed), as the run
+        sees them; unpacked, equal to ``resume.data_fingerprint(input_ids, targets)``. Cached
+        data takes it from the cache index instead of reading every row."""
+        if self._fingerprint is None:
+            tensors = [self.input_ids, self.targets]
+            self._fingerprint = data_cache.fingerprint(
+                tensors + ([self.positions] if self.positions is not None else []))
+        return self._fingerprint
 
     def __repr__(self) -> str:
-        return f"<Sequences {len(self)} x {self.seq_len}, {self.num_targets():,} targets>"
+        packed = ", packed" if self.positions is not None else ""
+        return f"<Sequences {len(self)} x {self.seq_len}, {self.num_targets():,} targets{packed}>"
 
 
 @dataclass(eq=False)
@@ -130,6 +156,10 @@ class Batch:
 
     input_ids: torch.Tensor  # (batch_size, seq_len) int64
     targets: torch.Tensor  # (batch_size, seq_len) int64, -100 where nothing is predicted
+    #: (batch_size, seq_len) int64 positions within each packed example, restarting at 0 where
+    #: an example (or the padding) starts; attention must not cross a restart. None: not packed,
+    #: every row is one sequence at positions 0..seq_len-1.
+    positions: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -142,7 +172,8 @@ class Batch:
                 f"{len(self)}; pick a divisor of {len(self)}"
             )
         return [
-            Batch(self.input_ids[i : i + micro_batch_size], self.targets[i : i + micro_batch_size])
+            Batch(self.input_ids[i : i + micro_batch_size], self.targets[i : i + micro_batch_size],
+                  None if self.positions is None else self.positions[i : i + micro_batch_size])
             for i in range(0, len(self), micro_batch_size)
         ]
 
@@ -151,7 +182,8 @@ class Batch:
         return int((self.targets != IGNORE_INDEX).sum())
 
     def __repr__(self) -> str:
-        return f"<Batch {len(self)} x {self.input_ids.shape[1]}, {self.num_targets():,} targets>"
+        packed = ", packed" if self.positions is not None else ""
+        return f"<Batch {len(self)} x {self.input_ids.shape[1]}, {self.num_targets():,} targets{packed}>"
 
 
 def load_sequences(
@@ -162,18 +194,53 @@ def load_sequences(
     pad_id: int = 0,
     eos_id: int | None = None,
     byte_tokenizer: bool = False,
+    *,
+    packing: bool = True,
+    cache_dir: str | Path | None = None,
 ) -> Sequences:
-    """Read a ``.jsonl``, ``.txt`` or ``.npy`` file into :class:`Sequences`.
+    """Read a ``.jsonl``, ``.txt`` or ``.npy`` file into :class:`Sequences`, through the cache.
 
     Text is tokenised with ``tokenizer_dir/tokenizer.json`` when there is one; as UTF-8 bytes
     when ``tokenizer_dir`` is None (a preset) or ``byte_tokenizer`` is set; a ``tokenizer_dir``
     without tokenizer.json is refused for text. ``messages`` rows use the chat template found in
     ``tokenizer_dir``. ``eos_id`` separates joined documents and ends completions; when None,
-    the tokenizer's ``tokenizer_config.json`` may name one. Raises DataError for a file that
-    cannot be used and ConfigError for impossible sizes or ids.
+    the tokenizer's ``tokenizer_config.json`` may name one. ``packing`` packs fine-tuning rows
+    (see the module). The rows are built once into ``cache_dir`` (default: see
+    :func:`~flowtrain.train.data_cache.cache_root`) and mapped from there. Raises DataError for
+    a file that cannot be used and ConfigError for impossible sizes or ids.
     """
     _check_config(seq_len, vocab_size, pad_id, eos_id)
-    path = Path(path)
+    path = _check_file(Path(path))
+    settings = {"seq_len": seq_len, "packing": packing, "vocab_size": vocab_size, "pad_id": pad_id,
+                "eos_id": eos_id, "byte_tokenizer": byte_tokenizer, "chunk_chars": data_text.CHUNK_CHARS}
+    text: list[bool] = []  # set when text is tokenised: a cached load checks the tokenizer again
+
+    @functools.cache
+    def encoder():
+        text.append(True)
+        return make_encoder(tokenizer_dir, vocab_size, eos_id, byte_tokenizer)
+
+    def build(folder: Path) -> dict:
+        parsed = _parse(path, vocab_size, encoder, tokenizer_dir)
+        packed = packing and parsed.kind == "rows"
+        with data_cache.RowWriter(folder, seq_len, positions=packed) as out:
+            if parsed.kind == "stream":
+                data_pack.stream_rows(path, parsed.pieces, parsed.eos_id, seq_len, pad_id, out)
+            elif packed:
+                layout = data_pack.packed_rows(path, parsed.pieces, seq_len, pad_id, out, folder)
+                np.save(folder / "layout.npy", layout)
+            else:
+                data_pack.plain_rows(path, parsed.pieces, seq_len, pad_id, out)
+            return {**out.close(), "kind": parsed.kind, "text": bool(text), "source": str(path)}
+
+    rows = data_cache.open_rows(data_cache.cached(path, settings, tokenizer_dir, build, cache_dir))
+    if rows.index["text"]:
+        check_encoder(tokenizer_dir, vocab_size, byte_tokenizer)  # the errors a miss would raise
+    return Sequences(rows.input_ids, rows.targets, rows.positions,
+                     _num_targets=rows.index["num_targets"], _fingerprint=rows.index["fingerprint"])
+
+
+def _check_file(path: Path) -> Path:
     if not path.exists():
         raise DataError(f"data file {path} does not exist; pass a .jsonl, .txt or .npy file")
     if not path.is_file():
@@ -186,18 +253,16 @@ def load_sequences(
         )
     if path.stat().st_size == 0:
         raise DataError(f"data file {path} is empty; give it some text or token ids")
+    return path
 
-    encoder = functools.cache(lambda: make_encoder(tokenizer_dir, vocab_size, eos_id, byte_tokenizer))
+
+def _parse(path: Path, vocab_size: int, encoder, tokenizer_dir) -> Parsed:
+    suffix = path.suffix.lower()
     if suffix == ".jsonl":
-        parsed = read_jsonl(path, vocab_size, encoder, lambda: load_chat_template(tokenizer_dir))
-    elif suffix == ".txt":
-        parsed = read_txt(path, vocab_size, encoder)
-    else:
-        parsed = read_npy(path, vocab_size)
-    if parsed.kind == "rows":
-        return _pack_rows(path, parsed, seq_len, pad_id)
-    ids, lengths = _pack_stream(path, parsed, seq_len, pad_id)
-    return _sequences(ids, ids, lengths)
+        return read_jsonl(path, vocab_size, encoder, lambda: load_chat_template(tokenizer_dir))
+    if suffix == ".txt":
+        return read_txt(path, vocab_size, encoder)
+    return read_npy(path, vocab_size)
 
 
 def step_batches(
@@ -233,7 +298,8 @@ def _batches(
             epoch += 1
             order = torch.cat([order, _epoch_order(n, epoch, shuffle, seed)])
         rows, order = order[:batch_size], order[batch_size:]
-        yield Batch(seqs.input_ids[rows], seqs.targets[rows])
+        positions = None if seqs.positions is None else seqs.positions[rows]
+        yield Batch(seqs.input_ids[rows], seqs.targets[rows], positions)  # copies: rows read here
 
 
 def default_corpus_path() -> Path:
@@ -269,70 +335,6 @@ def _check_config(seq_len: int, vocab_size: int, pad_id: int, eos_id: int | None
             f"eos_id {eos_id} is outside the vocabulary 0..{vocab_size - 1}; fix the model's "
             "eos_token_id"
         )
-
-
-def _pack_rows(path: Path, parsed: Parsed, seq_len: int, pad_id: int) -> Sequences:
-    """Sequences as they stand: cut at seq_len, right-padded; those without a target dropped."""
-    labels_of = parsed.labels if parsed.labels is not None else parsed.pieces
-    rows = [
-        (ids[:seq_len], lab[:seq_len])
-        for ids, lab in zip(parsed.pieces, labels_of)
-        if (lab[1:seq_len] != IGNORE_INDEX).any()  # a target needs a labelled token at t >= 1
-    ]
-    if not rows:
-        raise DataError(
-            f"{path} has no usable sequences: every one has fewer than 2 tokens or no token "
-            f"with a loss within the first --seq-len {seq_len}, and predicting a next token "
-            "needs at least 2"
-        )
-    ids = np.full((len(rows), seq_len), pad_id, dtype=np.int64)
-    labels = np.full((len(rows), seq_len), IGNORE_INDEX, dtype=np.int64)
-    lengths = np.array([len(row) for row, _ in rows], dtype=np.int64)
-    for i, (row, lab) in enumerate(rows):
-        ids[i, : len(row)] = row
-        labels[i, : len(lab)] = lab
-    return _sequences(ids, labels, lengths)
-
-
-def _pack_stream(
-    path: Path, parsed: Parsed, seq_len: int, pad_id: int
-) -> tuple[np.ndarray, np.ndarray]:
-    """Documents joined (EOS between) and cut into windows of exactly seq_len tokens.
-
-    The tail after the last full window is kept, padded, if it has 2 tokens or more.
-    """
-    eos = parsed.eos_id  # the eos_id argument, else the tokenizer's (make_encoder decides)
-    parts: list[np.ndarray] = []
-    for doc in (d for d in parsed.pieces if d.size):
-        if parts and eos is not None and parts[-1][-1] != eos:
-            parts.append(np.array([eos], dtype=np.int64))
-        parts.append(doc)
-    stream = np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
-    total = len(stream)
-    full, tail = divmod(total, seq_len)
-    if tail < 2:
-        stream, tail = stream[: full * seq_len], 0
-    if len(stream) == 0:
-        raise DataError(
-            f"{path} has no usable sequences: it holds {total} token(s) after "
-            "tokenizing, and predicting a next token needs at least 2; add more data"
-        )
-    rows = full + (1 if tail else 0)
-    ids = np.full(rows * seq_len, pad_id, dtype=np.int64)
-    ids[: len(stream)] = stream
-    lengths = np.full(rows, seq_len, dtype=np.int64)
-    if tail:
-        lengths[-1] = tail
-    return ids.reshape(rows, seq_len), lengths
-
-
-def _sequences(ids: np.ndarray, labels: np.ndarray, lengths: np.ndarray) -> Sequences:
-    """Targets from right-padded ids and their labels (the ids themselves, or -100 where no
-    loss is taken): ``targets[:, t] = labels[:, t + 1]`` where ``t + 1`` is real."""
-    next_real = np.arange(1, ids.shape[1])[None, :] < lengths[:, None]  # (N, seq_len - 1)
-    targets = np.full_like(ids, IGNORE_INDEX)
-    targets[:, :-1] = np.where(next_real, labels[:, 1:], IGNORE_INDEX)
-    return Sequences(torch.from_numpy(ids), torch.from_numpy(targets))
 
 
 def _epoch_order(n: int, epoch: int, shuffle: bool, seed: int) -> torch.Tensor:

@@ -26,6 +26,7 @@ tokenised without adding special tokens, as transformers does, since the templat
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -178,6 +179,17 @@ def make_encoder(
 ) -> Encoder:
     """The encoder for a model: its tokenizer.json, else UTF-8 bytes where that is allowed.
 
+    Which one, and when it is refused, is :func:`check_encoder`'s to decide.
+    """
+    path = check_encoder(tokenizer_dir, vocab_size, byte_tokenizer)
+    return TokenizerEncoder(path, eos_id) if path is not None else ByteEncoder(eos_id)
+
+
+def check_encoder(
+    tokenizer_dir: str | Path | None, vocab_size: int, byte_tokenizer: bool = False
+) -> Path | None:
+    """The ``tokenizer.json`` text is to be encoded with, or None for UTF-8 bytes; loads nothing.
+
     Bytes are allowed for a preset model (``tokenizer_dir`` None), when ``byte_tokenizer``
     asks for them, and for a flowtrain checkpoint without tokenizer.json: flowtrain copies the
     tokenizer files into every checkpoint, so one without them was trained on bytes (or ids),
@@ -185,7 +197,7 @@ def make_encoder(
     a tokenizer in another format only (a sentencepiece ``tokenizer.model``, a ``vocab.json``),
     when it has no tokenizer at all and bytes are not allowed, or when bytes are the way but
     ``vocab_size < 256``; and ConfigError when bytes are asked for although the directory has
-    a tokenizer.json.
+    a tokenizer.json. Cached data runs this again, so a cache never hides one of these errors.
     """
     path = find_tokenizer(tokenizer_dir)
     if path is not None:
@@ -194,7 +206,7 @@ def make_encoder(
                 f"--byte-tokenizer asks for raw UTF-8 bytes, but {tokenizer_dir} has a "
                 "tokenizer.json; drop --byte-tokenizer to use it, or train from a folder without one"
             )
-        return TokenizerEncoder(path, eos_id)
+        return path
     if tokenizer_dir is not None:
         foreign = [n for n in _FOREIGN_TOKENIZERS if (Path(tokenizer_dir) / n).is_file()]
         if foreign:
@@ -215,7 +227,7 @@ def make_encoder(
             "the byte-level fallback needs; give the model a vocab_size of at least 256, add a "
             "tokenizer.json to its directory, or pass pre-tokenized data (input_ids or .npy)"
         )
-    return ByteEncoder(eos_id)
+    return None
 
 
 def _is_flowtrain_checkpoint(folder: Path) -> bool:
@@ -355,19 +367,39 @@ def load_chat_template(tokenizer_dir: str | Path | None) -> ChatTemplate | None:
 
 def _split_lines(text: str) -> list[str]:
     """Cut ``text`` into pieces of about CHUNK_CHARS, each cut where a non-blank line starts."""
-    pieces, start = [], 0
-    while len(text) - start > CHUNK_CHARS:
-        cut = start + CHUNK_CHARS
-        while True:  # the first newline at or after cut - 1 that a non-blank line follows
-            newline = text.find("\n", cut - 1)
-            if newline < 0 or newline + 1 >= len(text):
-                cut = len(text)
+    return list(split_stream([text]))
+
+
+def split_stream(blocks: Iterable[str]) -> Iterator[str]:
+    """The pieces of :func:`_split_lines` for text that arrives in ``blocks`` (any sizes).
+
+    A piece ends at the first newline at or after CHUNK_CHARS - 1 characters that a non-blank
+    line follows, so the cuts do not depend on how the text was read; at most about one piece
+    (plus a block) is held at a time. Yields no empty pieces.
+    """
+    buf, scan = "", 0  # scan: where the search for the next cut goes on (all before it failed)
+    for block in blocks:
+        buf += block
+        while True:
+            cut = _next_cut(buf, scan)
+            if cut is None:
+                scan = max(scan, len(buf) - 1, CHUNK_CHARS - 1) if len(buf) > CHUNK_CHARS else 0
                 break
-            if not text[newline + 1].isspace():
-                cut = newline + 1
-                break
-            cut = newline + 2
-        pieces.append(text[start:cut])
-        start = cut
-    pieces.append(text[start:])
-    return [p for p in pieces if p]
+            yield buf[:cut]
+            buf, scan = buf[cut:], 0
+    if buf:
+        yield buf
+
+
+def _next_cut(buf: str, scan: int) -> int | None:
+    """Where the piece at the start of ``buf`` ends, or None when more text must come first."""
+    if len(buf) <= CHUNK_CHARS:
+        return None
+    at = max(CHUNK_CHARS - 1, scan)
+    while True:
+        newline = buf.find("\n", at)
+        if newline < 0 or newline + 1 >= len(buf):
+            return None  # no cut yet: a later block may bring it (or the end makes one piece)
+        if not buf[newline + 1].isspace():
+            return newline + 1
+        at = newline + 1

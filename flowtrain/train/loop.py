@@ -118,7 +118,7 @@ class TrainingLoop:
         cfg = self.cfg
         mbs = batch.micro_batches(cfg.micro_batch_size)
         self.program.begin_step(s, [mb.input_ids for mb in mbs], [mb.targets for mb in mbs], self.run.schedule(s),
-                                [getattr(mb, "positions", None) for mb in mbs])
+                                [mb.positions for mb in mbs])
         graph = compile_step(self.spec, step=s)
         saves = []
         if self._saves_after(s):
@@ -250,7 +250,7 @@ def _eval_micro_batches(seqs, micro_batch_size: int) -> tuple[list, list, list]:
     if seqs is None:
         return [], [], []
     rows = range(0, len(seqs), micro_batch_size)
-    pos = getattr(seqs, "positions", None)
+    pos = seqs.positions
     return ([seqs.input_ids[i : i + micro_batch_size] for i in rows],
             [seqs.targets[i : i + micro_batch_size] for i in rows],
             [None if pos is None else pos[i : i + micro_batch_size] for i in rows])

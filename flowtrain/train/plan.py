@@ -25,7 +25,8 @@ layout), ``streaming_copy`` (2, stream-bf16), ``staging`` (the ring), ``tied_gra
 ``runtime`` (the Python process with torch loaded, measured), ``checkpoint_load`` (the largest
 checkpoint file, mapped while it is read) and ``undo_record`` (without clipping: up to
 ``--undo-mem`` of the master, m and v that ``cpu_adam`` copies aside until the step is known
-finite; see :mod:`flowtrain.train.nonfinite`). GPU bytes: ``weight_slots``,
+finite; see :mod:`flowtrain.train.nonfinite`) and ``data`` (the token batches in use, see
+:func:`data_host_bytes`). GPU bytes: ``weight_slots``,
 ``landing`` (the fp32 piece buffer of casting fetches), ``grad_slots``, ``resident`` (master, m,
 v, gradient and compute copy: 18 bytes per parameter in bf16), ``checkpoints``, ``recompute``,
 ``layer_work`` (one layer under autograd) and ``loss_chunks``. On a CPU-only run the GPU
@@ -59,6 +60,9 @@ RUNTIME_HOST = {"cpu": int(0.30 * GiB), "cuda": int(1.75 * GiB)}
 GPU_FILL = 0.92
 #: Fraction of the host budget the plan fills: page cache, the data set, pinned-page bookkeeping.
 HOST_FILL = 0.95
+#: Steps whose batches are alive at once: the one being cut into micro-batches and the two the
+#: training loop keeps in flight.
+DATA_BATCHES = 3
 
 
 class RunRequest(msgspec.Struct, kw_only=True):
@@ -87,6 +91,14 @@ def checkpoint_read_bytes(model_dir: str | os.PathLike[str] | None) -> int:
     if model_dir is None:
         return 0
     return max((f.stat().st_size for f in Path(model_dir).glob("*.safetensors")), default=0)
+
+
+def data_host_bytes(req: RunRequest) -> int:
+    """Host bytes of the training data: ``DATA_BATCHES`` batches of input ids, targets and
+    positions (int64), gathered from the data cache. The data set itself stays on disk, mapped
+    (:mod:`flowtrain.train.data_cache`); the pages a batch reads are page cache that the kernel
+    drops under pressure, like the checkpoint pages, so the file's size is not counted."""
+    return DATA_BATCHES * req.batch_size * req.seq_len * 3 * 8
 
 
 def run_request(cfg: Any, model_dir: str | os.PathLike[str] | None = None) -> RunRequest:
@@ -131,7 +143,7 @@ class Plan(msgspec.Struct, kw_only=True):
     @property
     def host_state_bytes_per_param(self) -> float:
         """Host bytes of model and optimizer state (runtime excluded) per model parameter."""
-        transient = self.host.get("runtime", 0) + self.host.get("checkpoint_load", 0)
+        transient = sum(self.host.get(k, 0) for k in ("runtime", "checkpoint_load", "data"))
         return (sum(self.host.values()) - transient) / self.params
 
     @property
@@ -225,6 +237,7 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
     if tied_streamed:
         host["tied_gradient"] = 4 * embed_n
     host["runtime"] = RUNTIME_HOST["cuda" if device.type == "cuda" else "cpu"]
+    host["data"] = data_host_bytes(req)
     if req.load_bytes:
         host["checkpoint_load"] = req.load_bytes
     if not req.grad_clip and streamed:

@@ -31,6 +31,7 @@ MUST_MATCH = {
     "batch_size": "--batch-size", "seq_len": "--seq-len", "lr": "--lr", "weight_decay": "--weight-decay",
     "betas": "--betas", "eps": "--eps", "grad_clip": "--grad-clip", "warmup_steps": "--warmup-steps",
     "lr_schedule": "--lr-schedule", "min_lr": "--min-lr", "seed": "--seed", "shuffle": "--no-shuffle",
+    "packing": "--no-packing",
 }
 
 

@@ -52,13 +52,13 @@ def summary_lines(run: "Run") -> list[str]:
             else f"everything in host memory; planned {plan.host_total / gib:.1f} GiB"),
     ]
     n, seq = run.seqs.input_ids.shape
-    targets = int((run.seqs.targets != -100).sum())
+    targets = run.seqs.num_targets()
     epochs = cfg.steps * cfg.batch_size / max(n, 1)
     lines.append(f"data       {cfg.data or 'the bundled corpus'}: {n:,} sequences of {seq} tokens, "
                  f"{targets:,} target tokens; {cfg.steps} steps cover {epochs:.1f} epochs")
     if getattr(run, "eval_seqs", None) is not None:
         lines.append(f"eval       {cfg.eval_data}: {len(run.eval_seqs):,} sequences, "
-                     f"{int((run.eval_seqs.targets != -100).sum()):,} target tokens, every {cfg.eval_every} steps "
+                     f"{run.eval_seqs.num_targets():,} target tokens, every {cfg.eval_every} steps "
                      "and after the last")
     sched = f"{cfg.lr_schedule}" + (f" after {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else "")
     lines.append(f"steps      {cfg.steps} of {cfg.batch_size} sequences ({cfg.batch_size * seq:,} tokens, "

@@ -45,7 +45,7 @@ from .plan import Plan, cap_gpu_memory, plan_run, run_request
 from .loop import TrainingLoop
 from .program import StepProgram
 from .reporting import Reporter, StepMetrics
-from .resume import check_compatible, data_fingerprint, restore_rng, steps_done
+from .resume import check_compatible, restore_rng, steps_done
 from .shutdown import Shutdown
 from .summary import summary_lines
 
@@ -102,6 +102,9 @@ class TrainConfig(msgspec.Struct, kw_only=True):
     tokenizer: str | None = None
     #: train text as raw UTF-8 bytes even with a model folder (presets do so anyway)
     byte_tokenizer: bool = False
+    #: pack short fine-tuning examples into each sequence (``positions`` restart per example);
+    #: False (``--no-packing``): one example per sequence, right-padded
+    packing: bool = True
     #: dtype of the final model: "auto" (the input model's), "fp32", "bf16", "fp16"
     save_dtype: str = "auto"
     #: write ``out/checkpoint-STEP`` every this many steps (needs ``out``)
@@ -244,8 +247,8 @@ def prepare(cfg: TrainConfig) -> Run:
     tokenizer_dir = _tokenizer_dir(cfg, model_dir)
     seqs = load_sequences(cfg.data or str(default_corpus_path()), cfg.seq_len, mcfg.vocab_size,
                           tokenizer_dir=tokenizer_dir, pad_id=mcfg.pad_token_id or 0, eos_id=mcfg.eos_token_id,
-                          byte_tokenizer=cfg.byte_tokenizer)
-    data_fp = data_fingerprint(seqs.input_ids, seqs.targets)
+                          byte_tokenizer=cfg.byte_tokenizer, packing=cfg.packing)
+    data_fp = seqs.fingerprint()  # from the data cache's index: no pass over the rows
     eval_seqs = _load_eval(cfg, mcfg, tokenizer_dir)
     if resume_from is not None:
         check_compatible(resume_state, cfg, data=data_fp, where=str(resume_from), total_steps=cfg.steps)
@@ -262,7 +265,8 @@ def _load_eval(cfg: TrainConfig, mcfg: ModelConfig, tokenizer_dir: Path | None) 
     if cfg.eval_data is None:
         return None
     seqs = load_sequences(cfg.eval_data, cfg.seq_len, mcfg.vocab_size, tokenizer_dir=tokenizer_dir,
-                          pad_id=mcfg.pad_token_id or 0, eos_id=mcfg.eos_token_id, byte_tokenizer=cfg.byte_tokenizer)
+                          pad_id=mcfg.pad_token_id or 0, eos_id=mcfg.eos_token_id, byte_tokenizer=cfg.byte_tokenizer,
+                          packing=cfg.packing)
     if len(seqs) == 0 or seqs.num_targets() == 0:
         raise ConfigError(f"--eval-data {cfg.eval_data}: no target tokens to evaluate; give a file with text in it")
     return seqs

@@ -34,6 +34,12 @@ WORDS = "the cat sat on a mat dog ran far away and came back home".split()
 SPECIAL = {"<pad>": 0, "<s>": 1, "</s>": 2, "<unk>": 3}
 
 
+
+@pytest.fixture(autouse=True)
+def _data_cache(tmp_path, monkeypatch):
+    """Every test builds its data caches in its own folder, not the user's."""
+    monkeypatch.setenv("FLOWTRAIN_CACHE", str(tmp_path / "cache"))
+
 # --- helpers -----------------------------------------------------------------------------
 
 
@@ -97,7 +103,7 @@ def test_targets_give_hugging_face_causal_lm_loss(tmp_path, seed):
     raw[0] = [0, 0, 0, 5]  # real tokens equal to pad_id must still be trained on
     raw[1] = list(range(vocab)) + [1]  # longer than seq_len: cut
     seqs = load_sequences(write_jsonl(tmp_path / "d.jsonl", [{"input_ids": r} for r in raw]),
-                          seq_len=seq_len, vocab_size=vocab, pad_id=0)
+                          seq_len=seq_len, vocab_size=vocab, pad_id=0, packing=False)
 
     kept = [r[:seq_len] for r in raw if min(len(r), seq_len) >= 2]
     assert len(seqs) == len(kept)
@@ -128,7 +134,7 @@ def test_targets_give_hugging_face_causal_lm_loss(tmp_path, seed):
 def test_jsonl_input_ids_are_cut_padded_and_short_rows_dropped(tmp_path):
     rows = [[1, 2, 3, 4, 5, 6], [7, 8], [9], [], [4, 5, 6]]
     path = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": r} for r in rows])
-    seqs = load_sequences(path, seq_len=4, vocab_size=10, pad_id=0)
+    seqs = load_sequences(path, seq_len=4, vocab_size=10, pad_id=0, packing=False)
     assert seqs.input_ids.dtype == seqs.targets.dtype == torch.int64
     assert seqs.input_ids.tolist() == [[1, 2, 3, 4], [7, 8, 0, 0], [4, 5, 6, 0]]
     assert seqs.targets.tolist() == [[2, 3, 4, -100], [8, -100, -100, -100], [5, 6, -100, -100]]
@@ -138,7 +144,7 @@ def test_jsonl_input_ids_are_cut_padded_and_short_rows_dropped(tmp_path):
 def test_jsonl_padding_uses_pad_id_and_blank_lines_are_skipped(tmp_path):
     path = tmp_path / "d.jsonl"
     path.write_text('{"input_ids": [1, 2]}\n\n   \n{"input_ids": [3, 4, 5], "text": "ignored"}\n')
-    seqs = load_sequences(path, seq_len=4, vocab_size=10, pad_id=9)
+    seqs = load_sequences(path, seq_len=4, vocab_size=10, pad_id=9, packing=False)
     assert seqs.input_ids.tolist() == [[1, 2, 9, 9], [3, 4, 5, 9]]
     assert seqs.targets.tolist() == [[2, -100, -100, -100], [4, 5, -100, -100]]
 
@@ -425,7 +431,7 @@ def test_bad_batch_size_is_a_config_error(tmp_path):
 def test_micro_batches_split_the_step_in_order(tmp_path):
     rows = [{"input_ids": list(range(1, n))} for n in range(3, 11)]  # 2..9 tokens
     path = write_jsonl(tmp_path / "d.jsonl", rows)
-    seqs = load_sequences(path, seq_len=6, vocab_size=20)
+    seqs = load_sequences(path, seq_len=6, vocab_size=20, packing=False)
     batch = next(step_batches(seqs, 8, shuffle=True, seed=3))
     micro = batch.micro_batches(2)
     assert len(micro) == 4 and all(m.input_ids.shape == (2, 6) for m in micro)

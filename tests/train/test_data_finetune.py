@@ -61,6 +61,12 @@ CHATML = (
 )
 
 
+
+@pytest.fixture(autouse=True)
+def _data_cache(tmp_path, monkeypatch):
+    """Every test builds its data caches in its own folder, not the user's."""
+    monkeypatch.setenv("FLOWTRAIN_CACHE", str(tmp_path / "cache"))
+
 # --- helpers -----------------------------------------------------------------------------
 
 
@@ -114,7 +120,7 @@ def test_prompt_completion_learns_the_completion_and_eos_only(tmp_path):
     rows = [{"prompt": "what is two plus two ?", "completion": "four ."},
             {"prompt": "hi", "completion": "hello"}]
     seqs = load_sequences(write_jsonl(tmp_path / "d.jsonl", rows), seq_len=10, vocab_size=VOCAB,
-                          tokenizer_dir=model)
+                          tokenizer_dir=model, packing=False)
     first = [1, *ids("what is two plus two ?"), *ids("four ."), 2]  # <s> prompt completion </s>
     assert seqs.input_ids[0].tolist() == first  # 10 tokens: exactly seq_len
     assert seqs.targets[0].tolist() == [-100] * 6 + ids("four .") + [2, -100]
@@ -122,7 +128,7 @@ def test_prompt_completion_learns_the_completion_and_eos_only(tmp_path):
     assert seqs.input_ids[1].tolist() == second + [0] * 6
     assert seqs.targets[1].tolist() == [-100, *ids("hello"), 2] + [-100] * 7
     assert seqs.num_targets() == 3 + 2
-    cut = load_sequences(tmp_path / "d.jsonl", seq_len=9, vocab_size=VOCAB, tokenizer_dir=model)
+    cut = load_sequences(tmp_path / "d.jsonl", seq_len=9, vocab_size=VOCAB, tokenizer_dir=model, packing=False)
     assert cut.input_ids[0].tolist() == first[:9]  # cut keeping the start: the EOS goes
     assert cut.targets[0].tolist() == [-100] * 6 + ids("four .") + [-100]
 
@@ -166,7 +172,7 @@ def test_messages_match_transformers_rendering_ids_and_assistant_mask(tmp_path, 
     assert sum(mask) > 0 or conversation[-1]["role"] == "user"
 
     path = write_jsonl(tmp_path / "d.jsonl", [{"messages": conversation}] * 2)
-    seqs = load_sequences(path, seq_len=40, vocab_size=VOCAB, tokenizer_dir=model)
+    seqs = load_sequences(path, seq_len=40, vocab_size=VOCAB, tokenizer_dir=model, packing=False)
     assert seqs.input_ids[0, : len(want_ids)].tolist() == want_ids
     labels = [t if m else -100 for t, m in zip(want_ids, mask)]
     assert seqs.targets[0].tolist() == shifted(labels, 40)
@@ -242,7 +248,7 @@ def test_input_ids_with_labels_are_shifted_like_transformers(tmp_path):
     rows = [{"input_ids": [5, 6, 7, 8, 9], "labels": [-100, -100, 7, 8, 9]},
             {"input_ids": [1, 2, 3], "labels": [-100, 9, -100]},  # a label need not be its id
             {"input_ids": [4, 4], "labels": [4, 4]}]
-    seqs = load_sequences(write_jsonl(tmp_path / "d.jsonl", rows), seq_len=6, vocab_size=10)
+    seqs = load_sequences(write_jsonl(tmp_path / "d.jsonl", rows), seq_len=6, vocab_size=10, packing=False)
     assert seqs.input_ids.tolist() == [[5, 6, 7, 8, 9, 0], [1, 2, 3, 0, 0, 0], [4, 4, 0, 0, 0, 0]]
     assert seqs.targets.tolist() == [shifted(r["labels"], 6) for r in rows]
     labels = torch.tensor([r["labels"] + [-100] * (6 - len(r["labels"])) for r in rows])
@@ -399,7 +405,7 @@ def test_prompt_completion_training_matches_hf(tmp_path):
         pairs.append((prompt + completion, [-100] * len(prompt) + completion))
     assert any(len(p[0]) > SEQ for p in pairs) and any(len(p[0]) < SEQ for p in pairs)
     ref = reference_train(make_checkpoint(tmp_path / "ref"), pairs)
-    run_flowtrain(tmp_path / "model", tmp_path / "d.jsonl", tmp_path / "out")
+    run_flowtrain(tmp_path / "model", tmp_path / "d.jsonl", tmp_path / "out", "--no-packing")
     assert_same_weights(tmp_path / "out", ref)
 
 
@@ -417,5 +423,5 @@ def test_input_ids_with_labels_training_matches_hf(tmp_path):
         rows.append({"input_ids": row, "labels": labels})
     write_jsonl(tmp_path / "d.jsonl", rows)
     ref = reference_train(make_checkpoint(tmp_path / "ref"), pairs)
-    run_flowtrain(tmp_path / "model", tmp_path / "d.jsonl", tmp_path / "out")
+    run_flowtrain(tmp_path / "model", tmp_path / "d.jsonl", tmp_path / "out", "--no-packing")
     assert_same_weights(tmp_path / "out", ref)

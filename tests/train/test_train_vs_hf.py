@@ -96,7 +96,9 @@ def run_flowtrain(model_dir, data, out, *extra):
             "--device", "cpu", "--precision", "fp32", "--out", str(out), "--no-progress",
             # the reference is one torch AdamW group at a constant rate (a model folder's defaults
             # are a fine-tune's: warm-up, cosine, no decay on norms and biases)
-            "--lr-schedule", "constant", "--warmup-steps", "0", "--weight-decay-skip", "none", *extra]
+            "--lr-schedule", "constant", "--warmup-steps", "0", "--weight-decay-skip", "none",
+            # ... and pads every row on its own, as transformers' collator does
+            "--no-packing", *extra]
     assert main(args) == 0
 
 

@@ -12,8 +12,9 @@ the documents of one micro-batch start; :func:`attend` computes attention under 
 
 Which kernel runs:
 
-* one document per row and no window shorter than the row: SDPA with ``is_causal`` (flash
-  attention on a GPU), exactly what an unpacked run computes;
+* no documents (``docs`` None: callers pass None where every row is one document, see
+  :attr:`Documents.packed`) and no window shorter than the row: SDPA with ``is_causal``
+  (flash attention on a GPU), exactly what an unpacked run computes;
 * otherwise on a GPU, when torch has it: variable-length flash attention
   (``torch.nn.attention.varlen``) over the flattened batch, with the document starts as its
   cumulative lengths and the window as its left window, so no (seq x seq) mask is built and
@@ -27,7 +28,6 @@ rotary tables at those positions so that every document is rotated as if it stoo
 
 from __future__ import annotations
 
-import functools
 import inspect
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
@@ -49,9 +49,10 @@ class Documents:
 
     ``positions`` (batch, seq) int64 is each token's position inside its document (0 where a
     document starts; every row starts a document). ``cu_seqlens`` (docs + 1,) int32 are the
-    document boundaries in the flattened (batch * seq) token order, ``max_len`` the longest
-    document: what variable-length kernels take. Built on the host from CPU positions (no
-    device synchronisation later), then moved with :meth:`to`.
+    document boundaries in the flattened (batch * seq) token order, ``max_len`` a bound on the
+    longest document (the row length: one value per run, so a compiled layer is not
+    specialised anew for every micro-batch): what variable-length kernels take. Built on the
+    host from CPU positions (no device synchronisation later), then moved with :meth:`to`.
     """
 
     positions: Tensor
@@ -69,8 +70,7 @@ class Documents:
         starts[::seq] = True
         idx = torch.nonzero(starts).reshape(-1)
         cu = torch.cat([idx, torch.tensor([batch * seq])]).to(torch.int32)
-        max_len = int((cu[1:] - cu[:-1]).max())
-        return cls(positions, cu, max_len)
+        return cls(positions, cu, seq)
 
     @property
     def packed(self) -> bool:
@@ -145,18 +145,27 @@ def attend(q: Tensor, k: Tensor, v: Tensor, docs: Documents | None, window: int 
     (batch, kv_heads, seq, head_dim), kv heads shared by groups of query heads. Returns q's
     shape. ``window``: how many positions a token sees, itself included (None: all).
     ``scale`` multiplies the scores (None: head_dim ** -0.5)."""
-    seq = q.shape[2]
-    if window is not None and window >= seq:
+    if window is not None and window >= q.shape[2]:
         window = None
-    gqa = k.shape[1] < q.shape[1]
-    if (docs is None or not docs.packed) and window is None:
+    if docs is None and window is None:
+        gqa = k.shape[1] < q.shape[1]
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
+    return _attend_masked(q, k, v, docs, window, scale)
+
+
+@torch.compiler.disable
+def _attend_masked(q: Tensor, k: Tensor, v: Tensor, docs: Documents | None, window: int | None,
+                   scale: float | None) -> Tensor:
+    """Attention with documents or a window, run eagerly even inside a compiled layer: the
+    number of documents changes from micro-batch to micro-batch, and a compiled graph would
+    be specialised (and recompiled) for each count."""
     if docs is None:
-        docs = _whole_rows(q.shape[0], seq, q.device)
+        docs = _whole_rows(q.shape[0], q.shape[2], q.device)
     if q.is_cuda and _varlen_kwargs(window) is not None:
         return _varlen(q, k, v, docs, window, scale)
-    mask = _mask(docs, window)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
+    gqa = k.shape[1] < q.shape[1]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=_mask(docs, window), enable_gqa=gqa,
+                                          scale=scale)
 
 
 def _whole_rows(batch: int, seq: int, device: torch.device) -> Documents:
@@ -177,7 +186,6 @@ def _mask(docs: Documents, window: int | None) -> Tensor:
     return (same & allowed).unsqueeze(1)
 
 
-@functools.cache
 def _varlen_params() -> frozenset[str] | None:
     """The keyword arguments this torch's varlen_attn takes; None where it has none."""
     try:
@@ -187,10 +195,14 @@ def _varlen_params() -> frozenset[str] | None:
     return frozenset(inspect.signature(varlen_attn).parameters)
 
 
+#: read once at import, so that a compiled layer sees a constant
+_VARLEN_PARAMS = _varlen_params()
+
+
 def _varlen_kwargs(window: int | None) -> dict | None:
     """How to ask this torch's varlen_attn for causal attention with ``window``; None if it
     cannot (then the masked SDPA path runs)."""
-    params = _varlen_params()
+    params = _VARLEN_PARAMS
     if params is None:
         return None
     if "window_size" in params:
@@ -211,7 +223,7 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, docs: Documents, window: int | None
     if scale is not None:
         kwargs["scale"] = scale
     if kv_heads < heads:
-        if "enable_gqa" in _varlen_params():  # type: ignore[operator]
+        if "enable_gqa" in _VARLEN_PARAMS:  # type: ignore[operator]
             kwargs["enable_gqa"] = True
         else:
             k = k.repeat_interleave(heads // kv_heads, dim=1)

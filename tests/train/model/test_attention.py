@@ -60,7 +60,7 @@ def test_attend_is_each_document_alone(window, kv_heads):
 def test_documents_from_positions():
     docs = Documents.from_positions(_positions())
     assert docs.cu_seqlens.tolist() == [0, 5, 12, 16, 32, 35, 38, 41, 44, 48]
-    assert docs.max_len == 16 and docs.packed
+    assert docs.max_len == SEQ and docs.packed
     assert docs.doc_ids()[0].tolist() == [0] * 5 + [1] * 7 + [2] * 4
     # A row that does not start at position 0 still starts a document.
     odd = Documents.from_positions(torch.arange(2, 10).expand(2, 8))
@@ -74,6 +74,10 @@ def test_unpacked_rows_use_the_plain_causal_kernel():
     assert torch.equal(attend(q, k, v, None, None), plain)
     assert torch.equal(attend(q, k, v, None, 10), plain)  # a window as long as the row
     assert not torch.equal(attend(q, k, v, None, 4), plain)
+    # One document per row, given as documents, is still plain causal attention.
+    single = Documents.from_positions(torch.arange(10).expand(2, 10))
+    assert not single.packed
+    assert rel_err(attend(q, k, v, single, None), plain) < TOL
 
 
 CONFIGS = {
@@ -144,3 +148,29 @@ def test_gpu_kernel_equals_the_masked_reference(window):
 
     for ours, ref in zip(run("cuda", torch.bfloat16), run("cpu", torch.float32)):
         assert rel_err(ours, ref) < 2e-2
+
+
+# Dynamo reads .grad of the weight views while tracing (as in StepProgram, harmless).
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_compiled_layer_is_not_recompiled_per_document_count():
+    """The number of documents changes every micro-batch; a compiled layer must neither be
+    specialised on it (recompiled each time) nor compute anything else than the eager one."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    cfg = small_cfg(architecture="MistralForCausalLM", sliding_window=5)
+    lay = model_layouts(cfg)[1]
+    flat = torch.randn(lay.numel, generator=torch.Generator().manual_seed(6)) * 0.05
+    torch._dynamo.reset()
+    fn = torch.compile(decoder_layer, backend="aot_eager", dynamic=False)
+    cos, sin = rope_tables(cfg, SEQ)
+    graphs = []
+    for rows in ([[5, 7, 4], [16]], [[3, 13], [8, 8]], [[2, 2, 2, 10], [1, 15]]):
+        docs = Documents.from_positions(_positions(rows))
+        c, s = rotary_for(cos, sin, docs)
+        x = torch.randn(2, SEQ, cfg.hidden_size, requires_grad=True)
+        y = fn(x, bind(flat, lay), c, s, cfg, docs, 5)
+        assert rel_err(y, decoder_layer(x, bind(flat, lay), c, s, cfg, docs, 5)) < TOL
+        y.sum().backward()
+        graphs.append(counters["stats"]["unique_graphs"])
+    assert graphs[0] > 0 and graphs[1:] == graphs[:1] * 2
