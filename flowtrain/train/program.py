@@ -357,7 +357,7 @@ class StepProgram:
         ids = data.ids[m].to(self.device, non_blocking=self._non_blocking)  # type: ignore[index]
         if not evaluating:
             self.dev_ids[(s, m)] = ids  # type: ignore[index]
-        self._place_documents(task.phase, s, m, data.docs[m])  # type: ignore[arg-type, index]
+        self._place_documents("eval" if evaluating else "train", s, m, data.docs[m])  # type: ignore[arg-type, index]
         embed_state = self.state.embed
         w = bind(self._weights(embed_state, ctx), embed_state.layout)["embed_tokens"]
         acts = self.eval_acts if evaluating else self.acts
