@@ -1,7 +1,8 @@
 """The ``flowtrain`` command line: a thin dispatcher over the package.
 
 Subcommands: ``train`` (the product), ``graph`` (compile a step DAG to JSON), ``plan`` (memory
-plan), ``viz`` (HTML report of graphs and traces), ``bench`` (benchmarks).
+plan), ``viz`` (HTML report of graphs and traces), ``bench`` (benchmarks), ``simulate``
+(predicted speed on a machine) and ``probe`` (measure this machine for ``simulate``).
 
 A failure ends the command with one line on stderr, never a traceback, and an exit status
 that says whose it is:
@@ -36,6 +37,8 @@ COMMANDS = {
     "plan": ("flowtrain.train.plan_cli", "estimate host and GPU memory for a training run"),
     "viz": ("flowtrain.viz.cli", "draw graphs and traces as a self-contained HTML report"),
     "bench": ("flowtrain.bench", "benchmark the scheduler or a training configuration"),
+    "simulate": ("flowtrain.sim.cli", "predict a training run's speed on a machine, without running it"),
+    "probe": ("flowtrain.sim.probe", "measure this machine's copy, compute and CPU Adam rates into a machine file"),
 }
 
 

@@ -38,6 +38,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--policy", default="double_buffer")
     a("--json", action="store_true", help="print the plan as JSON")
     add_memory_arguments(p)
+    # The choice by predicted time (flowtrain.sim): a separate step after the memory plan.
+    a("--machine", default=None, metavar="NAME|FILE",
+      help="also pick, among configurations that fit, the fastest predicted on this machine (flowtrain simulate)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,11 +67,26 @@ def run(args: argparse.Namespace) -> int:
         device = torch.device(args.device)
     dtype = resolve_dtype(args.precision, device)
     plan = plan_run(cfg, run_request(tc, model_dir), device=device, dtype=dtype, policy=args.policy)
+    choice = _choose_by_time(args, cfg, run_request(tc, model_dir), device, dtype)
     if args.json:
-        print(json.dumps({"model": args.model, **plan.to_dict()}, indent=1))
+        print(json.dumps({"model": args.model, **plan.to_dict(),
+                          **({"fastest": choice.to_dict()} if choice else {})}, indent=1))
     else:
         print(format_plan(args.model, plan))
+        if choice:
+            print(choice.explain())
     return 0 if plan.fits else 1
+
+
+# ---- the choice by predicted time (flowtrain.sim), only with --machine --------------------------
+def _choose_by_time(args: argparse.Namespace, cfg, req, device, dtype):  # noqa: ANN001
+    """Among configurations that fit, the fastest the simulator predicts on ``--machine``."""
+    if getattr(args, "machine", None) is None or device.type != "cuda":
+        return None
+    from ..sim.choose import choose_fastest
+    from ..sim.machine import load_machine
+
+    return choose_fastest(cfg, req, load_machine(args.machine), args.policy, device=device, dtype=dtype)
 
 
 def _gib(n: int | None) -> str:

@@ -1,0 +1,104 @@
+"""``flowtrain simulate``: how fast a training run would be, without running it.
+
+Takes ``flowtrain plan``'s arguments, plans the run for ``--machine`` (its GPU and host memory
+unless ``--gpu-mem``/``--host-mem`` say otherwise), simulates a few steps on the virtual clock
+with the real scheduler and policy, and prints the predicted tokens/s, model TFLOP/s, step
+time, how busy each lane is and the critical chain::
+
+    flowtrain simulate --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --machine h200
+    flowtrain simulate --model qwen-14b ... --machine gh200 --json --trace sim.json   # viz opens sim.json
+
+``--device`` is ignored (the machine is the device); ``--precision`` applies as on a GPU.
+Machines: a shipped name (``flowtrain simulate --list-machines`` names them) or a machine file
+(``flowtrain probe`` writes one for the machine it runs on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from ..train.plan_cli import add_arguments as add_plan_arguments
+
+    add_plan_arguments(p)  # the same run description as `flowtrain plan` (and its --machine)
+    p.set_defaults(machine="h200")
+    a = p.add_argument
+    a("--trace", default=None, metavar="FILE", help="write the simulated trace (Chrome JSON, opens in flowtrain viz)")
+    a("--steps", type=int, default=3, help="steps to simulate (the first has nothing to overlap with)")
+    a("--adam-workers", type=int, default=1, help="CPU Adam jobs at once, as flowtrain train's")
+    a("--list-machines", action=_ListMachines, nargs=0, help="list the shipped machines and exit")
+
+
+class _ListMachines(argparse.Action):
+    """Prints the shipped machines during parsing (like --help, before required arguments)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+        from .machine import load_machine, machine_names
+
+        for name in machine_names():
+            m = load_machine(name)
+            print(f"{name:<12} {m.description}  [{m.source.split(':')[0]}]")
+        parser.exit()
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..errors import ConfigError
+    from .machine import load_machine
+
+    if args.steps < 2:
+        raise ConfigError(f"--steps must be at least 2 to see a steady step (got {args.steps})")
+    machine = load_machine(args.machine)
+    cfg, req, plan, _, _ = plan_for(args, machine)
+    if not plan.fits:
+        raise ConfigError(f"on {machine.name}: {plan.refusal()}")
+    from .predict import predict
+
+    pred = predict(cfg, plan, req, machine, args.policy, adam_workers=args.adam_workers, steps=args.steps)
+    if args.trace:
+        from ..runtime.trace import write_chrome_trace
+
+        write_chrome_trace(args.trace, [r for recs in pred.records for r in recs],
+                           meta={"policy": args.policy, "model": args.model, "simulated": True, "machine": machine.name})
+    out = {"model": args.model, "machine": machine.name, "machine_source": machine.source,
+           **pred.summary.to_dict(), "plan": {"layout": plan.layout, "resident": list(plan.spec.resident),
+                                              "budgets": plan.budgets, "gpu_gib": round(plan.gpu_total / 2**30, 2),
+                                              "host_gib": round(plan.host_total / 2**30, 2)}}
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        from .report import format_summary
+
+        res = plan.spec.resident
+        print(format_summary(pred.summary, header=(
+            f"{args.model} on {machine.name} ({machine.description}): layout {plan.layout}, "
+            f"resident {len(res)} units, slots {plan.budgets}, GPU {plan.gpu_total / 2**30:.1f} GiB, "
+            f"host {plan.host_total / 2**30:.1f} GiB")))
+    return 0
+
+
+def plan_for(args: argparse.Namespace, machine) -> tuple:  # noqa: ANN001 - a Machine
+    """The model, request and memory plan of ``args`` on ``machine``: plan's checks, then
+    ``plan_run`` for a GPU with the machine's memory unless --gpu-mem/--host-mem say otherwise."""
+    import torch
+
+    from ..train.checks import validate_numbers
+    from ..train.plan import plan_run, run_request
+    from ..train.trainer import TrainConfig, load_model_config, resolve_dtype, validate
+
+    gpu_mem = args.gpu_mem if args.gpu_mem is not None else machine.gpu_mem_gib
+    host_mem = args.host_mem if args.host_mem is not None else machine.host_mem_gib
+    tc = TrainConfig(model=args.model, seq_len=args.seq_len, batch_size=args.batch_size,
+                     micro_batch_size=args.micro_batch_size, checkpoint_every=args.checkpoint_every,
+                     order=args.order, grad_clip=1.0 if args.grad_clip else None, precision=args.precision,
+                     policy=args.policy, layout=args.layout, resident=args.resident, gpu_mem=gpu_mem,
+                     host_mem=host_mem, chunk_tokens=args.chunk_tokens)
+    validate_numbers(tc)
+    cfg, model_dir = load_model_config(args.model)
+    cfg.validate()
+    validate(tc, cfg)
+    device = torch.device("cuda")
+    dtype = resolve_dtype(args.precision, device)
+    req = run_request(tc, model_dir)
+    return cfg, req, plan_run(cfg, req, device=device, dtype=dtype, policy=args.policy), device, dtype

@@ -1,0 +1,203 @@
+"""The cost model: how long one task takes on one machine.
+
+Each task kind costs what its work is divided by the rate of the part of the machine that does
+it (:class:`~flowtrain.sim.machine.Machine`)::
+
+    costs = CostModel(machine, shape)
+    costs.seconds(Forward(layer=3, micro_batch=0))   # FLOPs over the matmul and attention rates
+    costs.copy_bytes(Fetch(unit="layer", layer=3))   # bytes; the simulator picks the link rate
+
+- ``forward`` / ``recompute``: the layer's GEMMs (2 x tokens x parameters, each GEMM at a rate
+  that falls for small dimensions: ``dim / (dim + matmul_half_dim)`` per dimension), causal
+  attention (``2 x tokens x seq x heads x head_dim``) at the attention forward rate, and the
+  elementwise passes (norms, rotary, SwiGLU, residuals) at the memory bandwidth.
+- ``backward``: the layer's forward once more (flowtrain rebuilds the layer under autograd from
+  its saved input), twice its GEMM FLOPs, the attention backward (2.5x the forward's FLOPs,
+  as flash attention counts it), twice the elementwise passes and the fp32 accumulation of the
+  weight gradient.
+- ``loss``: head forward and backward (three GEMMs of ``tokens x hidden x vocab`` in loss
+  chunks) plus passes over the fp32 logits.
+- ``fetch`` / ``offload_grad``: bytes over the link; the rate depends on whether the other
+  direction is busy at the time, so the simulator asks :meth:`CostModel.copy_seconds`.
+- ``cpu_adam``: parameters over the CPU's fused AdamW rate; with ``adam_workers`` jobs at once
+  each gets that share of the cores. ``gpu_adam``: parameters over the device's AdamW rate.
+- ``save``: 12 bytes per parameter over the disk's write rate. Every device task adds the host's
+  launch cost.
+
+:data:`SOFTWARE` holds the few numbers that describe flowtrain's kernels rather than the machine
+(how many elementwise passes a layer makes, ...). They were fitted once, to the H200 W1 trace
+(docs/bench/2026-12-02/w1-trace.json), and are the same for every machine.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from ..graph.tasks import Task
+from .machine import Machine
+
+#: flowtrain's kernels, not the machine's: fitted to the H200 W1 trace (see module docstring).
+SOFTWARE = {
+    # bytes moved by a layer's elementwise work per token, in units of hidden / intermediate
+    # elements of the compute dtype (compiled RMSNorm, rotary, SwiGLU and residual adds)
+    "ew_hidden": 12.0,
+    "ew_intermediate": 4.0,
+    # passes over a loss chunk's fp32 logits (cast, logsumexp, softmax, gradient, bf16 copy)
+    "loss_logit_passes": 20.0,
+    # attention backward FLOPs per forward FLOP (flash attention's convention)
+    "attention_bwd_ratio": 2.5,
+}
+
+
+class Shape(msgspec.Struct, frozen=True, kw_only=True):
+    """What the cost model needs of a model and a run: sizes and per-unit parameter counts.
+
+    ``numel`` maps unit keys (``embed``, ``layer.3``, ``head``) to parameters; a layer missing
+    from it has ``layer_numel``. ``fetch_bytes`` is bytes per parameter crossing the link on a
+    fetch (4: fp32 masters cast on the device; 2: the stream-bf16 layout's bf16 copy).
+    """
+
+    hidden: int
+    intermediate: int
+    layers: int
+    heads: int
+    kv_heads: int
+    head_dim: int
+    vocab: int
+    seq_len: int
+    micro_batch_size: int
+    layer_numel: int
+    numel: dict[str, int] = {}
+    params: int = 0
+    tied: bool = False
+    chunk_tokens: int = 4096
+    compute_bytes: int = 2
+    fetch_bytes: int = 4
+    refresh: bool = False  # cpu_adam also refreshes a bf16 streaming copy (stream-bf16)
+    grad_chunks: dict[str, int] = {}
+    adam_workers: int = 1
+
+    @property
+    def tokens(self) -> int:
+        """Tokens per micro-batch."""
+        return self.micro_batch_size * self.seq_len
+
+    def unit_numel(self, task: Task) -> int:
+        key = f"layer.{task.layer}" if task.unit == "layer" else (task.unit or "layer")
+        n = self.numel.get(key, self.layer_numel if task.unit == "layer" else 0)
+        chunks = self.grad_chunks.get(key, 1) if task.chunk is not None else 1
+        return -(-n // chunks)
+
+    def model_flops_per_token(self) -> float:
+        """flowtrain's and the benchmarks' convention: 6 N + 6 L h S (recompute not counted)."""
+        return 6.0 * self.params + 6.0 * self.layers * self.hidden * self.seq_len
+
+
+def _eff(dim: float, half: float) -> float:
+    return dim / (dim + half)
+
+
+class CostModel:
+    """Seconds per task of one :class:`Shape` on one :class:`Machine` (see module docstring)."""
+
+    def __init__(self, machine: Machine, shape: Shape, software: dict | None = None) -> None:
+        self.m = machine
+        self.s = shape
+        self.sw = {**SOFTWARE, **(software or {})}
+        self._layer = self._layer_costs()
+
+    # ---- building blocks ------------------------------------------------------------------
+    def gemm_seconds(self, m: int, n: int, k: int, count: float = 1.0) -> float:
+        """``count`` GEMMs of (m x k) @ (k x n) in bf16: 2 m n k FLOPs each."""
+        h = self.m.matmul_half_dim
+        rate = self.m.matmul_tflops * 1e12 * _eff(m, h) * _eff(n, h) * _eff(k, h)
+        return count * 2.0 * m * n * k / rate
+
+    def hbm_seconds(self, nbytes: float) -> float:
+        return nbytes / (self.m.hbm_gbps * 1e9)
+
+    def _layer_costs(self) -> dict[str, float]:
+        s, sw = self.s, self.sw
+        T, h, i = s.tokens, s.hidden, s.intermediate
+        q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
+        gemms = (self.gemm_seconds(T, q, h) + 2 * self.gemm_seconds(T, kv, h) + self.gemm_seconds(T, h, q)
+                 + 2 * self.gemm_seconds(T, i, h) + self.gemm_seconds(T, h, i))
+        attn_flops = 2.0 * T * s.seq_len * q
+        attn_fwd = attn_flops / (self.m.attention_fwd_tflops * 1e12)
+        attn_bwd = sw["attention_bwd_ratio"] * attn_flops / (self.m.attention_bwd_tflops * 1e12)
+        ew = self.hbm_seconds(T * s.compute_bytes * (sw["ew_hidden"] * h + sw["ew_intermediate"] * i))
+        forward = gemms + attn_fwd + ew
+        accumulate = self.hbm_seconds(s.layer_numel * (s.compute_bytes + 8))
+        backward = forward + 2 * gemms + attn_bwd + 2 * ew + accumulate
+        return {"forward": forward, "backward": backward, "gemms": gemms, "attention": attn_fwd + attn_bwd}
+
+    def _loss_seconds(self, backward: bool) -> float:
+        s = self.s
+        T, chunk = s.tokens, min(s.chunk_tokens, s.tokens)
+        gemms = (3 if backward else 1) * self.gemm_seconds(chunk, s.vocab, s.hidden, count=T / chunk)
+        passes = self.sw["loss_logit_passes"] if backward else 3.0
+        return gemms + self.hbm_seconds(passes * T * s.vocab * 4)
+
+    # ---- per task -------------------------------------------------------------------------
+    def copy_bytes(self, task: Task) -> int:
+        """Bytes a copy task moves (0 for other kinds)."""
+        match task.kind:
+            case "fetch":
+                return self.s.unit_numel(task) * self.s.fetch_bytes
+            case "offload_grad":
+                return self.s.unit_numel(task) * 4
+        return 0
+
+    def copy_seconds(self, task: Task, other_direction_busy: bool) -> float:
+        """A copy's time: its bytes over its direction's rate, or its half of the duplex rate
+        while the other direction is copying too."""
+        m = self.m
+        rate = m.h2d_gbps if task.lane == "h2d" else m.d2h_gbps
+        if other_direction_busy:
+            rate = min(rate, m.duplex_gbps / 2)
+        t = self.copy_bytes(task) / (rate * 1e9) + m.copy_latency_us * 1e-6
+        if task.kind == "fetch" and self.s.fetch_bytes == 4 and self.s.compute_bytes != 4:
+            t += self.hbm_seconds(self.s.unit_numel(task) * (4 + self.s.compute_bytes))  # cast on the device
+        return t + m.launch_us * 1e-6
+
+    def seconds(self, task: Task) -> float:
+        """Seconds of a task that is not a copy (copies: :meth:`copy_seconds`)."""
+        m, s = self.m, self.s
+        launch = m.launch_us * 1e-6
+        T = s.tokens
+        match task.kind:
+            case "forward" | "recompute":
+                return self._layer["forward"] + launch
+            case "backward":
+                return self._layer["backward"] + launch
+            case "loss":
+                return self._loss_seconds(backward=True) + launch
+            case "eval_loss":
+                return self._loss_seconds(backward=False) + launch
+            case "embed":
+                return self.hbm_seconds(2 * T * s.hidden * s.compute_bytes) + launch
+            case "embed_backward":
+                return self.hbm_seconds(3 * T * s.hidden * 4) + launch
+            case "zero_grad" | "grad_sq_norm":
+                return self.hbm_seconds(s.unit_numel(task) * 4) + launch
+            case "found_inf":
+                return self.hbm_seconds(4 * sum(s.numel.values())) / 8 + launch  # a fraction is resident
+            case "gpu_adam":
+                return s.unit_numel(task) / (m.gpu_adam_gparams * 1e9) + launch
+            case "cpu_adam":
+                n = s.unit_numel(task)
+                t = n / (m.cpu_adam_gparams * 1e9)
+                if s.refresh:
+                    t += n / (m.cpu_cast_gparams * 1e9)
+                return t * s.adam_workers
+            case "save":
+                return s.unit_numel(task) * 12 / (m.disk_write_gbps * 1e9)
+            case "grad_norm" | "verify_step":
+                return m.sync_us * 1e-6
+            case "fetch" | "offload_grad":
+                return self.copy_seconds(task, other_direction_busy=False)
+        return launch
+
+    def layer_breakdown(self) -> dict[str, float]:
+        """Seconds of one layer's forward and backward, and of their GEMMs and attention."""
+        return dict(self._layer)

@@ -1,0 +1,121 @@
+"""Machine descriptions: the handful of rates a training step's time depends on.
+
+A machine is a small JSON file. The ones shipped with flowtrain live in
+``flowtrain/sim/machines/`` and are found by name; any other path works too, and ``flowtrain
+probe`` writes one for the machine it runs on::
+
+    m = load_machine("h200")                 # or load_machine("my-box.json")
+    m.h2d_gbps, m.matmul_tflops, m.cpu_adam_gparams
+
+Every number is a rate *achieved* by the kind of work flowtrain does (a pinned copy of a whole
+layer, a large bf16 GEMM, fused CPU AdamW over fp32), not a datasheet peak, and every file says
+where its numbers come from (``source``): a measurement (``probe``, a benchmark run) or a
+datasheet scaled by the H200's measured-to-datasheet ratios. A file may leave out any field
+with a default below; ``extends`` names a machine whose fields it starts from.
+
+Fields, by the task kinds that use them (:mod:`flowtrain.sim.costs`):
+
+- copies (``fetch``, ``offload_grad``): ``h2d_gbps``, ``d2h_gbps`` (GB/s, one direction at a
+  time), ``duplex_gbps`` (both directions at once, the sum), ``copy_latency_us`` per copy.
+- compute (``forward``, ``recompute``, ``backward``, ``loss``, ``embed``): ``matmul_tflops``
+  (bf16 GEMM, large shapes), ``matmul_half_dim`` (a GEMM dimension at which efficiency has
+  fallen to half: small GEMMs are slower per FLOP), ``attention_fwd_tflops`` and
+  ``attention_bwd_tflops`` (causal flash attention), ``hbm_gbps`` (elementwise work, memsets).
+- optimizer: ``gpu_adam_gparams`` (fused AdamW on the device, G parameters/s),
+  ``cpu_adam_gparams`` (fused AdamW on the host's fp32 state with all cores, G parameters/s),
+  ``cpu_cast_gparams`` (the fp32 -> bf16 refresh of the stream-bf16 layout).
+- ``disk_write_gbps`` (``save``), ``launch_us`` (host time to issue one device task),
+  ``sync_us`` (a completion travelling back to the event loop).
+- memory: ``gpu_mem_gib``, ``host_mem_gib`` (used when ``--gpu-mem``/``--host-mem`` are not given).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+
+from ..errors import ConfigError
+
+MACHINES_DIR = Path(__file__).parent / "machines"
+
+
+class Machine(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """One machine's rates (see the module docstring for what each field is used for)."""
+
+    name: str
+    description: str = ""
+    #: where the numbers come from: "measured ...", "datasheet ...", "probe ..."
+    source: str = ""
+    extends: str | None = None
+    gpu: str = ""
+    gpu_mem_gib: float = 80.0
+    host_mem_gib: float = 256.0
+    cpu_cores: int = 16
+    # copies
+    h2d_gbps: float = 25.0
+    d2h_gbps: float = 25.0
+    duplex_gbps: float = 40.0
+    copy_latency_us: float = 10.0
+    # compute
+    matmul_tflops: float = 300.0
+    matmul_half_dim: float = 64.0
+    attention_fwd_tflops: float = 150.0
+    attention_bwd_tflops: float = 110.0
+    hbm_gbps: float = 2000.0
+    # optimizer and the rest
+    gpu_adam_gparams: float = 30.0
+    cpu_adam_gparams: float = 2.0
+    cpu_cast_gparams: float = 4.0
+    disk_write_gbps: float = 0.4
+    launch_us: float = 20.0
+    sync_us: float = 50.0
+    #: free-form notes on each number (field -> note); kept when a file is rewritten
+    notes: dict[str, str] = msgspec.field(default_factory=dict)
+
+    def validate(self) -> "Machine":
+        for field in self.__struct_fields__:
+            value = getattr(self, field)
+            if isinstance(value, float) and not value > 0 and field not in ("copy_latency_us", "launch_us", "sync_us"):
+                raise ConfigError(f"machine {self.name!r}: {field} must be > 0 (got {value})")
+        if self.duplex_gbps < max(self.h2d_gbps, self.d2h_gbps):
+            raise ConfigError(f"machine {self.name!r}: duplex_gbps ({self.duplex_gbps}) is both directions together, "
+                              f"so at least the larger of h2d_gbps and d2h_gbps")
+        return self
+
+    def to_json(self) -> str:
+        return json.dumps(msgspec.to_builtins(self), indent=1) + "\n"
+
+
+def machine_names() -> list[str]:
+    """Names of the machines shipped with flowtrain."""
+    return sorted(p.stem for p in MACHINES_DIR.glob("*.json"))
+
+
+def load_machine(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Machine:
+    """A shipped machine by name (``h200``) or a machine file by path."""
+    path = Path(name_or_path)
+    if not path.suffix and not path.exists():
+        path = MACHINES_DIR / f"{name_or_path}.json"
+    if not path.is_file():
+        raise ConfigError(f"--machine {name_or_path!r} is neither a file nor a shipped machine "
+                          f"(shipped: {', '.join(machine_names())}; `flowtrain probe` writes one for this machine)")
+    try:
+        raw = json.loads(path.read_text())
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"machine file {path}: not JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise ConfigError(f"machine file {path}: expected a JSON object")
+    base = raw.get("extends")
+    if base:
+        if base in _seen:
+            raise ConfigError(f"machine file {path}: 'extends' loops through {base!r}")
+        parent = msgspec.to_builtins(load_machine(base, (*_seen, base)))
+        parent.update({k: v for k, v in raw.items() if k != "notes"})
+        parent["notes"] = {**parent.get("notes", {}), **raw.get("notes", {})}
+        raw = parent
+    try:
+        return msgspec.convert(raw, Machine).validate()
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"machine file {path}: {exc}") from None

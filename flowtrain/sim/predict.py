@@ -1,0 +1,68 @@
+"""From a memory plan to a predicted step: the bridge between the planner and the simulator.
+
+The planner (:mod:`flowtrain.train.plan`) decides placement, layout and slot budgets; this
+module turns a plan and a model into a :class:`~flowtrain.sim.costs.Shape`, runs the plan's
+steps on the virtual clock under the same policy the trainer would use (the policy's order
+with the plan's budgets, ``WithBudgets``), and summarizes them::
+
+    plan = plan_run(cfg, req, device=torch.device("cuda"), dtype=torch.bfloat16)
+    pred = predict(cfg, plan, req, load_machine("h200"))
+    pred.summary.tokens_per_s, pred.records    # records: one list per simulated step
+
+It imports the model's layout code (which imports torch) only inside :func:`shape_of`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from ..policy import WithBudgets, resolve_policy
+from ..runtime.trace import TaskRecord
+from .clock import VirtualRun
+from .costs import CostModel, Shape
+from .machine import Machine
+from .report import Summary, summarize
+
+
+class Prediction(msgspec.Struct, kw_only=True):
+    summary: Summary
+    records: list[list[TaskRecord]]
+    shape: Shape
+    machine: str
+
+
+def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1) -> Shape:
+    """The :class:`Shape` of model ``cfg`` (a ``ModelConfig``) run under ``plan`` for ``req``."""
+    from ..train.model import model_layouts
+
+    layouts = model_layouts(cfg)
+    numel = {lay.key: lay.numel for lay in layouts}
+    layer_numel = max((lay.numel for lay in layouts if lay.unit == "layer"), default=0)
+    params = sum(e.numel for lay in layouts for e in lay.entries)
+    compute_bytes = 2 if plan.device == "cuda" else 4
+    return Shape(hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, layers=cfg.num_layers,
+                 heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, vocab=cfg.vocab_size,
+                 seq_len=req.seq_len, micro_batch_size=req.micro_batch_size, layer_numel=layer_numel, numel=numel,
+                 params=params, tied=cfg.tie_word_embeddings, chunk_tokens=plan.chunk_tokens,
+                 compute_bytes=compute_bytes, fetch_bytes=2 if plan.layout == "stream-bf16" else 4,
+                 refresh=plan.layout == "stream-bf16", grad_chunks=dict(plan.spec.grad_chunks),
+                 adam_workers=adam_workers)
+
+
+def predict_shape(shape: Shape, plan: Any, machine: Machine, policy: Any = "double_buffer", *,
+                  batch_size: int, steps: int = 3) -> Prediction:
+    """Simulate ``steps`` steps of ``plan`` (its spec and budgets) for a given :class:`Shape`."""
+    costs = CostModel(machine, shape)
+    sim = VirtualRun(costs, WithBudgets(resolve_policy(policy), plan.budgets), cpu_workers=shape.adam_workers)
+    records = sim.run_steps(plan.spec, steps=steps)
+    summary = summarize(records, batch_size * shape.seq_len, shape.model_flops_per_token(), sim.cause)
+    return Prediction(summary=summary, records=records, shape=shape, machine=machine.name)
+
+
+def predict(cfg: Any, plan: Any, req: Any, machine: Machine, policy: Any = "double_buffer", *,
+            adam_workers: int = 1, steps: int = 3) -> Prediction:
+    """Predict the steady step of ``plan`` for model ``cfg`` and request ``req`` on ``machine``."""
+    return predict_shape(shape_of(cfg, plan, req, adam_workers), plan, machine, policy,
+                         batch_size=req.batch_size, steps=steps)

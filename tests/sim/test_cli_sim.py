@@ -1,0 +1,90 @@
+"""``flowtrain simulate``, ``flowtrain probe`` and ``flowtrain plan --machine`` from the command line."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from flowtrain.cli import main
+
+W1 = ["--model", "llama-3b", "--seq-len", "4096", "--batch-size", "4", "--micro-batch-size", "4", "--host-mem", "110"]
+
+
+def test_simulate_json_has_the_numbers_and_a_trace_viz_opens(tmp_path, capsys):
+    trace = tmp_path / "sim.json"
+    assert main(["simulate", *W1, "--machine", "h200", "--json", "--trace", str(trace)]) == 0
+    out = json.loads(capsys.readouterr().out)
+    for key in ("tokens_per_s", "model_tflops", "step_seconds", "busy_fraction", "critical_chain"):
+        assert key in out
+    assert out["tokens_per_s"] == pytest.approx(4 * 4096 / out["step_seconds"], rel=1e-3)
+    assert set(out["busy_fraction"]) >= {"compute", "h2d", "d2h", "cpu"}
+    from flowtrain.viz.load import load_input
+
+    loaded = load_input(trace)
+    assert len(loaded.tasks) > 100 and {"compute", "h2d"} <= {t.lane for t in loaded.tasks}
+
+
+def test_simulate_text_and_a_run_that_does_not_fit(capsys):
+    assert main(["simulate", *W1, "--machine", "rtx4090"]) == 0
+    text = capsys.readouterr().out
+    for words in ("on rtx4090", "predicted:", "tokens/s", "busy fraction", "critical chain"):
+        assert words in text
+    big = ["--model", "llama-8b", "--seq-len", "4096", "--batch-size", "16", "--micro-batch-size", "16"]
+    assert main(["simulate", *big, "--machine", "rtx3080-10gb"]) == 2
+    assert "does not fit" in capsys.readouterr().err
+
+
+def test_a_slower_machine_predicts_a_slower_step(capsys):
+    speeds = {}
+    for m in ("h200", "a100-80gb"):
+        assert main(["simulate", *W1, "--machine", m, "--json", "--resident", "none"]) == 0
+        speeds[m] = json.loads(capsys.readouterr().out)["tokens_per_s"]
+    assert speeds["a100-80gb"] < 0.6 * speeds["h200"]
+
+
+def test_plan_with_a_machine_says_which_configuration_is_fastest_and_why(capsys):
+    argv = ["plan", "--model", "llama-1b", "--seq-len", "2048", "--batch-size", "4", "--micro-batch-size", "1",
+            "--host-mem", "64", "--gpu-mem", "40", "--device", "cuda"]
+    assert main(argv) == 0
+    plain = capsys.readouterr().out
+    assert "fastest predicted" not in plain  # without --machine, plan is what it was
+    assert main([*argv, "--machine", "h200", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    best, asked = out["fastest"]["best"], out["fastest"]["asked"]
+    assert best["fits"] and best["tokens_per_s"] >= asked["tokens_per_s"]
+    assert all(c["tokens_per_s"] <= best["tokens_per_s"] for c in out["fastest"]["tried"] if c["fits"])
+    assert main([*argv, "--machine", "h200"]) == 0
+    text = capsys.readouterr().out
+    assert "fastest predicted on h200" in text and ("bound by" in text)
+
+
+def test_probe_on_a_machine_without_a_gpu_measures_the_cpu_and_says_so(tmp_path, capsys):
+    pytest.importorskip("torch")
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("this test is for a machine without a GPU")
+    out = tmp_path / "here.json"
+    assert main(["probe", "--quick", "--extends", "h200", "--out", str(out), "--disk-dir", str(tmp_path)]) == 0
+    assert "CPU only" in capsys.readouterr().out
+    data = json.loads(out.read_text())
+    assert data["cpu_adam_gparams"] > 0 and "matmul_tflops" not in data and "probe" in data["source"]
+    assert main(["simulate", *W1, "--machine", str(out), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["machine"] == data["name"]
+
+
+@pytest.mark.parametrize("argv", [["simulate", "--help"], ["probe", "--help"]], ids=" ".join)
+def test_help_imports_no_torch(argv):
+    code = ("import sys\nfrom flowtrain.cli import main\ntry:\n    main(%r)\nexcept SystemExit:\n    pass\n"
+            "print('torch' in sys.modules)" % (argv,))
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip().splitlines()[-1] == "False", proc.stderr
+
+
+def test_list_machines_needs_no_run_arguments(capsys):
+    with pytest.raises(SystemExit):
+        main(["simulate", "--list-machines"])
+    assert "gh200" in capsys.readouterr().out

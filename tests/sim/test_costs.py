@@ -1,0 +1,98 @@
+"""The cost model: each kind's time follows its work and the machine's rate, and the H200
+numbers reproduce the measured W1 trace they were fitted to."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+
+from flowtrain.graph.tasks import Backward, CpuAdam, Fetch, Forward, GpuAdam, Loss, OffloadGrad, SaveUnit
+from flowtrain.sim.costs import CostModel, Shape
+from flowtrain.sim.machine import load_machine
+
+TRACE = Path(__file__).parents[2] / "docs" / "bench" / "2026-12-02" / "w1-trace.json"
+
+#: llama-3b at W1's shape (4 x 4096 tokens per micro-batch); numel as the layout pads them
+W1 = Shape(hidden=3072, intermediate=8192, layers=28, heads=24, kv_heads=8, head_dim=128, vocab=128256,
+           seq_len=4096, micro_batch_size=4, layer_numel=100_669_440, params=3_606_752_256,
+           numel={"embed": 394_002_432, "head": 394_005_504}, chunk_tokens=2048)
+
+
+def test_small_gemms_are_slower_per_flop():
+    c = CostModel(load_machine("h200"), W1)
+    per_flop = [c.gemm_seconds(d, d, d) / (2 * d**3) for d in (128, 512, 4096)]
+    assert per_flop[0] > per_flop[1] > per_flop[2]
+    assert c.gemm_seconds(8192, 8192, 8192) / (2 * 8192**3) == pytest.approx(
+        1 / (c.m.matmul_tflops * 1e12), rel=0.02)
+
+
+def test_copies_share_the_link_when_both_directions_copy():
+    m = load_machine("h200")
+    c = CostModel(m, W1)
+    fetch = Fetch(unit="layer", layer=20, phase="forward")
+    alone, shared = c.copy_seconds(fetch, False), c.copy_seconds(fetch, True)
+    assert shared > alone
+    assert c.copy_bytes(fetch) == 4 * W1.layer_numel
+    assert CostModel(m, W1.__class__(**{**_fields(W1), "fetch_bytes": 2})).copy_bytes(fetch) == 2 * W1.layer_numel
+    off = OffloadGrad(unit="layer", layer=20)
+    assert c.copy_seconds(off, False) == pytest.approx(4 * W1.layer_numel / (m.d2h_gbps * 1e9), rel=0.02)
+
+
+def _fields(s):
+    return {f: getattr(s, f) for f in s.__struct_fields__}
+
+
+def test_cpu_adam_per_task_scales_with_workers_and_refresh():
+    m = load_machine("h200")
+    one = CostModel(m, W1).seconds(CpuAdam(unit="layer", layer=20))
+    assert one == pytest.approx(W1.layer_numel / (m.cpu_adam_gparams * 1e9))
+    four = CostModel(m, Shape(**{**_fields(W1), "adam_workers": 4})).seconds(CpuAdam(unit="layer", layer=20))
+    assert four == pytest.approx(4 * one)  # four at once, each with a quarter of the cores
+    refresh = CostModel(m, Shape(**{**_fields(W1), "refresh": True})).seconds(CpuAdam(unit="layer", layer=20))
+    assert refresh > one
+
+
+def test_chunked_tasks_cost_their_share():
+    shape = Shape(**{**_fields(W1), "grad_chunks": {"embed": 4}})
+    c = CostModel(load_machine("h200"), shape)
+    whole = c.seconds(CpuAdam(unit="embed"))
+    part = c.seconds(CpuAdam(unit="embed", chunk=0))
+    assert part == pytest.approx(whole / 4, rel=1e-3)
+
+
+def test_backward_costs_a_forward_and_more_and_faster_machines_are_faster():
+    costs = {name: CostModel(load_machine(name), W1) for name in ("h200", "a100-80gb", "rtx3080-10gb")}
+    for c in costs.values():
+        f, b = c.seconds(Forward(layer=3, micro_batch=0)), c.seconds(Backward(layer=3, micro_batch=0))
+        assert 2.5 * f < b < 4.5 * f
+    fwd = [costs[n].seconds(Forward(layer=3, micro_batch=0)) for n in ("h200", "a100-80gb", "rtx3080-10gb")]
+    assert fwd == sorted(fwd)
+    assert costs["h200"].seconds(SaveUnit(unit="layer", layer=0)) == pytest.approx(
+        12 * W1.layer_numel / (costs["h200"].m.disk_write_gbps * 1e9))
+
+
+@pytest.mark.skipif(not TRACE.exists(), reason="the W1 trace is not in this checkout")
+def test_h200_reproduces_the_measured_w1_task_times():
+    """Fitted to this trace (docs/simulate.md): each kind's median within 12%."""
+    events = [e for e in json.loads(TRACE.read_text())["traceEvents"] if e.get("ph") == "X"]
+    steady = [e for e in events if 3 <= e["args"]["step"] <= 5]
+
+    def measured(kind, unit="layer", phase=None):
+        return statistics.median(e["dur"] / 1e6 for e in steady if e["cat"] == kind and e["args"]["unit"] == unit
+                                 and (phase is None or e["args"].get("phase") == phase))
+
+    c = CostModel(load_machine("h200"), W1)
+    pairs = {
+        "forward": (c.seconds(Forward(layer=20, micro_batch=0)), measured("forward")),
+        "backward": (c.seconds(Backward(layer=20, micro_batch=0)), measured("backward")),
+        "loss": (c.seconds(Loss(unit="head", micro_batch=0)), measured("loss", "head")),
+        "fetch": (c.copy_seconds(Fetch(unit="layer", layer=20, phase="forward"), False), measured("fetch", phase="forward")),
+        "offload_grad": (c.copy_seconds(OffloadGrad(unit="layer", layer=20), False), measured("offload_grad")),
+        "cpu_adam": (c.seconds(CpuAdam(unit="layer", layer=20)), measured("cpu_adam")),
+        "gpu_adam": (c.seconds(GpuAdam(unit="layer", layer=2)), measured("gpu_adam")),
+    }
+    off = {k: p / m - 1 for k, (p, m) in pairs.items()}
+    assert all(abs(v) < 0.12 for v in off.values()), off
