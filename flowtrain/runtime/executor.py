@@ -283,6 +283,10 @@ class Engine:
         if self.scheduler is None:
             self.scheduler = Scheduler(dict(proposal.budgets))
             self.budgets = dict(proposal.budgets)
+            for ins in self.instruments:  # the trace records what the run was given
+                on_budgets = getattr(ins, "on_budgets", None)
+                if on_budgets is not None:
+                    on_budgets(self.budgets)
         elif dict(proposal.budgets) != self.budgets:
             raise ScheduleError(f"slot budgets changed between graphs: {self.budgets} then {proposal.budgets}")
         after = list(after)

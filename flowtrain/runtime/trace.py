@@ -9,22 +9,23 @@ Instruments are hooks with no-op defaults; the trace is one more instrument::
     recorder = TraceRecorder()
     engine = Engine(program, policy, instruments=[recorder])
     ...
-    write_chrome_trace("trace.json", recorder.records, meta={"policy": "double_buffer"})
+    write_chrome_trace("trace.json", recorder.records, recorder.meta(policy="double_buffer"))
 
 The Chrome trace event format is what Perfetto and chrome://tracing open: one complete
-(``"ph": "X"``) event per task, one thread per lane, and the task's fields under ``args``.
+(``"ph": "X"``) event per task, one thread per lane, the task's fields under ``args``, every
+dependency as a flow arrow and slot occupancy as counters (see :func:`chrome_trace`).
 """
 
 from __future__ import annotations
 
 import json
+from bisect import bisect_right
 from pathlib import Path
 from typing import Iterable, Sequence
 
 import msgspec
 
 from ..graph.tasks import Task, task_to_dict
-
 
 #: Lanes run by a pool of worker threads: each worker is its own row in a trace.
 HOST_POOL_LANES = ("cpu", "io")
@@ -56,6 +57,9 @@ class TaskRecord(msgspec.Struct, kw_only=True):
 class Instrument:
     """Hooks the engine calls; override what you need. All default to doing nothing."""
 
+    def on_budgets(self, budgets: dict[str, int]) -> None:
+        """The slot budgets (slots per pool) the engine runs with, once, before any launch."""
+
     def on_launch(self, task: Task, lane: str) -> None:
         """``task`` was handed to its lane."""
 
@@ -67,13 +71,23 @@ class Instrument:
 
 
 class TraceRecorder(Instrument):
-    """Keeps every record (optionally at most ``limit`` of the most recent)."""
+    """Keeps every record, and the slot budgets when the engine reports them; :meth:`meta` is
+    what a trace file should say about the run (``write_chrome_trace(path, rec.records,
+    rec.meta(policy="double_buffer"))``)."""
 
     def __init__(self) -> None:
         self.records: list[TaskRecord] = []
+        self.budgets: dict[str, int] = {}
+
+    def on_budgets(self, budgets: dict[str, int]) -> None:
+        self.budgets = dict(budgets)
 
     def on_record(self, record: TaskRecord) -> None:
         self.records.append(record)
+
+    def meta(self, **more: object) -> dict:
+        """``{"budgets": ...}`` (when known) updated with ``more``."""
+        return {**({"budgets": self.budgets} if self.budgets else {}), **more}
 
 
 LANE_ORDER = ("compute", "h2d", "d2h", "cpu", "io")
@@ -85,46 +99,135 @@ def _tid(lane_name: str) -> int:
 
 
 def task_id(task: Task) -> str:
-    """A stable string id for a task (used to cross-reference dependencies in traces)."""
+    """A stable string id for a task (its fields as JSON): how traces name a task across runs."""
     return msgspec.json.encode(task).decode()
 
 
-def chrome_trace(records: Sequence[TaskRecord], meta: dict | None = None) -> dict:
-    """The records as a Chrome trace event document (``traceEvents`` + ``otherData``)."""
-    events: list[dict] = []
-    lanes = sorted({r.lane_name for r in records}, key=_tid)
-    for name in lanes:
-        events.append({"ph": "M", "name": "thread_name", "pid": 0, "tid": _tid(name), "args": {"name": name}})
-        events.append({"ph": "M", "name": "thread_sort_index", "pid": 0, "tid": _tid(name), "args": {"sort_index": _tid(name)}})
-    events.append({"ph": "M", "name": "process_name", "pid": 0, "tid": 0, "args": {"name": "flowtrain"}})
+def _ns(seconds: float) -> int:
+    return round(seconds * 1e9)
+
+
+def _us(ns: int) -> int | float:
+    """Integer nanoseconds as the format's microseconds: ``12345`` ns is ``12.345``, which a
+    reader that rounds ``ts * 1000`` (Perfetto) turns back into exactly 12345."""
+    return ns // 1000 if ns % 1000 == 0 else ns / 1000
+
+
+def _dep_positions(records: Sequence[TaskRecord]) -> list[list[int]]:
+    """For each record, the positions of its dependencies among ``records``. A task recorded
+    twice (a graph run again) means its latest run that started no later than the dependent."""
+    runs: dict[Task, list[int]] = {}
+    for n, r in enumerate(records):
+        runs.setdefault(r.task, []).append(n)
+    out = []
     for r in records:
-        args = task_to_dict(r.task)
-        args.update(
-            id=task_id(r.task),
-            lane_name=r.lane_name,
-            slot=r.slot,
-            reads=r.reads,
-            bytes=r.bytes,
-            deps=[task_id(d) for d in r.deps],
-        )
-        events.append(
-            {
-                "name": r.task.label,
-                "cat": r.task.kind,
-                "ph": "X",
-                "ts": round(r.start * 1e6, 3),
-                "dur": round(max(r.end - r.start, 0.0) * 1e6, 3),
-                "pid": 0,
-                "tid": _tid(r.lane_name),
-                "args": args,
-            }
-        )
-    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": {"flowtrain": {"version": 1, **(meta or {})}}}
+        found = []
+        for d in r.deps:
+            cands = [n for n in runs.get(d, ()) if records[n].start <= r.start]
+            if cands:
+                found.append(max(cands, key=lambda n: records[n].start))
+        out.append(found)
+    return out
+
+
+def slot_tenancies(records: Sequence[TaskRecord]) -> list[tuple[str, int, float, float, int]]:
+    """``(pool, slot, start, end, bytes)`` per slot taken: from the taker's start until the last
+    task that read the slot under it (the latest taker that started no later than the reader)
+    has finished, since the buffer is needed until then. ``bytes`` are the taker's."""
+    takers: dict[tuple[str, int], list[TaskRecord]] = {}
+    for r in records:
+        if r.task.takes is not None and r.slot is not None:
+            takers.setdefault((r.task.takes, r.slot), []).append(r)
+    starts, ends = {}, {}
+    for key, rs in takers.items():
+        rs.sort(key=lambda r: r.start)
+        starts[key] = [r.start for r in rs]
+        ends[key] = [r.end for r in rs]
+    for r in records:
+        for pool, slots in r.reads.items():
+            for s in slots:
+                key = (pool, s)
+                j = bisect_right(starts.get(key, []), r.start) - 1
+                if j >= 0 and takers[key][j] is r:
+                    j -= 1
+                if j >= 0:
+                    ends[key][j] = max(ends[key][j], r.end)
+    return sorted((key[0], key[1], r.start, ends[key][j], r.bytes)
+                  for key, rs in takers.items() for j, r in enumerate(rs))
+
+
+def _counter_events(records: Sequence[TaskRecord], pid: int) -> list[dict]:
+    """Slots in use per pool, and bytes held in taken slots per pool, as counter ("C") events
+    in time order: one value per instant, releases counted before takes at the same instant."""
+    changes: dict[str, list[tuple[int, int, int]]] = {}
+    for pool, _, start, end, nbytes in slot_tenancies(records):
+        changes.setdefault(pool, []).extend([(_ns(start), 1, nbytes), (_ns(end), -1, -nbytes)])
+    events = []
+    for pool, cs in sorted(changes.items()):
+        cs.sort(key=lambda c: (c[0], c[1]))
+        slots = held = 0
+        points: list[tuple[int, int, int]] = []
+        for ts, d, b in cs:
+            slots, held = slots + d, held + b
+            if points and points[-1][0] == ts:
+                points[-1] = (ts, slots, held)
+            else:
+                points.append((ts, slots, held))
+        for ts, n, b in points:
+            events.append({"ph": "C", "name": f"{pool} slots", "pid": pid, "ts": _us(ts), "args": {"in use": n}})
+            events.append({"ph": "C", "name": f"{pool} bytes", "pid": pid, "ts": _us(ts), "args": {"held": b}})
+    return events
+
+
+def chrome_trace(records: Sequence[TaskRecord], meta: dict | None = None) -> dict:
+    """The records as a Chrome trace event document (``traceEvents`` + ``otherData``).
+
+    What each event is, so that Perfetto reads the whole file:
+
+    - one complete event (``"ph": "X"``) per task on its lane's thread; ``ts`` and ``dur`` come
+      from the same nanosecond ends (``dur = end - start``), so back-to-back tasks on a lane
+      touch but never overlap (Perfetto drops a slice that overlaps its neighbour);
+    - ``args`` holds the task's fields without nulls, ``id`` (the record's position: compact),
+      ``lane_name``, and ``slot``, ``reads`` and ``bytes`` where there are any;
+    - every dependency is a flow: ``"ph": "s"`` at the producer's start, ``"ph": "f"`` with
+      ``"bp": "e"`` at the consumer's start (each binds to the slice enclosing it), one ``id``
+      per edge;
+    - counters (``"ph": "C"``): slots in use and bytes held, per pool.
+    """
+    pid = 0
+    events: list[dict] = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": "flowtrain"}}]
+    for name in sorted({r.lane_name for r in records}, key=_tid):
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": _tid(name), "args": {"name": name}})
+        events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": _tid(name), "args": {"sort_index": _tid(name)}})
+    spans = [(_ns(r.start), max(_ns(r.end), _ns(r.start))) for r in records]
+    for n, r in enumerate(records):
+        args = {k: v for k, v in task_to_dict(r.task).items() if v is not None}
+        args.update(id=n, lane_name=r.lane_name)
+        if r.slot is not None:
+            args["slot"] = r.slot
+        if r.reads:
+            args["reads"] = r.reads
+        if r.bytes:
+            args["bytes"] = r.bytes
+        s, e = spans[n]
+        events.append({"name": r.task.label, "cat": r.task.kind, "ph": "X", "ts": _us(s), "dur": _us(e - s),
+                       "pid": pid, "tid": _tid(r.lane_name), "args": args})
+    flow = 0
+    for n, deps in enumerate(_dep_positions(records)):
+        for d in deps:
+            flow += 1
+            events.append({"ph": "s", "name": "dep", "cat": "dep", "id": flow, "pid": pid,
+                           "tid": _tid(records[d].lane_name), "ts": _us(spans[d][0])})
+            events.append({"ph": "f", "bp": "e", "name": "dep", "cat": "dep", "id": flow, "pid": pid,
+                           "tid": _tid(records[n].lane_name), "ts": _us(spans[n][0])})
+    events += _counter_events(records, pid)
+    other = {"flowtrain": {"version": 2, **(meta or {})}}
+    return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
 
 
 def write_chrome_trace(path: str | Path, records: Sequence[TaskRecord], meta: dict | None = None) -> None:
     """Write :func:`chrome_trace` as JSON to ``path``."""
-    Path(path).write_text(json.dumps(chrome_trace(records, meta)))
+    Path(path).write_text(json.dumps(chrome_trace(records, meta), separators=(",", ":")))
 
 
 def lane_busy(records: Iterable[TaskRecord]) -> dict[str, float]:

@@ -231,6 +231,7 @@ class Gap(msgspec.Struct, frozen=True):
     reason: str
     chain: tuple[int, ...]
     text: str
+    pattern: str = ""  # the text with kinds for tasks: "forward waited for fetch, which waited for a weights slot"
 
     @property
     def duration(self) -> float:
@@ -262,6 +263,7 @@ def compute_gaps(trace: Trace, lane: str = "compute", min_gap: float | None = No
 def _explain(trace: Trace, task: TraceTask, idle_since: float, waits: Sequence[Wait | None]) -> Gap:
     chain: list[int] = []
     words: list[str] = []
+    kinds: list[str] = []
     reason = "host"
     cur = task
     for _ in range(8):
@@ -274,6 +276,7 @@ def _explain(trace: Trace, task: TraceTask, idle_since: float, waits: Sequence[W
             reason = "slot" if w.cause == "slot" else trace.tasks[w.task].kind
         chain.append(w.task)
         words.append(describe_wait(trace, w))
+        kinds.append(_wait_kind(trace, w))
         cur = trace.tasks[w.task]
         if w.cause == "slot" or cur.start < idle_since:
             break  # the blamed task was already running when the lane went idle
@@ -281,9 +284,29 @@ def _explain(trace: Trace, task: TraceTask, idle_since: float, waits: Sequence[W
         # held back: follow it, even to a slot freed by the lane's own last task.
     if not words:
         text = f"{task.name} had all it needed before the lane went idle (launch overhead)"
+        pattern = f"{task.kind} had all it needed (launch overhead)"
     else:
         text = f"{task.name} waited for " + ", which waited for ".join(words)
-    return Gap(idle_since, task.start, task.index, reason, tuple(chain), text)
+        pattern = f"{task.kind} waited for " + ", which waited for ".join(kinds)
+    return Gap(idle_since, task.start, task.index, reason, tuple(chain), text, pattern)
+
+
+def _wait_kind(trace: Trace, w: Wait) -> str:
+    """What ``w`` waited for, by kind rather than by task: the same for every layer and step."""
+    if w.cause == "slot":
+        return f"a {w.pool} slot"
+    if w.cause == "lane":
+        return f"its lane ({trace.tasks[w.task].lane})"
+    return trace.tasks[w.task].kind
+
+
+def gap_patterns(gaps: Sequence[Gap]) -> list[tuple[str, str, list[Gap]]]:
+    """Gaps grouped by pattern, ``(pattern, reason, gaps)``, the most idle time first."""
+    groups: dict[str, list[Gap]] = {}
+    for g in gaps:
+        groups.setdefault(g.pattern, []).append(g)
+    rows = [(p, gs[0].reason, gs) for p, gs in groups.items()]
+    return sorted(rows, key=lambda r: (-sum(g.duration for g in r[2]), r[0]))
 
 
 def critical_chain(trace: Trace, waits: Sequence[Wait | None] | None = None) -> list[int]:
@@ -293,10 +316,11 @@ def critical_chain(trace: Trace, waits: Sequence[Wait | None] | None = None) -> 
         return []
     waits = blockers(trace) if waits is None else waits
     cur = max(trace.tasks, key=lambda t: (t.end, t.index)).index
-    chain = [cur]
-    while (w := waits[cur]) is not None and w.task not in chain:
+    chain, seen = [cur], {cur}
+    while (w := waits[cur]) is not None and w.task not in seen:
         cur = w.task
         chain.append(cur)
+        seen.add(cur)
     return chain[::-1]
 
 

@@ -2,8 +2,8 @@
 
 Tasks are placed in columns by depth (the longest chain of edges from a source), so every edge
 points right; within a column they are ordered by the mean row of their producers, which keeps
-a layer's fetch next to the work that reads it. The critical path is drawn in red and every task
-carries its position in the policy's planned order::
+a layer's fetch next to the work that reads it. The critical path is drawn in violet (red means
+an idle gap in a trace) and every task carries its position in the policy's planned order::
 
     html = graph_section(graph, policy="double_buffer")   # an HTML fragment, no scripts
 """
@@ -42,7 +42,8 @@ KIND_COLORS = {
 OTHER_COLOR = "#888888"
 #: Colours of compute-gap markers by reason (a task kind, or these two).
 REASON_COLORS = {"slot": "#d62728", "host": "#999999"}
-CRITICAL = "#e31a1c"
+#: The critical path and chain: violet, so that it never reads as the red of an idle slot gap.
+CRITICAL = "#7e22ce"
 
 _SHORT = {"forward": "fwd", "backward": "bwd", "recompute": "rec", "zero_grad": "zero",
           "offload_grad": "offload", "cpu_adam": "adam", "embed_backward": "emb_bwd",
@@ -189,7 +190,7 @@ def graph_section(graph: nx.DiGraph, policy: object = "double_buffer", title: st
     if spec:
         facts += "<p class=small>spec: " + ", ".join(f"{_esc(k)}={_esc(v)}" for k, v in spec.items()) + "</p>"
     if graph.number_of_nodes() <= max_drawn:
-        body = ('<p class=small>Columns are depth (longest chain of dependencies); red: critical path; '
+        body = ('<p class=small>Columns are depth (longest chain of dependencies); violet: critical path; '
                 'dashed edges read the producer\'s slot; #n: position in the planned order.</p>'
                 f'<div class="dagbox">{graph_svg(graph, path, order)}</div>'
                 f"<details><summary>all tasks in planned order</summary>{graph_table(graph, path, order)}</details>")

@@ -19,10 +19,10 @@ from __future__ import annotations
 
 import json
 import math
-from bisect import bisect_right
+from bisect import bisect_left, bisect_right
 from functools import cached_property
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 import msgspec
 import networkx as nx
@@ -159,69 +159,183 @@ def _reads(value: Any, where: str) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def _task_fields(ev: Any, n: int, src: str) -> dict:
+    """The fields of one complete event, ``start``/``end`` still in the file's microseconds;
+    ``lane_name`` and ``lane`` are None where ``args`` does not say (see :func:`_name_lanes`)."""
+    where = f"{src}: event {n} ({ev.name if ev.name is not None else '?'!r})"
+    ts = _number(ev.ts, "ts", where)
+    dur = _number(0.0 if ev.dur is None else ev.dur, "dur", where)
+    if dur < 0:
+        raise DataError(f"{where}: negative duration {dur}")
+    args = ev.args or {}
+    if not isinstance(args, dict):
+        raise DataError(f"{where}: args must be an object")
+    kind = str(args.get("kind") or ev.cat or ev.name or "task")
+    lane_name = args.get("lane_name")
+    deps = args.get("deps") or []
+    if not isinstance(deps, list):
+        raise DataError(f"{where}: args.deps must be a list of task ids")
+    return dict(
+        id=str(args["id"]) if args.get("id") is not None else f"#{n}",
+        name=str(ev.name or kind),
+        kind=kind,
+        lane=None if args.get("lane") is None else str(args["lane"]),
+        lane_name=None if lane_name is None else str(lane_name),
+        start=ts,
+        end=ts + dur,
+        step=_opt_int(args.get("step"), "args.step", where) or 0,
+        unit=None if args.get("unit") is None else str(args["unit"]),
+        layer=_opt_int(args.get("layer"), "args.layer", where),
+        micro_batch=_opt_int(args.get("micro_batch"), "args.micro_batch", where),
+        phase=None if args.get("phase") is None else str(args["phase"]),
+        takes=None if args.get("takes") is None else str(args["takes"]),
+        slot=_opt_int(args.get("slot"), "args.slot", where),
+        reads=_reads(args.get("reads"), where),
+        bytes=_opt_int(args.get("bytes"), "args.bytes", where) or 0,
+        deps=tuple(str(d) for d in deps),
+    )
+
+
+def _name_lanes(raw: list[dict], thread_of: list[tuple], threads: dict[Any, str]) -> None:
+    """A task's row: ``args.lane_name``, else its thread's name, else ``args.lane``, else the
+    thread id; its lane kind: ``args.lane``, else the row's name up to a colon."""
+    for r, key in zip(raw, thread_of):
+        if r["lane_name"] is None:
+            r["lane_name"] = threads.get(key) or r["lane"] or f"tid {key[1]}"
+        if r["lane"] is None:
+            r["lane"] = r["lane_name"].partition(":")[0]
+
+
+def _bind_flows(flows: list[tuple], raw: list[dict], thread_of: list[Any]) -> None:
+    """Add flow arrows, ``(ph, thread, ts, cat, id, "bp" is "e")`` in file order (``"s"`` then
+    ``"f"``, paired by category and id), to the tasks' ``deps``, binding each end the way
+    Perfetto does: ``s`` to the slice enclosing it, ``f`` to the slice enclosing it when
+    ``"bp": "e"``, else to the next slice to start on its thread.
+    An end placed at a slice's start (as ``write_chrome_trace`` places both) is found by one
+    lookup; any other by binary search."""
+    at_start: dict[tuple, int] = {}
+    lanes: dict[Any, list[tuple[float, float, int]]] = {}
+    for pos, r in enumerate(raw):
+        key = (thread_of[pos], r["start"])
+        if key not in at_start or r["end"] > raw[at_start[key]]["end"]:
+            at_start[key] = pos  # of slices starting together, the longest encloses
+        lanes.setdefault(thread_of[pos], []).append((r["start"], r["end"], pos))
+    for spans in lanes.values():
+        spans.sort()
+    starts = {k: [s for s, _, _ in v] for k, v in lanes.items()}
+
+    def enclosing(key: Any, ts: float) -> int | None:
+        pos = at_start.get((key, ts))
+        if pos is not None:
+            return pos
+        j = bisect_right(starts.get(key, []), ts) - 1
+        return lanes[key][j][2] if j >= 0 and lanes[key][j][1] >= ts else None
+
+    def following(key: Any, ts: float) -> int | None:
+        j = bisect_left(starts.get(key, []), ts)
+        return lanes[key][j][2] if j < len(starts.get(key, [])) else None
+
+    producers: dict[tuple, int] = {}
+    for ph, key, ts, cat, fid, bind_enclosing in flows:
+        flow = (cat, fid)
+        if ph == "s":
+            pos = enclosing(key, ts)
+            if pos is not None:
+                producers[flow] = pos
+        elif flow in producers:
+            pos = enclosing(key, ts) if bind_enclosing else following(key, ts)
+            if pos is not None and pos != producers[flow]:
+                raw[pos]["deps"] += (raw[producers[flow]]["id"],)
+
+
+class _Event(msgspec.Struct):
+    """The fields of a trace event that viz reads; anything else in the file is skipped while
+    decoding, which keeps a large trace small in memory. Types are checked where used."""
+
+    ph: Any = None
+    name: Any = None
+    cat: Any = None
+    ts: Any = None
+    dur: Any = None
+    pid: Any = None
+    tid: Any = None
+    id: Any = None
+    bp: Any = None
+    args: Any = None
+
+
+class _TraceDoc(msgspec.Struct):
+    """A trace file as ``load_input`` decodes it: each event left as its JSON text until it is
+    read, so that a trace of 100,000 tasks and their dependency arrows never exists as half a
+    million Python objects at once."""
+
+    traceEvents: list[msgspec.Raw]
+    otherData: Any = None
+
+
+_EVENT = msgspec.json.Decoder(_Event)
+
+
+def _each_event(events: list, src: str) -> Iterator[tuple[int, _Event]]:
+    """``(n, _Event)`` for every event: raw JSON text is decoded, dicts converted."""
+    for n, ev in enumerate(events):
+        if isinstance(ev, msgspec.Raw):
+            try:
+                yield n, _EVENT.decode(ev)
+            except msgspec.ValidationError:
+                raise DataError(f"{src}: event {n} is not an object") from None
+        elif isinstance(ev, dict):
+            yield n, msgspec.convert(ev, _Event)
+        else:
+            raise DataError(f"{src}: event {n} is not an object")
+
+
+def _read_events(events: list, src: str) -> tuple[list[dict], list[tuple], list[tuple]]:
+    """One pass over the events: each task's fields, its thread, and the flow ends (see
+    :func:`_bind_flows`), keeping no event once read."""
+    threads: dict[Any, str] = {}
+    shared: dict[Any, Any] = {}  # one (0, 0) thread key and one "dep" rather than 600,000 of each
+    raw: list[dict] = []
+    thread_of: list[tuple] = []
+    flows: list[tuple] = []
+    for n, ev in _each_event(events, src):
+        if ev.ph == "X":
+            raw.append(_task_fields(ev, n, src))
+            thread_of.append(shared.setdefault((ev.pid, ev.tid), (ev.pid, ev.tid)))
+        elif (ev.ph == "s" or ev.ph == "f") and isinstance(ev.ts, (int, float)) and not isinstance(ev.id, (list, dict)):
+            key = shared.setdefault((ev.pid, ev.tid), (ev.pid, ev.tid))
+            cat = shared.setdefault(ev.cat, ev.cat) if isinstance(ev.cat, str) else ev.cat
+            flows.append((ev.ph, key, ev.ts, cat, ev.id, ev.bp == "e"))
+        elif ev.ph == "M" and ev.name == "thread_name" and isinstance(ev.args, dict):
+            threads[(ev.pid, ev.tid)] = str(ev.args.get("name"))
+    _name_lanes(raw, thread_of, threads)
+    return raw, thread_of, flows
+
+
 def trace_from_json(data: Any, name: str = "trace", path: str | None = None) -> Trace:
     """Build a :class:`Trace` from a decoded Chrome trace document (an object with
-    ``traceEvents``, or a bare list of events)."""
+    ``traceEvents``, or a bare list of events). Dependencies come from flow events and from
+    ``args.deps`` (task ids, as older files wrote them)."""
     src = path or name
-    if isinstance(data, dict):
-        events = data.get("traceEvents")
-        other = data.get("otherData") or {}
-        meta = other.get("flowtrain", {}) if isinstance(other, dict) else {}
+    if isinstance(data, _TraceDoc):
+        events, other = data.traceEvents, data.otherData or {}
+    elif isinstance(data, dict):
+        events, other = data.get("traceEvents"), data.get("otherData") or {}
     else:
-        events, meta = data, {}
+        events, other = data, {}
     if not isinstance(events, list):
         raise DataError(f"{src}: 'traceEvents' must be a list of events")
+    meta = other.get("flowtrain", {}) if isinstance(other, dict) else {}
     if not isinstance(meta, dict):
         raise DataError(f"{src}: otherData.flowtrain must be an object (got {type(meta).__name__})")
-    threads: dict[Any, str] = {}
-    for ev in events:
-        if isinstance(ev, dict) and ev.get("ph") == "M" and ev.get("name") == "thread_name":
-            threads[(ev.get("pid"), ev.get("tid"))] = str((ev.get("args") or {}).get("name"))
-    raw = []
-    for n, ev in enumerate(events):
-        if not isinstance(ev, dict):
-            raise DataError(f"{src}: event {n} is not an object")
-        if ev.get("ph") != "X":
-            continue
-        where = f"{src}: event {n} ({ev.get('name', '?')!r})"
-        ts = _number(ev.get("ts"), "ts", where)
-        dur = _number(ev.get("dur", 0.0), "dur", where)
-        if dur < 0:
-            raise DataError(f"{where}: negative duration {dur}")
-        args = ev.get("args") or {}
-        if not isinstance(args, dict):
-            raise DataError(f"{where}: args must be an object")
-        kind = str(args.get("kind") or ev.get("cat") or ev.get("name") or "task")
-        lane_name = args.get("lane_name") or threads.get((ev.get("pid"), ev.get("tid")))
-        if lane_name is None:
-            lane_name = args.get("lane") or f"tid {ev.get('tid')}"
-        lane_name = str(lane_name)
-        lane = str(args.get("lane") or lane_name.partition(":")[0])
-        deps = args.get("deps") or []
-        if not isinstance(deps, list):
-            raise DataError(f"{where}: args.deps must be a list of task ids")
-        raw.append(dict(
-            id=str(args.get("id") or f"#{n}"),
-            name=str(ev.get("name") or kind),
-            kind=kind,
-            lane=lane,
-            lane_name=lane_name,
-            start=ts,
-            end=ts + dur,
-            step=_opt_int(args.get("step"), "args.step", where) or 0,
-            unit=None if args.get("unit") is None else str(args["unit"]),
-            layer=_opt_int(args.get("layer"), "args.layer", where),
-            micro_batch=_opt_int(args.get("micro_batch"), "args.micro_batch", where),
-            phase=None if args.get("phase") is None else str(args["phase"]),
-            takes=None if args.get("takes") is None else str(args["takes"]),
-            slot=_opt_int(args.get("slot"), "args.slot", where),
-            reads=_reads(args.get("reads"), where),
-            bytes=_opt_int(args.get("bytes"), "args.bytes", where) or 0,
-            deps=tuple(str(d) for d in deps),
-        ))
+    raw, thread_of, flows = _read_events(events, src)
+    if isinstance(data, _TraceDoc):
+        events.clear()  # load_input's own decoding: the file's text goes before the tasks come
     if not raw:
         raise DataError(f"{src}: no task events (\"ph\": \"X\") in the trace; "
                         "was it written by write_chrome_trace or 'flowtrain train --trace'?")
+    _bind_flows(flows, raw, thread_of)
+    del flows
     raw.sort(key=lambda r: (r["start"], lane_sort_key(r["lane_name"]), r["end"]))
     t0 = raw[0]["start"]
     tasks = []
@@ -229,6 +343,7 @@ def trace_from_json(data: Any, name: str = "trace", path: str | None = None) -> 
         r["start"] = (r["start"] - t0) / 1e6  # division: 45 us becomes exactly 45e-6
         r["end"] = (r["end"] - t0) / 1e6
         tasks.append(TraceTask(index=i, **r))
+        raw[i] = None  # type: ignore[call-overload]
     return Trace(tasks, meta=meta, name=name, path=path, offset=t0 / 1e6)
 
 
@@ -267,21 +382,39 @@ def graph_input_from_json(data: dict, name: str = "graph", path: str | None = No
     return GraphInput(graph, name=name, path=path)
 
 
+def _decode(text: bytes, p: Path) -> Any:
+    try:
+        return msgspec.json.decode(text)
+    except msgspec.DecodeError:
+        try:
+            json.loads(text.decode())  # for the line and column of the fault
+        except UnicodeDecodeError as exc:
+            raise DataError(f"{p}: cannot read it ({exc})") from None
+        except json.JSONDecodeError as exc:
+            raise DataError(f"{p}: not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+        raise DataError(f"{p}: not JSON") from None
+
+
 def load_input(path: str | Path) -> Trace | GraphInput:
     """Read ``path`` as a trace or a graph, whichever it is."""
     p = Path(path)
     try:
-        text = p.read_text()
+        text = p.read_bytes()
     except FileNotFoundError:
         raise DataError(f"{p}: no such file") from None
-    except (OSError, UnicodeDecodeError) as exc:
+    except OSError as exc:
         raise DataError(f"{p}: cannot read it ({exc})") from None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError as exc:
-        raise DataError(f"{p}: not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})") from None
+    data: Any = None
+    if b'"traceEvents"' in text:  # a trace: decode only the fields viz reads
+        try:
+            data = msgspec.json.decode(text, type=_TraceDoc)
+        except (msgspec.DecodeError, msgspec.ValidationError):
+            data = None  # malformed: decoded again below, for a precise message
+    if data is None:
+        data = _decode(text, p)
+    del text
     name = p.name
-    if isinstance(data, list) or (isinstance(data, dict) and "traceEvents" in data):
+    if isinstance(data, (list, _TraceDoc)) or (isinstance(data, dict) and "traceEvents" in data):
         return trace_from_json(data, name=name, path=str(p))
     if isinstance(data, dict) and "nodes" in data:
         return graph_input_from_json(data, name=name, path=str(p))

@@ -1,8 +1,10 @@
 """A static picture of the report for docs and issues (matplotlib, imported only here).
 
-Traces become stacked Gantt charts on one shared time axis (the same rows as the HTML report:
-lanes, compute-idle markers, slots); with no trace among the inputs, the first graph is drawn
-as its layered DAG with the critical path. Uses matplotlib's object API with the Agg canvas,
+Traces become stacked Gantt charts of the window the report opens on (the steady state, or
+``--steps``), each counted from its window's start so that the same step of two runs lines up:
+the rows of the HTML report (lanes, compute-idle markers, slots) over step bands, and titles
+with the window's numbers. With no trace among the inputs, the first graph is drawn as its
+layered DAG with the critical path. Uses matplotlib's object API with the Agg canvas,
 so it neither needs a display nor changes the global backend::
 
     write_png("schedule.png", [load_input("seq.json"), load_input("db.json")])
@@ -18,6 +20,7 @@ from .analysis import critical_path
 from .graphview import CRITICAL, KIND_COLORS, MAX_DRAWN, color, layout, short_label
 from .html import TraceView
 from .load import GraphInput, Trace
+from .steps import fmt_time
 
 
 def require_matplotlib() -> None:
@@ -53,50 +56,62 @@ def _rows(view: TraceView) -> list[tuple[str, str, object]]:
     return rows
 
 
-def _draw_trace(ax, view: TraceView, xmax: float) -> None:
+def _draw_trace(ax, view: TraceView, width: float) -> None:
+    """One trace's rows, in ms from the start of its window, which spans ``width`` seconds."""
     rows = _rows(view)
     tr = view.trace
+    off = view.window.start
+
+    def ms(t: float) -> float:
+        return (t - off) * 1e3
+
+    for n, r in enumerate(view.rows):  # step bands: warm-up tinted, steps outside the window grey
+        inside = view.window.first <= r.step <= view.window.last
+        band = "#fff3e0" if r.warmup else ("#f4f6fa" if n % 2 else "#fbfcfe")
+        ax.axvspan(ms(r.start), ms(r.end), color=band if inside else "#ececec", zorder=0, linewidth=0)
     for y, (_, kind, key) in enumerate(rows):
         spans: dict[str, list[tuple[float, float]]] = {}
         if kind == "lane":
             for t in tr.by_lane[key]:  # type: ignore[index]
-                spans.setdefault(t.kind, []).append((t.start * 1e3, max(t.duration * 1e3, xmax * 1e-4)))
+                spans.setdefault(t.kind, []).append((ms(t.start), max(t.duration * 1e3, width * 0.1)))
             height, alpha = 0.8, 1.0
         elif kind == "gap":
             for g in view.gaps:
-                spans.setdefault(g.reason, []).append((g.start * 1e3, g.duration * 1e3))
+                spans.setdefault(g.reason, []).append((ms(g.start), g.duration * 1e3))
             height, alpha = 0.45, 1.0
         else:
             for u in view.uses:
                 if (u.pool, u.slot) == key:
-                    spans.setdefault(tr.tasks[u.holder].kind, []).append((u.start * 1e3, (u.end - u.start) * 1e3))
+                    spans.setdefault(tr.tasks[u.holder].kind, []).append((ms(u.start), (u.end - u.start) * 1e3))
             height, alpha = 0.5, 0.7
         for k, ss in spans.items():
             ax.broken_barh(ss, (y - height / 2, height), facecolors=color(k), edgecolor="white",
                            linewidth=0.3, alpha=alpha)
     ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=8)
     ax.set_ylim(len(rows) - 0.4, -0.6)
-    ax.set_xlim(-0.005 * xmax * 1e3, 1.01 * xmax * 1e3)
-    ax.grid(axis="x", color="#eeeeee", linewidth=0.6)
+    ax.set_xlim(-0.005 * width * 1e3, 1.01 * width * 1e3)
+    ax.grid(axis="x", color="#dddddd", linewidth=0.6)
     ax.set_axisbelow(True)
     s = view.summary
     ax.set_title(
-        f"{tr.label}: wall {s.wall * 1e3:.1f} ms, step {s.step_time * 1e3:.1f} ms, compute busy "
+        f"{tr.label}, {view.window.label}: step {fmt_time(s.step_time)}, compute busy "
         f"{100 * s.busy_fraction.get('compute', 0.0):.0f}%, copy hidden {100 * s.overlap.copy_hidden:.0f}%, "
-        f"compute idle {s.idle_compute * 1e3:.1f} ms", fontsize=9, loc="left")
+        f"compute idle {fmt_time(s.idle_compute / s.window.steps)} per step", fontsize=9, loc="left")
 
 
-def _trace_figure(traces: Sequence[Trace], min_gap: float | None):
+def _trace_figure(views: Sequence[TraceView]):
+    """The traces stacked, each from the start of its window (its steady state by default), so
+    that the same step of two runs lines up."""
     from matplotlib.patches import Patch
 
-    views = [TraceView(t, min_gap) for t in traces]
     heights = [len(_rows(v)) + 1.5 for v in views]
     fig = _figure(13, 0.9 + 0.22 * sum(heights))
     axes = fig.subplots(len(views), 1, sharex=True, squeeze=False, gridspec_kw={"height_ratios": heights})[:, 0]
-    xmax = max(t.wall for t in traces)
+    width = max(v.window.end - v.window.start for v in views)
     for ax, v in zip(axes, views):
-        _draw_trace(ax, v, xmax)
-    axes[-1].set_xlabel("time (ms)")
+        _draw_trace(ax, v, width)
+    axes[-1].set_xlabel("time from the start of the window (ms)")
+    traces = [v.trace for v in views]
     kinds = [k for k in KIND_COLORS if any(t.kind == k for tr in traces for t in tr.tasks)]
     reasons = sorted({g.reason for v in views for g in v.gaps} - set(kinds))
     handles = [Patch(color=color(k), label=k) for k in kinds]
@@ -132,20 +147,26 @@ def _graph_figure(g: GraphInput):
     ax.set_xlim(-0.5, ncols + 0.5)
     ax.set_ylim(-nrows + 0.5, 0.8)
     ax.axis("off")
-    ax.set_title(f"{g.name}: {graph.number_of_nodes()} tasks, critical path {len(path)} tasks (red)",
+    ax.set_title(f"{g.name}: {graph.number_of_nodes()} tasks, critical path {len(path)} tasks (violet)",
                  fontsize=9, loc="left")
     fig.tight_layout()
     return fig
 
 
-def write_png(path: str | Path, inputs: Sequence[Trace | GraphInput], min_gap: float | None = None) -> Path:
-    """Draw the traces among ``inputs`` (or, with none, the first graph) into a PNG file."""
+def write_png(path: str | Path, inputs: Sequence[Trace | GraphInput], min_gap: float | None = None,
+              steps: str | None = None, views: Sequence[TraceView] | None = None) -> Path:
+    """Draw the traces among ``inputs`` (or, with none, the first graph) into a PNG file. The
+    time axis spans the window (``steps``, as ``--steps``; the default steady-state window) and
+    the titles give the window's numbers, as the HTML report's first view does."""
     require_matplotlib()
     traces = [x for x in inputs if isinstance(x, Trace)]
     graphs = [x for x in inputs if isinstance(x, GraphInput)]
     if not traces and not graphs:
         raise ConfigError("nothing to draw: give at least one trace or graph")
-    fig = _trace_figure(traces, min_gap) if traces else _graph_figure(graphs[0])
+    if traces:
+        fig = _trace_figure(list(views) if views is not None else [TraceView(t, min_gap, steps) for t in traces])
+    else:
+        fig = _graph_figure(graphs[0])
     p = Path(path)
     fig.savefig(p, format="png")
     return p

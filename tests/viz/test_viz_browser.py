@@ -87,7 +87,7 @@ def cpu_traces(tmp_path_factory) -> list[Path]:
     paths = []
     for p in ("sequential", "double_buffer"):
         path = d / f"{p}.json"
-        train(TrainConfig(model="tiny", steps=2, batch_size=4, micro_batch_size=2, seq_len=64, policy=p,
+        train(TrainConfig(model="tiny", steps=4, batch_size=4, micro_batch_size=2, seq_len=64, policy=p,
                           device="cpu", trace=str(path), progress=False))
         paths.append(path)
     return paths
@@ -134,6 +134,7 @@ def test_two_thousand_tasks_render_in_under_two_seconds(chromium, tmp_path):
 
 INTERACT_JS = r"""
 window.addEventListener("load", function () {
+  window.ftViz.reset(); window.ftViz.redraw();  // the page opens on the window: start from everything
   var root = document.documentElement, p = window.ftViz.panels[0], c = p.canvas, r = c.getBoundingClientRect();
   var lane = p.rows[0], T = p.tr.t, i = lane.idx[Math.floor(lane.idx.length / 2)];
   var full = JSON.parse(c.getAttribute("data-drawn")).compute;
@@ -161,16 +162,21 @@ window.addEventListener("load", function () {
 """
 
 
-def test_zoom_pan_hover_and_click(chromium, tmp_path, cpu_traces):
-    """Synthetic wheel, drag, hover, click and double-click events on the first panel."""
-    page = write_report(tmp_path / "report.html", [load_input(cpu_traces[1])])
-    page.write_text(page.read_text().replace("</body>", f"<script>{INTERACT_JS}</script></body>"))
+def run_script(chromium: str, tmp_path: Path, page: Path, script: str) -> dict:
+    """Load ``page`` with ``script`` run after the load event; what it put in ``data-test``."""
+    page.write_text(page.read_text().replace("</body>", f"<script>{script}</script></body>"))
     proc = browse(chromium, tmp_path, page, "--virtual-time-budget=10000", "--dump-dom")
     parser = _HtmlAttrs()
     parser.feed(proc.stdout)
     attrs = parser.attrs or {}
     assert attrs.get("data-ft-errors") == "0", attrs.get("data-ft-error-text")
-    got = json.loads(attrs["data-test"])
+    return json.loads(attrs["data-test"])
+
+
+def test_zoom_pan_hover_and_click(chromium, tmp_path, cpu_traces):
+    """Synthetic wheel, drag, hover, click and double-click events on the first panel."""
+    page = write_report(tmp_path / "report.html", [load_input(cpu_traces[1])])
+    got = run_script(chromium, tmp_path, page, INTERACT_JS)
     full = lane_counts(cpu_traces[1])["compute"]
     assert got["full"] == full and 0 < got["zoomed"] < full  # the wheel zoomed in around the task
     assert got["tipShown"] == "block" and got["tip"].startswith(got["name"])  # hover names the task
@@ -178,3 +184,128 @@ def test_zoom_pan_hover_and_click(chromium, tmp_path, cpu_traces):
     assert got["selected"] == got["task"] and "depends on:" in got["info"]  # click pins the details
     assert got["panned"] > 0  # dragging left moves the view later in time
     assert got["after"] == full  # double-click shows everything again
+
+
+BRUSH_JS = r"""
+window.addEventListener("load", function () {
+  var F = window.ftViz, b = document.getElementById("ft-brush"), r = b.getBoundingClientRect();
+  var n = F.panels[0].tr.steps.length, before = F.panels.map(function (p) { return JSON.parse(p.el.getAttribute("data-window")); });
+  function at(i) { return { clientX: r.left + (i + 0.5) * r.width / n, clientY: r.top + r.height / 2, bubbles: true }; }
+  b.dispatchEvent(new MouseEvent("mousedown", at(2)));                  // drag from step 2 back to step 1
+  window.dispatchEvent(new MouseEvent("mousemove", at(1)));
+  window.dispatchEvent(new MouseEvent("mouseup", at(1)));
+  F.redraw();
+  document.documentElement.setAttribute("data-test", JSON.stringify({
+    before: before, after: F.panels.map(function (p) { return JSON.parse(p.el.getAttribute("data-window")); }),
+    text: F.panels.map(function (p) { return p.el.querySelector(".whichwin").textContent; }),
+    view: [F.view.x0, F.view.x1] }));
+});
+"""
+
+
+def expected(path: Path, steps: str | None) -> dict:
+    """The window's numbers as Python computes them (microseconds and fractions)."""
+    from flowtrain.viz.html import TraceView
+
+    v = TraceView(load_input(path), steps=steps)
+    s = v.summary
+    return {"first": v.window.first, "last": v.window.last, "stepTime": s.step_time * 1e6,
+            "compute": s.busy_fraction["compute"], "copyHidden": s.overlap.copy_hidden, "idle": s.idle_compute * 1e6}
+
+
+def numbers(w: dict) -> dict:
+    return {"first": w["first"], "last": w["last"], "stepTime": w["stepTime"], "compute": w["busy"]["compute"],
+            "copyHidden": w["copyHidden"], "idle": w["idle"]}
+
+
+def test_the_window_brush_recomputes_every_summary(chromium, tmp_path, cpu_traces):
+    """Real training traces (4 steps): the page opens on the default window (steps 1-3) and a
+    drag across the brush from step 2 to step 1 makes steps 1-2 the window of both traces; the
+    page's sums match Python's numbers for the same windows."""
+    page = write_report(tmp_path / "report.html", [load_input(p) for p in cpu_traces])
+    got = run_script(chromium, tmp_path, page, BRUSH_JS)
+    for before, after, text, path in zip(got["before"], got["after"], got["text"], cpu_traces):
+        assert numbers(before) == pytest.approx(expected(path, None), rel=1e-6, abs=1e-3)
+        assert (before["first"], before["last"]) == (1, 3)
+        assert numbers(after) == pytest.approx(expected(path, "1:3"), rel=1e-6, abs=1e-3)
+        assert text.startswith("window: steps 1\u20132 (2 of 4, ") and "brushed" in text
+    start, end = got["after"][0]["start"], got["after"][0]["end"]
+    assert got["view"][0] < start < end < got["view"][1] < end + (end - start) * 0.1  # zoomed to the window
+
+
+ALIGN_JS = r"""
+window.addEventListener("load", function () {
+  var F = window.ftViz;
+  F.align(2);
+  F.redraw();
+  document.documentElement.setAttribute("data-test", JSON.stringify({
+    shift: F.panels.map(function (p) { return +p.el.getAttribute("data-shift"); }),
+    x: F.panels.map(function (p) { return p.X(p.shift); }),
+    select: document.querySelector("[data-act=align]").value }));
+});
+"""
+
+
+def test_align_at_a_step_lines_the_traces_up_at_its_start(chromium, tmp_path, cpu_traces):
+    from flowtrain.viz.html import TraceView
+
+    views = [TraceView(load_input(p)) for p in cpu_traces]
+    page = write_report(tmp_path / "report.html", [v.trace for v in views])
+    got = run_script(chromium, tmp_path, page, ALIGN_JS)
+    starts = [round(next(r.start for r in v.rows if r.step == 2) * 1e6, 3) for v in views]
+    assert got["shift"] == starts and starts[0] != starts[1]  # the traces' step 2 starts differ...
+    assert got["x"][0] == pytest.approx(got["x"][1]) and got["select"] == "2"  # ...and are drawn at one x
+
+
+OCC_JS = r"""
+window.addEventListener("load", function () {
+  var F = window.ftViz, out = [];
+  F.reset(); F.redraw();
+  F.panels.forEach(function (p) {
+    var ctx = p.canvas.getContext("2d"), dpr = window.devicePixelRatio || 1;
+    p.rows.filter(function (r) { return r.type === "occ" || r.type === "mem"; }).forEach(function (r) {
+      var img = ctx.getImageData(140 * dpr, (r.y + 12) * dpr, (p.width - 160) * dpr, (r.h - 12) * dpr).data, inked = 0;
+      for (var i = 0; i < img.length; i += 4) if (img[i] + img[i + 1] + img[i + 2] < 600) inked++;
+      out.push({ type: r.type, label: r.label, budget: r.budget, peak: r.pts ? Math.max.apply(null, r.pts.map(function (q) { return q[1]; })) : null, inked: inked });
+    });
+  });
+  document.documentElement.setAttribute("data-test", JSON.stringify(out));
+});
+"""
+
+
+def test_occupancy_and_bytes_tracks_are_drawn(chromium, tmp_path, cpu_traces):
+    """Each pool's slots-in-use track (against the budget the trace records) and the bytes-held
+    track are rows of the canvas with ink in them."""
+    tr = load_input(cpu_traces[1])
+    page = write_report(tmp_path / "report.html", [tr])
+    got = run_script(chromium, tmp_path, page, OCC_JS)
+    budgets = tr.meta["budgets"]
+    occ = [r for r in got if r["type"] == "occ"]
+    assert {r["label"] for r in occ} == {f"{pool} in use" for pool in budgets}
+    assert all(r["budget"] == budgets[r["label"].split()[0]] and 0 < r["peak"] <= r["budget"] for r in occ)
+    assert [r["type"] for r in got].count("mem") == 1
+    assert all(r["inked"] > 50 for r in got), got
+
+
+PATTERN_JS = r"""
+window.addEventListener("load", function () {
+  var F = window.ftViz, p = F.panels[0], row = p.el.querySelector("tr.pattern"), pat = +row.getAttribute("data-p");
+  var w = JSON.parse(p.el.getAttribute("data-window"));
+  var gaps = p.tr.gaps.filter(function (g) { return g.p === pat && g.e > w.start && g.s < w.end; });
+  row.click();
+  var first = [F.view.x0, F.view.x1];
+  row.click();
+  document.documentElement.setAttribute("data-test", JSON.stringify({
+    first: first, second: [F.view.x0, F.view.x1], gaps: gaps.map(function (g) { return [g.s, g.e]; }),
+    marked: p.marked === pat, rows: w.patterns }));
+});
+"""
+
+
+def test_a_gap_pattern_row_zooms_to_its_gaps_in_turn(chromium, tmp_path, cpu_traces):
+    page = write_report(tmp_path / "report.html", [load_input(cpu_traces[0])])
+    got = run_script(chromium, tmp_path, page, PATTERN_JS)
+    assert got["marked"] and len(got["gaps"]) == got["rows"][0][1] >= 2  # the row counts the window's gaps
+    for view, (s, e) in zip((got["first"], got["second"]), got["gaps"]):
+        assert view[0] < s < e < view[1] and view[1] - view[0] < 20 * (e - s) + 2  # each click: the next gap

@@ -14,27 +14,6 @@ from flowtrain.runtime import chrome_trace, write_chrome_trace
 from flowtrain.viz.load import GraphInput, Trace, load_input, trace_from_json
 
 
-def test_engine_trace_is_valid_chrome_trace_json(tmp_path):
-    """What Perfetto and chrome://tracing need: traceEvents with ph/ts/dur/pid/tid of the right
-    types, a thread_name for every thread used, JSON-able args; and all that viz needs."""
-    graph, records = engine_records(layers=3, micro_batches=2, steps=2)
-    path = tmp_path / "t.json"
-    write_chrome_trace(path, records, meta={"policy": "double_buffer", "budgets": {"weights": 2}})
-    data = json.loads(path.read_text())
-    assert isinstance(data["traceEvents"], list) and data["displayTimeUnit"] in ("ms", "ns")
-    named = {(e["pid"], e["tid"]) for e in data["traceEvents"] if e["ph"] == "M" and e["name"] == "thread_name"}
-    xs = [e for e in data["traceEvents"] if e["ph"] == "X"]
-    assert len(xs) == graph.number_of_nodes()
-    for e in data["traceEvents"]:
-        assert e["ph"] in ("X", "M") and isinstance(e["pid"], int) and isinstance(e["tid"], int)
-    for e in xs:
-        assert isinstance(e["name"], str) and isinstance(e["cat"], str)
-        assert isinstance(e["ts"], (int, float)) and isinstance(e["dur"], (int, float)) and e["dur"] >= 0
-        assert (e["pid"], e["tid"]) in named
-        assert {"kind", "lane_name", "id", "deps", "slot", "reads", "bytes", "takes"} <= set(e["args"])
-    assert data["otherData"]["flowtrain"]["policy"] == "double_buffer"
-
-
 def test_engine_trace_loads_with_every_dependency_resolved(tmp_path):
     graph, records = engine_records(layers=3, micro_batches=2, steps=2)
     path = tmp_path / "t.json"

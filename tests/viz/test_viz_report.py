@@ -41,10 +41,27 @@ def test_report_holds_every_task_lane_slot_and_gap():
     gaps = [(g["s"], g["e"], g["r"]) for g in t["gaps"]]
     assert gaps == [(0, 10, "fetch"), (40, 45, "slot"), (47, 50, "host"), (55, 70, "fetch")]
     assert data["maxWall"] == 80
-    assert 'id="panel-0"' in page and page.count("<canvas") == 1
-    # the summary names the lanes and the reasons in words
+    assert 'id="panel-0"' in page and page.count("<canvas class=gantt") == 1
+    # the gaps say why in words, and are grouped by pattern (kinds, not tasks)
     assert "zB waited for a grads slot, freed when oA finished" in page
-    assert "compute hid <b>28.6%</b> of copy time" in page
+    assert [p["text"] for p in t["patterns"]] == [  # the most idle time first
+        "forward waited for fetch, which waited for cpu_adam", "forward waited for fetch",
+        "zero_grad waited for a grads slot", "forward had all it needed (launch overhead)"]
+    assert [g["p"] for g in t["gaps"]] == [1, 2, 3, 0]
+    # each step's additive numbers, for the page to sum over a window; the default window
+    assert [(r["step"], r["s"], r["e"], r["warm"]) for r in t["steps"]] == [(0, 0, 60, True), (1, 60, 80, False)]
+    assert t["steps"][0]["busy"]["compute"] == 37 and t["steps"][1]["why"]["fetch"] == 10
+    assert t["window"] == {"first": 1, "last": 1, "why": "steady state: leaves out warm-up step 0"}
+    # slots in use per pool against the budgets, and bytes held per place
+    assert t["budgets"] == {"grads": 1, "weights": 2}
+    assert t["occ"]["weights"] == [[0, 1], [10, 2], [30, 1], [40, 0], [60, 1], [80, 0]]
+    assert t["mem"] == {"gpu": [[0, 100], [10, 200], [30, 100], [40, 0], [60, 100], [80, 0]]}
+    assert t["memUnknown"] == ["grads"]  # zero_grad moves no bytes: the slot size is unknown
+
+
+def test_steps_choose_the_first_window():
+    page = render_report([hand_trace()], steps=":")
+    assert page_data(page)["traces"][0]["window"] == {"first": 0, "last": 1, "why": "--steps :"}
 
 
 def test_several_traces_share_one_scale_and_get_compared():
@@ -53,7 +70,7 @@ def test_several_traces_share_one_scale_and_get_compared():
     page = render_report([a, b])
     data = page_data(page)
     assert data["maxWall"] == 200 and len(data["traces"]) == 2
-    assert "<h2>Comparison</h2>" in page and page.count("<canvas") == 2
+    assert 'id="ft-compare"' in page and page.count("<canvas class=gantt") == 2
 
 
 def test_task_names_cannot_break_out_of_the_data_block():
@@ -61,7 +78,7 @@ def test_task_names_cannot_break_out_of_the_data_block():
     tr = trace_from_json(doc(ev(evil, "compute", 0, 5, kind="forward")))
     page = render_report([tr])
     assert page_data(page)["traces"][0]["t"]["name"] == [evil]
-    assert "<script>alert(1)" not in page and page.count("</script>") == 3
+    assert "<script>alert(1)" not in page and page.count("</script>") == 4
 
 
 def test_small_graphs_are_drawn_and_large_ones_tabled():
@@ -69,7 +86,7 @@ def test_small_graphs_are_drawn_and_large_ones_tabled():
     svg = graph_section(small, "double_buffer")
     assert svg.count('<g class="node"') == small.number_of_nodes()
     assert svg.count("<path ") == small.number_of_edges()
-    assert 'stroke="#e31a1c"' in svg  # the critical path
+    assert 'stroke="#7e22ce"' in svg  # the critical path, violet (red is idle)
     assert "planned issue order per lane (double_buffer)" in svg
     big = compile_steps(StepSpec(layers=32, micro_batches=4), 1)
     assert big.number_of_nodes() > MAX_DRAWN
@@ -86,7 +103,7 @@ def test_cli_writes_html_and_png(tmp_path, capsys):
     rc = main(["viz", str(seq), str(dbl), str(graph), "--out", str(out), "--png", str(png), "--policy", "lookahead"])
     assert rc == 0
     page = out.read_text()
-    assert page.count("<canvas") == 2 and "planned issue order per lane (lookahead)" in page
+    assert page.count("<canvas class=gantt") == 2 and "planned issue order per lane (lookahead)" in page
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert "wrote" in capsys.readouterr().out
     graph_png = tmp_path / "g.png"
@@ -99,6 +116,8 @@ def test_cli_writes_html_and_png(tmp_path, capsys):
     (["TRACE", "--policy", "sequential"], "--policy applies to graph inputs"),
     (["GRAPH", "--policy", "nope"], "unknown policy 'nope'"),
     (["TRACE", "--min-gap-ms", "-1"], "--min-gap-ms must be at least 0"),
+    (["TRACE", "--steps", "3:2"], "--steps 3:2: the window is empty"),
+    (["TRACE", "--steps", "4:"], "--steps 4:: no such steps in the trace (it has steps 0\u20130)"),
 ])
 def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch, args, message):
     monkeypatch.chdir(tmp_path)
@@ -107,3 +126,24 @@ def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch, args, message):
     assert main(["viz", *args]) == 2
     err = capsys.readouterr().err
     assert message in err and err.count("\n") == 1
+
+
+def test_cli_says_which_window_its_numbers_cover(tmp_path, capsys):
+    trace = engine_trace_file(tmp_path / "t.json", layers=2, steps=3)
+    assert main(["viz", str(trace), "--out", str(tmp_path / "r.html"), "--steps", "1:2"]) == 0
+    out = capsys.readouterr().out
+    assert "step 1 (1 of 3 steps, " in out and "step time" in out and "compute busy" in out
+    assert main(["viz", str(trace), "--out", str(tmp_path / "r.html")]) == 0
+    assert "steps 1\u20132 (2 of 3 steps, " in capsys.readouterr().out  # by default: all but the first
+
+
+def test_png_spans_the_window():
+    from flowtrain.viz.html import TraceView
+    from flowtrain.viz.png import _trace_figure
+
+    (ax,) = _trace_figure([TraceView(hand_trace(), steps="1:")]).axes
+    lo, hi = ax.get_xlim()  # ms from the window's start; step 1 runs from 60 to 80 us
+    assert -0.001 < lo < 0 and 0.020 < hi < 0.021
+    assert "step 1 (1 of 2 steps" in ax.get_title(loc="left")
+    (wide,) = _trace_figure([TraceView(hand_trace(), steps=":")]).axes
+    assert 0.080 < wide.get_xlim()[1] < 0.081  # both steps: 80 us

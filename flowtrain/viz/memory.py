@@ -1,0 +1,88 @@
+"""Memory over time: slots in use against each pool's budget, and bytes held on the GPU and in
+pinned host memory.
+
+A slot holds its bytes from the start of the task that took it until its last reader is done
+(:func:`~flowtrain.viz.analysis.slot_uses`). How many bytes a slot of a pool holds, and where
+the pool lives, come from the trace's metadata when the producer wrote them::
+
+    "otherData": {"flowtrain": {"budgets": {"weights": 2, "grads": 2, "host_grads": 3},
+                                "slot_bytes": {"weights": 181760, "grads": 727040, ...},
+                                "pool_memory": {"host_grads": "pinned"},
+                                "capacities": {"gpu": 80e9, "pinned": 20e9}}}
+
+Without ``slot_bytes`` a pool's slot size is the most bytes a task that took one moved (a fetch
+moves a whole slot); a pool whose takers move nothing (``zero_grad``) has no known size and is
+left out of the byte totals, by name. Without ``pool_memory`` a pool named ``host*`` is pinned
+host memory and any other is on the GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import msgspec
+
+from .analysis import SlotUse
+from .load import Trace
+
+GPU, PINNED = "gpu", "pinned"
+
+
+class Memory(msgspec.Struct, frozen=True):
+    """Bytes held over time per place (``gpu``, ``pinned``), as step functions
+    ``[(time, bytes from then on), ...]``, and what they could not count."""
+
+    held: dict[str, list[tuple[float, int]]]
+    slot_bytes: dict[str, int]  # per pool, where known
+    place: dict[str, str]  # per pool
+    unknown: tuple[str, ...]  # pools whose slot size the trace does not say
+    capacities: dict[str, int]  # per place, where the trace says
+
+    def peak(self, place: str) -> int:
+        return max((b for _, b in self.held.get(place, [])), default=0)
+
+
+def _meta_ints(trace: Trace, key: str) -> dict[str, int]:
+    value = trace.meta.get(key)
+    if not isinstance(value, dict):
+        return {}
+    return {str(k): int(v) for k, v in value.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
+
+
+def pool_place(trace: Trace, pool: str) -> str:
+    given = trace.meta.get("pool_memory")
+    if isinstance(given, dict) and given.get(pool) in (GPU, PINNED):
+        return str(given[pool])
+    return PINNED if pool.startswith("host") else GPU
+
+
+def memory(trace: Trace, uses: Sequence[SlotUse]) -> Memory:
+    """Bytes held in taken slots over time, per place."""
+    given = _meta_ints(trace, "slot_bytes")
+    sizes = dict(given)
+    for u in uses:
+        if u.pool not in given:
+            sizes[u.pool] = max(sizes.get(u.pool, 0), trace.tasks[u.holder].bytes)
+    pools = sorted({u.pool for u in uses})
+    unknown = tuple(p for p in pools if not sizes.get(p))
+    place = {p: pool_place(trace, p) for p in pools}
+    changes: dict[str, list[tuple[float, int]]] = {}
+    for u in uses:
+        if sizes.get(u.pool):
+            changes.setdefault(place[u.pool], []).extend([(u.start, sizes[u.pool]), (u.end, -sizes[u.pool])])
+    held = {where: _steps(cs) for where, cs in sorted(changes.items())}
+    return Memory(held, {p: sizes[p] for p in pools if sizes.get(p)}, place, unknown, _meta_ints(trace, "capacities"))
+
+
+def _steps(changes: list[tuple[float, int]]) -> list[tuple[float, int]]:
+    """A running total of ``(time, change)`` as ``[(time, total from then on), ...]`` from 0,
+    releases before takes at the same instant, one point per instant."""
+    out: list[tuple[float, int]] = [(0.0, 0)]
+    total = 0
+    for t, d in sorted(changes, key=lambda c: (c[0], c[1])):
+        total += d
+        if out[-1][0] == t:
+            out[-1] = (t, total)
+        else:
+            out.append((t, total))
+    return [p for n, p in enumerate(out) if n == 0 or p[1] != out[n - 1][1]]

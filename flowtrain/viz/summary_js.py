@@ -1,0 +1,245 @@
+"""The report's window script, inlined into every HTML file after the drawing script.
+
+``SUMMARY_JS`` owns the window: the brush (a strip of steps, drag across them), the summaries
+(sums of the per-step rows Python computed in :mod:`flowtrain.viz.steps`, so every number
+covers the window and says which), the per-step and comparison tables, the gap patterns (a
+click zooms to the next gap of the pattern) and "align at step". It adds ``setWindow(first,
+last)`` and ``align(step)`` to ``window.ftViz``, writes each panel's numbers into its
+``data-window`` (for tests and the console), and, when done, ``data-ft-render-ms`` and
+``data-ft-ready`` on ``<html>``.
+"""
+
+SUMMARY_JS = r"""
+(function () {
+  "use strict";
+  var F = window.ftViz, panels = F.panels, fmtTime = F.fmtTime, fmtBytes = F.fmtBytes, esc = F.esc;
+  var root = document.documentElement;
+  function pct(x) { return (100 * x).toFixed(1) + "%"; }
+  function add(into, from) { for (var k in from) into[k] = (into[k] || 0) + from[k]; }
+  function median(xs) {
+    var s = xs.slice().sort(function (a, b) { return a - b; }), n = s.length;
+    return n ? (n % 2 ? s[(n - 1) / 2] : (s[n / 2 - 1] + s[n / 2]) / 2) : 0;
+  }
+  function laneKind(lane) { return lane.split(":")[0]; }
+
+  // The window's numbers: sums of its steps' rows (Python's flowtrain.viz.steps.window_summary).
+  function fold(p) {
+    var rows = p.tr.steps.filter(function (r) { return r.step >= p.win.first && r.step <= p.win.last; });
+    var w = { rows: rows, n: rows.length, tasks: {}, busy: {}, bytes: {}, why: {}, area: {}, peak: {},
+              cc: 0, co: 0, cu: 0, cp: 0, idle: 0 };
+    if (!rows.length) return w;
+    w.s = rows[0].s; w.e = rows[rows.length - 1].e; w.dur = w.e - w.s; w.stepTime = w.dur / rows.length;
+    rows.forEach(function (r) {
+      add(w.tasks, r.tasks); add(w.busy, r.busy); add(w.bytes, r.bytes); add(w.why, r.why); add(w.area, r.area);
+      for (var k in r.peak) w.peak[k] = Math.max(w.peak[k] || 0, r.peak[k]);
+      w.cc += r.cc; w.co += r.co; w.cu += r.cu; w.cp += r.cp; w.idle += r.idle;
+    });
+    w.frac = {};
+    for (var lane in w.busy) w.frac[lane] = w.dur ? w.busy[lane] / w.dur : 0;
+    w.copyHidden = w.co ? w.cc / w.co : 0; w.cpuHidden = w.cp ? w.cu / w.cp : 0;
+    return w;
+  }
+  function windowLabel(p, w) {
+    if (!w.n) return "no steps of this trace in steps " + p.win.first + "\u2013" + p.win.last;
+    var a = w.rows[0].step, b = w.rows[w.n - 1].step;
+    return (a === b ? "step " + a : "steps " + a + "\u2013" + b) + " (" + w.n + " of " + p.tr.steps.length +
+      ", " + fmtTime(w.dur) + ")";
+  }
+  // min / median / max over the window's steps: step time, and each lane kind's busy fraction
+  function perStep(w) {
+    var out = [["step time", w.rows.map(function (r) { return r.e - r.s; }), fmtTime]];
+    var kinds = [];
+    w.rows.forEach(function (r) { for (var l in r.busy) if (kinds.indexOf(laneKind(l)) < 0) kinds.push(laneKind(l)); });
+    kinds.forEach(function (kd) {
+      out.push([kd + " busy", w.rows.map(function (r) {
+        var b = 0; for (var l in r.busy) if (laneKind(l) === kd) b = Math.max(b, r.busy[l]);
+        return r.e > r.s ? b / (r.e - r.s) : 0;
+      }), pct]);
+    });
+    return out.map(function (x) {
+      var xs = x[1];
+      return { name: x[0], min: Math.min.apply(null, xs), med: median(xs), max: Math.max.apply(null, xs), fmt: x[2] };
+    });
+  }
+
+  function patternRows(p, w) { // the window's gaps, grouped by pattern
+    var groups = {};
+    p.tr.gaps.forEach(function (g) {
+      if (!w.n || g.e <= w.s || g.s >= w.e) return;
+      var d = Math.min(g.e, w.e) - Math.max(g.s, w.s), o = groups[g.p] || (groups[g.p] = { p: g.p, n: 0, total: 0, longest: 0 });
+      o.n += 1; o.total += d; o.longest = Math.max(o.longest, d);
+    });
+    return Object.keys(groups).map(function (k) { return groups[k]; }).sort(function (a, b) { return b.total - a.total; });
+  }
+
+  function summaryHtml(p, w) {
+    var tr = p.tr, h = [];
+    h.push("<div class=whichwin>window: <b>" + esc(windowLabel(p, w)) + "</b>" +
+           (p.win.why ? " &middot; " + esc(p.win.why) : "") + "</div>");
+    if (!w.n) return h.join("");
+    h.push("<div>step time <b>" + fmtTime(w.stepTime) + "</b> (the window over its " + w.n + " step" + (w.n > 1 ? "s" : "") +
+           "), compute busy <b>" + pct(w.frac.compute || 0) + "</b></div>");
+    h.push("<div>overlap: compute hid <b>" + pct(w.copyHidden) + "</b> of copy time (" + fmtTime(w.cc) + " of " +
+           fmtTime(w.co) + ") and " + pct(w.cpuHidden) + " of CPU time (" + fmtTime(w.cu) + " of " + fmtTime(w.cp) + ")</div>");
+    var why = Object.keys(w.why).filter(function (r) { return w.why[r] > 0; }).sort(function (a, b) { return w.why[b] - w.why[a]; });
+    h.push("<div>compute idle " + fmtTime(w.idle) + " in all; marked gaps (longer than " + fmtTime(tr.minGap) + "): " +
+           (why.map(function (r) { return esc(r) + " " + fmtTime(w.why[r]); }).join(", ") || "none") + "</div>");
+    var pools = Object.keys(tr.budgets);
+    if (pools.length) {
+      h.push("<div>slots: " + pools.map(function (pl) {
+        return esc(pl) + " budget " + tr.budgets[pl] + ", peak " + (w.peak[pl] || 0) + ", mean " +
+          ((w.area[pl] || 0) / w.dur).toFixed(2);
+      }).join("; ") + "</div>");
+    }
+    var lanes = tr.lanes.map(function (l) {
+      var gbs = laneKind(l) === "h2d" || laneKind(l) === "d2h" ? F.rate(w.bytes[l] || 0, w.busy[l] || 0) : "";
+      return "<tr><td>" + esc(l) + "</td><td>" + (w.tasks[l] || 0) + "</td><td>" + fmtTime(w.busy[l] || 0) + "</td><td>" +
+        pct(w.frac[l] || 0) + "</td><td>" + fmtBytes(w.bytes[l] || 0) + "</td><td>" + gbs + "</td></tr>";
+    }).join("");
+    h.push("<table class=lanes><tr><th>lane</th><th>tasks</th><th>busy</th><th>busy %</th><th>bytes</th>" +
+           "<th>copy rate</th></tr>" + lanes + "</table>");
+    var ps = perStep(w).map(function (r) {
+      return "<tr><td>" + r.name + "</td><td>" + r.fmt(r.min) + "</td><td>" + r.fmt(r.med) + "</td><td>" + r.fmt(r.max) + "</td></tr>";
+    }).join("");
+    h.push("<table class=steps><tr><th>per step</th><th>min</th><th>median</th><th>max</th></tr>" + ps + "</table>");
+    var each = tr.steps.map(function (r) {
+      var inw = r.step >= p.win.first && r.step <= p.win.last;
+      return "<tr" + (r.warm ? " class=warm" : "") + "><td>" + r.step + (inw ? "" : " (outside)") + "</td><td>" +
+        fmtTime(r.e - r.s) + "</td><td>" + pct(r.e > r.s ? (r.busy.compute || 0) / (r.e - r.s) : 0) + "</td><td>" +
+        (r.warm ? "warm-up" : "") + "</td></tr>";
+    }).join("");
+    h.push("<details><summary>every step (" + tr.steps.length + ")</summary><table><tr><th>step</th><th>time</th>" +
+           "<th>compute busy</th><th></th></tr>" + each + "</table></details>");
+    var pr = patternRows(p, w);
+    if (pr.length) {
+      h.push("<table class=patterns><tr><th>compute idle, by pattern (click: zoom to the next gap)</th><th>gaps</th>" +
+             "<th>total</th><th>longest</th></tr>" + pr.map(function (g) {
+               var pat = tr.patterns[g.p];
+               return "<tr class=pattern data-p=" + g.p + "><td><span class=sw style='background:" + pat.c + "'></span>" +
+                 esc(pat.text) + "</td><td>" + g.n + "</td><td>" + fmtTime(g.total) + "</td><td>" + fmtTime(g.longest) + "</td></tr>";
+             }).join("") + "</table>");
+    }
+    return h.join("");
+  }
+
+  function renderPanel(p) {
+    var w = fold(p), box = p.el.querySelector(".summary");
+    box.innerHTML = summaryHtml(p, w);
+    p.el.setAttribute("data-window", JSON.stringify(w.n ? {
+      first: w.rows[0].step, last: w.rows[w.n - 1].step, steps: w.n, start: w.s, end: w.e, stepTime: w.stepTime,
+      busy: w.frac, copyHidden: w.copyHidden, idle: w.idle, why: w.why, peak: w.peak,
+      patterns: patternRows(p, w).map(function (g) { return [p.tr.patterns[g.p].text, g.n]; }) } : { steps: 0 }));
+    Array.prototype.forEach.call(box.querySelectorAll("tr.pattern"), function (row) {
+      row.addEventListener("click", function () { nextGap(p, +row.getAttribute("data-p"), w); });
+    });
+    return w;
+  }
+  function nextGap(p, pat, w) { // zoom to the pattern's next gap in the window, and mark them all
+    var gs = p.tr.gaps.filter(function (g) { return g.p === pat && g.e > w.s && g.s < w.e; });
+    if (!gs.length) return;
+    p.cursor = p.marked === pat ? (p.cursor + 1) % gs.length : 0;
+    p.marked = pat;
+    var g = gs[p.cursor], span = Math.max((g.e - g.s) * 8, 1);
+    F.show(g.s - p.shift - span / 2, g.e - p.shift + span / 2);
+  }
+
+  function renderCompare(ws) {
+    var box = document.getElementById("ft-compare");
+    if (panels.length < 2) { box.innerHTML = ""; return; }
+    function row(name, fn) {
+      return "<tr><td>" + name + "</td>" + ws.map(function (w, i) { return "<td>" + (w.n ? fn(w, panels[i]) : "\u2013") + "</td>"; }).join("") + "</tr>";
+    }
+    function mm(w, which) { var r = perStep(w)[0]; return fmtTime(r[which]); }
+    box.innerHTML = "<h2>Comparison</h2><table><tr><th></th>" + panels.map(function (p) { return "<th>" + esc(p.tr.label) + "</th>"; }).join("") + "</tr>" +
+      row("window", function (w, p) { return esc(windowLabel(p, w)); }) +
+      row("step time (window / steps)", function (w) { return fmtTime(w.stepTime); }) +
+      row("step time min / median / max", function (w) { return mm(w, "min") + " / " + mm(w, "med") + " / " + mm(w, "max"); }) +
+      row("compute busy", function (w) { return pct(w.frac.compute || 0); }) +
+      row("copy hidden by compute", function (w) { return pct(w.copyHidden); }) +
+      row("compute idle per step", function (w) { return fmtTime(w.idle / w.n); }) +
+      row("largest idle reason", function (w) {
+        var r = Object.keys(w.why).sort(function (a, b) { return w.why[b] - w.why[a]; })[0];
+        return r && w.why[r] > 0 ? esc(r) + " " + fmtTime(w.why[r]) : "none";
+      }) + "</table>";
+  }
+
+  function renderAll() {
+    var ws = panels.map(renderPanel);
+    renderCompare(ws);
+    var ref = panels[0], label = document.getElementById("ft-window");
+    if (label) label.textContent = ref.win.first === ref.win.last ? "step " + ref.win.first : "steps " + ref.win.first + "\u2013" + ref.win.last;
+    drawBrush();
+    F.schedule();
+  }
+
+  // ---- the brush: one bar per step of the trace with the most steps; drag across steps -------
+  var brush = document.getElementById("ft-brush"), refSteps = panels.reduce(function (a, p) {
+    return p.tr.steps.length > a.length ? p.tr.steps : a; }, []);
+  var drag = null;
+  function brushIndex(ev) {
+    var r = brush.getBoundingClientRect(), n = refSteps.length;
+    return Math.min(n - 1, Math.max(0, Math.floor((ev.clientX - r.left) / r.width * n)));
+  }
+  function drawBrush(sel) {
+    var dpr = window.devicePixelRatio || 1, W = brush.clientWidth || 600, H = 46, n = refSteps.length;
+    brush.width = Math.round(W * dpr); brush.height = Math.round(H * dpr);
+    var ctx = brush.getContext("2d"), bw = W / Math.max(n, 1), most = 1;
+    ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
+    refSteps.forEach(function (r) { most = Math.max(most, r.e - r.s); });
+    var a = sel ? sel[0] : panels[0].win.first, b = sel ? sel[1] : panels[0].win.last;
+    refSteps.forEach(function (r, i) {
+      var inw = r.step >= a && r.step <= b, h = Math.max(3, (H - 14) * (r.e - r.s) / most);
+      ctx.fillStyle = inw ? "#dce8f8" : "#fff"; ctx.fillRect(i * bw, 0, bw, H);
+      ctx.fillStyle = r.warm ? "#e8a25a" : (inw ? "#2a6bd1" : "#9db4d3");
+      ctx.fillRect(i * bw + 1, H - h, Math.max(bw - 2, 1), h);
+      if (bw > 26) { ctx.fillStyle = "#333"; ctx.font = "10px sans-serif"; ctx.fillText(String(r.step), i * bw + 3, 10); }
+    });
+  }
+  function setWindow(first, last) {
+    panels.forEach(function (p) { p.win = { first: Math.min(first, last), last: Math.max(first, last), why: "brushed" }; p.marked = null; });
+    renderAll();
+    var sp = panels[0].windowSpan();
+    if (sp) F.show(sp[0] - panels[0].shift, sp[1] - panels[0].shift);
+  }
+  brush.addEventListener("mousedown", function (ev) { drag = brushIndex(ev); drawBrush([refSteps[drag].step, refSteps[drag].step]); });
+  window.addEventListener("mousemove", function (ev) {
+    if (drag === null) return;
+    var j = brushIndex(ev);
+    drawBrush([refSteps[Math.min(drag, j)].step, refSteps[Math.max(drag, j)].step]);
+  });
+  window.addEventListener("mouseup", function (ev) {
+    if (drag === null) return;
+    var j = brushIndex(ev), i = drag;
+    drag = null;
+    setWindow(refSteps[Math.min(i, j)].step, refSteps[Math.max(i, j)].step);
+  });
+
+  // ---- align at step: every trace's time counts from the start of that step ------------------
+  var sel = document.querySelector("#ft-toolbar [data-act=align]");
+  refSteps.forEach(function (r) {
+    var o = document.createElement("option"); o.value = String(r.step); o.textContent = "step " + r.step; sel.appendChild(o);
+  });
+  function align(step) {
+    F.state.aligned = step === null || step === "" ? null : +step;
+    var longest = 0;
+    panels.forEach(function (p) {
+      var r = F.state.aligned === null ? null : p.tr.steps.filter(function (s) { return s.step === F.state.aligned; })[0];
+      p.shift = r ? r.s : 0;
+      if (r) longest = Math.max(longest, r.e - r.s);
+      p.el.setAttribute("data-shift", String(p.shift));
+    });
+    sel.value = F.state.aligned === null ? "" : String(F.state.aligned);
+    if (F.state.aligned === null) F.reset(); else F.show(0, longest * 1.5);
+  }
+  sel.addEventListener("change", function () { align(sel.value); });
+
+  F.setWindow = setWindow; F.align = align; F.fold = fold;
+  panels.forEach(function (p) { p.win.why = p.tr.window.why; });
+  renderAll();
+  var first = panels[0].windowSpan();  // open on the window (double-click or reset: everything)
+  if (first) { var pad = (first[1] - first[0]) * 0.02; F.view.x0 = first[0] - pad; F.view.x1 = first[1] + pad; }
+  F.redraw();
+  root.setAttribute("data-ft-render-ms", performance.now().toFixed(1));
+  root.setAttribute("data-ft-ready", "1");
+})();
+"""
