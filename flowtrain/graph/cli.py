@@ -21,6 +21,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--staged", action="store_true", help="gradients leave through host staging slots (12 B/param layout)")
     p.add_argument("--grad-chunks", action="append", default=[], metavar="UNIT=N",
                    help="with --staged: a unit whose gradient passes in N staging chunks (repeatable)")
+    p.add_argument("--keep", default="", metavar="LAYERS",
+                   help="comma-separated layers whose activations stay for backward (no recompute), e.g. 2,3")
     p.add_argument("--steps", type=int, default=1, help="consecutive steps, linked by cpu_adam -> next fetch")
     p.add_argument("--out", required=True, help="output JSON file")
 
@@ -35,6 +37,13 @@ def _chunks(items: list[str]) -> dict[str, int]:
     return out
 
 
+def _layers(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise ConfigError(f"--keep takes layer numbers separated by commas, like 2,3 (got {text!r})") from None
+
+
 def run(args: argparse.Namespace) -> int:
     spec = StepSpec(
         layers=args.layers,
@@ -46,6 +55,7 @@ def run(args: argparse.Namespace) -> int:
         resident=tuple(u for u in args.resident.split(",") if u),
         staged=args.staged,
         grad_chunks=_chunks(args.grad_chunks),
+        keep=_layers(args.keep),
     ).validate()
     graph = compile_steps(spec, args.steps)
     write_graph(args.out, graph)

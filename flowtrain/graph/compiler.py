@@ -22,6 +22,11 @@ in backward, each segment ``[c, c+k)`` first rebuilds the inputs of ``c+1 .. c+k
 ``recompute`` tasks (which fetch those layers' weights once more), then runs backward from the
 top of the segment down.
 
+Activations: a layer in ``keep`` runs its forward under autograd and keeps what the backward
+needs on the device; its ``forward`` and ``backward`` tasks carry phase ``"keep"`` and the
+backward computes no forward again. The graph's shape is the same (the backward still fetches
+the layer's weights: the kept tensors refer to the weights by place, not by copy).
+
 Placement: a unit named in ``resident`` keeps its master weights and Adam state in device
 memory. It has no ``fetch``, ``zero_grad`` or ``offload_grad``: its tasks read the unit's own
 device buffers, and a ``gpu_adam`` on the compute lane updates it; the next step's tasks that
@@ -93,6 +98,10 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
     staged: bool = False
     #: with ``staged``: how many staging-slot chunks a unit's gradient takes (1 if not named).
     grad_chunks: dict[str, int] = msgspec.field(default_factory=dict)
+    #: layers whose forward keeps what its backward needs on the device (activation placement
+    #: ``keep``): their ``forward`` and ``backward`` tasks carry phase ``"keep"``, and their
+    #: backward runs no forward again. The other layers recompute (``checkpoint_every``).
+    keep: tuple[int, ...] = ()
 
     def unit_key(self, unit: str, layer: int | None) -> str:
         return f"layer.{layer}" if unit == "layer" else unit
@@ -123,6 +132,14 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
                 "--grad-clip needs every gradient before any update, so it keeps a whole host gradient: "
                 "use --layout full (16 bytes per parameter) with --grad-clip"
             )
+        if self.keep and self.checkpoint_every != 1:
+            raise ConfigError(
+                "kept activations need a checkpoint at every layer: use --activation-checkpoint-every 1 "
+                "with --activations keep (a segment recomputes all of its layers)"
+            )
+        bad = sorted(i for i in self.keep if not 0 <= i < self.layers)
+        if bad or len(set(self.keep)) != len(self.keep):
+            raise ConfigError(f"kept layers {list(self.keep)} must be distinct layers of 0..{self.layers - 1}")
         if any(c < 1 for c in self.grad_chunks.values()):
             raise ConfigError(f"grad_chunks must be at least 1 (got {self.grad_chunks})")
         return self
@@ -171,6 +188,12 @@ def compile_step(spec: StepSpec, step: int = 0) -> nx.DiGraph:
         if slot_task is not None:
             b.dep(slot_task, consumer, reads=True)
 
+    keep = frozenset(spec.keep)
+
+    def kept(i: int) -> str | None:
+        """The phase of layer i's forward and backward: ``"keep"`` where its activations stay."""
+        return "keep" if i in keep else None
+
     # Which task produced the input of layer i for micro-batch m during the forward pass.
     fwd_input: dict[tuple[int, int], Task] = {}
     embeds: dict[int, Task] = {}
@@ -187,7 +210,7 @@ def compile_step(spec: StepSpec, step: int = 0) -> nx.DiGraph:
     def layer_forward(i: int, m_range, per_mb: int | None) -> None:
         f = fetch("layer", i, "forward", per_mb)
         for m in m_range:
-            t = b.node(Forward, unit="layer", layer=i, micro_batch=m)
+            t = b.node(Forward, unit="layer", layer=i, micro_batch=m, phase=kept(i))
             reads(f, t)
             b.dep(fwd_input[(i, m)], t)
             fwd_input[(i + 1, m)] = t
@@ -234,7 +257,7 @@ def compile_step(spec: StepSpec, step: int = 0) -> nx.DiGraph:
         f = fetch("layer", i, "backward", per_mb)
         z = zero_grad("layer", i)
         for m in m_range:
-            t = b.node(Backward, unit="layer", layer=i, micro_batch=m)
+            t = b.node(Backward, unit="layer", layer=i, micro_batch=m, phase=kept(i))
             reads(f, t)
             reads(z, t)
             b.dep(bwd_input[(i, m)], t)

@@ -19,7 +19,8 @@ every node of an exported graph has ``kind``, ``layer``, ``micro_batch`` and ``l
 - ``micro_batch``: for per-micro-batch tasks, ``None`` otherwise.
 - ``phase``: for ``fetch``, which pass the weights are fetched for; ``"eval"`` on the
   ``fetch``, ``embed`` and ``forward`` tasks of a held-out loss graph, which keeps them apart
-  from the training step's tasks of the same step.
+  from the training step's tasks of the same step; ``"keep"`` on the ``forward`` and
+  ``backward`` of a layer whose activations stay on the device for its backward (no recompute).
 - ``chunk``: for ``offload_grad`` and ``cpu_adam`` under the staged gradient layout, which
   piece of the unit's gradient passes through one host staging slot (``None`` otherwise).
 

@@ -41,7 +41,6 @@ def add_model_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) ->
     a("--warmup", type=int, default=2, help="first steps excluded from the numbers")
     a("--precision", choices=["fp32", "bf16"], default=None)
     a("--device", default="auto")
-    a("--checkpoint-every", type=int, default=1)
     a("--adam-workers", type=int, default=1)
     a("--trace", default=None, help="also write the executed trace (Chrome JSON)")
     a("--data", metavar="FILE", default=None,
@@ -82,7 +81,7 @@ def run_model(args: argparse.Namespace) -> dict:
         cfg = TrainConfig(model=args.model, data=data, packing=args.packing, steps=args.steps, batch_size=args.batch_size,
                           micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, lr=1e-5,
                           policy=args.policy, precision=args.precision, device=args.device,
-                          checkpoint_every=args.checkpoint_every, adam_workers=args.adam_workers, progress=False,
+                          checkpoint_every=args.checkpoint_every, activations=args.activations, adam_workers=args.adam_workers, progress=False,
                           layout=args.layout, resident=args.resident, gpu_mem=args.gpu_mem, host_mem=args.host_mem,
                           chunk_tokens=args.chunk_tokens, compile=args.compile)
         if torch.cuda.is_available():

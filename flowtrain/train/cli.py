@@ -63,7 +63,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--precision", choices=["fp32", "bf16"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
     a("--device", default="auto", help="auto, cpu or cuda")
     a("--policy", default=defaults.POLICY, help="scheduling policy: sequential, double_buffer, lookahead, or module:Class (your own)")
-    a("--checkpoint-every", type=int, default=1, help="keep a layer input every K layers; recompute the rest")
     a("--order", choices=["layer", "micro"], default="layer", help="micro-batch order (layer-major streams weights once)")
     a("--adam-workers", type=int, default=1, help="CPU threads running AdamW tasks concurrently")
     add_memory_arguments(p)
@@ -110,6 +109,12 @@ def add_memory_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -
     a("--gpu-mem", type=float, default=None, metavar="GiB", help="cap on the GPU memory flowtrain takes (enforced)")
     a("--host-mem", type=float, default=None, metavar="GiB", help="host memory to plan for (default: what is available)")
     a("--chunk-tokens", type=int, default=None, help="tokens per loss chunk (default: planned)")
+    a("--activations", choices=["auto", "keep", "recompute"], default="auto",
+      help="keep each layer's activations on the GPU for its backward (no recompute) or recompute them "
+           "in backward; auto: keep as many layers as the GPU budget holds (recompute on the CPU)")
+    a("--activation-checkpoint-every", "--checkpoint-every", dest="checkpoint_every", type=int, default=1,
+      metavar="K", help="with recompute: keep a layer input every K layers and recompute the layers "
+                        "between (--checkpoint-every is the old name)")
 
 
 def add_compile_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -127,7 +132,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         weight_decay=args.weight_decay, weight_decay_skip=args.weight_decay_skip, betas=args.betas, eps=args.eps, grad_clip=args.grad_clip,
         warmup_steps=args.warmup_steps, lr_schedule=args.lr_schedule, min_lr=args.min_lr, seed=args.seed,
         shuffle=not args.no_shuffle, precision=args.precision, device=args.device, policy=args.policy,
-        checkpoint_every=args.checkpoint_every, order=args.order, adam_workers=args.adam_workers,
+        checkpoint_every=args.checkpoint_every, activations=args.activations, order=args.order, adam_workers=args.adam_workers,
         out=args.out, overwrite=args.overwrite, metrics=args.metrics, trace=args.trace,
         progress=False if args.no_progress else None, layout=args.layout, resident=args.resident,
         gpu_mem=args.gpu_mem, host_mem=args.host_mem, chunk_tokens=args.chunk_tokens, compile=args.compile,

@@ -7,6 +7,10 @@ prints it::
     plan = plan_run(preset("llama-8b"), req, device=torch.device("cuda"), dtype=torch.bfloat16)
     plan.fits, plan.host, plan.gpu, plan.spec.resident, plan.max_micro_batch
 
+The planner itself needs no torch: ``device`` and ``dtype`` are only read for their type and
+element size, and CUDA is asked for its free memory only when planning for this machine's GPU
+(``local_gpu=False`` plans for another machine: ``flowtrain simulate --machine``).
+
 What the plan decides:
 
 - **Layout** of the streamed units' host state (see ``host_state``): ``staged`` (12 bytes per
@@ -29,7 +33,9 @@ finite; see :mod:`flowtrain.train.nonfinite`) and ``data`` (the token batches in
 :func:`data_host_bytes`). GPU bytes: ``weight_slots``,
 ``landing`` (the fp32 piece buffer of casting fetches), ``grad_slots``, ``resident`` (master, m,
 v, gradient and compute copy: 18 bytes per parameter in bf16), ``checkpoints``, ``recompute``,
-``layer_work`` (one layer under autograd) and ``loss_chunks``. On a CPU-only run the GPU
+``layer_work`` (one layer under autograd), ``kept_activations`` (the layers whose forward
+keeps its activations for backward instead of recomputing: :func:`place_activations`) and
+``loss_chunks``. On a CPU-only run the GPU
 categories are host memory too.
 """
 
@@ -38,10 +44,9 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
-import torch
 
 from ..errors import ConfigError
 from ..graph.compiler import StepSpec, compile_step
@@ -50,6 +55,10 @@ from .host_state import LAYOUTS, grad_chunks, slot_numel, staging_numel
 from .nonfinite import undo_arena_bytes
 from .model import ModelConfig, default_chunk_tokens, model_layouts
 from .program import LANDING_NUMEL
+
+if TYPE_CHECKING:
+    import networkx as nx
+    import torch
 
 GiB = 2**30
 #: Host memory of the process itself (interpreter, torch, flowtrain; on CUDA also the CUDA
@@ -72,6 +81,8 @@ class RunRequest(msgspec.Struct, kw_only=True):
     batch_size: int
     micro_batch_size: int
     checkpoint_every: int = 1
+    #: "keep", "recompute" or "auto" (see TrainConfig.activations)
+    activations: str = "auto"
     order: str = "layer"
     grad_clip: bool = False
     layout: str = "auto"
@@ -104,7 +115,7 @@ def data_host_bytes(req: RunRequest) -> int:
 def run_request(cfg: Any, model_dir: str | os.PathLike[str] | None = None) -> RunRequest:
     """The request of a ``TrainConfig`` (or anything with the same attributes)."""
     return RunRequest(seq_len=cfg.seq_len, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size,
-                      checkpoint_every=cfg.checkpoint_every, order=cfg.order, grad_clip=cfg.grad_clip is not None,
+                      checkpoint_every=cfg.checkpoint_every, activations=cfg.activations, order=cfg.order, grad_clip=cfg.grad_clip is not None,
                       layout=cfg.layout, resident=cfg.resident, gpu_mem=cfg.gpu_mem, host_mem=cfg.host_mem,
                       chunk_tokens=cfg.chunk_tokens, load_bytes=checkpoint_read_bytes(model_dir),
                       undo_mem=getattr(cfg, "undo_mem", 1.0))
@@ -197,32 +208,54 @@ def host_available() -> int | None:
         return None
 
 
-def _limits(req: RunRequest, device: torch.device) -> tuple[int | None, int | None]:
+def _limits(req: RunRequest, device: "torch.device", local_gpu: bool) -> tuple[int | None, int | None]:
+    """The usable host and GPU bytes: what the request says, else what is free here; the GPU
+    never more than is free on this machine's GPU now, unless the plan is for another machine
+    (``local_gpu=False``)."""
     host = int(req.host_mem * GiB) if req.host_mem is not None else host_available()
     caps = [] if req.gpu_mem is None else [int(req.gpu_mem * GiB)]
-    if device.type == "cuda" and torch.cuda.is_available():
-        caps.append(int(torch.cuda.mem_get_info(device)[0]))  # never more than is free now
+    if device.type == "cuda" and local_gpu:
+        import torch
+
+        if torch.cuda.is_available():
+            caps.append(int(torch.cuda.mem_get_info(device)[0]))
     gpu = min(caps) if caps else None
     return (None if host is None else int(host * HOST_FILL)), (None if gpu is None else int(gpu * GPU_FILL))
 
 
-def cap_gpu_memory(device: torch.device, gib: float) -> None:
+def cap_gpu_memory(device: "torch.device", gib: float) -> None:
     """Enforce ``--gpu-mem``: the caching allocator refuses to grow this process past it."""
+    import torch
+
     index = device.index if device.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, gib * GiB / total), index)
 
 
 # ---- the byte counts ----------------------------------------------------------------------
-def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch.dtype, layout: str,
+_LAYOUTS: dict[bytes, tuple] = {}
+
+
+def _layouts(cfg: ModelConfig) -> tuple:
+    """``model_layouts(cfg)``, built once per model: every candidate plan reads them, and for
+    100 layers they take ~2 ms to build, three times per candidate, ~50 candidates."""
+    key = msgspec.json.encode(cfg)
+    if key not in _LAYOUTS:
+        if len(_LAYOUTS) >= 8:
+            _LAYOUTS.clear()
+        _LAYOUTS[key] = tuple(model_layouts(cfg))
+    return _LAYOUTS[key]
+
+
+def _bytes(cfg: ModelConfig, req: RunRequest, device: "torch.device", dtype: "torch.dtype", layout: str,
            resident: tuple[str, ...], budgets: dict[str, int], chunk_tokens: int) -> tuple[dict, dict]:
-    layouts = model_layouts(cfg)
+    layouts = _layouts(cfg)
     res = set(resident)
     streamed = [lay for lay in layouts if lay.key not in res]
     streamed_n = sum(lay.numel for lay in streamed)
     resident_n = sum(lay.numel for lay in layouts if lay.key in res)
     embed_n = layouts[0].numel
-    cbytes = torch.empty((), dtype=dtype).element_size()
+    cbytes = dtype.itemsize
     tied_streamed = cfg.tie_word_embeddings and "head" not in res
     slot_n = slot_numel(layouts, resident, cfg.tie_word_embeddings)
     stage_n = staging_numel(layouts, resident)
@@ -302,16 +335,8 @@ def _candidates(cfg: ModelConfig) -> list[tuple[str, ...]]:
 def _make(cfg, req, device, dtype, policy, layout, resident, chunk_tokens, shrink: dict[str, int],
           grow: dict[str, int] | None = None) -> Plan:
     """One candidate plan; ``grow`` raises and ``shrink`` caps the policy's slot budgets."""
-    from ..policy import resolve_policy
-    from ..policy.base import budgets as default_budgets
-    from ..policy.base import min_grad_slots
-
     spec = _spec(cfg, req, layout, resident)
-    graph = compile_step(spec)
-    # A pool the graph takes from but the policy did not budget (a user's policy written for
-    # another layout, say) gets the built-ins' default.
-    budgets = {**default_budgets(graph, weights=2, grads=1), **resolve_policy(policy).propose(graph).budgets}
-    floor = {WEIGHTS: 1, GRADS: min_grad_slots(graph)}
+    budgets, floor = _policy_budgets(spec, policy)
     for pool, want in (grow or {}).items():
         if pool in budgets:
             budgets[pool] = max(budgets[pool], want)
@@ -319,13 +344,59 @@ def _make(cfg, req, device, dtype, policy, layout, resident, chunk_tokens, shrin
         if pool in budgets:
             budgets[pool] = max(floor.get(pool, 1), min(budgets[pool], cap))
     host, gpu = _bytes(cfg, req, device, dtype, layout, resident, budgets, chunk_tokens)
-    params = sum(lay.numel for lay in model_layouts(cfg))
+    params = sum(lay.numel for lay in _layouts(cfg))
     return Plan(device=device.type, params=params, layout=layout, spec=spec, budgets=budgets,
                 chunk_tokens=chunk_tokens, host=host, gpu=gpu, host_limit=None, gpu_limit=None)
 
 
+class _BudgetCache:
+    """The slot budgets a policy proposes for one step shape, and their floor, asked once each.
+
+    Planning tries many candidates (placements, smaller loss chunks and slot caps, every
+    micro-batch size, the simulator's alternatives), and each needs its policy's budgets. A
+    policy proposes from the compiled step graph, which takes ~30 ms to build for 100 layers
+    and 16 micro-batches, while the answer depends only on the policy and the ``StepSpec``: so
+    each pair is compiled and asked once. A policy object is keyed by identity and kept alive by
+    its entries (its id cannot be reused while they exist); a name also by what it is
+    registered as now.
+    """
+
+    def __init__(self, size: int = 512) -> None:
+        self.size = size
+        self._entries: dict[tuple, tuple[Any, dict[str, int], dict[str, int]]] = {}
+
+    def __call__(self, spec: StepSpec, policy: Any) -> tuple[dict[str, int], dict[str, int]]:
+        """(budgets, floor): the policy's proposal over the built-ins' defaults, and the least
+        each pool may be shrunk to."""
+        from ..policy import POLICIES
+
+        who = (policy, POLICIES.get(policy)) if isinstance(policy, str) else id(policy)
+        key = (who, msgspec.json.encode(spec))
+        if key not in self._entries:
+            if len(self._entries) >= self.size:
+                self._entries.pop(next(iter(self._entries)))  # the oldest
+            self._entries[key] = (policy, *self._ask(spec, policy))
+        _, budgets, floor = self._entries[key]
+        return dict(budgets), dict(floor)
+
+    @staticmethod
+    def _ask(spec: StepSpec, policy: Any) -> tuple[dict[str, int], dict[str, int]]:
+        from ..policy import resolve_policy
+        from ..policy.base import budgets as default_budgets
+        from ..policy.base import min_grad_slots
+
+        graph = compile_step(spec)
+        # A pool the graph takes from but the policy did not budget (a user's policy written
+        # for another layout, say) gets the built-ins' default.
+        budgets = {**default_budgets(graph, weights=2, grads=1), **resolve_policy(policy).propose(graph).budgets}
+        return budgets, {WEIGHTS: 1, GRADS: min_grad_slots(graph)}
+
+
+_policy_budgets = _BudgetCache()
+
+
 def _spec(cfg: ModelConfig, req: RunRequest, layout: str, resident: tuple[str, ...]) -> StepSpec:
-    layouts = model_layouts(cfg)
+    layouts = _layouts(cfg)
     staged = layout != "full"
     chunks = grad_chunks(layouts, resident, staging_numel(layouts, resident)) if staged else {}
     return StepSpec(layers=cfg.num_layers, micro_batches=req.batch_size // req.micro_batch_size,
@@ -343,6 +414,63 @@ def _backlog(cfg: ModelConfig, resident: tuple[str, ...]) -> dict[str, int]:
 
 
 def _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
+    """The plan for one micro-batch size: state placement first, then activations."""
+    plan = _plan_state(cfg, req, device, dtype, policy, host_limit, gpu_limit)
+    return place_activations(plan, cfg, req, dtype)
+
+
+def kept_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+    """Device bytes one token's kept activations take in one decoder layer: the saved tensors
+    of the layer's forward under autograd (norm statistics in fp32, q, k and v before and after
+    rotary, the attention output and its log-sum-exp, the MLP's gate, up and product), fitted
+    on transformers-shaped layers of each family and rounded up (``tests/train/test_kept.py``
+    holds it at or above what autograd saves)."""
+    c = dtype.itemsize
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim  # type: ignore[operator]
+    units = 8 * h + 3 * q + 2.5 * kv + 4 * f
+    if cfg.qk_norm:
+        units += 3 * q + 3 * kv
+    if cfg.family.gemma:
+        units += 12 * h
+    return int(c * units) + 4 * cfg.num_heads
+
+
+def place_activations(plan: Plan, cfg: ModelConfig, req: RunRequest, dtype: torch.dtype) -> Plan:
+    """Which layers keep their activations for backward (``StepSpec.keep``), and their bytes
+    (``gpu["kept_activations"]``): all with ``keep``, none with ``recompute``; ``auto`` keeps the
+    top layers (their backward comes first, so their memory is freed first) as many as the GPU
+    budget holds beside everything else, on CUDA only. Kept layers need a checkpoint at every
+    layer, so ``--activation-checkpoint-every`` above 1 means recompute."""
+    mode = req.activations
+    if mode not in ("auto", "keep", "recompute"):
+        raise ConfigError(f"--activations must be auto, keep or recompute (got {mode!r})")
+    if mode == "keep" and req.checkpoint_every != 1:
+        raise ConfigError("--activations keep needs --activation-checkpoint-every 1: a segment of "
+                          "several layers recomputes them all")
+    live_mbs = req.batch_size // req.micro_batch_size if req.order == "layer" else 1
+    per_layer = kept_bytes_per_token(cfg, dtype) * req.micro_batch_size * req.seq_len * live_mbs
+    L = cfg.num_layers
+    if mode == "keep":
+        n = L
+    elif mode == "recompute" or plan.device != "cuda" or req.checkpoint_every != 1:
+        n = 0
+    elif plan.gpu_limit is None:
+        n = L
+    else:
+        free = plan.gpu_limit - plan.gpu_total
+        n = max(0, min(L, free // per_layer)) if per_layer else L
+    if n == 0:
+        return plan
+    # A kept layer's input is no checkpoint any more: its graph holds what backward needs.
+    checkpoints = plan.gpu.get("checkpoints", 0) * (L - n) // L
+    plan.spec = msgspec.structs.replace(plan.spec, keep=tuple(range(L - n, L)))
+    plan.gpu = {**plan.gpu, "checkpoints": checkpoints, "kept_activations": n * per_layer}
+    return plan
+
+
+def _plan_state(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
+    """Layout, resident units, loss chunk and slot budgets for one micro-batch size."""
     layout = _layout(req)
     explicit = _explicit_resident(req)
     default_chunk = req.chunk_tokens or default_chunk_tokens(cfg.vocab_size)
@@ -389,12 +517,13 @@ def _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
 
 
 def plan_run(cfg: ModelConfig, req: RunRequest, *, device: torch.device, dtype: torch.dtype,
-             policy: Any = "double_buffer") -> Plan:
+             policy: Any = "double_buffer", local_gpu: bool = True) -> Plan:
     """The plan for ``req`` on ``device``, with the largest micro-batch that fits and, if the run
-    does not fit, what would."""
+    does not fit, what would. ``local_gpu=False`` plans for a GPU elsewhere (the simulator's
+    machine): its memory is ``req.gpu_mem`` alone, not capped by what is free on this one."""
     if req.batch_size < 1 or req.micro_batch_size < 1 or req.batch_size % req.micro_batch_size:
         raise ConfigError(f"--micro-batch-size {req.micro_batch_size} does not divide --batch-size {req.batch_size}")
-    host_limit, gpu_limit = _limits(req, device)
+    host_limit, gpu_limit = _limits(req, device, local_gpu)
     plan = _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit)
     divisors = [b for b in range(req.batch_size, 0, -1) if req.batch_size % b == 0]
     for b in divisors:

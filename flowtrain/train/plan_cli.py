@@ -29,7 +29,6 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--seq-len", type=int, required=True)
     a("--batch-size", type=int, required=True, help="sequences per optimizer step")
     a("--micro-batch-size", type=int, required=True)
-    a("--checkpoint-every", type=int, default=1)
     a("--order", choices=["layer", "micro"], default="layer")
     a("--grad-clip", action="store_true", help="plan for exact gradient clipping (full layout)")
     a("--precision", choices=["fp32", "bf16"], default=None, help="default: bf16 on CUDA, fp32 on the CPU")
@@ -54,6 +53,7 @@ def run(args: argparse.Namespace) -> int:
     # plan accepts and refuses exactly what train does.
     tc = TrainConfig(model=args.model, seq_len=args.seq_len, batch_size=args.batch_size,
                      micro_batch_size=args.micro_batch_size, checkpoint_every=args.checkpoint_every,
+                     activations=args.activations,
                      order=args.order, grad_clip=1.0 if args.grad_clip else None, precision=args.precision,
                      policy=args.policy, layout=args.layout, resident=args.resident, gpu_mem=args.gpu_mem,
                      host_mem=args.host_mem, chunk_tokens=args.chunk_tokens)

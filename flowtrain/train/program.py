@@ -83,6 +83,7 @@ from ..runtime.executor import TaskContext
 from .checkpoints import CheckpointWriter
 from .host_state import HostState, UnitState, chunk_range, pinned_zeros, slot_numel, staging_numel
 from .model import bind, decoder_layer, embed, head_loss, head_loss_and_grads, rope_tables
+from .kept import Kept, backward_kept, forward_kept
 from .model.gemma import embed_multiplier
 from .model.attention import Documents, rotary_for
 from .nonfinite import (UPDATE, Injection, Saved, StepCheck, UndoBudget, injection_from_env, nonfinite,
@@ -172,6 +173,8 @@ class StepProgram:
         self.embed_multiplier = embed_multiplier(self.cfg)
         self.acts: dict[tuple[int, int, int], torch.Tensor] = {}
         self.dacts: dict[tuple[int, int, int], torch.Tensor] = {}
+        #: kept layers' forward graphs until their backward (activation placement "keep")
+        self.kept: dict[tuple[int, int, int], Kept] = {}
         self.dev_ids: dict[tuple[int, int], torch.Tensor] = {}
         self.dev_targets: dict[tuple[int, int], torch.Tensor] = {}
         #: packed micro-batches' documents and their gathered rotary tables, by (phase, step, mb)
@@ -389,6 +392,13 @@ class StepProgram:
             x = self.eval_acts.pop((s, i, m))  # type: ignore[arg-type]
             self.eval_acts[(s, i + 1, m)] = self._layer("eval", s, i, m, x, w)  # type: ignore[arg-type, index]
             return
+        if task.phase == "keep":  # the graph stays for the backward: see flowtrain.train.kept
+            x = self.acts.pop((s, i, m))  # type: ignore[arg-type]
+            y, self.kept[(s, i, m)] = forward_kept(  # type: ignore[index]
+                lambda x, f: self._layer("train", s, i, m, x, bind(f, unit.layout)),  # type: ignore[arg-type]
+                x, self._weights(unit, ctx)[: unit.layout.numel])
+            self.acts[(s, i + 1, m)] = y  # type: ignore[index]
+            return
         keep = isinstance(task, Recompute) or i % self.k == 0  # type: ignore[operator]
         x = self._layer_input(s, i, m, keep=keep)  # type: ignore[arg-type]
         self.acts[(s, i + 1, m)] = self._layer("train", s, i, m, x, w)  # type: ignore[arg-type, index]
@@ -452,13 +462,16 @@ class StepProgram:
         s, i, m = task.step, task.layer, task.micro_batch
         unit = self.state.unit("layer", i)
         n = unit.layout.numel
-        x = self.acts.pop((s, i, m))  # type: ignore[arg-type]
         dy = self.dacts.pop((s, i, m))  # type: ignore[arg-type]
-        with torch.enable_grad():
-            x = x.detach().requires_grad_(True)
-            flat = self._weights(unit, ctx)[:n].detach().requires_grad_(True)
-            y = self._layer("train", s, i, m, x, bind(flat, unit.layout))  # type: ignore[arg-type]
-            dx, dw = torch.autograd.grad(y, (x, flat), dy)
+        if task.phase == "keep":
+            dx, dw = backward_kept(self.kept.pop((s, i, m)), self._weights(unit, ctx)[:n], dy)  # type: ignore[arg-type]
+        else:
+            x = self.acts.pop((s, i, m))  # type: ignore[arg-type]
+            with torch.enable_grad():
+                x = x.detach().requires_grad_(True)
+                flat = self._weights(unit, ctx)[:n].detach().requires_grad_(True)
+                y = self._layer("train", s, i, m, x, bind(flat, unit.layout))  # type: ignore[arg-type]
+                dx, dw = torch.autograd.grad(y, (x, flat), dy)
         self._grads(unit, ctx)[:n].add_(self._poison(dw, s, f"layer.{i}", m))  # type: ignore[arg-type]
         self.dacts[(s, i - 1, m)] = dx  # type: ignore[operator, index]
 

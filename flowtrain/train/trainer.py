@@ -32,6 +32,7 @@ import torch
 
 from ..errors import CheckpointError, ConfigError, PlanError
 from ..policy import resolve_policy
+from ..graph.tasks import GRADS, HOST_GRADS, WEIGHTS
 from ..runtime.executor import use_uvloop
 from ..runtime.trace import Instrument, TraceRecorder, lane_busy, write_chrome_trace
 from . import checkpoints, defaults
@@ -79,6 +80,10 @@ class TrainConfig(msgspec.Struct, kw_only=True):
     device: str = "auto"
     policy: str = defaults.POLICY
     checkpoint_every: int = 1
+    #: activation placement: "keep" (a layer's backward reuses its forward's activations, held
+    #: on the GPU), "recompute" (backward runs the forward again) or "auto" (the planner keeps
+    #: as many layers as the GPU budget holds; recompute on the CPU)
+    activations: str = "auto"
     order: str = "layer"
     adam_workers: int = 1
     out: str | None = None
@@ -392,5 +397,11 @@ def _write_trace(run: Run, recorder: TraceRecorder) -> None:
         "policy": cfg.policy, "budgets": plan.budgets, "model": cfg.model or "", "device": str(run.device),
         "precision": "fp32" if run.dtype == torch.float32 else "bf16", "steps": cfg.steps,
         "busy_seconds": lane_busy(recorder.records), "layout": plan.layout,
-        "resident": list(plan.spec.resident),
+        "resident": list(plan.spec.resident), "kept_layers": list(plan.spec.keep),
+        # what the visualizer draws memory against: bytes per slot, where each pool lives, limits
+        "slot_bytes": {pool: size // max(plan.budgets.get(pool, 1), 1) for pool, size in (
+            (WEIGHTS, plan.gpu.get("weight_slots", 0)), (GRADS, plan.gpu.get("grad_slots", 0)),
+            (HOST_GRADS, plan.host.get("staging", 0)))},
+        "pool_memory": {HOST_GRADS: "pinned"},
+        "capacities": {"gpu": plan.gpu_limit, "host": plan.host_limit},
     })

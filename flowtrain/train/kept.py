@@ -1,0 +1,103 @@
+"""Kept activations: a layer's forward graph held for its backward, weights referred to by place.
+
+By default a layer's backward runs its forward again under autograd (recompute), because the
+forward's weights sat in a streaming slot that other layers' fetches have overwritten since.
+A *kept* layer runs its forward under autograd once and keeps the graph, so backward only runs
+the backward half (a third less compute per layer). Its saved tensors are of two kinds:
+
+* activations (normed inputs, q, k, v, attention output, MLP intermediates): kept as they are;
+* the weights themselves (views of the slot the forward read): *not* kept -- a saved-tensor
+  hook records where in the unit's flat buffer each view sat (offset, shape, strides), and the
+  backward's own fetch of the same weights (same values: Adam runs after the step's backward)
+  provides them again::
+
+      y, kept = forward_kept(layer, x, flat, layout)     # y detached; kept holds the graph
+      ...                                                # the slot is reused meanwhile
+      dx, dw = backward_kept(kept, flat_now, dy)         # flat_now: the backward's fetch
+
+So a kept layer costs GPU memory for its activations only, and the gradients are the same
+computation as a recompute would do (bit-identical in fp32 where the math is the same: both
+run the same ops on the same values).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+__all__ = ["Kept", "backward_kept", "forward_kept", "saved_bytes"]
+
+
+@dataclass(frozen=True)
+class _WeightRef:
+    """Where a saved weight view sat in the unit's flat buffer."""
+
+    offset: int
+    size: tuple[int, ...]
+    stride: tuple[int, ...]
+
+
+class Kept:
+    """One layer's kept forward: its input and weight leaves, its output, and the buffer its
+    saved weight views are read from (set by :func:`backward_kept`)."""
+
+    __slots__ = ("x", "flat", "y", "weights", "bytes", "_seen")
+
+    def __init__(self) -> None:
+        self.x: Tensor | None = None
+        self.flat: Tensor | None = None
+        self.y: Tensor | None = None
+        self.weights: Tensor | None = None  # the flat buffer the backward reads weights from
+        self.bytes = 0  # device bytes of the kept activations
+        self._seen: set[int] = set()  # their storages, each counted once
+
+    def _pack(self, flat: Tensor) -> Callable[[Tensor], object]:
+        storage = flat.untyped_storage().data_ptr()
+        base = flat.storage_offset()
+
+        def pack(t: Tensor) -> object:
+            if t.device == flat.device and t.untyped_storage().data_ptr() == storage:
+                return _WeightRef(t.storage_offset() - base, tuple(t.size()), tuple(t.stride()))
+            ptr = t.untyped_storage().data_ptr()
+            if ptr not in self._seen:
+                self._seen.add(ptr)
+                self.bytes += t.untyped_storage().nbytes()
+            return t
+
+        return pack
+
+    def _unpack(self, saved: object) -> Tensor:
+        if isinstance(saved, _WeightRef):
+            w = self.weights
+            assert w is not None, "backward_kept sets the weights before autograd reads them"
+            return w.as_strided(saved.size, saved.stride, w.storage_offset() + saved.offset)
+        return saved  # type: ignore[return-value]
+
+
+def forward_kept(layer: Callable[[Tensor, Tensor], Tensor], x: Tensor, flat: Tensor) -> tuple[Tensor, Kept]:
+    """Run ``layer(x_leaf, flat_leaf)`` under autograd, keeping its graph; ``flat`` is the unit's
+    weights in their slot. Returns the detached output and the :class:`Kept` record."""
+    kept = Kept()
+    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(kept._pack(flat), kept._unpack):
+        kept.x = x.detach().requires_grad_(True)
+        kept.flat = flat.detach().requires_grad_(True)
+        kept.y = layer(kept.x, kept.flat)
+    return kept.y.detach(), kept
+
+
+def backward_kept(kept: Kept, weights: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
+    """``(dx, dw)`` of a kept layer for output gradient ``dy``, reading the saved weight views
+    from ``weights`` (the same values the forward read, wherever they are now)."""
+    kept.weights = weights
+    dx, dw = torch.autograd.grad(kept.y, (kept.x, kept.flat), dy)  # type: ignore[arg-type]
+    kept.x = kept.flat = kept.y = kept.weights = None
+    return dx, dw
+
+
+def saved_bytes(layer: Callable[[Tensor, Tensor], Tensor], x: Tensor, flat: Tensor) -> int:
+    """Device bytes a kept forward of ``layer`` holds for these shapes (weights excluded)."""
+    _, kept = forward_kept(layer, x, flat)
+    return kept.bytes

@@ -1,0 +1,99 @@
+"""Kept activations: backward from the forward's own graph instead of a recompute.
+
+A kept layer's saved weights are views of a streaming slot that other layers overwrite before
+its backward; the saved-tensor hooks must read them from the backward's fetch instead. So the
+real test is a whole training run through the engine, compared bit for bit with recompute.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flowtrain.cli import main
+from flowtrain.errors import ConfigError
+from flowtrain.graph.compiler import StepSpec, compile_step
+from flowtrain.graph.tasks import Backward, Forward
+from flowtrain.train.kept import saved_bytes
+from flowtrain.train.model import bind, decoder_layer, model_layouts, rope_tables
+from flowtrain.train.plan import RunRequest, kept_bytes_per_token, place_activations, plan_run
+
+sys.path.insert(0, str(Path(__file__).parent / "model"))
+from model_helpers import small_cfg  # noqa: E402
+from test_train_vs_hf import make_checkpoint, make_data  # noqa: E402
+
+FAMILIES = {
+    "llama": small_cfg(hidden_size=128, intermediate_size=352),
+    "qwen3": small_cfg(architecture="Qwen3ForCausalLM", hidden_size=128, intermediate_size=352, head_dim=64),
+    "gemma3": small_cfg(architecture="Gemma3ForCausalLM", hidden_size=128, intermediate_size=352, head_dim=64),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_the_plan_counts_at_least_what_autograd_keeps(name, dtype):
+    cfg = FAMILIES[name]
+    lay = model_layouts(cfg)[1]
+    flat = (torch.randn(lay.numel, generator=torch.Generator().manual_seed(1)) * 0.05).to(dtype)
+    measured = []
+    for tokens in (64, 128):
+        cos, sin = rope_tables(cfg, tokens, dtype=dtype)
+        x = torch.randn(1, tokens, cfg.hidden_size, dtype=dtype)
+        measured.append(saved_bytes(lambda x, f: decoder_layer(x, bind(f, lay), cos, sin, cfg), x, flat))
+    per_token = (measured[1] - measured[0]) / 64
+    planned = kept_bytes_per_token(cfg, dtype)
+    assert per_token <= planned <= 1.6 * per_token
+
+
+def test_kept_layers_carry_the_keep_phase():
+    g = compile_step(StepSpec(layers=4, micro_batches=2, keep=(2, 3)))
+    for t in g:
+        if isinstance(t, (Forward, Backward)):
+            assert t.phase == ("keep" if t.layer in (2, 3) else None), t
+    with pytest.raises(ConfigError, match="need a checkpoint at every layer"):
+        StepSpec(layers=4, checkpoint_every=2, keep=(1,)).validate()
+    with pytest.raises(ConfigError, match="distinct layers of 0..3"):
+        StepSpec(layers=4, keep=(4,)).validate()
+
+
+def _train(tmp_path, name, model, data, *extra):
+    out = tmp_path / name
+    assert main(["train", "--model", str(model), "--data", str(data), "--steps", "3", "--batch-size", "4",
+                 "--micro-batch-size", "2", "--seq-len", "12", "--no-shuffle", "--lr", "0.01",
+                 "--device", "cpu", "--precision", "fp32", "--out", str(out), "--no-progress", *extra]) == 0
+    return load_file(out / "model.safetensors")
+
+
+@pytest.mark.parametrize("spec", [dict(model_type="llama", tied=True),
+                                  dict(model_type="gemma3_text", head_dim=8, sliding_window=5,
+                                       layer_types=["sliding_attention", "full_attention", "sliding_attention"])],
+                         ids=["llama-tied", "gemma3"])
+@pytest.mark.parametrize("extra", [[], ["--resident", "layer.1", "--policy", "sequential"], ["--order", "micro"]],
+                         ids=["streamed", "resident-sequential", "micro-order"])
+def test_keep_trains_bit_identically_to_recompute(tmp_path, spec, extra):
+    make_checkpoint(tmp_path / "model", layers=3, seed=3, **spec)
+    make_data(tmp_path / "data.jsonl", seed=4)
+    recomputed = _train(tmp_path, "recompute", tmp_path / "model", tmp_path / "data.jsonl",
+                        "--activations", "recompute", *extra)
+    kept = _train(tmp_path, "keep", tmp_path / "model", tmp_path / "data.jsonl", "--activations", "keep",
+                  "--trace", str(tmp_path / "trace.json"), *extra)
+    assert "backward L2 m1 (keep)" in (tmp_path / "trace.json").read_text()  # the kept path ran
+    assert recomputed.keys() == kept.keys()
+    for name, t in recomputed.items():
+        assert torch.equal(t, kept[name]), name
+
+
+def test_auto_keeps_the_top_layers_the_gpu_budget_holds():
+    cfg = small_cfg(num_layers=8)
+    req = RunRequest(seq_len=64, batch_size=4, micro_batch_size=2, activations="auto")
+    plan = plan_run(cfg, req, device=torch.device("cpu"), dtype=torch.float32)
+    assert plan.spec.keep == ()  # the CPU recomputes unless asked
+    per_layer = kept_bytes_per_token(cfg, torch.bfloat16) * 2 * 64 * 2
+    plan.device, plan.gpu_limit = "cuda", plan.gpu_total + 3 * per_layer + 1
+    placed = place_activations(plan, cfg, req, torch.bfloat16)
+    assert placed.spec.keep == (5, 6, 7) and placed.gpu["kept_activations"] == 3 * per_layer
+    assert placed.gpu_total <= placed.gpu_limit
