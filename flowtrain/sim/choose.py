@@ -89,8 +89,11 @@ def _bound(c: Candidate) -> str:
 
 
 def choose_fastest(cfg: Any, req: Any, machine: Machine, policy: str = "double_buffer", *,
-                   device: Any = None, dtype: Any = None, adam_workers: int = 1, steps: int = 3) -> Choice:
-    """The fastest configuration that fits, among single-setting changes of ``req`` (two rounds)."""
+                   device: Any = None, dtype: Any = None, adam_workers: int = 1, steps: int = 3,
+                   local_gpu: bool = True) -> Choice:
+    """The fastest configuration that fits, among single-setting changes of ``req`` (two rounds).
+    Each is planned as ``plan_run`` plans it (``local_gpu``: also capped by the free memory of
+    this machine's GPU, as the memory plan printed beside the choice is)."""
     import torch
 
     from ..train.plan import plan_run
@@ -106,7 +109,7 @@ def choose_fastest(cfg: Any, req: Any, machine: Machine, policy: str = "double_b
             return seen[key]
         r = msgspec.structs.replace(req, micro_batch_size=settings["micro_batch_size"],
                                     resident=settings["resident"], layout=settings["layout"])
-        plan = plan_run(cfg, r, device=device, dtype=dtype, policy=settings["policy"])
+        plan = plan_run(cfg, r, device=device, dtype=dtype, policy=settings["policy"], local_gpu=local_gpu)
         cand = Candidate(settings=settings, fits=plan.fits)
         if plan.fits:
             s = predict(cfg, plan, r, machine, settings["policy"], adam_workers=adam_workers, steps=steps).summary

@@ -80,7 +80,8 @@ def run(args: argparse.Namespace) -> int:
 
 def plan_for(args: argparse.Namespace, machine) -> tuple:  # noqa: ANN001 - a Machine
     """The model, request and memory plan of ``args`` on ``machine``: plan's checks, then
-    ``plan_run`` for a GPU with the machine's memory unless --gpu-mem/--host-mem say otherwise."""
+    ``plan_run`` for a GPU with the machine's memory unless --gpu-mem/--host-mem say otherwise
+    (never capped by a GPU of the machine this runs on: the plan is for ``machine``)."""
     import torch
 
     from ..train.checks import validate_numbers
@@ -91,7 +92,7 @@ def plan_for(args: argparse.Namespace, machine) -> tuple:  # noqa: ANN001 - a Ma
     host_mem = args.host_mem if args.host_mem is not None else machine.host_mem_gib
     tc = TrainConfig(model=args.model, seq_len=args.seq_len, batch_size=args.batch_size,
                      micro_batch_size=args.micro_batch_size, checkpoint_every=args.checkpoint_every,
-                     order=args.order, grad_clip=1.0 if args.grad_clip else None, precision=args.precision,
+                     activations=args.activations, order=args.order, grad_clip=1.0 if args.grad_clip else None, precision=args.precision,
                      policy=args.policy, layout=args.layout, resident=args.resident, gpu_mem=gpu_mem,
                      host_mem=host_mem, chunk_tokens=args.chunk_tokens)
     validate_numbers(tc)
@@ -101,4 +102,5 @@ def plan_for(args: argparse.Namespace, machine) -> tuple:  # noqa: ANN001 - a Ma
     device = torch.device("cuda")
     dtype = resolve_dtype(args.precision, device)
     req = run_request(tc, model_dir)
-    return cfg, req, plan_run(cfg, req, device=device, dtype=dtype, policy=args.policy), device, dtype
+    plan = plan_run(cfg, req, device=device, dtype=dtype, policy=args.policy, local_gpu=False)
+    return cfg, req, plan, device, dtype

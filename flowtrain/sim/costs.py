@@ -14,7 +14,8 @@ it (:class:`~flowtrain.sim.machine.Machine`)::
 - ``backward``: the layer's forward once more (flowtrain rebuilds the layer under autograd from
   its saved input), twice its GEMM FLOPs, the attention backward (2.5x the forward's FLOPs,
   as flash attention counts it), twice the elementwise passes and the fp32 accumulation of the
-  weight gradient.
+  weight gradient. A layer whose forward kept its activations (phase ``keep``,
+  ``--activations``) runs no forward again in its backward.
 - ``loss``: head forward and backward (three GEMMs of ``tokens x hidden x vocab`` in loss
   chunks) plus passes over the fp32 logits.
 - ``fetch`` / ``offload_grad``: bytes over the link; the rate depends on whether the other
@@ -169,7 +170,8 @@ class CostModel:
             case "forward" | "recompute":
                 return self._layer["forward"] + launch
             case "backward":
-                return self._layer["backward"] + launch
+                rebuild = self._layer["forward"] if task.phase == "keep" else 0.0  # kept: nothing to rebuild
+                return self._layer["backward"] - rebuild + launch
             case "loss":
                 return self._loss_seconds(backward=True) + launch
             case "eval_loss":

@@ -54,9 +54,11 @@ def predict_run(row: dict, extra: dict, machine: str = "h200") -> dict:
 
     cfg = preset(row["model"])
     resident = ",".join(row["resident"]) or "none"
+    # These runs predate kept activations: every layer's backward ran its forward again.
     req = RunRequest(seq_len=row["seq_len"], batch_size=row["batch_size"], micro_batch_size=row["micro_batch_size"],
-                     resident=resident, layout=row.get("layout", "auto"), host_mem=118.0, **extra)
-    plan = plan_run(cfg, req, device=torch.device("cuda"), dtype=torch.bfloat16, policy=row["policy"])
+                     resident=resident, layout=row.get("layout", "auto"), host_mem=118.0,
+                     activations=row.get("activations", "recompute"), **extra)
+    plan = plan_run(cfg, req, device=torch.device("cuda"), dtype=torch.bfloat16, policy=row["policy"], local_gpu=False)
     plan.budgets = dict(row["budgets"])  # as the engine enforced them in that run
     pred = predict(cfg, plan, req, load_machine(machine), row["policy"])
     s = pred.summary

@@ -57,7 +57,6 @@ from .model import ModelConfig, default_chunk_tokens, model_layouts
 from .program import LANDING_NUMEL
 
 if TYPE_CHECKING:
-    import networkx as nx
     import torch
 
 GiB = 2**30
@@ -208,7 +207,7 @@ def host_available() -> int | None:
         return None
 
 
-def _limits(req: RunRequest, device: "torch.device", local_gpu: bool) -> tuple[int | None, int | None]:
+def _limits(req: RunRequest, device: torch.device, local_gpu: bool) -> tuple[int | None, int | None]:
     """The usable host and GPU bytes: what the request says, else what is free here; the GPU
     never more than is free on this machine's GPU now, unless the plan is for another machine
     (``local_gpu=False``)."""
@@ -223,7 +222,7 @@ def _limits(req: RunRequest, device: "torch.device", local_gpu: bool) -> tuple[i
     return (None if host is None else int(host * HOST_FILL)), (None if gpu is None else int(gpu * GPU_FILL))
 
 
-def cap_gpu_memory(device: "torch.device", gib: float) -> None:
+def cap_gpu_memory(device: torch.device, gib: float) -> None:
     """Enforce ``--gpu-mem``: the caching allocator refuses to grow this process past it."""
     import torch
 
@@ -247,7 +246,7 @@ def _layouts(cfg: ModelConfig) -> tuple:
     return _LAYOUTS[key]
 
 
-def _bytes(cfg: ModelConfig, req: RunRequest, device: "torch.device", dtype: "torch.dtype", layout: str,
+def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch.dtype, layout: str,
            resident: tuple[str, ...], budgets: dict[str, int], chunk_tokens: int) -> tuple[dict, dict]:
     layouts = _layouts(cfg)
     res = set(resident)

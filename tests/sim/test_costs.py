@@ -74,6 +74,14 @@ def test_backward_costs_a_forward_and_more_and_faster_machines_are_faster():
         12 * W1.layer_numel / (costs["h200"].m.disk_write_gbps * 1e9))
 
 
+def test_a_kept_layer_backward_runs_no_forward_again():
+    """--activations keep: the forward's activations stay, so the backward saves one forward."""
+    c = CostModel(load_machine("h200"), W1)
+    f = c.seconds(Forward(layer=3, micro_batch=0))
+    rebuilt, kept = c.seconds(Backward(layer=3, micro_batch=0)), c.seconds(Backward(layer=3, micro_batch=0, phase="keep"))
+    assert kept == pytest.approx(rebuilt - f + c.m.launch_us * 1e-6)
+
+
 @pytest.mark.skipif(not TRACE.exists(), reason="the W1 trace is not in this checkout")
 def test_h200_reproduces_the_measured_w1_task_times():
     """Fitted to this trace (docs/simulate.md): each kind's median within 12%."""

@@ -224,3 +224,54 @@ def test_advice_does_not_repeat_the_policy_in_use():
     p = plan_run(preset("llama-8b"), req, device=CUDA, dtype=BF16, policy="sequential")
     assert not p.fits and p.suggestions
     assert not any("--policy sequential" in s for s in p.suggestions)
+
+
+def test_planning_for_another_machine_ignores_this_gpu(monkeypatch):
+    """Planning for a GPU elsewhere (``flowtrain simulate --machine``): ``local_gpu=False`` takes
+    ``--gpu-mem`` alone, while a plan for this machine is capped by what its GPU has free."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (2 * GiB, 80 * GiB))
+    here = plan(resident="none", gpu_mem=139.0)
+    elsewhere = plan_run(preset("llama-8b"), RunRequest(seq_len=4096, batch_size=16, micro_batch_size=4,
+                                                        host_mem=118.0, gpu_mem=139.0, resident="none"),
+                         device=CUDA, dtype=BF16, local_gpu=False)
+    assert here.gpu_limit < 2 * GiB and not here.fits
+    assert elsewhere.gpu_limit == int(139.0 * GiB * 0.92) and elsewhere.fits
+
+
+@pytest.mark.parametrize("spec_kw", [
+    {"layers": 4, "micro_batches": 3},
+    {"layers": 4, "micro_batches": 3, "order": "micro"},
+    {"layers": 4, "micro_batches": 2, "staged": True, "resident": ("embed", "head")},
+    {"layers": 4, "micro_batches": 2, "staged": True, "resident": ("embed", "head", *(f"layer.{i}" for i in range(4)))},
+])
+def test_budgets_asked_once_per_step_shape_are_what_the_policy_proposes(spec_kw):
+    """The planner asks a policy for its budgets once per (policy, StepSpec): the answer is the
+    policy's proposal on the compiled graph, and two policy objects with the same class but
+    other settings are asked separately."""
+    from flowtrain.graph import StepSpec
+    from flowtrain.policy import resolve_policy
+    from flowtrain.train.plan import _BudgetCache
+
+    cache, spec = _BudgetCache(), StepSpec(**spec_kw)
+    for policy in ("double_buffer", "sequential", resolve_policy("lookahead", k=3), resolve_policy("lookahead", k=5)):
+        assert cache(spec, policy) == _BudgetCache._ask(spec, policy)
+        assert cache(spec, policy) == _BudgetCache._ask(spec, policy)  # the cached answer
+    assert cache(spec, resolve_policy("lookahead", k=5))[0][WEIGHTS] == 5
+
+
+def test_planning_compiles_each_step_shape_once(monkeypatch):
+    """8b in 10 GB at one sequence per micro-batch tries ~200 candidates (placements, loss
+    chunks, slot caps, micro-batch sizes, suggestions) of ~25 step shapes: the step graph, from
+    which the policy proposes budgets, is compiled once per shape, not per candidate (one
+    policy: with another, ``--policy sequential`` would be a suggestion, asked separately)."""
+    from flowtrain.train import plan as plan_module
+
+    compiled = []
+    real = plan_module.compile_step
+    monkeypatch.setattr(plan_module, "compile_step", lambda spec: compiled.append(msgspec.json.encode(spec)) or real(spec))
+    monkeypatch.setattr(plan_module, "_policy_budgets", plan_module._BudgetCache())
+    req = RunRequest(seq_len=4096, batch_size=16, micro_batch_size=1, host_mem=118.0, gpu_mem=10.0)
+    p = plan_run(preset("llama-8b"), req, device=CUDA, dtype=BF16, policy="sequential")
+    assert not p.fits and p.suggestions  # the long way: every fallback was planned
+    assert len(compiled) == len(set(compiled)) > 10
