@@ -31,13 +31,18 @@ W="--model llama-3b --seq-len 4096 --micro-batch-size 4 --host-mem 110"
 for job in "$@"; do
   case $job in
     info) nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee -a "$OUT/log.txt"; free -g | tee -a "$OUT/log.txt" ;;
-    tests) log tests; timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/train/test_gpu.py tests/train/model/test_model_gpu.py 2>&1 | tail -15 | tee -a "$OUT/log.txt" ;;
+    tests) log tests; timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/train/test_gpu.py tests/train/model/test_model_gpu.py tests/train/model/test_attention.py 2>&1 | tail -15 | tee -a "$OUT/log.txt" ;;
     w1) bench w1 $W --batch-size 4 --steps 7 --trace "$OUT/w1-trace.json" ;;
     w1c) bench w1c $W --batch-size 4 --steps 7 --compile ;;
     w1none) bench w1none $W --batch-size 4 --steps 6 --resident none ;;
     w2) bench w2 $W --batch-size 16 --steps 5 --trace "$OUT/w2-trace.json" ;;
     w2c) bench w2c $W --batch-size 16 --steps 5 --compile ;;
     gpu1) anchor gpu 1 4 ;;
+    liger1) LIGER=1 CKPT=0 anchor gpu 1 4 ;;   # the strongest all-on-GPU run at W1
+    liger4) LIGER=1 CKPT=0 anchor gpu 4 3 ;;   # ... and at W2
+    w1r) bench w1r $W --batch-size 4 --steps 7 --activations recompute ;;
+    w1g80) bench w1g80 $W --batch-size 4 --steps 7 --gpu-mem 80 ;;
+    w2r) bench w2r $W --batch-size 16 --steps 5 --activations recompute ;;
     gpu4) anchor gpu 4 4 ;;
     ds1) anchor ds 1 4 ;;
     ds4) anchor ds 4 3 ;;
@@ -45,6 +50,15 @@ for job in "$@"; do
     8bauto) bench 8bauto --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 ${EXTRA8:-} ;;
     8b10) bench 8b10 --model llama-8b --seq-len 4096 --batch-size 2 --micro-batch-size 1 --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 ;;
     14b) bench 14b --model qwen-14b --seq-len 4096 --batch-size 8 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 ${EXTRA8:-} ;;
+    layer) log layer; timeout 200 python3 docs/bench/layer_packing.py 2>&1 | tail -3 | tee -a "$OUT/log.txt" | tee -a "$RES" ;;
+    attn) log attn; timeout 120 python3 docs/bench/attn_packing.py 2>&1 | tail -3 | tee -a "$OUT/log.txt" | tee -a "$RES" ;;
+    packdata)  # chat-shaped id rows (and the same tokens as one stream) for the packing runs
+      python3 docs/bench/chat_ids.py /tmp/chat-qwen --vocab 151936 --rows 4000 | tee -a "$OUT/log.txt"
+      python3 docs/bench/chat_ids.py /tmp/chat-llama --vocab 128256 --rows 4000 | tee -a "$OUT/log.txt" ;;
+    q8pack) bench q8pack --model qwen3-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 --resident none --data /tmp/chat-qwen.jsonl ;;
+    8bpack) bench 8bpack --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 --resident none --data /tmp/chat-llama.jsonl ;;
+    8bstream) bench 8bstream --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 --resident none --data /tmp/chat-llama.npy ;;
+    probe) log probe; timeout 240 $FT probe --out "$OUT/h200-probe.json" 2>&1 | tail -5 | tee -a "$OUT/log.txt" ;;
     ckpt)  # checkpoint cost and exact resume: llama-1b (a 3b/8b checkpoint outgrows the 64 GiB disk)
       C="--model llama-1b --seq-len 4096 --batch-size 4 --micro-batch-size 4 --steps 10 --compile none --no-progress"
       log "ckpt: no saves"; $FT train $C --metrics "$OUT/ckpt-plain.jsonl" 2>&1 | tail -2 | tee -a "$OUT/log.txt"

@@ -48,16 +48,20 @@ class Documents:
     """Where the documents of one micro-batch start.
 
     ``positions`` (batch, seq) int64 is each token's position inside its document (0 where a
-    document starts; every row starts a document). ``cu_seqlens`` (docs + 1,) int32 are the
-    document boundaries in the flattened (batch * seq) token order, ``max_len`` a bound on the
-    longest document (the row length: one value per run, so a compiled layer is not
-    specialised anew for every micro-batch): what variable-length kernels take. Built on the
-    host from CPU positions (no device synchronisation later), then moved with :meth:`to`.
+    document starts; every row starts a document). ``cu_seqlens`` int32 are the document
+    boundaries in the flattened (batch * seq) token order, ``max_len`` a bound on the longest
+    document: what variable-length kernels take. A compiled layer is specialised on shapes and
+    ints, and the number of documents changes every micro-batch, so ``max_len`` is the row
+    length and ``cu_seqlens`` is padded with empty documents (the total repeated) to a power of
+    two entries: a run compiles the layer for a handful of sizes, not for every count. ``count``
+    is the number of real documents. Built on the host from CPU positions (no device
+    synchronisation later), then moved with :meth:`to`.
     """
 
     positions: Tensor
     cu_seqlens: Tensor
     max_len: int
+    count: int
 
     @classmethod
     def from_positions(cls, positions: Tensor) -> Documents:
@@ -69,27 +73,30 @@ class Documents:
         starts = flat == 0
         starts[::seq] = True
         idx = torch.nonzero(starts).reshape(-1)
-        cu = torch.cat([idx, torch.tensor([batch * seq])]).to(torch.int32)
-        return cls(positions, cu, seq)
+        entries = max(8, 1 << len(idx).bit_length())  # a power of two above count + 1
+        cu = torch.full((entries,), batch * seq, dtype=torch.int32)
+        cu[: len(idx)] = idx
+        return cls(positions, cu, seq, len(idx))
 
     @property
     def packed(self) -> bool:
         """Whether some row holds more than one document."""
-        return self.cu_seqlens.numel() - 1 > self.positions.shape[0]
+        return self.count > self.positions.shape[0]
 
     def to(self, device: torch.device | str, non_blocking: bool = False) -> Documents:
         return Documents(
             self.positions.to(device, non_blocking=non_blocking),
             self.cu_seqlens.to(device, non_blocking=non_blocking),
             self.max_len,
+            self.count,
         )
 
     def doc_ids(self) -> Tensor:
         """(batch, seq) int64: a document number per token, counted over the whole batch."""
         batch, seq = self.positions.shape
-        starts = torch.zeros(batch * seq, dtype=torch.int64, device=self.positions.device)
-        starts[self.cu_seqlens[:-1].long()] = 1
-        return (starts.cumsum(0) - 1).view(batch, seq)
+        starts = torch.zeros(batch * seq + 1, dtype=torch.int64, device=self.positions.device)
+        starts[self.cu_seqlens.long()] = 1  # the padding entries all mark the end
+        return (starts[:-1].cumsum(0) - 1).view(batch, seq)
 
 
 def rotary_for(cos: Tensor, sin: Tensor, docs: Documents | None) -> tuple[Tensor, Tensor]:
@@ -150,19 +157,28 @@ def attend(q: Tensor, k: Tensor, v: Tensor, docs: Documents | None, window: int 
     if docs is None and window is None:
         gqa = k.shape[1] < q.shape[1]
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
-    return _attend_masked(q, k, v, docs, window, scale)
-
-
-@torch.compiler.disable
-def _attend_masked(q: Tensor, k: Tensor, v: Tensor, docs: Documents | None, window: int | None,
-                   scale: float | None) -> Tensor:
-    """Attention with documents or a window, run eagerly even inside a compiled layer: the
-    number of documents changes from micro-batch to micro-batch, and a compiled graph would
-    be specialised (and recompiled) for each count."""
     if docs is None:
         docs = _whole_rows(q.shape[0], q.shape[2], q.device)
     if q.is_cuda and _varlen_kwargs(window) is not None:
-        return _varlen(q, k, v, docs, window, scale)
+        return _varlen(q, k, v, docs, window, scale)  # traced into a compiled layer
+    return _attend_masked(q, k, v, docs, window, scale)
+
+
+def _attend_masked(q: Tensor, k: Tensor, v: Tensor, docs: Documents, window: int | None,
+                   scale: float | None) -> Tensor:
+    """The reference: SDPA with an explicit (batch, 1, seq, seq) mask. Compiled layers call
+    it eagerly: its mask depends on the documents' positions."""
+    global _MASKED_EAGER
+    if _MASKED_EAGER is None:  # made when first needed: torch.compiler loads slowly
+        _MASKED_EAGER = torch.compiler.disable(_masked_sdpa)
+    return _MASKED_EAGER(q, k, v, docs, window, scale)
+
+
+_MASKED_EAGER: Callable | None = None
+
+
+def _masked_sdpa(q: Tensor, k: Tensor, v: Tensor, docs: Documents, window: int | None,
+                 scale: float | None) -> Tensor:
     gqa = k.shape[1] < q.shape[1]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=_mask(docs, window), enable_gqa=gqa,
                                           scale=scale)
@@ -171,7 +187,7 @@ def _attend_masked(q: Tensor, k: Tensor, v: Tensor, docs: Documents | None, wind
 def _whole_rows(batch: int, seq: int, device: torch.device) -> Documents:
     positions = torch.arange(seq, device=device).expand(batch, seq)
     cu = torch.arange(0, batch * seq + 1, seq, device=device, dtype=torch.int32)
-    return Documents(positions, cu, seq)
+    return Documents(positions, cu, seq, batch)
 
 
 def _mask(docs: Documents, window: int | None) -> Tensor:

@@ -59,12 +59,13 @@ def test_attend_is_each_document_alone(window, kv_heads):
 
 def test_documents_from_positions():
     docs = Documents.from_positions(_positions())
-    assert docs.cu_seqlens.tolist() == [0, 5, 12, 16, 32, 35, 38, 41, 44, 48]
+    assert docs.cu_seqlens.tolist() == [0, 5, 12, 16, 32, 35, 38, 41, 44] + [48] * 7  # padded to 16
+    assert docs.count == 9
     assert docs.max_len == SEQ and docs.packed
     assert docs.doc_ids()[0].tolist() == [0] * 5 + [1] * 7 + [2] * 4
     # A row that does not start at position 0 still starts a document.
     odd = Documents.from_positions(torch.arange(2, 10).expand(2, 8))
-    assert odd.cu_seqlens.tolist() == [0, 8, 16] and not odd.packed
+    assert odd.cu_seqlens.tolist()[:3] == [0, 8, 16] and odd.count == 2 and not odd.packed
 
 
 def test_unpacked_rows_use_the_plain_causal_kernel():
