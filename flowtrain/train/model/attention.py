@@ -211,8 +211,9 @@ def _varlen_params() -> frozenset[str] | None:
     return frozenset(inspect.signature(varlen_attn).parameters)
 
 
-#: read once at import, so that a compiled layer sees a constant
-_VARLEN_PARAMS = _varlen_params()
+#: read once at import, so that a compiled layer sees a constant; only where there is a GPU to
+#: run the kernel on (importing it loads torch's compiler, a second of every command's start)
+_VARLEN_PARAMS = _varlen_params() if torch.cuda.is_available() else None
 
 
 def _varlen_kwargs(window: int | None) -> dict | None:
