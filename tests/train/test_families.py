@@ -2,8 +2,9 @@
 
 The Llama case is ``test_train_vs_hf``; here the same three steps of two micro-batches run
 on a tiny Qwen3 (per-head q/k RMSNorm, head_dim 16 on a 32-wide model, with and without a
-tied head and attention biases) and on a Mistral, both with a sliding window (5) shorter than
-the sequences (12), so the window changes what a token sees and flowtrain must apply it as
+tied head and attention biases), a Qwen2 (q/k/v biases, tied and untied), a Mistral and two
+Gemma 3s (a sliding and a global layer), most with a sliding window (5) shorter than the
+sequences (12), so the window changes what a token sees and flowtrain must apply it as
 transformers does (the last 5 positions, the token itself included).
 
 Qwen3's runs are less well conditioned than Llama's: Adam's first updates (~ g / |g|) magnify
@@ -30,6 +31,10 @@ FAMILIES = {
     "qwen3-tied-bias-window": dict(model_type="qwen3", head_dim=16, tied=True, attention_bias=True,
                                    use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
     "mistral-window": dict(model_type="mistral", sliding_window=WINDOW),
+    # Qwen2: biases on q, k and v; untied, and tied with a window on layer 1.
+    "qwen2-untied": dict(model_type="qwen2"),
+    "qwen2-tied-window": dict(model_type="qwen2", tied=True, use_sliding_window=True,
+                              sliding_window=WINDOW, max_window_layers=1),
     # Gemma 3 (tied, as its checkpoints are): a sliding layer then a global one.
     "gemma3": dict(model_type="gemma3_text", head_dim=16, sliding_window=WINDOW, tied=True,
                    layer_types=["sliding_attention", "full_attention"], query_pre_attn_scalar=16),
