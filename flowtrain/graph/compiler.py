@@ -52,11 +52,18 @@ is offloaded and updated in ``grad_chunks[key]`` pieces, each a pair ``offload_g
 Micro-batch order: ``"layer"`` (layer-major) runs every micro-batch through a layer before the
 next layer, so each unit is fetched once per pass; ``"micro"`` (micro-batch-major) runs each
 micro-batch through the whole model and fetches weights per micro-batch.
+
+Phases: :func:`compile_step` is a short list of calls to ``_StepBuilder``, one method per phase,
+in the order the tasks are inserted: forward (``embed``, each layer's ``forward``, ``loss``),
+backward (per checkpoint segment from the top, ``recompute`` then ``backward``; last
+``embed_backward``), gradient hand-off (``offload_grad``, or a resident unit's last gradient
+writers) and the optimizer (a streamed unit's ``cpu_adam`` as soon as its gradient is handed
+off; the ``grad_norm`` / ``found_inf`` gate and the Adam held back for it; ``verify_step``).
 """
 
 from __future__ import annotations
 
-from typing import Iterable, Iterator
+from typing import Iterable
 
 import msgspec
 import networkx as nx
@@ -171,244 +178,285 @@ class _Builder:
 
 
 def compile_step(spec: StepSpec, step: int = 0) -> nx.DiGraph:
-    """Build the task graph of one optimizer step (``step`` is stamped on every task)."""
+    """Build the task graph of one optimizer step (``step`` is stamped on every task).
+
+    The phases are called in serial order, which is the order the nodes are inserted in.
+    Layer-major, all micro-batches go through each phase together, and each layer's gradient is
+    handed off as soon as its backward is done. Micro-batch-major, each micro-batch runs forward
+    and backward alone, and the gradients are handed off once every micro-batch has added to them.
+    """
     spec.validate()
-    b = _Builder(spec, step)
-    L, M, k = spec.layers, spec.micro_batches, spec.checkpoint_every
-    layer_major = spec.order == "layer"
-    mbs = range(M)
+    s = _StepBuilder(spec, step)
+    every = range(spec.micro_batches)
+    if spec.order == "layer":
+        s.forward(every, fetch_mb=None)
+        s.hand_off_head()  # complete once every loss has run
+        s.backward(every, fetch_mb=None, hand_off=True)
+    else:
+        for m in every:
+            s.forward([m], fetch_mb=m)
+            s.backward([m], fetch_mb=m, hand_off=False)
+        s.hand_off_head()
+        for i in reversed(range(spec.layers)):
+            s.hand_off_layer(i)
+    s.hand_off_embed()
+    s.optimizer()
+    return s.g
 
-    def fetch(unit: str, layer: int | None, phase: str, m: int | None) -> Task | None:
+
+class _StepBuilder(_Builder):
+    """One step's graph under construction: one method per phase, called by :func:`compile_step`.
+
+    Phases pass tasks to each other through the tables below, keyed by ``(layer, micro_batch)``.
+    In the methods, ``mbs`` are the micro-batches a call covers (all of them layer-major, one
+    micro-batch-major) and ``fetch_mb`` the micro-batch its fetches serve (``None`` where one
+    fetch serves them all).
+    """
+
+    def __init__(self, spec: StepSpec, step: int) -> None:
+        super().__init__(spec, step)
+        self.spec = spec
+        L, k = spec.layers, spec.checkpoint_every
+        #: checkpoint segments ``[c, end)``: the input of layer ``c`` is kept from the forward.
+        self.segments = [(c, min(c + k, L)) for c in range(0, L, k)]
+        self.fwd_input: dict[tuple[int, int], Task] = {}  # producer of layer i's input, forward
+        self.bwd_input: dict[tuple[int, int], Task] = {}  # producer of layer i's input, backward
+        self.grad_out: dict[tuple[int, int], Task] = {}  # producer of d(output of layer i)
+        self.losses: dict[int, Task] = {}
+        self.embed_grads: list[Task] = []  # the embed_backward tasks
+        self.grad_slot: dict[tuple[str, int | None], Task] = {}  # zero_grad of a streamed unit
+        self.head_offload: list[Task] = []
+        self.offloads: list[Task] = []  # every gradient hand-off, for grad_norm / found_inf
+        self.resident_done: list[Task] = []  # the last gradient writers of resident units
+        self.held_back: list[tuple[list[Task], str, int | None]] = []  # Adam placed after the gate
+
+    # ---- weights and gradient slots ----------------------------------------------------
+    def fetch(self, unit: str, layer: int | None, phase: str, fetch_mb: int | None) -> Task | None:
         """The fetch of a streamed unit; ``None`` for a resident one (its weights are there)."""
-        if spec.is_resident(unit, layer):
+        if self.spec.is_resident(unit, layer):
             return None
-        return b.node(Fetch, unit=unit, layer=layer, phase=phase, micro_batch=None if layer_major else m)
+        return self.node(Fetch, unit=unit, layer=layer, phase=phase, micro_batch=fetch_mb)
 
-    def reads(slot_task: Task | None, consumer: Task) -> None:
-        if slot_task is not None:
-            b.dep(slot_task, consumer, reads=True)
-
-    keep = frozenset(spec.keep)
-
-    def kept(i: int) -> str | None:
-        """The phase of layer i's forward and backward: ``"keep"`` where its activations stay."""
-        return "keep" if i in keep else None
-
-    # Which task produced the input of layer i for micro-batch m during the forward pass.
-    fwd_input: dict[tuple[int, int], Task] = {}
-    embeds: dict[int, Task] = {}
-    losses: dict[int, Task] = {}
-
-    # ---- forward ---------------------------------------------------------------------
-    def forward_pass(m_range: Iterator[int] | range, per_mb: int | None) -> None:
-        f = fetch("embed", None, "forward", per_mb)
-        for m in m_range:
-            embeds[m] = b.node(Embed, unit="embed", micro_batch=m)
-            reads(f, embeds[m])
-            fwd_input[(0, m)] = embeds[m]
-
-    def layer_forward(i: int, m_range, per_mb: int | None) -> None:
-        f = fetch("layer", i, "forward", per_mb)
-        for m in m_range:
-            t = b.node(Forward, unit="layer", layer=i, micro_batch=m, phase=kept(i))
-            reads(f, t)
-            b.dep(fwd_input[(i, m)], t)
-            fwd_input[(i + 1, m)] = t
-
-    head_grad = None
-
-    def loss_pass(m_range, per_mb: int | None) -> None:
-        nonlocal head_grad
-        f = fetch("head", None, "forward", per_mb)
-        if head_grad is None:
-            head_grad = zero_grad("head", None)
-        for m in m_range:
-            t = b.node(Loss, unit="head", micro_batch=m)
-            reads(f, t)
-            reads(head_grad, t)
-            b.dep(fwd_input[(L, m)], t)
-            losses[m] = t
-
-    # ---- backward --------------------------------------------------------------------
-    grad_slot: dict[tuple[str, int | None], Task] = {}
-    grad_out: dict[tuple[int, int], Task] = {}  # producer of d(output of layer i) for m
-    bwd_input: dict[tuple[int, int], Task] = {}  # producer of the input of layer i in backward
-    offloads: list[Task] = []
-    resident_done: list[Task] = []  # the last gradient writers of resident units
-
-    def zero_grad(unit: str, layer: int | None) -> Task | None:
-        """The gradient slot of a streamed unit; ``None`` for a resident one (it has its own)."""
-        if spec.is_resident(unit, layer):
+    def zero_grad(self, unit: str, layer: int | None) -> Task | None:
+        """The gradient slot of a streamed unit, zeroed once a step and added to by every
+        micro-batch; ``None`` for a resident one (it has its own)."""
+        if self.spec.is_resident(unit, layer):
             return None
         key = (unit, layer)
-        if key not in grad_slot:
-            grad_slot[key] = b.node(ZeroGrad, unit=unit, layer=layer)
-        return grad_slot[key]
+        if key not in self.grad_slot:
+            self.grad_slot[key] = self.node(ZeroGrad, unit=unit, layer=layer)
+        return self.grad_slot[key]
 
-    def recompute(j: int, m_range, per_mb: int | None) -> None:
-        f = fetch("layer", j, "recompute", per_mb)
-        for m in m_range:
-            t = b.node(Recompute, unit="layer", layer=j, micro_batch=m)
-            reads(f, t)
-            b.dep(bwd_input[(j, m)], t)
-            bwd_input[(j + 1, m)] = t
+    def reads(self, slot_task: Task | None, consumer: Task) -> None:
+        """``consumer`` reads the slot ``slot_task`` filled; no edge for a resident unit's ``None``."""
+        if slot_task is not None:
+            self.dep(slot_task, consumer, reads=True)
 
-    def backward(i: int, m_range, per_mb: int | None) -> None:
-        f = fetch("layer", i, "backward", per_mb)
-        z = zero_grad("layer", i)
-        for m in m_range:
-            t = b.node(Backward, unit="layer", layer=i, micro_batch=m, phase=kept(i))
-            reads(f, t)
-            reads(z, t)
-            b.dep(bwd_input[(i, m)], t)
-            b.dep(grad_out[(i, m)], t)
-            grad_out[(i - 1, m)] = t
+    def layer_phase(self, i: int) -> str | None:
+        """The phase of layer i's forward and backward: ``"keep"`` where its activations stay."""
+        return "keep" if i in self.spec.keep else None
 
-    def embed_backward(m_range) -> None:
-        z = zero_grad("embed", None)
-        for m in m_range:
-            t = b.node(EmbedBackward, unit="embed", micro_batch=m)
-            reads(z, t)
-            b.dep(grad_out[(-1, m)], t)
+    # ---- forward: embed, layer forwards, loss ------------------------------------------
+    def forward(self, mbs: Iterable[int], fetch_mb: int | None) -> None:
+        """Embed ``mbs``, run them up through every layer, and end each in its loss."""
+        self.embed(mbs, fetch_mb)
+        for i in range(self.spec.layers):
+            self.layer_forward(i, mbs, fetch_mb)
+        self.loss(mbs, fetch_mb)
 
-    def offload(unit: str, layer: int | None, readers: list[Task]) -> list[Task]:
+    def embed(self, mbs: Iterable[int], fetch_mb: int | None) -> None:
+        """``embed`` per micro-batch, reading the embedding's weights: the input of layer 0."""
+        f = self.fetch("embed", None, "forward", fetch_mb)
+        for m in mbs:
+            t = self.node(Embed, unit="embed", micro_batch=m)
+            self.reads(f, t)
+            self.fwd_input[(0, m)] = t
+
+    def layer_forward(self, i: int, mbs: Iterable[int], fetch_mb: int | None) -> None:
+        """``forward`` of layer i per micro-batch: its weights and its input give layer i+1's."""
+        f = self.fetch("layer", i, "forward", fetch_mb)
+        for m in mbs:
+            t = self.node(Forward, unit="layer", layer=i, micro_batch=m, phase=self.layer_phase(i))
+            self.reads(f, t)
+            self.dep(self.fwd_input[(i, m)], t)
+            self.fwd_input[(i + 1, m)] = t
+
+    def loss(self, mbs: Iterable[int], fetch_mb: int | None) -> None:
+        """``loss`` per micro-batch on the top layer's output. It also starts the backward: it
+        writes the head's gradient into the head's slot (the head has no backward task) and
+        produces the gradient of the top layer's output."""
+        f = self.fetch("head", None, "forward", fetch_mb)
+        z = self.zero_grad("head", None)
+        for m in mbs:
+            t = self.node(Loss, unit="head", micro_batch=m)
+            self.reads(f, t)
+            self.reads(z, t)
+            self.dep(self.fwd_input[(self.spec.layers, m)], t)
+            self.losses[m] = t
+
+    # ---- backward: recompute segments, layer backwards, embed backward ------------------
+    def backward(self, mbs: Iterable[int], fetch_mb: int | None, *, hand_off: bool) -> None:
+        """Run ``mbs`` back down the model one checkpoint segment at a time, from the top: first
+        rebuild the inputs the forward did not keep (``recompute``), then the segment's layers'
+        backward top-down; end in ``embed_backward``. With ``hand_off`` each layer's gradient
+        goes to its optimizer right after its backward (layer-major: all micro-batches are in)."""
+        for m in mbs:
+            for c, _ in self.segments:
+                self.bwd_input[(c, m)] = self.fwd_input[(c, m)]
+            self.grad_out[(self.spec.layers - 1, m)] = self.losses[m]
+        for c, end in reversed(self.segments):
+            for j in range(c, end - 1):
+                self.recompute(j, mbs, fetch_mb)
+            for i in reversed(range(c, end)):
+                self.layer_backward(i, mbs, fetch_mb)
+                if hand_off:
+                    self.hand_off_layer(i)
+        self.embed_backward(mbs)
+
+    def recompute(self, j: int, mbs: Iterable[int], fetch_mb: int | None) -> None:
+        """``recompute`` of layer j: its forward once more (its weights fetched once more) to
+        rebuild the input of layer j+1 inside a segment."""
+        f = self.fetch("layer", j, "recompute", fetch_mb)
+        for m in mbs:
+            t = self.node(Recompute, unit="layer", layer=j, micro_batch=m)
+            self.reads(f, t)
+            self.dep(self.bwd_input[(j, m)], t)
+            self.bwd_input[(j + 1, m)] = t
+
+    def layer_backward(self, i: int, mbs: Iterable[int], fetch_mb: int | None) -> None:
+        """``backward`` of layer i: from its weights, its input and the gradient of its output,
+        the gradient of its input (for layer i-1), added to layer i's gradient slot."""
+        f = self.fetch("layer", i, "backward", fetch_mb)
+        z = self.zero_grad("layer", i)
+        for m in mbs:
+            t = self.node(Backward, unit="layer", layer=i, micro_batch=m, phase=self.layer_phase(i))
+            self.reads(f, t)
+            self.reads(z, t)
+            self.dep(self.bwd_input[(i, m)], t)
+            self.dep(self.grad_out[(i, m)], t)
+            self.grad_out[(i - 1, m)] = t
+
+    def embed_backward(self, mbs: Iterable[int]) -> None:
+        """``embed_backward``: the gradient of layer 0's input, added to the embedding's slot."""
+        z = self.zero_grad("embed", None)
+        for m in mbs:
+            t = self.node(EmbedBackward, unit="embed", micro_batch=m)
+            self.reads(z, t)
+            self.dep(self.grad_out[(-1, m)], t)
+            self.embed_grads.append(t)
+
+    # ---- gradient hand-off ---------------------------------------------------------------
+    def hand_off_head(self) -> None:
+        """Hand the head's gradient (written by every ``loss``) to its optimizer. A tied head's
+        Adam is queued later, by :meth:`hand_off_embed`: the matrix is the embedding's."""
+        self.head_offload = self.offload("head", None, list(self.losses.values()))
+        if not self.spec.tied:
+            self.adam(self.head_offload, "head", None)
+
+    def hand_off_layer(self, i: int) -> None:
+        """Hand layer i's gradient (written by its ``backward`` of every micro-batch) to its
+        optimizer."""
+        writers = [self.grad_out[(i - 1, m)] for m in range(self.spec.micro_batches)]
+        self.adam(self.offload("layer", i, writers), "layer", i)
+
+    def hand_off_embed(self) -> None:
+        """Hand the embedding's gradient to its optimizer, then, when tied, the head's."""
+        self.adam(self.offload("embed", None, self.embed_grads), "embed", None)
+        if self.spec.tied:
+            self.adam(self.head_offload, "head", None)
+
+    def offload(self, unit: str, layer: int | None, readers: list[Task]) -> list[Task]:
         """What hands a unit's finished gradient to its optimizer: ``offload_grad`` tasks of a
         streamed unit (one per staging chunk), or, for a resident unit, its last gradient
         writers themselves (plus a ``grad_sq_norm`` when clipping needs the norm first)."""
-        if spec.is_resident(unit, layer):
-            resident_done.extend(readers)
-            if spec.grad_clip:
-                t = b.node(GradSqNorm, unit=unit, layer=layer)
+        if self.spec.is_resident(unit, layer):
+            self.resident_done.extend(readers)
+            if self.spec.grad_clip:
+                t = self.node(GradSqNorm, unit=unit, layer=layer)
                 for r in readers:
-                    b.dep(r, t)
-                offloads.append(t)
+                    self.dep(r, t)
+                self.offloads.append(t)
             return list(readers)
-        slot = grad_slot[(unit, layer)] if unit != "head" else head_grad
-        chunks = [None] if not spec.staged else list(range(spec.chunks(unit, layer)))
+        slot = self.grad_slot[(unit, layer)]
+        chunks = [None] if not self.spec.staged else list(range(self.spec.chunks(unit, layer)))
         out = []
         for c in chunks:
-            t = b.node(OffloadGrad, unit=unit, layer=layer, chunk=c)
-            b.dep(slot, t, reads=True)
+            t = self.node(OffloadGrad, unit=unit, layer=layer, chunk=c)
+            self.dep(slot, t, reads=True)
             for r in readers:
-                b.dep(r, t)
-            offloads.append(t)
+                self.dep(r, t)
+            self.offloads.append(t)
             out.append(t)
         return out
 
-    adam_after: list[tuple[list[Task], str, int | None]] = []
-
-    def adam(offs: list[Task], unit: str, layer: int | None) -> None:
-        if spec.grad_clip or spec.is_resident(unit, layer):
-            adam_after.append((offs, unit, layer))  # placed after the global norm / found_inf
+    # ---- optimizer: cpu_adam / gpu_adam, grad_norm / found_inf gate, verify_step ----------
+    def adam(self, offs: list[Task], unit: str, layer: int | None) -> None:
+        """A unit's Adam on its handed-off gradient: placed now, or held back for the step's
+        gate (:meth:`optimizer`) when clipping needs the global norm first or the unit is
+        resident (a ``gpu_adam`` cannot be put back, so it must know the step is finite)."""
+        if self.spec.grad_clip or self.spec.is_resident(unit, layer):
+            self.held_back.append((offs, unit, layer))
             return
-        adam_tasks(offs, unit, layer, norm=None)
+        self.adam_tasks(offs, unit, layer, norm=None)
 
-    def adam_tasks(offs: list[Task], unit: str, layer: int | None, norm: Task | None) -> None:
+    def optimizer(self) -> None:
+        """Close the step: the gate (``grad_norm`` with clipping, else ``found_inf`` if any Adam
+        was held back), the held-back Adam tasks after it, bottom-up so that the next step's
+        forward can start as soon as possible, and, without clipping, ``verify_step``."""
+        gate = None
+        if self.spec.grad_clip:
+            gate = self.after_all(GradNorm, self.offloads)
+        elif self.held_back:
+            gate = self.after_all(FoundInf, self.offloads + self.resident_done)
+        order = {"embed": -1, "layer": 0, "head": self.spec.layers}
+        for offs, unit, layer in sorted(self.held_back, key=lambda a: order[a[1]] + (a[2] or 0)):
+            self.adam_tasks(offs, unit, layer, norm=gate)
+        if not self.spec.grad_clip:
+            self.verify_step(gate)
+
+    def adam_tasks(self, offs: list[Task], unit: str, layer: int | None, norm: Task | None) -> None:
         """``gpu_adam`` of a resident unit after all its gradient writers; ``cpu_adam`` of a
         streamed one, per offloaded chunk (reading the chunk's staging slot when staged); each
         also after ``norm`` (the step's ``grad_norm`` or ``found_inf``) where there is one."""
-        if spec.is_resident(unit, layer):
-            t = b.node(GpuAdam, unit=unit, layer=layer)
+        if self.spec.is_resident(unit, layer):
+            t = self.node(GpuAdam, unit=unit, layer=layer)
             for off in offs:
-                b.dep(off, t)
+                self.dep(off, t)
             after = [t]
         else:
             after = []
             for off in offs:
-                t = b.node(CpuAdam, unit=unit, layer=layer, chunk=off.chunk)
-                b.dep(off, t, reads=off.takes is not None)
+                t = self.node(CpuAdam, unit=unit, layer=layer, chunk=off.chunk)
+                self.dep(off, t, reads=off.takes is not None)
                 after.append(t)
         for t in after:
             if norm is not None:
-                b.dep(norm, t)
-            if spec.tied and unit == "embed" and not spec.is_resident(unit, layer):
-                for h in head_offload:
-                    b.dep(h, t)  # the tied matrix also has the head's gradient
+                self.dep(norm, t)
+            if self.spec.tied and unit == "embed" and not self.spec.is_resident(unit, layer):
+                for h in self.head_offload:
+                    self.dep(h, t)  # the tied matrix also has the head's gradient
 
-    segments = [(c, min(c + k, L)) for c in range(0, L, k)]
+    def after_all(self, cls: type[Task], gradients: list[Task]) -> Task:
+        """One task after every gradient of the step (each offload, or each resident unit's last
+        writer), which every held-back Adam task then waits for: ``grad_norm`` (the global norm
+        for clipping, on the host) or ``found_inf`` (whether any gradient or the loss is not
+        finite, on the device, for the resident units' ``gpu_adam``)."""
+        t = self.node(cls)
+        for g in gradients:
+            self.dep(g, t)
+        return t
 
-    def backward_inputs(m: int) -> None:
-        for c, _ in segments:
-            bwd_input[(c, m)] = fwd_input[(c, m)]
-        grad_out[(L - 1, m)] = losses[m]
-
-    head_offload: list[Task] = []
-    if layer_major:
-        forward_pass(mbs, None)
-        for i in range(L):
-            layer_forward(i, mbs, None)
-        loss_pass(mbs, None)
-        head_offload = offload("head", None, [losses[m] for m in mbs])
-        if not spec.tied:
-            adam(head_offload, "head", None)
-        for m in mbs:
-            backward_inputs(m)
-        for c, end in reversed(segments):
-            for j in range(c, end - 1):
-                recompute(j, mbs, None)
-            for i in reversed(range(c, end)):
-                backward(i, mbs, None)
-                adam(offload("layer", i, [grad_out[(i - 1, m)] for m in mbs]), "layer", i)
-        embed_backward(mbs)
-    else:
-        for m in mbs:
-            forward_pass([m], m)
-            for i in range(L):
-                layer_forward(i, [m], m)
-            loss_pass([m], m)
-            backward_inputs(m)
-            for c, end in reversed(segments):
-                for j in range(c, end - 1):
-                    recompute(j, [m], m)
-                for i in reversed(range(c, end)):
-                    backward(i, [m], m)
-            embed_backward([m])
-        head_offload = offload("head", None, [losses[m] for m in mbs])
-        if not spec.tied:
-            adam(head_offload, "head", None)
-        for i in reversed(range(L)):
-            adam(offload("layer", i, [grad_out[(i - 1, m)] for m in mbs]), "layer", i)
-    embed_readers = [t for t in b.g if isinstance(t, EmbedBackward)]
-    embed_off = offload("embed", None, embed_readers)
-    adam(embed_off, "embed", None)
-    if spec.tied:
-        adam(head_offload, "head", None)
-
-    gate = None
-    if spec.grad_clip:
-        gate = _after_all(b, GradNorm, offloads)
-    elif adam_after:
-        gate = _after_all(b, FoundInf, offloads + resident_done)
-    # Bottom-up, so that the next step's forward can start as soon as possible.
-    order = {"embed": -1, "layer": 0, "head": L}
-    for offs, unit, layer in sorted(adam_after, key=lambda a: order[a[1]] + (a[2] or 0)):
-        adam_tasks(offs, unit, layer, norm=gate)
-    if not spec.grad_clip:
-        _verify_step(b, gate)
-    return b.g
-
-
-def _after_all(b: _Builder, cls: type[Task], gradients: list[Task]) -> Task:
-    """One task after every gradient of the step (each offload, or each resident unit's last
-    writer), which every held-back Adam task then waits for: ``grad_norm`` (the global norm for
-    clipping, on the host) or ``found_inf`` (whether any gradient or the loss is not finite, on
-    the device, for the resident units' ``gpu_adam``)."""
-    t = b.node(cls)
-    for g in gradients:
-        b.dep(g, t)
-    return t
-
-
-def _verify_step(b: _Builder, found_inf: Task | None) -> None:
-    """``verify_step`` after every ``cpu_adam`` of the step (and ``found_inf``, which covers the
-    resident units' gradients): the point from which the step's updates are final. None without
-    a ``cpu_adam``: resident units are only ever updated once the step is known finite."""
-    adams = [t for t in b.g if isinstance(t, CpuAdam)]
-    if not adams:
-        return
-    t = b.node(VerifyStep)
-    for a in adams + ([found_inf] if found_inf is not None else []):
-        b.dep(a, t)
+    def verify_step(self, found_inf: Task | None) -> None:
+        """``verify_step`` after every ``cpu_adam`` of the step (and ``found_inf``, which covers
+        the resident units' gradients): the point from which the step's updates are final. None
+        without a ``cpu_adam``: resident units are only ever updated once the step is known
+        finite."""
+        adams = [t for t in self.g if isinstance(t, CpuAdam)]
+        if not adams:
+            return
+        t = self.node(VerifyStep)
+        for a in adams + ([found_inf] if found_inf is not None else []):
+            self.dep(a, t)
 
 
 def cross_step_edges(earlier: Iterable[Task], later: Iterable[Task], spec: StepSpec) -> list[tuple[Task, Task]]:
