@@ -59,6 +59,16 @@ def hf_model(cfg: ModelConfig, seed: int) -> PreTrainedModel:
     return model.eval()
 
 
+def assert_grads_match(model: PreTrainedModel, layouts, flats: list[Tensor], tol: float) -> None:
+    """Every gradient in ``flats[i].grad`` (by checkpoint name) within ``tol`` of the
+    transformers model's own ``.grad``."""
+    params = dict(model.named_parameters())
+    for lay, flat in zip(layouts, flats):
+        grads = bind(flat.grad, lay)
+        for e in lay.entries:
+            assert rel_err(grads[e.key], params[e.name].grad) < tol, e.name
+
+
 def flats_from_hf(model: PreTrainedModel, cfg: ModelConfig, dtype=torch.float32) -> list[Tensor]:
     """flowtrain flat buffers holding ``model``'s weights, copied by checkpoint name."""
     state = model.state_dict()

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from flowtrain.train.model import bind, decoder_layer, embed, head_loss_and_grads, model_layouts, rope_tables
 from flowtrain.train.model.attention import Documents, attend, rotary_for
-from model_helpers import flats_from_hf, hf_model, rel_err, small_cfg
+from model_helpers import assert_grads_match, flats_from_hf, hf_model, rel_err, small_cfg
 
 TOL = 1e-5
 
@@ -123,11 +123,7 @@ def test_packed_rows_equal_transformers_per_document(name):
         x, w[-1]["norm"], w[-1]["lm_head"], targets, cfg.rms_norm_eps, 1 / n_targets)
     torch.autograd.backward([x, w[-1]["norm"], w[-1]["lm_head"]], [dx, dnorm, dhead])
     assert rel_err(loss, ref.detach()) < TOL
-    params = dict(model.named_parameters())
-    for lay, flat in zip(layouts, flats):
-        grads = bind(flat.grad, lay)
-        for e in lay.entries:
-            assert rel_err(grads[e.key], params[e.name].grad) < TOL, e.name
+    assert_grads_match(model, layouts, flats, TOL)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="the variable-length kernel runs on a GPU")

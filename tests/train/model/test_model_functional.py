@@ -22,7 +22,7 @@ from flowtrain.train.model import (
 )
 from flowtrain.train.model import RopeScaling
 from flowtrain.train.model.gemma import embed_multiplier
-from model_helpers import LLAMA3_SMALL, flats_from_hf, hf_model, rel_err, small_cfg
+from model_helpers import LLAMA3_SMALL, assert_grads_match, flats_from_hf, hf_model, rel_err, small_cfg
 
 TOL = 1e-5
 
@@ -276,8 +276,4 @@ def test_end_to_end_gradients_match_transformers(name):
         plus_one=cfg.family.gemma)
     torch.autograd.backward([x, w[-1]["norm"], head_w], [dx, dnorm, dhead])
     assert rel_err(loss, ref.detach()) < TOL
-    params = dict(model.named_parameters())
-    for lay, flat in zip(layouts, flats):
-        grads = bind(flat.grad, lay)
-        for e in lay.entries:
-            assert rel_err(grads[e.key], params[e.name].grad) < TOL, e.name
+    assert_grads_match(model, layouts, flats, TOL)
