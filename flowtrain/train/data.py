@@ -137,7 +137,7 @@ class Sequences:
 
     def fingerprint(self) -> str:
         """A short hash of the rows (input ids, targets, and positions when packed), as the run
-        sees them; unpacked, equal to ``resume.data_fingerprint(input_ids, targets)``. Cached
+        sees them; unpacked, the hash earlier checkpoints recorded. Cached
         data takes it from the cache index instead of reading every row."""
         if self._fingerprint is None:
             tensors = [self.input_ids, self.targets]

@@ -189,8 +189,9 @@ class RowWriter:
 
 
 def fingerprint(tensors: list[torch.Tensor]) -> str:
-    """A short hash of the rows as the run sees them: for ``[input_ids, targets]`` exactly
-    :func:`flowtrain.train.resume.data_fingerprint`, computed a block of rows at a time."""
+    """A short hash of the rows as the run sees them: sha256 over each tensor's shape and
+    bytes (the hash checkpoints have always recorded for ``[input_ids, targets]``), computed a
+    block of rows at a time."""
     h = hashlib.sha256()
     for t in tensors:
         h.update(str(tuple(t.shape)).encode())

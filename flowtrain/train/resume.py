@@ -16,7 +16,6 @@ may change on a resume::
 from __future__ import annotations
 
 import base64
-import hashlib
 import math
 
 import msgspec
@@ -33,15 +32,6 @@ MUST_MATCH = {
     "lr_schedule": "--lr-schedule", "min_lr": "--min-lr", "seed": "--seed", "shuffle": "--no-shuffle",
     "packing": "--no-packing",
 }
-
-
-def data_fingerprint(input_ids: torch.Tensor, targets: torch.Tensor) -> str:
-    """A short hash of the training sequences as the run sees them (after tokenising)."""
-    h = hashlib.sha256()
-    for t in (input_ids, targets):
-        h.update(str(tuple(t.shape)).encode())
-        h.update(t.contiguous().numpy().tobytes())
-    return h.hexdigest()[:32]
 
 
 def settings_of(cfg) -> dict:

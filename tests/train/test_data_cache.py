@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 
@@ -12,7 +13,6 @@ import torch
 from flowtrain.errors import DataError
 from flowtrain.train import data, data_files, data_text
 from flowtrain.train.data import load_sequences
-from flowtrain.train.resume import data_fingerprint
 
 
 @pytest.fixture()
@@ -102,11 +102,22 @@ def test_a_cached_text_load_still_refuses_a_folder_without_tokenizer(tmp_path, c
         load_sequences(path, seq_len=4, vocab_size=256, tokenizer_dir=tmp_path)
 
 
+def _checkpoint_hash(*tensors):
+    """The data hash checkpoints have recorded since resume existed: sha256 over each
+    tensor's shape and bytes, 32 hex digits. Unpacked data must keep it, so old checkpoints
+    still resume."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(str(tuple(t.shape)).encode())
+        h.update(t.contiguous().numpy().tobytes())
+    return h.hexdigest()[:32]
+
+
 def test_the_fingerprint_is_resumes_and_comes_from_the_index(tmp_path, cache):
     path = tmp_path / "d.jsonl"
     path.write_text("".join(json.dumps({"input_ids": list(range(1, n))}) + "\n" for n in range(3, 12)))
     plain = load_sequences(path, seq_len=6, vocab_size=20, packing=False)
-    assert plain.fingerprint() == data_fingerprint(plain.input_ids, plain.targets)
+    assert plain.fingerprint() == _checkpoint_hash(plain.input_ids, plain.targets)
     packed = load_sequences(path, seq_len=6, vocab_size=20)
     fresh = data.Sequences(packed.input_ids.clone(), packed.targets.clone(), packed.positions.clone())
     assert packed.fingerprint() == fresh.fingerprint() != plain.fingerprint()
