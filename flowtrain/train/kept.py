@@ -46,23 +46,23 @@ class Kept:
 
     __slots__ = ("x", "flat", "y", "weights", "bytes", "_seen")
 
-    def __init__(self) -> None:
+    def __init__(self, count: bool = False) -> None:
         self.x: Tensor | None = None
         self.flat: Tensor | None = None
         self.y: Tensor | None = None
         self.weights: Tensor | None = None  # the flat buffer the backward reads weights from
-        self.bytes = 0  # device bytes of the kept activations
-        self._seen: set[int] = set()  # their storages, each counted once
+        self.bytes = 0  # device bytes of the kept activations, when counted (saved_bytes)
+        self._seen: set[int] | None = set() if count else None  # their storages, each once
 
     def _pack(self, flat: Tensor) -> Callable[[Tensor], object]:
         storage = flat.untyped_storage().data_ptr()
         base = flat.storage_offset()
 
         def pack(t: Tensor) -> object:
-            if t.device == flat.device and t.untyped_storage().data_ptr() == storage:
-                return _WeightRef(t.storage_offset() - base, tuple(t.size()), tuple(t.stride()))
             ptr = t.untyped_storage().data_ptr()
-            if ptr not in self._seen:
+            if ptr == storage and t.device == flat.device:
+                return _WeightRef(t.storage_offset() - base, tuple(t.size()), tuple(t.stride()))
+            if self._seen is not None and ptr not in self._seen:
                 self._seen.add(ptr)
                 self.bytes += t.untyped_storage().nbytes()
             return t
@@ -77,10 +77,12 @@ class Kept:
         return saved  # type: ignore[return-value]
 
 
-def forward_kept(layer: Callable[[Tensor, Tensor], Tensor], x: Tensor, flat: Tensor) -> tuple[Tensor, Kept]:
+def forward_kept(layer: Callable[[Tensor, Tensor], Tensor], x: Tensor, flat: Tensor,
+                 count: bool = False) -> tuple[Tensor, Kept]:
     """Run ``layer(x_leaf, flat_leaf)`` under autograd, keeping its graph; ``flat`` is the unit's
-    weights in their slot. Returns the detached output and the :class:`Kept` record."""
-    kept = Kept()
+    weights in their slot. Returns the detached output and the :class:`Kept` record (with
+    ``count``, its :attr:`Kept.bytes` adds up the activations kept)."""
+    kept = Kept(count)
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(kept._pack(flat), kept._unpack):
         kept.x = x.detach().requires_grad_(True)
         kept.flat = flat.detach().requires_grad_(True)
@@ -99,5 +101,5 @@ def backward_kept(kept: Kept, weights: Tensor, dy: Tensor) -> tuple[Tensor, Tens
 
 def saved_bytes(layer: Callable[[Tensor, Tensor], Tensor], x: Tensor, flat: Tensor) -> int:
     """Device bytes a kept forward of ``layer`` holds for these shapes (weights excluded)."""
-    _, kept = forward_kept(layer, x, flat)
+    _, kept = forward_kept(layer, x, flat, count=True)
     return kept.bytes
