@@ -277,10 +277,9 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
         units = [(lay.numel, chunks.get(lay.key, 1)) for lay in streamed]
         host["undo_record"] = undo_arena_bytes(units, stage_n, int(req.undo_mem * GiB), touched=not resident)
 
-    M = req.batch_size // req.micro_batch_size
     tokens = req.micro_batch_size * req.seq_len
     hidden = tokens * cfg.hidden_size * cbytes
-    live_mbs = M if req.order == "layer" else 1
+    live_mbs = _live_micro_batches(req)
     k = req.checkpoint_every
     q = cfg.num_heads * cfg.head_dim  # type: ignore[operator]
     kv = cfg.num_kv_heads * cfg.head_dim  # type: ignore[operator]
@@ -418,6 +417,12 @@ def _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
     return place_activations(plan, cfg, req, dtype)
 
 
+def _live_micro_batches(req: RunRequest) -> int:
+    """Micro-batches whose activations are alive at once: all of the step's layer-major (each
+    layer runs every micro-batch before the next layer), one micro-batch-major."""
+    return req.batch_size // req.micro_batch_size if req.order == "layer" else 1
+
+
 def kept_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
     """Device bytes one token's kept activations take in one decoder layer: the saved tensors
     of the layer's forward under autograd (norm statistics in fp32, q, k and v before and after
@@ -447,8 +452,7 @@ def place_activations(plan: Plan, cfg: ModelConfig, req: RunRequest, dtype: torc
     if mode == "keep" and req.checkpoint_every != 1:
         raise ConfigError("--activations keep needs --activation-checkpoint-every 1: a segment of "
                           "several layers recomputes them all")
-    live_mbs = req.batch_size // req.micro_batch_size if req.order == "layer" else 1
-    per_layer = kept_bytes_per_token(cfg, dtype) * req.micro_batch_size * req.seq_len * live_mbs
+    per_layer = kept_bytes_per_token(cfg, dtype) * req.micro_batch_size * req.seq_len * _live_micro_batches(req)
     L = cfg.num_layers
     if mode == "keep":
         n = L
