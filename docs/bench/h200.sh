@@ -51,7 +51,6 @@ for job in "$@"; do
     8b10) bench 8b10 --model llama-8b --seq-len 4096 --batch-size 2 --micro-batch-size 1 --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 ;;
     14b) bench 14b --model qwen-14b --seq-len 4096 --batch-size 8 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 ${EXTRA8:-} ;;
     layer) log layer; timeout 200 python3 docs/bench/layer_packing.py 2>&1 | tail -3 | tee -a "$OUT/log.txt" | tee -a "$RES" ;;
-    attn) log attn; timeout 120 python3 docs/bench/attn_packing.py 2>&1 | tail -3 | tee -a "$OUT/log.txt" | tee -a "$RES" ;;
     packdata)  # chat-shaped id rows (and the same tokens as one stream) for the packing runs
       python3 docs/bench/chat_ids.py /tmp/chat-qwen --vocab 151936 --rows 4000 | tee -a "$OUT/log.txt"
       python3 docs/bench/chat_ids.py /tmp/chat-llama --vocab 128256 --rows 4000 | tee -a "$OUT/log.txt" ;;
