@@ -188,7 +188,7 @@ def scheduler_benchmark(tasks: int = 10_000, micro_batches: int = 8, policies: t
         return {"layers": s.layers, "micro_batches": s.micro_batches, "tasks": g.number_of_nodes(),
                 "edges": g.number_of_edges()}
 
-    n, n_step = graphs["dag"].number_of_nodes(), graphs["step"].number_of_nodes()
+    n = graphs["dag"].number_of_nodes()
     results = {}
     for policy, runs in seconds.items():
         results[policy] = {

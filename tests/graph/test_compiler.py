@@ -61,7 +61,7 @@ def test_units_bottom_to_top():
 @pytest.mark.parametrize("spec", SPECS, ids=spec_id)
 def test_structure(spec):
     g = compile_step(spec, step=4)
-    L, M, k = spec.layers, spec.micro_batches, spec.checkpoint_every
+    L, M = spec.layers, spec.micro_batches
     assert nx.is_directed_acyclic_graph(g)
     index = {t: i for i, t in enumerate(g)}
     assert all(index[u] < index[v] for u, v in g.edges), "nodes are inserted in a serial (topological) order"
