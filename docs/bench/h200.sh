@@ -48,6 +48,14 @@ for job in "$@"; do
     ds4) anchor ds 4 3 ;;
     8b) bench 8b --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 --resident none ${EXTRA8:-} ;;
     8bauto) bench 8bauto --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 ${EXTRA8:-} ;;
+    8b10o) bench 8b10o --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size ${MB10:-2} --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 --trace "$OUT/8b10o-trace.json" ;;
+    simtime)  # flowtrain simulate of a 100-layer, 16-micro-batch step, the whole command
+      mkdir -p /tmp/m100 && python3 -c "import json; json.dump({'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_size': 4096, 'intermediate_size': 14336, 'num_hidden_layers': 100, 'num_attention_heads': 32, 'num_key_value_heads': 8, 'vocab_size': 128256, 'max_position_embeddings': 8192, 'rms_norm_eps': 1e-5, 'rope_theta': 500000.0}, open('/tmp/m100/config.json', 'w'))"
+      log simtime; for i in 1 2 3; do /usr/bin/time -f "simulate wall %e s" $FT simulate --model /tmp/m100 --seq-len 4096 --batch-size 16 --micro-batch-size 1 --host-mem 2048 --machine h200 2>&1 | tail -2 | tee -a "$OUT/log.txt"; done ;;
+    simprof)  # where simulate's time goes on this machine: the torch import and the profile
+      log simprof; python3 -X importtime -c "import torch" 2>&1 | tail -1 | tee -a "$OUT/log.txt"
+      python3 -c "import cProfile, pstats, sys; sys.argv = ['flowtrain', 'simulate', '--model', '/tmp/m100', '--seq-len', '4096', '--batch-size', '16', '--micro-batch-size', '1', '--host-mem', '2048', '--machine', 'h200']; from flowtrain.cli import main; cProfile.run('main()', '/tmp/prof')" >/dev/null 2>&1
+      python3 -c "import pstats; pstats.Stats('/tmp/prof').sort_stats('cumulative').print_stats(22)" | tail -26 | cut -c1-160 | tee -a "$OUT/log.txt" ;;
     8b10) bench 8b10 --model llama-8b --seq-len 4096 --batch-size 2 --micro-batch-size 1 --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 ;;
     14b) bench 14b --model qwen-14b --seq-len 4096 --batch-size 8 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 ${EXTRA8:-} ;;
     layer) log layer; timeout 200 python3 docs/bench/layer_packing.py 2>&1 | tail -3 | tee -a "$OUT/log.txt" | tee -a "$RES" ;;

@@ -23,6 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="with --staged: a unit whose gradient passes in N staging chunks (repeatable)")
     p.add_argument("--keep", default="", metavar="LAYERS",
                    help="comma-separated layers whose activations stay for backward (no recompute), e.g. 2,3")
+    p.add_argument("--offload", default="", metavar="LAYERS",
+                   help="comma-separated layers whose input checkpoint waits in host memory for backward, e.g. 0,1")
     p.add_argument("--steps", type=int, default=1, help="consecutive steps, linked by cpu_adam -> next fetch")
     p.add_argument("--out", required=True, help="output JSON file")
 
@@ -37,11 +39,11 @@ def _chunks(items: list[str]) -> dict[str, int]:
     return out
 
 
-def _layers(text: str) -> tuple[int, ...]:
+def _layers(text: str, flag: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
     except ValueError:
-        raise ConfigError(f"--keep takes layer numbers separated by commas, like 2,3 (got {text!r})") from None
+        raise ConfigError(f"{flag} takes layer numbers separated by commas, like 2,3 (got {text!r})") from None
 
 
 def run(args: argparse.Namespace) -> int:
@@ -55,7 +57,8 @@ def run(args: argparse.Namespace) -> int:
         resident=tuple(u for u in args.resident.split(",") if u),
         staged=args.staged,
         grad_chunks=_chunks(args.grad_chunks),
-        keep=_layers(args.keep),
+        keep=_layers(args.keep, "--keep"),
+        offload=_layers(args.offload, "--offload"),
     ).validate()
     graph = compile_steps(spec, args.steps)
     write_graph(args.out, graph)

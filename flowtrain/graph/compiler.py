@@ -75,10 +75,12 @@ from .tasks import (
     Embed,
     EmbedBackward,
     Fetch,
+    FetchAct,
     Forward,
     FoundInf,
     GradNorm,
     Loss,
+    OffloadAct,
     OffloadGrad,
     Recompute,
     GpuAdam,
@@ -109,6 +111,10 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: ``keep``): their ``forward`` and ``backward`` tasks carry phase ``"keep"``, and their
     #: backward runs no forward again. The other layers recompute (``checkpoint_every``).
     keep: tuple[int, ...] = ()
+    #: layers whose input (a checkpoint: a segment start, not kept) goes to host memory after
+    #: the layer's forward has read it (``offload_act``) and comes back before its backward
+    #: (``fetch_act``): activation placement ``offload``.
+    offload: tuple[int, ...] = ()
 
     def unit_key(self, unit: str, layer: int | None) -> str:
         return f"layer.{layer}" if unit == "layer" else unit
@@ -147,6 +153,10 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
         bad = sorted(i for i in self.keep if not 0 <= i < self.layers)
         if bad or len(set(self.keep)) != len(self.keep):
             raise ConfigError(f"kept layers {list(self.keep)} must be distinct layers of 0..{self.layers - 1}")
+        bad = sorted(i for i in self.offload if not 0 <= i < self.layers or i % self.checkpoint_every or i in self.keep)
+        if bad or len(set(self.offload)) != len(self.offload):
+            raise ConfigError(f"offloaded layers {bad or list(self.offload)} must be distinct layers whose input is a "
+                              f"checkpoint: multiples of --activation-checkpoint-every, not kept")
         if any(c < 1 for c in self.grad_chunks.values()):
             raise ConfigError(f"grad_chunks must be at least 1 (got {self.grad_chunks})")
         return self
@@ -222,6 +232,8 @@ class _StepBuilder(_Builder):
         self.fwd_input: dict[tuple[int, int], Task] = {}  # producer of layer i's input, forward
         self.bwd_input: dict[tuple[int, int], Task] = {}  # producer of layer i's input, backward
         self.grad_out: dict[tuple[int, int], Task] = {}  # producer of d(output of layer i)
+        self.act_offload: dict[tuple[int, int], Task] = {}  # offload_act of layer i's input
+        self.act_fetched: set[tuple[int, int]] = set()  # bwd_input entries that are fetch_act slots
         self.losses: dict[int, Task] = {}
         self.embed_grads: list[Task] = []  # the embed_backward tasks
         self.grad_slot: dict[tuple[str, int | None], Task] = {}  # zero_grad of a streamed unit
@@ -280,6 +292,10 @@ class _StepBuilder(_Builder):
             self.reads(f, t)
             self.dep(self.fwd_input[(i, m)], t)
             self.fwd_input[(i + 1, m)] = t
+            if i in self.spec.offload:  # the forward has read its input: off to the host
+                o = self.node(OffloadAct, unit="layer", layer=i, micro_batch=m)
+                self.dep(t, o)
+                self.act_offload[(i, m)] = o
 
     def loss(self, mbs: Iterable[int], fetch_mb: int | None) -> None:
         """``loss`` per micro-batch on the top layer's output. It also starts the backward: it
@@ -318,10 +334,21 @@ class _StepBuilder(_Builder):
         rebuild the input of layer j+1 inside a segment."""
         f = self.fetch("layer", j, "recompute", fetch_mb)
         for m in mbs:
+            self.fetch_back(j, m)
             t = self.node(Recompute, unit="layer", layer=j, micro_batch=m)
             self.reads(f, t)
-            self.dep(self.bwd_input[(j, m)], t)
+            self.dep(self.bwd_input[(j, m)], t, reads=(j, m) in self.act_fetched)
             self.bwd_input[(j + 1, m)] = t
+
+    def fetch_back(self, i: int, m: int) -> None:
+        """Where layer i's input was offloaded, the ``fetch_act`` that brings it back, placed
+        just before the first backward task that reads it (after that layer's weight fetch on
+        the h2d lane, so it is copied while the layer above runs its backward)."""
+        if i in self.spec.offload and (i, m) not in self.act_fetched:
+            t = self.node(FetchAct, unit="layer", layer=i, micro_batch=m)
+            self.dep(self.act_offload[(i, m)], t)
+            self.bwd_input[(i, m)] = t
+            self.act_fetched.add((i, m))
 
     def layer_backward(self, i: int, mbs: Iterable[int], fetch_mb: int | None) -> None:
         """``backward`` of layer i: from its weights, its input and the gradient of its output,
@@ -329,10 +356,11 @@ class _StepBuilder(_Builder):
         f = self.fetch("layer", i, "backward", fetch_mb)
         z = self.zero_grad("layer", i)
         for m in mbs:
+            self.fetch_back(i, m)
             t = self.node(Backward, unit="layer", layer=i, micro_batch=m, phase=self.layer_phase(i))
             self.reads(f, t)
             self.reads(z, t)
-            self.dep(self.bwd_input[(i, m)], t)
+            self.dep(self.bwd_input[(i, m)], t, reads=(i, m) in self.act_fetched)
             self.dep(self.grad_out[(i, m)], t)
             self.grad_out[(i - 1, m)] = t
 

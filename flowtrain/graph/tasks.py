@@ -54,8 +54,11 @@ LANES: tuple[str, ...] = ("h2d", "compute", "d2h", "cpu", "io")
 #: ``host_grads``: pinned host staging slots that a staged ``offload_grad`` fills and the
 #: ``cpu_adam`` of the same chunk reads (the 12-bytes-per-parameter layout keeps no
 #: per-unit host gradient).
+#: ``acts``: activation checkpoints brought back from host memory for backward (``fetch_act``),
+#: each held until the backward task that first reads it has been launched.
 WEIGHTS = "weights"
 GRADS = "grads"
+ACTS = "acts"
 HOST_GRADS = "host_grads"
 
 
@@ -151,6 +154,24 @@ class OffloadGrad(Task, tag="offload_grad"):
         return HOST_GRADS if self.chunk is not None else None
 
 
+class OffloadAct(Task, tag="offload_act"):
+    """Copy the input of ``layer`` for ``micro_batch`` (its activation checkpoint) to pinned
+    host memory once the layer's forward has read it, and free it on the device: activation
+    placement ``offload``, for checkpoints that would otherwise wait on the GPU through the
+    rest of the forward and most of the backward."""
+
+    lane: ClassVar[str] = "d2h"
+
+
+class FetchAct(Task, tag="fetch_act"):
+    """Bring an offloaded checkpoint back from host memory before the backward task that first
+    reads it (the layer's ``recompute`` or ``backward``); it takes an ``acts`` slot, so only as
+    many checkpoints as the budget allows are back on the device ahead of their backward."""
+
+    lane: ClassVar[str] = "h2d"
+    takes: ClassVar[str | None] = ACTS
+
+
 class GradSqNorm(Task, tag="grad_sq_norm"):
     """Squared norm of a device-resident unit's gradient, for exact clipping."""
 
@@ -216,6 +237,8 @@ AnyTask = (
     | CpuAdam
     | GpuAdam
     | FoundInf
+    | OffloadAct
+    | FetchAct
     | VerifyStep
     | EvalLoss
     | SaveUnit
@@ -234,6 +257,8 @@ KINDS: dict[str, type[Task]] = {
         EmbedBackward,
         ZeroGrad,
         OffloadGrad,
+        OffloadAct,
+        FetchAct,
         GradSqNorm,
         GradNorm,
         CpuAdam,

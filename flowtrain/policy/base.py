@@ -24,7 +24,7 @@ import msgspec
 import networkx as nx
 
 from ..errors import ConfigError, CycleError
-from ..graph.tasks import GRADS, HOST_GRADS, WEIGHTS, Task
+from ..graph.tasks import ACTS, GRADS, HOST_GRADS, WEIGHTS, Task
 
 
 class Proposal(msgspec.Struct, frozen=True):
@@ -110,13 +110,28 @@ def min_grad_slots(graph: nx.DiGraph) -> int:
     return 1
 
 
+def min_act_slots(graph: nx.DiGraph) -> int:
+    """Offloaded checkpoints that must be back on the device at once: a segment's checkpoint
+    is read by its ``recompute`` and again by its ``backward``, so layer-major with segments of
+    several layers every micro-batch's checkpoint is back before the first backward of the
+    segment; otherwise one at a time."""
+    spec = graph.graph.get("spec", {})
+    if spec.get("order", "layer") == "layer" and spec.get("checkpoint_every", 1) > 1:
+        return spec.get("micro_batches", 1)
+    return 1
+
+
 def budgets(graph: nx.DiGraph, weights: int, grads: int, host_grads: int = 3) -> dict[str, int]:
     """Slot budgets for a built-in policy: ``weights`` slots and at least ``grads`` accumulators,
     plus ``host_grads`` host staging slots where the graph's gradients are staged (one chunk
-    in flight to the host while the CPU runs Adam on the one before, and one spare)."""
+    in flight to the host while the CPU runs Adam on the one before, and one spare), and where
+    checkpoints are offloaded, one ``acts`` slot more than must be back at once (the next
+    checkpoint is copied while the current one's backward runs)."""
     out = {WEIGHTS: weights, GRADS: max(grads, min_grad_slots(graph))}
     if any(t.takes == HOST_GRADS for t in graph):
         out[HOST_GRADS] = host_grads
+    if any(t.takes == ACTS for t in graph):
+        out[ACTS] = min_act_slots(graph) + 1
     return out
 
 

@@ -18,8 +18,10 @@ it (:class:`~flowtrain.sim.machine.Machine`)::
   ``--activations``) runs no forward again in its backward.
 - ``loss``: head forward and backward (three GEMMs of ``tokens x hidden x vocab`` in loss
   chunks) plus passes over the fp32 logits.
-- ``fetch`` / ``offload_grad``: bytes over the link; the rate depends on whether the other
-  direction is busy at the time, so the simulator asks :meth:`CostModel.copy_seconds`.
+- ``fetch`` / ``offload_grad``, and ``offload_act`` / ``fetch_act`` (one micro-batch's layer
+  input, ``tokens x hidden`` in the compute dtype): bytes over the link; the rate depends on
+  whether the other direction is busy at the time, so the simulator asks
+  :meth:`CostModel.copy_seconds`.
 - ``cpu_adam``: parameters over the CPU's fused AdamW rate; with ``adam_workers`` jobs at once
   each gets that share of the cores. ``gpu_adam``: parameters over the device's AdamW rate.
 - ``save``: 12 bytes per parameter over the disk's write rate. Every device task adds the host's
@@ -147,6 +149,8 @@ class CostModel:
                 return self.s.unit_numel(task) * self.s.fetch_bytes
             case "offload_grad":
                 return self.s.unit_numel(task) * 4
+            case "offload_act" | "fetch_act":
+                return self.s.tokens * self.s.hidden * self.s.compute_bytes
         return 0
 
     def copy_seconds(self, task: Task, other_direction_busy: bool) -> float:
@@ -196,7 +200,7 @@ class CostModel:
                 return s.unit_numel(task) * 12 / (m.disk_write_gbps * 1e9)
             case "grad_norm" | "verify_step":
                 return m.sync_us * 1e-6
-            case "fetch" | "offload_grad":
+            case "fetch" | "offload_grad" | "offload_act" | "fetch_act":
                 return self.copy_seconds(task, other_direction_busy=False)
         return launch
 

@@ -50,7 +50,7 @@ import msgspec
 
 from ..errors import ConfigError
 from ..graph.compiler import StepSpec, compile_step
-from ..graph.tasks import GRADS, HOST_GRADS, WEIGHTS
+from ..graph.tasks import ACTS, GRADS, HOST_GRADS, WEIGHTS
 from .host_state import LAYOUTS, grad_chunks, slot_numel, staging_numel
 from .nonfinite import undo_arena_bytes
 from .model import ModelConfig, default_chunk_tokens, model_layouts
@@ -80,7 +80,7 @@ class RunRequest(msgspec.Struct, kw_only=True):
     batch_size: int
     micro_batch_size: int
     checkpoint_every: int = 1
-    #: "keep", "recompute" or "auto" (see TrainConfig.activations)
+    #: "keep", "offload", "recompute" or "auto" (see TrainConfig.activations)
     activations: str = "auto"
     order: str = "layer"
     grad_clip: bool = False
@@ -304,7 +304,28 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
         "loss_chunks": chunk * cfg.vocab_size * (4 + 4 + cbytes) + 2 * hidden
         + cbytes * cfg.vocab_size * cfg.hidden_size,
     }
+    if req.activations == "offload":  # all offloaded here; _bring_back returns what fits (auto)
+        host["offloaded_activations"] = gpu["checkpoints"]
+        gpu["checkpoints"] = _offload_in_flight(req, hidden)
     return host, gpu
+
+
+def _may_offload(req: RunRequest, device: torch.device) -> bool:
+    """Whether checkpoints may go to host memory: asked for, or ``auto`` on a GPU."""
+    return req.activations == "offload" or (req.activations == "auto" and device.type == "cuda")
+
+
+def _offload_in_flight(req: RunRequest, hidden: int) -> int:
+    """Device bytes of checkpoints with every one offloaded: the inputs of the layer the forward
+    is at and its outputs (the inputs of the next), and in backward the checkpoints back from the
+    host ahead of their backward (the ``acts`` slots of :func:`flowtrain.policy.base.budgets`)."""
+    live = _live_micro_batches(req)
+    return (2 * live + _act_slots(req)) * hidden
+
+
+def _act_slots(req: RunRequest) -> int:
+    """The ``acts`` budget the built-in policies give an offloading step (``policy.base.budgets``)."""
+    return _live_micro_batches(req) + 1 if req.order == "layer" and req.checkpoint_every > 1 else 2
 
 
 # ---- the decision -------------------------------------------------------------------------
@@ -322,12 +343,6 @@ def _explicit_resident(req: RunRequest) -> tuple[str, ...] | None:
     if req.resident in ("none", ""):
         return ()
     return tuple(k.strip() for k in req.resident.split(",") if k.strip())  # StepSpec checks the keys
-
-
-def _candidates(cfg: ModelConfig) -> list[tuple[str, ...]]:
-    """Residency steps in the order the planner takes them: embedding and head together, then
-    layers bottom-up."""
-    return [("embed", "head"), *((f"layer.{i}",) for i in range(cfg.num_layers))]
 
 
 def _make(cfg, req, device, dtype, policy, layout, resident, chunk_tokens, shrink: dict[str, int],
@@ -412,8 +427,23 @@ def _backlog(cfg: ModelConfig, resident: tuple[str, ...]) -> dict[str, int]:
 
 
 def _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
-    """The plan for one micro-batch size: state placement first, then activations."""
+    """The plan for one micro-batch size: state placement first, then activations.
+
+    The state is placed with every checkpoint on the GPU, as recompute keeps them. Where
+    offloading is allowed (``offload``, or ``auto`` on a GPU) and that plan does not fit or had
+    to give up weight or gradient slots to fit, the state is placed again with every checkpoint
+    on the host, and :func:`_bring_back` returns to the GPU as many as then fit. A checkpoint
+    saves more copying per GPU byte than a resident layer, so residency only gets what the
+    checkpoints leave, as long as they fit."""
     plan = _plan_state(cfg, req, device, dtype, policy, host_limit, gpu_limit)
+    if _may_offload(req, device):
+        offloading = msgspec.structs.replace(req, activations="offload")
+        away = _plan_state(cfg, offloading, device, dtype, policy, host_limit, gpu_limit)
+        slots = (WEIGHTS, GRADS)
+        if req.activations == "offload" or not plan.fits or any(away.budgets[p] > plan.budgets[p] for p in slots):
+            plan = _bring_back(away, cfg, req)
+            if plan.spec.offload:
+                return plan
     return place_activations(plan, cfg, req, dtype)
 
 
@@ -441,14 +471,21 @@ def kept_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
 
 
 def place_activations(plan: Plan, cfg: ModelConfig, req: RunRequest, dtype: torch.dtype) -> Plan:
-    """Which layers keep their activations for backward (``StepSpec.keep``), and their bytes
-    (``gpu["kept_activations"]``): all with ``keep``, none with ``recompute``; ``auto`` keeps the
-    top layers (their backward comes first, so their memory is freed first) as many as the GPU
-    budget holds beside everything else, on CUDA only. Kept layers need a checkpoint at every
-    layer, so ``--activation-checkpoint-every`` above 1 means recompute."""
+    """Where each layer's activations wait for its backward (``StepSpec.keep`` and ``.offload``),
+    and their bytes: ``keep`` keeps every layer's on the GPU, ``recompute`` keeps a checkpoint
+    every ``--activation-checkpoint-every`` layers on the GPU and recomputes the rest, ``offload``
+    sends every checkpoint to pinned host memory and brings it back before its backward.
+
+    This places kept layers; offloaded checkpoints are placed before, with the state
+    (:func:`_plan_once`), and a plan that offloads some keeps none. ``auto`` (on a GPU;
+    recompute on the CPU) spends the GPU budget in order of what it saves per byte: first
+    checkpoints on the GPU instead of the host, then, once every checkpoint is on the GPU, kept
+    layers from the top (their backward comes first, so their memory is freed first). Kept
+    layers need a checkpoint at every layer, so ``--activation-checkpoint-every`` above 1 means
+    recompute or offload."""
     mode = req.activations
-    if mode not in ("auto", "keep", "recompute"):
-        raise ConfigError(f"--activations must be auto, keep or recompute (got {mode!r})")
+    if mode not in ("auto", "keep", "offload", "recompute"):
+        raise ConfigError(f"--activations must be auto, keep, offload or recompute (got {mode!r})")
     if mode == "keep" and req.checkpoint_every != 1:
         raise ConfigError("--activations keep needs --activation-checkpoint-every 1: a segment of "
                           "several layers recomputes them all")
@@ -469,6 +506,33 @@ def place_activations(plan: Plan, cfg: ModelConfig, req: RunRequest, dtype: torc
     checkpoints = plan.gpu.get("checkpoints", 0) * (L - n) // L
     plan.spec = msgspec.structs.replace(plan.spec, keep=tuple(range(L - n, L)))
     plan.gpu = {**plan.gpu, "checkpoints": checkpoints, "kept_activations": n * per_layer}
+    return plan
+
+
+def _bring_back(plan: Plan, cfg: ModelConfig, req: RunRequest) -> Plan:
+    """From a plan with every checkpoint offloaded (:func:`_bytes`): ``offload`` keeps it so;
+    ``auto`` brings checkpoints back to the GPU from the top while the budget holds them, and
+    offloads the rest, the bottom ones (``StepSpec.offload``): they are away longest, so their
+    copies have the most time to hide behind compute. With none left offloaded, the plan is a
+    plain recompute plan."""
+    starts = list(range(0, cfg.num_layers, req.checkpoint_every))
+    per_ck = plan.host["offloaded_activations"] // len(starts)
+    in_flight = plan.gpu["checkpoints"]
+    if req.activations == "offload":
+        n_off = len(starts)
+    elif plan.gpu_limit is None or plan.gpu_limit - plan.gpu_total >= len(starts) * per_ck - in_flight:
+        n_off = 0
+    else:
+        free = max(0, plan.gpu_limit - plan.gpu_total)
+        n_off = len(starts) - min(len(starts), free // per_ck) if per_ck else 0
+    host = {k: v for k, v in plan.host.items() if k != "offloaded_activations"}
+    if n_off == 0:
+        plan.host, plan.gpu = host, {**plan.gpu, "checkpoints": len(starts) * per_ck}
+        return plan
+    plan.host = {**host, "offloaded_activations": n_off * per_ck}
+    plan.gpu = {**plan.gpu, "checkpoints": in_flight + (len(starts) - n_off) * per_ck}
+    plan.spec = msgspec.structs.replace(plan.spec, offload=tuple(starts[:n_off]))
+    plan.budgets = {**plan.budgets, ACTS: _act_slots(req)}
     return plan
 
 
@@ -503,20 +567,50 @@ def _plan_state(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
 
     if explicit is not None or device.type != "cuda":
         return build(explicit or ())
-    resident: tuple[str, ...] = ()
-    plan = build(resident)
-    steps = _candidates(cfg)
-    speed_steps = 1 + math.ceil(cfg.num_layers / 3)
-    for i, add in enumerate(steps):
-        if i >= speed_steps and plan.host_fits:
-            break  # past the speed set, residency is only for capacity
-        trial = build(resident + add)
-        if not trial.gpu_fits:
-            if i == 0:
-                continue  # embedding and head do not fit: layers may still
-            break
-        resident, plan = resident + add, trial
-    return plan
+    return _choose_resident(cfg, build)
+
+
+def _choose_resident(cfg: ModelConfig, build) -> Plan:  # noqa: ANN001 - build(resident) -> Plan
+    """The resident units: embedding and head if they fit, then layers bottom-up, as many as
+    the GPU holds up to the speed set (a third of the layers: past it, one more resident layer
+    saves less than it costs in slots), and past that only as many as host memory needs.
+
+    GPU bytes grow and host bytes shrink with every resident layer, so the count is found by
+    bisection: about 2 log2(layers) plans instead of one per layer (a 100-layer plan compiles
+    a step graph per candidate, ~30 ms each)."""
+    L = cfg.num_layers
+    plan = build(())
+    head = ("embed", "head")
+    trial = build(head)
+    base = head if trial.gpu_fits else ()
+    if base:
+        plan = trial
+    layers = [f"layer.{i}" for i in range(L)]
+    tried: dict[int, Plan] = {0: plan}
+
+    def at(k: int) -> Plan:
+        if k not in tried:
+            tried[k] = build(base + tuple(layers[:k]))
+        return tried[k]
+
+    def first(lo: int, hi: int, pred) -> int:  # noqa: ANN001
+        """The least k in [lo, hi] with pred(k), or hi + 1; pred is false then true."""
+        while lo <= hi:
+            mid = (lo + hi) // 2
+            if pred(mid):
+                hi = mid - 1
+            else:
+                lo = mid + 1
+        return lo
+
+    speed = min(L, math.ceil(L / 3))
+    if not at(speed).gpu_fits:  # the speed set does not fit: the most layers that do
+        return at(first(1, speed, lambda k: not at(k).gpu_fits) - 1)
+    # Past the speed set, add layers until host memory fits or the GPU is full.
+    k = first(speed, L, lambda k: at(k).host_fits or not at(k).gpu_fits)
+    if k > L or not at(k).gpu_fits:
+        k -= 1
+    return at(k)
 
 
 def plan_run(cfg: ModelConfig, req: RunRequest, *, device: torch.device, dtype: torch.dtype,
@@ -546,6 +640,8 @@ def _changes(plan: Plan, req: RunRequest, policy: Any) -> list[tuple[str, RunReq
     replace = msgspec.structs.replace
     out = []
     mbs, steps = req.micro_batch_size, req.batch_size // req.micro_batch_size
+    if req.activations in ("keep", "recompute"):  # checkpoints to host memory: PCIe time, often hidden
+        out.append(("--activations offload", replace(req, activations="offload"), policy))
     for n in sorted({steps - 1, *(steps >> i for i in range(1, steps.bit_length()))} - {0}, reverse=True):
         # fewer micro-batches per step: fewer layer inputs kept for backward
         out.append((f"--batch-size {n * mbs}", replace(req, batch_size=n * mbs), policy))

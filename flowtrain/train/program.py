@@ -17,7 +17,10 @@ Device buffers, allocated once:
 - gradient slots: ``budgets["grads"]`` flat fp32 accumulators,
 - activations: a dict keyed ``(step, layer, micro_batch)``; the input of layer ``i`` is kept
   from the forward pass when ``i % checkpoint_every == 0`` and rebuilt by ``recompute``
-  otherwise.
+  otherwise. An offloaded checkpoint (``offload_act``) waits in a pinned host buffer kept per
+  ``(layer, micro_batch)`` and reused every step; ``fetch_act`` brings it back into one of
+  ``budgets["acts"]`` device buffers (a slot: the engine makes the next copy into it wait for
+  the backward tasks that read it), so no copy back allocates device memory.
 
 Host buffers: in the staged layouts, ``budgets["host_grads"]`` pinned staging slots, each the
 size of the largest streamed layer; ``offload_grad`` of chunk ``c`` copies that piece of the
@@ -66,12 +69,14 @@ from ..graph.tasks import (
     EmbedBackward,
     EvalLoss,
     Fetch,
+    FetchAct,
     Forward,
     FoundInf,
     GpuAdam,
     GradNorm,
     GradSqNorm,
     Loss,
+    OffloadAct,
     OffloadGrad,
     Recompute,
     SaveUnit,
@@ -173,6 +178,11 @@ class StepProgram:
         self.embed_multiplier = embed_multiplier(self.cfg)
         self.acts: dict[tuple[int, int, int], torch.Tensor] = {}
         self.dacts: dict[tuple[int, int, int], torch.Tensor] = {}
+        #: offloaded checkpoints' pinned host buffers by (layer, micro_batch), reused every step
+        self.act_host: dict[tuple[int, int], torch.Tensor] = {}
+        #: device buffers that fetch_act copies checkpoints back into, by acts slot, made at
+        #: the first copy into each, once the checkpoint's shape is known
+        self.act_slots: dict[int, torch.Tensor] = {}
         #: kept layers' forward graphs until their backward (activation placement "keep")
         self.kept: dict[tuple[int, int, int], Kept] = {}
         self.dev_ids: dict[tuple[int, int], torch.Tensor] = {}
@@ -287,6 +297,10 @@ class StepProgram:
                 return None
             case OffloadGrad():
                 return self._offload(task, ctx)
+            case OffloadAct():
+                return self._offload_act(task)
+            case FetchAct():
+                return self._fetch_act(task, ctx.slot)  # type: ignore[arg-type]
             case GradSqNorm():
                 self._resident_sq_norm(self.steps[task.step], self._unit(task))
                 return None
@@ -381,6 +395,34 @@ class StepProgram:
 
     def _layer_input(self, s: int, i: int, m: int, keep: bool) -> torch.Tensor:
         return self.acts[(s, i, m)] if keep else self.acts.pop((s, i, m))
+
+    def _offload_act(self, task: OffloadAct) -> int:
+        """An offloaded checkpoint to its pinned host buffer, on the d2h lane (after the layer's
+        forward has read it); the device copy is freed once the copy has run."""
+        key = (task.step, task.layer, task.micro_batch)
+        x = self.acts.pop(key)  # type: ignore[arg-type]
+        buf = self.act_host.get(key[1:])  # type: ignore[arg-type]
+        if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
+            buf = torch.empty(x.shape, dtype=x.dtype, pin_memory=self._pin)
+            self.act_host[key[1:]] = buf  # type: ignore[index]
+        buf.copy_(x, non_blocking=self._non_blocking)
+        if self.device.type == "cuda":
+            x.record_stream(torch.cuda.current_stream(self.device))
+        return buf.numel() * buf.element_size()
+
+    def _fetch_act(self, task: FetchAct, slot: int) -> int:
+        """An offloaded checkpoint back onto the device, on the h2d lane, before its backward.
+        The next step's ``offload_act`` of the same checkpoint cannot overwrite the host buffer
+        before this copy has run: it follows that step's forward of the layer, which follows
+        (through the layer's Adam) this step's backward of it, which waits for this copy."""
+        key = (task.step, task.layer, task.micro_batch)
+        buf = self.act_host[key[1:]]  # type: ignore[index]
+        x = self.act_slots.get(slot)
+        if x is None or x.shape != buf.shape:
+            x = self.act_slots[slot] = torch.empty(buf.shape, dtype=buf.dtype, device=self.device)
+        x.copy_(buf, non_blocking=self._non_blocking)
+        self.acts[key] = x  # type: ignore[index]
+        return buf.numel() * buf.element_size()
 
     @torch.no_grad()
     def _forward(self, task: Forward | Recompute, ctx: TaskContext) -> None:
@@ -534,7 +576,7 @@ class StepProgram:
         if self.tied and task.unit == "embed":
             flags = [(key, nonfinite(piece))]
         else:
-            sq = data.sq_norms[(key, task.chunk)] = piece.square().sum()
+            sq = data.sq_norms[(key, task.chunk)] = torch.dot(piece, piece)  # no temporary the piece's size
             flags = [(key, nonfinite(piece, sq))]
         if self.tied and task.unit == "head" and task.chunk in (None, 0):
             n, m = unit.layout.numel, self.state.embed.layout.numel
@@ -547,7 +589,7 @@ class StepProgram:
             emb = self.state.embed
             if self.tied and not emb.resident and emb.grad is not None and not data.tied_summed:
                 emb.grad.add_(self.tied_grad)
-                sq = data.sq_norms[(emb.layout.key, None)] = emb.grad.square().sum()
+                sq = data.sq_norms[(emb.layout.key, None)] = torch.dot(emb.grad, emb.grad)
                 data.check.host_checked(emb.layout.key, bool(nonfinite(emb.grad, sq)))
                 data.tied_summed = True
 
@@ -583,7 +625,7 @@ class StepProgram:
             grad = self.staging[ctx.read(HOST_GRADS)][: hi - lo]
             if self.tied and task.unit == "embed":
                 grad.add_(self.tied_grad[lo:hi])
-                sq = data.sq_norms[(unit.layout.key, task.chunk)] = grad.square().sum()
+                sq = data.sq_norms[(unit.layout.key, task.chunk)] = torch.dot(grad, grad)
                 data.check.host_checked(unit.layout.key, bool(nonfinite(grad, sq)))
         if not self._admit(data, task, unit, lo, hi):
             return
@@ -612,7 +654,7 @@ class StepProgram:
     def _resident_sq_norm(self, data: _StepData, unit: UnitState) -> None:
         """Squared norm and non-finite flag (on the device) of a resident unit's gradient."""
         grad = unit.grad[: unit.layout.numel]  # type: ignore[index]
-        sq = data.sq_norms[(unit.layout.key, None)] = grad.square().sum()
+        sq = data.sq_norms[(unit.layout.key, None)] = torch.dot(grad, grad)
         data.check.resident.append((unit.layout.key, nonfinite(grad, sq)))
 
     def _found_inf(self, task: FoundInf) -> None:

@@ -81,8 +81,10 @@ class TrainConfig(msgspec.Struct, kw_only=True):
     policy: str = defaults.POLICY
     checkpoint_every: int = 1
     #: activation placement: "keep" (a layer's backward reuses its forward's activations, held
-    #: on the GPU), "recompute" (backward runs the forward again) or "auto" (the planner keeps
-    #: as many layers as the GPU budget holds; recompute on the CPU)
+    #: on the GPU), "recompute" (backward runs the forward again from checkpoints on the GPU),
+    #: "offload" (recompute, from checkpoints that wait in host memory) or "auto" (on a GPU:
+    #: checkpoints on the GPU as the budget holds, the rest offloaded, then kept layers;
+    #: recompute on the CPU)
     activations: str = "auto"
     order: str = "layer"
     adam_workers: int = 1

@@ -30,6 +30,8 @@ KIND_COLORS = {
     "embed_backward": "#ffbe7d",
     "zero_grad": "#bab0ac",
     "offload_grad": "#76b7b2",
+    "offload_act": "#499894",
+    "fetch_act": "#86bcb6",
     "grad_norm": "#ff9da7",
     "cpu_adam": "#b07aa1",
     "gpu_adam": "#7b4173",
@@ -46,7 +48,7 @@ REASON_COLORS = {"slot": "#d62728", "host": "#999999"}
 CRITICAL = "#7e22ce"
 
 _SHORT = {"forward": "fwd", "backward": "bwd", "recompute": "rec", "zero_grad": "zero",
-          "offload_grad": "offload", "cpu_adam": "adam", "embed_backward": "emb_bwd",
+          "offload_grad": "offload", "offload_act": "act_out", "fetch_act": "act_in", "cpu_adam": "adam", "embed_backward": "emb_bwd",
           "grad_norm": "norm", "gpu_adam": "gadam", "grad_sq_norm": "sqnorm",
           "found_inf": "inf?", "verify_step": "verify"}
 

@@ -42,10 +42,14 @@ def test_cuda_fp32_matches_cpu(tmp_path, policy):
     {"resident": "embed,head,layer.0"},
     {"layout": "stream-bf16", "resident": "none"},
     {"layout": "full", "resident": "layer.1"},
+    {"activations": "offload", "resident": "none"},
+    {"activations": "offload", "checkpoint_every": 2, "order": "micro"},
+    {"activations": "keep"},
 ])
 def test_cuda_placements_match_cpu(tmp_path, placement):
-    """Resident units (Adam on the GPU), staged chunks and the streaming copy compute the same
-    training run on the GPU as on the CPU."""
+    """Resident units (Adam on the GPU), staged chunks, the streaming copy, checkpoints offloaded
+    to host memory (copied on their own streams) and kept activations compute the same training
+    run on the GPU as on the CPU."""
     cpu, _ = _weights(tmp_path / "cpu", "cpu", "fp32")
     gpu, _ = _weights(tmp_path / "gpu", "cuda", "fp32", **placement)
     for name, ref in cpu.items():

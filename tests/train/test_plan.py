@@ -208,11 +208,13 @@ def test_plan_refuses_what_train_refuses(capsys, args, needle):
 
 @pytest.mark.parametrize("extra", [{}, {"checkpoint_every": 4}])
 def test_advice_is_a_change_that_fits_and_never_the_setting_in_use(extra):
-    """8b in 10 GB at 16 sequences of one per micro-batch does not fit: the batch size is the
-    lever (fewer micro-batches, fewer layer inputs kept), and each suggestion, applied, fits."""
-    kw = dict(batch_size=16, micro_batch_size=1, gpu_mem=10, **extra)
+    """8b in 10 GB at 16 sequences of one per micro-batch, recomputing from checkpoints on the
+    GPU, does not fit: offloading them or the batch size is the lever (fewer micro-batches, fewer
+    layer inputs kept), and each suggestion, applied, fits."""
+    kw = dict(batch_size=16, micro_batch_size=1, gpu_mem=10, activations="recompute", **extra)
     p = plan(**kw)
     assert not p.fits and p.suggestions
+    assert p.suggestions[0] == "use --activations offload" and plan(**{**kw, "activations": "offload"}).fits
     batch = [s for s in p.suggestions if s.startswith("use --batch-size")]
     assert batch, p.suggestions
     assert plan(**{**kw, "batch_size": int(batch[0].split()[-1])}).fits
@@ -220,7 +222,8 @@ def test_advice_is_a_change_that_fits_and_never_the_setting_in_use(extra):
 
 
 def test_advice_does_not_repeat_the_policy_in_use():
-    req = RunRequest(seq_len=4096, batch_size=16, micro_batch_size=1, host_mem=118.0, gpu_mem=10.0)
+    req = RunRequest(seq_len=4096, batch_size=16, micro_batch_size=1, host_mem=118.0, gpu_mem=10.0,
+                     activations="recompute")
     p = plan_run(preset("llama-8b"), req, device=CUDA, dtype=BF16, policy="sequential")
     assert not p.fits and p.suggestions
     assert not any("--policy sequential" in s for s in p.suggestions)
@@ -271,7 +274,8 @@ def test_planning_compiles_each_step_shape_once(monkeypatch):
     real = plan_module.compile_step
     monkeypatch.setattr(plan_module, "compile_step", lambda spec: compiled.append(msgspec.json.encode(spec)) or real(spec))
     monkeypatch.setattr(plan_module, "_policy_budgets", plan_module._BudgetCache())
-    req = RunRequest(seq_len=4096, batch_size=16, micro_batch_size=1, host_mem=118.0, gpu_mem=10.0)
+    req = RunRequest(seq_len=4096, batch_size=16, micro_batch_size=1, host_mem=118.0, gpu_mem=10.0,
+                     activations="recompute")
     p = plan_run(preset("llama-8b"), req, device=CUDA, dtype=BF16, policy="sequential")
     assert not p.fits and p.suggestions  # the long way: every fallback was planned
     assert len(compiled) == len(set(compiled)) > 10
