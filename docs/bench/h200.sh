@@ -49,6 +49,7 @@ for job in "$@"; do
     8b) bench 8b --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 --resident none ${EXTRA8:-} ;;
     8bauto) bench 8bauto --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 ${EXTRA8:-} ;;
     8b10o) bench 8b10o --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size ${MB10:-2} --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 --trace "$OUT/8b10o-trace.json" ;;
+    8b256k) bench 8b256k --model llama-8b-256k --seq-len 262144 --batch-size 1 --micro-batch-size 1 --steps 2 --warmup 1 --host-mem 118 ;;
     simtime)  # flowtrain simulate of a 100-layer, 16-micro-batch step, the whole command
       mkdir -p /tmp/m100 && python3 -c "import json; json.dump({'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_size': 4096, 'intermediate_size': 14336, 'num_hidden_layers': 100, 'num_attention_heads': 32, 'num_key_value_heads': 8, 'vocab_size': 128256, 'max_position_embeddings': 8192, 'rms_norm_eps': 1e-5, 'rope_theta': 500000.0}, open('/tmp/m100/config.json', 'w'))"
       log simtime; for i in 1 2 3; do /usr/bin/time -f "simulate wall %e s" $FT simulate --model /tmp/m100 --seq-len 4096 --batch-size 16 --micro-batch-size 1 --host-mem 2048 --machine h200 2>&1 | tail -2 | tee -a "$OUT/log.txt"; done ;;

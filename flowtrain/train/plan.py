@@ -436,15 +436,23 @@ def _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
     saves more copying per GPU byte than a resident layer, so residency only gets what the
     checkpoints leave, as long as they fit."""
     plan = _plan_state(cfg, req, device, dtype, policy, host_limit, gpu_limit)
-    if _may_offload(req, device):
+    if _may_offload(req, device) and (req.activations == "offload" or not plan.fits or _squeezed(plan, policy)):
         offloading = msgspec.structs.replace(req, activations="offload")
-        away = _plan_state(cfg, offloading, device, dtype, policy, host_limit, gpu_limit)
-        slots = (WEIGHTS, GRADS)
-        if req.activations == "offload" or not plan.fits or any(away.budgets[p] > plan.budgets[p] for p in slots):
-            plan = _bring_back(away, cfg, req)
-            if plan.spec.offload:
-                return plan
+        away = _bring_back(_plan_state(cfg, offloading, device, dtype, policy, host_limit, gpu_limit), cfg, req)
+        # auto takes it only where it fits and fits better: it costs host memory, which may be
+        # what is short (then residency, not offloading, is the way to fit)
+        if req.activations == "offload" or (away.fits and (not plan.fits or not _squeezed(away, policy, than=plan))):
+            if away.spec.offload:
+                return away
+            plan = away
     return place_activations(plan, cfg, req, dtype)
+
+
+def _squeezed(plan: Plan, policy: Any, than: Plan | None = None) -> bool:
+    """Whether ``plan`` has fewer weight or gradient slots than the policy proposes for its step
+    (or, with ``than``, than that plan has): it gave up prefetch or overlap to fit."""
+    want = than.budgets if than is not None else _policy_budgets(plan.spec, policy)[0]
+    return any(plan.budgets[p] < want[p] for p in (WEIGHTS, GRADS) if p in want)
 
 
 def _live_micro_batches(req: RunRequest) -> int:
@@ -567,13 +575,15 @@ def _plan_state(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
 
     if explicit is not None or device.type != "cuda":
         return build(explicit or ())
-    return _choose_resident(cfg, build)
+    return _choose_resident(cfg, build, policy)
 
 
-def _choose_resident(cfg: ModelConfig, build) -> Plan:  # noqa: ANN001 - build(resident) -> Plan
+def _choose_resident(cfg: ModelConfig, build, policy: Any) -> Plan:  # noqa: ANN001 - build(resident) -> Plan
     """The resident units: embedding and head if they fit, then layers bottom-up, as many as
     the GPU holds up to the speed set (a third of the layers: past it, one more resident layer
-    saves less than it costs in slots), and past that only as many as host memory needs.
+    saves less than it costs in slots) without shrinking the weight and gradient slots (a
+    resident layer saves less than a prefetch slot costs), and past that only as many as host
+    memory needs.
 
     GPU bytes grow and host bytes shrink with every resident layer, so the count is found by
     bisection: about 2 log2(layers) plans instead of one per layer (a 100-layer plan compiles
@@ -582,7 +592,7 @@ def _choose_resident(cfg: ModelConfig, build) -> Plan:  # noqa: ANN001 - build(r
     plan = build(())
     head = ("embed", "head")
     trial = build(head)
-    base = head if trial.gpu_fits else ()
+    base = head if trial.gpu_fits and not _squeezed(trial, policy) else ()
     if base:
         plan = trial
     layers = [f"layer.{i}" for i in range(L)]
@@ -603,11 +613,16 @@ def _choose_resident(cfg: ModelConfig, build) -> Plan:  # noqa: ANN001 - build(r
                 lo = mid + 1
         return lo
 
+    def fits(k: int) -> bool:  # on the GPU without giving up slots the policy proposes
+        return at(k).gpu_fits and not _squeezed(at(k), policy)
+
     speed = min(L, math.ceil(L / 3))
-    if not at(speed).gpu_fits:  # the speed set does not fit: the most layers that do
-        return at(first(1, speed, lambda k: not at(k).gpu_fits) - 1)
-    # Past the speed set, add layers until host memory fits or the GPU is full.
-    k = first(speed, L, lambda k: at(k).host_fits or not at(k).gpu_fits)
+    k0 = speed if fits(speed) else first(1, speed, lambda k: not fits(k)) - 1  # the most that fit
+    if at(k0).host_fits:
+        return at(k0)
+    # Then add layers until host memory fits or the GPU is full (slots may shrink here: this
+    # residency is for capacity, without which the run does not fit at all).
+    k = first(k0, L, lambda k: at(k).host_fits or not at(k).gpu_fits)
     if k > L or not at(k).gpu_fits:
         k -= 1
     return at(k)
@@ -646,7 +661,7 @@ def _changes(plan: Plan, req: RunRequest, policy: Any) -> list[tuple[str, RunReq
         # fewer micro-batches per step: fewer layer inputs kept for backward
         out.append((f"--batch-size {n * mbs}", replace(req, batch_size=n * mbs), policy))
     for k in (2, 4, 8):
-        if k != req.checkpoint_every:
+        if k != req.checkpoint_every and req.activations != "keep":  # kept layers need every layer's input
             out.append((f"--checkpoint-every {k}", replace(req, checkpoint_every=k), policy))
     if plan.spec.resident and req.resident != "none":
         out.append(("--resident none", replace(req, resident="none"), policy))

@@ -63,6 +63,25 @@ def test_plan_with_a_machine_says_which_configuration_is_fastest_and_why(capsys)
     assert "fastest predicted on h200" in text and ("bound by" in text)
 
 
+def test_plan_with_a_machine_weighs_activation_placements_by_predicted_time(capsys):
+    """On a GPU where the checkpoints of 16 sequences only just fit beside the state, the choice
+    weighs recompute, offload and kept layers: the request to recompute (its slots shrunk to
+    fit) is slower than the fastest placement the model predicts, which it names."""
+    argv = ["plan", "--model", "llama-8b", "--seq-len", "4096", "--batch-size", "16", "--micro-batch-size", "2",
+            "--host-mem", "118", "--gpu-mem", "24", "--device", "cuda", "--resident", "none",
+            "--activations", "recompute", "--machine", "h200", "--json"]
+    assert main(argv) == 0
+    fastest = json.loads(capsys.readouterr().out)["fastest"]
+    tried = fastest["tried"]
+    assert fastest["asked"]["fits"] and fastest["best"]["tokens_per_s"] > fastest["asked"]["tokens_per_s"]
+    placements = {c["settings"]["activations"] for c in tried}
+    assert {"auto", "recompute", "offload", "keep"} <= placements
+    fitting = [c for c in tried if c["fits"]]
+    best = max(fitting, key=lambda c: c["tokens_per_s"])
+    assert best["settings"]["activations"] != "recompute"
+    assert f"--activations {best['settings']['activations']}" in best["flags"]
+
+
 def test_probe_on_a_machine_without_a_gpu_measures_the_cpu_and_says_so(tmp_path, capsys):
     pytest.importorskip("torch")
     import torch

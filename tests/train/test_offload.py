@@ -191,3 +191,21 @@ def test_llama_8b_takes_16_sequences_in_10_gib_by_offloading_its_checkpoints():
     assert plan.fits and plan.spec.offload and plan.spec.offload[0] == 0
     assert not plan_run(preset("llama-8b"), msgspec.structs.replace(req, activations="recompute"), device=CUDA,
                         dtype=torch.bfloat16, local_gpu=False).fits
+
+
+def test_auto_offloads_rather_than_give_up_a_gradient_slot_but_not_when_host_memory_is_short():
+    """llama-8b, 2 sequences in 10 GiB: recomputing from checkpoints on the GPU fits only with
+    one gradient accumulator; auto offloads the bottom checkpoints and keeps two. With host
+    memory the binding limit (qwen-14b in 104 GiB), offloading would make it worse: none."""
+    from flowtrain.train.model import preset
+
+    def plan_for(model, **kw):
+        req = RunRequest(**{**dict(seq_len=4096, batch_size=2, micro_batch_size=1, host_mem=118.0), **kw})
+        return plan_run(preset(model), req, device=CUDA, dtype=torch.bfloat16, local_gpu=False)
+
+    squeezed = plan_for("llama-8b", gpu_mem=10.0, activations="recompute")
+    auto = plan_for("llama-8b", gpu_mem=10.0)
+    assert squeezed.fits and auto.fits
+    assert squeezed.budgets["grads"] == 1 and auto.budgets["grads"] == 2 and auto.spec.offload
+    short = plan_for("qwen-14b", batch_size=8, micro_batch_size=2, host_mem=104.0, gpu_mem=139.0)
+    assert short.fits and short.spec.offload == () and short.spec.resident

@@ -725,6 +725,19 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+def _long_context(base: ModelConfig, positions: int) -> ModelConfig:
+    """``base`` with Llama 3.1's rope scaling stretched from 8,192 original positions to
+    ``positions`` (factor positions / 8192): a shape for long-context training."""
+    scaling = RopeScaling(rope_type="llama3", factor=positions / 8192, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192)
+    return msgspec.structs.replace(base, rope_scaling=scaling, max_position_embeddings=positions)
+
+
+#: One sequence of up to 262,144 tokens on Llama-3-8B's shape, 524,288 on llama-3b's.
+PRESETS["llama-8b-256k"] = _long_context(PRESETS["llama-8b"], 262144)
+PRESETS["llama-3b-512k"] = _long_context(PRESETS["llama-3b"], 524288)
+
+
 def preset(name: str) -> ModelConfig:
     """The preset called ``name``; :class:`ConfigError` listing valid names otherwise."""
     try:
