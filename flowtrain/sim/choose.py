@@ -95,13 +95,11 @@ def choose_fastest(cfg: Any, req: Any, machine: Machine, policy: str = "double_b
     """The fastest configuration that fits, among single-setting changes of ``req`` (two rounds).
     Each is planned as ``plan_run`` plans it (``local_gpu``: also capped by the free memory of
     this machine's GPU, as the memory plan printed beside the choice is)."""
-    import torch
-
-    from ..train.plan import plan_run
+    from ..train.plan import Precision, Target, plan_run
     from .predict import predict
 
-    device = device or torch.device("cuda")
-    dtype = dtype or torch.bfloat16
+    device = device or Target("cuda")
+    dtype = dtype or Precision(2)  # bf16
     seen: dict[tuple, Candidate] = {}
 
     def evaluate(settings: dict[str, Any]) -> Candidate:

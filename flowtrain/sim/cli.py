@@ -82,11 +82,9 @@ def plan_for(args: argparse.Namespace, machine) -> tuple:  # noqa: ANN001 - a Ma
     """The model, request and memory plan of ``args`` on ``machine``: plan's checks, then
     ``plan_run`` for a GPU with the machine's memory unless --gpu-mem/--host-mem say otherwise
     (never capped by a GPU of the machine this runs on: the plan is for ``machine``)."""
-    import torch
-
     from ..train.checks import validate_numbers
-    from ..train.plan import plan_run, run_request
-    from ..train.trainer import TrainConfig, load_model_config, resolve_dtype, validate
+    from ..train.plan import Precision, Target, plan_run, run_request
+    from ..train.run_config import TrainConfig, load_model_config, precision_bytes, validate
 
     gpu_mem = args.gpu_mem if args.gpu_mem is not None else machine.gpu_mem_gib
     host_mem = args.host_mem if args.host_mem is not None else machine.host_mem_gib
@@ -99,8 +97,8 @@ def plan_for(args: argparse.Namespace, machine) -> tuple:  # noqa: ANN001 - a Ma
     cfg, model_dir = load_model_config(args.model)
     cfg.validate()
     validate(tc, cfg)
-    device = torch.device("cuda")
-    dtype = resolve_dtype(args.precision, device)
+    device = Target("cuda")  # the machine's GPU, planned for without torch
+    dtype = Precision(precision_bytes(args.precision, device.type))
     req = run_request(tc, model_dir)
     plan = plan_run(cfg, req, device=device, dtype=dtype, policy=args.policy, local_gpu=False)
     return cfg, req, plan, device, dtype

@@ -37,7 +37,6 @@ Face checkpoint, so the model never exists twice in memory::
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
 from typing import Iterable
 
@@ -46,8 +45,8 @@ import torch
 from ..errors import CheckpointError, ConfigError
 from .model import ModelConfig, UnitLayout, init_unit, load_into, model_layouts, save_hf
 from .model.checkpoint import unit_tensors
+from .host_layout import LAYOUTS, chunk_range, grad_chunks, slot_numel, staging_numel  # noqa: F401 - re-exported
 
-LAYOUTS = ("staged", "full", "stream-bf16")
 
 
 def pinned_zeros(n: int, pin: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -99,40 +98,6 @@ def return_freed_memory() -> None:
 
 
 _RETURN_SET = False
-
-
-def slot_numel(layouts: list[UnitLayout], resident: Iterable[str], tied: bool) -> int:
-    """Elements of one device weight or gradient slot: the largest streamed unit; a streamed
-    tied head's slot also carries the embedding matrix after the final norm."""
-    res = set(resident)
-    n = max((lay.numel for lay in layouts if lay.key not in res), default=0)
-    if tied and "head" not in res:
-        n = max(n, layouts[-1].numel + layouts[0].numel)
-    return n
-
-
-def staging_numel(layouts: Iterable[UnitLayout], resident: Iterable[str] = ()) -> int:
-    """Elements of one host staging slot: the largest streamed decoder layer (or, with no
-    streamed layer, the largest streamed unit). Bigger units pass through it in chunks."""
-    res = set(resident)
-    streamed = [lay for lay in layouts if lay.key not in res]
-    layers = [lay.numel for lay in streamed if lay.unit == "layer"]
-    return max(layers or [lay.numel for lay in streamed] or [0])
-
-
-def grad_chunks(layouts: Iterable[UnitLayout], resident: Iterable[str], stage_n: int) -> dict[str, int]:
-    """Staging chunks of every streamed unit larger than one staging slot."""
-    res = set(resident)
-    return {lay.key: math.ceil(lay.numel / stage_n) for lay in layouts
-            if lay.key not in res and stage_n and lay.numel > stage_n}
-
-
-def chunk_range(numel: int, stage_n: int, chunk: int | None) -> tuple[int, int]:
-    """``[lo, hi)`` of chunk ``chunk`` of a unit of ``numel`` elements (all of it for ``None``)."""
-    if chunk is None:
-        return 0, numel
-    lo = chunk * stage_n
-    return lo, min(numel, lo + stage_n)
 
 
 class UnitState:

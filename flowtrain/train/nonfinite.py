@@ -42,7 +42,7 @@ import msgspec
 import torch
 
 from ..errors import ConfigError
-from .host_state import chunk_range
+from .host_layout import chunk_range, undo_arena_bytes, undo_record_numel  # noqa: F401 - re-exported
 
 #: The environment variable :func:`injection_from_env` reads.
 INJECT_ENV = "FLOWTRAIN_INJECT_NAN"
@@ -109,21 +109,6 @@ def injection_from_env(layers: int) -> Injection | None:
 
 
 # ---- the undo record ----------------------------------------------------------------------
-def undo_arena_bytes(units: list[tuple[int, int]], stage_n: int, limit: int, *, touched: bool = False) -> int:
-    """Host bytes of the undo arena: ``limit``, or less where a whole step's records need less
-    (master, m, v and step count of every range a ``cpu_adam`` updates; ``units`` gives each
-    streamed unit's elements and staging chunks, bottom unit first). The program sizes the arena
-    with it (pages are touched only when written). ``touched``: what the planner counts, with
-    nothing resident: the bottom unit's last chunk is offloaded last, so its ``cpu_adam`` finds
-    the step verified and records nothing. A range whose record alone exceeds ``limit`` is never
-    recorded, so it takes no room (a model whose every layer does gets no arena at all)."""
-    ranges = [hi - lo for n, k in units for c in range(k) for lo, hi in [chunk_range(n, stage_n, c if k > 1 else None)]]
-    if touched and ranges:
-        ranges.pop(units[0][1] - 1)
-    fitting = [r for r in ranges if 4 * Saved.numel(r) <= limit]  # a larger range is never recorded
-    return 4 * (min(limit, 4 * sum(Saved.numel(r) for r in fitting)) // 4)
-
-
 class UndoBudget:
     """Host memory for undo records: one fp32 arena of at most ``limit`` bytes (``most``: what a
     step could ever record, if smaller), allocated at the first record and reused by every step,
@@ -181,7 +166,7 @@ class Saved:
 
     @staticmethod
     def numel(n: int) -> int:
-        return 3 * n + 1
+        return undo_record_numel(n)
 
     def restore(self) -> None:
         u, lo, hi, buf = self.unit, self.lo, self.hi, self.buf

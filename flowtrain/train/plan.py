@@ -44,17 +44,16 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
 from ..errors import ConfigError
 from ..graph.compiler import StepSpec, compile_step
 from ..graph.tasks import ACTS, GRADS, HOST_GRADS, WEIGHTS
-from .host_state import LAYOUTS, grad_chunks, slot_numel, staging_numel
-from .nonfinite import undo_arena_bytes
-from .model import ModelConfig, default_chunk_tokens, model_layouts
-from .program import LANDING_NUMEL
+from .host_layout import LANDING_NUMEL, LAYOUTS, grad_chunks, slot_numel, staging_numel, undo_arena_bytes
+from .model.config import ModelConfig, default_chunk_tokens
+from .model.layout import model_layouts
 
 if TYPE_CHECKING:
     import torch
@@ -71,6 +70,19 @@ HOST_FILL = 0.95
 #: Steps whose batches are alive at once: the one being cut into micro-batches and the two the
 #: training loop keeps in flight.
 DATA_BATCHES = 3
+
+
+class Target(NamedTuple):
+    """A device as the planner reads one: its ``type``. A ``torch.device`` is one; so is this,
+    for planning a GPU elsewhere without importing torch (``flowtrain simulate``)."""
+
+    type: str
+
+
+class Precision(NamedTuple):
+    """A compute dtype as the planner reads one: its ``itemsize`` (a ``torch.dtype`` is one)."""
+
+    itemsize: int
 
 
 class RunRequest(msgspec.Struct, kw_only=True):

@@ -86,7 +86,8 @@ from ..graph.tasks import (
 )
 from ..runtime.executor import TaskContext
 from .checkpoints import CheckpointWriter
-from .host_state import HostState, UnitState, chunk_range, pinned_zeros, slot_numel, staging_numel
+from .host_layout import LANDING_NUMEL, chunk_range, slot_numel, staging_numel
+from .host_state import HostState, UnitState, pinned_zeros
 from .model import bind, decoder_layer, embed, head_loss, head_loss_and_grads, rope_tables
 from .kept import Kept, backward_kept, forward_kept
 from .model.gemma import embed_multiplier
@@ -126,9 +127,6 @@ class _EvalData:
         self.sums: dict[int, torch.Tensor] = {}  # micro-batch -> fp32 CE sum (device scalar)
 
 
-#: Elements of the fp32 landing buffer that fetches of fp32 masters pass through on their way
-#: to a bf16 slot (64 MiB): large enough that each piece's copy runs at full PCIe speed.
-LANDING_NUMEL = 16 << 20
 
 
 class StepProgram:

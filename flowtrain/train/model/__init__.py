@@ -15,27 +15,25 @@ into views, and :func:`decoder_layer` is a pure function of activations and thos
         x = decoder_layer(x, bind(flat, lay), cos, sin, cfg)
 """
 
-from flowtrain.train.model.checkpoint import load_into, read_config, save_hf
-from flowtrain.train.model.config import PRESETS, ModelConfig, RopeScaling, preset
-from flowtrain.train.model.functional import (
-    IGNORE_INDEX,
-    decoder_layer,
-    default_chunk_tokens,
-    embed,
-    head_loss,
-    head_loss_and_grads,
-    rms_norm,
-    rope_tables,
-)
-from flowtrain.train.model.init import init_unit
-from flowtrain.train.model.layout import (
-    ALIGN,
-    Entry,
-    UnitLayout,
-    bind,
-    model_layouts,
-    unit_numel_max,
-)
+from flowtrain.train.model.config import PRESETS, ModelConfig, RopeScaling, default_chunk_tokens, preset, read_config
+from flowtrain.train.model.layout import ALIGN, Entry, UnitLayout, bind, model_layouts, unit_numel_max
+
+#: Names whose modules import torch, loaded on first use: the config and the layouts above are
+#: plain data, so ``flowtrain plan`` and ``flowtrain simulate`` read a model without torch.
+_LAZY = {
+    "IGNORE_INDEX": "functional", "decoder_layer": "functional", "embed": "functional", "head_loss": "functional",
+    "head_loss_and_grads": "functional", "rms_norm": "functional", "rope_tables": "functional",
+    "init_unit": "init", "load_into": "checkpoint", "save_hf": "checkpoint",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"flowtrain.train.model.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "ALIGN",

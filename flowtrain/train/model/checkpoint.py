@@ -36,7 +36,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from flowtrain.errors import CheckpointError, FlowtrainError
-from flowtrain.train.model.config import ModelConfig
+from flowtrain.train.model.config import CONFIG_NAME, ModelConfig, read_config  # noqa: F401 - re-exported
 from flowtrain.train.model.layout import Entry, UnitLayout, bind
 
 __all__ = ["checkpoint_dtype", "hf_config_text", "load_into", "read_config", "save_hf", "shard_tensors",
@@ -44,7 +44,6 @@ __all__ = ["checkpoint_dtype", "hf_config_text", "load_into", "read_config", "sa
 
 log = logging.getLogger(__name__)
 
-CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
 SHARD_NAME = "model-{:05d}-of-{:05d}.safetensors"
@@ -65,23 +64,6 @@ _HF_DTYPE_NAMES = {
 _DTYPE_BY_HF_NAME = {name: dt for dt, name in _HF_DTYPE_NAMES.items() if dt != torch.float64}
 _DTYPE_BY_ST_NAME = {name: dt for dt, name in _ST_DTYPES.items() if dt != torch.float64}
 _WRITE_PIECE = 1 << 24  # elements converted/copied per write: bounds temporaries
-
-
-def read_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
-    """The :class:`ModelConfig` of a Hugging Face model directory."""
-    path = Path(model_dir)
-    if not path.is_dir():
-        raise CheckpointError(f"model directory {str(path)!r} does not exist or is not a directory")
-    cfg_path = path / CONFIG_NAME
-    if not cfg_path.is_file():
-        raise CheckpointError(
-            f"{str(path)!r} has no {CONFIG_NAME}; point at a Hugging Face model directory"
-        )
-    try:
-        d = json.loads(cfg_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read {cfg_path}: {e}") from e
-    return ModelConfig.from_hf(d)
 
 
 # ---------------------------------------------------------------------- loading

@@ -22,12 +22,15 @@ layer math is :mod:`flowtrain.train.model.gemma`). Sliding windows are applied l
 
 from __future__ import annotations
 
+import json
 import math
+import os
+from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 
-from flowtrain.errors import ConfigError
+from flowtrain.errors import CheckpointError, ConfigError
 
 __all__ = [
     "FAMILIES",
@@ -746,3 +749,30 @@ def preset(name: str) -> ModelConfig:
         raise ConfigError(
             f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}"
         ) from None
+
+
+def default_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per head chunk: at most ~1 GiB of fp32 logits, between 256 and 4096 tokens."""
+    fit = (1 << 30) // (4 * vocab_size)
+    return max(256, min(4096, fit // 256 * 256))
+
+
+#: A Hugging Face model directory's configuration file.
+CONFIG_NAME = "config.json"
+
+
+def read_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
+    """The :class:`ModelConfig` of a Hugging Face model directory."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise CheckpointError(f"model directory {str(path)!r} does not exist or is not a directory")
+    cfg_path = path / CONFIG_NAME
+    if not cfg_path.is_file():
+        raise CheckpointError(
+            f"{str(path)!r} has no {CONFIG_NAME}; point at a Hugging Face model directory"
+        )
+    try:
+        d = json.loads(cfg_path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {cfg_path}: {e}") from e
+    return ModelConfig.from_hf(d)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flowtrain.train.model.attention import Documents, self_attention
-from flowtrain.train.model.config import ModelConfig
+from flowtrain.train.model.config import ModelConfig, default_chunk_tokens  # noqa: F401 - re-exported
 from flowtrain.train.model.gemma import gemma_layer, gemma_rms_norm
 
 __all__ = [
@@ -148,12 +148,6 @@ def decoder_layer(
 
 
 # ---------------------------------------------------------------------- head and loss
-
-
-def default_chunk_tokens(vocab_size: int) -> int:
-    """Tokens per head chunk: at most ~1 GiB of fp32 logits, between 256 and 4096 tokens."""
-    fit = (1 << 30) // (4 * vocab_size)
-    return max(256, min(4096, fit // 256 * 256))
 
 
 def _step(chunk_tokens: int | None, vocab_size: int) -> int:

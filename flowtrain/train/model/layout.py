@@ -18,8 +18,12 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 
+from typing import TYPE_CHECKING
+
 import msgspec
-from torch import Tensor
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 from flowtrain.train.model.config import ModelConfig
 
