@@ -33,6 +33,7 @@ for job in "$@"; do
     info) nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee -a "$OUT/log.txt"; free -g | tee -a "$OUT/log.txt" ;;
     tests) log tests; timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/train/test_gpu.py tests/train/model/test_model_gpu.py tests/train/model/test_attention.py 2>&1 | tail -15 | tee -a "$OUT/log.txt" ;;
     w1) bench w1 $W --batch-size 4 --steps 7 --trace "$OUT/w1-trace.json" ;;
+    w1tr) FT="python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m flowtrain" bench w1tr $W --batch-size 4 --steps 7 ;;  # W1 under torchrun, one process
     w1c) bench w1c $W --batch-size 4 --steps 7 --compile ;;
     w1none) bench w1none $W --batch-size 4 --steps 6 --resident none ;;
     w2) bench w2 $W --batch-size 16 --steps 5 --trace "$OUT/w2-trace.json" ;;

@@ -24,8 +24,8 @@ every node of an exported graph has ``kind``, ``layer``, ``micro_batch`` and ``l
 - ``chunk``: for ``offload_grad`` and ``cpu_adam`` under the staged gradient layout, which
   piece of the unit's gradient passes through one host staging slot (``None`` otherwise).
 
-Each kind knows its **lane** (``h2d``, ``compute``, ``d2h``, ``cpu``, or ``io`` for disk
-writes) and which buffer **pool** it takes a slot from (``takes``). A task that takes a slot
+Each kind knows its **lane** (``h2d``, ``compute``, ``d2h``, ``cpu``, ``io`` for disk
+writes, or ``net`` for collectives between data-parallel processes) and which buffer **pool** it takes a slot from (``takes``). A task that takes a slot
 holds it until every task that *reads* the slot (an edge marked ``reads=True`` in the graph)
 has been launched; the next task granted that slot waits for them, on its own lane, through a
 fence.
@@ -39,15 +39,17 @@ from typing import ClassVar, Literal
 
 import msgspec
 
-Lane = Literal["h2d", "compute", "d2h", "cpu", "io"]
+Lane = Literal["h2d", "compute", "d2h", "cpu", "io", "net"]
 Unit = Literal["embed", "layer", "head"]
 Phase = Literal["forward", "recompute", "backward"]
 
 #: Lanes whose work can be fenced without the host: a task on one of these lanes may be
 #: launched as soon as its producers on these lanes are *launched* (it waits for them on
 #: the lane, like a CUDA stream waiting on an event). ``cpu`` work needs finished inputs.
-DEVICE_LANES: frozenset[str] = frozenset({"h2d", "compute", "d2h"})
-LANES: tuple[str, ...] = ("h2d", "compute", "d2h", "cpu", "io")
+#: ``net`` carries the collectives of data-parallel training (gradient all-reduce), on its own
+#: stream on a GPU, so that they overlap the backward of the layers below.
+DEVICE_LANES: frozenset[str] = frozenset({"h2d", "compute", "d2h", "net"})
+LANES: tuple[str, ...] = ("h2d", "compute", "d2h", "cpu", "io", "net")
 
 #: Buffer pools. ``weights``: slots that hold one unit's streamed weights on the device.
 #: ``grads``: device gradient accumulators, one unit each, held until offloaded.
@@ -172,6 +174,14 @@ class FetchAct(Task, tag="fetch_act"):
     takes: ClassVar[str | None] = ACTS
 
 
+class ReduceGrad(Task, tag="reduce_grad"):
+    """Sum one unit's gradient slot over every data-parallel process (all-reduce), once all of
+    this process's micro-batches have added to it and before it is offloaded: every process
+    then updates its copy of the unit with the same gradient."""
+
+    lane: ClassVar[str] = "net"
+
+
 class GradSqNorm(Task, tag="grad_sq_norm"):
     """Squared norm of a device-resident unit's gradient, for exact clipping."""
 
@@ -239,6 +249,7 @@ AnyTask = (
     | FoundInf
     | OffloadAct
     | FetchAct
+    | ReduceGrad
     | VerifyStep
     | EvalLoss
     | SaveUnit
@@ -259,6 +270,7 @@ KINDS: dict[str, type[Task]] = {
         OffloadGrad,
         OffloadAct,
         FetchAct,
+        ReduceGrad,
         GradSqNorm,
         GradNorm,
         CpuAdam,

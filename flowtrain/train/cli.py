@@ -146,10 +146,13 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 
 def run(args: argparse.Namespace) -> int:
+    from .distributed import world_from_env
     from .trainer import train
 
     cfg = config_from_args(args)
     metrics = train(cfg)
+    if not world_from_env().leader:
+        return 0  # rank 0 reports for every data-parallel process
     first, last = metrics[0], metrics[-1]
     tail = [m.loss for m in metrics[-max(1, len(metrics) // 10):] if math.isfinite(m.loss)]
     mean_tail = sum(tail) / len(tail) if tail else math.nan

@@ -116,9 +116,11 @@ class TrainingLoop:
 
     def _add_step(self, engine: Engine, s: int, batch, prev, prev_saves):
         cfg = self.cfg
-        mbs = batch.micro_batches(cfg.micro_batch_size)
+        # this process's share of the step (all of it on one process); the loss is averaged
+        # over the whole step's targets either way
+        mbs = self.run.world.share(batch.micro_batches(cfg.micro_batch_size))
         self.program.begin_step(s, [mb.input_ids for mb in mbs], [mb.targets for mb in mbs], self.run.schedule(s),
-                                [mb.positions for mb in mbs])
+                                [mb.positions for mb in mbs], n_targets=batch.num_targets())
         graph = compile_step(self.spec, step=s)
         saves = []
         if self._saves_after(s):

@@ -79,6 +79,7 @@ from ..graph.tasks import (
     OffloadAct,
     OffloadGrad,
     Recompute,
+    ReduceGrad,
     SaveUnit,
     Task,
     VerifyStep,
@@ -86,6 +87,7 @@ from ..graph.tasks import (
 )
 from ..runtime.executor import TaskContext
 from .checkpoints import CheckpointWriter
+from .distributed import World, all_reduce_sum
 from .host_layout import LANDING_NUMEL, chunk_range, slot_numel, staging_numel
 from .host_state import HostState, UnitState, pinned_zeros
 from .model import bind, decoder_layer, embed, head_loss, head_loss_and_grads, rope_tables
@@ -146,9 +148,12 @@ class StepProgram:
         compile_backend: str | None = None,
         undo_bytes: int = 1 << 30,
         inject_nonfinite: Injection | None = None,
+        world: World | None = None,
     ) -> None:
         self.state = state
         self.cfg = state.cfg
+        #: the data-parallel processes (``reduce_grad`` sums over them); one by default
+        self.world = world or World()
         self.device = torch.device(device)
         self.dtype = dtype
         self.k = checkpoint_every
@@ -226,10 +231,13 @@ class StepProgram:
 
     # ---- step boundaries -----------------------------------------------------------------
     def begin_step(self, step: int, micro_ids: list[torch.Tensor], micro_targets: list[torch.Tensor], lr: float,
-                   micro_positions: list[torch.Tensor | None] | None = None) -> None:
+                   micro_positions: list[torch.Tensor | None] | None = None, n_targets: int | None = None) -> None:
         """Hand over one step's micro-batches (CPU int64 tensors, (b, seq) each), and where rows
-        are packed, each token's position inside its document (0 where one starts)."""
-        n_targets = int(sum(int((t != -100).sum()) for t in micro_targets))
+        are packed, each token's position inside its document (0 where one starts).
+        ``n_targets``: the target tokens the loss is averaged over, where these micro-batches are
+        this process's share of a larger step (data parallel); by default theirs."""
+        if n_targets is None:
+            n_targets = int(sum(int((t != -100).sum()) for t in micro_targets))
         if n_targets == 0:
             raise ConfigError("a step has no target tokens: every position is padding")
         if self._pin:
@@ -246,12 +254,21 @@ class StepProgram:
         :class:`~flowtrain.errors.NonFiniteError` if the step was not finite and some update
         could not be put back."""
         data = self.steps.pop(step)
-        loss = float(data.loss) / data.n_targets if data.loss is not None else math.nan
+        loss = float(self._step_loss(data)) / data.n_targets if data.loss is not None else math.nan
         norm = data.total_norm if data.total_norm is not None else self._total_norm(data)
         self._settle(data)  # a no-op where verify_step or grad_norm has settled the step
         if data.check.error is not None:
             raise NonFiniteError(data.check.error)
         return loss, norm, data.check.skipped
+
+    def _step_loss(self, data: _StepData) -> torch.Tensor:
+        """The step's summed loss: this process's, or with several, all of theirs (summed over
+        the processes on a group of its own, apart from the ``net`` lane's gradients)."""
+        if not self.world.parallel:
+            return data.loss  # type: ignore[return-value]
+        total = data.loss.detach().clone()  # type: ignore[union-attr]
+        all_reduce_sum(total, metrics=True)
+        return total
 
     def begin_eval(self, step: int, micro_ids: list[torch.Tensor], micro_targets: list[torch.Tensor],
                    micro_positions: list[torch.Tensor | None] | None = None) -> None:
@@ -295,6 +312,10 @@ class StepProgram:
                 return None
             case OffloadGrad():
                 return self._offload(task, ctx)
+            case ReduceGrad():
+                n = self._unit(task).layout.numel + self._tied_extra(task)
+                all_reduce_sum(self.grad_slots[ctx.read(GRADS)][:n])
+                return None
             case OffloadAct():
                 return self._offload_act(task)
             case FetchAct():

@@ -56,8 +56,10 @@ class Reporter:
     """
 
     def __init__(self, *, total: int, first: int = 0, metrics: str | None = None,
-                 progress: bool | None = None) -> None:
-        interactive = progress if progress is not None else sys.stderr.isatty()
+                 progress: bool | None = None, quiet: bool = False) -> None:
+        #: nothing printed (a data-parallel process other than rank 0; its metrics go nowhere)
+        self.quiet = quiet
+        interactive = not quiet and (progress if progress is not None else sys.stderr.isatty())
         self.bar = None
         if interactive:
             from tqdm import tqdm
@@ -77,7 +79,7 @@ class Reporter:
             self.bar.set_postfix(loss=_num(m.loss, ".4f"), tok_s=f"{m.tokens_per_s:,.0f}",
                                  **({"skipped": "yes"} if m.skipped else {}))
             self.bar.update(1)
-        elif m.skipped or (m.step - self.first) % self.every == 0 or m.step == self.total - 1:
+        elif not self.quiet and (m.skipped or (m.step - self.first) % self.every == 0 or m.step == self.total - 1):
             print(
                 f"step {m.step + 1}/{self.total}  loss {_num(m.loss, '.4f')}  grad_norm {_num(m.grad_norm, '.3f')}  "
                 f"{m.tokens_per_s:,.0f} tok/s  lr {m.lr:.3g}" + ("  skipped: not finite, weights unchanged" if m.skipped else ""),
@@ -94,6 +96,8 @@ class Reporter:
 
     def say(self, line: str) -> None:
         """A line of its own, between progress updates."""
+        if self.quiet:
+            return
         if self.bar is not None:
             self.bar.write(line, file=sys.stderr)
         else:

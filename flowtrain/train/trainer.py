@@ -50,6 +50,7 @@ from .reporting import Reporter, StepMetrics
 from .resume import check_compatible, restore_rng, steps_done
 from .shutdown import Shutdown
 from .summary import summary_lines
+from .distributed import World, join, leave, world_from_env
 
 __all__ = ["TrainConfig", "StepMetrics", "train", "prepare"]
 
@@ -100,6 +101,7 @@ class Run:
     tokenizer_dir: Path | None = None  # whose tokenizer files go with every saved model
     source_dir: Path | None = None  # the pretrained folder whose config.json the final model keeps
     eval_seqs: Sequences | None = None  # the held-out set of --eval-data
+    world: World = field(default_factory=World)  # the data-parallel processes (torchrun)
 
     @property
     def first_step(self) -> int:
@@ -139,11 +141,48 @@ def prepare(cfg: TrainConfig) -> Run:
     eval_seqs = _load_eval(cfg, mcfg, tokenizer_dir)
     if resume_from is not None:
         check_compatible(resume_state, cfg, data=data_fp, where=str(resume_from), total_steps=cfg.steps)
-    plan = plan_run(mcfg, run_request(cfg, model_dir), device=device, dtype=dtype, policy=resolve_policy(cfg.policy))
+    world = world_from_env()
+    device, local = _data_parallel(cfg, world, device)
+    plan = plan_run(mcfg, run_request(local, model_dir), device=device, dtype=dtype, policy=resolve_policy(cfg.policy))
     if not plan.fits:
         raise PlanError(plan.refusal())
+    if world.parallel:
+        plan.spec = msgspec.structs.replace(plan.spec, reduce=True)
     return Run(cfg, mcfg, model_dir, device, dtype, plan, schedule, seqs, data_fp, resume_from, resume_state,
-               tokenizer_dir=tokenizer_dir, source_dir=_source_dir(model_dir, resume_state), eval_seqs=eval_seqs)
+               tokenizer_dir=tokenizer_dir, source_dir=_source_dir(model_dir, resume_state), eval_seqs=eval_seqs,
+               world=world)
+
+
+def _data_parallel(cfg: TrainConfig, world: World, device: torch.device) -> tuple[torch.device, TrainConfig]:
+    """This process's device (its own GPU under torchrun) and the run one process plans for:
+    its share of the batch, every unit streamed (a resident unit's Adam would need its own
+    reduction before ``gpu_adam``, not built yet)."""
+    if not world.parallel:
+        return device, cfg
+    per = cfg.micro_batch_size * world.size
+    if cfg.batch_size % per:
+        raise ConfigError(f"--batch-size {cfg.batch_size} does not split into {world.size} processes' shares of "
+                          f"--micro-batch-size {cfg.micro_batch_size}: use a multiple of {per}")
+    if cfg.resident not in ("auto", "none"):
+        raise ConfigError(f"--resident {cfg.resident}: with {world.size} data-parallel processes every unit is "
+                          "streamed; use --resident none (or leave it to auto)")
+    if device.type == "cuda":
+        device = torch.device("cuda", world.local_rank)
+        torch.cuda.set_device(device)
+    return device, msgspec.structs.replace(cfg, batch_size=cfg.batch_size // world.size, resident="none")
+
+
+def for_rank(cfg: TrainConfig, world: World) -> TrainConfig:
+    """What this process writes: rank 0 everything asked for; the others nothing but their own
+    trace (``NAME.rankR.json`` beside rank 0's ``NAME.json``), so that files are written once."""
+    if world.leader:
+        return cfg
+    trace = None
+    if cfg.trace:
+        p = Path(cfg.trace)
+        trace = str(p.with_name(f"{p.stem}.rank{world.rank}{p.suffix or '.json'}"))
+    return msgspec.structs.replace(cfg, out=None, metrics=None, progress=False, save_every=None,
+                                   save_total_limit=None, trace=trace)
 
 
 def _load_eval(cfg: TrainConfig, mcfg: ModelConfig, tokenizer_dir: Path | None) -> Sequences | None:
@@ -221,7 +260,7 @@ def build_state(run: Run) -> tuple[HostState, StepProgram]:
     program = StepProgram(state, device=run.device, dtype=run.dtype, seq_len=cfg.seq_len,
                           checkpoint_every=cfg.checkpoint_every, budgets=plan.budgets, adamw=adamw_config(cfg),
                           chunk_tokens=plan.chunk_tokens, compile_backend=resolve_compile(cfg.compile, run.device),
-                          undo_bytes=int(cfg.undo_mem * 2**30))
+                          undo_bytes=int(cfg.undo_mem * 2**30), world=run.world)
     return state, program
 
 
@@ -234,9 +273,12 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
     Raises :class:`Interrupted` on SIGINT/SIGTERM (in the main thread), :class:`NonFiniteError`
     when too many steps in a row were skipped, :class:`StepFailed` when a task failed; in
     each case no final model is written and every checkpoint already written stays whole."""
+    world = world_from_env()
+    cfg = for_rank(cfg, world)
     shutdown = Shutdown(graceful=cfg.save_every is not None)
     with shutdown:
         run = prepare(cfg)
+        join(world, run.device.type)
         if on_plan:
             on_plan(run.plan)
         if cfg.out:
@@ -251,7 +293,8 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
         state, program = build_state(run)
         gc.freeze()  # the model and torch's objects are long-lived: keep full collections off them
         recorder = TraceRecorder() if cfg.trace else None
-        reporter = Reporter(total=cfg.steps, first=run.first_step, metrics=cfg.metrics, progress=cfg.progress)
+        reporter = Reporter(total=cfg.steps, first=run.first_step, metrics=cfg.metrics, progress=cfg.progress,
+                            quiet=not world.leader)
         shutdown.say = reporter.say
         for line in summary_lines(run):
             reporter.say(line)
@@ -264,6 +307,7 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
             shutdown.restore_sync_handlers()
             loop.abort_checkpoints()
             reporter.close()
+            leave(world)
             if recorder is not None:
                 _write_trace(run, recorder)
         if cfg.out:

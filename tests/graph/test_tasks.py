@@ -10,7 +10,7 @@ from flowtrain.graph import (
     EmbedBackward, EvalLoss, Fetch, Forward, FoundInf, GpuAdam, GradNorm, GradSqNorm, Loss, OffloadGrad, Recompute, SaveUnit,
     VerifyStep, ZeroGrad,
 )
-from flowtrain.graph.tasks import ACTS, FetchAct, OffloadAct, task_from_dict, task_to_dict
+from flowtrain.graph.tasks import ACTS, FetchAct, OffloadAct, ReduceGrad, task_from_dict, task_to_dict
 
 #: kind -> (class, lane, pool it takes a slot from)
 CARD = {
@@ -33,6 +33,7 @@ CARD = {
     "eval_loss": (EvalLoss, "compute", None),
     "offload_act": (OffloadAct, "d2h", None),
     "fetch_act": (FetchAct, "h2d", ACTS),
+    "reduce_grad": (ReduceGrad, "net", None),
 }
 
 

@@ -1,0 +1,107 @@
+"""Data parallel training over ``torch.distributed``: one process per GPU (or CPU worker).
+
+Started by ``torchrun``, which sets ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and the rendezvous
+address in each process's environment::
+
+    torchrun --nproc-per-node 2 -m flowtrain train --model llama-1b --batch-size 16 ...
+
+Every process reads the same data in the same order and takes its share of each step's
+micro-batches (``--batch-size`` is the global batch: process ``r`` of ``n`` runs micro-batches
+``r * k .. r * k + k - 1`` of the step's ``n * k``). The loss is normalised by the target
+tokens of the whole global batch, so after every process's micro-batches have added to a unit's
+gradient slot, one ``reduce_grad`` task (an all-reduce on the ``net`` lane) makes each slot the
+global batch's gradient; it then leaves for the host and its Adam as on one process, and every
+process's copy of the weights stays the same. Rank 0 alone writes checkpoints, the final
+model, metrics and progress.
+
+Backend: NCCL on CUDA, gloo on the CPU. Each process holds its own host copy of the state (the
+processes of a node do not share it yet).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import msgspec
+
+from ..errors import ConfigError
+
+
+class World(msgspec.Struct, frozen=True):
+    """This process's place among the data-parallel processes."""
+
+    rank: int = 0
+    size: int = 1
+    local_rank: int = 0
+
+    @property
+    def parallel(self) -> bool:
+        return self.size > 1
+
+    @property
+    def leader(self) -> bool:
+        """Rank 0: the process that writes files and reports."""
+        return self.rank == 0
+
+    def share(self, micro_batches: list[Any]) -> list[Any]:
+        """This process's consecutive share of a step's micro-batches."""
+        k, extra = divmod(len(micro_batches), self.size)
+        if extra:
+            raise ConfigError(f"{len(micro_batches)} micro-batches per step do not split over {self.size} processes: "
+                              f"make --batch-size / --micro-batch-size a multiple of {self.size}")
+        return micro_batches[self.rank * k : (self.rank + 1) * k]
+
+
+def world_from_env(environ: dict[str, str] | None = None) -> World:
+    """The world ``torchrun`` describes in the environment (one process without it)."""
+    env = os.environ if environ is None else environ
+    try:
+        size = int(env.get("WORLD_SIZE", "1"))
+        rank = int(env.get("RANK", "0"))
+        local = int(env.get("LOCAL_RANK", str(rank)))
+    except ValueError as e:
+        raise ConfigError(f"WORLD_SIZE, RANK and LOCAL_RANK must be integers ({e})") from None
+    if size < 1 or not 0 <= rank < size:
+        raise ConfigError(f"RANK {rank} is not a process of WORLD_SIZE {size}")
+    return World(rank=rank, size=size, local_rank=local)
+
+
+#: A second group of the same processes, for the few collectives the training loop's own
+#: thread makes (the step's loss): the ``net`` lane's thread issues gradient all-reduces on the
+#: default group at the same time, and collectives on one group must come in the same order on
+#: every process.
+_METRICS_GROUP: Any = None
+
+
+def join(world: World, device_type: str) -> None:
+    """Join the process group (NCCL on CUDA, gloo on the CPU); a no-op for one process."""
+    global _METRICS_GROUP
+    if not world.parallel:
+        return
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        dist.init_process_group(backend, rank=world.rank, world_size=world.size)
+        _METRICS_GROUP = dist.new_group(backend=backend)
+
+
+def leave(world: World) -> None:
+    """Leave the process group, if this process joined one."""
+    if not world.parallel:
+        return
+    import torch.distributed as dist
+
+    global _METRICS_GROUP
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _METRICS_GROUP = None
+
+
+def all_reduce_sum(t: Any, *, metrics: bool = False) -> None:
+    """Sum ``t`` over every process, in place (on the current CUDA stream on a GPU); with
+    ``metrics``, on the group kept for the training loop's own collectives."""
+    import torch.distributed as dist
+
+    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=_METRICS_GROUP if metrics else None)

@@ -1,0 +1,96 @@
+"""Data parallel training: torchrun processes over gloo, each with its share of the micro-batches.
+
+The real test starts ``torchrun --standalone --nproc-per-node 2 -m flowtrain train`` on the CPU
+and compares the weights it saves with one process trained on the same global batch.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from flowtrain.cli import main
+from flowtrain.errors import ConfigError
+from flowtrain.graph.compiler import StepSpec, compile_step
+from flowtrain.graph.tasks import OffloadGrad, ReduceGrad
+from flowtrain.train.distributed import World, world_from_env
+
+RUN = ["--model", "tiny", "--steps", "3", "--batch-size", "8", "--micro-batch-size", "2", "--seq-len", "32",
+       "--device", "cpu", "--precision", "fp32", "--lr", "1e-3", "--no-progress"]
+
+
+def _torchrun(tmp_path: Path, out: str, *extra: str, n: int = 2) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
+           "-m", "flowtrain", "train", *RUN, "--out", str(tmp_path / out), *extra]
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+
+@pytest.mark.parametrize("policy", ["double_buffer", "sequential"])
+@pytest.mark.parametrize("clip", [[], ["--grad-clip", "0.5"]], ids=["no-clip", "clip"])
+def test_two_processes_train_the_weights_of_one_with_the_same_global_batch(tmp_path, policy, clip):
+    assert main(["train", *RUN, "--out", str(tmp_path / "one"), "--policy", policy, *clip]) == 0
+    proc = _torchrun(tmp_path, "two", "--policy", policy, *clip, "--trace", str(tmp_path / "trace.json"),
+                     "--metrics", str(tmp_path / "metrics.jsonl"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
+    assert one.keys() == two.keys()
+    for name, ref in one.items():
+        err = float((two[name] - ref).norm() / ref.norm())
+        assert err <= 1e-5, f"{name}: relative error {err:.2e}"
+    # rank 0 reports once, for the whole batch; each rank traces its own share
+    assert proc.stdout.count("done: 3 steps") == 1
+    assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
+    for trace in (tmp_path / "trace.json", tmp_path / "trace.rank1.json"):
+        text = trace.read_text()
+        assert "reduce_grad L1" in text and "forward L0 m1" in text and "forward L0 m2" not in text
+
+
+def test_each_streamed_unit_is_summed_over_the_processes_before_it_leaves():
+    g = compile_step(StepSpec(layers=2, micro_batches=2, staged=True, tied=True, reduce=True))
+    reduces = [t for t in g if isinstance(t, ReduceGrad)]
+    assert sorted((t.unit, t.layer) for t in reduces) == [("embed", None), ("head", None), ("layer", 0), ("layer", 1)]
+    for t in g:
+        if isinstance(t, OffloadGrad):
+            assert any(isinstance(p, ReduceGrad) and (p.unit, p.layer) == (t.unit, t.layer) for p in g.predecessors(t))
+    for r in reduces:  # after every micro-batch's gradient of the unit
+        writers = {p.kind for p in g.predecessors(r)}
+        assert writers & {"backward", "loss", "embed_backward"}
+    with pytest.raises(ConfigError, match="every unit is streamed"):
+        StepSpec(layers=2, resident=("layer.0",), reduce=True).validate()
+
+
+def test_a_process_takes_its_consecutive_share_of_the_micro_batches():
+    mbs = list(range(8))
+    assert [World(rank=r, size=4).share(mbs) for r in range(4)] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    with pytest.raises(ConfigError, match="do not split over 3 processes"):
+        World(rank=0, size=3).share(mbs)
+    assert world_from_env({}) == World()
+    assert world_from_env({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}) == World(rank=1, size=2, local_rank=1)
+    with pytest.raises(ConfigError, match="RANK 2 is not a process"):
+        world_from_env({"WORLD_SIZE": "2", "RANK": "2"})
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--batch-size", "6"], "does not split into 2 processes"),
+    (["--resident", "layer.0"], "use --resident none"),
+])
+def test_a_batch_or_placement_the_processes_cannot_share_ends_in_one_line(tmp_path, extra, needle):
+    proc = _torchrun(tmp_path, "bad", *extra)
+    assert proc.returncode != 0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("flowtrain: error:")]
+    assert errors and needle in errors[0], proc.stderr[-2000:]
+    assert not (tmp_path / "bad" / "model.safetensors").exists()
+
+
+def test_without_torchrun_it_is_one_process(monkeypatch):
+    """No torchrun: one process, no process group, every micro-batch its own."""
+    for var in ("WORLD_SIZE", "RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(var, raising=False)
+    world = world_from_env()
+    assert not world.parallel and world.leader and world.share([1, 2, 3]) == [1, 2, 3]
+    assert not torch.distributed.is_initialized()
