@@ -52,7 +52,7 @@ from ..errors import ConfigError
 from ..graph.compiler import StepSpec, compile_step
 from ..graph.tasks import ACTS, GRADS, HOST_GRADS, WEIGHTS
 from .host_layout import LANDING_NUMEL, LAYOUTS, grad_chunks, slot_numel, staging_numel, undo_arena_bytes
-from .model.config import ModelConfig, default_chunk_tokens
+from .model.config import MLP_CHUNK_TOKENS, ModelConfig, default_chunk_tokens
 from .model.layout import model_layouts
 
 if TYPE_CHECKING:
@@ -298,8 +298,11 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
     layer_n = max((lay.numel for lay in layouts if lay.unit == "layer"), default=0)
     # One layer under autograd: its saved tensors, the gradients flowing back, and its weight
     # gradient in the compute dtype before it is added to the fp32 accumulator.
-    layer_work = tokens * cbytes * (6 * cfg.hidden_size + 2 * q + 4 * kv + 4 * cfg.intermediate_size)
-    layer_work += cbytes * layer_n
+    layer_work = tokens * cbytes * (6 * cfg.hidden_size + 2 * q + 4 * kv) + cbytes * layer_n
+    if tokens > MLP_CHUNK_TOKENS:  # the MLP in pieces: one piece's intermediates, fp32 weight gradients
+        layer_work += MLP_CHUNK_TOKENS * cbytes * 4 * cfg.intermediate_size + 12 * cfg.hidden_size * cfg.intermediate_size
+    else:
+        layer_work += tokens * cbytes * 4 * cfg.intermediate_size
     chunk = min(chunk_tokens, tokens)
     casting = cbytes != 4 and layout != "stream-bf16" and slot_n > 0
     resident_per = 16 + (cbytes if cbytes != 4 else 0)

@@ -751,6 +751,11 @@ def preset(name: str) -> ModelConfig:
         ) from None
 
 
+#: Tokens per micro-batch above which a layer's MLP runs in pieces of this many
+#: (:mod:`flowtrain.train.model.mlp`; 16 pieces at 512K tokens).
+MLP_CHUNK_TOKENS = 32768
+
+
 def default_chunk_tokens(vocab_size: int) -> int:
     """Tokens per head chunk: at most ~1 GiB of fp32 logits, between 256 and 4096 tokens."""
     fit = (1 << 30) // (4 * vocab_size)

@@ -34,6 +34,7 @@ from torch import Tensor
 from flowtrain.train.model.attention import Documents, self_attention
 from flowtrain.train.model.config import ModelConfig, default_chunk_tokens  # noqa: F401 - re-exported
 from flowtrain.train.model.gemma import gemma_layer, gemma_rms_norm
+from flowtrain.train.model.mlp import gated_mlp
 
 __all__ = [
     "IGNORE_INDEX",
@@ -143,8 +144,7 @@ def decoder_layer(
     x = x + self_attention(h, w, cos, sin, cfg, docs, window, rms_norm)
 
     h = rms_norm(x, w["post_attention_layernorm"], cfg.rms_norm_eps)
-    mlp = F.silu(F.linear(h, w["gate_proj"])) * F.linear(h, w["up_proj"])
-    return x + F.linear(mlp, w["down_proj"])
+    return x + gated_mlp(h, w["gate_proj"], w["up_proj"], w["down_proj"], F.silu)
 
 
 # ---------------------------------------------------------------------- head and loss

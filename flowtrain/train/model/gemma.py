@@ -24,10 +24,10 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 
 from flowtrain.train.model.attention import Documents, self_attention
+from flowtrain.train.model.mlp import gated_mlp, gelu_tanh
 
 if TYPE_CHECKING:
     from flowtrain.train.model.config import ModelConfig
@@ -62,5 +62,5 @@ def gemma_layer(
     attn = self_attention(h, w, cos, sin, cfg, docs, window, gemma_rms_norm)
     x = x + gemma_rms_norm(attn, w["post_attention_layernorm"], eps)
     h = gemma_rms_norm(x, w["pre_feedforward_layernorm"], eps)
-    mlp = F.gelu(F.linear(h, w["gate_proj"]), approximate="tanh") * F.linear(h, w["up_proj"])
-    return x + gemma_rms_norm(F.linear(mlp, w["down_proj"]), w["post_feedforward_layernorm"], eps)
+    mlp = gated_mlp(h, w["gate_proj"], w["up_proj"], w["down_proj"], gelu_tanh)
+    return x + gemma_rms_norm(mlp, w["post_feedforward_layernorm"], eps)
