@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import msgspec
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..train.plan_cli import add_arguments as add_plan_arguments
@@ -55,16 +57,19 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"on {machine.name}: {plan.refusal()}")
     from .predict import predict
 
-    pred = predict(cfg, plan, req, machine, args.policy, adam_workers=args.adam_workers, steps=args.steps)
+    pred = predict(cfg, plan, req, machine, args.policy, adam_workers=args.adam_workers, steps=args.steps,
+                   world=args.nproc_per_node * args.nnodes, nodes=args.nnodes)
     if args.trace:
         from ..runtime.trace import write_chrome_trace
 
         write_chrome_trace(args.trace, [r for recs in pred.records for r in recs],
                            meta={"policy": args.policy, "model": args.model, "simulated": True, "machine": machine.name})
     out = {"model": args.model, "machine": machine.name, "machine_source": machine.source,
+           "processes": args.nproc_per_node * args.nnodes, "nodes": args.nnodes,
            **pred.summary.to_dict(), "plan": {"layout": plan.layout, "resident": list(plan.spec.resident),
                                               "budgets": plan.budgets, "gpu_gib": round(plan.gpu_total / 2**30, 2),
-                                              "host_gib": round(plan.host_total / 2**30, 2)}}
+                                              "host_gib": round(plan.host_total / 2**30, 2),
+                                              "host_gib_per_node": round(plan.host_total * args.nproc_per_node / 2**30, 2)}}
     if args.json:
         print(json.dumps(out, indent=1))
     else:
@@ -84,6 +89,7 @@ def plan_for(args: argparse.Namespace, machine) -> tuple:  # noqa: ANN001 - a Ma
     (never capped by a GPU of the machine this runs on: the plan is for ``machine``)."""
     from ..train.checks import validate_numbers
     from ..train.plan import Precision, Target, plan_run, run_request
+    from ..train.plan_cli import data_parallel_share
     from ..train.run_config import TrainConfig, load_model_config, precision_bytes, validate
 
     gpu_mem = args.gpu_mem if args.gpu_mem is not None else machine.gpu_mem_gib
@@ -99,6 +105,9 @@ def plan_for(args: argparse.Namespace, machine) -> tuple:  # noqa: ANN001 - a Ma
     validate(tc, cfg)
     device = Target("cuda")  # the machine's GPU, planned for without torch
     dtype = Precision(precision_bytes(args.precision, device.type))
+    tc, world = data_parallel_share(tc, args)
     req = run_request(tc, model_dir)
     plan = plan_run(cfg, req, device=device, dtype=dtype, policy=args.policy, local_gpu=False)
+    if world > 1:
+        plan.spec = msgspec.structs.replace(plan.spec, reduce=True)
     return cfg, req, plan, device, dtype

@@ -24,8 +24,10 @@ it (:class:`~flowtrain.sim.machine.Machine`)::
   :meth:`CostModel.copy_seconds`.
 - ``cpu_adam``: parameters over the CPU's fused AdamW rate; with ``adam_workers`` jobs at once
   each gets that share of the cores. ``gpu_adam``: parameters over the device's AdamW rate.
-- ``save``: 12 bytes per parameter over the disk's write rate. Every device task adds the host's
-  launch cost.
+- ``save``: 12 bytes per parameter over the disk's write rate. ``reduce_grad`` (data parallel):
+  a ring all-reduce of the unit's fp32 gradient, 2 (n - 1) / n of its bytes over the GPUs' link
+  (``gpu_link_gbps``) or, across nodes, the network. Every device task adds the host's launch
+  cost.
 
 :data:`SOFTWARE` holds the few numbers that describe flowtrain's kernels rather than the machine
 (how many elementwise passes a layer makes, ...). They were fitted once, to the H200 W1 trace
@@ -79,6 +81,15 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
     refresh: bool = False  # cpu_adam also refreshes a bf16 streaming copy (stream-bf16)
     grad_chunks: dict[str, int] = {}
     adam_workers: int = 1
+    #: data-parallel processes in all, and the nodes they run on (``reduce_grad``)
+    world: int = 1
+    nodes: int = 1
+
+    @property
+    def per_node(self) -> int:
+        """Data-parallel processes on one node: they share its CPU cores (each runs Adam on every
+        unit: one host copy of the state per process, not yet one per node)."""
+        return max(1, self.world // self.nodes)
 
     @property
     def tokens(self) -> int:
@@ -195,7 +206,9 @@ class CostModel:
                 t = n / (m.cpu_adam_gparams * 1e9)
                 if s.refresh:
                     t += n / (m.cpu_cast_gparams * 1e9)
-                return t * s.adam_workers
+                return t * s.adam_workers * s.per_node
+            case "reduce_grad":
+                return self.reduce_seconds(s.unit_numel(task) * 4) + launch
             case "save":
                 return s.unit_numel(task) * 12 / (m.disk_write_gbps * 1e9)
             case "grad_norm" | "verify_step":
@@ -203,6 +216,15 @@ class CostModel:
             case "fetch" | "offload_grad" | "offload_act" | "fetch_act":
                 return self.copy_seconds(task, other_direction_busy=False)
         return launch
+
+    def reduce_seconds(self, nbytes: float) -> float:
+        """A ring all-reduce of ``nbytes`` over the processes: each sends and receives
+        2 (n - 1) / n of it, over the GPUs' link within a node or the network between nodes."""
+        n, m = self.s.world, self.m
+        if n < 2:
+            return 0.0
+        link = m.network_gbps if self.s.nodes > 1 else (m.gpu_link_gbps or min(m.h2d_gbps, m.d2h_gbps))
+        return 2.0 * (n - 1) / n * nbytes / (link * 1e9) + m.copy_latency_us * 1e-6
 
     def layer_breakdown(self) -> dict[str, float]:
         """Seconds of one layer's forward and backward, and of their GEMMs and attention."""

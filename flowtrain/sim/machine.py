@@ -27,6 +27,8 @@ Fields, by the task kinds that use them (:mod:`flowtrain.sim.costs`):
 - ``disk_write_gbps`` (``save``), ``launch_us`` (host time to issue one device task),
   ``sync_us`` (a completion travelling back to the event loop).
 - memory: ``gpu_mem_gib``, ``host_mem_gib`` (used when ``--gpu-mem``/``--host-mem`` are not given).
+- data parallel (``reduce_grad``): ``gpu_link_gbps`` (all-reduce bus bandwidth between the GPUs
+  of a node; 0 means their PCIe path) and ``network_gbps`` (between nodes).
 """
 
 from __future__ import annotations
@@ -71,13 +73,17 @@ class Machine(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     disk_write_gbps: float = 0.4
     launch_us: float = 20.0
     sync_us: float = 50.0
+    #: data parallel: all-reduce bus bandwidth between the GPUs of one node (GB/s; 0: their PCIe
+    #: path, the smaller of ``h2d_gbps`` and ``d2h_gbps``) and between nodes
+    gpu_link_gbps: float = 0.0
+    network_gbps: float = 12.5
     #: free-form notes on each number (field -> note); kept when a file is rewritten
     notes: dict[str, str] = msgspec.field(default_factory=dict)
 
     def validate(self) -> "Machine":
         for field in self.__struct_fields__:
             value = getattr(self, field)
-            if isinstance(value, float) and not value > 0 and field not in ("copy_latency_us", "launch_us", "sync_us"):
+            if isinstance(value, float) and not value > 0 and field not in ("copy_latency_us", "launch_us", "sync_us", "gpu_link_gbps"):
                 raise ConfigError(f"machine {self.name!r}: {field} must be > 0 (got {value})")
         if self.duplex_gbps < max(self.h2d_gbps, self.d2h_gbps):
             raise ConfigError(f"machine {self.name!r}: duplex_gbps ({self.duplex_gbps}) is both directions together, "

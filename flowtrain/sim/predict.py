@@ -33,7 +33,7 @@ class Prediction(msgspec.Struct, kw_only=True):
     machine: str
 
 
-def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1) -> Shape:
+def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1, world: int = 1, nodes: int = 1) -> Shape:
     """The :class:`Shape` of model ``cfg`` (a ``ModelConfig``) run under ``plan`` for ``req``."""
     from ..train.model import model_layouts
 
@@ -48,7 +48,7 @@ def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1) -> Shape:
                  params=params, tied=cfg.tie_word_embeddings, chunk_tokens=plan.chunk_tokens,
                  compute_bytes=compute_bytes, fetch_bytes=2 if plan.layout == "stream-bf16" else 4,
                  refresh=plan.layout == "stream-bf16", grad_chunks=dict(plan.spec.grad_chunks),
-                 adam_workers=adam_workers)
+                 adam_workers=adam_workers, world=world, nodes=nodes)
 
 
 def predict_shape(shape: Shape, plan: Any, machine: Machine, policy: Any = "double_buffer", *,
@@ -62,7 +62,10 @@ def predict_shape(shape: Shape, plan: Any, machine: Machine, policy: Any = "doub
 
 
 def predict(cfg: Any, plan: Any, req: Any, machine: Machine, policy: Any = "double_buffer", *,
-            adam_workers: int = 1, steps: int = 3) -> Prediction:
-    """Predict the steady step of ``plan`` for model ``cfg`` and request ``req`` on ``machine``."""
-    return predict_shape(shape_of(cfg, plan, req, adam_workers), plan, machine, policy,
-                         batch_size=req.batch_size, steps=steps)
+            adam_workers: int = 1, steps: int = 3, world: int = 1, nodes: int = 1) -> Prediction:
+    """Predict the steady step of ``plan`` for model ``cfg`` and request ``req`` on ``machine``.
+    With ``world`` data-parallel processes (on ``nodes`` nodes), ``plan`` and ``req`` are one
+    process's (its share of the batch) and the prediction is for all of them together: every
+    process runs the same step, its gradients summed over the others' (``reduce_grad``)."""
+    return predict_shape(shape_of(cfg, plan, req, adam_workers, world, nodes), plan, machine, policy,
+                         batch_size=req.batch_size * world, steps=steps)

@@ -34,6 +34,8 @@ class World(msgspec.Struct, frozen=True):
     rank: int = 0
     size: int = 1
     local_rank: int = 0
+    #: processes on this node (torchrun's LOCAL_WORLD_SIZE)
+    local_size: int = 1
 
     @property
     def parallel(self) -> bool:
@@ -53,6 +55,31 @@ class World(msgspec.Struct, frozen=True):
         return micro_batches[self.rank * k : (self.rank + 1) * k]
 
 
+def local_share(cfg: Any, size: int, per_node: int = 1) -> Any:
+    """The run one of ``size`` processes plans for (a ``TrainConfig``): its share of the batch,
+    every unit streamed (a resident unit's Adam would need its own reduction, not built yet),
+    and its share of the node's host memory (``per_node`` processes each hold a copy of the
+    state: ``--host-mem``, or what is available, divided among them)."""
+    if size == 1:
+        return cfg
+    per = cfg.micro_batch_size * size
+    if cfg.batch_size % per:
+        raise ConfigError(f"--batch-size {cfg.batch_size} does not split into {size} processes' shares of "
+                          f"--micro-batch-size {cfg.micro_batch_size}: use a multiple of {per}")
+    if cfg.resident not in ("auto", "none"):
+        raise ConfigError(f"--resident {cfg.resident}: with {size} data-parallel processes every unit is "
+                          "streamed; use --resident none (or leave it to auto)")
+    host = cfg.host_mem
+    if per_node > 1:
+        if host is None:
+            from .plan import host_available
+
+            free = host_available()
+            host = None if free is None else free / 2**30
+        host = None if host is None else host / per_node
+    return msgspec.structs.replace(cfg, batch_size=cfg.batch_size // size, resident="none", host_mem=host)
+
+
 def world_from_env(environ: dict[str, str] | None = None) -> World:
     """The world ``torchrun`` describes in the environment (one process without it)."""
     env = os.environ if environ is None else environ
@@ -60,11 +87,12 @@ def world_from_env(environ: dict[str, str] | None = None) -> World:
         size = int(env.get("WORLD_SIZE", "1"))
         rank = int(env.get("RANK", "0"))
         local = int(env.get("LOCAL_RANK", str(rank)))
+        local_size = int(env.get("LOCAL_WORLD_SIZE", str(size)))
     except ValueError as e:
         raise ConfigError(f"WORLD_SIZE, RANK and LOCAL_RANK must be integers ({e})") from None
     if size < 1 or not 0 <= rank < size:
         raise ConfigError(f"RANK {rank} is not a process of WORLD_SIZE {size}")
-    return World(rank=rank, size=size, local_rank=local)
+    return World(rank=rank, size=size, local_rank=local, local_size=max(1, local_size))
 
 
 #: A second group of the same processes, for the few collectives the training loop's own

@@ -17,6 +17,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import msgspec
+
 from .cli import add_memory_arguments
 
 # The planner and the trainer import torch: they are imported where the command runs, so that
@@ -35,11 +37,26 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--device", choices=["auto", "cpu", "cuda"], default="auto",
       help="auto: cuda if this machine has one or --gpu-mem is given, else cpu")
     a("--policy", default="double_buffer")
+    a("--nproc-per-node", type=int, default=1, metavar="N",
+      help="data-parallel processes per node (torchrun's): the plan is one process's, with its share of the batch")
+    a("--nnodes", type=int, default=1, metavar="M", help="nodes of --nproc-per-node processes each")
     a("--json", action="store_true", help="print the plan as JSON")
     add_memory_arguments(p)
     # The choice by predicted time (flowtrain.sim): a separate step after the memory plan.
     a("--machine", default=None, metavar="NAME|FILE",
       help="also pick, among configurations that fit, the fastest predicted on this machine (flowtrain simulate)")
+
+
+def data_parallel_share(tc, args: argparse.Namespace) -> tuple:  # noqa: ANN001 - a TrainConfig
+    """(the run one process plans for, the number of processes) for ``--nproc-per-node`` and
+    ``--nnodes``: each process's share of ``--batch-size`` (checked as ``torchrun`` would run it)."""
+    from ..errors import ConfigError
+    from .distributed import local_share
+
+    if args.nproc_per_node < 1 or args.nnodes < 1:
+        raise ConfigError(f"--nproc-per-node and --nnodes must be at least 1 (got {args.nproc_per_node}, {args.nnodes})")
+    world = args.nproc_per_node * args.nnodes
+    return local_share(tc, world, args.nproc_per_node), world
 
 
 def run(args: argparse.Namespace) -> int:
@@ -66,8 +83,11 @@ def run(args: argparse.Namespace) -> int:
     else:
         device = torch.device(args.device)
     dtype = resolve_dtype(args.precision, device)
+    tc, world = data_parallel_share(tc, args)
     plan = plan_run(cfg, run_request(tc, model_dir), device=device, dtype=dtype, policy=args.policy)
-    choice = _choose_by_time(args, cfg, run_request(tc, model_dir), device, dtype)
+    if world > 1:
+        plan.spec = msgspec.structs.replace(plan.spec, reduce=True)
+    choice = _choose_by_time(args, cfg, run_request(tc, model_dir), device, dtype) if world == 1 else None
     if args.json:
         print(json.dumps({"model": args.model, **plan.to_dict(),
                           **({"fastest": choice.to_dict()} if choice else {})}, indent=1))

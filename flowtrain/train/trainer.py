@@ -50,7 +50,7 @@ from .reporting import Reporter, StepMetrics
 from .resume import check_compatible, restore_rng, steps_done
 from .shutdown import Shutdown
 from .summary import summary_lines
-from .distributed import World, join, leave, world_from_env
+from .distributed import World, join, leave, local_share, world_from_env
 
 __all__ = ["TrainConfig", "StepMetrics", "train", "prepare"]
 
@@ -154,22 +154,13 @@ def prepare(cfg: TrainConfig) -> Run:
 
 
 def _data_parallel(cfg: TrainConfig, world: World, device: torch.device) -> tuple[torch.device, TrainConfig]:
-    """This process's device (its own GPU under torchrun) and the run one process plans for:
-    its share of the batch, every unit streamed (a resident unit's Adam would need its own
-    reduction before ``gpu_adam``, not built yet)."""
-    if not world.parallel:
-        return device, cfg
-    per = cfg.micro_batch_size * world.size
-    if cfg.batch_size % per:
-        raise ConfigError(f"--batch-size {cfg.batch_size} does not split into {world.size} processes' shares of "
-                          f"--micro-batch-size {cfg.micro_batch_size}: use a multiple of {per}")
-    if cfg.resident not in ("auto", "none"):
-        raise ConfigError(f"--resident {cfg.resident}: with {world.size} data-parallel processes every unit is "
-                          "streamed; use --resident none (or leave it to auto)")
-    if device.type == "cuda":
+    """This process's device (its own GPU under torchrun) and the run one process plans for
+    (:func:`~flowtrain.train.distributed.local_share`)."""
+    local = local_share(cfg, world.size, world.local_size)
+    if world.parallel and device.type == "cuda":
         device = torch.device("cuda", world.local_rank)
         torch.cuda.set_device(device)
-    return device, msgspec.structs.replace(cfg, batch_size=cfg.batch_size // world.size, resident="none")
+    return device, local
 
 
 def for_rank(cfg: TrainConfig, world: World) -> TrainConfig:

@@ -70,7 +70,7 @@ def test_a_process_takes_its_consecutive_share_of_the_micro_batches():
     with pytest.raises(ConfigError, match="do not split over 3 processes"):
         World(rank=0, size=3).share(mbs)
     assert world_from_env({}) == World()
-    assert world_from_env({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}) == World(rank=1, size=2, local_rank=1)
+    assert world_from_env({"WORLD_SIZE": "2", "RANK": "1", "LOCAL_RANK": "1"}) == World(rank=1, size=2, local_rank=1, local_size=2)
     with pytest.raises(ConfigError, match="RANK 2 is not a process"):
         world_from_env({"WORLD_SIZE": "2", "RANK": "2"})
 
