@@ -89,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return int(args._run(args) or 0)
     except Interrupted as exc:
-        print(f"flowtrain: {exc}", file=sys.stderr)
+        if os.environ.get("RANK", "0") == "0":  # data parallel: rank 0 says it for all
+            print(f"flowtrain: {exc}", file=sys.stderr)
         return exc.exit_status
     except (FlowtrainError, ValueError, OSError, KeyboardInterrupt) as exc:
         if os.environ.get("FLOWTRAIN_DEBUG") == "1":

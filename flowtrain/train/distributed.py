@@ -133,3 +133,14 @@ def all_reduce_sum(t: Any, *, metrics: bool = False) -> None:
     import torch.distributed as dist
 
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=_METRICS_GROUP if metrics else None)
+
+
+def agree_to_stop(asked: bool, device: Any) -> bool:
+    """Whether any process asks to stop (a signal reached it): every process calls this at the
+    same step boundary, so they all stop after the same step. Blocking: call it off the event
+    loop (the others' steps in flight need this process's loop to finish)."""
+    import torch
+
+    flag = torch.tensor([1.0 if asked else 0.0], device=device)
+    all_reduce_sum(flag, metrics=True)
+    return bool(flag.item() > 0)

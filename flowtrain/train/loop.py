@@ -41,6 +41,7 @@ from ..runtime.faults import from_env as faults_from_env
 from ..runtime.trace import Instrument
 from . import checkpoints
 from .data import step_batches, tokenizer_files
+from .distributed import agree_to_stop
 from .host_state import HostState
 from .program import StepProgram
 from .reporting import Reporter, StepMetrics
@@ -87,7 +88,7 @@ class TrainingLoop:
                 self.t_last = time.perf_counter()
                 prev, prev_saves = None, []
                 for s in range(run.first_step, cfg.steps):
-                    if self.shutdown.requested:
+                    if await self._stop_agreed():
                         break
                     batch = next(batches)
                     graph, saves = self._add_step(engine, s, batch, prev, prev_saves)
@@ -113,6 +114,17 @@ class TrainingLoop:
         if self.shutdown.requested:
             raise self._interrupted(saved=True, stuck=[])
         return self.metrics
+
+    async def _stop_agreed(self) -> bool:
+        """Stop before the next step: this process was signalled, or, data parallel, any was
+        (all of them decide together at each step boundary, so they stop after the same step
+        and no process waits in an all-reduce that the others will never join)."""
+        if not self.run.world.parallel:
+            return self.shutdown.requested
+        if not await asyncio.to_thread(agree_to_stop, self.shutdown.requested, self.run.device):
+            return False
+        self.shutdown.request_from_peer()
+        return True
 
     def _add_step(self, engine: Engine, s: int, batch, prev, prev_saves):
         cfg = self.cfg
@@ -217,8 +229,8 @@ class TrainingLoop:
     async def _save_on_signal(self, engine: Engine) -> None:
         """After a graceful stop: every step in flight has finished; save the last one unless it
         was just saved."""
-        if not self.metrics or self.last_saved_step == self.metrics[-1].step + 1:
-            return
+        if self.cfg.save_every is None or not self.metrics or self.last_saved_step == self.metrics[-1].step + 1:
+            return  # nothing to save (a data-parallel process other than rank 0 saves nothing)
         s = self.metrics[-1].step
         graph = nx.DiGraph()
         add_saves(graph, self.spec, step=s)

@@ -37,8 +37,11 @@ def signal_name(signum: int) -> str:
 class Shutdown:
     """Signal handling for one run; see the module docstring."""
 
-    def __init__(self, graceful: bool, say=print) -> None:
+    def __init__(self, graceful: bool, say=print, saves: bool | None = None) -> None:
         self.graceful = graceful
+        #: a graceful stop ends in a checkpoint (else it only finishes the steps in flight:
+        #: data-parallel processes, which must stop at the same step)
+        self.saves = graceful if saves is None else saves
         self.say = say
         self.signum: int | None = None
         self.count = 0
@@ -88,6 +91,11 @@ class Shutdown:
     def requested(self) -> bool:
         return self.count > 0
 
+    def request_from_peer(self) -> None:
+        """Another data-parallel process was signalled: stop as if this one had been (SIGTERM)."""
+        if self.count == 0:
+            self.signum, self.count = signal.SIGTERM, 1
+
     @property
     def cancelled(self) -> bool:
         """The loop was (or will be) cancelled by a signal rather than allowed to finish."""
@@ -97,8 +105,9 @@ class Shutdown:
         self.signum = self.signum or signum
         self.count += 1
         if self.count == 1 and self.graceful:
-            self.say(f"{signal_name(signum)}: finishing the steps in flight and saving a checkpoint "
-                     f"(send it again to stop at once, without saving)")
+            self.say(f"{signal_name(signum)}: finishing the steps in flight"
+                     + (" and saving a checkpoint" if self.saves else "")
+                     + " (send it again to stop at once" + (", without saving)" if self.saves else ")"))
             return
         if self._task is not None:
             self._task.cancel()

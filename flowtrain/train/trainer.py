@@ -265,8 +265,11 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
     when too many steps in a row were skipped, :class:`StepFailed` when a task failed; in
     each case no final model is written and every checkpoint already written stays whole."""
     world = world_from_env()
+    # Data parallel, every process finishes its steps in flight on a signal (the others need
+    # its all-reduces to finish theirs); only rank 0, with --save-every, then saves.
+    saves = world.leader and cfg.save_every is not None
     cfg = for_rank(cfg, world)
-    shutdown = Shutdown(graceful=cfg.save_every is not None)
+    shutdown = Shutdown(graceful=saves or world.parallel, saves=saves)
     with shutdown:
         run = prepare(cfg)
         join(world, run.device.type)

@@ -94,3 +94,30 @@ def test_without_torchrun_it_is_one_process(monkeypatch):
     world = world_from_env()
     assert not world.parallel and world.leader and world.share([1, 2, 3]) == [1, 2, 3]
     assert not torch.distributed.is_initialized()
+
+
+def test_a_signal_stops_every_process_after_the_same_step_and_rank_0_saves_it(tmp_path):
+    """Ctrl-C to torchrun reaches every process; they agree at the next step boundary, finish
+    the steps in flight (none waits in an all-reduce the others left), and rank 0 writes the
+    last step's checkpoint: one line, no error, every checkpoint whole."""
+    import json
+    import signal
+    import time
+
+    out, metrics = tmp_path / "out", tmp_path / "m.jsonl"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "flowtrain",
+           "train", *RUN[:2], "--batch-size", "8", "--micro-batch-size", "2", "--seq-len", "32", "--device", "cpu",
+           "--no-progress", "--steps", "100000", "--save-every", "1000", "--out", str(out), "--metrics", str(metrics)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=tmp_path)
+    t0 = time.monotonic()
+    while not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        assert proc.poll() is None and time.monotonic() - t0 < 120, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    lines = [x for x in err.splitlines() if x.startswith("flowtrain:")]
+    assert len(lines) == 1 and "stopped by SIGINT after step" in lines[0] and "saved to" in lines[0], err[-2000:]
+    last = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    saved = out / f"checkpoint-{last + 1}"
+    assert (saved / "trainer_state.json").exists() and not list(out.glob(".*"))
+    assert not (out / "model.safetensors").exists()  # the run did not finish
