@@ -121,3 +121,19 @@ def test_a_signal_stops_every_process_after_the_same_step_and_rank_0_saves_it(tm
     saved = out / f"checkpoint-{last + 1}"
     assert (saved / "trainer_state.json").exists() and not list(out.glob(".*"))
     assert not (out / "model.safetensors").exists()  # the run did not finish
+
+
+def test_a_checkpoint_of_two_processes_resumes_on_one(tmp_path):
+    """Every process holds the whole state and the data order is the global batch's, so a
+    checkpoint written under torchrun continues on another number of processes: 4 steps on two,
+    resumed for 2 more on one, end where 6 steps on one do."""
+    base = [a for a in RUN if a not in ("--steps", "3")]
+    assert main(["train", *base, "--steps", "6", "--out", str(tmp_path / "one")]) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "flowtrain",
+           "train", *base, "--steps", "4", "--save-every", "2", "--out", str(tmp_path / "two")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert main(["train", *base, "--steps", "6", "--resume", str(tmp_path / "two"), "--out", str(tmp_path / "two")]) == 0
+    one, resumed = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
+    for name, ref in one.items():
+        assert float((resumed[name] - ref).norm() / ref.norm()) <= 1e-5, name
