@@ -116,8 +116,9 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: the layer's forward has read it (``offload_act``) and comes back before its backward
     #: (``fetch_act``): activation placement ``offload``.
     offload: tuple[int, ...] = ()
-    #: data parallel: every streamed unit's gradient is summed over the processes
-    #: (``reduce_grad``) once this process's micro-batches are in, before it is handed off.
+    #: data parallel: every unit's gradient is summed over the processes (``reduce_grad``)
+    #: once this process's micro-batches are in, before it is handed off (offloaded, or, for
+    #: a resident unit, normed and checked for the step's gate).
     reduce: bool = False
 
     def unit_key(self, unit: str, layer: int | None) -> str:
@@ -161,9 +162,6 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
         if bad or len(set(self.offload)) != len(self.offload):
             raise ConfigError(f"offloaded layers {bad or list(self.offload)} must be distinct layers whose input is a "
                               f"checkpoint: multiples of --activation-checkpoint-every, not kept")
-        if self.reduce and self.resident:
-            raise ConfigError("with several data-parallel processes every unit is streamed: use --resident none "
-                              f"(asked for {', '.join(self.resident)} on the GPU)")
         if any(c < 1 for c in self.grad_chunks.values()):
             raise ConfigError(f"grad_chunks must be at least 1 (got {self.grad_chunks})")
         return self
@@ -404,6 +402,13 @@ class _StepBuilder(_Builder):
         """What hands a unit's finished gradient to its optimizer: ``offload_grad`` tasks of a
         streamed unit (one per staging chunk), or, for a resident unit, its last gradient
         writers themselves (plus a ``grad_sq_norm`` when clipping needs the norm first)."""
+        if self.spec.reduce:  # summed over the processes first; what follows waits for it
+            total = self.node(ReduceGrad, unit=unit, layer=layer)
+            if not self.spec.is_resident(unit, layer):
+                self.dep(self.grad_slot[(unit, layer)], total, reads=True)
+            for r in readers:
+                self.dep(r, total)
+            readers = [total]
         if self.spec.is_resident(unit, layer):
             self.resident_done.extend(readers)
             if self.spec.grad_clip:
@@ -413,12 +418,6 @@ class _StepBuilder(_Builder):
                 self.offloads.append(t)
             return list(readers)
         slot = self.grad_slot[(unit, layer)]
-        if self.spec.reduce:  # summed over the processes first; the offloads wait for it
-            total = self.node(ReduceGrad, unit=unit, layer=layer)
-            self.dep(slot, total, reads=True)
-            for r in readers:
-                self.dep(r, total)
-            readers = [total]
         chunks = [None] if not self.spec.staged else list(range(self.spec.chunks(unit, layer)))
         out = []
         for c in chunks:

@@ -57,18 +57,14 @@ class World(msgspec.Struct, frozen=True):
 
 def local_share(cfg: Any, size: int, per_node: int = 1) -> Any:
     """The run one of ``size`` processes plans for (a ``TrainConfig``): its share of the batch,
-    every unit streamed (a resident unit's Adam would need its own reduction, not built yet),
-    and its share of the node's host memory (``per_node`` processes each hold a copy of the
-    state: ``--host-mem``, or what is available, divided among them)."""
+    and of the node's host memory (``per_node`` processes each hold a copy of the state:
+    ``--host-mem``, or what is available, divided among them)."""
     if size == 1:
         return cfg
     per = cfg.micro_batch_size * size
     if cfg.batch_size % per:
         raise ConfigError(f"--batch-size {cfg.batch_size} does not split into {size} processes' shares of "
                           f"--micro-batch-size {cfg.micro_batch_size}: use a multiple of {per}")
-    if cfg.resident not in ("auto", "none"):
-        raise ConfigError(f"--resident {cfg.resident}: with {size} data-parallel processes every unit is "
-                          "streamed; use --resident none (or leave it to auto)")
     host = cfg.host_mem
     if per_node > 1:
         if host is None:
@@ -77,7 +73,7 @@ def local_share(cfg: Any, size: int, per_node: int = 1) -> Any:
             free = host_available()
             host = None if free is None else free / 2**30
         host = None if host is None else host / per_node
-    return msgspec.structs.replace(cfg, batch_size=cfg.batch_size // size, resident="none", host_mem=host)
+    return msgspec.structs.replace(cfg, batch_size=cfg.batch_size // size, host_mem=host)
 
 
 def world_from_env(environ: dict[str, str] | None = None) -> World:

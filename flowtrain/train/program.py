@@ -313,8 +313,11 @@ class StepProgram:
             case OffloadGrad():
                 return self._offload(task, ctx)
             case ReduceGrad():
-                n = self._unit(task).layout.numel + self._tied_extra(task)
-                all_reduce_sum(self.grad_slots[ctx.read(GRADS)][:n])
+                unit = self._unit(task)
+                if unit.resident:  # its own accumulator (a tied head's matrix part is the embedding's)
+                    all_reduce_sum(unit.grad[: unit.layout.numel])  # type: ignore[index]
+                else:
+                    all_reduce_sum(self.grad_slots[ctx.read(GRADS)][: unit.layout.numel + self._tied_extra(task)])
                 return None
             case OffloadAct():
                 return self._offload_act(task)

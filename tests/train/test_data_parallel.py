@@ -30,11 +30,17 @@ def _torchrun(tmp_path: Path, out: str, *extra: str, n: int = 2) -> subprocess.C
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
 
 
-@pytest.mark.parametrize("policy", ["double_buffer", "sequential"])
-@pytest.mark.parametrize("clip", [[], ["--grad-clip", "0.5"]], ids=["no-clip", "clip"])
-def test_two_processes_train_the_weights_of_one_with_the_same_global_batch(tmp_path, policy, clip):
-    assert main(["train", *RUN, "--out", str(tmp_path / "one"), "--policy", policy, *clip]) == 0
-    proc = _torchrun(tmp_path, "two", "--policy", policy, *clip, "--trace", str(tmp_path / "trace.json"),
+RESIDENT = ["--resident", "embed,head,layer.1"]
+
+
+@pytest.mark.parametrize("policy, clip, placement", [
+    ("double_buffer", [], []), ("double_buffer", ["--grad-clip", "0.5"], []),
+    ("sequential", [], []), ("sequential", ["--grad-clip", "0.5"], []),
+    ("double_buffer", [], RESIDENT), ("double_buffer", ["--grad-clip", "0.5"], RESIDENT),
+], ids=["double_buffer", "double_buffer-clip", "sequential", "sequential-clip", "resident", "resident-clip"])
+def test_two_processes_train_the_weights_of_one_with_the_same_global_batch(tmp_path, policy, clip, placement):
+    assert main(["train", *RUN, "--out", str(tmp_path / "one"), "--policy", policy, *clip, *placement]) == 0
+    proc = _torchrun(tmp_path, "two", "--policy", policy, *clip, *placement, "--trace", str(tmp_path / "trace.json"),
                      "--metrics", str(tmp_path / "metrics.jsonl"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     one, two = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
@@ -60,8 +66,11 @@ def test_each_streamed_unit_is_summed_over_the_processes_before_it_leaves():
     for r in reduces:  # after every micro-batch's gradient of the unit
         writers = {p.kind for p in g.predecessors(r)}
         assert writers & {"backward", "loss", "embed_backward"}
-    with pytest.raises(ConfigError, match="every unit is streamed"):
-        StepSpec(layers=2, resident=("layer.0",), reduce=True).validate()
+    # a resident unit is summed too, before the step's gate (found_inf) and its gpu_adam
+    g = compile_step(StepSpec(layers=2, micro_batches=2, staged=True, resident=("layer.0",), reduce=True))
+    (total,) = [t for t in g if isinstance(t, ReduceGrad) and t.layer == 0]
+    gate = next(t for t in g if t.kind == "found_inf")
+    assert g.has_edge(total, gate) and all(p.kind == "backward" for p in g.predecessors(total))
 
 
 def test_a_process_takes_its_consecutive_share_of_the_micro_batches():
@@ -77,7 +86,7 @@ def test_a_process_takes_its_consecutive_share_of_the_micro_batches():
 
 @pytest.mark.parametrize("extra, needle", [
     (["--batch-size", "6"], "does not split into 2 processes"),
-    (["--resident", "layer.0"], "use --resident none"),
+    (["--micro-batch-size", "8"], "does not split into 2 processes"),
 ])
 def test_a_batch_or_placement_the_processes_cannot_share_ends_in_one_line(tmp_path, extra, needle):
     proc = _torchrun(tmp_path, "bad", *extra)
