@@ -401,11 +401,11 @@ class _StepBuilder(_Builder):
     def offload(self, unit: str, layer: int | None, readers: list[Task]) -> list[Task]:
         """What hands a unit's finished gradient to its optimizer: ``offload_grad`` tasks of a
         streamed unit (one per staging chunk), or, for a resident unit, its last gradient
-        writers themselves (plus a ``grad_sq_norm`` when clipping needs the norm first)."""
+        writers themselves (plus a ``grad_sq_norm`` when clipping needs the norm first); data
+        parallel, after the ``reduce_grad`` that sums it over the processes."""
         if self.spec.reduce:  # summed over the processes first; what follows waits for it
             total = self.node(ReduceGrad, unit=unit, layer=layer)
-            if not self.spec.is_resident(unit, layer):
-                self.dep(self.grad_slot[(unit, layer)], total, reads=True)
+            self.reads(self.grad_slot.get((unit, layer)), total)  # a resident unit has no slot
             for r in readers:
                 self.dep(r, total)
             readers = [total]

@@ -110,15 +110,14 @@ def min_grad_slots(graph: nx.DiGraph) -> int:
     return 1
 
 
-def min_act_slots(graph: nx.DiGraph) -> int:
-    """Offloaded checkpoints that must be back on the device at once: a segment's checkpoint
-    is read by its ``recompute`` and again by its ``backward``, so layer-major with segments of
-    several layers every micro-batch's checkpoint is back before the first backward of the
-    segment; otherwise one at a time."""
-    spec = graph.graph.get("spec", {})
-    if spec.get("order", "layer") == "layer" and spec.get("checkpoint_every", 1) > 1:
-        return spec.get("micro_batches", 1)
-    return 1
+def act_slots(order: str, checkpoint_every: int, micro_batches: int) -> int:
+    """The built-in policies' ``acts`` budget: one more than the offloaded checkpoints that must
+    be back on the device at once. A segment's checkpoint is read by its ``recompute`` and again
+    by its ``backward``, so layer-major with segments of several layers every micro-batch's
+    checkpoint is back before the first backward of the segment; otherwise one at a time. The
+    planner counts the same (``flowtrain.train.plan``)."""
+    at_once = micro_batches if order == "layer" and checkpoint_every > 1 else 1
+    return at_once + 1
 
 
 def budgets(graph: nx.DiGraph, weights: int, grads: int, host_grads: int = 3) -> dict[str, int]:
@@ -131,7 +130,8 @@ def budgets(graph: nx.DiGraph, weights: int, grads: int, host_grads: int = 3) ->
     if any(t.takes == HOST_GRADS for t in graph):
         out[HOST_GRADS] = host_grads
     if any(t.takes == ACTS for t in graph):
-        out[ACTS] = min_act_slots(graph) + 1
+        spec = graph.graph.get("spec", {})
+        out[ACTS] = act_slots(spec.get("order", "layer"), spec.get("checkpoint_every", 1), spec.get("micro_batches", 1))
     return out
 
 

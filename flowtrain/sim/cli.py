@@ -18,8 +18,6 @@ from __future__ import annotations
 import argparse
 import json
 
-import msgspec
-
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..train.plan_cli import add_arguments as add_plan_arguments
@@ -58,14 +56,14 @@ def run(args: argparse.Namespace) -> int:
     from .predict import predict
 
     pred = predict(cfg, plan, req, machine, args.policy, adam_workers=args.adam_workers, steps=args.steps,
-                   world=args.nproc_per_node * args.nnodes, nodes=args.nnodes)
+                   world=req.processes, nodes=args.nnodes)
     if args.trace:
         from ..runtime.trace import write_chrome_trace
 
         write_chrome_trace(args.trace, [r for recs in pred.records for r in recs],
                            meta={"policy": args.policy, "model": args.model, "simulated": True, "machine": machine.name})
     out = {"model": args.model, "machine": machine.name, "machine_source": machine.source,
-           "processes": args.nproc_per_node * args.nnodes, "nodes": args.nnodes,
+           "processes": req.processes, "nodes": args.nnodes,
            **pred.summary.to_dict(), "plan": {"layout": plan.layout, "resident": list(plan.spec.resident),
                                               "budgets": plan.budgets, "gpu_gib": round(plan.gpu_total / 2**30, 2),
                                               "host_gib": round(plan.host_total / 2**30, 2),
@@ -87,27 +85,14 @@ def plan_for(args: argparse.Namespace, machine) -> tuple:  # noqa: ANN001 - a Ma
     """The model, request and memory plan of ``args`` on ``machine``: plan's checks, then
     ``plan_run`` for a GPU with the machine's memory unless --gpu-mem/--host-mem say otherwise
     (never capped by a GPU of the machine this runs on: the plan is for ``machine``)."""
-    from ..train.checks import validate_numbers
-    from ..train.plan import Precision, Target, plan_run, run_request
-    from ..train.plan_cli import data_parallel_share
-    from ..train.run_config import TrainConfig, load_model_config, precision_bytes, validate
+    from ..train.plan import Precision, Target, plan_run
+    from ..train.plan_cli import checked_request
+    from ..train.run_config import precision_bytes
 
     gpu_mem = args.gpu_mem if args.gpu_mem is not None else machine.gpu_mem_gib
     host_mem = args.host_mem if args.host_mem is not None else machine.host_mem_gib
-    tc = TrainConfig(model=args.model, seq_len=args.seq_len, batch_size=args.batch_size,
-                     micro_batch_size=args.micro_batch_size, checkpoint_every=args.checkpoint_every,
-                     activations=args.activations, order=args.order, grad_clip=1.0 if args.grad_clip else None, precision=args.precision,
-                     policy=args.policy, layout=args.layout, resident=args.resident, gpu_mem=gpu_mem,
-                     host_mem=host_mem, chunk_tokens=args.chunk_tokens)
-    validate_numbers(tc)
-    cfg, model_dir = load_model_config(args.model)
-    cfg.validate()
-    validate(tc, cfg)
+    cfg, _, req, _ = checked_request(args, gpu_mem, host_mem)
     device = Target("cuda")  # the machine's GPU, planned for without torch
     dtype = Precision(precision_bytes(args.precision, device.type))
-    tc, world = data_parallel_share(tc, args)
-    req = run_request(tc, model_dir)
     plan = plan_run(cfg, req, device=device, dtype=dtype, policy=args.policy, local_gpu=False)
-    if world > 1:
-        plan.spec = msgspec.structs.replace(plan.spec, reduce=True)
     return cfg, req, plan, device, dtype

@@ -105,6 +105,8 @@ class RunRequest(msgspec.Struct, kw_only=True):
     load_bytes: int = 0
     #: GiB the undo record of a step not yet known finite may hold
     undo_mem: float = 1.0
+    #: data-parallel processes in all; the request is one process's share (``reduce_grad``)
+    processes: int = 1
 
 
 def checkpoint_read_bytes(model_dir: str | os.PathLike[str] | None) -> int:
@@ -123,13 +125,14 @@ def data_host_bytes(req: RunRequest) -> int:
     return DATA_BATCHES * req.batch_size * req.seq_len * 3 * 8
 
 
-def run_request(cfg: Any, model_dir: str | os.PathLike[str] | None = None) -> RunRequest:
-    """The request of a ``TrainConfig`` (or anything with the same attributes)."""
+def run_request(cfg: Any, model_dir: str | os.PathLike[str] | None = None, processes: int = 1) -> RunRequest:
+    """The request of a ``TrainConfig`` (or anything with the same attributes); with several
+    data-parallel ``processes``, ``cfg`` is one process's share (``distributed.local_share``)."""
     return RunRequest(seq_len=cfg.seq_len, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size,
                       checkpoint_every=cfg.checkpoint_every, activations=cfg.activations, order=cfg.order, grad_clip=cfg.grad_clip is not None,
                       layout=cfg.layout, resident=cfg.resident, gpu_mem=cfg.gpu_mem, host_mem=cfg.host_mem,
                       chunk_tokens=cfg.chunk_tokens, load_bytes=checkpoint_read_bytes(model_dir),
-                      undo_mem=getattr(cfg, "undo_mem", 1.0))
+                      undo_mem=getattr(cfg, "undo_mem", 1.0), processes=processes)
 
 
 class Plan(msgspec.Struct, kw_only=True):
@@ -325,11 +328,6 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
     return host, gpu
 
 
-def _may_offload(req: RunRequest, device: torch.device) -> bool:
-    """Whether checkpoints may go to host memory: asked for, or ``auto`` on a GPU."""
-    return req.activations == "offload" or (req.activations == "auto" and device.type == "cuda")
-
-
 def _offload_in_flight(req: RunRequest, hidden: int) -> int:
     """Device bytes of checkpoints with every one offloaded: the inputs of the layer the forward
     is at and its outputs (the inputs of the next), and in backward the checkpoints back from the
@@ -339,8 +337,10 @@ def _offload_in_flight(req: RunRequest, hidden: int) -> int:
 
 
 def _act_slots(req: RunRequest) -> int:
-    """The ``acts`` budget the built-in policies give an offloading step (``policy.base.budgets``)."""
-    return _live_micro_batches(req) + 1 if req.order == "layer" and req.checkpoint_every > 1 else 2
+    """The ``acts`` budget the built-in policies give an offloading step."""
+    from ..policy.base import act_slots
+
+    return act_slots(req.order, req.checkpoint_every, req.batch_size // req.micro_batch_size)
 
 
 # ---- the decision -------------------------------------------------------------------------
@@ -429,7 +429,8 @@ def _spec(cfg: ModelConfig, req: RunRequest, layout: str, resident: tuple[str, .
     chunks = grad_chunks(layouts, resident, staging_numel(layouts, resident)) if staged else {}
     return StepSpec(layers=cfg.num_layers, micro_batches=req.batch_size // req.micro_batch_size,
                     checkpoint_every=req.checkpoint_every, order=req.order, tied=cfg.tie_word_embeddings,
-                    grad_clip=req.grad_clip, resident=resident, staged=staged, grad_chunks=chunks).validate()
+                    grad_clip=req.grad_clip, resident=resident, staged=staged, grad_chunks=chunks,
+                    reduce=req.processes > 1).validate()
 
 
 def _backlog(cfg: ModelConfig, resident: tuple[str, ...]) -> dict[str, int]:
@@ -450,13 +451,15 @@ def _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
     on the host, and :func:`_bring_back` returns to the GPU as many as then fit. A checkpoint
     saves more copying per GPU byte than a resident layer, so residency only gets what the
     checkpoints leave, as long as they fit."""
+    if req.activations == "offload":
+        return _bring_back(_plan_state(cfg, req, device, dtype, policy, host_limit, gpu_limit), cfg, req)
     plan = _plan_state(cfg, req, device, dtype, policy, host_limit, gpu_limit)
-    if _may_offload(req, device) and (req.activations == "offload" or not plan.fits or _squeezed(plan, policy)):
+    if req.activations == "auto" and device.type == "cuda" and (not plan.fits or _squeezed(plan, policy)):
         offloading = msgspec.structs.replace(req, activations="offload")
         away = _bring_back(_plan_state(cfg, offloading, device, dtype, policy, host_limit, gpu_limit), cfg, req)
-        # auto takes it only where it fits and fits better: it costs host memory, which may be
-        # what is short (then residency, not offloading, is the way to fit)
-        if req.activations == "offload" or (away.fits and (not plan.fits or not _squeezed(away, policy, than=plan))):
+        # taken only where it fits and fits better: it costs host memory, which may be what is
+        # short (then residency, not offloading, is the way to fit)
+        if away.fits and (not plan.fits or not _squeezed(away, policy, than=plan)):
             if away.spec.offload:
                 return away
             plan = away

@@ -17,8 +17,6 @@ from __future__ import annotations
 import argparse
 import json
 
-import msgspec
-
 from .cli import add_memory_arguments
 
 # The planner and the trainer import torch: they are imported where the command runs, so that
@@ -47,47 +45,47 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
       help="also pick, among configurations that fit, the fastest predicted on this machine (flowtrain simulate)")
 
 
-def data_parallel_share(tc, args: argparse.Namespace) -> tuple:  # noqa: ANN001 - a TrainConfig
-    """(the run one process plans for, the number of processes) for ``--nproc-per-node`` and
-    ``--nnodes``: each process's share of ``--batch-size`` (checked as ``torchrun`` would run it)."""
+def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: float | None) -> tuple:
+    """``(model config, model folder, request, processes)`` of the run ``args`` describe, checked
+    as ``flowtrain train`` checks it (the same ``TrainConfig`` and checks, so plan and simulate
+    accept and refuse exactly what train does); with ``--nproc-per-node``/``--nnodes`` the
+    request is one process's share of the batch and of the node's host memory. No torch."""
     from ..errors import ConfigError
+    from .checks import validate_numbers
     from .distributed import local_share
+    from .plan import run_request
+    from .run_config import TrainConfig, load_model_config, validate
 
+    tc = TrainConfig(model=args.model, seq_len=args.seq_len, batch_size=args.batch_size,
+                     micro_batch_size=args.micro_batch_size, checkpoint_every=args.checkpoint_every,
+                     activations=args.activations, order=args.order, grad_clip=1.0 if args.grad_clip else None,
+                     precision=args.precision, policy=args.policy, layout=args.layout, resident=args.resident,
+                     gpu_mem=gpu_mem, host_mem=host_mem, chunk_tokens=args.chunk_tokens)
+    validate_numbers(tc)
+    cfg, model_dir = load_model_config(args.model)
+    cfg.validate()
+    validate(tc, cfg)
     if args.nproc_per_node < 1 or args.nnodes < 1:
         raise ConfigError(f"--nproc-per-node and --nnodes must be at least 1 (got {args.nproc_per_node}, {args.nnodes})")
-    world = args.nproc_per_node * args.nnodes
-    return local_share(tc, world, args.nproc_per_node), world
+    processes = args.nproc_per_node * args.nnodes
+    local = local_share(tc, processes, args.nproc_per_node)
+    return cfg, model_dir, run_request(local, model_dir, processes), processes
 
 
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from .checks import validate_numbers
-    from .plan import plan_run, run_request
-    from .trainer import TrainConfig, load_model_config, resolve_dtype, validate
+    from .plan import plan_run
+    from .trainer import resolve_dtype
 
-    # The request goes through the same TrainConfig and checks as `flowtrain train`'s, so
-    # plan accepts and refuses exactly what train does.
-    tc = TrainConfig(model=args.model, seq_len=args.seq_len, batch_size=args.batch_size,
-                     micro_batch_size=args.micro_batch_size, checkpoint_every=args.checkpoint_every,
-                     activations=args.activations,
-                     order=args.order, grad_clip=1.0 if args.grad_clip else None, precision=args.precision,
-                     policy=args.policy, layout=args.layout, resident=args.resident, gpu_mem=args.gpu_mem,
-                     host_mem=args.host_mem, chunk_tokens=args.chunk_tokens)
-    validate_numbers(tc)
-    cfg, model_dir = load_model_config(args.model)
-    cfg.validate()
-    validate(tc, cfg)
+    cfg, model_dir, req, processes = checked_request(args, args.gpu_mem, args.host_mem)
     if args.device == "auto":
         device = torch.device("cuda" if (torch.cuda.is_available() or args.gpu_mem is not None) else "cpu")
     else:
         device = torch.device(args.device)
     dtype = resolve_dtype(args.precision, device)
-    tc, world = data_parallel_share(tc, args)
-    plan = plan_run(cfg, run_request(tc, model_dir), device=device, dtype=dtype, policy=args.policy)
-    if world > 1:
-        plan.spec = msgspec.structs.replace(plan.spec, reduce=True)
-    choice = _choose_by_time(args, cfg, run_request(tc, model_dir), device, dtype) if world == 1 else None
+    plan = plan_run(cfg, req, device=device, dtype=dtype, policy=args.policy)
+    choice = _choose_by_time(args, cfg, req, device, dtype) if processes == 1 else None
     if args.json:
         print(json.dumps({"model": args.model, **plan.to_dict(),
                           **({"fastest": choice.to_dict()} if choice else {})}, indent=1))

@@ -129,8 +129,6 @@ class _EvalData:
         self.sums: dict[int, torch.Tensor] = {}  # micro-batch -> fp32 CE sum (device scalar)
 
 
-
-
 class StepProgram:
     """Runs tasks on tensors for one model; see the module docstring."""
 

@@ -95,7 +95,7 @@ class TrainConfig(msgspec.Struct, kw_only=True):
 
 def precision_bytes(precision: str | None, device_type: str) -> int:
     """Bytes per element of the compute dtype ``--precision`` gives on a device of this type
-    (bf16 on CUDA, fp32 on the CPU by default), as ``trainer.resolve_dtype`` resolves it."""
+    (bf16 on CUDA, fp32 on the CPU by default); ``trainer.resolve_dtype`` makes it a dtype."""
     precision = precision or ("bf16" if device_type == "cuda" else "fp32")
     if precision not in ("fp32", "bf16"):
         raise ConfigError(f"--precision must be fp32 or bf16 (got {precision!r})")

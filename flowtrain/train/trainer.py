@@ -40,7 +40,7 @@ from .checks import check_compile_backend, check_output_paths, validate_numbers
 from .data import Sequences, default_corpus_path, load_sequences
 from .host_state import HostState, return_freed_memory
 from .model import ModelConfig, read_config
-from .run_config import TrainConfig, load_model_config, validate  # noqa: F401 - re-exported
+from .run_config import TrainConfig, load_model_config, precision_bytes, validate  # noqa: F401 - re-exported
 from .optimizer import AdamWConfig, LRSchedule
 from .output import remove_stale_temp, resolve_save_dtype, save_final_model
 from .plan import Plan, cap_gpu_memory, plan_run, run_request
@@ -66,10 +66,7 @@ def resolve_device(name: str) -> torch.device:
 
 
 def resolve_dtype(precision: str | None, device: torch.device) -> torch.dtype:
-    precision = precision or ("bf16" if device.type == "cuda" else "fp32")
-    if precision not in ("fp32", "bf16"):
-        raise ConfigError(f"--precision must be fp32 or bf16 (got {precision!r})")
-    return torch.float32 if precision == "fp32" else torch.bfloat16
+    return torch.float32 if precision_bytes(precision, device.type) == 4 else torch.bfloat16
 
 
 def resolve_compile(name: str | None, device: torch.device) -> str | None:
@@ -108,7 +105,7 @@ class Run:
         return self.resume_state.get("step", 0)
 
 
-def prepare(cfg: TrainConfig) -> Run:
+def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
     """Check every input and output, read the resumed checkpoint's state, load and tokenise the
     data and plan memory: everything that bad input can make fail, before any large allocation."""
     check_compile_backend(cfg.compile)
@@ -141,13 +138,12 @@ def prepare(cfg: TrainConfig) -> Run:
     eval_seqs = _load_eval(cfg, mcfg, tokenizer_dir)
     if resume_from is not None:
         check_compatible(resume_state, cfg, data=data_fp, where=str(resume_from), total_steps=cfg.steps)
-    world = world_from_env()
+    world = world or world_from_env()
     device, local = _data_parallel(cfg, world, device)
-    plan = plan_run(mcfg, run_request(local, model_dir), device=device, dtype=dtype, policy=resolve_policy(cfg.policy))
+    plan = plan_run(mcfg, run_request(local, model_dir, world.size), device=device, dtype=dtype,
+                    policy=resolve_policy(cfg.policy))
     if not plan.fits:
         raise PlanError(plan.refusal())
-    if world.parallel:
-        plan.spec = msgspec.structs.replace(plan.spec, reduce=True)
     return Run(cfg, mcfg, model_dir, device, dtype, plan, schedule, seqs, data_fp, resume_from, resume_state,
                tokenizer_dir=tokenizer_dir, source_dir=_source_dir(model_dir, resume_state), eval_seqs=eval_seqs,
                world=world)
@@ -271,7 +267,7 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
     cfg = for_rank(cfg, world)
     shutdown = Shutdown(graceful=saves or world.parallel, saves=saves)
     with shutdown:
-        run = prepare(cfg)
+        run = prepare(cfg, world)
         join(world, run.device.type)
         if on_plan:
             on_plan(run.plan)

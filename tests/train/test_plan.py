@@ -168,7 +168,8 @@ def test_request_fields_match_train_config():
     for the default)."""
     from flowtrain.train.trainer import TrainConfig
 
-    request = {f.name for f in msgspec.structs.fields(RunRequest)} - {"load_bytes"}  # read from --model
+    # load_bytes is read from --model; processes from torchrun (or plan's --nproc-per-node)
+    request = {f.name for f in msgspec.structs.fields(RunRequest)} - {"load_bytes", "processes"}
     assert request <= {f.name for f in msgspec.structs.fields(TrainConfig)}
 
 

@@ -34,7 +34,7 @@ def gelu_tanh(x: Tensor) -> Tensor:
 def gated_mlp(h: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor, act: Callable[[Tensor], Tensor]) -> Tensor:
     """``down(act(gate(h)) * up(h))`` for ``h`` of shape (batch, seq, hidden)."""
     if h.shape[0] * h.shape[1] <= MLP_CHUNK_TOKENS:
-        return F.linear(act(F.linear(h, gate_w)) * F.linear(h, up_w), down_w)
+        return _piece(h, gate_w, up_w, down_w, act)
     return _in_pieces(h, gate_w, up_w, down_w, act, MLP_CHUNK_TOKENS)
 
 
