@@ -16,7 +16,7 @@ log() { echo "=== $* ($(date +%T))" | tee -a "$OUT/log.txt"; }
 bench() {  # NAME ARGS...: one flowtrain bench, its JSON tagged with NAME
   local name=$1; shift
   log "$name: flowtrain bench $*"
-  if timeout 420 $FT bench "$@" --json /tmp/r.json >>"$OUT/log.txt" 2>&1; then
+  if timeout ${BT:-420} $FT bench "$@" --json /tmp/r.json >>"$OUT/log.txt" 2>&1; then
     python3 -c "import json,sys; d=json.load(open('/tmp/r.json')); d['job']='$name'; print(json.dumps(d))" >>"$RES"
     tail -c 600 /tmp/r.json; echo
   else
@@ -50,6 +50,10 @@ for job in "$@"; do
     8b) bench 8b --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 --resident none ${EXTRA8:-} ;;
     8bauto) bench 8bauto --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 ${EXTRA8:-} ;;
     8b10o) bench 8b10o --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size ${MB10:-2} --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 --trace "$OUT/8b10o-trace.json" ;;
+    8b256ke) BT=520 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench 8b256ke --model llama-8b-256k --seq-len 262144 --batch-size 1 --micro-batch-size 1 --steps 2 --warmup 1 --host-mem 118 --trace "$OUT/8b256k-trace.json" ;;
+    3b512k) BT=520 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench 3b512k --model llama-3b-512k --seq-len 524288 --batch-size 1 --micro-batch-size 1 --steps 1 --warmup 0 --host-mem 118 ;;
+    w1flash) bench w1flash $W --batch-size 4 --steps 7 --attention-backend flash ;;
+    w2flash) bench w2flash $W --batch-size 16 --steps 5 --attention-backend flash ;;
     8b256k) bench 8b256k --model llama-8b-256k --seq-len 262144 --batch-size 1 --micro-batch-size 1 --steps 2 --warmup 1 --host-mem 118 ;;
     simtime)  # flowtrain simulate of a 100-layer, 16-micro-batch step, the whole command
       mkdir -p /tmp/m100 && python3 -c "import json; json.dump({'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_size': 4096, 'intermediate_size': 14336, 'num_hidden_layers': 100, 'num_attention_heads': 32, 'num_key_value_heads': 8, 'vocab_size': 128256, 'max_position_embeddings': 8192, 'rms_norm_eps': 1e-5, 'rope_theta': 500000.0}, open('/tmp/m100/config.json', 'w'))"
@@ -60,6 +64,7 @@ for job in "$@"; do
       python3 -c "import pstats; pstats.Stats('/tmp/prof').sort_stats('cumulative').print_stats(22)" | tail -26 | cut -c1-160 | tee -a "$OUT/log.txt" ;;
     8b10) bench 8b10 --model llama-8b --seq-len 4096 --batch-size 2 --micro-batch-size 1 --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 ;;
     14b) bench 14b --model qwen-14b --seq-len 4096 --batch-size 8 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 ${EXTRA8:-} ;;
+    attn) log attn; timeout 200 python3 docs/bench/attention_kernels.py 2>&1 | grep -v Warn | tail -12 | tee -a "$OUT/log.txt" ;;
     layer) log layer; timeout 200 python3 docs/bench/layer_packing.py 2>&1 | tail -3 | tee -a "$OUT/log.txt" | tee -a "$RES" ;;
     packdata)  # chat-shaped id rows (and the same tokens as one stream) for the packing runs
       python3 docs/bench/chat_ids.py /tmp/chat-qwen --vocab 151936 --rows 4000 | tee -a "$OUT/log.txt"

@@ -165,6 +165,8 @@ def _probe_gpu(notes: dict[str, str], quick: bool) -> dict:
     import torch
     import torch.nn.functional as F
 
+    from ..train.model.attention import attention_backends
+
     dev = torch.device("cuda")
     reps = 3 if quick else 10
     props = torch.cuda.get_device_properties(dev)
@@ -208,13 +210,14 @@ def _probe_gpu(notes: dict[str, str], quick: bool) -> dict:
     out["matmul_half_dim"] = round(statistics.median(halves), 1) if halves else 16.0
     notes["matmul_tflops"] = "probe: bf16 square GEMMs, TFLOP/s by size: " + ", ".join(f"{d}: {r:.0f}" for d, r in rates.items())
 
-    # causal attention (SDPA, PyTorch's default backend), forward and forward+backward
+    # causal attention (SDPA with the kernels training prefers), forward and forward+backward
     heads, seq, hd = 32, (1024 if quick else 4096), 128
     qkv = [torch.randn(1, heads, seq, hd, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
     flops = 2 * seq * seq * heads * hd  # causal: half of 4 S^2 H D
-    t_f = _cuda_seconds(lambda: F.scaled_dot_product_attention(*qkv, is_causal=True), reps)
     grad = torch.randn(1, heads, seq, hd, device=dev, dtype=torch.bfloat16)
-    t_fb = _cuda_seconds(lambda: F.scaled_dot_product_attention(*qkv, is_causal=True).backward(grad), reps)
+    with attention_backends("auto", "cuda"):
+        t_f = _cuda_seconds(lambda: F.scaled_dot_product_attention(*qkv, is_causal=True), reps)
+        t_fb = _cuda_seconds(lambda: F.scaled_dot_product_attention(*qkv, is_causal=True).backward(grad), reps)
     out["attention_fwd_tflops"] = round(flops / t_f / 1e12, 1)
     out["attention_bwd_tflops"] = round(2.5 * flops / max(t_fb - t_f, 1e-9) / 1e12, 1)
     notes["attention_fwd_tflops"] = f"probe: causal SDPA, {heads} heads x {seq} tokens x {hd}, backward counted as 2.5x the forward's FLOPs"

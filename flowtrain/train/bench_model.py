@@ -83,7 +83,8 @@ def run_model(args: argparse.Namespace) -> dict:
                           policy=args.policy, precision=args.precision, device=args.device,
                           checkpoint_every=args.checkpoint_every, activations=args.activations, adam_workers=args.adam_workers, progress=False,
                           layout=args.layout, resident=args.resident, gpu_mem=args.gpu_mem, host_mem=args.host_mem,
-                          chunk_tokens=args.chunk_tokens, compile=args.compile)
+                          chunk_tokens=args.chunk_tokens, compile=args.compile,
+                          attention_backend=args.attention_backend)
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         plans: list = []

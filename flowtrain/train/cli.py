@@ -123,6 +123,9 @@ def add_compile_argument(p: argparse.ArgumentParser | argparse._ArgumentGroup) -
     """``--compile``, shared by ``train`` and ``bench --model``."""
     p.add_argument("--compile", default="auto", metavar="auto|none|BACKEND",
                    help="torch.compile backend for the decoder layer; auto: inductor on CUDA, eager on the CPU")
+    p.add_argument("--attention-backend", choices=["auto", "flash"], default="auto",
+                   help="fused attention kernel on a GPU: auto (cuDNN's where it runs the call, else "
+                        "flash; about 1.6-1.9x flash's rate on an H200) or flash (PyTorch's default)")
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -138,6 +141,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         out=args.out, overwrite=args.overwrite, metrics=args.metrics, trace=args.trace,
         progress=False if args.no_progress else None, layout=args.layout, resident=args.resident,
         gpu_mem=args.gpu_mem, host_mem=args.host_mem, chunk_tokens=args.chunk_tokens, compile=args.compile,
+        attention_backend=args.attention_backend,
         tokenizer=args.tokenizer, byte_tokenizer=args.byte_tokenizer, packing=not args.no_packing, save_dtype=args.save_dtype,
         save_every=args.save_every, save_total_limit=args.save_total_limit, resume=args.resume,
         max_skipped=args.max_skipped, undo_mem=args.undo_mem, task_timeout=args.task_timeout,

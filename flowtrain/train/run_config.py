@@ -63,6 +63,8 @@ class TrainConfig(msgspec.Struct, kw_only=True):
     #: torch.compile backend for the decoder layer: "auto" (inductor on CUDA, eager on the CPU),
     #: "none" (eager), or a backend name ("inductor", "aot_eager", ...)
     compile: str | None = "auto"
+    #: fused attention kernel on CUDA: "auto" (cuDNN's where it can run, else flash) or "flash"
+    attention_backend: str = "auto"
     gpu_mem: float | None = None  # GiB flowtrain may take on the GPU (enforced)
     host_mem: float | None = None  # GiB of host memory to plan for (default: what is available)
     #: a folder with tokenizer.json (+ tokenizer_config.json, chat template) for text data;
@@ -126,6 +128,8 @@ def validate(cfg: TrainConfig, mcfg: ModelConfig) -> None:
     if cfg.seq_len < 2:
         raise ConfigError(f"--seq-len must be at least 2 (got {cfg.seq_len})")
     mcfg.check_seq_len(cfg.seq_len)
+    if cfg.attention_backend not in ("auto", "flash"):
+        raise ConfigError(f"--attention-backend must be auto or flash (got {cfg.attention_backend!r})")
     if cfg.adam_workers < 1:
         raise ConfigError("--adam-workers must be at least 1")
     if (cfg.eval_data is None) != (cfg.eval_every is None):

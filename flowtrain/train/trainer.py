@@ -40,6 +40,8 @@ from .checks import check_compile_backend, check_output_paths, validate_numbers
 from .data import Sequences, default_corpus_path, load_sequences
 from .host_state import HostState, return_freed_memory
 from .model import ModelConfig, read_config
+from .model.config import MLP_CHUNK_TOKENS
+from .model.attention import attention_backends
 from .run_config import TrainConfig, load_model_config, precision_bytes, validate  # noqa: F401 - re-exported
 from .optimizer import AdamWConfig, LRSchedule
 from .output import remove_stale_temp, resolve_save_dtype, save_final_model
@@ -251,6 +253,19 @@ def build_state(run: Run) -> tuple[HostState, StepProgram]:
     return state, program
 
 
+def prefer_expandable_segments(cfg: TrainConfig, environ: dict[str, str] | None = None) -> bool:
+    """Long context (more tokens per micro-batch than the MLP takes at once): ask torch's CUDA
+    allocator for expandable segments unless ``PYTORCH_CUDA_ALLOC_CONF`` says otherwise, before
+    anything touches the GPU. Such a step allocates and frees tensors of gigabytes in changing
+    sizes; with fixed segments llama-8b at 262,144 tokens ran out of memory in its second step
+    with 15.5 GiB reserved but unused (docs/benchmarks.md). Returns whether it set it."""
+    env = os.environ if environ is None else environ
+    if cfg.seq_len * cfg.micro_batch_size <= MLP_CHUNK_TOKENS or "PYTORCH_CUDA_ALLOC_CONF" in env:
+        return False
+    env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
+    return True
+
+
 def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None,
           instruments: Sequence[Instrument] = (), on_plan: Callable | None = None) -> list[StepMetrics]:
     """Run a whole training job as configured; returns the metrics of the steps it ran.
@@ -261,6 +276,7 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
     when too many steps in a row were skipped, :class:`StepFailed` when a task failed; in
     each case no final model is written and every checkpoint already written stays whole."""
     world = world_from_env()
+    prefer_expandable_segments(cfg)
     # Data parallel, every process finishes its steps in flight on a signal (the others need
     # its all-reduces to finish theirs); only rank 0, with --save-every, then saves.
     saves = world.leader and cfg.save_every is not None
@@ -292,7 +308,8 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
                             [*instruments, *([recorder] if recorder else [])])
         try:
             use_uvloop()
-            metrics = asyncio.run(loop.main())
+            with attention_backends(cfg.attention_backend, run.device.type):
+                metrics = asyncio.run(loop.main())
         finally:
             shutdown.restore_sync_handlers()
             loop.abort_checkpoints()

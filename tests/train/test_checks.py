@@ -259,3 +259,22 @@ def test_config_json_nulls_take_the_defaults():
     d = hf(head_dim=None, num_key_value_heads=None, rms_norm_eps=None, tie_word_embeddings=None)
     got = ModelConfig.from_hf(d)
     assert got.num_kv_heads == got.num_heads and got.head_dim == 16 and got.rms_norm_eps == 1e-6
+
+
+def test_an_unknown_attention_backend_is_refused_before_anything_runs():
+    from flowtrain.train.run_config import validate
+
+    with refused("--attention-backend must be auto or flash (got 'cudnn-only')"):
+        validate(TrainConfig(attention_backend="cudnn-only"), preset("tiny"))
+
+
+def test_long_context_asks_for_expandable_segments_unless_the_user_chose():
+    from flowtrain.train.trainer import prefer_expandable_segments
+
+    env: dict[str, str] = {}
+    assert not prefer_expandable_segments(TrainConfig(seq_len=4096, micro_batch_size=8), env) and env == {}
+    assert prefer_expandable_segments(TrainConfig(seq_len=262144, micro_batch_size=1, batch_size=1), env)
+    assert env == {"PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True"}
+    mine = {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}
+    assert not prefer_expandable_segments(TrainConfig(seq_len=65536, micro_batch_size=1, batch_size=1), mine)
+    assert mine == {"PYTORCH_CUDA_ALLOC_CONF": "max_split_size_mb:512"}

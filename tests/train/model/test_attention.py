@@ -171,3 +171,66 @@ def test_compiled_layer_is_not_recompiled_per_document_count():
         y.sum().backward()
         graphs.append(counters["stats"]["unique_graphs"])
     assert graphs[0] > 0 and graphs[1:] == graphs[:1] * 2
+
+
+@pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+def test_attention_backend_is_traced_into_the_compiled_layer():
+    """The kernel order is part of a compiled layer's graph (so torch's compile cache can
+    never serve a layer traced under one ``--attention-backend`` to a run under the other),
+    costs no graph break, and changes no value; outside the run nothing is left set."""
+    from torch._dynamo.utils import counters
+
+    from flowtrain.train.model.attention import attention_backends
+
+    cfg = small_cfg()
+    lay = model_layouts(cfg)[1]
+    flat = torch.randn(lay.numel, generator=torch.Generator().manual_seed(9)) * 0.05
+    cos, sin = rope_tables(cfg, SEQ)
+    x = torch.randn(2, SEQ, cfg.hidden_size, generator=torch.Generator().manual_seed(10))
+    before = torch._C._get_sdp_priority_order()
+    codes = {}
+    for name in ("auto", "flash"):
+        graphs = []
+
+        def keep(gm, example_inputs):
+            graphs.append(gm.code)
+            return gm
+
+        torch._dynamo.reset()
+        counters.clear()
+        with attention_backends(name, "cuda"):  # the CPU runs the same code under the order
+            y = torch.compile(decoder_layer, backend=keep, dynamic=False)(x, bind(flat, lay), cos, sin, cfg, None, None)
+        assert rel_err(y, decoder_layer(x, bind(flat, lay), cos, sin, cfg, None, None)) < TOL
+        assert len(graphs) == 1 and not counters["graph_break"]
+        codes[name] = graphs[0]
+        assert "_sdpa_kernel" in graphs[0]
+    assert codes["auto"] != codes["flash"]
+    assert torch._C._get_sdp_priority_order() == before
+    with pytest.raises(ValueError, match="auto, flash"):
+        with attention_backends("cudnn-only", "cuda"):
+            pass
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the fused kernels run on a GPU")
+@pytest.mark.parametrize("backend", ["auto", "flash"])
+def test_gpu_causal_attention_equals_the_cpu_under_either_backend(backend):
+    """Unpacked causal GQA attention in the layout the layer hands it (q from a transposed
+    projection), forward and backward, under each ``--attention-backend``: the CPU's values
+    (bf16 rounding apart)."""
+    from flowtrain.train.model.attention import attention_backends
+
+    gen = torch.Generator().manual_seed(8)
+    b, heads, kv, seq, hd = 2, 8, 2, 512, 128
+    q = torch.randn(b, seq, heads, hd, generator=gen).transpose(1, 2)
+    k, v = (torch.randn(b, seq, kv, hd, generator=gen).transpose(1, 2) for _ in range(2))
+    dy = torch.randn(b, heads, seq, hd, generator=gen)
+
+    def run(device, dtype):
+        t = [x.to(device, dtype).detach().requires_grad_() for x in (q, k, v)]
+        with attention_backends(backend, device):
+            out = attend(*t, None, None)
+            out.backward(dy.to(device, dtype))
+        return [x.float().cpu() for x in (out, *(x.grad for x in t))]
+
+    for ours, ref in zip(run("cuda", torch.bfloat16), run("cpu", torch.float32)):
+        assert rel_err(ours, ref) < 2e-2
