@@ -86,6 +86,7 @@ from .tasks import (
     ReduceGrad,
     GpuAdam,
     GradSqNorm,
+    SyncStep,
     Task,
     VerifyStep,
     WEIGHT_READERS,
@@ -120,6 +121,10 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: once this process's micro-batches are in, before it is handed off (offloaded, or, for
     #: a resident unit, normed and checked for the step's gate).
     reduce: bool = False
+    #: data parallel with this many processes of a node sharing one host copy of the state:
+    #: each streamed unit's ``cpu_adam`` updates it only in its owner process (:meth:`owner`),
+    #: and a ``sync_step`` barrier ends the step. 1: every process keeps its own copy.
+    share: int = 1
 
     def unit_key(self, unit: str, layer: int | None) -> str:
         return f"layer.{layer}" if unit == "layer" else unit
@@ -129,6 +134,13 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
 
     def chunks(self, unit: str, layer: int | None) -> int:
         return self.grad_chunks.get(self.unit_key(unit, layer), 1)
+
+    def owner(self, unit: str, layer: int | None) -> int:
+        """Which of the ``share`` processes of a node runs the Adam of a streamed unit: the
+        streamed units in model order, dealt round-robin, so each process updates about
+        ``1 / share`` of the model."""
+        streamed = [u for u in units(self) if not self.is_resident(*u)]
+        return streamed.index((unit, layer)) % self.share
 
     def validate(self) -> "StepSpec":
         if self.layers < 1:
@@ -162,6 +174,8 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
         if bad or len(set(self.offload)) != len(self.offload):
             raise ConfigError(f"offloaded layers {bad or list(self.offload)} must be distinct layers whose input is a "
                               f"checkpoint: multiples of --activation-checkpoint-every, not kept")
+        if self.share < 1 or (self.share > 1 and not self.reduce):
+            raise ConfigError(f"share must be 1, or the processes of a node with reduce (got {self.share})")
         if any(c < 1 for c in self.grad_chunks.values()):
             raise ConfigError(f"grad_chunks must be at least 1 (got {self.grad_chunks})")
         return self
@@ -453,6 +467,8 @@ class _StepBuilder(_Builder):
             self.adam_tasks(offs, unit, layer, norm=gate)
         if not self.spec.grad_clip:
             self.verify_step(gate)
+        if self.spec.share > 1:
+            self.sync_step()
 
     def adam_tasks(self, offs: list[Task], unit: str, layer: int | None, norm: Task | None) -> None:
         """``gpu_adam`` of a resident unit after all its gradient writers; ``cpu_adam`` of a
@@ -499,19 +515,28 @@ class _StepBuilder(_Builder):
             self.dep(a, t)
 
 
+    def sync_step(self) -> None:
+        """``sync_step`` after every ``cpu_adam`` and ``verify_step`` of the step (in every
+        process: the owners' updates are all in once each has passed it)."""
+        t = self.node(SyncStep)
+        for a in [t2 for t2 in self.g if isinstance(t2, (CpuAdam, VerifyStep))]:
+            self.dep(a, t)
+
+
 def cross_step_edges(earlier: Iterable[Task], later: Iterable[Task], spec: StepSpec) -> list[tuple[Task, Task]]:
     """The edges from one step's Adam of each unit (every chunk's ``cpu_adam``, or its
     ``gpu_adam``) to what reads that unit's weights in a later step: every ``fetch`` of a
     streamed unit, every weight-reading task of a resident one. With tied embeddings the head
     also reads the embedding matrix, so it waits for both. Every ``fetch`` also waits for the
-    step's ``verify_step``, which may put streamed units back. Executors that receive steps one
-    at a time add these themselves."""
+    step's ``verify_step``, which may put streamed units back, and its ``sync_step`` where the
+    processes share the state (another process may have updated the unit). Executors that
+    receive steps one at a time add these themselves."""
     adams: dict[tuple[str | None, int | None], list[Task]] = {}
     verify = []
     for t in earlier:
         if isinstance(t, (CpuAdam, GpuAdam)):
             adams.setdefault((t.unit, t.layer), []).append(t)
-        elif isinstance(t, VerifyStep):
+        elif isinstance(t, (VerifyStep, SyncStep)):
             verify.append(t)
     edges = []
     for t in later:

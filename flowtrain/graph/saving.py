@@ -8,7 +8,13 @@ DAG that is two kinds of edge per unit, and nothing else waits::
 
 So the next step's forward and backward run while the ``io`` lane writes the checkpoint (they
 read the weights, which the save only reads too); only the next step's update of a unit waits
-for that unit's write. :func:`add_saves` adds the save tasks to step ``s``'s graph;
+for that unit's write. Where the processes of a node share the state (``StepSpec.share``), the
+process that saves is not the one that updates most units: its saves wait for the step's
+``sync_step`` (every owner's Adam is in), and its next ``reduce_grad`` of each unit waits for
+the unit's save, which holds back the owner's update of it (the owner's ``cpu_adam`` needs that
+sum)::
+
+    sync_step (s) -> save L3 (s) -> reduce_grad L3 (s+1) :func:`add_saves` adds the save tasks to step ``s``'s graph;
 :func:`save_edges` gives the edges into the next step's graph, for the executor to add beside
 :func:`~flowtrain.graph.compiler.cross_step_edges`::
 
@@ -28,7 +34,7 @@ from typing import Iterable
 import networkx as nx
 
 from .compiler import StepSpec, units
-from .tasks import CpuAdam, GpuAdam, SaveUnit, Task
+from .tasks import CpuAdam, GpuAdam, ReduceGrad, SaveUnit, SyncStep, Task
 
 ADAM_KINDS = (CpuAdam, GpuAdam)
 
@@ -39,6 +45,7 @@ def add_saves(graph: nx.DiGraph, spec: StepSpec, step: int | None = None) -> lis
     graph's; into an empty graph (a step already finished) the saves go with no edges."""
     step = next(iter(graph)).step if step is None else step
     adams: dict[tuple[str | None, int | None], list[Task]] = {}
+    syncs = [t for t in graph if isinstance(t, SyncStep)]
     for t in graph:
         if isinstance(t, ADAM_KINDS):
             adams.setdefault((t.unit, t.layer), []).append(t)
@@ -46,7 +53,7 @@ def add_saves(graph: nx.DiGraph, spec: StepSpec, step: int | None = None) -> lis
     for unit, layer in units(spec):
         save = SaveUnit(step=step, unit=unit, layer=layer)
         graph.add_node(save)
-        for a in adams.get((unit, layer), []):
+        for a in adams.get((unit, layer), []) + syncs:
             graph.add_edge(a, save, reads=False)
         saves.append(save)
     return saves
@@ -54,7 +61,12 @@ def add_saves(graph: nx.DiGraph, spec: StepSpec, step: int | None = None) -> lis
 
 def save_edges(saves: Iterable[Task], later: Iterable[Task]) -> list[tuple[Task, Task]]:
     """Edges from each unit's save to that unit's Adam tasks in a later step: the update must
-    not change the weights while they are being written."""
+    not change the weights while they are being written. Where the later step ends in a
+    ``sync_step`` (shared state), also to the unit's ``reduce_grad``: the owner process's
+    update of the unit waits for that sum, so for this process's write."""
+    later = list(later)
+    shared = any(isinstance(t, SyncStep) for t in later)
+    kinds = ADAM_KINDS + ((ReduceGrad,) if shared else ())
     by_unit = {(s.unit, s.layer): s for s in saves}
     return [(by_unit[(t.unit, t.layer)], t) for t in later
-            if isinstance(t, ADAM_KINDS) and (t.unit, t.layer) in by_unit]
+            if isinstance(t, kinds) and (t.unit, t.layer) in by_unit]

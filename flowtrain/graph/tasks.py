@@ -25,7 +25,8 @@ every node of an exported graph has ``kind``, ``layer``, ``micro_batch`` and ``l
   piece of the unit's gradient passes through one host staging slot (``None`` otherwise).
 
 Each kind knows its **lane** (``h2d``, ``compute``, ``d2h``, ``cpu``, ``io`` for disk
-writes, or ``net`` for collectives between data-parallel processes) and which buffer **pool** it takes a slot from (``takes``). A task that takes a slot
+writes, ``net`` for collectives between data-parallel processes, or ``sync`` for the
+processes of a node that share one host copy of the state) and which buffer **pool** it takes a slot from (``takes``). A task that takes a slot
 holds it until every task that *reads* the slot (an edge marked ``reads=True`` in the graph)
 has been launched; the next task granted that slot waits for them, on its own lane, through a
 fence.
@@ -39,7 +40,7 @@ from typing import ClassVar, Literal
 
 import msgspec
 
-Lane = Literal["h2d", "compute", "d2h", "cpu", "io", "net"]
+Lane = Literal["h2d", "compute", "d2h", "cpu", "io", "net", "sync"]
 Unit = Literal["embed", "layer", "head"]
 Phase = Literal["forward", "recompute", "backward"]
 
@@ -49,7 +50,9 @@ Phase = Literal["forward", "recompute", "backward"]
 #: ``net`` carries the collectives of data-parallel training (gradient all-reduce), on its own
 #: stream on a GPU, so that they overlap the backward of the layers below.
 DEVICE_LANES: frozenset[str] = frozenset({"h2d", "compute", "d2h", "net"})
-LANES: tuple[str, ...] = ("h2d", "compute", "d2h", "cpu", "io", "net")
+#: ``sync`` is a host thread for the one barrier per step between the processes of a node that
+#: share the host state (``sync_step``).
+LANES: tuple[str, ...] = ("h2d", "compute", "d2h", "cpu", "io", "net", "sync")
 
 #: Buffer pools. ``weights``: slots that hold one unit's streamed weights on the device.
 #: ``grads``: device gradient accumulators, one unit each, held until offloaded.
@@ -218,6 +221,16 @@ class VerifyStep(Task, tag="verify_step"):
     lane: ClassVar[str] = "cpu"
 
 
+class SyncStep(Task, tag="sync_step"):
+    """Data parallel with the host state shared by the processes of a node, each unit's Adam
+    run by one of them (its owner): a barrier of the node's processes once this process's
+    ``cpu_adam`` tasks (and ``verify_step``) are done, so once every owner's are. The next
+    step's fetches wait for it, and so do the step's checkpoint writes: they read units that
+    another process updated."""
+
+    lane: ClassVar[str] = "sync"
+
+
 class EvalLoss(Task, tag="eval_loss"):
     """Final norm, output projection and the summed cross-entropy of one held-out micro-batch,
     forward only (reads the head's weight slot; no gradient, no backward, no Adam): the last
@@ -251,6 +264,7 @@ AnyTask = (
     | FetchAct
     | ReduceGrad
     | VerifyStep
+    | SyncStep
     | EvalLoss
     | SaveUnit
 )
@@ -277,6 +291,7 @@ KINDS: dict[str, type[Task]] = {
         GpuAdam,
         FoundInf,
         VerifyStep,
+        SyncStep,
         EvalLoss,
         SaveUnit,
     )

@@ -67,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
            **pred.summary.to_dict(), "plan": {"layout": plan.layout, "resident": list(plan.spec.resident),
                                               "budgets": plan.budgets, "gpu_gib": round(plan.gpu_total / 2**30, 2),
                                               "host_gib": round(plan.host_total / 2**30, 2),
-                                              "host_gib_per_node": round(plan.host_total * args.nproc_per_node / 2**30, 2)}}
+                                              "host_gib_per_node": round(plan.host_node_total / 2**30, 2)}}
     if args.json:
         print(json.dumps(out, indent=1))
     else:

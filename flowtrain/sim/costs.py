@@ -84,11 +84,13 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
     #: data-parallel processes in all, and the nodes they run on (``reduce_grad``)
     world: int = 1
     nodes: int = 1
+    #: units whose Adam another process of the node runs (they share one host copy of the state)
+    others_own: tuple[str, ...] = ()
 
     @property
     def per_node(self) -> int:
-        """Data-parallel processes on one node: they share its CPU cores (each runs Adam on every
-        unit: one host copy of the state per process, not yet one per node)."""
+        """Data-parallel processes on one node: they share its CPU cores, so each one's Adam
+        runs at a ``1 / per_node`` share of them (each on the units it owns)."""
         return max(1, self.world // self.nodes)
 
     @property
@@ -202,6 +204,9 @@ class CostModel:
             case "gpu_adam":
                 return s.unit_numel(task) / (m.gpu_adam_gparams * 1e9) + launch
             case "cpu_adam":
+                key = f"layer.{task.layer}" if task.unit == "layer" else task.unit
+                if key in s.others_own:
+                    return launch
                 n = s.unit_numel(task)
                 t = n / (m.cpu_adam_gparams * 1e9)
                 if s.refresh:
@@ -211,6 +216,8 @@ class CostModel:
                 return self.reduce_seconds(s.unit_numel(task) * 4) + launch
             case "save":
                 return s.unit_numel(task) * 12 / (m.disk_write_gbps * 1e9)
+            case "sync_step":  # a barrier of the node's processes over local sockets
+                return m.sync_us * 1e-6 + m.copy_latency_us * 1e-6
             case "grad_norm" | "verify_step":
                 return m.sync_us * 1e-6
             case "fetch" | "offload_grad" | "offload_act" | "fetch_act":

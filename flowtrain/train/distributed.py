@@ -14,8 +14,11 @@ global batch's gradient; it then leaves for the host and its Adam as on one proc
 process's copy of the weights stays the same. Rank 0 alone writes checkpoints, the final
 model, metrics and progress.
 
-Backend: NCCL on CUDA, gloo on the CPU. Each process holds its own host copy of the state (the
-processes of a node do not share it yet).
+Backend: NCCL on CUDA, gloo on the CPU. The processes of a node share one host copy of the
+state (:mod:`flowtrain.train.shared_state`): each streamed unit's Adam runs in one of them, its
+owner (``StepSpec.owner``), and a ``sync_step`` barrier of the node's processes (a gloo group
+of their own, :func:`node_barrier`) ends every step, before any of them reads the updated
+weights.
 """
 
 from __future__ import annotations
@@ -55,25 +58,17 @@ class World(msgspec.Struct, frozen=True):
         return micro_batches[self.rank * k : (self.rank + 1) * k]
 
 
-def local_share(cfg: Any, size: int, per_node: int = 1) -> Any:
-    """The run one of ``size`` processes plans for (a ``TrainConfig``): its share of the batch,
-    and of the node's host memory (``per_node`` processes each hold a copy of the state:
-    ``--host-mem``, or what is available, divided among them)."""
+def local_share(cfg: Any, size: int) -> Any:
+    """The run one of ``size`` processes plans for (a ``TrainConfig``): its share of the batch.
+    ``--host-mem`` stays the node's: the plan counts the shared state once and each process's
+    own buffers once per process (``Plan.host_node_total``)."""
     if size == 1:
         return cfg
     per = cfg.micro_batch_size * size
     if cfg.batch_size % per:
         raise ConfigError(f"--batch-size {cfg.batch_size} does not split into {size} processes' shares of "
                           f"--micro-batch-size {cfg.micro_batch_size}: use a multiple of {per}")
-    host = cfg.host_mem
-    if per_node > 1:
-        if host is None:
-            from .plan import host_available
-
-            free = host_available()
-            host = None if free is None else free / 2**30
-        host = None if host is None else host / per_node
-    return msgspec.structs.replace(cfg, batch_size=cfg.batch_size // size, host_mem=host)
+    return msgspec.structs.replace(cfg, batch_size=cfg.batch_size // size)
 
 
 def world_from_env(environ: dict[str, str] | None = None) -> World:
@@ -88,6 +83,9 @@ def world_from_env(environ: dict[str, str] | None = None) -> World:
         raise ConfigError(f"WORLD_SIZE, RANK and LOCAL_RANK must be integers ({e})") from None
     if size < 1 or not 0 <= rank < size:
         raise ConfigError(f"RANK {rank} is not a process of WORLD_SIZE {size}")
+    if local_size < 1 or size % local_size:
+        raise ConfigError(f"WORLD_SIZE {size} is not a whole number of nodes of LOCAL_WORLD_SIZE {local_size} "
+                          f"processes: give every node the same --nproc-per-node")
     return World(rank=rank, size=size, local_rank=local, local_size=max(1, local_size))
 
 
@@ -96,11 +94,14 @@ def world_from_env(environ: dict[str, str] | None = None) -> World:
 #: default group at the same time, and collectives on one group must come in the same order on
 #: every process.
 _METRICS_GROUP: Any = None
+#: The processes of this node (gloo, on the CPU): the ``sync_step`` barrier and the handing
+#: round of the shared state's file name.
+_NODE_GROUP: Any = None
 
 
 def join(world: World, device_type: str) -> None:
     """Join the process group (NCCL on CUDA, gloo on the CPU); a no-op for one process."""
-    global _METRICS_GROUP
+    global _METRICS_GROUP, _NODE_GROUP
     if not world.parallel:
         return
     import torch.distributed as dist
@@ -109,6 +110,12 @@ def join(world: World, device_type: str) -> None:
         backend = "nccl" if device_type == "cuda" else "gloo"
         dist.init_process_group(backend, rank=world.rank, world_size=world.size)
         _METRICS_GROUP = dist.new_group(backend=backend)
+        # every process creates every node's group, in the same order (new_group's rule)
+        for node in range(world.size // world.local_size):
+            ranks = list(range(node * world.local_size, (node + 1) * world.local_size))
+            group = dist.new_group(ranks, backend="gloo")
+            if world.rank in ranks:
+                _NODE_GROUP = group
 
 
 def leave(world: World) -> None:
@@ -117,10 +124,10 @@ def leave(world: World) -> None:
         return
     import torch.distributed as dist
 
-    global _METRICS_GROUP
+    global _METRICS_GROUP, _NODE_GROUP
     if dist.is_initialized():
         dist.destroy_process_group()
-    _METRICS_GROUP = None
+    _METRICS_GROUP = _NODE_GROUP = None
 
 
 def all_reduce_sum(t: Any, *, metrics: bool = False) -> None:
@@ -129,6 +136,24 @@ def all_reduce_sum(t: Any, *, metrics: bool = False) -> None:
     import torch.distributed as dist
 
     dist.all_reduce(t, op=dist.ReduceOp.SUM, group=_METRICS_GROUP if metrics else None)
+
+
+def node_barrier() -> None:
+    """Wait until every process of this node has come here (a one-element all-reduce on the
+    node's gloo group, so it orders host work only: nothing waits on a GPU stream)."""
+    import torch
+    import torch.distributed as dist
+
+    dist.all_reduce(torch.zeros(1), group=_NODE_GROUP)
+
+
+def node_broadcast(obj: Any, world: World) -> Any:
+    """``obj`` of the node's first process, in every process of the node."""
+    import torch.distributed as dist
+
+    box = [obj]
+    dist.broadcast_object_list(box, src=world.rank - world.local_rank, group=_NODE_GROUP)
+    return box[0]
 
 
 def agree_to_stop(asked: bool, device: Any) -> bool:

@@ -45,6 +45,8 @@ import torch
 from ..errors import CheckpointError, ConfigError
 from .model import ModelConfig, UnitLayout, init_unit, load_into, model_layouts, save_hf
 from .model.checkpoint import unit_tensors
+from .distributed import World
+from .shared_state import SharedArena, aligned
 from .host_layout import LAYOUTS, chunk_range, grad_chunks, slot_numel, staging_numel  # noqa: F401 - re-exported
 
 
@@ -100,13 +102,31 @@ def return_freed_memory() -> None:
 _RETURN_SET = False
 
 
+def shared_sizes(layouts: list[UnitLayout], layout: str, resident: set[str], dtype: torch.dtype,
+                 chunks: dict[str, int]) -> dict[str, int]:
+    """Bytes of the two shared files :class:`UnitState` takes its streamed tensors from: the
+    ``pinned`` one (what ``fetch`` copies: the fp32 master, or the ``stream-bf16`` copy) and
+    the ``plain`` one (Adam's moments and step counts, and a streamed copy's master)."""
+    streams_copy = layout == "stream-bf16" and dtype != torch.float32
+    item = torch.empty((), dtype=dtype).element_size()
+    sizes = {"pinned": 0, "plain": 0}
+    for lay in layouts:
+        if lay.key in resident:
+            continue
+        n = lay.numel
+        sizes["pinned"] += aligned(n * (item if streams_copy else 4))
+        sizes["plain"] += 2 * aligned(4 * n) + (aligned(4 * n) if streams_copy else 0)
+        sizes["plain"] += chunks.get(lay.key, 1) * aligned(4)
+    return sizes
+
+
 class UnitState:
     """The flat tensors of one unit; see the module docstring for each field."""
 
     __slots__ = ("layout", "master", "exp_avg", "exp_avg_sq", "grad", "stream", "compute", "steps", "resident")
 
     def __init__(self, layout: UnitLayout, *, pin: bool, layout_name: str, resident: bool,
-                 device: torch.device, dtype: torch.dtype, chunks: int) -> None:
+                 device: torch.device, dtype: torch.dtype, chunks: int, arena: SharedArena | None = None) -> None:
         n = layout.numel
         self.layout = layout
         self.resident = resident
@@ -119,13 +139,19 @@ class UnitState:
             self.steps = [torch.zeros((), dtype=torch.float32, device=device)]
             return
         streams_copy = layout_name == "stream-bf16" and dtype != torch.float32
-        self.master = pinned_zeros(n, pin and not streams_copy)
-        if streams_copy:
-            self.stream = pinned_zeros(n, pin, dtype)
+        if arena is None:
+            self.master = pinned_zeros(n, pin and not streams_copy)
+            self.stream = pinned_zeros(n, pin, dtype) if streams_copy else None
+            self.exp_avg = torch.zeros(n, dtype=torch.float32)
+            self.exp_avg_sq = torch.zeros(n, dtype=torch.float32)
+            self.steps = [torch.zeros((), dtype=torch.float32) for _ in range(chunks)]
+        else:  # the node's one copy (fetch copies the pinned file's tensors)
+            self.master = arena.take("plain" if streams_copy else "pinned", n, torch.float32)
+            self.stream = arena.take("pinned", n, dtype) if streams_copy else None
+            self.exp_avg = arena.take("plain", n, torch.float32)
+            self.exp_avg_sq = arena.take("plain", n, torch.float32)
+            self.steps = [arena.take("plain", 1, torch.float32).view(()) for _ in range(chunks)]
         self.grad = pinned_zeros(n, pin) if layout_name == "full" else None
-        self.exp_avg = torch.zeros(n, dtype=torch.float32)
-        self.exp_avg_sq = torch.zeros(n, dtype=torch.float32)
-        self.steps = [torch.zeros((), dtype=torch.float32) for _ in range(chunks)]
 
     def refresh_copies(self, lo: int = 0, hi: int | None = None) -> None:
         """Bring the compute / streaming copy of ``master[lo:hi]`` up to date."""
@@ -141,20 +167,32 @@ class HostState:
         self.cfg = cfg
         self.units = units
         self.layout = layout
+        #: the node's shared state files, where the processes of a node share the state
+        self.arena: SharedArena | None = None
 
     @classmethod
     def create(cls, cfg: ModelConfig, *, pin: bool, layout: str = "full", resident: Iterable[str] = (),
                device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-               chunks: dict[str, int] | None = None) -> "HostState":
+               chunks: dict[str, int] | None = None, world: World | None = None) -> "HostState":
         """Allocate every unit's state (zeros): ``resident`` unit keys on ``device``, the rest in
-        host memory in ``layout``; ``chunks`` gives the staging chunks of large units."""
+        host memory in ``layout``; ``chunks`` gives the staging chunks of large units. With a
+        ``world`` of several processes on this node, the streamed units' state is the node's
+        one shared copy (:mod:`flowtrain.train.shared_state`); every process of the node calls
+        this at the same point."""
         if layout not in LAYOUTS:
             raise ConfigError(f"--layout must be one of {', '.join(LAYOUTS)} (got {layout!r})")
         res = set(resident)
         chunks = chunks or {}
+        layouts = model_layouts(cfg)
+        arena = None
+        if world is not None and world.local_size > 1:
+            sizes = shared_sizes(layouts, layout, res, dtype, chunks)
+            arena = SharedArena.open(world, sizes, pin=pin)
         units = [UnitState(lay, pin=pin, layout_name=layout, resident=lay.key in res, device=torch.device(device),
-                           dtype=dtype, chunks=chunks.get(lay.key, 1)) for lay in model_layouts(cfg)]
-        return cls(cfg, units, layout)
+                           dtype=dtype, chunks=chunks.get(lay.key, 1), arena=arena) for lay in layouts]
+        state = cls(cfg, units, layout)
+        state.arena = arena
+        return state
 
     @property
     def layouts(self) -> list[UnitLayout]:

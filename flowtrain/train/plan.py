@@ -62,6 +62,8 @@ GiB = 2**30
 #: Host memory of the process itself (interpreter, torch, flowtrain; on CUDA also the CUDA
 #: libraries and compile workers), measured as peak RSS minus allocated state: 0.23-0.3 GiB on
 #: the CPU, 1.4-1.9 GiB in five H200 runs from 3.6B to 14.8B parameters (docs/benchmarks.md).
+#: Host items that the processes of a node share (one copy per node, ``StepSpec.share``).
+SHARED_HOST = ("master", "adam", "streaming_copy")
 RUNTIME_HOST = {"cpu": int(0.30 * GiB), "cuda": int(1.75 * GiB)}
 #: Fraction of the GPU budget the plan fills: the caching allocator needs room to round and split.
 GPU_FILL = 0.92
@@ -107,6 +109,8 @@ class RunRequest(msgspec.Struct, kw_only=True):
     undo_mem: float = 1.0
     #: data-parallel processes in all; the request is one process's share (``reduce_grad``)
     processes: int = 1
+    #: processes of a node that share one host copy of the state (``StepSpec.share``)
+    share: int = 1
 
 
 def checkpoint_read_bytes(model_dir: str | os.PathLike[str] | None) -> int:
@@ -125,14 +129,16 @@ def data_host_bytes(req: RunRequest) -> int:
     return DATA_BATCHES * req.batch_size * req.seq_len * 3 * 8
 
 
-def run_request(cfg: Any, model_dir: str | os.PathLike[str] | None = None, processes: int = 1) -> RunRequest:
+def run_request(cfg: Any, model_dir: str | os.PathLike[str] | None = None, processes: int = 1,
+                share: int = 1) -> RunRequest:
     """The request of a ``TrainConfig`` (or anything with the same attributes); with several
-    data-parallel ``processes``, ``cfg`` is one process's share (``distributed.local_share``)."""
+    data-parallel ``processes``, ``cfg`` is one process's share (``distributed.local_share``),
+    ``share`` of them on each node sharing the host state."""
     return RunRequest(seq_len=cfg.seq_len, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size,
                       checkpoint_every=cfg.checkpoint_every, activations=cfg.activations, order=cfg.order, grad_clip=cfg.grad_clip is not None,
                       layout=cfg.layout, resident=cfg.resident, gpu_mem=cfg.gpu_mem, host_mem=cfg.host_mem,
                       chunk_tokens=cfg.chunk_tokens, load_bytes=checkpoint_read_bytes(model_dir),
-                      undo_mem=getattr(cfg, "undo_mem", 1.0), processes=processes)
+                      undo_mem=getattr(cfg, "undo_mem", 1.0), processes=processes, share=share)
 
 
 class Plan(msgspec.Struct, kw_only=True):
@@ -148,6 +154,8 @@ class Plan(msgspec.Struct, kw_only=True):
     gpu_limit: int | None
     max_micro_batch: int | None = None
     suggestions: list[str] = msgspec.field(default_factory=list)
+    #: processes of a node sharing the host state (the host limit is the node's)
+    share: int = 1
 
     @property
     def host_total(self) -> int:
@@ -156,6 +164,13 @@ class Plan(msgspec.Struct, kw_only=True):
         load = self.host.get("checkpoint_load", 0)
         on_host = self.gpu_total if self.device == "cpu" else 0
         return sum(self.host.values()) - load + max(load, on_host)
+
+    @property
+    def host_node_total(self) -> int:
+        """Peak host bytes of the node: the shared state once, every process's own part (its
+        buffers, runtime, data) once per process."""
+        shared = sum(self.host.get(k, 0) for k in SHARED_HOST)
+        return shared + self.share * (self.host_total - shared)
 
     @property
     def gpu_total(self) -> int:
@@ -173,7 +188,7 @@ class Plan(msgspec.Struct, kw_only=True):
 
     @property
     def host_fits(self) -> bool:
-        return self.host_limit is None or self.host_total <= self.host_limit
+        return self.host_limit is None or self.host_node_total <= self.host_limit
 
     @property
     def gpu_fits(self) -> bool:
@@ -187,7 +202,8 @@ class Plan(msgspec.Struct, kw_only=True):
         """One line: what does not fit, by how much, and what would make it fit."""
         parts = []
         if not self.host_fits:
-            parts.append(f"host memory: needs {self.host_total / GiB:.1f} GiB, {self.host_limit / GiB:.1f} GiB usable")  # type: ignore[operator]
+            who = f" for {self.share} processes" if self.share > 1 else ""
+            parts.append(f"host memory: needs {self.host_node_total / GiB:.1f} GiB{who}, {self.host_limit / GiB:.1f} GiB usable")  # type: ignore[operator]
         if not self.gpu_fits:
             parts.append(f"GPU memory: needs {self.gpu_total / GiB:.1f} GiB, {self.gpu_limit / GiB:.1f} GiB usable")  # type: ignore[operator]
         fix = "; ".join(self.suggestions) or "use a smaller model"
@@ -200,6 +216,7 @@ class Plan(msgspec.Struct, kw_only=True):
             "grad_chunks": self.spec.grad_chunks,
             "host": self.host, "gpu": self.gpu, "host_total": self.host_total, "gpu_total": self.gpu_total,
             "host_limit": self.host_limit, "gpu_limit": self.gpu_limit,
+            "processes_sharing_host": self.share, "host_node_total": self.host_node_total,
             "host_state_bytes_per_param": round(self.host_state_bytes_per_param, 3),
             "fits": self.fits, "host_fits": self.host_fits, "gpu_fits": self.gpu_fits,
             "max_micro_batch": self.max_micro_batch, "suggestions": self.suggestions,
@@ -290,7 +307,8 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
     if not req.grad_clip and streamed:
         chunks = grad_chunks(layouts, resident, stage_n) if layout != "full" else {}
         units = [(lay.numel, chunks.get(lay.key, 1)) for lay in streamed]
-        host["undo_record"] = undo_arena_bytes(units, stage_n, int(req.undo_mem * GiB), touched=not resident)
+        # --undo-mem is the node's: processes sharing the state record only the units they own
+        host["undo_record"] = undo_arena_bytes(units, stage_n, int(req.undo_mem * GiB) // req.share, touched=not resident)
 
     tokens = req.micro_batch_size * req.seq_len
     hidden = tokens * cfg.hidden_size * cbytes
@@ -374,7 +392,7 @@ def _make(cfg, req, device, dtype, policy, layout, resident, chunk_tokens, shrin
     host, gpu = _bytes(cfg, req, device, dtype, layout, resident, budgets, chunk_tokens)
     params = sum(lay.numel for lay in _layouts(cfg))
     return Plan(device=device.type, params=params, layout=layout, spec=spec, budgets=budgets,
-                chunk_tokens=chunk_tokens, host=host, gpu=gpu, host_limit=None, gpu_limit=None)
+                chunk_tokens=chunk_tokens, host=host, gpu=gpu, host_limit=None, gpu_limit=None, share=req.share)
 
 
 class _BudgetCache:
@@ -430,7 +448,7 @@ def _spec(cfg: ModelConfig, req: RunRequest, layout: str, resident: tuple[str, .
     return StepSpec(layers=cfg.num_layers, micro_batches=req.batch_size // req.micro_batch_size,
                     checkpoint_every=req.checkpoint_every, order=req.order, tied=cfg.tie_word_embeddings,
                     grad_clip=req.grad_clip, resident=resident, staged=staged, grad_chunks=chunks,
-                    reduce=req.processes > 1).validate()
+                    reduce=req.processes > 1, share=req.share).validate()
 
 
 def _backlog(cfg: ModelConfig, resident: tuple[str, ...]) -> dict[str, int]:

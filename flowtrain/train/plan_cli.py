@@ -68,8 +68,8 @@ def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: f
     if args.nproc_per_node < 1 or args.nnodes < 1:
         raise ConfigError(f"--nproc-per-node and --nnodes must be at least 1 (got {args.nproc_per_node}, {args.nnodes})")
     processes = args.nproc_per_node * args.nnodes
-    local = local_share(tc, processes, args.nproc_per_node)
-    return cfg, model_dir, run_request(local, model_dir, processes), processes
+    local = local_share(tc, processes)
+    return cfg, model_dir, run_request(local, model_dir, processes, share=args.nproc_per_node), processes
 
 
 def run(args: argparse.Namespace) -> int:
@@ -130,6 +130,10 @@ def format_plan(model: str, plan) -> str:  # noqa: ANN001 - a Plan
                 lines.append(f"  {k:<16}{v / GiB:8.2f} GiB")
         if title == "host" and plan.device == "cpu":
             lines.append(f"  {'(GPU items)':<16}{plan.gpu_total / GiB:8.2f} GiB  (on the CPU they are host memory)")
+        if title == "host" and plan.share > 1:
+            lines.append(f"  {'one process':<16}{total / GiB:8.2f} GiB (master and adam shared by the node's "
+                         f"{plan.share} processes)")
+            total = plan.host_node_total
         lines.append(f"  {'total':<16}{total / GiB:8.2f} GiB of {_gib(limit).strip()} usable: "
                      + ("fits" if ok else "DOES NOT FIT"))
     mb = plan.max_micro_batch

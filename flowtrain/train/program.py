@@ -81,13 +81,14 @@ from ..graph.tasks import (
     Recompute,
     ReduceGrad,
     SaveUnit,
+    SyncStep,
     Task,
     VerifyStep,
     ZeroGrad,
 )
 from ..runtime.executor import TaskContext
 from .checkpoints import CheckpointWriter
-from .distributed import World, all_reduce_sum
+from .distributed import World, all_reduce_sum, node_barrier
 from .host_layout import LANDING_NUMEL, chunk_range, slot_numel, staging_numel
 from .host_state import HostState, UnitState, pinned_zeros
 from .model import bind, decoder_layer, embed, head_loss, head_loss_and_grads, rope_tables
@@ -147,8 +148,12 @@ class StepProgram:
         undo_bytes: int = 1 << 30,
         inject_nonfinite: Injection | None = None,
         world: World | None = None,
+        owned: set[str] | None = None,
     ) -> None:
         self.state = state
+        #: the streamed units whose ``cpu_adam`` updates them in this process, where the
+        #: processes of a node share the state (each unit has one owner); None: every unit
+        self.owned = owned
         self.cfg = state.cfg
         #: the data-parallel processes (``reduce_grad`` sums over them); one by default
         self.world = world or World()
@@ -336,6 +341,9 @@ class StepProgram:
                 return self._settle(self.steps[task.step])
             case SaveUnit():
                 return self._save(task)
+            case SyncStep():
+                node_barrier()
+                return None
         raise ConfigError(f"the training program cannot run task kind {task.kind!r}")
 
     # ---- helpers --------------------------------------------------------------------------
@@ -647,6 +655,8 @@ class StepProgram:
                 grad.add_(self.tied_grad[lo:hi])
                 sq = data.sq_norms[(unit.layout.key, task.chunk)] = torch.dot(grad, grad)
                 data.check.host_checked(unit.layout.key, bool(nonfinite(grad, sq)))
+        if self.owned is not None and unit.layout.key not in self.owned:
+            return  # another process of the node updates the shared copy
         if not self._admit(data, task, unit, lo, hi):
             return
         if data.clip is not None:

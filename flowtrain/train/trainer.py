@@ -32,6 +32,7 @@ import torch
 
 from ..errors import ConfigError, PlanError
 from ..policy import resolve_policy
+from ..graph.compiler import StepSpec, units
 from ..graph.tasks import GRADS, HOST_GRADS, WEIGHTS
 from ..runtime.executor import use_uvloop
 from ..runtime.trace import Instrument, TraceRecorder, lane_busy, write_chrome_trace
@@ -52,7 +53,7 @@ from .reporting import Reporter, StepMetrics
 from .resume import check_compatible, restore_rng, steps_done
 from .shutdown import Shutdown
 from .summary import summary_lines
-from .distributed import World, join, leave, local_share, world_from_env
+from .distributed import World, join, leave, local_share, node_barrier, world_from_env
 
 __all__ = ["TrainConfig", "StepMetrics", "train", "prepare"]
 
@@ -142,7 +143,7 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
         check_compatible(resume_state, cfg, data=data_fp, where=str(resume_from), total_steps=cfg.steps)
     world = world or world_from_env()
     device, local = _data_parallel(cfg, world, device)
-    plan = plan_run(mcfg, run_request(local, model_dir, world.size), device=device, dtype=dtype,
+    plan = plan_run(mcfg, run_request(local, model_dir, world.size, share=world.local_size), device=device, dtype=dtype,
                     policy=resolve_policy(cfg.policy))
     if not plan.fits:
         raise PlanError(plan.refusal())
@@ -154,7 +155,7 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
 def _data_parallel(cfg: TrainConfig, world: World, device: torch.device) -> tuple[torch.device, TrainConfig]:
     """This process's device (its own GPU under torchrun) and the run one process plans for
     (:func:`~flowtrain.train.distributed.local_share`)."""
-    local = local_share(cfg, world.size, world.local_size)
+    local = local_share(cfg, world.size)
     if world.parallel and device.type == "cuda":
         device = torch.device("cuda", world.local_rank)
         torch.cuda.set_device(device)
@@ -238,7 +239,8 @@ def build_state(run: Run) -> tuple[HostState, StepProgram]:
     spec = plan.spec
     torch.manual_seed(cfg.seed)
     state = HostState.create(run.mcfg, pin=run.device.type == "cuda", layout=plan.layout, resident=spec.resident,
-                             device=run.device, dtype=run.dtype, chunks=spec.grad_chunks)
+                             device=run.device, dtype=run.dtype, chunks=spec.grad_chunks,
+                             world=run.world if spec.share > 1 else None)
     if run.resume_from is not None:
         checkpoints.load_training_state(run.resume_from, state)
         restore_rng(run.resume_state)
@@ -246,11 +248,21 @@ def build_state(run: Run) -> tuple[HostState, StepProgram]:
         state.init_random(cfg.seed)
     else:
         state.load_checkpoint(run.model_dir)
+    if spec.share > 1:
+        node_barrier()  # the node's processes filled the shared state alike; none trains before all are done
     program = StepProgram(state, device=run.device, dtype=run.dtype, seq_len=cfg.seq_len,
                           checkpoint_every=cfg.checkpoint_every, budgets=plan.budgets, adamw=adamw_config(cfg),
                           chunk_tokens=plan.chunk_tokens, compile_backend=resolve_compile(cfg.compile, run.device),
-                          undo_bytes=int(cfg.undo_mem * 2**30), world=run.world)
+                          undo_bytes=int(cfg.undo_mem * 2**30) // spec.share, world=run.world, owned=_owned(spec, run.world))
     return state, program
+
+
+def _owned(spec: StepSpec, world: World) -> set[str] | None:
+    """The streamed units this process updates where the node's processes share the state."""
+    if spec.share < 2:
+        return None
+    return {spec.unit_key(u, i) for u, i in units(spec)
+            if not spec.is_resident(u, i) and spec.owner(u, i) == world.local_rank}
 
 
 def prefer_expandable_segments(cfg: TrainConfig, environ: dict[str, str] | None = None) -> bool:
@@ -310,6 +322,8 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
             use_uvloop()
             with attention_backends(cfg.attention_backend, run.device.type):
                 metrics = asyncio.run(loop.main())
+            if run.plan.spec.share > 1:
+                node_barrier()  # every process is done with the shared state before rank 0 saves it
         finally:
             shutdown.restore_sync_handlers()
             loop.abort_checkpoints()

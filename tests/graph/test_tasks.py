@@ -10,7 +10,7 @@ from flowtrain.graph import (
     EmbedBackward, EvalLoss, Fetch, Forward, FoundInf, GpuAdam, GradNorm, GradSqNorm, Loss, OffloadGrad, Recompute, SaveUnit,
     VerifyStep, ZeroGrad,
 )
-from flowtrain.graph.tasks import ACTS, FetchAct, OffloadAct, ReduceGrad, task_from_dict, task_to_dict
+from flowtrain.graph.tasks import ACTS, FetchAct, OffloadAct, ReduceGrad, SyncStep, task_from_dict, task_to_dict
 
 #: kind -> (class, lane, pool it takes a slot from)
 CARD = {
@@ -34,6 +34,7 @@ CARD = {
     "offload_act": (OffloadAct, "d2h", None),
     "fetch_act": (FetchAct, "h2d", ACTS),
     "reduce_grad": (ReduceGrad, "net", None),
+    "sync_step": (SyncStep, "sync", None),
 }
 
 
@@ -57,7 +58,7 @@ def test_kind_lane_and_pool(kind):
     assert KINDS[kind] is cls
     assert (task.kind, task.lane, task.takes) == (kind, lane, takes)
     assert lane in LANES
-    assert (lane in DEVICE_LANES) == (lane not in ("cpu", "io"))
+    assert (lane in DEVICE_LANES) == (lane not in ("cpu", "io", "sync"))
 
 
 @pytest.mark.parametrize("kind", sorted(CARD))

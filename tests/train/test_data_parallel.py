@@ -54,6 +54,7 @@ def test_two_processes_train_the_weights_of_one_with_the_same_global_batch(tmp_p
     for trace in (tmp_path / "trace.json", tmp_path / "trace.rank1.json"):
         text = trace.read_text()
         assert "reduce_grad L1" in text and "forward L0 m1" in text and "forward L0 m2" not in text
+        assert "sync_step" in text  # the processes share one host copy of the state
 
 
 def test_each_streamed_unit_is_summed_over_the_processes_before_it_leaves():
@@ -146,3 +147,128 @@ def test_a_checkpoint_of_two_processes_resumes_on_one(tmp_path):
     one, resumed = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
     for name, ref in one.items():
         assert float((resumed[name] - ref).norm() / ref.norm()) <= 1e-5, name
+
+
+def test_the_streamed_units_are_dealt_to_the_processes_of_a_node_and_a_barrier_ends_the_step():
+    """Sharing the state: each streamed unit has one owner among the node's processes (round
+    robin over the streamed units), a ``sync_step`` follows every ``cpu_adam`` and
+    ``verify_step``, and the next step's fetches and this step's saves wait for it."""
+    from flowtrain.graph import add_saves, save_edges
+    from flowtrain.graph.compiler import cross_step_edges
+    from flowtrain.graph.tasks import CpuAdam, Fetch, SaveUnit, SyncStep, VerifyStep
+
+    spec = StepSpec(layers=4, micro_batches=2, staged=True, reduce=True, share=3, resident=("layer.1",)).validate()
+    streamed = [("embed", None), ("layer", 0), ("layer", 2), ("layer", 3), ("head", None)]
+    assert [spec.owner(*u) for u in streamed] == [0, 1, 2, 0, 1]
+    g = compile_step(spec, 0)
+    (sync,) = [t for t in g if isinstance(t, SyncStep)]
+    before = {t for t in g if isinstance(t, (CpuAdam, VerifyStep))}
+    assert before and before <= set(g.predecessors(sync))
+    saves = add_saves(g, spec)
+    assert all(g.has_edge(sync, s) for s in saves if isinstance(s, SaveUnit))
+    nxt = compile_step(spec, 1)
+    edges = set(cross_step_edges(g, nxt, spec))
+    assert all((sync, t) in edges for t in nxt if isinstance(t, Fetch))
+    held = {(a.unit, a.layer, b.kind) for a, b in save_edges(saves, nxt)}
+    assert ("layer", 2, "reduce_grad") in held and ("layer", 2, "cpu_adam") in held
+    with pytest.raises(ConfigError, match="share"):
+        StepSpec(layers=2, share=2).validate()  # sharing needs the gradients summed
+
+
+def test_processes_sharing_the_state_plan_the_node_once():
+    """The plan counts the shared state (master, Adam) once per node and each process's own
+    buffers once per process; ``--undo-mem`` is the node's."""
+    from flowtrain.train.model import preset
+    from flowtrain.train.plan import RunRequest, plan_run
+
+    cfg = preset("tiny")
+    undo = 0.001  # GiB: less than a step of tiny's updates, so the budget is what is held
+    one = plan_run(cfg, RunRequest(seq_len=32, batch_size=4, micro_batch_size=2, undo_mem=undo),
+                   device=torch.device("cpu"), dtype=torch.float32)
+    two = plan_run(cfg, RunRequest(seq_len=32, batch_size=4, micro_batch_size=2, undo_mem=undo, processes=2, share=2),
+                   device=torch.device("cpu"), dtype=torch.float32)
+    shared = one.host["master"] + one.host["adam"]
+    assert two.host["master"] + two.host["adam"] == shared
+    assert two.host_node_total == shared + 2 * (two.host_total - shared)
+    assert 0 < two.host["undo_record"] <= undo * 2**30 / 2 < one.host["undo_record"] <= undo * 2**30
+    assert one.host_node_total == one.host_total
+
+
+def _pss(pid: int) -> dict[str, int]:
+    """A process's proportional set sizes in bytes (shared pages split among their users)."""
+    out = {}
+    try:
+        for line in Path(f"/proc/{pid}/smaps_rollup").read_text().splitlines():
+            key, *rest = line.split()
+            if key in ("Pss:", "Pss_Shmem:"):
+                out[key[:-1]] = int(rest[0]) * 1024
+    except OSError:
+        pass
+    return out
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                    kids.append(int(entry.name))
+            except (OSError, IndexError, ValueError):
+                pass
+    return kids
+
+
+def _peak_pss(cmd: list[str], cwd: Path) -> tuple[int, dict[str, int], str]:
+    """Run torchrun's ``cmd``; the largest sum over its worker processes of their PSS, sampled
+    every 20 ms, with that sample's parts."""
+    import time
+
+    log = cwd / "torchrun.log"
+    with log.open("w") as f:
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd)
+        best: dict[str, int] = {"Pss": 0}
+        while proc.poll() is None:
+            total: dict[str, int] = {}
+            for kid in _children(proc.pid):
+                for k, v in _pss(kid).items():
+                    total[k] = total.get(k, 0) + v
+            if total.get("Pss", 0) > best["Pss"]:
+                best = total
+            time.sleep(0.02)
+    return proc.returncode, best, log.read_text()
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="PSS is read from Linux's /proc")
+def test_two_processes_on_a_node_take_about_the_host_memory_of_one(tmp_path):
+    """The fp32 master and Adam state exist once per node: two processes' peak host memory
+    together (PSS, so shared pages count once) is within 15% of one process's, on a model
+    whose state (2.2 GiB) outweighs what each process needs of its own."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text(
+        '{"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 512, '
+        '"intermediate_size": 1536, "num_hidden_layers": 64, "num_attention_heads": 8, "num_key_value_heads": 2, '
+        '"vocab_size": 8192, "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "tie_word_embeddings": true}')
+    # made in a process of its own: this one stays small (a child started later would inherit
+    # its peak resident size as the start of its own ru_maxrss)
+    make = ("import sys, torch; from flowtrain.train.host_state import HostState; "
+            "from flowtrain.train.model.config import read_config; "
+            "s = HostState.create(read_config(sys.argv[1]), pin=False); s.init_random(0); "
+            "s.save(sys.argv[1], torch.bfloat16); print(sum(u.layout.numel for u in s.units))")
+    made = subprocess.run([sys.executable, "-c", make, str(model)], capture_output=True, text=True, timeout=300)
+    assert made.returncode == 0, made.stderr[-2000:]
+    state_bytes = 12 * int(made.stdout.split()[-1])  # master, m and v in fp32
+    shm_before = set(Path("/dev/shm").glob("flowtrain-*")) if Path("/dev/shm").is_dir() else set()
+    peaks = {}
+    for n in (1, 2):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}", "-m",
+               "flowtrain", "train", "--model", str(model), "--byte-tokenizer", "--seq-len", "64", "--batch-size", "4",
+               "--micro-batch-size", "1", "--steps", "2", "--device", "cpu", "--no-progress"]
+        rc, peaks[n], out = _peak_pss(cmd, tmp_path)
+        assert rc == 0, out[-3000:]
+    assert peaks[2].get("Pss_Shmem", 0) >= 0.95 * state_bytes  # the state lives in shared memory
+    assert peaks[1]["Pss"] >= state_bytes
+    assert peaks[2]["Pss"] <= 1.15 * peaks[1]["Pss"], (peaks[1], peaks[2])
+    if Path("/dev/shm").is_dir():  # the files were unlinked once mapped: nothing is left behind
+        assert set(Path("/dev/shm").glob("flowtrain-*")) == shm_before

@@ -69,3 +69,33 @@ def test_cuda_compiled_layer_matches_eager(tmp_path):
 def test_cuda_bf16_trains(tmp_path):
     _, metrics = _weights(tmp_path, "cuda", "bf16")
     assert metrics[-1].loss < metrics[0].loss
+
+
+def test_the_shared_state_is_pinned_and_copies_to_the_gpu(monkeypatch):
+    """Where the processes of a node share the state, the streamed units' masters are views of a
+    mapped shared-memory file, page-locked for ``fetch``: copies from them to the GPU run
+    asynchronously and bring the values written on the host (one process here, the node's
+    barrier and hand-over on a one-process gloo group)."""
+    import torch.distributed as dist
+
+    from flowtrain.train.distributed import World
+    from flowtrain.train.host_state import HostState
+    from flowtrain.train.model import preset
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29517")
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        state = HostState.create(preset("tiny"), pin=True, layout="staged", world=World(local_size=2),
+                                 chunks={}, dtype=torch.bfloat16, device="cuda")
+        assert state.arena is not None and state.arena._registered
+        state.init_random(0)
+        for u in state.units:
+            assert u.master.is_pinned()
+            out = torch.empty_like(u.master, device="cuda")
+            out.copy_(u.master, non_blocking=True)
+            torch.cuda.synchronize()
+            assert torch.equal(out.cpu(), u.master)
+        state.arena.close()
+    finally:
+        dist.destroy_process_group()

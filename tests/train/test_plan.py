@@ -168,8 +168,8 @@ def test_request_fields_match_train_config():
     for the default)."""
     from flowtrain.train.trainer import TrainConfig
 
-    # load_bytes is read from --model; processes from torchrun (or plan's --nproc-per-node)
-    request = {f.name for f in msgspec.structs.fields(RunRequest)} - {"load_bytes", "processes"}
+    # load_bytes is read from --model; processes and share from torchrun (or plan's --nproc-per-node)
+    request = {f.name for f in msgspec.structs.fields(RunRequest)} - {"load_bytes", "processes", "share"}
     assert request <= {f.name for f in msgspec.structs.fields(TrainConfig)}
 
 
