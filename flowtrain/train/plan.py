@@ -98,6 +98,8 @@ class RunRequest(msgspec.Struct, kw_only=True):
     activations: str = "auto"
     order: str = "layer"
     grad_clip: bool = False
+    #: the decoder layer's ``--compile`` backend: what a kept layer saves depends on it
+    compile: str | None = "auto"
     layout: str = "auto"
     resident: str = "auto"
     gpu_mem: float | None = None  # GiB
@@ -138,7 +140,8 @@ def run_request(cfg: Any, model_dir: str | os.PathLike[str] | None = None, proce
                       checkpoint_every=cfg.checkpoint_every, activations=cfg.activations, order=cfg.order, grad_clip=cfg.grad_clip is not None,
                       layout=cfg.layout, resident=cfg.resident, gpu_mem=cfg.gpu_mem, host_mem=cfg.host_mem,
                       chunk_tokens=cfg.chunk_tokens, load_bytes=checkpoint_read_bytes(model_dir),
-                      undo_mem=getattr(cfg, "undo_mem", 1.0), processes=processes, share=share)
+                      undo_mem=getattr(cfg, "undo_mem", 1.0), processes=processes, share=share,
+                      compile=getattr(cfg, "compile", "auto"))
 
 
 class Plan(msgspec.Struct, kw_only=True):
@@ -497,15 +500,28 @@ def _live_micro_batches(req: RunRequest) -> int:
     return req.batch_size // req.micro_batch_size if req.order == "layer" else 1
 
 
-def kept_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype) -> int:
+def kept_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, compiled: bool = False) -> int:
     """Device bytes one token's kept activations take in one decoder layer: the saved tensors
     of the layer's forward under autograd (norm statistics in fp32, q, k and v before and after
     rotary, the attention output and its log-sum-exp, the MLP's gate, up and product), fitted
     on transformers-shaped layers of each family and rounded up (``tests/train/test_kept.py``
-    holds it at or above what autograd saves)."""
+    holds it at or above what autograd saves).
+
+    ``compiled``: the layer runs through inductor, whose partitioner saves less and recomputes
+    cheap elementwise work in the backward instead (the layer input and both normed inputs, the
+    rotated q and k, v, the attention output in both layouts, the residual, the MLP's gate, up
+    and activation): about two thirds of the eager bytes. On the H200 a compiled kept llama-3b
+    layer took 1.38 GiB at 16,384 tokens (docs/benchmarks.md), this formula 1.48."""
     c = dtype.itemsize
     h, f = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim  # type: ignore[operator]
+    if compiled:
+        units = 4 * h + 3 * q + 2 * kv + 3 * f + 2 * cfg.head_dim  # type: ignore[operator]
+        if cfg.qk_norm:
+            units += q + kv
+        if cfg.family.gemma:
+            units += h
+        return int(c * units) + 4 * cfg.num_heads + 8
     units = 8 * h + 3 * q + 2.5 * kv + 4 * f
     if cfg.qk_norm:
         units += 3 * q + 3 * kv
@@ -533,7 +549,9 @@ def place_activations(plan: Plan, cfg: ModelConfig, req: RunRequest, dtype: torc
     if mode == "keep" and req.checkpoint_every != 1:
         raise ConfigError("--activations keep needs --activation-checkpoint-every 1: a segment of "
                           "several layers recomputes them all")
-    per_layer = kept_bytes_per_token(cfg, dtype) * req.micro_batch_size * req.seq_len * _live_micro_batches(req)
+    compiled = req.compile == "inductor" or (req.compile == "auto" and plan.device == "cuda")
+    per_layer = (kept_bytes_per_token(cfg, dtype, compiled) * req.micro_batch_size * req.seq_len
+                 * _live_micro_batches(req))
     L = cfg.num_layers
     if mode == "keep":
         n = L
