@@ -37,6 +37,7 @@ Face checkpoint, so the model never exists twice in memory::
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from typing import Iterable
 
@@ -46,7 +47,7 @@ from ..errors import CheckpointError, ConfigError
 from .model import ModelConfig, UnitLayout, init_unit, load_into, model_layouts, save_hf
 from .model.checkpoint import unit_tensors
 from .distributed import World
-from .shared_state import SharedArena, aligned
+from .shared_state import SharedArena, aligned, clear_cuda_error
 from .host_layout import LAYOUTS, chunk_range, grad_chunks, slot_numel, staging_numel  # noqa: F401 - re-exported
 
 
@@ -60,16 +61,38 @@ def pinned_zeros(n: int, pin: bool, dtype: torch.dtype = torch.float32) -> torch
     t = torch.zeros(n, dtype=dtype)
     if pin and n > 0:
         rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-        if int(rc) != 0:
-            # E.g. the range is still registered from a freed tensor of an earlier run in this
-            # process. The failure stays CUDA's "last error" until something reads it; let a
-            # throwaway op read (and clear) it here, then use torch's pinned allocator instead.
-            try:
-                torch.zeros(1, device="cuda").add_(1)
-            except RuntimeError:
-                pass
+        if int(rc) == 0:
+            with _REGISTERED_LOCK:
+                _REGISTERED.append(t.data_ptr())
+        else:
+            # E.g. the range is still registered from a freed tensor that was not unpinned
+            # (:func:`unpin_all`); clear CUDA's error, then use torch's pinned allocator instead.
+            clear_cuda_error()
             t = torch.zeros(n, dtype=dtype, pin_memory=True)
     return t
+
+
+#: host ranges :func:`pinned_zeros` registered with CUDA, until :func:`unpin_all`
+_REGISTERED: list[int] = []
+_REGISTERED_LOCK = threading.Lock()
+
+
+def unpin_all() -> None:
+    """Unregister every buffer :func:`pinned_zeros` pinned, once a run is over: a registered
+    range outlives its tensor (freeing the memory does not tell CUDA), so a later run in the
+    same process could be handed the same addresses, still registered to the old pages. Waits
+    for the GPU first (no copy may be in flight); a GPU already in error is left as it is."""
+    with _REGISTERED_LOCK:
+        ptrs, _REGISTERED[:] = list(_REGISTERED), []
+    if not ptrs:
+        return
+    try:
+        torch.cuda.synchronize()
+    except RuntimeError:
+        return
+    for ptr in ptrs:
+        if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
+            clear_cuda_error()
 
 
 def all_finite(t: torch.Tensor, piece: int = 1 << 24) -> bool:

@@ -67,8 +67,11 @@ def test_cuda_compiled_layer_matches_eager(tmp_path):
 
 
 def test_cuda_bf16_trains(tmp_path):
+    from flowtrain.train import host_state
+
     _, metrics = _weights(tmp_path, "cuda", "bf16")
     assert metrics[-1].loss < metrics[0].loss
+    assert host_state._REGISTERED == []  # the run gave its pinned pages back
 
 
 def test_the_shared_state_is_pinned_and_copies_to_the_gpu(monkeypatch):
