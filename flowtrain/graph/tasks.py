@@ -179,8 +179,9 @@ class FetchAct(Task, tag="fetch_act"):
 
 class ReduceGrad(Task, tag="reduce_grad"):
     """Sum one unit's gradient slot over every data-parallel process (all-reduce), once all of
-    this process's micro-batches have added to it and before it is offloaded: every process
-    then updates its copy of the unit with the same gradient."""
+    this process's micro-batches have added to it and before it is offloaded: each process
+    then holds the same gradient, and the unit's owner (or, resident, every process) updates
+    the unit with it."""
 
     lane: ClassVar[str] = "net"
 
