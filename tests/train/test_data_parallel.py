@@ -149,6 +149,26 @@ def test_a_checkpoint_of_two_processes_resumes_on_one(tmp_path):
         assert float((resumed[name] - ref).norm() / ref.norm()) <= 1e-5, name
 
 
+def test_a_checkpoint_written_mid_run_from_the_shared_state_resumes_exactly_on_two(tmp_path):
+    """Rank 0 writes step 2's checkpoint from the node's shared state while the next step runs
+    and the other process owns half the units (the edges that keep the owner's step-3 update of
+    a unit behind its write are checked on the graph below). Resumed on two processes, whose
+    shared state every process fills from the checkpoint, 6 steps end where 6 steps on one do."""
+    base = [a for a in RUN if a not in ("--steps", "3")]
+    assert main(["train", *base, "--steps", "6", "--out", str(tmp_path / "one")]) == 0
+    run = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "flowtrain",
+           "train", *base, "--steps"]
+    proc = subprocess.run([*run, "4", "--save-every", "2", "--out", str(tmp_path / "two")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    proc = subprocess.run([*run, "6", "--resume", str(tmp_path / "two" / "checkpoint-2"), "--out", str(tmp_path / "again")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    one, resumed = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
+    for name, ref in one.items():
+        assert float((resumed[name] - ref).norm() / ref.norm()) <= 1e-5, name
+
+
 def test_the_streamed_units_are_dealt_to_the_processes_of_a_node_and_a_barrier_ends_the_step():
     """Sharing the state: each streamed unit has one owner among the node's processes (round
     robin over the streamed units), a ``sync_step`` follows every ``cpu_adam`` and
