@@ -50,6 +50,8 @@ def test_two_processes_train_the_weights_of_one_with_the_same_global_batch(tmp_p
         assert err <= 1e-5, f"{name}: relative error {err:.2e}"
     # rank 0 reports once, for the whole batch; each rank traces its own share
     assert proc.stdout.count("done: 3 steps") == 1
+    assert proc.stdout.count("processes  2 (torchrun), each running 4 of the 8 sequences of a step; "
+                             "the node's 2 processes share one host copy of the state") == 1
     assert len((tmp_path / "metrics.jsonl").read_text().splitlines()) == 3
     for trace in (tmp_path / "trace.json", tmp_path / "trace.rank1.json"):
         text = trace.read_text()
