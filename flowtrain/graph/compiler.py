@@ -139,8 +139,17 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
         """Which of the ``share`` processes of a node runs the Adam of a streamed unit: the
         streamed units in model order, dealt round-robin, so each process updates about
         ``1 / share`` of the model."""
-        streamed = [u for u in units(self) if not self.is_resident(*u)]
-        return streamed.index((unit, layer)) % self.share
+        return self._streamed().index((unit, layer)) % self.share
+
+    def owned_by(self, local_rank: int) -> frozenset[str] | None:
+        """The keys of the streamed units process ``local_rank`` of a node updates (see
+        :meth:`owner`); None where the processes do not share the state (each updates all)."""
+        if self.share < 2:
+            return None
+        return frozenset(self.unit_key(*u) for i, u in enumerate(self._streamed()) if i % self.share == local_rank)
+
+    def _streamed(self) -> list[tuple[str, int | None]]:
+        return [u for u in units(self) if not self.is_resident(*u)]
 
     def validate(self) -> "StepSpec":
         if self.layers < 1:

@@ -14,8 +14,9 @@ process that saves is not the one that updates most units: its saves wait for th
 the unit's save, which holds back the owner's update of it (the owner's ``cpu_adam`` needs that
 sum)::
 
-    sync_step (s) -> save L3 (s) -> reduce_grad L3 (s+1) :func:`add_saves` adds the save tasks to step ``s``'s graph;
-:func:`save_edges` gives the edges into the next step's graph, for the executor to add beside
+    sync_step (s) -> save L3 (s) -> reduce_grad L3 (s+1)
+
+:func:`add_saves` adds the save tasks to step ``s``'s graph; :func:`save_edges` gives the edges into the next step's graph, for the executor to add beside
 :func:`~flowtrain.graph.compiler.cross_step_edges`::
 
     graph = compile_step(spec, step=s)

@@ -84,8 +84,9 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
     #: data-parallel processes in all, and the nodes they run on (``reduce_grad``)
     world: int = 1
     nodes: int = 1
-    #: units whose Adam another process of the node runs (they share one host copy of the state)
-    others_own: tuple[str, ...] = ()
+    #: the streamed units whose Adam this process runs, where the node's processes share one
+    #: host copy of the state (``StepSpec.owned_by``); None: every unit
+    owned: frozenset[str] | None = None
 
     @property
     def per_node(self) -> int:
@@ -98,8 +99,12 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
         """Tokens per micro-batch."""
         return self.micro_batch_size * self.seq_len
 
+    @staticmethod
+    def unit_key(task: Task) -> str:
+        return f"layer.{task.layer}" if task.unit == "layer" else (task.unit or "layer")
+
     def unit_numel(self, task: Task) -> int:
-        key = f"layer.{task.layer}" if task.unit == "layer" else (task.unit or "layer")
+        key = self.unit_key(task)
         n = self.numel.get(key, self.layer_numel if task.unit == "layer" else 0)
         chunks = self.grad_chunks.get(key, 1) if task.chunk is not None else 1
         return -(-n // chunks)
@@ -204,9 +209,8 @@ class CostModel:
             case "gpu_adam":
                 return s.unit_numel(task) / (m.gpu_adam_gparams * 1e9) + launch
             case "cpu_adam":
-                key = f"layer.{task.layer}" if task.unit == "layer" else task.unit
-                if key in s.others_own:
-                    return launch
+                if s.owned is not None and s.unit_key(task) not in s.owned:
+                    return launch  # another process of the node updates the shared copy
                 n = s.unit_numel(task)
                 t = n / (m.cpu_adam_gparams * 1e9)
                 if s.refresh:

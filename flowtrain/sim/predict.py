@@ -48,17 +48,8 @@ def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1, world: int = 
                  params=params, tied=cfg.tie_word_embeddings, chunk_tokens=plan.chunk_tokens,
                  compute_bytes=compute_bytes, fetch_bytes=2 if plan.layout == "stream-bf16" else 4,
                  refresh=plan.layout == "stream-bf16", grad_chunks=dict(plan.spec.grad_chunks),
-                 adam_workers=adam_workers, world=world, nodes=nodes, others_own=others_own(plan.spec))
-
-
-def others_own(spec: Any) -> tuple[str, ...]:
-    """Streamed units whose Adam another process of the node runs, where they share the state
-    (the simulated process is the node's first)."""
-    if spec.share < 2:
-        return ()
-    from ..graph.compiler import units
-
-    return tuple(spec.unit_key(u, i) for u, i in units(spec) if not spec.is_resident(u, i) and spec.owner(u, i) != 0)
+                 adam_workers=adam_workers, world=world, nodes=nodes,
+                 owned=plan.spec.owned_by(0))  # the simulated process is the node's first
 
 
 def predict_shape(shape: Shape, plan: Any, machine: Machine, policy: Any = "double_buffer", *,

@@ -131,7 +131,7 @@ def shared_sizes(layouts: list[UnitLayout], layout: str, resident: set[str], dty
     ``pinned`` one (what ``fetch`` copies: the fp32 master, or the ``stream-bf16`` copy) and
     the ``plain`` one (Adam's moments and step counts, and a streamed copy's master)."""
     streams_copy = layout == "stream-bf16" and dtype != torch.float32
-    item = torch.empty((), dtype=dtype).element_size()
+    item = dtype.itemsize
     sizes = {"pinned": 0, "plain": 0}
     for lay in layouts:
         if lay.key in resident:
@@ -186,12 +186,13 @@ class UnitState:
 class HostState:
     """All units' state, indexed like :func:`model_layouts` (embed, layers, head)."""
 
-    def __init__(self, cfg: ModelConfig, units: list[UnitState], layout: str = "full") -> None:
+    def __init__(self, cfg: ModelConfig, units: list[UnitState], layout: str = "full",
+                 arena: SharedArena | None = None) -> None:
         self.cfg = cfg
         self.units = units
         self.layout = layout
         #: the node's shared state files, where the processes of a node share the state
-        self.arena: SharedArena | None = None
+        self.arena = arena
 
     @classmethod
     def create(cls, cfg: ModelConfig, *, pin: bool, layout: str = "full", resident: Iterable[str] = (),
@@ -213,9 +214,7 @@ class HostState:
             arena = SharedArena.open(world, sizes, pin=pin)
         units = [UnitState(lay, pin=pin, layout_name=layout, resident=lay.key in res, device=torch.device(device),
                            dtype=dtype, chunks=chunks.get(lay.key, 1), arena=arena) for lay in layouts]
-        state = cls(cfg, units, layout)
-        state.arena = arena
-        return state
+        return cls(cfg, units, layout, arena)
 
     @property
     def layouts(self) -> list[UnitLayout]:

@@ -59,11 +59,11 @@ if TYPE_CHECKING:
     import torch
 
 GiB = 2**30
+#: Host items that the processes of a node share (one copy per node, ``StepSpec.share``).
+SHARED_HOST = ("master", "adam", "streaming_copy")
 #: Host memory of the process itself (interpreter, torch, flowtrain; on CUDA also the CUDA
 #: libraries and compile workers), measured as peak RSS minus allocated state: 0.23-0.3 GiB on
 #: the CPU, 1.4-1.9 GiB in five H200 runs from 3.6B to 14.8B parameters (docs/benchmarks.md).
-#: Host items that the processes of a node share (one copy per node, ``StepSpec.share``).
-SHARED_HOST = ("master", "adam", "streaming_copy")
 RUNTIME_HOST = {"cpu": int(0.30 * GiB), "cuda": int(1.75 * GiB)}
 #: Fraction of the GPU budget the plan fills: the caching allocator needs room to round and split.
 GPU_FILL = 0.92
@@ -157,8 +157,6 @@ class Plan(msgspec.Struct, kw_only=True):
     gpu_limit: int | None
     max_micro_batch: int | None = None
     suggestions: list[str] = msgspec.field(default_factory=list)
-    #: processes of a node sharing the host state (the host limit is the node's)
-    share: int = 1
 
     @property
     def host_total(self) -> int:
@@ -173,7 +171,7 @@ class Plan(msgspec.Struct, kw_only=True):
         """Peak host bytes of the node: the shared state once, every process's own part (its
         buffers, runtime, data) once per process."""
         shared = sum(self.host.get(k, 0) for k in SHARED_HOST)
-        return shared + self.share * (self.host_total - shared)
+        return shared + self.spec.share * (self.host_total - shared)
 
     @property
     def gpu_total(self) -> int:
@@ -205,7 +203,7 @@ class Plan(msgspec.Struct, kw_only=True):
         """One line: what does not fit, by how much, and what would make it fit."""
         parts = []
         if not self.host_fits:
-            who = f" for {self.share} processes" if self.share > 1 else ""
+            who = f" for {self.spec.share} processes" if self.spec.share > 1 else ""
             parts.append(f"host memory: needs {self.host_node_total / GiB:.1f} GiB{who}, {self.host_limit / GiB:.1f} GiB usable")  # type: ignore[operator]
         if not self.gpu_fits:
             parts.append(f"GPU memory: needs {self.gpu_total / GiB:.1f} GiB, {self.gpu_limit / GiB:.1f} GiB usable")  # type: ignore[operator]
@@ -219,7 +217,7 @@ class Plan(msgspec.Struct, kw_only=True):
             "grad_chunks": self.spec.grad_chunks,
             "host": self.host, "gpu": self.gpu, "host_total": self.host_total, "gpu_total": self.gpu_total,
             "host_limit": self.host_limit, "gpu_limit": self.gpu_limit,
-            "processes_sharing_host": self.share, "host_node_total": self.host_node_total,
+            "processes_sharing_host": self.spec.share, "host_node_total": self.host_node_total,
             "host_state_bytes_per_param": round(self.host_state_bytes_per_param, 3),
             "fits": self.fits, "host_fits": self.host_fits, "gpu_fits": self.gpu_fits,
             "max_micro_batch": self.max_micro_batch, "suggestions": self.suggestions,
@@ -395,7 +393,7 @@ def _make(cfg, req, device, dtype, policy, layout, resident, chunk_tokens, shrin
     host, gpu = _bytes(cfg, req, device, dtype, layout, resident, budgets, chunk_tokens)
     params = sum(lay.numel for lay in _layouts(cfg))
     return Plan(device=device.type, params=params, layout=layout, spec=spec, budgets=budgets,
-                chunk_tokens=chunk_tokens, host=host, gpu=gpu, host_limit=None, gpu_limit=None, share=req.share)
+                chunk_tokens=chunk_tokens, host=host, gpu=gpu, host_limit=None, gpu_limit=None)
 
 
 class _BudgetCache:

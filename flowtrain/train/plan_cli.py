@@ -130,9 +130,9 @@ def format_plan(model: str, plan) -> str:  # noqa: ANN001 - a Plan
                 lines.append(f"  {k:<16}{v / GiB:8.2f} GiB")
         if title == "host" and plan.device == "cpu":
             lines.append(f"  {'(GPU items)':<16}{plan.gpu_total / GiB:8.2f} GiB  (on the CPU they are host memory)")
-        if title == "host" and plan.share > 1:
+        if title == "host" and plan.spec.share > 1:
             lines.append(f"  {'one process':<16}{total / GiB:8.2f} GiB (master and adam shared by the node's "
-                         f"{plan.share} processes)")
+                         f"{plan.spec.share} processes)")
             total = plan.host_node_total
         lines.append(f"  {'total':<16}{total / GiB:8.2f} GiB of {_gib(limit).strip()} usable: "
                      + ("fits" if ok else "DOES NOT FIT"))

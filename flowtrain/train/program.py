@@ -148,7 +148,7 @@ class StepProgram:
         undo_bytes: int = 1 << 30,
         inject_nonfinite: Injection | None = None,
         world: World | None = None,
-        owned: set[str] | None = None,
+        owned: frozenset[str] | None = None,
     ) -> None:
         self.state = state
         #: the streamed units whose ``cpu_adam`` updates them in this process, where the

@@ -88,7 +88,7 @@ class SharedArena:
     def take(self, file: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
         """The next ``numel`` elements of ``file`` as a ``dtype`` tensor. Every process takes
         the same tensors in the same order, so each gets the same bytes of the file."""
-        nbytes = numel * torch.empty((), dtype=dtype).element_size()
+        nbytes = numel * dtype.itemsize
         lo = self._used[file]
         hi = lo + aligned(nbytes)
         buf = self._buffers[file]

@@ -53,8 +53,8 @@ def summary_lines(run: "Run") -> list[str]:
     ]
     world = getattr(run, "world", None)
     if world is not None and world.parallel:
-        shared = (f"; the node's {plan.share} processes share one host copy of the state, planned "
-                  f"{plan.host_node_total / gib:.1f} GiB for the node" if plan.share > 1 else "")
+        shared = (f"; the node's {plan.spec.share} processes share one host copy of the state, planned "
+                  f"{plan.host_node_total / gib:.1f} GiB for the node" if plan.spec.share > 1 else "")
         lines.append(f"processes  {world.size} (torchrun), each running {cfg.batch_size // world.size} of the "
                      f"{cfg.batch_size} sequences of a step{shared}")
     n, seq = run.seqs.input_ids.shape

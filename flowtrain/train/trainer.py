@@ -32,7 +32,6 @@ import torch
 
 from ..errors import ConfigError, PlanError
 from ..policy import resolve_policy
-from ..graph.compiler import StepSpec, units
 from ..graph.tasks import GRADS, HOST_GRADS, WEIGHTS
 from ..runtime.executor import use_uvloop
 from ..runtime.trace import Instrument, TraceRecorder, lane_busy, write_chrome_trace
@@ -253,16 +252,9 @@ def build_state(run: Run) -> tuple[HostState, StepProgram]:
     program = StepProgram(state, device=run.device, dtype=run.dtype, seq_len=cfg.seq_len,
                           checkpoint_every=cfg.checkpoint_every, budgets=plan.budgets, adamw=adamw_config(cfg),
                           chunk_tokens=plan.chunk_tokens, compile_backend=resolve_compile(cfg.compile, run.device),
-                          undo_bytes=int(cfg.undo_mem * 2**30) // spec.share, world=run.world, owned=_owned(spec, run.world))
+                          undo_bytes=int(cfg.undo_mem * 2**30) // spec.share, world=run.world,
+                          owned=spec.owned_by(run.world.local_rank))
     return state, program
-
-
-def _owned(spec: StepSpec, world: World) -> set[str] | None:
-    """The streamed units this process updates where the node's processes share the state."""
-    if spec.share < 2:
-        return None
-    return {spec.unit_key(u, i) for u, i in units(spec)
-            if not spec.is_resident(u, i) and spec.owner(u, i) == world.local_rank}
 
 
 def prefer_expandable_segments(cfg: TrainConfig, environ: dict[str, str] | None = None) -> bool:
