@@ -24,14 +24,17 @@ import msgspec
 import networkx as nx
 
 from ..errors import ConfigError, CycleError
-from ..graph.tasks import ACTS, GRADS, HOST_GRADS, WEIGHTS, Task
+from ..graph.tasks import ACTS, GRADS, HOST_GRADS, WEIGHTS, CpuAdam, Task
 
 
 class Proposal(msgspec.Struct, frozen=True):
-    """A plan: every task of the graph in issue order, and a slot budget per pool."""
+    """A plan: every task of the graph in issue order, a slot budget per pool, and optionally
+    an urgency per host task (lower runs sooner), which lets the engine run urgent host work out
+    of plan order as its inputs arrive (:mod:`flowtrain.runtime.scheduler`)."""
 
     order: list[Task]
     budgets: dict[str, int]
+    urgency: dict[Task, float] = {}
 
 
 @runtime_checkable
@@ -100,6 +103,19 @@ def natural_order(graph: nx.DiGraph) -> list[Task]:
         raise CycleError(f"the task graph has a cycle ({cycle}), so no order satisfies its dependencies") from None
 
 
+def optimizer_urgency(graph: nx.DiGraph) -> dict[Task, float]:
+    """Urgencies that have the CPU update first what the next step reads first.
+
+    Gradients reach the host top layer first, but the next step's forward reads the embedding
+    and the bottom layers first, so updating in arrival order leaves the bottom layers' Adam
+    (the last to arrive) on the next step's critical path. Ranked instead by where the next
+    step reads a unit, each ``cpu_adam`` that is ready runs in that order; the top layers'
+    updates, whose next reads are furthest away, overlap the next step's forward."""
+    layers = max((t.layer for t in graph if t.layer is not None), default=-1) + 1
+    rank = {"embed": 0, "layer": 1, "head": layers + 1}
+    return {t: rank.get(t.unit or "", layers + 2) + (t.layer or 0) for t in graph if isinstance(t, CpuAdam)}
+
+
 def min_grad_slots(graph: nx.DiGraph) -> int:
     """Gradient accumulators the graph needs at once: one per unit when micro-batches run
     through the whole model one at a time (every unit accumulates until the last one)."""
@@ -148,4 +164,4 @@ class WithBudgets:
 
     def propose(self, graph: nx.DiGraph) -> Proposal:
         inner = self.policy.propose(graph)
-        return Proposal(inner.order, {**inner.budgets, **self.budgets})
+        return Proposal(inner.order, {**inner.budgets, **self.budgets}, inner.urgency)

@@ -1,7 +1,9 @@
 """The built-in policies: how far ahead weights are fetched.
 
 All three issue tasks in the compiler's serial order; they differ in how many weight slots
-the engine may fill, which is exactly how far the ``h2d`` lane may run ahead of compute:
+the engine may fill, which is exactly how far the ``h2d`` lane may run ahead of compute. The two
+overlapping ones also let the CPU run the optimizer in the order the next step needs it
+(:func:`~flowtrain.policy.base.optimizer_urgency`) rather than the order gradients arrive in:
 
 - ``sequential``: one slot. Layer i+1 is fetched only after the last task reading layer i
   has run: no overlap of copy and compute.
@@ -14,7 +16,7 @@ from __future__ import annotations
 import networkx as nx
 
 from ..errors import ConfigError
-from .base import Proposal, budgets, natural_order, register_policy
+from .base import Proposal, budgets, natural_order, optimizer_urgency, register_policy
 
 
 @register_policy("sequential")
@@ -31,7 +33,7 @@ class DoubleBuffer:
     accumulators, so offloading one unit's gradient overlaps the next unit's backward."""
 
     def propose(self, graph: nx.DiGraph) -> Proposal:
-        return Proposal(natural_order(graph), budgets(graph, weights=2, grads=2))
+        return Proposal(natural_order(graph), budgets(graph, weights=2, grads=2), optimizer_urgency(graph))
 
 
 @register_policy("lookahead")
@@ -44,4 +46,4 @@ class Lookahead:
         self.k = k
 
     def propose(self, graph: nx.DiGraph) -> Proposal:
-        return Proposal(natural_order(graph), budgets(graph, weights=self.k, grads=2))
+        return Proposal(natural_order(graph), budgets(graph, weights=self.k, grads=2), optimizer_urgency(graph))

@@ -281,7 +281,7 @@ class Engine:
             raise ScheduleError("add graphs to the engine inside 'async with engine'")
         proposal = self.policy.propose(graph)
         if self.scheduler is None:
-            self.scheduler = Scheduler(dict(proposal.budgets))
+            self.scheduler = Scheduler(dict(proposal.budgets), workers={"cpu": self.cpu_workers})
             self.budgets = dict(proposal.budgets)
             for ins in self.instruments:  # the trace records what the run was given
                 on_budgets = getattr(ins, "on_budgets", None)
@@ -290,7 +290,7 @@ class Engine:
         elif dict(proposal.budgets) != self.budgets:
             raise ScheduleError(f"slot budgets changed between graphs: {self.budgets} then {proposal.budgets}")
         after = list(after)
-        self.scheduler.add(proposal.order, graph, after)
+        self.scheduler.add(proposal.order, graph, after, urgency=proposal.urgency)
         for t in graph:
             self._graph_preds[t] = list(graph.predecessors(t))
         for u, v in after:

@@ -14,6 +14,13 @@ Rules the engine enforces, whatever the policy proposed:
 
 - **Lanes issue in plan order.** Each lane (``h2d``, ``compute``, ``d2h``, ``cpu``) launches its
   tasks in the order of the plan, like a CUDA stream.
+- **Except for urgent host work.** A policy may give host tasks an *urgency* (lower runs sooner).
+  On a host lane with a known number of ``workers``, a run of consecutive urgent tasks is a pool,
+  not a queue: whenever a worker is free (fewer of the lane's tasks launched and not yet
+  completed than it has workers), the ready task of the run with the lowest urgency is launched,
+  ahead of earlier ones still waiting for their inputs. A task without an urgency is a barrier:
+  nothing overtakes it and it overtakes nothing. So the CPU can update the unit the next step
+  needs first rather than the one whose gradient came first.
 - **Dependencies.** An edge between two device lanes is satisfied once the producer is
   *launched*: the consumer's lane waits for the producer's fence, not the host. Any edge that
   touches the ``cpu`` lane needs the producer *completed* (the host needs the data).
@@ -27,7 +34,7 @@ Rules the engine enforces, whatever the policy proposed:
 from __future__ import annotations
 
 from collections import deque
-from typing import Iterable, NamedTuple
+from typing import Iterable, Mapping, NamedTuple
 
 import networkx as nx
 
@@ -51,10 +58,11 @@ class Launch(NamedTuple):
 
 class _Node:
     __slots__ = ("task", "waiting", "succ_launch", "succ_done", "holders", "readers", "readers_left",
-                 "launched", "done", "notify", "slot", "fence_preds")
+                 "launched", "done", "notify", "slot", "fence_preds", "urgency")
 
-    def __init__(self, task: Task) -> None:
+    def __init__(self, task: Task, urgency: float | None = None) -> None:
         self.task = task
+        self.urgency = urgency  # None: issued in plan order (see the module docstring)
         self.waiting = 0  # dependencies not yet satisfied
         self.succ_launch: list[_Node] = []  # successors satisfied by our launch
         self.succ_done: list[_Node] = []  # successors satisfied by our completion
@@ -87,10 +95,12 @@ class PoolState:
 class Scheduler:
     """Decides launches for one or more graphs added in plan order (see module docstring)."""
 
-    def __init__(self, budgets: dict[str, int]) -> None:
+    def __init__(self, budgets: dict[str, int], workers: Mapping[str, int] | None = None) -> None:
         for pool, n in budgets.items():
             if n < 1:
                 raise SlotError(f"slot budget for {pool!r} must be at least 1 (got {n})")
+        self.workers = {lane: n for lane, n in (workers or {}).items() if lane not in DEVICE_LANES}
+        self.running = {lane: 0 for lane in self.workers}  # launched, completion not yet seen
         self.pools = {name: PoolState(name, n) for name, n in budgets.items()}
         self.nodes: dict[Task, _Node] = {}
         self.lanes: dict[str, deque[_Node]] = {lane: deque() for lane in LANES}
@@ -99,10 +109,13 @@ class Scheduler:
         self.undone = 0
 
     # ---- building -------------------------------------------------------------------
-    def add(self, order: Iterable[Task], graph: nx.DiGraph, extra_edges: Iterable[tuple[Task, Task]] = ()) -> None:
+    def add(self, order: Iterable[Task], graph: nx.DiGraph, extra_edges: Iterable[tuple[Task, Task]] = (),
+            urgency: Mapping[Task, float] | None = None) -> None:
         """Add ``graph``'s tasks in the proposed ``order`` (which must list each task of the
         graph once, in an order consistent with its edges). ``extra_edges`` may point from
-        tasks added earlier (e.g. the previous step's ``cpu_adam``) into this graph."""
+        tasks added earlier (e.g. the previous step's ``cpu_adam``) into this graph.
+        ``urgency`` ranks host tasks that may overtake each other on a lane with ``workers``
+        (module docstring); it is ignored elsewhere."""
         order = list(order)
         if len(order) != graph.number_of_nodes() or set(order) != set(graph.nodes):
             missing = set(graph.nodes) - set(order)
@@ -120,7 +133,8 @@ class Scheduler:
                 raise ScheduleError(f"task {t} was already added")
             if t.takes is not None and t.takes not in self.pools:
                 raise SlotError(f"task {t} takes a slot from pool {t.takes!r}, which has no budget")
-        new = {t: _Node(t) for t in order}
+        urgency = urgency or {}
+        new = {t: _Node(t, urgency.get(t) if t.lane in self.workers else None) for t in order}
         for n in new.values():
             n.notify = n.task.lane not in DEVICE_LANES  # host work always reports completion
         self.nodes.update(new)
@@ -168,11 +182,14 @@ class Scheduler:
             progress = False
             for lane, queue in self.lanes.items():
                 while queue:
-                    node = queue[0]
-                    launch = self._try_launch(node)
+                    node = queue[0] if queue[0].urgency is None else self._most_urgent(lane, queue)
+                    launch = None if node is None else self._try_launch(node)
                     if launch is None:
                         break
-                    queue.popleft()
+                    if node is queue[0]:
+                        queue.popleft()
+                    else:
+                        queue.remove(node)
                     out.append(launch)
                     progress = True
         # Only a completion can unblock a lane head now; with none to come, tasks left over
@@ -193,6 +210,8 @@ class Scheduler:
         self.undone -= 1
         if node.notify:
             self.outstanding -= 1
+        if task.lane in self.running:
+            self.running[task.lane] -= 1
         for s in node.succ_done:
             s.waiting -= 1
 
@@ -213,6 +232,22 @@ class Scheduler:
                 del self.nodes[t]
 
     # ---- internals --------------------------------------------------------------------
+    def _most_urgent(self, lane: str, queue: deque[_Node]) -> _Node | None:
+        """The ready task of the run of urgent tasks at the head of ``lane`` with the lowest
+        urgency (the earliest in plan order among equals), or None: no worker is free, or none of
+        them can start yet. A slot taker stays in plan order among its pool's takers."""
+        if self.running[lane] >= self.workers[lane]:
+            return None
+        best: _Node | None = None
+        for node in queue:
+            if node.urgency is None:
+                break  # a barrier
+            if node.waiting or (node.task.takes is not None and self.pools[node.task.takes].takers[0] is not node):
+                continue
+            if best is None or node.urgency < best.urgency:  # type: ignore[operator]
+                best = node
+        return best
+
     def _why(self, node: _Node) -> str:
         if node.waiting:
             return f"{node.waiting} dependencies unmet"
@@ -239,6 +274,8 @@ class Scheduler:
             reads.setdefault(h.task.takes, []).append(h.slot)  # type: ignore[arg-type]
         node.launched = True
         self.unlaunched -= 1
+        if task.lane in self.running:
+            self.running[task.lane] += 1
         if node.notify:
             self.outstanding += 1
         elif task.lane in DEVICE_LANES:

@@ -93,9 +93,9 @@ class VirtualRun:
         """Add a graph under the policy's proposal, as :meth:`Engine.add` does."""
         proposal = self.policy.propose(graph)
         if self.scheduler is None:
-            self.scheduler = Scheduler(dict(proposal.budgets))
+            self.scheduler = Scheduler(dict(proposal.budgets), workers={"cpu": self.lanes["cpu"].workers})
             self.budgets = dict(proposal.budgets)
-        self.scheduler.add(proposal.order, graph, after)
+        self.scheduler.add(proposal.order, graph, after, urgency=proposal.urgency)
         for t in graph:
             self.preds[t] = list(graph.predecessors(t))
         for u, v in after:

@@ -261,3 +261,54 @@ def test_compiled_step_runs_to_the_end_under_the_rules(policy, order):
     for lane in ("h2d", "compute", "d2h", "cpu"):
         seq = [t for t in launched_at if t.lane == lane]
         assert seq == sorted(seq, key=position.__getitem__), f"{lane} lane issued out of plan order"
+
+
+O2, O1 = (OffloadGrad(unit="layer", layer=i) for i in (2, 1))
+U2, U1, U0 = (CpuAdam(unit="layer", layer=i) for i in (2, 1, 0))
+NORM = GradNorm()
+
+
+def queued_adams():
+    """::
+
+        offload L2 -> cpu_adam L2
+        offload L1 -> cpu_adam L1
+                      grad_norm (a barrier: no urgency) -> cpu_adam L0
+    """
+    return dag((O2, U2), (O1, U1), (NORM, U0), nodes=[O2, O1, U2, U1, NORM, U0])
+
+
+def test_a_free_cpu_worker_takes_the_most_urgent_ready_task():
+    s = Scheduler({}, workers={"cpu": 1})
+    s.add([O2, O1, U2, U1, NORM, U0], queued_adams(), urgency={U2: 2, U1: 1, U0: 0})
+    assert launched(s.poll()) == [O2, O1]
+    s.complete(O2)
+    s.complete(O1)
+    assert launched(s.poll()) == [U1]  # both ready: the lower urgency first, out of plan order
+    assert s.poll() == []  # the one worker is busy until the host sees it finish
+    s.complete(U1)
+    # then the rest in plan order: the barrier queues behind L2 on the lane, and L0, though
+    # most urgent, never overtook it (nor is it launched before a worker is free again)
+    assert launched(s.poll()) == [U2, NORM]
+    s.complete(U2)
+    assert s.poll() == []
+    s.complete(NORM)
+    assert launched(s.poll()) == [U0]
+
+
+def test_urgency_is_ignored_where_the_lane_has_no_worker_count():
+    s = Scheduler({})
+    s.add([O2, O1, U2, U1, NORM, U0], queued_adams(), urgency={U2: 2, U1: 1, U0: 0})
+    s.poll()
+    s.complete(O2)
+    s.complete(O1)
+    assert launched(s.poll()) == [U2, U1, NORM]  # plan order, as many at once as are ready
+
+
+def test_the_built_in_overlapping_policies_rank_adam_by_where_the_next_step_reads_it():
+    graph = compile_step(StepSpec(layers=3, micro_batches=1, staged=True, grad_chunks={"embed": 2}))
+    for name in ("double_buffer", "lookahead"):
+        urgency = resolve_policy(name).propose(graph).urgency
+        ranked = sorted(urgency, key=urgency.__getitem__)
+        assert [(t.unit, t.layer) for t in ranked] == [("embed", None)] * 2 + [("layer", i) for i in range(3)] + [("head", None)]
+    assert resolve_policy("sequential").propose(graph).urgency == {}
