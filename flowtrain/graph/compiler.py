@@ -512,17 +512,23 @@ class _StepBuilder(_Builder):
         return t
 
     def verify_step(self, found_inf: Task | None) -> None:
-        """``verify_step`` after every ``cpu_adam`` of the step (and ``found_inf``, which covers
-        the resident units' gradients): the point from which the step's updates are final. None
-        without a ``cpu_adam``: resident units are only ever updated once the step is known
-        finite."""
+        """``verify_step`` once every check of the step's gradients is on the host: each
+        offload's flags, ``found_inf`` (which covers the resident units' gradients) and, with a
+        tied embedding, the embedding's ``cpu_adam``, which checks the summed gradient. It
+        settles the step: if something was not finite it puts back what the Adam tasks before it
+        changed, and the ones after it skip; if all was finite they update with no undo record.
+        It does not wait for every ``cpu_adam``, so the next step's fetches of the units the CPU
+        has already updated can start while it works on the rest. None without a ``cpu_adam``:
+        resident units are only ever updated once the step is known finite."""
         adams = [t for t in self.g if isinstance(t, CpuAdam)]
         if not adams:
             return
         t = self.node(VerifyStep)
-        for a in adams + ([found_inf] if found_inf is not None else []):
+        checks = [o for o in self.offloads if isinstance(o, OffloadGrad)]
+        if self.spec.tied:
+            checks += [a for a in adams if a.unit == "embed"]
+        for a in checks + ([found_inf] if found_inf is not None else []):
             self.dep(a, t)
-
 
     def sync_step(self) -> None:
         """``sync_step`` after every ``cpu_adam`` and ``verify_step`` of the step (in every

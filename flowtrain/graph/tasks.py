@@ -50,8 +50,9 @@ Phase = Literal["forward", "recompute", "backward"]
 #: ``net`` carries the collectives of data-parallel training (gradient all-reduce), on its own
 #: stream on a GPU, so that they overlap the backward of the layers below.
 DEVICE_LANES: frozenset[str] = frozenset({"h2d", "compute", "d2h", "net"})
-#: ``sync`` is a host thread for the one barrier per step between the processes of a node that
-#: share the host state (``sync_step``).
+#: ``sync`` is a host thread for the step's short bookkeeping that other work waits on: the
+#: verdict on its finiteness (``verify_step``) and, where the processes of a node share the
+#: host state, their barrier (``sync_step``). Neither queues behind a long ``cpu_adam``.
 LANES: tuple[str, ...] = ("h2d", "compute", "d2h", "cpu", "io", "net", "sync")
 
 #: Buffer pools. ``weights``: slots that hold one unit's streamed weights on the device.
@@ -215,11 +216,12 @@ class FoundInf(Task, tag="found_inf"):
 
 
 class VerifyStep(Task, tag="verify_step"):
-    """After every ``cpu_adam`` of the step: if the loss or a gradient turned out not finite
-    after some units' Adam had run, put those units back from the step's undo record. The next
-    step's fetches wait for it, so they never read an update that is then undone."""
+    """Once every finiteness check of the step's gradients is on the host: if the loss or a
+    gradient turned out not finite after some units' Adam had run, put those units back from
+    the step's undo record (the ``cpu_adam`` tasks after it then skip). The next step's fetches
+    wait for it, so they never read an update that is then undone."""
 
-    lane: ClassVar[str] = "cpu"
+    lane: ClassVar[str] = "sync"
 
 
 class SyncStep(Task, tag="sync_step"):

@@ -14,9 +14,10 @@ costs a host synchronisation per layer on a GPU:
   step) and says: skip (something is known bad), update, or update after copying the range
   into the step's undo record (the step is not verified yet: a lower layer may still turn out
   bad). Once every piece has been seen finite, nothing more is recorded.
-- *Was the step finite after all?* ``verify_step``, after every ``cpu_adam`` of the step,
-  settles it (:meth:`StepCheck.settle`) and puts back every recorded range if not. The next
-  step's fetches wait for it. The undo record is bounded by :class:`UndoBudget`: past it, Adam
+- *Was the step finite after all?* ``verify_step``, once every check is on the host, settles it
+  (:meth:`StepCheck.settle`, after any update admitted before it has finished) and puts back
+  every recorded range if not; the ``cpu_adam`` tasks after it skip, or update with no record.
+  The next step's fetches wait for it. The undo record is bounded by :class:`UndoBudget`: past it, Adam
   runs without a record and a late non-finite gradient ends the run with
   :class:`~flowtrain.errors.NonFiniteError` (resume from the last checkpoint).
 
@@ -208,6 +209,9 @@ class StepCheck:
         self._seen = 0
         self._loss_seen = False
         self._lock = threading.Lock()
+        self._updating = 0  # admitted Adam tasks not yet finished (see settle)
+        self._release_pending = False  # give the undo arena back once they have
+        self._idle = threading.Condition(self._lock)
 
     # -- called by the tasks that find things out
     def add_pieces(self, key: tuple[str, int | None], flags: list[tuple[str, torch.Tensor, torch.Tensor]]) -> None:
@@ -226,11 +230,13 @@ class StepCheck:
     # -- called by cpu_adam
     def admit(self, key: tuple[str, int | None], label: str, n: int) -> torch.Tensor | str:
         """Before ``cpu_adam`` updates ``n`` elements of piece ``key``: :data:`SKIP`,
-        :data:`UPDATE`, or a buffer to record the range into (then :meth:`keep` the record)."""
+        :data:`UPDATE`, or a buffer to record the range into (then :meth:`keep` the record).
+        Unless it says skip, call :meth:`updated` once the update is done (also if it fails)."""
         with self._lock:
             self._scan(self.index[key])
             if self.bad is not None:
                 return SKIP
+            self._updating += 1
             if self.verified:
                 return UPDATE
             buf = None if self.moved else self.budget.take(self.step, Saved.numel(n))
@@ -238,6 +244,16 @@ class StepCheck:
                 return buf
             self.moved.append(label)  # one range without a record: the rest need none either
             return UPDATE
+
+    def updated(self) -> None:
+        """An admitted update is finished (its record kept, its range written)."""
+        with self._lock:
+            self._updating -= 1
+            if not self._updating:
+                if self._release_pending:
+                    self._release_pending = False
+                    self.budget.release(self.step)
+                self._idle.notify_all()
 
     def keep(self, saved: Saved) -> None:
         with self._lock:
@@ -256,14 +272,17 @@ class StepCheck:
             device_bad = self.found_inf_host is None or bool(self.found_inf_host)
             if self.bad is None and device_bad:
                 self.bad = next((name for name, flag in self.resident if bool(flag)), None)
+            if self.bad is None:
+                self.verified = True
+                self._undo = []
+                self._release_undo()
+                return []
+            while self._updating:  # updates admitted before the verdict, running on the CPU now
+                self._idle.wait()
             lost = list(self.moved)
             if self.found_inf_host is not None and not bool(self.found_inf_host):
                 lost += self.gpu_updated  # only a host-only check can disagree with found_inf
             undo, self._undo = self._undo, []
-            if self.bad is None:
-                self.verified = True
-                self.budget.release(self.step)
-                return []
             if lost:
                 self.error = self._lost_message(lost)
             return undo  # the caller puts them back, then calls release()
@@ -302,4 +321,12 @@ class StepCheck:
         if self.bad is None and self._loss_seen and self._unchecked == 0 and not self._resident_units:
             self.verified = True
             self._undo = []
+            self._release_undo()
+
+    def _release_undo(self) -> None:
+        """Give the undo arena back now, or once the updates admitted before are finished (one
+        may still be copying its record into it)."""
+        if self._updating:
+            self._release_pending = True
+        else:
             self.budget.release(self.step)

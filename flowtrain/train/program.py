@@ -95,7 +95,7 @@ from .model import bind, decoder_layer, embed, head_loss, head_loss_and_grads, r
 from .kept import Kept, backward_kept, forward_kept
 from .model.gemma import embed_multiplier
 from .model.attention import Documents, rotary_for
-from .nonfinite import (UPDATE, Injection, Saved, StepCheck, UndoBudget, injection_from_env, nonfinite,
+from .nonfinite import (SKIP, Injection, Saved, StepCheck, UndoBudget, injection_from_env, nonfinite,
                         undo_arena_bytes)
 from .optimizer import AdamWConfig, adamw_step, clip_coefficient, decay_segments, no_decay_ranges
 
@@ -657,29 +657,25 @@ class StepProgram:
                 data.check.host_checked(unit.layout.key, bool(nonfinite(grad, sq)))
         if self.owned is not None and unit.layout.key not in self.owned:
             return  # another process of the node updates the shared copy
-        if not self._admit(data, task, unit, lo, hi):
-            return
-        if data.clip is not None:
-            grad.mul_(data.clip)  # type: ignore[union-attr]
-        adamw_step(unit.master[lo:hi], grad, unit.exp_avg[lo:hi], unit.exp_avg_sq[lo:hi],  # type: ignore[arg-type]
-                   unit.steps[task.chunk or 0], self.adamw, data.lr, segments=self._segments(unit, lo, hi))
-        unit.refresh_copies(lo, hi)
+        key = (unit.layout.key, task.chunk)
+        verdict = data.check.admit(key, unit.layout.key if task.chunk is None else f"{key[0]} c{task.chunk}", hi - lo)
+        if isinstance(verdict, str) and verdict == SKIP:
+            return  # the step is known not finite
+        try:
+            if isinstance(verdict, torch.Tensor):  # not verified yet: keep what it was first
+                data.check.keep(Saved(unit, lo, hi, task.chunk or 0, verdict))
+            if data.clip is not None:
+                grad.mul_(data.clip)  # type: ignore[union-attr]
+            adamw_step(unit.master[lo:hi], grad, unit.exp_avg[lo:hi], unit.exp_avg_sq[lo:hi],  # type: ignore[arg-type]
+                       unit.steps[task.chunk or 0], self.adamw, data.lr, segments=self._segments(unit, lo, hi))
+            unit.refresh_copies(lo, hi)
+        finally:
+            data.check.updated()
 
     def _segments(self, unit: UnitState, lo: int, hi: int) -> list[tuple[int, int, bool]] | None:
         """Pieces of ``[lo, hi)`` with and without weight decay (None: all of it decays)."""
         skip = self.no_decay[unit.layout.key]
         return decay_segments(lo, hi, skip) if skip else None
-
-    def _admit(self, data: _StepData, task: CpuAdam, unit: UnitState, lo: int, hi: int) -> bool:
-        """Whether ``cpu_adam`` may update ``[lo, hi)`` of ``unit`` (not if the step is known not
-        finite); copies the range into the step's undo record first while it is not verified."""
-        key = (unit.layout.key, task.chunk)
-        label = unit.layout.key if task.chunk is None else f"{unit.layout.key} c{task.chunk}"
-        verdict = data.check.admit(key, label, hi - lo)
-        if isinstance(verdict, torch.Tensor):
-            data.check.keep(Saved(unit, lo, hi, task.chunk or 0, verdict))
-            return True
-        return verdict == UPDATE
 
     def _resident_sq_norm(self, data: _StepData, unit: UnitState) -> None:
         """Squared norm and non-finite flag (on the device) of a resident unit's gradient."""

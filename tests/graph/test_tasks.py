@@ -28,7 +28,7 @@ CARD = {
     "grad_sq_norm": (GradSqNorm, "compute", None),
     "gpu_adam": (GpuAdam, "compute", None),
     "found_inf": (FoundInf, "compute", None),
-    "verify_step": (VerifyStep, "cpu", None),
+    "verify_step": (VerifyStep, "sync", None),
     "save": (SaveUnit, "io", None),
     "eval_loss": (EvalLoss, "compute", None),
     "offload_act": (OffloadAct, "d2h", None),

@@ -50,7 +50,8 @@ class Run:
     """One model, program and engine on the CPU, trained like the trainer does."""
 
     def __init__(self, *, tied=False, vocab=64, layout="staged", resident=(), clip=None, policy="double_buffer",
-                 order="layer", dtype=torch.float32, inject=None, undo_bytes=1 << 30, device="cpu") -> None:
+                 order="layer", dtype=torch.float32, inject=None, undo_bytes=1 << 30, device="cpu",
+                 cpu_workers=1) -> None:
         cfg = ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_layers=LAYERS, num_heads=4,
                           num_kv_heads=2, max_position_embeddings=64, tie_word_embeddings=tied)
         layouts = model_layouts(cfg)
@@ -68,12 +69,13 @@ class Run:
                                    budgets=budgets, adamw=AdamWConfig(lr=LR, grad_clip=clip), inject_nonfinite=inject,
                                    undo_bytes=undo_bytes)
         self.vocab = vocab
+        self.cpu_workers = cpu_workers
 
     def train(self, batches, in_flight=2, on_step=None) -> list[tuple[float, float, bool]]:
         return asyncio.run(self._train(batches, in_flight, on_step or (lambda s: None)))
 
     async def _train(self, batches, most, on_step):
-        engine = Engine(self.program, self.policy, device=self.device)
+        engine = Engine(self.program, self.policy, device=self.device, cpu_workers=self.cpu_workers)
         results, in_flight, prev = [], [], None
         async with engine:
             try:
@@ -121,6 +123,8 @@ def assert_same_state(ours: dict, ref: dict) -> None:
 WHERE = ["loss", "head", f"layer.{LAYERS - 1}", "layer.1", "layer.0", "embed"]
 PLACEMENTS = {
     "staged": dict(layout="staged"),
+    # two Adam tasks at once: verify_step may settle while one is updating (it waits for it)
+    "staged-two-cpu-workers": dict(layout="staged", cpu_workers=2, policy="lookahead"),
     "full": dict(layout="full", policy="sequential"),
     "stream-bf16": dict(layout="stream-bf16", dtype=torch.bfloat16, policy="lookahead"),
     "resident": dict(resident=("embed", "head", "layer.0")),

@@ -21,7 +21,7 @@ def test_engine_trace_loads_with_every_dependency_resolved(tmp_path):
     tr = load_input(path)
     assert isinstance(tr, Trace) and tr.policy == "double_buffer"
     assert len(tr.tasks) == graph.number_of_nodes()
-    assert tr.lanes == ["compute", "h2d", "d2h", "cpu:0"]
+    assert tr.lanes == ["compute", "h2d", "d2h", "cpu:0", "sync"]  # sync: verify_step
     assert sum(map(len, tr.dep_indices)) == graph.number_of_edges()
     assert tr.tasks[0].start == 0.0 and all(a.start <= b.start for a, b in zip(tr.tasks, tr.tasks[1:]))
     assert {t.kind for t in tr.tasks} == {t.kind for t in graph}
