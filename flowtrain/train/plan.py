@@ -453,12 +453,14 @@ def _spec(cfg: ModelConfig, req: RunRequest, layout: str, resident: tuple[str, .
 
 
 def _backlog(cfg: ModelConfig, resident: tuple[str, ...]) -> dict[str, int]:
-    """Extra gradient accumulators for speed: when a layer's backward is shorter than its CPU
-    Adam (one micro-batch per step), finished gradients queue on the device instead of
-    stalling backward (each offload waits for a host staging slot, which waits for Adam). An
-    eighth of the streamed layers can queue (docs/benchmarks.md, W1 on the H200)."""
+    """Extra staging slots for speed, one micro-batch per step. A layer's backward is then
+    shorter than its CPU Adam, so finished gradients queue, and the CPU runs Adam in the order
+    the next step needs the units (:func:`~flowtrain.policy.base.optimizer_urgency`), which
+    leaves the top layers' gradients waiting longest. They wait in pinned host staging slots,
+    not on the GPU, so the device keeps two accumulators and backward never waits for Adam.
+    Half the streamed layers can wait (more gained nothing in ``flowtrain simulate`` of W1)."""
     streamed_layers = sum(1 for i in range(cfg.num_layers) if f"layer.{i}" not in resident)
-    return {GRADS: 2 + math.ceil(streamed_layers / 8)}
+    return {HOST_GRADS: 3 + math.ceil(streamed_layers / 2)}
 
 
 def _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
@@ -606,10 +608,10 @@ def _plan_state(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
         """The plan for one placement, shrunk to the GPU budget: smaller loss chunks first, then
         one gradient accumulator instead of two, then one weight slot (no prefetch)."""
         chunk, shrink = default_chunk, {}
-        if device.type == "cuda" and req.batch_size == req.micro_batch_size:
+        if device.type == "cuda" and (req.batch_size == req.micro_batch_size or req.order == "micro"):
             p = _make(cfg, req, device, dtype, policy, layout, resident, chunk, shrink, _backlog(cfg, resident))
-            if gpu_limit is None or p.gpu_total <= gpu_limit:
-                p.host_limit, p.gpu_limit = host_limit, gpu_limit
+            p.host_limit, p.gpu_limit = host_limit, gpu_limit
+            if p.host_fits and p.gpu_fits:
                 return p
         p = _make(cfg, req, device, dtype, policy, layout, resident, chunk, shrink)
         while device.type == "cuda" and gpu_limit is not None and p.gpu_total > gpu_limit:

@@ -281,3 +281,22 @@ def test_planning_compiles_each_step_shape_once(monkeypatch):
     p = plan_run(preset("llama-8b"), req, device=CUDA, dtype=BF16, policy="sequential")
     assert not p.fits and p.suggestions  # the long way: every fallback was planned
     assert len(compiled) == len(set(compiled)) > 10
+
+
+def test_gradients_queue_in_host_staging_slots_where_adam_falls_behind_and_host_memory_allows():
+    """One micro-batch per step (or micro-batch order, where every gradient is finished by the
+    last micro-batch's backward): backward outruns CPU Adam, so the plan adds pinned staging
+    slots for half the streamed layers (the CPU then updates bottom layers first and the rest
+    wait there) rather than stall backward, and only where host memory holds them."""
+    from flowtrain.graph.tasks import HOST_GRADS
+
+    L = preset("llama-3b").num_layers
+    base = dict(model="llama-3b", batch_size=4, micro_batch_size=4, resident="none")
+    roomy = plan(**base, host_mem=110)
+    assert roomy.budgets[HOST_GRADS] == 3 + (L + 1) // 2 and roomy.budgets[GRADS] == 2
+    accumulating = plan(**{**base, "batch_size": 16}, host_mem=110)
+    assert accumulating.budgets[HOST_GRADS] == 3  # four micro-batches: each layer's backward is long
+    assert plan(**{**base, "batch_size": 16}, order="micro", host_mem=110).budgets[HOST_GRADS] == roomy.budgets[HOST_GRADS]
+    slot = roomy.host["staging"] // roomy.budgets[HOST_GRADS]
+    tight = plan(**base, host_mem=(roomy.host_node_total - slot) / GiB / 0.95)
+    assert tight.fits and tight.budgets[HOST_GRADS] == 3
