@@ -10,7 +10,7 @@ be fastest on a machine, and says why::
 What it varies, one setting at a time from the request as given (coordinate descent, two
 rounds, so a setting that only pays off after another changed is still found): the policy
 (the built-ins and the one asked for), the micro-batch size (divisors of the batch), the
-placement (``--resident auto``, ``embed,head``, ``none``), the host layout (``staged``,
+micro-batch order (``layer``, ``micro``), the placement (``--resident auto``, ``embed,head``, ``none``), the host layout (``staged``,
 ``stream-bf16``; ``full`` with ``--grad-clip``) and the activation placement (``auto``,
 ``recompute``, ``offload``, and ``keep`` with a checkpoint at every layer). Every candidate is planned by ``plan_run`` (so
 its slot budgets are the planner's) and simulated for a few steps; one that does not fit is
@@ -39,7 +39,7 @@ class Candidate(msgspec.Struct, kw_only=True):
     @property
     def flags(self) -> str:
         s = self.settings
-        return (f"--micro-batch-size {s['micro_batch_size']} --policy {s['policy']} "
+        return (f"--micro-batch-size {s['micro_batch_size']} --order {s['order']} --policy {s['policy']} "
                 f"--resident {s['resident']} --layout {s['layout']} --activations {s['activations']}")
 
 
@@ -106,7 +106,7 @@ def choose_fastest(cfg: Any, req: Any, machine: Machine, policy: str = "double_b
         key = tuple(sorted(settings.items()))
         if key in seen:
             return seen[key]
-        r = msgspec.structs.replace(req, micro_batch_size=settings["micro_batch_size"],
+        r = msgspec.structs.replace(req, micro_batch_size=settings["micro_batch_size"], order=settings["order"],
                                     resident=settings["resident"], layout=settings["layout"],
                                     activations=settings["activations"])
         plan = plan_run(cfg, r, device=device, dtype=dtype, policy=settings["policy"], local_gpu=local_gpu)
@@ -120,14 +120,15 @@ def choose_fastest(cfg: Any, req: Any, machine: Machine, policy: str = "double_b
     layouts = ("full",) if req.grad_clip else ("staged", "stream-bf16")
     options = {
         "policy": list(dict.fromkeys((policy, *_POLICIES))),
+        "order": list(dict.fromkeys((req.order, "layer", "micro"))),
         "micro_batch_size": [b for b in range(req.batch_size, 0, -1) if req.batch_size % b == 0][:4],
         "resident": list(dict.fromkeys((req.resident, "auto", "embed,head", "none"))),
         "layout": list(dict.fromkeys((req.layout, *layouts))),
         "activations": list(dict.fromkeys((req.activations, "auto", "recompute", "offload",
                                            *(("keep",) if req.checkpoint_every == 1 else ())))),
     }
-    start = {"policy": policy, "micro_batch_size": req.micro_batch_size, "resident": req.resident, "layout": req.layout,
-             "activations": req.activations}
+    start = {"policy": policy, "micro_batch_size": req.micro_batch_size, "order": req.order, "resident": req.resident,
+             "layout": req.layout, "activations": req.activations}
     asked = evaluate(start)
     best = asked if asked.fits else None
     current = dict(start)

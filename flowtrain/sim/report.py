@@ -60,7 +60,11 @@ def summarize(steps: Sequence[Sequence[TaskRecord]], tokens_per_step: int, flops
     t0, t1 = min(r.start for r in window), max(r.end for r in window)
     busy = {lane: b / (t1 - t0) for lane, b in lane_busy(window).items()} if t1 > t0 else {}
     tok_s = tokens_per_step / step_s
-    chain = critical_chain([r for recs in steps for r in recs], cause, since=ends[-2] if len(ends) > 1 else 0.0)
+    # from the end of the last step's GPU work: host work that overlaps the next step (the top
+    # layers' Adam) ends later but holds nothing up
+    device = [r for r in steps[-1] if r.lane == "compute"]
+    chain = critical_chain([r for recs in steps for r in recs], cause, since=ends[-2] if len(ends) > 1 else 0.0,
+                           last=max(device, key=lambda r: r.end).task if device else None)
     by_lane: dict[str, float] = {}
     for lane, _, _, s in chain:
         by_lane[lane] = by_lane.get(lane, 0.0) + s
@@ -69,11 +73,12 @@ def summarize(steps: Sequence[Sequence[TaskRecord]], tokens_per_step: int, flops
 
 
 def critical_chain(records: Sequence[TaskRecord], cause: dict[Task, Task | None],
-                   since: float = 0.0) -> list[tuple[str, str, int, float]]:
-    """Runs of (lane, kind, number of tasks, seconds) on the chain that ends with the last task,
-    walked back until ``since``. Waiting between two links counts as ``idle`` on the later one."""
+                   since: float = 0.0, last: Task | None = None) -> list[tuple[str, str, int, float]]:
+    """Runs of (lane, kind, number of tasks, seconds) on the chain that ends with ``last`` (by
+    default the last task to end), walked back until ``since``. Waiting between two links
+    counts as ``idle`` on the later one."""
     by_task = {r.task: r for r in records}
-    cur = max(records, key=lambda r: r.end)
+    cur = by_task[last] if last is not None else max(records, key=lambda r: r.end)
     runs: list[list] = []
     while cur is not None and cur.end > since:
         start = max(cur.start, since)
