@@ -23,9 +23,9 @@ bench() {  # NAME ARGS...: one flowtrain bench, its JSON tagged with NAME
     echo "{\"job\": \"$name\", \"failed\": true}" >>"$RES"; tail -5 "$OUT/log.txt"
   fi
 }
-anchor() {  # MODE GA STEPS
-  log "anchor $1 ga$2"
-  (cd .anchors && OUT=$OUT timeout 400 python3 llama_train.py "$1" 3b 4096 4 "$3" "$2" 2>&1 | grep -v Warning | tail -3) | tee -a "$OUT/log.txt"
+anchor() {  # MODE GA STEPS [SIZE MICRO]: the baseline trainer (default llama-3b, micro-batch 4)
+  log "anchor $1 ${4:-3b} mb${5:-4} ga$2"
+  (cd .anchors && OUT=$OUT timeout 400 python3 llama_train.py "$1" "${4:-3b}" 4096 "${5:-4}" "$3" "$2" 2>&1 | grep -v Warning | tail -3) | tee -a "$OUT/log.txt"
 }
 W="--model llama-3b --seq-len 4096 --micro-batch-size 4 --host-mem 110"
 for job in "$@"; do
@@ -37,6 +37,7 @@ for job in "$@"; do
     w1c) bench w1c $W --batch-size 4 --steps 7 --compile ;;
     w1none) bench w1none $W --batch-size 4 --steps 6 --resident none ;;
     w2) bench w2 $W --batch-size 16 --steps 5 --trace "$OUT/w2-trace.json" ;;
+    w2m) bench w2m $W --batch-size 16 --steps 5 --order micro --policy lookahead --trace "$OUT/w2m-trace.json" ;;  # each micro-batch through the model
     w2c) bench w2c $W --batch-size 16 --steps 5 --compile ;;
     gpu1) anchor gpu 1 4 ;;
     liger1) LIGER=1 CKPT=0 anchor gpu 1 4 ;;   # the strongest all-on-GPU run at W1
@@ -45,9 +46,11 @@ for job in "$@"; do
     w1g80) bench w1g80 $W --batch-size 4 --steps 7 --gpu-mem 80 ;;
     w2r) bench w2r $W --batch-size 16 --steps 5 --activations recompute ;;
     gpu4) anchor gpu 4 4 ;;
+    liger8) LIGER=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True anchor gpu 4 3 8b 1 ;;  # llama-8b's strongest all-on-GPU run: checkpointing, micro-batch 1
     ds1) anchor ds 1 4 ;;
     ds4) anchor ds 4 3 ;;
     8b) bench 8b --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 --resident none ${EXTRA8:-} ;;
+    8bm) bench 8bm --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 8 --order micro --resident embed,head --steps 3 --warmup 1 --host-mem 118 ;;  # flowtrain plan --machine h200's choice
     8bauto) bench 8bauto --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 ${EXTRA8:-} ;;
     8b10o) bench 8b10o --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size ${MB10:-2} --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 --trace "$OUT/8b10o-trace.json" ;;
     8b256ke) BT=520 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench 8b256ke --model llama-8b-256k --seq-len 262144 --batch-size 1 --micro-batch-size 1 --steps 2 --warmup 1 --host-mem 118 --trace "$OUT/8b256k-trace.json" ;;

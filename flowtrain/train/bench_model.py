@@ -42,6 +42,8 @@ def add_model_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) ->
     a("--precision", choices=["fp32", "bf16"], default=None)
     a("--device", default="auto")
     a("--adam-workers", type=int, default=1)
+    a("--order", choices=["layer", "micro"], default="layer",
+      help="micro-batch order, as flowtrain train's (micro: each micro-batch through the whole model)")
     a("--trace", default=None, help="also write the executed trace (Chrome JSON)")
     a("--data", metavar="FILE", default=None,
       help="train on this data file instead of random tokens (token ids: .npy or input_ids rows)")
@@ -79,7 +81,7 @@ def run_model(args: argparse.Namespace) -> dict:
             np.save(data, np.random.default_rng(0).integers(0, cfg_m.vocab_size, size=tokens, dtype=np.int64))
         recorder = TraceRecorder()
         cfg = TrainConfig(model=args.model, data=data, packing=args.packing, steps=args.steps, batch_size=args.batch_size,
-                          micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, lr=1e-5,
+                          micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, lr=1e-5, order=args.order,
                           policy=args.policy, precision=args.precision, device=args.device,
                           checkpoint_every=args.checkpoint_every, activations=args.activations, adam_workers=args.adam_workers, progress=False,
                           layout=args.layout, resident=args.resident, gpu_mem=args.gpu_mem, host_mem=args.host_mem,
@@ -100,7 +102,7 @@ def run_model(args: argparse.Namespace) -> dict:
     busy = {lane: round(b / (t1 - t0), 4) for lane, b in lane_busy(window).items()}
     result = {
         "model": args.model, "seq_len": args.seq_len, "batch_size": args.batch_size,
-        "micro_batch_size": args.micro_batch_size, "policy": args.policy, "steps_measured": len(measured),
+        "micro_batch_size": args.micro_batch_size, "policy": args.policy, "order": args.order, "steps_measured": len(measured),
         "tokens_per_s": round(tok_s, 1),
         "model_tflops": round(tok_s * model_flops_per_token(args.model, args.seq_len) / 1e12, 1),
         "step_seconds": [round(m.seconds, 4) for m in measured],

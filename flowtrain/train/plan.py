@@ -452,15 +452,24 @@ def _spec(cfg: ModelConfig, req: RunRequest, layout: str, resident: tuple[str, .
                     reduce=req.processes > 1, share=req.share).validate()
 
 
-def _backlog(cfg: ModelConfig, resident: tuple[str, ...]) -> dict[str, int]:
-    """Extra staging slots for speed, one micro-batch per step. A layer's backward is then
-    shorter than its CPU Adam, so finished gradients queue, and the CPU runs Adam in the order
-    the next step needs the units (:func:`~flowtrain.policy.base.optimizer_urgency`), which
-    leaves the top layers' gradients waiting longest. They wait in pinned host staging slots,
-    not on the GPU, so the device keeps two accumulators and backward never waits for Adam.
-    Half the streamed layers can wait (more gained nothing in ``flowtrain simulate`` of W1)."""
+def _backlog(cfg: ModelConfig, resident: tuple[str, ...], weights: bool = True) -> dict[str, int]:
+    """Extra slots for speed where every layer's gradient is finished by one backward pass (one
+    micro-batch per step, or micro-batch order). Backward then outruns CPU Adam, so finished
+    gradients queue, and the CPU runs Adam in the order the next step needs the units
+    (:func:`~flowtrain.policy.base.optimizer_urgency`), which leaves the top layers' gradients
+    waiting longest. They wait in pinned host staging slots (half the streamed layers can), not
+    on the GPU, so backward never waits for Adam. And the next step's forward through the
+    streamed layers is shorter than their fetches: with weight slots for a third of them
+    (``weights``), their fetches start during the backward of the resident layers below, once
+    each layer's Adam is done. Both measured on W1 in ``flowtrain simulate``: more gained
+    nothing. The plan takes them only where memory holds them, and before kept activations
+    (:func:`_keep` fills what is left), which save less per GPU byte where fetches bound the
+    forward."""
     streamed_layers = sum(1 for i in range(cfg.num_layers) if f"layer.{i}" not in resident)
-    return {HOST_GRADS: 3 + math.ceil(streamed_layers / 2)}
+    out = {HOST_GRADS: 3 + math.ceil(streamed_layers / 2)}
+    if weights:
+        out[WEIGHTS] = max(2, math.ceil(streamed_layers / 3))
+    return out
 
 
 def _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
@@ -609,10 +618,12 @@ def _plan_state(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
         one gradient accumulator instead of two, then one weight slot (no prefetch)."""
         chunk, shrink = default_chunk, {}
         if device.type == "cuda" and (req.batch_size == req.micro_batch_size or req.order == "micro"):
-            p = _make(cfg, req, device, dtype, policy, layout, resident, chunk, shrink, _backlog(cfg, resident))
-            p.host_limit, p.gpu_limit = host_limit, gpu_limit
-            if p.host_fits and p.gpu_fits:
-                return p
+            for weights in (True, False):
+                p = _make(cfg, req, device, dtype, policy, layout, resident, chunk, shrink,
+                          _backlog(cfg, resident, weights))
+                p.host_limit, p.gpu_limit = host_limit, gpu_limit
+                if p.host_fits and p.gpu_fits:
+                    return p
         p = _make(cfg, req, device, dtype, policy, layout, resident, chunk, shrink)
         while device.type == "cuda" and gpu_limit is not None and p.gpu_total > gpu_limit:
             if req.chunk_tokens is None and chunk > 256:

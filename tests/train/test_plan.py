@@ -294,9 +294,16 @@ def test_gradients_queue_in_host_staging_slots_where_adam_falls_behind_and_host_
     base = dict(model="llama-3b", batch_size=4, micro_batch_size=4, resident="none")
     roomy = plan(**base, host_mem=110)
     assert roomy.budgets[HOST_GRADS] == 3 + (L + 1) // 2 and roomy.budgets[GRADS] == 2
+    assert roomy.budgets[WEIGHTS] == (L + 2) // 3  # the next forward's fetches start early
     accumulating = plan(**{**base, "batch_size": 16}, host_mem=110)
     assert accumulating.budgets[HOST_GRADS] == 3  # four micro-batches: each layer's backward is long
     assert plan(**{**base, "batch_size": 16}, order="micro", host_mem=110).budgets[HOST_GRADS] == roomy.budgets[HOST_GRADS]
     slot = roomy.host["staging"] // roomy.budgets[HOST_GRADS]
     tight = plan(**base, host_mem=(roomy.host_node_total - slot) / GiB / 0.95)
     assert tight.fits and tight.budgets[HOST_GRADS] == 3
+    # the extra weight slots only where the GPU holds them (kept activations come after them)
+    recompute = plan(**base, host_mem=110, activations="recompute")
+    weight_slot = recompute.gpu["weight_slots"] // recompute.budgets[WEIGHTS]
+    small_gpu = plan(**base, host_mem=110, activations="recompute",
+                     gpu_mem=(recompute.gpu_total - weight_slot) / GiB / 0.92)
+    assert small_gpu.fits and small_gpu.budgets[WEIGHTS] == 2 and small_gpu.budgets[HOST_GRADS] == roomy.budgets[HOST_GRADS]
