@@ -100,6 +100,9 @@ def choose_fastest(cfg: Any, req: Any, machine: Machine, policy: str = "double_b
 
     device = device or Target("cuda")
     dtype = dtype or Precision(2)  # bf16
+    if req.order == "auto":  # as the planner decides it for this machine: the request as it would run
+        req = msgspec.structs.replace(req, order=plan_run(cfg, req, device=device, dtype=dtype, policy=policy,
+                                                          local_gpu=local_gpu, machine=machine).spec.order)
     seen: dict[tuple, Candidate] = {}
 
     def evaluate(settings: dict[str, Any]) -> Candidate:

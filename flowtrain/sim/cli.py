@@ -18,6 +18,8 @@ from __future__ import annotations
 import argparse
 import json
 
+import msgspec
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from ..train.plan_cli import add_arguments as add_plan_arguments
@@ -94,5 +96,6 @@ def plan_for(args: argparse.Namespace, machine) -> tuple:  # noqa: ANN001 - a Ma
     cfg, _, req, _ = checked_request(args, gpu_mem, host_mem)
     device = Target("cuda")  # the machine's GPU, planned for without torch
     dtype = Precision(precision_bytes(args.precision, device.type))
-    plan = plan_run(cfg, req, device=device, dtype=dtype, policy=args.policy, local_gpu=False)
+    plan = plan_run(cfg, req, device=device, dtype=dtype, policy=args.policy, local_gpu=False, machine=machine)
+    req = msgspec.structs.replace(req, order=plan.spec.order)  # --order auto, as decided for the machine
     return cfg, req, plan, device, dtype

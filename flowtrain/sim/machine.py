@@ -125,3 +125,13 @@ def load_machine(name_or_path: str | Path, _seen: tuple[str, ...] = ()) -> Machi
         return msgspec.convert(raw, Machine).validate()
     except msgspec.ValidationError as exc:
         raise ConfigError(f"machine file {path}: {exc}") from None
+
+
+def machine_for_gpu(gpu_name: str) -> Machine | None:
+    """The shipped machine whose GPU is ``gpu_name`` (``torch.cuda.get_device_name()``, e.g.
+    "NVIDIA H200"), or None: what the planner predicts with when a run leaves a choice to it."""
+    for name in machine_names():
+        machine = load_machine(name)
+        if machine.gpu and machine.gpu == gpu_name:
+            return machine
+    return None

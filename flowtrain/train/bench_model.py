@@ -42,7 +42,7 @@ def add_model_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) ->
     a("--precision", choices=["fp32", "bf16"], default=None)
     a("--device", default="auto")
     a("--adam-workers", type=int, default=1)
-    a("--order", choices=["layer", "micro"], default="layer",
+    a("--order", choices=["auto", "layer", "micro"], default="auto",
       help="micro-batch order, as flowtrain train's (micro: each micro-batch through the whole model)")
     a("--trace", default=None, help="also write the executed trace (Chrome JSON)")
     a("--data", metavar="FILE", default=None,
@@ -102,7 +102,8 @@ def run_model(args: argparse.Namespace) -> dict:
     busy = {lane: round(b / (t1 - t0), 4) for lane, b in lane_busy(window).items()}
     result = {
         "model": args.model, "seq_len": args.seq_len, "batch_size": args.batch_size,
-        "micro_batch_size": args.micro_batch_size, "policy": args.policy, "order": args.order, "steps_measured": len(measured),
+        "micro_batch_size": args.micro_batch_size, "policy": args.policy,
+        "order": plans[-1].spec.order if plans else args.order, "steps_measured": len(measured),
         "tokens_per_s": round(tok_s, 1),
         "model_tflops": round(tok_s * model_flops_per_token(args.model, args.seq_len) / 1e12, 1),
         "step_seconds": [round(m.seconds, 4) for m in measured],

@@ -63,7 +63,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--precision", choices=["fp32", "bf16"], default=None, help="default: bf16 on CUDA, fp32 on CPU")
     a("--device", default="auto", help="auto, cpu or cuda")
     a("--policy", default=defaults.POLICY, help="scheduling policy: sequential, double_buffer, lookahead, or module:Class (your own)")
-    a("--order", choices=["layer", "micro"], default="layer", help="micro-batch order (layer-major streams weights once)")
+    a("--order", choices=["auto", "layer", "micro"], default="auto",
+      help="micro-batch order: layer (every micro-batch through a layer, then the next: weights cross PCIe once per "
+           "pass) or micro (each micro-batch through the whole model: fewer activations wait, more layers kept); "
+           "auto: micro where it is predicted faster on this GPU (a shipped machine model), else layer")
     a("--adam-workers", type=int, default=1, help="CPU threads running AdamW tasks concurrently")
     add_memory_arguments(p)
     add_compile_argument(p)

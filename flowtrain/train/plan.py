@@ -51,6 +51,7 @@ import msgspec
 from ..errors import ConfigError
 from ..graph.compiler import StepSpec, compile_step
 from ..graph.tasks import ACTS, GRADS, HOST_GRADS, WEIGHTS
+from .order_choice import choose_order
 from .host_layout import LANDING_NUMEL, LAYOUTS, grad_chunks, slot_numel, staging_numel, undo_arena_bytes
 from .model.config import MLP_CHUNK_TOKENS, ModelConfig, default_chunk_tokens
 from .model.layout import model_layouts
@@ -157,6 +158,8 @@ class Plan(msgspec.Struct, kw_only=True):
     gpu_limit: int | None
     max_micro_batch: int | None = None
     suggestions: list[str] = msgspec.field(default_factory=list)
+    #: how ``--order auto`` was decided, where it was by prediction (:mod:`.order_choice`)
+    order_choice: str | None = None
 
     @property
     def host_total(self) -> int:
@@ -221,6 +224,7 @@ class Plan(msgspec.Struct, kw_only=True):
             "host_state_bytes_per_param": round(self.host_state_bytes_per_param, 3),
             "fits": self.fits, "host_fits": self.host_fits, "gpu_fits": self.gpu_fits,
             "max_micro_batch": self.max_micro_batch, "suggestions": self.suggestions,
+            "order": self.spec.order, "order_choice": self.order_choice,
         }
 
 
@@ -694,14 +698,19 @@ def _choose_resident(cfg: ModelConfig, build, policy: Any) -> Plan:  # noqa: ANN
 
 
 def plan_run(cfg: ModelConfig, req: RunRequest, *, device: torch.device, dtype: torch.dtype,
-             policy: Any = "double_buffer", local_gpu: bool = True) -> Plan:
+             policy: Any = "double_buffer", local_gpu: bool = True, machine: Any = None) -> Plan:
     """The plan for ``req`` on ``device``, with the largest micro-batch that fits and, if the run
     does not fit, what would. ``local_gpu=False`` plans for a GPU elsewhere (the simulator's
-    machine): its memory is ``req.gpu_mem`` alone, not capped by what is free on this one."""
+    machine): its memory is ``req.gpu_mem`` alone, not capped by what is free on this one.
+    ``--order auto`` is decided first (:func:`~flowtrain.train.order_choice.choose_order`, by
+    predicted time on ``machine``, by default the model of this GPU)."""
     if req.batch_size < 1 or req.micro_batch_size < 1 or req.batch_size % req.micro_batch_size:
         raise ConfigError(f"--micro-batch-size {req.micro_batch_size} does not divide --batch-size {req.batch_size}")
     host_limit, gpu_limit = _limits(req, device, local_gpu)
+    req, order_choice = choose_order(cfg, req, lambda r: _plan_once(cfg, r, device, dtype, policy, host_limit, gpu_limit),
+                                     device_type=device.type, policy=policy, machine=machine, local_gpu=local_gpu)
     plan = _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit)
+    plan.order_choice = order_choice
     divisors = [b for b in range(req.batch_size, 0, -1) if req.batch_size % b == 0]
     for b in divisors:
         trial = plan if b == req.micro_batch_size else _plan_once(

@@ -29,7 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--seq-len", type=int, required=True)
     a("--batch-size", type=int, required=True, help="sequences per optimizer step")
     a("--micro-batch-size", type=int, required=True)
-    a("--order", choices=["layer", "micro"], default="layer")
+    a("--order", choices=["auto", "layer", "micro"], default="auto",
+      help="micro-batch order (auto: micro where predicted faster on this GPU or on --machine)")
     a("--grad-clip", action="store_true", help="plan for exact gradient clipping (full layout)")
     a("--precision", choices=["fp32", "bf16"], default=None, help="default: bf16 on CUDA, fp32 on the CPU")
     a("--device", choices=["auto", "cpu", "cuda"], default="auto",
@@ -84,7 +85,12 @@ def run(args: argparse.Namespace) -> int:
     else:
         device = torch.device(args.device)
     dtype = resolve_dtype(args.precision, device)
-    plan = plan_run(cfg, req, device=device, dtype=dtype, policy=args.policy)
+    machine = None
+    if getattr(args, "machine", None) is not None and device.type == "cuda":
+        from ..sim.machine import load_machine
+
+        machine = load_machine(args.machine)
+    plan = plan_run(cfg, req, device=device, dtype=dtype, policy=args.policy, machine=machine)
     choice = _choose_by_time(args, cfg, req, device, dtype) if processes == 1 else None
     if args.json:
         print(json.dumps({"model": args.model, **plan.to_dict(),
@@ -120,6 +126,7 @@ def format_plan(model: str, plan) -> str:  # noqa: ANN001 - a Plan
              f"({plan.host_state_bytes_per_param:.2f} host bytes of state per parameter), device {plan.device}"]
     res = plan.spec.resident
     lines.append(f"resident on the GPU (Adam there): {', '.join(res) if res else 'none'}")
+    lines.append(f"micro-batch order: {plan.spec.order}" + (f" ({plan.order_choice})" if plan.order_choice else ""))
     lines.append(f"slots: {plan.budgets}; loss chunk {plan.chunk_tokens} tokens"
                  + (f"; staged gradient chunks {plan.spec.grad_chunks}" if plan.spec.grad_chunks else ""))
     for title, part, total, limit, ok in (("host", plan.host, plan.host_total, plan.host_limit, plan.host_fits),

@@ -47,7 +47,9 @@ class TrainConfig(msgspec.Struct, kw_only=True):
     #: checkpoints on the GPU as the budget holds, the rest offloaded, then kept layers;
     #: recompute on the CPU)
     activations: str = "auto"
-    order: str = "layer"
+    #: micro-batch order: "layer", "micro" or "auto" (micro where the planner predicts it faster
+    #: on this GPU's machine model, flowtrain.train.order_choice; else layer)
+    order: str = "auto"
     adam_workers: int = 1
     out: str | None = None
     overwrite: bool = False

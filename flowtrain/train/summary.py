@@ -5,7 +5,7 @@ the results go, so that a wrong setting shows before hours are spent on it::
     device     cuda (bf16 compute, fp32 master weights and Adam state)
     memory     layout staged; resident on the GPU: embed, head, layer.0-7; planned host 6.1 GiB, GPU 9.8 GiB
     data       corpus.jsonl: 1,204 sequences of 512 tokens, 402,113 target tokens; 200 steps cover 2.7 epochs
-    steps      200 of 16 sequences (8,192 tokens, 2 micro-batches of 8); lr 3e-3 constant
+    steps      200 of 16 sequences (8,192 tokens, 2 micro-batches of 8, layer order); lr 3e-3 constant
     output     model to trained/; checkpoints every 50 steps to trained/checkpoint-STEP (keep 3)
 """
 
@@ -67,8 +67,11 @@ def summary_lines(run: "Run") -> list[str]:
                      f"{run.eval_seqs.num_targets():,} target tokens, every {cfg.eval_every} steps "
                      "and after the last")
     sched = f"{cfg.lr_schedule}" + (f" after {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else "")
+    micro_batches = cfg.batch_size // cfg.micro_batch_size
+    why = f", {plan.order_choice}" if plan.order_choice else ""
+    order = f", {plan.spec.order} order{why}" if micro_batches > 1 else ""
     lines.append(f"steps      {cfg.steps} of {cfg.batch_size} sequences ({cfg.batch_size * seq:,} tokens, "
-                 f"{cfg.batch_size // cfg.micro_batch_size} micro-batches of {cfg.micro_batch_size}); "
+                 f"{micro_batches} micro-batches of {cfg.micro_batch_size}{order}); "
                  f"lr {cfg.lr:g} {sched}, weight decay {cfg.weight_decay:g}"
                  + (" (none on norms and biases)" if cfg.weight_decay_skip == "norms-biases" else ""))
     if cfg.out:

@@ -15,7 +15,7 @@ def test_the_summary_names_model_data_steps_and_outputs(tmp_path, capsys):
     assert "tiny: LlamaForCausalLM" in head["model"] and "random init" in head["model"]
     assert "fp32 compute" in head["device"]
     assert "sequences of 32 tokens" in head["data"] and "2 steps cover" in head["data"]
-    assert "2 of 4 sequences (128 tokens, 2 micro-batches of 2)" in head["steps"]
+    assert "2 of 4 sequences (128 tokens, 2 micro-batches of 2, layer order)" in head["steps"]  # auto on the CPU
     assert f"checkpoints every 2 steps to {tmp_path / 'out'}/checkpoint-STEP (keep 3)" in head["output"]
     assert lines[6].startswith("step 1/2")
 
