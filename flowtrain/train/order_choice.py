@@ -12,8 +12,8 @@ simulator (:mod:`flowtrain.sim`), with the machine model of the run's GPU::
 
 It keeps ``layer`` (what runs without a choice) unless ``micro`` fits and is predicted at least
 2% faster, closer than the model can tell apart otherwise. Without a GPU, with one micro-batch
-per step, with several processes, or on a GPU no shipped machine describes, the order is
-``layer`` and nothing is simulated.
+per step, with several processes, or on a GPU no shipped machine describes (the plan says so),
+the order is ``layer`` and nothing is simulated.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ def choose_order(cfg: Any, req: Any, plan_one: Callable[[Any], Any], *, device_t
         return layer, None
     machine = machine or (_this_gpu() if local_gpu else None)
     if machine is None:
-        return layer, None
+        return layer, "auto: no machine model of this GPU to predict with (`flowtrain plan --machine NAME` compares both)"
     micro = msgspec.structs.replace(req, order="micro")
     p_layer, p_micro = plan_one(layer), plan_one(micro)
     if not p_micro.fits:
