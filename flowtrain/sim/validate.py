@@ -8,7 +8,8 @@ machine and predicts tokens/s::
     for row in compare():      # the table in docs/simulate.md; tests/sim hold it to 15%
         row["run"], row["measured"], row["predicted"], row["error"]
 
-Only W1's trace was used to fit the cost model (docs/simulate.md); the other four are checks.
+Only W1's trace of 2026-12-02 was used to fit the cost model (docs/simulate.md); every other run
+is a check.
 """
 
 from __future__ import annotations
@@ -16,15 +17,22 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-BENCH = Path(__file__).parents[2] / "docs" / "bench" / "2026-12-02"
+BENCH = Path(__file__).parents[2] / "docs" / "bench"
 
+#: kept activations, as ``--activations auto`` planned them (the runs of 2026-12-02 recomputed)
+_AUTO = {"activations": "auto"}
 #: (name in docs/benchmarks.md, result file, how to pick its line, extra planner arguments)
 RUNS = (
-    ("llama-3b W1 (4 seq/step)", "after-fix-8b10-w1-results.jsonl", {"job": "w1"}, {}),
-    ("llama-3b W2 (16 seq/step)", "w1-w2-results.jsonl", {"batch_size": 16}, {}),
-    ("llama-8b, 16 seq/step, streamed", "capacity-8b-14b-results.jsonl", {"model": "llama-8b"}, {}),
-    ("qwen-14b, 8 seq/step", "capacity-8b-14b-results.jsonl", {"model": "qwen-14b"}, {}),
-    ("llama-8b under --gpu-mem 10", "after-fix-8b10-w1-results.jsonl", {"job": "8b10"}, {"gpu_mem": 10.0}),
+    ("llama-3b W1 (4 seq/step)", "2026-12-02/after-fix-8b10-w1-results.jsonl", {"job": "w1"}, {}),
+    ("llama-3b W2 (16 seq/step)", "2026-12-02/w1-w2-results.jsonl", {"batch_size": 16}, {}),
+    ("llama-8b, 16 seq/step, streamed", "2026-12-02/capacity-8b-14b-results.jsonl", {"model": "llama-8b"}, {}),
+    ("qwen-14b, 8 seq/step", "2026-12-02/capacity-8b-14b-results.jsonl", {"model": "qwen-14b"}, {}),
+    ("llama-8b under --gpu-mem 10", "2026-12-02/after-fix-8b10-w1-results.jsonl", {"job": "8b10"}, {"gpu_mem": 10.0}),
+    ("llama-3b W1, Adam reordered, two weight slots", "2026-12-03/adam-order-two-weight-slots-results.jsonl",
+     {"job": "w1"}, _AUTO),
+    ("llama-3b W1, Adam reordered", "2026-12-03/adam-order-results.jsonl", {"job": "w1"}, _AUTO),
+    ("llama-3b W2, micro-batch order", "2026-12-03/adam-order-results.jsonl", {"job": "w2m"}, _AUTO),
+    ("llama-8b, 16 seq/step, micro-batch order", "2026-12-03/adam-order-results.jsonl", {"job": "8bm"}, _AUTO),
 )
 
 
@@ -54,10 +62,11 @@ def predict_run(row: dict, extra: dict, machine: str = "h200") -> dict:
 
     cfg = preset(row["model"])
     resident = ",".join(row["resident"]) or "none"
-    # These runs predate kept activations: every layer's backward ran its forward again.
+    # The runs of 2026-12-02 predate kept activations: every layer's backward ran its forward
+    # again; later ones name their placement in ``extra``. The GPU is the H200's.
+    settings = {"activations": "recompute", "order": row.get("order", "layer"), "gpu_mem": 139.8, **extra}
     req = RunRequest(seq_len=row["seq_len"], batch_size=row["batch_size"], micro_batch_size=row["micro_batch_size"],
-                     resident=resident, layout=row.get("layout", "auto"), host_mem=118.0,
-                     activations=row.get("activations", "recompute"), **extra)
+                     resident=resident, layout=row.get("layout", "auto"), host_mem=118.0, **settings)
     plan = plan_run(cfg, req, device=torch.device("cuda"), dtype=torch.bfloat16, policy=row["policy"], local_gpu=False)
     plan.budgets = dict(row["budgets"])  # as the engine enforced them in that run
     pred = predict(cfg, plan, req, load_machine(machine), row["policy"])
