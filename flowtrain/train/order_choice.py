@@ -29,30 +29,32 @@ MARGIN = 1.02
 
 
 def choose_order(cfg: Any, req: Any, plan_one: Callable[[Any], Any], *, device_type: str, policy: Any,
-                 machine: Any = None, local_gpu: bool = True) -> tuple[Any, str | None]:
-    """``req`` with a concrete ``order`` and, where the choice was not the plain default, why
-    ("auto: predicted on h200 ..."; shown by the plan and the run summary). ``plan_one(req)`` plans one request; ``machine``
-    (a :class:`~flowtrain.sim.machine.Machine`) defaults to the one describing this GPU."""
+                 machine: Any = None, local_gpu: bool = True) -> tuple[Any, str | None, Any]:
+    """``(req, why, plan)``: ``req`` with a concrete ``order``; where the choice was not the
+    plain default, why ("auto: predicted on h200 ..."; shown by the plan and the run summary);
+    and the plan of the chosen request where comparing the orders already made it (else None).
+    ``plan_one(req)`` plans one request; ``machine`` (a :class:`~flowtrain.sim.machine.Machine`)
+    defaults to the one describing this GPU."""
     if req.order != "auto":
-        return req, None
+        return req, None, None
     layer = msgspec.structs.replace(req, order="layer")
     if device_type != "cuda" or req.batch_size == req.micro_batch_size or req.processes > 1:
-        return layer, None
+        return layer, None, None
     machine = machine or (_this_gpu() if local_gpu else None)
     if machine is None:
-        return layer, "auto: no machine model of this GPU to predict with (`flowtrain plan --machine NAME` compares both)"
+        return layer, "auto: no machine model of this GPU to predict with (`flowtrain plan --machine NAME` compares both)", None
     micro = msgspec.structs.replace(req, order="micro")
     p_layer, p_micro = plan_one(layer), plan_one(micro)
     if not p_micro.fits:
-        return layer, None
+        return layer, None, p_layer
     if not p_layer.fits:
-        return micro, "auto: layer order does not fit, micro-batch order does"
+        return micro, "auto: layer order does not fit, micro-batch order does", p_micro
     from ..sim.predict import predict
 
     t_layer = predict(cfg, p_layer, layer, machine, policy).summary.tokens_per_s
     t_micro = predict(cfg, p_micro, micro, machine, policy).summary.tokens_per_s
     why = f"auto: predicted on {machine.name} {t_micro:,.0f} tok/s in micro-batch order, {t_layer:,.0f} in layer order"
-    return (micro if t_micro >= MARGIN * t_layer else layer), why
+    return (micro, why, p_micro) if t_micro >= MARGIN * t_layer else (layer, why, p_layer)
 
 
 def _this_gpu() -> Any:

@@ -707,9 +707,10 @@ def plan_run(cfg: ModelConfig, req: RunRequest, *, device: torch.device, dtype: 
     if req.batch_size < 1 or req.micro_batch_size < 1 or req.batch_size % req.micro_batch_size:
         raise ConfigError(f"--micro-batch-size {req.micro_batch_size} does not divide --batch-size {req.batch_size}")
     host_limit, gpu_limit = _limits(req, device, local_gpu)
-    req, order_choice = choose_order(cfg, req, lambda r: _plan_once(cfg, r, device, dtype, policy, host_limit, gpu_limit),
-                                     device_type=device.type, policy=policy, machine=machine, local_gpu=local_gpu)
-    plan = _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit)
+    req, order_choice, plan = choose_order(
+        cfg, req, lambda r: _plan_once(cfg, r, device, dtype, policy, host_limit, gpu_limit),
+        device_type=device.type, policy=policy, machine=machine, local_gpu=local_gpu)
+    plan = plan or _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit)
     plan.order_choice = order_choice
     divisors = [b for b in range(req.batch_size, 0, -1) if req.batch_size % b == 0]
     for b in divisors:

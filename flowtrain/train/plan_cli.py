@@ -91,7 +91,14 @@ def run(args: argparse.Namespace) -> int:
 
         machine = load_machine(args.machine)
     plan = plan_run(cfg, req, device=device, dtype=dtype, policy=args.policy, machine=machine)
-    choice = _choose_by_time(args, cfg, req, device, dtype) if processes == 1 else None
+    choice = None
+    if machine is not None and processes == 1:  # the fastest that fits, as the simulator predicts on --machine
+        import msgspec
+
+        from ..sim.choose import choose_fastest
+
+        resolved = msgspec.structs.replace(req, order=plan.spec.order)  # --order auto, decided above
+        choice = choose_fastest(cfg, resolved, machine, args.policy, device=device, dtype=dtype)
     if args.json:
         print(json.dumps({"model": args.model, **plan.to_dict(),
                           **({"fastest": choice.to_dict()} if choice else {})}, indent=1))
@@ -100,17 +107,6 @@ def run(args: argparse.Namespace) -> int:
         if choice:
             print(choice.explain())
     return 0 if plan.fits else 1
-
-
-# ---- the choice by predicted time (flowtrain.sim), only with --machine --------------------------
-def _choose_by_time(args: argparse.Namespace, cfg, req, device, dtype):  # noqa: ANN001
-    """Among configurations that fit, the fastest the simulator predicts on ``--machine``."""
-    if getattr(args, "machine", None) is None or device.type != "cuda":
-        return None
-    from ..sim.choose import choose_fastest
-    from ..sim.machine import load_machine
-
-    return choose_fastest(cfg, req, load_machine(args.machine), args.policy, device=device, dtype=dtype)
 
 
 def _gib(n: int | None) -> str:
