@@ -163,9 +163,8 @@ def _probe_cpu(notes: dict[str, str], quick: bool, disk_dir: str | None) -> dict
 # ---- the GPU ------------------------------------------------------------------------------------
 def _probe_gpu(notes: dict[str, str], quick: bool) -> dict:
     import torch
-    import torch.nn.functional as F
 
-    from ..train.model.attention import attention_backends
+    from ..train.model.attention import attend, attention_backends
 
     dev = torch.device("cuda")
     reps = 3 if quick else 10
@@ -215,9 +214,9 @@ def _probe_gpu(notes: dict[str, str], quick: bool) -> dict:
     qkv = [torch.randn(1, heads, seq, hd, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
     flops = 2 * seq * seq * heads * hd  # causal: half of 4 S^2 H D
     grad = torch.randn(1, heads, seq, hd, device=dev, dtype=torch.bfloat16)
-    with attention_backends("auto", "cuda"):
-        t_f = _cuda_seconds(lambda: F.scaled_dot_product_attention(*qkv, is_causal=True), reps)
-        t_fb = _cuda_seconds(lambda: F.scaled_dot_product_attention(*qkv, is_causal=True).backward(grad), reps)
+    with attention_backends("auto", "cuda"):  # the order applies to training's own call, attend
+        t_f = _cuda_seconds(lambda: attend(*qkv, None, None), reps)
+        t_fb = _cuda_seconds(lambda: attend(*qkv, None, None).backward(grad), reps)
     out["attention_fwd_tflops"] = round(flops / t_f / 1e12, 1)
     out["attention_bwd_tflops"] = round(2.5 * flops / max(t_fb - t_f, 1e-9) / 1e12, 1)
     notes["attention_fwd_tflops"] = f"probe: causal SDPA, {heads} heads x {seq} tokens x {hd}, backward counted as 2.5x the forward's FLOPs"
