@@ -37,7 +37,6 @@ Face checkpoint, so the model never exists twice in memory::
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 from typing import Iterable
 
@@ -47,52 +46,20 @@ from ..errors import CheckpointError, ConfigError
 from .model import ModelConfig, UnitLayout, init_unit, load_into, model_layouts, save_hf
 from .model.checkpoint import unit_tensors
 from .distributed import World
-from .shared_state import SharedArena, aligned, clear_cuda_error
+from .pinning import pin as pin_in_place
+from .shared_state import SharedArena, aligned
 from .host_layout import LAYOUTS, chunk_range, grad_chunks, slot_numel, staging_numel  # noqa: F401 - re-exported
 
 
 
 def pinned_zeros(n: int, pin: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A zeroed host tensor of ``n`` elements, page-locked when ``pin``.
-
-    Pinning registers the tensor's own pages with CUDA (``cudaHostRegister``) rather than using
-    torch's pinned allocator, which rounds every block up to a power of two (up to 2x the
-    memory for layer-sized buffers)."""
+    """A zeroed host tensor of ``n`` elements, page-locked when ``pin``: its own pages,
+    registered in place (:mod:`flowtrain.train.pinning`), or where that fails, a block of
+    torch's pinned allocator."""
     t = torch.zeros(n, dtype=dtype)
-    if pin and n > 0:
-        rc = torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)
-        if int(rc) == 0:
-            with _REGISTERED_LOCK:
-                _REGISTERED.append(t.data_ptr())
-        else:
-            # E.g. the range is still registered from a freed tensor that was not unpinned
-            # (:func:`unpin_all`); clear CUDA's error, then use torch's pinned allocator instead.
-            clear_cuda_error()
-            t = torch.zeros(n, dtype=dtype, pin_memory=True)
+    if pin and n > 0 and not pin_in_place(t):
+        t = torch.zeros(n, dtype=dtype, pin_memory=True)
     return t
-
-
-#: host ranges :func:`pinned_zeros` registered with CUDA, until :func:`unpin_all`
-_REGISTERED: list[int] = []
-_REGISTERED_LOCK = threading.Lock()
-
-
-def unpin_all() -> None:
-    """Unregister every buffer :func:`pinned_zeros` pinned, once a run is over: a registered
-    range outlives its tensor (freeing the memory does not tell CUDA), so a later run in the
-    same process could be handed the same addresses, still registered to the old pages. Waits
-    for the GPU first (no copy may be in flight); a GPU already in error is left as it is."""
-    with _REGISTERED_LOCK:
-        ptrs, _REGISTERED[:] = list(_REGISTERED), []
-    if not ptrs:
-        return
-    try:
-        torch.cuda.synchronize()
-    except RuntimeError:
-        return
-    for ptr in ptrs:
-        if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
-            clear_cuda_error()
 
 
 def all_finite(t: torch.Tensor, piece: int = 1 << 24) -> bool:

@@ -12,7 +12,7 @@ process is killed later::
     arena = SharedArena.open(world, {"pinned": pinned_bytes, "plain": plain_bytes}, pin=True)
     master = arena.take("pinned", numel, torch.float32)   # a view into the mapped file
     ...
-    arena.close()
+    unpin_all()                                            # flowtrain.train.pinning, after the run
 
 Each unit's Adam then runs in one process only (its owner, ``StepSpec.owner``); the
 ``sync_step`` barrier tells the others when the owners' updates are in. Resident units and the
@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from .distributed import World, node_barrier, node_broadcast
+from .pinning import pin
 
 #: Where the state's files go: shared memory where the machine has it.
 SHM_DIR = "/dev/shm"
@@ -51,15 +52,9 @@ class SharedArena:
     def __init__(self, buffers: dict[str, torch.Tensor], pinned: list[str]) -> None:
         self._buffers = buffers
         self._used = dict.fromkeys(buffers, 0)
-        self._registered: list[int] = []
-        for name in pinned:
-            buf = self._buffers[name]
-            if not buf.numel():
-                continue
-            if int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), buf.numel(), 0)) == 0:
-                self._registered.append(buf.data_ptr())
-            else:  # copies from it stay correct, only slower; do not leave CUDA's error set
-                clear_cuda_error()
+        for name in pinned:  # until the run's unpin_all; where it fails, copies are only slower
+            if buffers[name].numel():
+                pin(buffers[name])
 
     @classmethod
     def open(cls, world: World, sizes: dict[str, int], *, pin: bool) -> "SharedArena":
@@ -96,20 +91,3 @@ class SharedArena:
             raise RuntimeError(f"shared state file {file!r} is {buf.numel()} bytes, {hi} taken")
         self._used[file] = hi
         return buf[lo : lo + nbytes].view(dtype)
-
-    def close(self) -> None:
-        """Unpin (the mappings go with the tensors)."""
-        for ptr in self._registered:
-            if int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0:
-                clear_cuda_error()
-        self._registered = []
-
-
-def clear_cuda_error() -> None:
-    """A failed CUDA runtime call leaves its error as CUDA's "last error" until something reads
-    it, and the next kernel launch anywhere would report it as its own: let a throwaway op read
-    (and clear) it here."""
-    try:
-        torch.zeros(1, device="cuda").add_(1)
-    except RuntimeError:
-        pass

@@ -38,7 +38,8 @@ from ..runtime.trace import Instrument, TraceRecorder, lane_busy, write_chrome_t
 from . import checkpoints, defaults
 from .checks import check_compile_backend, check_output_paths, validate_numbers
 from .data import Sequences, default_corpus_path, load_sequences
-from .host_state import HostState, return_freed_memory, unpin_all
+from .host_state import HostState, return_freed_memory
+from .pinning import unpin_all
 from .model import ModelConfig, read_config
 from .model.config import MLP_CHUNK_TOKENS
 from .model.attention import attention_backends
@@ -322,8 +323,6 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
             reporter.close()
             if run.device.type == "cuda":  # the run's copies are over: give the pinned pages back
                 unpin_all()
-                if state.arena is not None:
-                    state.arena.close()
             leave(world)
             if recorder is not None:
                 _write_trace(run, recorder)
