@@ -55,6 +55,7 @@ from .order_choice import choose_order
 from .host_layout import LANDING_NUMEL, LAYOUTS, grad_chunks, slot_numel, staging_numel, undo_arena_bytes
 from .model.config import MLP_CHUNK_TOKENS, ModelConfig, default_chunk_tokens
 from .model.layout import model_layouts
+from .run_config import compile_backend
 
 if TYPE_CHECKING:
     import torch
@@ -562,7 +563,7 @@ def place_activations(plan: Plan, cfg: ModelConfig, req: RunRequest, dtype: torc
     if mode == "keep" and req.checkpoint_every != 1:
         raise ConfigError("--activations keep needs --activation-checkpoint-every 1: a segment of "
                           "several layers recomputes them all")
-    compiled = req.compile == "inductor" or (req.compile == "auto" and plan.device == "cuda")
+    compiled = compile_backend(req.compile, plan.device) == "inductor"
     per_layer = (kept_bytes_per_token(cfg, dtype, compiled) * req.micro_batch_size * req.seq_len
                  * _live_micro_batches(req))
     L = cfg.num_layers

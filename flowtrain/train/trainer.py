@@ -43,7 +43,7 @@ from .pinning import unpin_all
 from .model import ModelConfig, read_config
 from .model.config import MLP_CHUNK_TOKENS
 from .model.attention import attention_backends
-from .run_config import TrainConfig, load_model_config, precision_bytes, validate  # noqa: F401 - re-exported
+from .run_config import TrainConfig, compile_backend, load_model_config, precision_bytes, validate  # noqa: F401 - re-exported
 from .optimizer import AdamWConfig, LRSchedule
 from .output import remove_stale_temp, resolve_save_dtype, save_final_model
 from .plan import Plan, cap_gpu_memory, plan_run, run_request
@@ -70,17 +70,6 @@ def resolve_device(name: str) -> torch.device:
 
 def resolve_dtype(precision: str | None, device: torch.device) -> torch.dtype:
     return torch.float32 if precision_bytes(precision, device.type) == 4 else torch.bfloat16
-
-
-def resolve_compile(name: str | None, device: torch.device) -> str | None:
-    """The torch.compile backend for the layer, or None for eager. ``auto`` compiles on CUDA
-    (fused norms, rotary and SwiGLU: 8% faster than eager at W1 on the H200, docs/benchmarks.md)
-    and stays eager on the CPU, where compiling costs more than it saves on small test runs."""
-    if name in (None, "none", "eager"):
-        return None
-    if name == "auto":
-        return "inductor" if device.type == "cuda" else None
-    return name
 
 
 @dataclass
@@ -252,7 +241,7 @@ def build_state(run: Run) -> tuple[HostState, StepProgram]:
         node_barrier()  # the node's processes filled the shared state alike; none trains before all are done
     program = StepProgram(state, device=run.device, dtype=run.dtype, seq_len=cfg.seq_len,
                           checkpoint_every=cfg.checkpoint_every, budgets=plan.budgets, adamw=adamw_config(cfg),
-                          chunk_tokens=plan.chunk_tokens, compile_backend=resolve_compile(cfg.compile, run.device),
+                          chunk_tokens=plan.chunk_tokens, compile_backend=compile_backend(cfg.compile, run.device.type),
                           undo_bytes=int(cfg.undo_mem * 2**30) // spec.share, world=run.world,
                           owned=spec.owned_by(run.world.local_rank))
     return state, program
