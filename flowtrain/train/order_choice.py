@@ -42,7 +42,7 @@ def choose_order(cfg: Any, req: Any, plan_one: Callable[[Any], Any], *, device_t
         return layer, None, None
     machine = machine or (_this_gpu() if local_gpu else None)
     if machine is None:
-        return layer, "auto: no machine model of this GPU to predict with (`flowtrain plan --machine NAME` compares both)", None
+        return layer, "auto: no machine model of this GPU to predict with; `flowtrain plan --machine NAME` compares both", None
     micro = msgspec.structs.replace(req, order="micro")
     p_layer, p_micro = plan_one(layer), plan_one(micro)
     if not p_micro.fits:
