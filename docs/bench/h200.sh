@@ -54,7 +54,7 @@ for job in "$@"; do
     8bauto) bench 8bauto --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 ${EXTRA8:-} ;;
     8b10o) bench 8b10o --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size ${MB10:-2} --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 --trace "$OUT/8b10o-trace.json" ;;
     8b256ke) BT=520 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench 8b256ke --model llama-8b-256k --seq-len 262144 --batch-size 1 --micro-batch-size 1 --steps 2 --warmup 1 --host-mem 118 --trace "$OUT/8b256k-trace.json" ;;
-    3b512k) BT=520 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench 3b512k --model llama-3b-512k --seq-len 524288 --batch-size 1 --micro-batch-size 1 --steps 1 --warmup 0 --host-mem 118 ;;
+    3b512k) BT=575 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench 3b512k --model llama-3b-512k --seq-len 524288 --batch-size 1 --micro-batch-size 1 --steps 1 --warmup 0 --host-mem 118 ;;
     w1flash) bench w1flash $W --batch-size 4 --steps 7 --attention-backend flash ;;
     w2flash) bench w2flash $W --batch-size 16 --steps 5 --attention-backend flash ;;
     8b256k) bench 8b256k --model llama-8b-256k --seq-len 262144 --batch-size 1 --micro-batch-size 1 --steps 2 --warmup 1 --host-mem 118 ;;
