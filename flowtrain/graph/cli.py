@@ -25,6 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated layers whose activations stay for backward (no recompute), e.g. 2,3")
     p.add_argument("--offload", default="", metavar="LAYERS",
                    help="comma-separated layers whose input checkpoint waits in host memory for backward, e.g. 0,1")
+    p.add_argument("--save-attention", default="", metavar="LAYERS",
+                   help="comma-separated layers whose attention output stays for the rebuild before backward, e.g. 0,1")
     p.add_argument("--processes", type=int, default=1, metavar="N",
                    help="data parallel: N processes of a node sharing the host state (reduce_grad, sync_step)")
     p.add_argument("--steps", type=int, default=1, help="consecutive steps, linked by cpu_adam -> next fetch")
@@ -61,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
         grad_chunks=_chunks(args.grad_chunks),
         keep=_layers(args.keep, "--keep"),
         offload=_layers(args.offload, "--offload"),
+        save_attention=_layers(args.save_attention, "--save-attention"),
         reduce=args.processes > 1,
         share=args.processes,
     ).validate()

@@ -25,7 +25,9 @@ top of the segment down.
 Activations: a layer in ``keep`` runs its forward under autograd and keeps what the backward
 needs on the device; its ``forward`` and ``backward`` tasks carry phase ``"keep"`` and the
 backward computes no forward again. The graph's shape is the same (the backward still fetches
-the layer's weights: the kept tensors refer to the weights by place, not by copy).
+the layer's weights: the kept tensors refer to the weights by place, not by copy). A layer in
+``save_attention`` recomputes, but its forward keeps its attention output on the device and the
+rebuild before its backward skips attention: phase ``"attn"`` on both tasks, the same graph.
 
 Placement: a unit named in ``resident`` keeps its master weights and Adam state in device
 memory. It has no ``fetch``, ``zero_grad`` or ``offload_grad``: its tasks read the unit's own
@@ -117,6 +119,10 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: the layer's forward has read it (``offload_act``) and comes back before its backward
     #: (``fetch_act``): activation placement ``offload``.
     offload: tuple[int, ...] = ()
+    #: layers (not kept) whose forward keeps its attention output and log-sum-exp on the device
+    #: for the rebuild before its backward, which then runs no attention forward (activation
+    #: placement ``attention``): their ``forward`` and ``backward`` tasks carry phase ``"attn"``.
+    save_attention: tuple[int, ...] = ()
     #: data parallel: every unit's gradient is summed over the processes (``reduce_grad``)
     #: once this process's micro-batches are in, before it is handed off (offloaded, or, for
     #: a resident unit, normed and checked for the step's gate).
@@ -183,6 +189,15 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
         if bad or len(set(self.offload)) != len(self.offload):
             raise ConfigError(f"offloaded layers {bad or list(self.offload)} must be distinct layers whose input is a "
                               f"checkpoint: multiples of --activation-checkpoint-every, not kept")
+        if self.save_attention and self.checkpoint_every != 1:
+            raise ConfigError(
+                "saved attention outputs need a checkpoint at every layer: use --activation-checkpoint-every 1 "
+                "with --activations attention (a segment's recompute tasks would run attention again)"
+            )
+        bad = sorted(i for i in self.save_attention if not 0 <= i < self.layers or i in self.keep)
+        if bad or len(set(self.save_attention)) != len(self.save_attention):
+            raise ConfigError(f"layers saving attention {bad or list(self.save_attention)} must be distinct layers "
+                              f"of 0..{self.layers - 1}, not kept")
         if self.share < 1 or (self.share > 1 and not self.reduce):
             raise ConfigError(f"share must be 1, or the processes of a node with reduce (got {self.share})")
         if any(c < 1 for c in self.grad_chunks.values()):
@@ -293,8 +308,11 @@ class _StepBuilder(_Builder):
             self.dep(slot_task, consumer, reads=True)
 
     def layer_phase(self, i: int) -> str | None:
-        """The phase of layer i's forward and backward: ``"keep"`` where its activations stay."""
-        return "keep" if i in self.spec.keep else None
+        """The phase of layer i's forward and backward: ``"keep"`` where its activations stay,
+        ``"attn"`` where its attention output does."""
+        if i in self.spec.keep:
+            return "keep"
+        return "attn" if i in self.spec.save_attention else None
 
     # ---- forward: embed, layer forwards, loss ------------------------------------------
     def forward(self, mbs: Iterable[int], fetch_mb: int | None) -> None:

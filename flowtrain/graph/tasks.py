@@ -20,7 +20,8 @@ every node of an exported graph has ``kind``, ``layer``, ``micro_batch`` and ``l
 - ``phase``: for ``fetch``, which pass the weights are fetched for; ``"eval"`` on the
   ``fetch``, ``embed`` and ``forward`` tasks of a held-out loss graph, which keeps them apart
   from the training step's tasks of the same step; ``"keep"`` on the ``forward`` and
-  ``backward`` of a layer whose activations stay on the device for its backward (no recompute).
+  ``backward`` of a layer whose activations stay on the device for its backward (no recompute);
+  ``"attn"`` on those of a layer whose attention output stays (its rebuild skips attention).
 - ``chunk``: for ``offload_grad`` and ``cpu_adam`` under the staged gradient layout, which
   piece of the unit's gradient passes through one host staging slot (``None`` otherwise).
 

@@ -15,7 +15,8 @@ it (:class:`~flowtrain.sim.machine.Machine`)::
   its saved input), twice its GEMM FLOPs, the attention backward (2.5x the forward's FLOPs,
   as flash attention counts it), twice the elementwise passes and the fp32 accumulation of the
   weight gradient. A layer whose forward kept its activations (phase ``keep``,
-  ``--activations``) runs no forward again in its backward.
+  ``--activations``) runs no forward again in its backward; one that kept its attention output
+  (phase ``attn``) runs no attention forward again.
 - ``loss``: head forward and backward (three GEMMs of ``tokens x hidden x vocab`` in loss
   chunks) plus passes over the fp32 logits.
 - ``fetch`` / ``offload_grad``, and ``offload_act`` / ``fetch_act`` (one micro-batch's layer
@@ -150,7 +151,8 @@ class CostModel:
         forward = gemms + attn_fwd + ew
         accumulate = self.hbm_seconds(s.layer_numel * (s.compute_bytes + 8))
         backward = forward + 2 * gemms + attn_bwd + 2 * ew + accumulate
-        return {"forward": forward, "backward": backward, "gemms": gemms, "attention": attn_fwd + attn_bwd}
+        return {"forward": forward, "backward": backward, "gemms": gemms, "attention": attn_fwd + attn_bwd,
+                "attention_forward": attn_fwd}
 
     def _loss_seconds(self, backward: bool) -> float:
         s = self.s
@@ -192,8 +194,7 @@ class CostModel:
             case "forward" | "recompute":
                 return self._layer["forward"] + launch
             case "backward":
-                rebuild = self._layer["forward"] if task.phase == "keep" else 0.0  # kept: nothing to rebuild
-                return self._layer["backward"] - rebuild + launch
+                return self._layer["backward"] - self._skipped(task.phase) + launch
             case "loss":
                 return self._loss_seconds(backward=True) + launch
             case "eval_loss":
@@ -227,6 +228,13 @@ class CostModel:
             case "fetch" | "offload_grad" | "offload_act" | "fetch_act":
                 return self.copy_seconds(task, other_direction_busy=False)
         return launch
+
+    def _skipped(self, phase: str | None) -> float:
+        """What a layer's backward does not run again: the whole forward where its activations
+        were kept, the attention forward where its attention output was."""
+        if phase == "keep":
+            return self._layer["forward"]
+        return self._layer["attention_forward"] if phase == "attn" else 0.0
 
     def reduce_seconds(self, nbytes: float) -> float:
         """A ring all-reduce of ``nbytes`` over the processes: each sends and receives

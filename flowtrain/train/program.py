@@ -20,7 +20,10 @@ Device buffers, allocated once:
   otherwise. An offloaded checkpoint (``offload_act``) waits in a pinned host buffer kept per
   ``(layer, micro_batch)`` and reused every step; ``fetch_act`` brings it back into one of
   ``budgets["acts"]`` device buffers (a slot: the engine makes the next copy into it wait for
-  the backward tasks that read it), so no copy back allocates device memory.
+  the backward tasks that read it), so no copy back allocates device memory. A layer whose
+  forward and backward carry phase ``"attn"`` also keeps its attention output and log-sum-exp
+  (``attn_records``) for its rebuild, which then runs no attention forward
+  (:mod:`flowtrain.train.model.saved_attention`).
 
 Host buffers: in the staged layouts, ``budgets["host_grads"]`` pinned staging slots, each the
 size of the largest streamed layer; ``offload_grad`` of chunk ``c`` copies that piece of the
@@ -52,6 +55,7 @@ without a host sync per layer: :mod:`flowtrain.train.nonfinite`.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import threading
 import warnings
@@ -95,6 +99,7 @@ from .model import bind, decoder_layer, embed, head_loss, head_loss_and_grads, r
 from .kept import Kept, backward_kept, forward_kept
 from .model.gemma import embed_multiplier
 from .model.attention import Documents, rotary_for
+from .model.saved_attention import AttentionRecord, recording, replaying
 from .nonfinite import (SKIP, Injection, Saved, StepCheck, UndoBudget, injection_from_env, nonfinite,
                         undo_arena_bytes)
 from .optimizer import AdamWConfig, adamw_step, clip_coefficient, decay_segments, no_decay_ranges
@@ -191,6 +196,8 @@ class StepProgram:
         self.act_slots: dict[int, torch.Tensor] = {}
         #: kept layers' forward graphs until their backward (activation placement "keep")
         self.kept: dict[tuple[int, int, int], Kept] = {}
+        #: attention outputs kept by forwards for their layer's rebuild (placement "attention")
+        self.attn_records: dict[tuple[int, int, int], AttentionRecord] = {}
         self.dev_ids: dict[tuple[int, int], torch.Tensor] = {}
         self.dev_targets: dict[tuple[int, int], torch.Tensor] = {}
         #: packed micro-batches' documents and their gathered rotary tables, by (phase, step, mb)
@@ -471,6 +478,11 @@ class StepProgram:
             return
         keep = isinstance(task, Recompute) or i % self.k == 0  # type: ignore[operator]
         x = self._layer_input(s, i, m, keep=keep)  # type: ignore[arg-type]
+        if task.phase == "attn":  # its attention output waits for the rebuild: saved_attention
+            record = self.attn_records[(s, i, m)] = AttentionRecord()  # type: ignore[index]
+            with recording(record):
+                self.acts[(s, i + 1, m)] = self._layer("train", s, i, m, x, w)  # type: ignore[arg-type, index]
+            return
         self.acts[(s, i + 1, m)] = self._layer("train", s, i, m, x, w)  # type: ignore[arg-type, index]
 
     def _head_tensors(self, ctx: TaskContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -537,7 +549,8 @@ class StepProgram:
             dx, dw = backward_kept(self.kept.pop((s, i, m)), self._weights(unit, ctx)[:n], dy)  # type: ignore[arg-type]
         else:
             x = self.acts.pop((s, i, m))  # type: ignore[arg-type]
-            with torch.enable_grad():
+            record = self.attn_records.pop((s, i, m), None) if task.phase == "attn" else None  # type: ignore[arg-type]
+            with torch.enable_grad(), replaying(record) if record is not None else contextlib.nullcontext():
                 x = x.detach().requires_grad_(True)
                 flat = self._weights(unit, ctx)[:n].detach().requires_grad_(True)
                 y = self._layer("train", s, i, m, x, bind(flat, unit.layout))  # type: ignore[arg-type]

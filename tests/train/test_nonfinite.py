@@ -51,14 +51,15 @@ class Run:
 
     def __init__(self, *, tied=False, vocab=64, layout="staged", resident=(), clip=None, policy="double_buffer",
                  order="layer", dtype=torch.float32, inject=None, undo_bytes=1 << 30, device="cpu",
-                 cpu_workers=1) -> None:
+                 cpu_workers=1, save_attention=()) -> None:
         cfg = ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_layers=LAYERS, num_heads=4,
                           num_kv_heads=2, max_position_embeddings=64, tie_word_embeddings=tied)
         layouts = model_layouts(cfg)
         staged = layout != "full"
         chunks = grad_chunks(layouts, resident, staging_numel(layouts, resident)) if staged else {}
         self.spec = StepSpec(layers=LAYERS, micro_batches=ROWS // MICRO, order=order, tied=tied,
-                             grad_clip=clip is not None, resident=tuple(resident), staged=staged, grad_chunks=chunks)
+                             grad_clip=clip is not None, resident=tuple(resident), staged=staged, grad_chunks=chunks,
+                             save_attention=tuple(save_attention))
         self.device = device
         self.state = HostState.create(cfg, pin=device != "cpu", layout=layout, resident=resident, device=device,
                                       dtype=dtype, chunks=chunks)
@@ -131,7 +132,8 @@ PLACEMENTS = {
     "resident-mid-micro": dict(layout="full", resident=("layer.1",), order="micro", policy="lookahead"),
     "clip": dict(layout="full", clip=1.0),
     "clip-resident": dict(layout="full", clip=1.0, resident=("embed", "head", "layer.0"), policy="sequential"),
-    "tied-chunks": dict(tied=True, vocab=512),  # embedding and head pass through staging in chunks
+    "tied-chunks": dict(tied=True, vocab=512),
+    "saved-attention": dict(save_attention=(0, 1), order="micro"),  # embedding and head pass through staging in chunks
     "tied-full-resident-layer": dict(tied=True, layout="full", resident=("layer.1",)),
 }
 _REFERENCES: dict[str, dict] = {}

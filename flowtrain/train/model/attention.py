@@ -42,6 +42,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
+from flowtrain.train.model import saved_attention
+
 if TYPE_CHECKING:
     from flowtrain.train.model.config import ModelConfig
 
@@ -74,16 +76,25 @@ def attention_backends(name: str, device_type: str) -> Iterator[None]:
         _BACKEND = before
 
 
-def _causal_sdpa(q: Tensor, k: Tensor, v: Tensor, gqa: bool, scale: float | None) -> Tensor:
-    """SDPA with ``is_causal``, under the run's kernel order where one is set."""
+def _kernel_order() -> list[SDPBackend] | None:
+    """The run's kernel priority (``--attention-backend``), or None for PyTorch's own."""
     if _BACKEND is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
+        return None
     if _BACKEND == "flash":  # PyTorch's own order
-        order = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH,
-                 SDPBackend.CUDNN_ATTENTION]
-    else:
-        order = [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
-                 SDPBackend.MATH]
+        return [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH,
+                SDPBackend.CUDNN_ATTENTION]
+    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION,
+            SDPBackend.MATH]
+
+
+def _causal_sdpa(q: Tensor, k: Tensor, v: Tensor, gqa: bool, scale: float | None) -> Tensor:
+    """SDPA with ``is_causal``, under the run's kernel order where one is set; while an
+    attention record is open, through :func:`~flowtrain.train.model.saved_attention.causal`."""
+    order = _kernel_order()
+    if saved_attention.MODE is not None:
+        return saved_attention.causal(q, k, v, gqa, scale, order)
+    if order is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
     with sdpa_kernel(order, set_priority=True):
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
 
