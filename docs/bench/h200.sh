@@ -31,7 +31,8 @@ W="--model llama-3b --seq-len 4096 --micro-batch-size 4 --host-mem 110"
 for job in "$@"; do
   case $job in
     info) nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee -a "$OUT/log.txt"; free -g | tee -a "$OUT/log.txt" ;;
-    tests) log tests; timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/train/test_gpu.py tests/train/model/test_model_gpu.py tests/train/model/test_attention.py 2>&1 | tail -15 | tee -a "$OUT/log.txt" ;;
+    tests) log tests; timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/train/test_gpu.py tests/train/model/test_model_gpu.py tests/train/model/test_attention.py tests/train/test_saved_attention.py 2>&1 | tail -15 | tee -a "$OUT/log.txt" ;;
+    attntests) log attntests; timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/train/test_saved_attention.py 2>&1 | tail -8 | tee -a "$OUT/log.txt" ;;
     w1) bench w1 $W --batch-size 4 --steps 7 --trace "$OUT/w1-trace.json" ;;
     w1tr) FT="python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m flowtrain" bench w1tr $W --batch-size 4 --steps 7 ;;  # W1 under torchrun, one process
     w1c) bench w1c $W --batch-size 4 --steps 7 --compile ;;
@@ -53,7 +54,7 @@ for job in "$@"; do
     8bm) bench 8bm --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 8 --order micro --resident embed,head --steps 3 --warmup 1 --host-mem 118 ;;  # flowtrain plan --machine h200's choice
     8bauto) bench 8bauto --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 ${EXTRA8:-} ;;
     8b10o) bench 8b10o --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size ${MB10:-2} --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 --trace "$OUT/8b10o-trace.json" ;;
-    8b256ke) BT=520 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench 8b256ke --model llama-8b-256k --seq-len 262144 --batch-size 1 --micro-batch-size 1 --steps 2 --warmup 1 --host-mem 118 --trace "$OUT/8b256k-trace.json" ;;
+    8b256ke) BT=${BT:-520} PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench 8b256ke --model llama-8b-256k --seq-len 262144 --batch-size 1 --micro-batch-size 1 --steps 2 --warmup 1 --host-mem 118 --trace "$OUT/8b256k-trace.json" ;;
     3b512k) BT=575 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench 3b512k --model llama-3b-512k --seq-len 524288 --batch-size 1 --micro-batch-size 1 --steps 1 --warmup 0 --host-mem 118 ;;
     w1flash) bench w1flash $W --batch-size 4 --steps 7 --attention-backend flash ;;
     w2flash) bench w2flash $W --batch-size 16 --steps 5 --attention-backend flash ;;

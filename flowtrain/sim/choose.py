@@ -128,7 +128,7 @@ def choose_fastest(cfg: Any, req: Any, machine: Machine, policy: str = "double_b
         "resident": list(dict.fromkeys((req.resident, "auto", "embed,head", "none"))),
         "layout": list(dict.fromkeys((req.layout, *layouts))),
         "activations": list(dict.fromkeys((req.activations, "auto", "recompute", "offload",
-                                           *(("keep",) if req.checkpoint_every == 1 else ())))),
+                                           *(("keep", "attention") if req.checkpoint_every == 1 else ())))),
     }
     start = {"policy": policy, "micro_batch_size": req.micro_batch_size, "order": req.order, "resident": req.resident,
              "layout": req.layout, "activations": req.activations}

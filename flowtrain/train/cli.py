@@ -112,10 +112,12 @@ def add_memory_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -
     a("--gpu-mem", type=float, default=None, metavar="GiB", help="cap on the GPU memory flowtrain takes (enforced)")
     a("--host-mem", type=float, default=None, metavar="GiB", help="host memory to plan for (default: what is available)")
     a("--chunk-tokens", type=int, default=None, help="tokens per loss chunk (default: planned)")
-    a("--activations", choices=["auto", "keep", "offload", "recompute"], default="auto",
+    a("--activations", choices=["auto", "keep", "offload", "recompute", "attention"], default="auto",
       help="keep each layer's activations on the GPU for its backward (no recompute), offload its "
-           "checkpoint to host memory until its backward, or recompute from checkpoints on the GPU; "
-           "auto: checkpoints on the GPU as the budget holds (the rest offloaded), then kept layers "
+           "checkpoint to host memory until its backward, recompute from checkpoints on the GPU, or "
+           "recompute but keep each layer's attention output (the rebuild skips attention; checkpoints "
+           "offloaded as needed); auto: checkpoints on the GPU as the budget holds (the rest offloaded), "
+           "then kept layers, and at long sequences saved attention outputs where they save more "
            "(recompute on the CPU)")
     a("--activation-checkpoint-every", "--checkpoint-every", dest="checkpoint_every", type=int, default=1,
       metavar="K", help="with recompute: keep a layer input every K layers and recompute the layers "

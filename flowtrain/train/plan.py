@@ -34,8 +34,9 @@ finite; see :mod:`flowtrain.train.nonfinite`) and ``data`` (the token batches in
 ``landing`` (the fp32 piece buffer of casting fetches), ``grad_slots``, ``resident`` (master, m,
 v, gradient and compute copy: 18 bytes per parameter in bf16), ``checkpoints``, ``recompute``,
 ``layer_work`` (one layer under autograd), ``kept_activations`` (the layers whose forward
-keeps its activations for backward instead of recomputing: :func:`place_activations`) and
-``loss_chunks``. On a CPU-only run the GPU
+keeps its activations for backward instead of recomputing: :func:`place_activations`),
+``saved_attention`` (the recomputing layers whose forward keeps its attention output for the
+rebuild: :mod:`.plan_attention`) and ``loss_chunks``. On a CPU-only run the GPU
 categories are host memory too.
 """
 
@@ -52,6 +53,7 @@ from ..errors import ConfigError
 from ..graph.compiler import StepSpec, compile_step
 from ..graph.tasks import ACTS, GRADS, HOST_GRADS, WEIGHTS
 from .order_choice import choose_order
+from .plan_attention import attention_pays, forward_flops_saved, plan_saved_attention
 from .host_layout import LANDING_NUMEL, LAYOUTS, grad_chunks, slot_numel, staging_numel, undo_arena_bytes
 from .model.config import MLP_CHUNK_TOKENS, ModelConfig, default_chunk_tokens
 from .model.layout import model_layouts
@@ -61,6 +63,8 @@ if TYPE_CHECKING:
     import torch
 
 GiB = 2**30
+#: ``--activations``: where each layer's activations wait for its backward (see TrainConfig)
+ACTIVATIONS = ("auto", "keep", "offload", "recompute", "attention")
 #: Host items that the processes of a node share (one copy per node, ``StepSpec.share``).
 SHARED_HOST = ("master", "adam", "streaming_copy")
 #: Host memory of the process itself (interpreter, torch, flowtrain; on CUDA also the CUDA
@@ -96,7 +100,7 @@ class RunRequest(msgspec.Struct, kw_only=True):
     batch_size: int
     micro_batch_size: int
     checkpoint_every: int = 1
-    #: "keep", "offload", "recompute" or "auto" (see TrainConfig.activations)
+    #: "keep", "offload", "recompute", "attention" or "auto" (see TrainConfig.activations)
     activations: str = "auto"
     order: str = "layer"
     grad_clip: bool = False
@@ -488,6 +492,9 @@ def _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
     checkpoints leave, as long as they fit."""
     if req.activations == "offload":
         return _bring_back(_plan_state(cfg, req, device, dtype, policy, host_limit, gpu_limit), cfg, req)
+    if req.activations == "attention":
+        _check_activations(req)
+        return _with_saved_attention(cfg, req, device, dtype, policy, host_limit, gpu_limit, every=True)
     plan = _plan_state(cfg, req, device, dtype, policy, host_limit, gpu_limit)
     if req.activations == "auto" and device.type == "cuda" and (not plan.fits or _squeezed(plan, policy)):
         offloading = msgspec.structs.replace(req, activations="offload")
@@ -498,7 +505,24 @@ def _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
             if away.spec.offload:
                 return away
             plan = away
-    return place_activations(plan, cfg, req, dtype)
+    plan = place_activations(plan, cfg, req, dtype)
+    if (req.activations == "auto" and device.type == "cuda" and req.checkpoint_every == 1
+            and attention_pays(cfg, req.seq_len)):
+        saving = _with_saved_attention(cfg, req, device, dtype, policy, host_limit, gpu_limit, every=False)
+        if saving is not None and saving.fits and (
+                forward_flops_saved(saving, cfg, req.seq_len) > forward_flops_saved(plan, cfg, req.seq_len)):
+            return saving
+    return plan
+
+
+def _with_saved_attention(cfg, req, device, dtype, policy, host_limit, gpu_limit, every: bool) -> Plan | None:
+    """The plan that saves attention outputs (:mod:`.plan_attention`): the state placed with
+    residency only for capacity and every checkpoint offloaded, then the GPU spent."""
+    return plan_saved_attention(
+        cfg, req, dtype.itemsize, req.micro_batch_size * req.seq_len * _live_micro_batches(req),
+        lambda r: _plan_state(cfg, r, device, dtype, policy, host_limit, gpu_limit, speed=False),
+        _offload_in_flight(req, req.micro_batch_size * req.seq_len * cfg.hidden_size * dtype.itemsize),
+        _act_slots(req), every)
 
 
 def _squeezed(plan: Plan, policy: Any, than: Plan | None = None) -> bool:
@@ -558,11 +582,7 @@ def place_activations(plan: Plan, cfg: ModelConfig, req: RunRequest, dtype: torc
     layers need a checkpoint at every layer, so ``--activation-checkpoint-every`` above 1 means
     recompute or offload."""
     mode = req.activations
-    if mode not in ("auto", "keep", "offload", "recompute"):
-        raise ConfigError(f"--activations must be auto, keep, offload or recompute (got {mode!r})")
-    if mode == "keep" and req.checkpoint_every != 1:
-        raise ConfigError("--activations keep needs --activation-checkpoint-every 1: a segment of "
-                          "several layers recomputes them all")
+    _check_activations(req)
     compiled = compile_backend(req.compile, plan.device) == "inductor"
     per_layer = (kept_bytes_per_token(cfg, dtype, compiled) * req.micro_batch_size * req.seq_len
                  * _live_micro_batches(req))
@@ -583,6 +603,15 @@ def place_activations(plan: Plan, cfg: ModelConfig, req: RunRequest, dtype: torc
     plan.spec = msgspec.structs.replace(plan.spec, keep=tuple(range(L - n, L)))
     plan.gpu = {**plan.gpu, "checkpoints": checkpoints, "kept_activations": n * per_layer}
     return plan
+
+
+def _check_activations(req: RunRequest) -> None:
+    mode = req.activations
+    if mode not in ACTIVATIONS:
+        raise ConfigError(f"--activations must be one of {', '.join(ACTIVATIONS)} (got {mode!r})")
+    if mode in ("keep", "attention") and req.checkpoint_every != 1:
+        raise ConfigError(f"--activations {mode} needs --activation-checkpoint-every 1: a segment of "
+                          "several layers recomputes them all")
 
 
 def _bring_back(plan: Plan, cfg: ModelConfig, req: RunRequest) -> Plan:
@@ -612,8 +641,10 @@ def _bring_back(plan: Plan, cfg: ModelConfig, req: RunRequest) -> Plan:
     return plan
 
 
-def _plan_state(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
-    """Layout, resident units, loss chunk and slot budgets for one micro-batch size."""
+def _plan_state(cfg, req, device, dtype, policy, host_limit, gpu_limit, speed: bool = True) -> Plan:
+    """Layout, resident units, loss chunk and slot budgets for one micro-batch size. Without
+    ``speed``, ``--resident auto`` makes units resident only as host memory needs, and no slots
+    are added for a backlog (:func:`_backlog`)."""
     layout = _layout(req)
     explicit = _explicit_resident(req)
     default_chunk = req.chunk_tokens or default_chunk_tokens(cfg.vocab_size)
@@ -622,7 +653,7 @@ def _plan_state(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
         """The plan for one placement, shrunk to the GPU budget: smaller loss chunks first, then
         one gradient accumulator instead of two, then one weight slot (no prefetch)."""
         chunk, shrink = default_chunk, {}
-        if device.type == "cuda" and (req.batch_size == req.micro_batch_size or req.order == "micro"):
+        if speed and device.type == "cuda" and (req.batch_size == req.micro_batch_size or req.order == "micro"):
             for weights in (True, False):
                 p = _make(cfg, req, device, dtype, policy, layout, resident, chunk, shrink,
                           _backlog(cfg, resident, weights))
@@ -645,15 +676,16 @@ def _plan_state(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
 
     if explicit is not None or device.type != "cuda":
         return build(explicit or ())
-    return _choose_resident(cfg, build, policy)
+    return _choose_resident(cfg, build, policy, speed)
 
 
-def _choose_resident(cfg: ModelConfig, build, policy: Any) -> Plan:  # noqa: ANN001 - build(resident) -> Plan
+def _choose_resident(cfg: ModelConfig, build, policy: Any, speed: bool = True) -> Plan:  # noqa: ANN001 - build(resident) -> Plan
     """The resident units: embedding and head if they fit, then layers bottom-up, as many as
     the GPU holds up to the speed set (a third of the layers: past it, one more resident layer
     saves less than it costs in slots) without shrinking the weight and gradient slots (a
     resident layer saves less than a prefetch slot costs), and past that only as many as host
-    memory needs.
+    memory needs. Without ``speed``, only the layers host memory needs (where the step is long
+    enough that fetches and CPU Adam hide behind compute, residency buys nothing).
 
     GPU bytes grow and host bytes shrink with every resident layer, so the count is found by
     bisection: about 2 log2(layers) plans instead of one per layer (a 100-layer plan compiles
@@ -661,10 +693,12 @@ def _choose_resident(cfg: ModelConfig, build, policy: Any) -> Plan:  # noqa: ANN
     L = cfg.num_layers
     plan = build(())
     head = ("embed", "head")
-    trial = build(head)
-    base = head if trial.gpu_fits and not _squeezed(trial, policy) else ()
-    if base:
-        plan = trial
+    base: tuple[str, ...] = ()
+    if speed:
+        trial = build(head)
+        base = head if trial.gpu_fits and not _squeezed(trial, policy) else ()
+        if base:
+            plan = trial
     layers = [f"layer.{i}" for i in range(L)]
     tried: dict[int, Plan] = {0: plan}
 
@@ -686,8 +720,8 @@ def _choose_resident(cfg: ModelConfig, build, policy: Any) -> Plan:  # noqa: ANN
     def fits(k: int) -> bool:  # on the GPU without giving up slots the policy proposes
         return at(k).gpu_fits and not _squeezed(at(k), policy)
 
-    speed = min(L, math.ceil(L / 3))
-    k0 = speed if fits(speed) else first(1, speed, lambda k: not fits(k)) - 1  # the most that fit
+    n_speed = min(L, math.ceil(L / 3)) if speed else 0
+    k0 = n_speed if fits(n_speed) else first(1, n_speed, lambda k: not fits(k)) - 1  # the most that fit
     if at(k0).host_fits:
         return at(k0)
     # Then add layers until host memory fits or the GPU is full (slots may shrink here: this
@@ -731,13 +765,15 @@ def _changes(plan: Plan, req: RunRequest, policy: Any) -> list[tuple[str, RunReq
     replace = msgspec.structs.replace
     out = []
     mbs, steps = req.micro_batch_size, req.batch_size // req.micro_batch_size
-    if req.activations in ("keep", "recompute"):  # checkpoints to host memory: PCIe time, often hidden
+    if req.activations == "attention":  # as many saved outputs as fit, and the rest recompute
+        out.append(("--activations auto", replace(req, activations="auto"), policy))
+    if req.activations in ("keep", "recompute", "attention"):  # checkpoints to host memory: PCIe time, often hidden
         out.append(("--activations offload", replace(req, activations="offload"), policy))
     for n in sorted({steps - 1, *(steps >> i for i in range(1, steps.bit_length()))} - {0}, reverse=True):
         # fewer micro-batches per step: fewer layer inputs kept for backward
         out.append((f"--batch-size {n * mbs}", replace(req, batch_size=n * mbs), policy))
     for k in (2, 4, 8):
-        if k != req.checkpoint_every and req.activations != "keep":  # kept layers need every layer's input
+        if k != req.checkpoint_every and req.activations not in ("keep", "attention"):  # these need every layer's input
             out.append((f"--checkpoint-every {k}", replace(req, checkpoint_every=k), policy))
     if plan.spec.resident and req.resident != "none":
         out.append(("--resident none", replace(req, resident="none"), policy))

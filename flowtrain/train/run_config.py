@@ -43,9 +43,11 @@ class TrainConfig(msgspec.Struct, kw_only=True):
     checkpoint_every: int = 1
     #: activation placement: "keep" (a layer's backward reuses its forward's activations, held
     #: on the GPU), "recompute" (backward runs the forward again from checkpoints on the GPU),
-    #: "offload" (recompute, from checkpoints that wait in host memory) or "auto" (on a GPU:
-    #: checkpoints on the GPU as the budget holds, the rest offloaded, then kept layers;
-    #: recompute on the CPU)
+    #: "offload" (recompute, from checkpoints that wait in host memory), "attention" (recompute,
+    #: but each layer's forward keeps its attention output, which the rebuild takes instead of
+    #: running attention again) or "auto" (on a GPU: checkpoints on the GPU as the budget holds,
+    #: the rest offloaded, then kept layers; at long sequences saved attention outputs where
+    #: they save more, flowtrain.train.plan_attention; recompute on the CPU)
     activations: str = "auto"
     #: micro-batch order: "layer", "micro" or "auto" (micro where the planner predicts it faster
     #: on this GPU's machine model, flowtrain.train.order_choice; else layer)

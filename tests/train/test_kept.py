@@ -75,12 +75,20 @@ def _train(tmp_path, name, model, data, *extra):
     return load_file(out / "model.safetensors")
 
 
-@pytest.mark.parametrize("spec", [dict(model_type="llama", tied=True),
-                                  dict(model_type="gemma3_text", head_dim=8, sliding_window=5,
-                                       layer_types=["sliding_attention", "full_attention", "sliding_attention"])],
-                         ids=["llama-tied", "gemma3"])
-@pytest.mark.parametrize("extra", [[], ["--resident", "layer.1", "--policy", "sequential"], ["--order", "micro"]],
-                         ids=["streamed", "resident-sequential", "micro-order"])
+#: the models and placements a placement's run is compared with recompute on (also by
+#: test_saved_attention.py)
+RUN_MODELS = pytest.mark.parametrize(
+    "spec", [dict(model_type="llama", tied=True),
+             dict(model_type="gemma3_text", head_dim=8, sliding_window=5,
+                  layer_types=["sliding_attention", "full_attention", "sliding_attention"])],
+    ids=["llama-tied", "gemma3"])
+RUN_PLACEMENTS = pytest.mark.parametrize(
+    "extra", [[], ["--resident", "layer.1", "--policy", "sequential"], ["--order", "micro"]],
+    ids=["streamed", "resident-sequential", "micro-order"])
+
+
+@RUN_MODELS
+@RUN_PLACEMENTS
 def test_keep_trains_bit_identically_to_recompute(tmp_path, spec, extra):
     make_checkpoint(tmp_path / "model", layers=3, seed=3, **spec)
     make_data(tmp_path / "data.jsonl", seed=4)

@@ -120,10 +120,11 @@ def test_matches_hf_adamw(setup, tmp_path, policy, spacing):
     assert_same_weights(tmp_path / "out", ref)
 
 
-@pytest.mark.parametrize("activations, spacing", [("keep", 1), ("offload", 1), ("offload", 2)])
+@pytest.mark.parametrize("activations, spacing", [("keep", 1), ("offload", 1), ("offload", 2), ("attention", 1)])
 @pytest.mark.parametrize("order", ["layer", "micro"])
 def test_activation_placements_match_hf(setup, tmp_path, activations, spacing, order):
-    """Kept activations and checkpoints offloaded to host memory train the reference's weights."""
+    """Kept activations, checkpoints offloaded to host memory and saved attention outputs train
+    the reference's weights."""
     d, ref, _ = setup
     run_flowtrain(d / "model", d / "data.jsonl", tmp_path / "out", "--activations", activations,
                   "--checkpoint-every", str(spacing), "--order", order)
