@@ -438,7 +438,9 @@ class StepProgram:
         x = self.acts.pop(key)  # type: ignore[arg-type]
         buf = self.act_host.get(key[1:])  # type: ignore[arg-type]
         if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
-            buf = torch.empty(x.shape, dtype=x.dtype, pin_memory=self._pin)
+            # page-locked in place: torch's pinned allocator would round a 3 GiB checkpoint up to
+            # 4 GiB (a power of two), host memory the plan does not have
+            buf = pinned_zeros(x.numel(), self._pin, x.dtype).view(x.shape)
             self.act_host[key[1:]] = buf  # type: ignore[index]
         buf.copy_(x, non_blocking=self._non_blocking)
         if self.device.type == "cuda":

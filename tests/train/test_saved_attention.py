@@ -121,6 +121,7 @@ def test_packed_documents_and_windows_keep_nothing_and_run_attention_again():
 
 
 @pytest.mark.filterwarnings("ignore:The .grad attribute of a Tensor that is not a leaf")
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")  # torch's compiler stack, on some versions
 def test_a_compiled_layer_records_and_replays_without_recompiling_per_record():
     """In a compiled layer the kept call is a graph break (one compile per mode, not one per
     record: the record is never read by traced code); values as the eager plain rebuild."""
