@@ -8,7 +8,7 @@ the size of the layer input): one layer of an 8B Llama on one sequence of 262,14
 about 1 s of its 5.8 s for 2 GiB, where at 4,096 tokens a kept layer saves more per byte.
 
 So ``--activations auto`` considers it where attention's forward outweighs the layer's GEMMs
-(:func:`attention_pays`: ``seq_len x heads x head_dim >= layer parameters``, from about 32K
+(:func:`attention_pays`: ``seq_len x heads x head_dim >= layer parameters``, from about 33K
 tokens for llama-3b), and plans it the way such a step wants memory spent:
 
 1. every unit streamed unless host memory needs some resident: at these lengths a step is
