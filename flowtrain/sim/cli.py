@@ -52,13 +52,12 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 2:
         raise ConfigError(f"--steps must be at least 2 to see a steady step (got {args.steps})")
     machine = load_machine(args.machine)
-    cfg, req, plan, _, _ = plan_for(args, machine)
+    cfg, req, plan, _, _, predictions = plan_for(args, machine, with_predictions=True)
     if not plan.fits:
         raise ConfigError(f"on {machine.name}: {plan.refusal()}")
-    from .predict import predict
-
-    pred = predict(cfg, plan, req, machine, args.policy, adam_workers=args.adam_workers, steps=args.steps,
-                   world=req.processes, nodes=args.nnodes)
+    # the planner may have predicted this plan already, choosing the order or the placement
+    pred = predictions.prediction(req, plan, machine, adam_workers=args.adam_workers, steps=args.steps,
+                                  world=req.processes, nodes=args.nnodes)
     if args.trace:
         from ..runtime.trace import write_chrome_trace
 
@@ -69,7 +68,8 @@ def run(args: argparse.Namespace) -> int:
            **pred.summary.to_dict(), "plan": {"layout": plan.layout, "resident": list(plan.spec.resident),
                                               "budgets": plan.budgets, "gpu_gib": round(plan.gpu_total / 2**30, 2),
                                               "host_gib": round(plan.host_total / 2**30, 2),
-                                              "host_gib_per_node": round(plan.host_node_total / 2**30, 2)}}
+                                              "host_gib_per_node": round(plan.host_node_total / 2**30, 2),
+                                              "placement_choice": plan.placement_choice}}
     if args.json:
         print(json.dumps(out, indent=1))
     else:
@@ -79,14 +79,17 @@ def run(args: argparse.Namespace) -> int:
         print(format_summary(pred.summary, header=(
             f"{args.model} on {machine.name} ({machine.description}): layout {plan.layout}, "
             f"resident {len(res)} units, slots {plan.budgets}, GPU {plan.gpu_total / 2**30:.1f} GiB, "
-            f"host {plan.host_total / 2**30:.1f} GiB")))
+            f"host {plan.host_total / 2**30:.1f} GiB"
+            + (f" ({plan.placement_choice})" if plan.placement_choice else ""))))
     return 0
 
 
-def plan_for(args: argparse.Namespace, machine) -> tuple:  # noqa: ANN001 - a Machine
+def plan_for(args: argparse.Namespace, machine, with_predictions: bool = False) -> tuple:  # noqa: ANN001 - a Machine
     """The model, request and memory plan of ``args`` on ``machine``: plan's checks, then
     ``plan_run`` for a GPU with the machine's memory unless --gpu-mem/--host-mem say otherwise
-    (never capped by a GPU of the machine this runs on: the plan is for ``machine``)."""
+    (never capped by a GPU of the machine this runs on: the plan is for ``machine``). With
+    ``with_predictions``, also the planner's :class:`~flowtrain.train.order_choice.Predictions`."""
+    from ..train.order_choice import Predictions
     from ..train.plan import Precision, Target, plan_run
     from ..train.plan_cli import checked_request
     from ..train.run_config import precision_bytes
@@ -96,6 +99,8 @@ def plan_for(args: argparse.Namespace, machine) -> tuple:  # noqa: ANN001 - a Ma
     cfg, _, req, _ = checked_request(args, gpu_mem, host_mem)
     device = Target("cuda")  # the machine's GPU, planned for without torch
     dtype = Precision(precision_bytes(args.precision, device.type))
-    plan = plan_run(cfg, req, device=device, dtype=dtype, policy=args.policy, local_gpu=False, machine=machine)
+    predictions = Predictions(cfg, args.policy)
+    plan = plan_run(cfg, req, device=device, dtype=dtype, policy=args.policy, local_gpu=False, machine=machine,
+                    predictions=predictions)
     req = msgspec.structs.replace(req, order=plan.spec.order)  # --order auto, as decided for the machine
-    return cfg, req, plan, device, dtype
+    return (cfg, req, plan, device, dtype, predictions) if with_predictions else (cfg, req, plan, device, dtype)

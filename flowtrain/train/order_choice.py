@@ -26,21 +26,53 @@ import msgspec
 ORDERS = ("auto", "layer", "micro")
 #: how much faster ``micro`` must be predicted to be taken
 MARGIN = 1.02
+#: simulated steps per comparison, as `flowtrain simulate` runs them (so the numbers agree)
+STEPS = 3
+
+
+class Predictions:
+    """Predictions of plans, each simulated once: the order choice and the placement choice of
+    one ``plan_run`` compare some of the same plans, and ``flowtrain simulate`` then predicts the
+    chosen one again."""
+
+    def __init__(self, cfg: Any, policy: Any) -> None:
+        self.cfg, self.policy = cfg, policy
+        #: by the identities of plan and machine and the settings: the prediction, with the plan
+        #: and machine kept alive (so that their ids are not reused)
+        self._done: dict[tuple, tuple[Any, Any, Any]] = {}
+
+    def prediction(self, req: Any, plan: Any, machine: Any, *, adam_workers: int = 1, steps: int = STEPS,
+                   world: int = 1, nodes: int = 1) -> Any:
+        """:func:`~flowtrain.sim.predict.predict` of ``plan`` (for ``req``) on ``machine``."""
+        key = (id(plan), id(machine), adam_workers, steps, world, nodes)
+        if key not in self._done:
+            from ..sim.predict import predict
+
+            pred = predict(self.cfg, plan, req, machine, self.policy, adam_workers=adam_workers, steps=steps,
+                           world=world, nodes=nodes)
+            self._done[key] = (plan, machine, pred)
+        return self._done[key][2]
+
+    def __call__(self, req: Any, plan: Any, machine: Any) -> Any:
+        """The :class:`~flowtrain.sim.report.Summary` of ``plan``'s prediction."""
+        return self.prediction(req, plan, machine).summary
 
 
 def choose_order(cfg: Any, req: Any, plan_one: Callable[[Any], Any], *, device_type: str, policy: Any,
-                 machine: Any = None, local_gpu: bool = True) -> tuple[Any, str | None, Any]:
+                 machine: Any = None, local_gpu: bool = True,
+                 predictions: Predictions | None = None) -> tuple[Any, str | None, Any]:
     """``(req, why, plan)``: ``req`` with a concrete ``order``; where the choice was not the
     plain default, why ("auto: predicted on h200 ..."; shown by the plan and the run summary);
     and the plan of the chosen request where comparing the orders already made it (else None).
     ``plan_one(req)`` plans one request; ``machine`` (a :class:`~flowtrain.sim.machine.Machine`)
-    defaults to the one describing this GPU."""
+    defaults to the one describing this GPU; ``predictions`` keeps what was simulated, for the
+    placement choice that follows."""
     if req.order != "auto":
         return req, None, None
     layer = msgspec.structs.replace(req, order="layer")
     if device_type != "cuda" or req.batch_size == req.micro_batch_size or req.processes > 1:
         return layer, None, None
-    machine = machine or (_this_gpu() if local_gpu else None)
+    machine = machine or (this_gpu_machine() if local_gpu else None)
     if machine is None:
         return layer, "auto: no machine model of this GPU to predict with; `flowtrain plan --machine NAME` compares both", None
     micro = msgspec.structs.replace(req, order="micro")
@@ -49,15 +81,14 @@ def choose_order(cfg: Any, req: Any, plan_one: Callable[[Any], Any], *, device_t
         return layer, None, p_layer
     if not p_layer.fits:
         return micro, "auto: layer order does not fit, micro-batch order does", p_micro
-    from ..sim.predict import predict
-
-    t_layer = predict(cfg, p_layer, layer, machine, policy).summary.tokens_per_s
-    t_micro = predict(cfg, p_micro, micro, machine, policy).summary.tokens_per_s
+    predictions = predictions or Predictions(cfg, policy)
+    t_layer = predictions(layer, p_layer, machine).tokens_per_s
+    t_micro = predictions(micro, p_micro, machine).tokens_per_s
     why = f"auto: predicted on {machine.name} {t_micro:,.0f} tok/s in micro-batch order, {t_layer:,.0f} in layer order"
     return (micro, why, p_micro) if t_micro >= MARGIN * t_layer else (layer, why, p_layer)
 
 
-def _this_gpu() -> Any:
+def this_gpu_machine() -> Any:
     """The shipped machine model of this process's GPU, if any."""
     import torch
 

@@ -52,7 +52,8 @@ import msgspec
 from ..errors import ConfigError
 from ..graph.compiler import StepSpec, compile_step
 from ..graph.tasks import ACTS, GRADS, HOST_GRADS, WEIGHTS
-from .order_choice import choose_order
+from .order_choice import Predictions, choose_order
+from .placement_choice import choose_placement
 from .plan_attention import attention_pays, forward_flops_saved, plan_saved_attention
 from .host_layout import LANDING_NUMEL, LAYOUTS, grad_chunks, slot_numel, staging_numel, undo_arena_bytes
 from .model.config import MLP_CHUNK_TOKENS, ModelConfig, default_chunk_tokens
@@ -165,6 +166,9 @@ class Plan(msgspec.Struct, kw_only=True):
     suggestions: list[str] = msgspec.field(default_factory=list)
     #: how ``--order auto`` was decided, where it was by prediction (:mod:`.order_choice`)
     order_choice: str | None = None
+    #: where ``--activations auto`` or ``--layout auto`` took an alternative to the rules' plan
+    #: because it was predicted faster (:mod:`.placement_choice`)
+    placement_choice: str | None = None
 
     @property
     def host_total(self) -> int:
@@ -230,6 +234,7 @@ class Plan(msgspec.Struct, kw_only=True):
             "fits": self.fits, "host_fits": self.host_fits, "gpu_fits": self.gpu_fits,
             "max_micro_batch": self.max_micro_batch, "suggestions": self.suggestions,
             "order": self.spec.order, "order_choice": self.order_choice,
+            "placement_choice": self.placement_choice, "save_attention": list(self.spec.save_attention),
         }
 
 
@@ -489,7 +494,9 @@ def _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
     to give up weight or gradient slots to fit, the state is placed again with every checkpoint
     on the host, and :func:`_bring_back` returns to the GPU as many as then fit. A checkpoint
     saves more copying per GPU byte than a resident layer, so residency only gets what the
-    checkpoints leave, as long as they fit."""
+    checkpoints leave, as long as they fit. A plan that offloads checkpoints keeps no layers.
+    At long sequences ``auto`` then compares that plan with one that saves attention outputs
+    (:mod:`.plan_attention`)."""
     if req.activations == "offload":
         return _bring_back(_plan_state(cfg, req, device, dtype, policy, host_limit, gpu_limit), cfg, req)
     if req.activations == "attention":
@@ -502,10 +509,9 @@ def _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
         # taken only where it fits and fits better: it costs host memory, which may be what is
         # short (then residency, not offloading, is the way to fit)
         if away.fits and (not plan.fits or not _squeezed(away, policy, than=plan)):
-            if away.spec.offload:
-                return away
             plan = away
-    plan = place_activations(plan, cfg, req, dtype)
+    if not plan.spec.offload:
+        plan = place_activations(plan, cfg, req, dtype)
     if (req.activations == "auto" and device.type == "cuda" and req.checkpoint_every == 1
             and attention_pays(cfg, req.seq_len)):
         saving = _with_saved_attention(cfg, req, device, dtype, policy, host_limit, gpu_limit, every=False)
@@ -516,11 +522,13 @@ def _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
 
 
 def _with_saved_attention(cfg, req, device, dtype, policy, host_limit, gpu_limit, every: bool) -> Plan | None:
-    """The plan that saves attention outputs (:mod:`.plan_attention`): the state placed with
-    residency only for capacity and every checkpoint offloaded, then the GPU spent."""
+    """The plan that saves attention outputs (:mod:`.plan_attention`): the state placed (where
+    attention pays, with residency only for capacity: a step is then long enough that fetches
+    and CPU Adam hide), checkpoints offloaded as far as needed, the GPU spent on the outputs."""
+    speed = not attention_pays(cfg, req.seq_len)
     return plan_saved_attention(
         cfg, req, dtype.itemsize, req.micro_batch_size * req.seq_len * _live_micro_batches(req),
-        lambda r: _plan_state(cfg, r, device, dtype, policy, host_limit, gpu_limit, speed=False),
+        lambda r: _plan_state(cfg, r, device, dtype, policy, host_limit, gpu_limit, speed=speed),
         _offload_in_flight(req, req.micro_batch_size * req.seq_len * cfg.hidden_size * dtype.itemsize),
         _act_slots(req), every)
 
@@ -733,20 +741,29 @@ def _choose_resident(cfg: ModelConfig, build, policy: Any, speed: bool = True) -
 
 
 def plan_run(cfg: ModelConfig, req: RunRequest, *, device: torch.device, dtype: torch.dtype,
-             policy: Any = "double_buffer", local_gpu: bool = True, machine: Any = None) -> Plan:
+             policy: Any = "double_buffer", local_gpu: bool = True, machine: Any = None,
+             predictions: Predictions | None = None) -> Plan:
     """The plan for ``req`` on ``device``, with the largest micro-batch that fits and, if the run
     does not fit, what would. ``local_gpu=False`` plans for a GPU elsewhere (the simulator's
     machine): its memory is ``req.gpu_mem`` alone, not capped by what is free on this one.
     ``--order auto`` is decided first (:func:`~flowtrain.train.order_choice.choose_order`, by
-    predicted time on ``machine``, by default the model of this GPU)."""
+    predicted time on ``machine``, by default the model of this GPU); then the rules' activation
+    placement and layout are checked against their alternatives on the same machine
+    (:func:`~flowtrain.train.placement_choice.choose_placement`); ``predictions`` keeps what
+    those simulated."""
     if req.batch_size < 1 or req.micro_batch_size < 1 or req.batch_size % req.micro_batch_size:
         raise ConfigError(f"--micro-batch-size {req.micro_batch_size} does not divide --batch-size {req.batch_size}")
     host_limit, gpu_limit = _limits(req, device, local_gpu)
-    req, order_choice, plan = choose_order(
-        cfg, req, lambda r: _plan_once(cfg, r, device, dtype, policy, host_limit, gpu_limit),
-        device_type=device.type, policy=policy, machine=machine, local_gpu=local_gpu)
-    plan = plan or _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit)
-    plan.order_choice = order_choice
+
+    def plan_one(r: RunRequest) -> Plan:
+        return _plan_once(cfg, r, device, dtype, policy, host_limit, gpu_limit)
+
+    predictions = predictions or Predictions(cfg, policy)
+    req, order_choice, plan = choose_order(cfg, req, plan_one, device_type=device.type, policy=policy,
+                                           machine=machine, local_gpu=local_gpu, predictions=predictions)
+    req, plan, placement_choice = choose_placement(cfg, req, plan or plan_one(req), plan_one, policy=policy,
+                                                   machine=machine, local_gpu=local_gpu, predictions=predictions)
+    plan.order_choice, plan.placement_choice = order_choice, placement_choice
     divisors = [b for b in range(req.batch_size, 0, -1) if req.batch_size % b == 0]
     for b in divisors:
         trial = plan if b == req.micro_batch_size else _plan_once(

@@ -117,12 +117,16 @@ def _gib(n: int | None) -> str:
 
 def format_plan(model: str, plan) -> str:  # noqa: ANN001 - a Plan
     from .plan import GiB
+    from .summary import activation_placement
 
     lines = [f"{model}: {plan.params / 1e9:.2f} B parameters, layout {plan.layout} "
              f"({plan.host_state_bytes_per_param:.2f} host bytes of state per parameter), device {plan.device}"]
     res = plan.spec.resident
     lines.append(f"resident on the GPU (Adam there): {', '.join(res) if res else 'none'}")
     lines.append(f"micro-batch order: {plan.spec.order}" + (f" ({plan.order_choice})" if plan.order_choice else ""))
+    lines.append(f"activations: {activation_placement(plan.spec)}")
+    if plan.placement_choice:
+        lines.append(f"placement: {plan.placement_choice}")
     lines.append(f"slots: {plan.budgets}; loss chunk {plan.chunk_tokens} tokens"
                  + (f"; staged gradient chunks {plan.spec.grad_chunks}" if plan.spec.grad_chunks else ""))
     for title, part, total, limit, ok in (("host", plan.host, plan.host_total, plan.host_limit, plan.host_fits),

@@ -4,6 +4,7 @@ the results go, so that a wrong setting shows before hours are spent on it::
     model      qwen-0.5b: Qwen2ForCausalLM, 0.49 B parameters, random init, tied embeddings
     device     cuda (bf16 compute, fp32 master weights and Adam state)
     memory     layout staged; resident on the GPU: embed, head, layer.0-7; planned host 6.1 GiB, GPU 9.8 GiB
+    activations layers 20-23 keep theirs; recompute from a checkpoint every layer
     data       corpus.jsonl: 1,204 sequences of 512 tokens, 402,113 target tokens; 200 steps cover 2.7 epochs
     steps      200 of 16 sequences (8,192 tokens, 2 micro-batches of 8, layer order); lr 3e-3 constant
     output     model to trained/; checkpoints every 50 steps to trained/checkpoint-STEP (keep 3)
@@ -19,19 +20,40 @@ if TYPE_CHECKING:
     from .trainer import Run
 
 
-def _ranges(keys: tuple[str, ...]) -> str:
-    """``embed, head, layer.0-7`` rather than eight layer names."""
-    layers = sorted(int(k.split(".")[1]) for k in keys if k.startswith("layer."))
-    parts = [k for k in keys if not k.startswith("layer.")]
-    start = prev = None
-    for i in layers + [None]:  # type: ignore[list-item]
+def _spans(numbers: list[int] | tuple[int, ...]) -> list[str]:
+    """``["0-7", "9"]`` for 0..7 and 9."""
+    out, start, prev = [], None, None
+    for i in sorted(numbers) + [None]:  # type: ignore[list-item]
         if start is not None and (i is None or i != prev + 1):
-            parts.append(f"layer.{start}" if start == prev else f"layer.{start}-{prev}")
+            out.append(f"{start}" if start == prev else f"{start}-{prev}")
             start = None
         if i is not None and start is None:
             start = i
         prev = i
+    return out
+
+
+def _ranges(keys: tuple[str, ...]) -> str:
+    """``embed, head, layer.0-7`` rather than eight layer names."""
+    layers = [int(k.split(".")[1]) for k in keys if k.startswith("layer.")]
+    parts = [k for k in keys if not k.startswith("layer.")] + [f"layer.{s}" for s in _spans(layers)]
     return ", ".join(parts) or "none"
+
+
+def activation_placement(spec) -> str:  # noqa: ANN001 - a StepSpec
+    """Where each layer's activations wait for its backward, in a line: ``layers 20-27 keep
+    theirs; 0-19 save their attention output; checkpoints of 0-3 offloaded``."""
+    parts = []
+    if spec.keep:
+        parts.append(f"layers {', '.join(_spans(spec.keep))} keep theirs")
+    if spec.save_attention:
+        parts.append(f"layers {', '.join(_spans(spec.save_attention))} save their attention output")
+    if spec.offload:
+        parts.append(f"checkpoints of layers {', '.join(_spans(spec.offload))} offloaded")
+    if len(spec.keep) < spec.layers:
+        parts.append("recompute from a checkpoint " + ("every layer" if spec.checkpoint_every == 1
+                                                         else f"every {spec.checkpoint_every} layers"))
+    return "; ".join(parts)
 
 
 def summary_lines(run: "Run") -> list[str]:
@@ -49,7 +71,9 @@ def summary_lines(run: "Run") -> list[str]:
         f"memory     layout {plan.layout}; " + (
             f"resident on the GPU: {_ranges(plan.spec.resident)}; planned host {plan.host_total / gib:.1f} GiB, "
             f"GPU {plan.gpu_total / gib:.1f} GiB" if plan.device == "cuda"
-            else f"everything in host memory; planned {plan.host_total / gib:.1f} GiB"),
+            else f"everything in host memory; planned {plan.host_total / gib:.1f} GiB")
+        + (f" ({plan.placement_choice})" if plan.placement_choice else ""),
+        f"activations {activation_placement(plan.spec)}",
     ]
     world = getattr(run, "world", None)
     if world is not None and world.parallel:

@@ -14,6 +14,7 @@ from flowtrain.sim.machine import load_machine, machine_for_gpu
 from flowtrain.sim.predict import predict
 from flowtrain.train.model import preset
 from flowtrain.train.plan import RunRequest, plan_run
+from flowtrain.train.plan_cli import format_plan
 
 CUDA = torch.device("cuda")
 H200 = load_machine("h200")
@@ -87,3 +88,42 @@ def test_plan_shows_the_choice_and_its_reason(capsys):
     assert d["order"] == "micro" and d["order_choice"].startswith("auto: predicted on h200")
     assert main([*argv[:-2], "--order", "layer"]) == 0
     assert "micro-batch order: layer\n" in capsys.readouterr().out
+
+
+# ---- --activations auto and --layout auto, checked by prediction ------------------------------
+def _slow_link():
+    return msgspec.structs.replace(load_machine("h200"), h2d_gbps=4.0, d2h_gbps=4.0, duplex_gbps=6.0, name="slow-link")
+
+
+def _w1_plan(machine, **kw):
+    req = RunRequest(**{**dict(seq_len=4096, batch_size=4, micro_batch_size=4, host_mem=110, gpu_mem=80,
+                               order="layer"), **kw})
+    return plan_run(preset("llama-3b"), req, device=torch.device("cuda"), dtype=torch.bfloat16, local_gpu=False,
+                    machine=machine)
+
+
+def test_the_rules_plan_stands_where_no_alternative_is_predicted_faster():
+    ruled, checked = _w1_plan(None), _w1_plan(load_machine("h200"))
+    assert checked.placement_choice is None
+    assert (checked.layout, checked.spec, checked.budgets) == (ruled.layout, ruled.spec, ruled.budgets)
+
+
+def test_a_slow_link_takes_the_layout_that_halves_the_fetch_bytes():
+    plan = _w1_plan(_slow_link())
+    assert plan.layout == "stream-bf16" and plan.fits
+    assert "--layout stream-bf16" in plan.placement_choice and "slow-link" in plan.placement_choice
+    assert "placement" in format_plan("llama-3b", plan)
+
+
+def test_a_setting_given_explicitly_is_not_second_guessed():
+    plan = _w1_plan(_slow_link(), layout="staged", activations="keep")
+    assert plan.layout == "staged" and plan.placement_choice is None
+
+
+def test_the_alternatives_are_the_auto_settings_explicit_values():
+    from flowtrain.train.placement_choice import alternatives
+
+    everything = alternatives(RunRequest(seq_len=8, batch_size=1, micro_batch_size=1))
+    assert everything == [("activations", "recompute"), ("activations", "keep"), ("layout", "stream-bf16")]
+    spaced = alternatives(RunRequest(seq_len=8, batch_size=1, micro_batch_size=1, checkpoint_every=2, grad_clip=True))
+    assert spaced == [("activations", "recompute")]
