@@ -35,6 +35,7 @@ for job in "$@"; do
     attntests) log attntests; timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/train/test_saved_attention.py 2>&1 | tail -8 | tee -a "$OUT/log.txt" ;;
     w1) bench w1 $W --batch-size 4 --steps 7 --trace "$OUT/w1-trace.json" ;;
     w1tr) FT="python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m flowtrain" bench w1tr $W --batch-size 4 --steps 7 ;;  # W1 under torchrun, one process
+    w1s) bench w1s $W --batch-size 4 --steps 7 --layout stream-bf16 ;;  # half the fetch bytes, a CPU refresh per update
     w1c) bench w1c $W --batch-size 4 --steps 7 --compile ;;
     w1none) bench w1none $W --batch-size 4 --steps 6 --resident none ;;
     w2) bench w2 $W --batch-size 16 --steps 5 --trace "$OUT/w2-trace.json" ;;
