@@ -87,19 +87,26 @@ RUN_PLACEMENTS = pytest.mark.parametrize(
     ids=["streamed", "resident-sequential", "micro-order"])
 
 
+def trains_like_recompute(tmp_path, placement: str, extra, **spec) -> str:
+    """Train one 3-layer model (``spec``: make_checkpoint's) on the same data twice, with
+    ``--activations recompute`` and with ``placement`` (both with ``extra``), check that the
+    weights are the same bit for bit, and return the trace of the ``placement`` run (to show
+    that its path ran)."""
+    model, data, trace = tmp_path / "model", tmp_path / "data.jsonl", tmp_path / "trace.json"
+    make_checkpoint(model, layers=3, seed=3, **spec)
+    make_data(data, seed=4)
+    recomputed = _train(tmp_path, "recompute", model, data, "--activations", "recompute", *extra)
+    placed = _train(tmp_path, placement, model, data, "--activations", placement, "--trace", str(trace), *extra)
+    assert recomputed.keys() == placed.keys()
+    for name, t in recomputed.items():
+        assert torch.equal(t, placed[name]), name
+    return trace.read_text()
+
+
 @RUN_MODELS
 @RUN_PLACEMENTS
 def test_keep_trains_bit_identically_to_recompute(tmp_path, spec, extra):
-    make_checkpoint(tmp_path / "model", layers=3, seed=3, **spec)
-    make_data(tmp_path / "data.jsonl", seed=4)
-    recomputed = _train(tmp_path, "recompute", tmp_path / "model", tmp_path / "data.jsonl",
-                        "--activations", "recompute", *extra)
-    kept = _train(tmp_path, "keep", tmp_path / "model", tmp_path / "data.jsonl", "--activations", "keep",
-                  "--trace", str(tmp_path / "trace.json"), *extra)
-    assert "backward L2 m1 (keep)" in (tmp_path / "trace.json").read_text()  # the kept path ran
-    assert recomputed.keys() == kept.keys()
-    for name, t in recomputed.items():
-        assert torch.equal(t, kept[name]), name
+    assert "backward L2 m1 (keep)" in trains_like_recompute(tmp_path, "keep", extra, **spec)  # the kept path ran
 
 
 @pytest.mark.parametrize("compile, compiled", [("auto", True), ("inductor", True), ("none", False), ("aot_eager", False)])

@@ -26,8 +26,7 @@ from flowtrain.train.plan_attention import attention_pays, saved_attention_bytes
 
 sys.path.insert(0, str(Path(__file__).parent / "model"))
 from model_helpers import small_cfg  # noqa: E402
-from test_kept import RUN_MODELS, RUN_PLACEMENTS  # noqa: E402
-from test_kept import _train as train_on_cpu  # noqa: E402
+from test_kept import RUN_MODELS, RUN_PLACEMENTS, trains_like_recompute  # noqa: E402
 from test_train_vs_hf import make_checkpoint, make_data  # noqa: E402
 
 FAMILIES = {
@@ -175,18 +174,9 @@ def test_the_cost_model_takes_the_attention_forward_off_the_backward():
 
 
 # ---- a whole run ------------------------------------------------------------------------------
-def _train(tmp_path, name, model, data, *extra):
-    # one document per row: plain causal attention, the calls that keep their output
-    return train_on_cpu(tmp_path, name, model, data, "--no-packing", *extra)
-
-
 @RUN_MODELS
 @RUN_PLACEMENTS
 def test_attention_trains_bit_identically_to_recompute(tmp_path, spec, extra):
-    make_checkpoint(tmp_path / "model", layers=3, seed=3, **spec)
-    make_data(tmp_path / "data.jsonl", seed=4)
-    recomputed = _train(tmp_path, "recompute", tmp_path / "model", tmp_path / "data.jsonl",
-                        "--activations", "recompute", *extra)
     kept = []
     real = sa._forward
 
@@ -195,13 +185,10 @@ def test_attention_trains_bit_identically_to_recompute(tmp_path, spec, extra):
         return real(*a, **k)
 
     with mock.patch.object(sa, "_forward", side_effect=forward):
-        saved = _train(tmp_path, "attention", tmp_path / "model", tmp_path / "data.jsonl", "--activations",
-                       "attention", "--trace", str(tmp_path / "trace.json"), *extra)
-    assert "backward L2 m1 (attn)" in (tmp_path / "trace.json").read_text()  # the placement ran
+        # one document per row: plain causal attention, the calls that keep their output
+        trace = trains_like_recompute(tmp_path, "attention", ["--no-packing", *extra], **spec)
+    assert "backward L2 m1 (attn)" in trace  # the placement ran
     assert kept  # and some layer's attention was kept (gemma3: the full-attention layer)
-    assert recomputed.keys() == saved.keys()
-    for name, t in recomputed.items():
-        assert torch.equal(t, saved[name]), name
 
 
 # ---- the plan ---------------------------------------------------------------------------------
