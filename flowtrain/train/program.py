@@ -55,7 +55,6 @@ without a host sync per layer: :mod:`flowtrain.train.nonfinite`.
 
 from __future__ import annotations
 
-import contextlib
 import math
 import threading
 import warnings
@@ -480,12 +479,11 @@ class StepProgram:
             return
         keep = isinstance(task, Recompute) or i % self.k == 0  # type: ignore[operator]
         x = self._layer_input(s, i, m, keep=keep)  # type: ignore[arg-type]
+        record = None
         if task.phase == "attn":  # its attention output waits for the rebuild: saved_attention
             record = self.attn_records[(s, i, m)] = AttentionRecord()  # type: ignore[index]
-            with recording(record):
-                self.acts[(s, i + 1, m)] = self._layer("train", s, i, m, x, w)  # type: ignore[arg-type, index]
-            return
-        self.acts[(s, i + 1, m)] = self._layer("train", s, i, m, x, w)  # type: ignore[arg-type, index]
+        with recording(record):
+            self.acts[(s, i + 1, m)] = self._layer("train", s, i, m, x, w)  # type: ignore[arg-type, index]
 
     def _head_tensors(self, ctx: TaskContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(norm_w, head_w, norm_grad, head_grad)`` views the loss reads and adds into."""
@@ -552,7 +550,7 @@ class StepProgram:
         else:
             x = self.acts.pop((s, i, m))  # type: ignore[arg-type]
             record = self.attn_records.pop((s, i, m), None) if task.phase == "attn" else None  # type: ignore[arg-type]
-            with torch.enable_grad(), replaying(record) if record is not None else contextlib.nullcontext():
+            with torch.enable_grad(), replaying(record):
                 x = x.detach().requires_grad_(True)
                 flat = self._weights(unit, ctx)[:n].detach().requires_grad_(True)
                 y = self._layer("train", s, i, m, x, bind(flat, unit.layout))  # type: ignore[arg-type]

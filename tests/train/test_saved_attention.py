@@ -7,7 +7,6 @@ whole training run through the engine (bit-identical to recompute), and the plan
 
 from __future__ import annotations
 
-import contextlib
 import sys
 from pathlib import Path
 from unittest import mock
@@ -54,13 +53,10 @@ def _forward_and_rebuild(cfg, layer_fn=decoder_layer, record=None, docs=None, se
     dy = torch.randn(2, SEQ, cfg.hidden_size, generator=gen)
     cos, sin = rotary_for(*rope_tables(cfg, SEQ), docs)
 
-    def run(mode):
-        return mode(record) if record is not None else contextlib.nullcontext()
-
-    with torch.no_grad(), run(sa.recording):
+    with torch.no_grad(), sa.recording(record):  # None: a plain forward
         y0 = layer_fn(x, bind(flat, lay), cos, sin, cfg, docs, None)
     xx, ff = x.clone().requires_grad_(True), flat.clone().requires_grad_(True)
-    with torch.enable_grad(), run(sa.replaying):
+    with torch.enable_grad(), sa.replaying(record):
         y = layer_fn(xx, bind(ff, lay), cos, sin, cfg, docs, None)
         dx, dw = torch.autograd.grad(y, (xx, ff), dy)
     return y0, y, dx, dw
@@ -101,6 +97,8 @@ def test_what_a_record_holds_and_lets_go():
     assert record.kept and record.kernel == "cpu_flash"
     assert record.nbytes() == saved_attention_bytes(cfg, 2 * SEQ, 4)
     assert sa.MODE is None and sa._RECORD is None  # closed again
+    with sa.recording(None), sa.replaying(None):  # no record: nothing opens
+        assert sa.MODE is None and sa._RECORD is None
     record.clear()
     assert not record.kept
 
@@ -287,13 +285,12 @@ def test_gpu_kernels_are_kept_and_replayed(backend, kernel):
     cos, sin = rope_tables(cfg, 2048, "cuda", torch.bfloat16)
 
     def rebuild(record):
-        ctx = (lambda m: m(record)) if record is not None else (lambda m: contextlib.nullcontext())
         with attention_backends(backend, "cuda"):
-            with torch.no_grad(), ctx(sa.recording):
+            with torch.no_grad(), sa.recording(record):
                 y0 = decoder_layer(x, bind(flat, lay), cos, sin, cfg)
             kept = record is not None and record.kernel
             xx, ff = x.clone().requires_grad_(True), flat.clone().requires_grad_(True)
-            with torch.enable_grad(), ctx(sa.replaying):
+            with torch.enable_grad(), sa.replaying(record):
                 y = decoder_layer(xx, bind(ff, lay), cos, sin, cfg)
                 dx, dw = torch.autograd.grad(y, (xx, ff), dy)
         return kept, (y0, y, dx, dw)

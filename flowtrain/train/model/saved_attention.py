@@ -85,8 +85,11 @@ class AttentionRecord:
 
 
 @contextlib.contextmanager
-def _open(mode: str, record: AttentionRecord) -> Iterator[None]:
+def _open(mode: str, record: AttentionRecord | None) -> Iterator[None]:
     global MODE, _RECORD
+    if record is None:  # nothing to keep or hand back: attention as usual
+        yield
+        return
     before = MODE, _RECORD
     MODE, _RECORD = mode, record
     try:
@@ -95,14 +98,16 @@ def _open(mode: str, record: AttentionRecord) -> Iterator[None]:
         MODE, _RECORD = before
 
 
-def recording(record: AttentionRecord) -> contextlib.AbstractContextManager[None]:
-    """While inside, the (one) plain causal attention call keeps its output in ``record``."""
+def recording(record: AttentionRecord | None) -> contextlib.AbstractContextManager[None]:
+    """While inside, the (one) plain causal attention call keeps its output in ``record``
+    (None: nothing changes)."""
     return _open("record", record)
 
 
-def replaying(record: AttentionRecord) -> contextlib.AbstractContextManager[None]:
+def replaying(record: AttentionRecord | None) -> contextlib.AbstractContextManager[None]:
     """While inside, the attention call hands back what ``record`` kept (if it kept anything)
-    and its backward reads the kept log-sum-exp; the record is emptied by that backward."""
+    and its backward reads the kept log-sum-exp; the record is emptied by that backward (None:
+    nothing changes)."""
     return _open("replay", record)
 
 
