@@ -70,7 +70,8 @@ def saved_attention_bytes(cfg: ModelConfig, tokens: int, itemsize: int) -> int:
 def plan_saved_attention(cfg: ModelConfig, req: Any, itemsize: int, live_tokens: int,
                          state: Callable[[Any], Any], in_flight: int, act_slots: int, every: bool) -> Any:
     """The plan with saved attention outputs, built from ``state(request)``: the state placed
-    (residency only for capacity) for a request that recomputes, every checkpoint on the GPU.
+    for a request that recomputes, every checkpoint on the GPU (the caller decides whether its
+    residency is for capacity only).
 
     ``every``: every layer saves its output (``--activations attention``), and checkpoints are
     offloaded as far as that needs; else as many layers as fit once checkpoints are offloaded as
@@ -96,11 +97,9 @@ def plan_saved_attention(cfg: ModelConfig, req: Any, itemsize: int, live_tokens:
         n_attn = max(0, min(L, (gpu_room - gpu_need(most_off, 0)) // per_attn))
         if n_attn == 0:
             return None
-    n_off = most_off
-    if gpu_room is not None:  # the fewest offloaded checkpoints that make room
-        n_off = next((n for n in range(most_off + 1) if gpu_need(n, n_attn) <= gpu_room), most_off)
-    else:
-        n_off = 0
+    # the fewest offloaded checkpoints that make room (where the GPU has no limit, none)
+    n_off = 0 if gpu_room is None else next(
+        (n for n in range(most_off + 1) if gpu_need(n, n_attn) <= gpu_room), most_off)
     if n_off:
         plan.host = {**plan.host, "offloaded_activations": n_off * per_ck}
         plan.budgets = {**plan.budgets, ACTS: act_slots}

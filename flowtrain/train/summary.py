@@ -41,8 +41,9 @@ def _ranges(keys: tuple[str, ...]) -> str:
 
 
 def activation_placement(spec) -> str:  # noqa: ANN001 - a StepSpec
-    """Where each layer's activations wait for its backward, in a line: ``layers 20-27 keep
-    theirs; 0-19 save their attention output; checkpoints of 0-3 offloaded``."""
+    """Where each layer's activations wait for its backward, in a line: ``layers 11-31 save
+    their attention output; checkpoints of layers 0-7 offloaded; recompute from a checkpoint
+    every layer``."""
     parts = []
     if spec.keep:
         parts.append(f"layers {', '.join(_spans(spec.keep))} keep theirs")
