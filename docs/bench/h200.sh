@@ -20,7 +20,8 @@ bench() {  # NAME ARGS...: one flowtrain bench, its JSON tagged with NAME
     python3 -c "import json,sys; d=json.load(open('/tmp/r.json')); d['job']='$name'; print(json.dumps(d))" >>"$RES"
     tail -c 600 /tmp/r.json; echo
   else
-    echo "{\"job\": \"$name\", \"failed\": true}" >>"$RES"; tail -5 "$OUT/log.txt"
+    python3 -c "import json, sys; lines = [l for l in open(sys.argv[1]).read().splitlines() if 'rror' in l]; print(json.dumps({'job': '$name', 'failed': True, 'error': (lines or ['timed out or killed'])[-1][:300]}))" "$OUT/log.txt" >>"$RES"
+    tail -5 "$OUT/log.txt"
   fi
 }
 anchor() {  # MODE GA STEPS [SIZE MICRO]: the baseline trainer (default llama-3b, micro-batch 4)
@@ -28,10 +29,15 @@ anchor() {  # MODE GA STEPS [SIZE MICRO]: the baseline trainer (default llama-3b
   (cd .anchors && OUT=$OUT timeout 400 python3 llama_train.py "$1" "${4:-3b}" 4096 "${5:-4}" "$3" "$2" 2>&1 | grep -v Warning | tail -3) | tee -a "$OUT/log.txt"
 }
 W="--model llama-3b --seq-len 4096 --micro-batch-size 4 --host-mem 110"
+GATE=0
+if [[ "${1:-}" == gate ]]; then  # the GPU gate: docs/benchmarks.md, "The GPU gate"
+  GATE=1; set -- info tests w1 w2 8b 8b10o long
+fi
 for job in "$@"; do
   case $job in
     info) nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee -a "$OUT/log.txt"; free -g | tee -a "$OUT/log.txt" ;;
-    tests) log tests; timeout 300 python3 -m pytest -q -x -p no:cacheprovider tests/train/test_gpu.py tests/train/model/test_model_gpu.py tests/train/model/test_attention.py tests/train/test_saved_attention.py 2>&1 | tail -15 | tee -a "$OUT/log.txt" ;;
+    tests) log tests; timeout 300 python3 -m pytest -q -p no:cacheprovider tests/train/test_gpu.py tests/train/model/test_model_gpu.py tests/train/model/test_attention.py tests/train/test_saved_attention.py 2>&1 | tail -15 | tee -a "$OUT/log.txt" | tee /tmp/tests.txt
+      python3 -c "import json, re, sys; t = open('/tmp/tests.txt').read(); n = lambda w: sum(int(x) for x in re.findall(r'(\d+) ' + w, t)); print(json.dumps({'job': 'tests', 'passed': n('passed'), 'failures': n('failed') + n('error')}))" >>"$RES" ;;
     attntests) log attntests; timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/train/test_saved_attention.py 2>&1 | tail -8 | tee -a "$OUT/log.txt" ;;
     w1) bench w1 $W --batch-size 4 --steps 7 --trace "$OUT/w1-trace.json" ;;
     w1tr) FT="python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m flowtrain" bench w1tr $W --batch-size 4 --steps 7 ;;  # W1 under torchrun, one process
@@ -59,6 +65,7 @@ for job in "$@"; do
     3b512k) BT=575 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench 3b512k --model llama-3b-512k --seq-len 524288 --batch-size 1 --micro-batch-size 1 --steps 1 --warmup 0 --host-mem 118 ;;
     w1flash) bench w1flash $W --batch-size 4 --steps 7 --attention-backend flash ;;
     w2flash) bench w2flash $W --batch-size 16 --steps 5 --attention-backend flash ;;
+    long) BT=300 bench long --model llama-3b-512k --seq-len 65536 --batch-size 1 --micro-batch-size 1 --steps 3 --warmup 1 --host-mem 118 ;;  # one long-context step: saved attention outputs
     8b256k) bench 8b256k --model llama-8b-256k --seq-len 262144 --batch-size 1 --micro-batch-size 1 --steps 2 --warmup 1 --host-mem 118 ;;
     simtime)  # flowtrain simulate of a 100-layer, 16-micro-batch step, the whole command
       mkdir -p /tmp/m100 && python3 -c "import json; json.dump({'architectures': ['LlamaForCausalLM'], 'model_type': 'llama', 'hidden_size': 4096, 'intermediate_size': 14336, 'num_hidden_layers': 100, 'num_attention_heads': 32, 'num_key_value_heads': 8, 'vocab_size': 128256, 'max_position_embeddings': 8192, 'rms_norm_eps': 1e-5, 'rope_theta': 500000.0}, open('/tmp/m100/config.json', 'w'))"
@@ -91,11 +98,15 @@ for job in "$@"; do
   esac
 done
 log done
+if [[ $GATE == 1 ]]; then
+  python3 docs/bench/gate.py "$RES" docs/bench/gate-baseline.json ${GATE_RECORD:+--record "$GATE_RECORD"} 2>&1 | tee -a "$OUT/log.txt"
+  exit "${PIPESTATUS[0]}"
+fi
 python3 - "$RES" <<'PY'
 import json, sys
 for line in open(sys.argv[1]):
     d = json.loads(line)
-    keys = ("job", "tokens_per_s", "model_tflops", "gpu_peak_gib", "planned_gpu_gib", "host_peak_gib",
+    keys = ("job", "tokens_per_s", "model_tflops", "gpu_peak_gib", "planned_gpu_gib", "gpu_process_peak_gib", "host_peak_gib",
             "planned_host_gib", "measured_host_bytes_per_param", "busy_fraction", "resident", "failed")
     print({k: d[k] for k in keys if k in d})
 PY

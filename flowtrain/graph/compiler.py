@@ -132,6 +132,16 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: and a ``sync_step`` barrier ends the step. 1: every process keeps its own copy.
     share: int = 1
 
+    @property
+    def offload_lag(self) -> int:
+        """How many layers the forward of a micro-batch may run past an offloaded checkpoint
+        before that checkpoint's ``offload_act`` has been issued. Layer-major with several
+        micro-batches, one: the copy of layer i's input runs while the other micro-batches
+        pass through layer i, long before layer i+1 needs the edge. With each micro-batch
+        alone through the model (micro-batch order, or one micro-batch), two: the copy of
+        layer i's input overlaps layer i+1's forward instead of delaying it."""
+        return 1 if self.order == "layer" and self.micro_batches > 1 else 2
+
     def unit_key(self, unit: str, layer: int | None) -> str:
         return f"layer.{layer}" if unit == "layer" else unit
 
@@ -337,11 +347,27 @@ class _StepBuilder(_Builder):
             t = self.node(Forward, unit="layer", layer=i, micro_batch=m, phase=self.layer_phase(i))
             self.reads(f, t)
             self.dep(self.fwd_input[(i, m)], t)
+            self.offloaded_before(i, m, t)
             self.fwd_input[(i + 1, m)] = t
             if i in self.spec.offload:  # the forward has read its input: off to the host
                 o = self.node(OffloadAct, unit="layer", layer=i, micro_batch=m)
                 self.dep(t, o)
                 self.act_offload[(i, m)] = o
+
+    def offloaded_before(self, i: int, m: int, t: Task) -> None:
+        """Bound the checkpoints that wait on the device for their ``offload_act``: task ``t``
+        (layer i's forward of micro-batch m, or with ``i`` = layers its loss) starts only once
+        the offload of the input of layer ``i - offload_lag`` has been issued. Without it the
+        forward runs as far ahead of a slow copy lane as the weight slots let it, each layer
+        leaving another micro-batch's checkpoint on the device (in a 10 GiB llama-8b step the
+        d2h lane fell two layers behind in its first step and the step ran out of memory)."""
+        lag = self.spec.offload_lag
+        # the loss stands for every layer past the top: it waits for the last ``lag`` offloads
+        sources = [i - lag] if i < self.spec.layers else range(i - lag, i)
+        for j in sources:
+            o = self.act_offload.get((j, m))
+            if o is not None:
+                self.dep(o, t)
 
     def loss(self, mbs: Iterable[int], fetch_mb: int | None) -> None:
         """``loss`` per micro-batch on the top layer's output. It also starts the backward: it
@@ -354,6 +380,7 @@ class _StepBuilder(_Builder):
             self.reads(f, t)
             self.reads(z, t)
             self.dep(self.fwd_input[(self.spec.layers, m)], t)
+            self.offloaded_before(self.spec.layers, m, t)
             self.losses[m] = t
 
     # ---- backward: recompute segments, layer backwards, embed backward ------------------

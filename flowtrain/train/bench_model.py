@@ -10,7 +10,8 @@ Model FLOPs per token are ``6 N + 6 L h S`` (weights, and causal attention at ha
 ``12 L h S``), recompute not counted, the same definition as the all-on-GPU and DeepSpeed baseline trainers use.
 Busy fractions come from the executed trace: for each lane, the union of its tasks' intervals
 over the measured window, so they say where the time went. Beside the measured peaks (host RSS,
-GPU ``max_memory_allocated``) the result carries the memory plan the run followed (layout,
+GPU ``max_memory_allocated``, and the whole process's device memory as ``nvidia-smi`` would
+show it: :func:`gpu_memory`) the result carries the memory plan the run followed (layout,
 resident units, slot budgets, planned host and GPU bytes), so every benchmark also checks the
 planner.
 """
@@ -66,7 +67,7 @@ def run_model(args: argparse.Namespace) -> dict:
     import numpy as np
     import torch
 
-    from .trainer import TrainConfig, load_model_config, train
+    from .trainer import TrainConfig, load_model_config, prefer_expandable_segments, train
 
     policy = args.policy[0] if isinstance(args.policy, list) else (args.policy or "double_buffer")
     args.policy = policy
@@ -87,6 +88,7 @@ def run_model(args: argparse.Namespace) -> dict:
                           layout=args.layout, resident=args.resident, gpu_mem=args.gpu_mem, host_mem=args.host_mem,
                           chunk_tokens=args.chunk_tokens, compile=args.compile,
                           attention_backend=args.attention_backend)
+        prefer_expandable_segments(cfg)  # as train() would, before the line below starts the allocator
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         plans: list = []
@@ -126,12 +128,28 @@ def run_model(args: argparse.Namespace) -> dict:
                       measured_host_bytes_per_param=round(
                           (result["host_peak_gib"] * 2**30 - p.host.get("runtime", 0)) / p.params, 3))
     if torch.cuda.is_available() and cfg.device != "cpu":
-        result["gpu_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-        result["gpu_reserved_peak_gib"] = round(torch.cuda.max_memory_reserved() / 2**30, 2)
+        result.update(gpu_memory(torch))
         result["gpu"] = torch.cuda.get_device_name()
     if args.trace:
         write_chrome_trace(args.trace, recorder.records, meta={"policy": args.policy, "model": args.model})
     return result
+
+
+def gpu_memory(torch) -> dict:  # noqa: ANN001 - the torch module, imported by the caller
+    """The run's device memory, as PyTorch sees it and as the card does (GiB):
+    ``gpu_peak_gib`` (most allocated), ``gpu_reserved_peak_gib`` (most the caching allocator
+    held), ``gpu_outside_allocator_gib`` (in use on the device now but not the allocator's: the
+    CUDA context, loaded kernels, library workspaces) and ``gpu_process_peak_gib``, the sum of
+    the last two: what ``nvidia-smi`` shows the process at its peak. What lies outside the
+    allocator only grows (kernels load, nothing unloads), so that sum is the peak's upper
+    bound. The device is taken to hold no other process, as on a benchmark machine."""
+    free, total = torch.cuda.mem_get_info()
+    outside = (total - free) - torch.cuda.memory_reserved()
+    reserved_peak = torch.cuda.max_memory_reserved()
+    return {"gpu_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            "gpu_reserved_peak_gib": round(reserved_peak / 2**30, 2),
+            "gpu_outside_allocator_gib": round(outside / 2**30, 2),
+            "gpu_process_peak_gib": round((outside + reserved_peak) / 2**30, 2)}
 
 
 def print_result(result: dict, json_path: str | None) -> None:

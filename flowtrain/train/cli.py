@@ -109,7 +109,9 @@ def add_memory_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -
            "half the PCIe bytes); auto: staged, or full with --grad-clip")
     a("--resident", default="auto", metavar="auto|none|UNITS",
       help="units whose state lives on the GPU, Adam there: auto (the planner decides), none, or e.g. embed,head,layer.0")
-    a("--gpu-mem", type=float, default=None, metavar="GiB", help="cap on the GPU memory flowtrain takes (enforced)")
+    a("--gpu-mem", type=float, default=None, metavar="GiB",
+      help="the GPU's memory as nvidia-smi shows it (a '10 GB' card: 10); the whole process stays "
+           "within it less 0.5 GiB for the display, CUDA's own share included (enforced)")
     a("--host-mem", type=float, default=None, metavar="GiB", help="host memory to plan for (default: what is available)")
     a("--chunk-tokens", type=int, default=None, help="tokens per loss chunk (default: planned)")
     a("--activations", choices=["auto", "keep", "offload", "recompute", "attention"], default="auto",

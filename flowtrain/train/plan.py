@@ -72,8 +72,24 @@ SHARED_HOST = ("master", "adam", "streaming_copy")
 #: libraries and compile workers), measured as peak RSS minus allocated state: 0.23-0.3 GiB on
 #: the CPU, 1.4-1.9 GiB in five H200 runs from 3.6B to 14.8B parameters (docs/benchmarks.md).
 RUNTIME_HOST = {"cpu": int(0.30 * GiB), "cuda": int(1.75 * GiB)}
-#: Fraction of the GPU budget the plan fills: the caching allocator needs room to round and split.
+#: Fraction of the free GPU memory the plan fills where no ``--gpu-mem`` is given: the caching
+#: allocator's fixed segments need room to round and split.
 GPU_FILL = 0.92
+#: ``--gpu-mem N`` is a card of N GiB as ``nvidia-smi`` shows it (a "10 GB" RTX 3080 shows
+#: 10,240 MiB). Part of it is never PyTorch's: the CUDA context, the kernels of cuBLAS, cuDNN and
+#: inductor as they load, and library workspaces outside the caching allocator. Measured on the
+#: H200 as a run's device memory in use less what the allocator reserved, after its steps
+#: (``flowtrain bench``'s ``gpu_outside_allocator_gib``: 0.88-0.89 GiB in every run of the GPU
+#: gate, from llama-3b to llama-8b; docs/benchmarks.md).
+CUDA_OUTSIDE_ALLOCATOR_GIB = 0.9
+#: Of a card, what flowtrain leaves to everything else on it: a desktop's display, the driver,
+#: a second small process. A 10 GB card then gives a run at most 9.5 GiB in all.
+CARD_HEADROOM_GIB = 0.5
+#: Fraction of a card's allocator share the plan fills. Capped runs use expandable segments
+#: (:func:`flowtrain.train.trainer.prefer_expandable_segments`), which map 2 MiB pages and do
+#: not strand split blocks, and the plan's counts are upper bounds (within 10% above every
+#: measured peak of the gate), so the plan may come this close to the cap.
+GPU_FILL_CAPPED = 0.99
 #: Fraction of the host budget the plan fills: page cache, the data set, pinned-page bookkeeping.
 HOST_FILL = 0.95
 #: Steps whose batches are alive at once: the one being cut into micro-batches and the two the
@@ -187,11 +203,17 @@ class Plan(msgspec.Struct, kw_only=True):
 
     @property
     def gpu_total(self) -> int:
-        """Peak device bytes: everything at once, except that the loss chunks (forward's end) and
-        one layer's backward working set are never live together, so only the larger counts."""
+        """Peak device bytes: everything at once, except what belongs to phases that never meet.
+        The loss chunks (forward's end) and one layer's backward working set are never live
+        together, so only the larger counts; where checkpoints are offloaded, the forward's
+        checkpoints in flight to the host and the loss and backward's layer gradients with that
+        working set are two phases too (on the H200 the 10 GiB llama-8b step peaked in its
+        backward, within 1% of this count; docs/benchmarks.md)."""
         g = self.gpu
-        overlap = min(g.get("layer_work", 0), g.get("loss_chunks", 0))
-        return sum(g.values()) - overlap
+        work, loss = g.get("layer_work", 0), g.get("loss_chunks", 0)
+        forward, after = g.get("offload_in_flight", 0), g.get("layer_gradients", 0) + max(work, loss)
+        shared = sum(g.values()) - work - loss - g.get("offload_in_flight", 0) - g.get("layer_gradients", 0)
+        return shared + max(forward, after)
 
     @property
     def host_state_bytes_per_param(self) -> float:
@@ -259,23 +281,43 @@ def _limits(req: RunRequest, device: torch.device, local_gpu: bool) -> tuple[int
     never more than is free on this machine's GPU now, unless the plan is for another machine
     (``local_gpu=False``)."""
     host = int(req.host_mem * GiB) if req.host_mem is not None else host_available()
-    caps = [] if req.gpu_mem is None else [int(req.gpu_mem * GiB)]
+    caps = [] if req.gpu_mem is None else [int(allocator_share(req.gpu_mem) * GPU_FILL_CAPPED)]
     if device.type == "cuda" and local_gpu:
         import torch
 
         if torch.cuda.is_available():
-            caps.append(int(torch.cuda.mem_get_info(device)[0]))
+            caps.append(int(torch.cuda.mem_get_info(device)[0] * GPU_FILL))
     gpu = min(caps) if caps else None
-    return (None if host is None else int(host * HOST_FILL)), (None if gpu is None else int(gpu * GPU_FILL))
+    return (None if host is None else int(host * HOST_FILL)), gpu
+
+
+def allocator_share(gpu_mem: float) -> int:
+    """Bytes PyTorch's caching allocator may reserve on a card of ``gpu_mem`` GiB (as
+    ``nvidia-smi`` shows it): the card less what the CUDA context and libraries take outside
+    the allocator (:data:`CUDA_OUTSIDE_ALLOCATOR_GIB`) and the headroom left to the rest of the
+    machine (:data:`CARD_HEADROOM_GIB`)."""
+    share = gpu_mem - CUDA_OUTSIDE_ALLOCATOR_GIB - CARD_HEADROOM_GIB
+    if share <= 0:
+        raise ConfigError(f"--gpu-mem {gpu_mem:g} is smaller than what CUDA itself takes on a card "
+                          f"(about {CUDA_OUTSIDE_ALLOCATOR_GIB:g} GiB for the context and libraries, "
+                          f"and {CARD_HEADROOM_GIB:g} GiB left to the display and driver)")
+    return int(share * GiB)
+
+
+def card_for(allocator_bytes: int) -> float:
+    """The ``--gpu-mem`` (card size in GiB) whose plan budget is ``allocator_bytes``: the
+    inverse of what :func:`_limits` makes of a card."""
+    return allocator_bytes / GPU_FILL_CAPPED / GiB + CUDA_OUTSIDE_ALLOCATOR_GIB + CARD_HEADROOM_GIB
 
 
 def cap_gpu_memory(device: torch.device, gib: float) -> None:
-    """Enforce ``--gpu-mem``: the caching allocator refuses to grow this process past it."""
+    """Enforce ``--gpu-mem``: the caching allocator refuses to grow this process past its share
+    of a card of ``gib`` GiB (:func:`allocator_share`), so the whole process fits the card."""
     import torch
 
     index = device.index if device.index is not None else torch.cuda.current_device()
     total = torch.cuda.get_device_properties(index).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, gib * GiB / total), index)
+    torch.cuda.set_per_process_memory_fraction(min(1.0, allocator_share(gib) / total), index)
 
 
 # ---- the byte counts ----------------------------------------------------------------------
@@ -332,13 +374,8 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
     q = cfg.num_heads * cfg.head_dim  # type: ignore[operator]
     kv = cfg.num_kv_heads * cfg.head_dim  # type: ignore[operator]
     layer_n = max((lay.numel for lay in layouts if lay.unit == "layer"), default=0)
-    # One layer under autograd: its saved tensors, the gradients flowing back, and its weight
-    # gradient in the compute dtype before it is added to the fp32 accumulator.
-    layer_work = tokens * cbytes * (6 * cfg.hidden_size + 2 * q + 4 * kv) + cbytes * layer_n
-    if tokens > MLP_CHUNK_TOKENS:  # the MLP in pieces: one piece's intermediates, fp32 weight gradients
-        layer_work += MLP_CHUNK_TOKENS * cbytes * 4 * cfg.intermediate_size + 12 * cfg.hidden_size * cfg.intermediate_size
-    else:
-        layer_work += tokens * cbytes * 4 * cfg.intermediate_size
+    compiled = device.type == "cuda" and compile_backend(req.compile, device.type) == "inductor"
+    layer_work = layer_work_bytes(cfg, tokens, cbytes, layer_n, compiled)
     chunk = min(chunk_tokens, tokens)
     casting = cbytes != 4 and layout != "stream-bf16" and slot_n > 0
     resident_per = 16 + (cbytes if cbytes != 4 else 0)
@@ -357,16 +394,57 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
     }
     if req.activations == "offload":  # all offloaded here; _bring_back returns what fits (auto)
         host["offloaded_activations"] = gpu["checkpoints"]
-        gpu["checkpoints"] = _offload_in_flight(req, hidden)
+        gpu.update(_offloading_gpu(req, hidden))
     return host, gpu
+
+
+def _offloading_gpu(req: RunRequest, hidden: int) -> dict[str, int]:
+    """The device items of a step whose checkpoints are offloaded, by phase: the forward's
+    checkpoints waiting for their copies (``offload_in_flight``), and in the loss and backward,
+    the layer outputs of every live micro-batch before the loss and their gradients between two
+    layers' backward (``layer_gradients``) beside the ``acts`` slots the checkpoints come back
+    into (``checkpoints``). :attr:`Plan.gpu_total` counts the two phases apart."""
+    live = _live_micro_batches(req)
+    return {"checkpoints": _act_slots(req) * hidden, "offload_in_flight": (2 * live + 2) * hidden,
+            "layer_gradients": live * hidden}
+
+
+def layer_work_bytes(cfg: ModelConfig, tokens: int, cbytes: int, layer_n: int, compiled: bool) -> int:
+    """Device bytes of one layer's backward for ``tokens`` tokens: its forward rebuilt under
+    autograd (the tensors it saves), the gradients flowing back, the fused attention backward's
+    own buffers (an fp32 accumulator for dq and, with grouped KV heads, dk and dv expanded to
+    every query head before they are summed), and the weight gradient in the compute dtype
+    before it is added to the fp32 accumulator.
+
+    ``compiled``: the layer runs through inductor in one graph, whose partitioner saves about a
+    fifth less than eager autograd (norms, rotary and SwiGLU recomputed in the backward; the
+    units are :func:`kept_bytes_per_token`'s). A layer that saves its attention output breaks
+    its graph at attention, so its planner counts eager bytes (:mod:`.plan_attention`). On the
+    H200 the count is within 10% of the measured peak of every run of the GPU gate
+    (docs/benchmarks.md)."""
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    q = cfg.num_heads * cfg.head_dim  # type: ignore[operator]
+    kv = cfg.num_kv_heads * cfg.head_dim  # type: ignore[operator]
+    if compiled:
+        per_token, mlp_units = 4 * h + 3 * q + 2 * kv + 2 * cfg.head_dim, 3 * f  # type: ignore[operator]
+    else:
+        per_token, mlp_units = 6 * h + 2 * q + 4 * kv, 4 * f
+    work = tokens * cbytes * per_token + cbytes * layer_n
+    work += tokens * (4 * q + (2 * cbytes * (q - kv) if kv < q else 0))  # attention backward's buffers
+    if tokens > MLP_CHUNK_TOKENS:  # the MLP in pieces: one piece's intermediates, fp32 weight gradients
+        return work + MLP_CHUNK_TOKENS * cbytes * mlp_units + 12 * h * f
+    return work + tokens * cbytes * mlp_units
 
 
 def _offload_in_flight(req: RunRequest, hidden: int) -> int:
     """Device bytes of checkpoints with every one offloaded: the inputs of the layer the forward
-    is at and its outputs (the inputs of the next), and in backward the checkpoints back from the
-    host ahead of their backward (the ``acts`` slots of :func:`flowtrain.policy.base.budgets`)."""
+    is at and its outputs (the inputs of the next), one output being written and one input
+    whose copy to the host is still running (the step graph holds each forward until the
+    offload ``StepSpec.offload_lag`` layers below it is issued), and in backward the
+    checkpoints back from the host ahead of their backward (the ``acts`` slots of
+    :func:`flowtrain.policy.base.budgets`)."""
     live = _live_micro_batches(req)
-    return (2 * live + _act_slots(req)) * hidden
+    return (2 * live + 2 + _act_slots(req)) * hidden
 
 
 def _act_slots(req: RunRequest) -> int:
@@ -510,6 +588,10 @@ def _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
         # short (then residency, not offloading, is the way to fit)
         if away.fits and (not plan.fits or not _squeezed(away, policy, than=plan)):
             plan = away
+        elif not plan.fits and away.gpu_fits and not plan.gpu_fits:
+            # neither fits, but offloading keeps the GPU in budget: host memory is what is
+            # short, and that plan's refusal says so
+            plan = away
     if not plan.spec.offload:
         plan = place_activations(plan, cfg, req, dtype)
     if (req.activations == "auto" and device.type == "cuda" and req.checkpoint_every == 1
@@ -526,8 +608,10 @@ def _with_saved_attention(cfg, req, device, dtype, policy, host_limit, gpu_limit
     attention pays, with residency only for capacity: a step is then long enough that fetches
     and CPU Adam hide), checkpoints offloaded as far as needed, the GPU spent on the outputs."""
     speed = not attention_pays(cfg, req.seq_len)
+    layer_n = max((lay.numel for lay in _layouts(cfg) if lay.unit == "layer"), default=0)
+    eager_work = layer_work_bytes(cfg, req.micro_batch_size * req.seq_len, dtype.itemsize, layer_n, compiled=False)
     return plan_saved_attention(
-        cfg, req, dtype.itemsize, req.micro_batch_size * req.seq_len * _live_micro_batches(req),
+        cfg, req, dtype.itemsize, req.micro_batch_size * req.seq_len * _live_micro_batches(req), eager_work,
         lambda r: _plan_state(cfg, r, device, dtype, policy, host_limit, gpu_limit, speed=speed),
         _offload_in_flight(req, req.micro_batch_size * req.seq_len * cfg.hidden_size * dtype.itemsize),
         _act_slots(req), every)
@@ -630,20 +714,32 @@ def _bring_back(plan: Plan, cfg: ModelConfig, req: RunRequest) -> Plan:
     plain recompute plan."""
     starts = list(range(0, cfg.num_layers, req.checkpoint_every))
     per_ck = plan.host["offloaded_activations"] // len(starts)
-    in_flight = plan.gpu["checkpoints"]
+    slots = plan.gpu["checkpoints"]
+    offloading = plan.gpu
+    recomputing = {k: v for k, v in offloading.items() if k not in ("offload_in_flight", "layer_gradients")}
+    recomputing["checkpoints"] = len(starts) * per_ck
+
+    def with_back(n_off: int) -> dict[str, int]:  # the GPU items with all but n_off checkpoints back
+        if n_off == 0:
+            return recomputing
+        return {**offloading, "checkpoints": slots + (len(starts) - n_off) * per_ck}
+
+    def gpu_total(n_off: int) -> int:
+        plan.gpu = with_back(n_off)
+        return plan.gpu_total
+
     if req.activations == "offload":
         n_off = len(starts)
-    elif plan.gpu_limit is None or plan.gpu_limit - plan.gpu_total >= len(starts) * per_ck - in_flight:
+    elif plan.gpu_limit is None:
         n_off = 0
-    else:
-        free = max(0, plan.gpu_limit - plan.gpu_total)
-        n_off = len(starts) - min(len(starts), free // per_ck) if per_ck else 0
+    else:  # the fewest offloaded (from the bottom) that fit, else all of them
+        n_off = next((n for n in range(len(starts) + 1) if gpu_total(n) <= plan.gpu_limit), len(starts))
+    plan.gpu = with_back(n_off)
     host = {k: v for k, v in plan.host.items() if k != "offloaded_activations"}
     if n_off == 0:
-        plan.host, plan.gpu = host, {**plan.gpu, "checkpoints": len(starts) * per_ck}
+        plan.host = host
         return plan
     plan.host = {**host, "offloaded_activations": n_off * per_ck}
-    plan.gpu = {**plan.gpu, "checkpoints": in_flight + (len(starts) - n_off) * per_ck}
     plan.spec = msgspec.structs.replace(plan.spec, offload=tuple(starts[:n_off]))
     plan.budgets = {**plan.budgets, ACTS: _act_slots(req)}
     return plan
@@ -737,7 +833,9 @@ def _choose_resident(cfg: ModelConfig, build, policy: Any, speed: bool = True) -
     k = first(k0, L, lambda k: at(k).host_fits or not at(k).gpu_fits)
     if k > L or not at(k).gpu_fits:
         k -= 1
-    return at(k)
+    # never below k0: where even k0 overflows the GPU, more residency cannot help it, and the
+    # plan says so against the GPU budget rather than moving the whole model onto it
+    return at(max(k, k0))
 
 
 def plan_run(cfg: ModelConfig, req: RunRequest, *, device: torch.device, dtype: torch.dtype,
@@ -804,6 +902,18 @@ def _changes(plan: Plan, req: RunRequest, policy: Any) -> list[tuple[str, RunReq
     return out
 
 
+def _largest_model(plan: Plan) -> str:
+    """The size of model that the host budget would hold: the plan's per-parameter state
+    (master weights, Adam, gradient buffers, streaming copy) scaled, the rest (the process,
+    staging, activations) as planned."""
+    assert plan.host_limit is not None
+    per_param = sum(plan.host.get(k, 0) for k in ("master", "adam", "gradients", "streaming_copy")) / plan.params
+    fixed = plan.host_node_total - per_param * plan.params
+    most = max(0.0, (plan.host_limit - fixed) / per_param)
+    return (f"or a model of at most about {most / 1e9:.1f} B parameters ({plan.host_limit / GiB:.0f} GiB usable, "
+            f"{per_param:.0f} host bytes per parameter in the {plan.layout} layout)")
+
+
 def _suggest(plan: Plan, cfg: ModelConfig, req: RunRequest, device, dtype, policy, host_limit, gpu_limit) -> list[str]:
     """What would make a run that does not fit fit: each suggestion is a change that was planned
     and fits (the largest micro-batch, the largest batch, ...), not a guess; if no single change
@@ -821,7 +931,10 @@ def _suggest(plan: Plan, cfg: ModelConfig, req: RunRequest, device, dtype, polic
             out.append(f"use {text}")
     if not out:
         if not plan.host_fits:
-            out.append(f"run where about {plan.host_total / GiB / HOST_FILL:.0f} GiB of host memory is free")
+            out.append(f"run where about {math.ceil(plan.host_node_total / GiB / HOST_FILL)} GiB of host memory "
+                       f"is free (--host-mem {math.ceil(plan.host_node_total / GiB / HOST_FILL)})")
+            out.append(_largest_model(plan))
         if not plan.gpu_fits:
-            out.append(f"a GPU with about {plan.gpu_total / GiB / GPU_FILL:.0f} GiB free (or --gpu-mem that large)")
+            out.append(f"a GPU of about {math.ceil(card_for(plan.gpu_total))} GiB (--gpu-mem "
+                       f"{math.ceil(card_for(plan.gpu_total))})")
     return out

@@ -67,7 +67,7 @@ def saved_attention_bytes(cfg: ModelConfig, tokens: int, itemsize: int) -> int:
     return tokens * heads * (cfg.head_dim * itemsize + 4)  # type: ignore[operator]
 
 
-def plan_saved_attention(cfg: ModelConfig, req: Any, itemsize: int, live_tokens: int,
+def plan_saved_attention(cfg: ModelConfig, req: Any, itemsize: int, live_tokens: int, layer_work: int,
                          state: Callable[[Any], Any], in_flight: int, act_slots: int, every: bool) -> Any:
     """The plan with saved attention outputs, built from ``state(request)``: the state placed
     for a request that recomputes, every checkpoint on the GPU (the caller decides whether its
@@ -76,9 +76,12 @@ def plan_saved_attention(cfg: ModelConfig, req: Any, itemsize: int, live_tokens:
     ``every``: every layer saves its output (``--activations attention``), and checkpoints are
     offloaded as far as that needs; else as many layers as fit once checkpoints are offloaded as
     far as host memory holds them (None where not one fits). ``live_tokens``: the tokens of the
-    micro-batches whose activations are alive at once; ``in_flight`` and ``act_slots``: the GPU
-    bytes of checkpoints and the ``acts`` budget of a step that offloads them."""
+    micro-batches whose activations are alive at once; ``layer_work``: one layer's backward as
+    eager autograd runs it (a saved output breaks a compiled layer's graph at attention);
+    ``in_flight`` and ``act_slots``: the GPU bytes of checkpoints and the ``acts`` budget of a
+    step that offloads them."""
     plan = state(msgspec.structs.replace(req, activations="recompute"))
+    plan.gpu = {**plan.gpu, "layer_work": max(plan.gpu["layer_work"], layer_work)}
     L = cfg.num_layers
     n_ck = L  # a checkpoint at every layer (checked by StepSpec)
     per_ck = plan.gpu["checkpoints"] // n_ck

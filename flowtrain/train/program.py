@@ -56,6 +56,7 @@ without a host sync per layer: :mod:`flowtrain.train.nonfinite`.
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 import threading
 import warnings
 
@@ -163,6 +164,7 @@ class StepProgram:
         self.world = world or World()
         self.device = torch.device(device)
         self.dtype = dtype
+        self.seq_len = seq_len
         self.k = checkpoint_every
         self.adamw = adamw
         #: per unit, the element ranges that get no weight decay (``--weight-decay-skip``)
@@ -436,15 +438,30 @@ class StepProgram:
         key = (task.step, task.layer, task.micro_batch)
         x = self.acts.pop(key)  # type: ignore[arg-type]
         buf = self.act_host.get(key[1:])  # type: ignore[arg-type]
-        if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:
-            # page-locked in place: torch's pinned allocator would round a 3 GiB checkpoint up to
-            # 4 GiB (a power of two), host memory the plan does not have
-            buf = pinned_zeros(x.numel(), self._pin, x.dtype).view(x.shape)
-            self.act_host[key[1:]] = buf  # type: ignore[index]
+        if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:  # not reserved ahead
+            buf = self.act_host[key[1:]] = self._checkpoint_buffer(x.shape)  # type: ignore[index]
         buf.copy_(x, non_blocking=self._non_blocking)
         if self.device.type == "cuda":
             x.record_stream(torch.cuda.current_stream(self.device))
         return buf.numel() * buf.element_size()
+
+    def reserve_offloaded(self, layers: Iterable[int], micro_batches: int, rows: int) -> int:
+        """Allocate, before the first step, the host buffer of every checkpoint the step graph
+        offloads (layer ``i``'s input of each micro-batch, ``rows`` sequences of ``seq_len``);
+        returns their bytes. Allocating and page-locking them inside the first step's
+        ``offload_act`` tasks held the d2h lane up for tens of milliseconds per buffer while the
+        forward ran on; host memory that is short now fails here, before anything trains."""
+        shape = (rows, self.seq_len, self.cfg.hidden_size)
+        for i in layers:
+            for m in range(micro_batches):
+                if (i, m) not in self.act_host:
+                    self.act_host[(i, m)] = self._checkpoint_buffer(shape)
+        return sum(b.numel() * b.element_size() for b in self.act_host.values())
+
+    def _checkpoint_buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
+        # page-locked in place: torch's pinned allocator would round a 3 GiB checkpoint up to
+        # 4 GiB (a power of two), host memory the plan does not have
+        return pinned_zeros(math.prod(shape), self._pin, self.dtype).view(shape)
 
     def _fetch_act(self, task: FetchAct, slot: int) -> int:
         """An offloaded checkpoint back onto the device, on the h2d lane, before its backward.

@@ -244,6 +244,7 @@ def build_state(run: Run) -> tuple[HostState, StepProgram]:
                           chunk_tokens=plan.chunk_tokens, compile_backend=compile_backend(cfg.compile, run.device.type),
                           undo_bytes=int(cfg.undo_mem * 2**30) // spec.share, world=run.world,
                           owned=spec.owned_by(run.world.local_rank))
+    program.reserve_offloaded(spec.offload, spec.micro_batches, cfg.micro_batch_size)
     return state, program
 
 
@@ -254,7 +255,8 @@ def prefer_expandable_segments(cfg: TrainConfig, environ: dict[str, str] | None 
     sizes; with fixed segments llama-8b at 262,144 tokens ran out of memory in its second step
     with 15.5 GiB reserved but unused (docs/benchmarks.md). Returns whether it set it."""
     env = os.environ if environ is None else environ
-    if cfg.seq_len * cfg.micro_batch_size <= MLP_CHUNK_TOKENS or "PYTORCH_CUDA_ALLOC_CONF" in env:
+    long_rows = cfg.seq_len * cfg.micro_batch_size > MLP_CHUNK_TOKENS
+    if not (long_rows or cfg.gpu_mem is not None) or "PYTORCH_CUDA_ALLOC_CONF" in env:
         return False
     env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     return True

@@ -22,7 +22,7 @@ from flowtrain.graph.compiler import StepSpec, compile_step
 from flowtrain.graph.tasks import ACTS, FetchAct, OffloadAct
 from flowtrain.policy import resolve_policy
 from flowtrain.sim.clock import VirtualRun
-from flowtrain.train.plan import RunRequest, plan_run
+from flowtrain.train.plan import RunRequest, card_for, plan_run
 
 sys.path.insert(0, str(Path(__file__).parent / "model"))
 from model_helpers import small_cfg  # noqa: E402
@@ -123,17 +123,17 @@ def _hidden(req) -> int:
 
 
 def test_auto_offloads_the_bottom_checkpoints_the_gpu_cannot_hold():
-    roomy = _plan(_req(activations="recompute"))
     per_ck = 8 * _hidden(_req())  # every micro-batch's input of one layer (layer-major)
-    state = roomy.gpu_total - roomy.gpu["checkpoints"]
-    # room for the state, the checkpoints in flight and 5 of the 12 layers' checkpoints
-    in_flight = (2 * 8 + 2) * _hidden(_req())
-    gib = (state + in_flight + 5 * per_ck + per_ck // 2) / 0.92 / 2**30
+    # room for the state with every checkpoint offloaded (the acts slots, the checkpoints in
+    # flight or the layer gradients) and 4 of the 12 layers' checkpoints back on the GPU
+    away = _plan(_req(activations="offload", gpu_mem=60.0))
+    gib = card_for(away.gpu_total + 4 * per_ck + per_ck // 2)
     plan = _plan(_req(gpu_mem=gib))
     assert plan.fits and plan.spec.keep == ()
-    assert plan.spec.offload == tuple(range(7)), plan.spec.offload  # the bottom 7 go to the host
-    assert plan.host["offloaded_activations"] == 7 * per_ck
-    assert plan.gpu["checkpoints"] == in_flight + 5 * per_ck
+    assert plan.spec.offload == tuple(range(8)), plan.spec.offload  # the bottom 8 go to the host
+    assert plan.host["offloaded_activations"] == 8 * per_ck
+    assert plan.gpu["checkpoints"] == 2 * _hidden(_req()) + 4 * per_ck  # 2 acts slots and 4 back
+    assert plan.gpu_total == away.gpu_total + 4 * per_ck
     assert plan.budgets[ACTS] == 2
     # the same run recomputing from checkpoints on the GPU does not fit that budget
     assert not _plan(_req(gpu_mem=gib, activations="recompute")).fits
@@ -157,7 +157,11 @@ def test_offload_sends_every_checkpoint_and_counts_it_on_the_host(k):
     assert plan.host["offloaded_activations"] == len(starts) * 8 * _hidden(req)
     slots = 2 if k == 1 else 8 + 1
     assert plan.budgets[ACTS] == slots
-    assert plan.gpu["checkpoints"] == (2 * 8 + slots) * _hidden(req)
+    # in backward the acts slots; in forward two layers' inputs, one being written, one being
+    # copied out; and the eight micro-batches' gradients between two layers' backward
+    assert plan.gpu["checkpoints"] == slots * _hidden(req)
+    assert plan.gpu["offload_in_flight"] == (2 * 8 + 2) * _hidden(req)
+    assert plan.gpu["layer_gradients"] == 8 * _hidden(req)
     # the engine gets the same acts budget from the policy as the plan counted
     graph = compile_step(msgspec.structs.replace(plan.spec))
     assert resolve_policy("double_buffer").propose(graph).budgets[ACTS] == slots

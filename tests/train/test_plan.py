@@ -20,7 +20,7 @@ from flowtrain.cli import main
 from flowtrain.graph import GRADS, WEIGHTS
 from flowtrain.train.host_state import HostState
 from flowtrain.train.model import ModelConfig, model_layouts, preset
-from flowtrain.train.plan import GiB, RunRequest, plan_run
+from flowtrain.train.plan import GPU_FILL_CAPPED, GiB, RunRequest, allocator_share, card_for, plan_run
 
 CUDA = torch.device("cuda")
 BF16 = torch.bfloat16
@@ -70,17 +70,18 @@ def test_capacity_placement_moves_layers_to_the_gpu_until_the_host_fits():
 
 
 def test_a_run_too_large_for_both_says_what_would_fit():
-    p = plan(model="qwen-14b", batch_size=8, host_mem=104)
+    card = card_for(int(127.9 * GiB))  # a card that leaves the plan 127.9 GiB
+    p = plan(model="qwen-14b", batch_size=8, host_mem=104, gpu_mem=card)
     assert not p.fits and not p.host_fits
     assert p.max_micro_batch is not None and p.max_micro_batch < 4
     assert f"--micro-batch-size {p.max_micro_batch}" in p.refusal()
-    assert plan(model="qwen-14b", batch_size=8, host_mem=104, micro_batch_size=p.max_micro_batch).fits
+    assert plan(model="qwen-14b", batch_size=8, host_mem=104, gpu_mem=card, micro_batch_size=p.max_micro_batch).fits
 
 
 def test_a_10gb_gpu_cap_shrinks_loss_chunks_and_slots_until_8b_fits():
     """Recomputing from checkpoints on the GPU (auto offloads them instead: test_offload.py)."""
     p = plan(batch_size=2, micro_batch_size=1, gpu_mem=10, activations="recompute")
-    assert p.fits and p.gpu_total <= 10 * GiB * 0.92
+    assert p.fits and p.gpu_total <= allocator_share(10) * GPU_FILL_CAPPED
     assert p.spec.resident == ()
     assert p.chunk_tokens < 2048 and p.budgets[GRADS] == 1 and p.budgets[WEIGHTS] == 2
     roomy = plan(batch_size=2, micro_batch_size=1)
@@ -123,7 +124,7 @@ def test_plan_cli_prints_text_and_json_and_exits_1_when_it_does_not_fit(capsys):
     assert data["fits"] and data["device"] == "cuda" and data["gpu_total"] <= 10 * GiB
     assert set(data["host"]) >= {"master", "adam", "staging", "runtime"}
     assert main(["plan", "--model", "qwen-14b", "--seq-len", "4096", "--batch-size", "8", "--micro-batch-size", "4",
-                 "--gpu-mem", "139", "--host-mem", "104"]) == 1
+                 "--gpu-mem", f"{card_for(int(127.9 * GiB)):.3f}", "--host-mem", "104"]) == 1
     assert "to make it fit: use --micro-batch-size" in capsys.readouterr().out
 
 
@@ -241,7 +242,7 @@ def test_planning_for_another_machine_ignores_this_gpu(monkeypatch):
                                                         host_mem=118.0, gpu_mem=139.0, resident="none"),
                          device=CUDA, dtype=BF16, local_gpu=False)
     assert here.gpu_limit < 2 * GiB and not here.fits
-    assert elsewhere.gpu_limit == int(139.0 * GiB * 0.92) and elsewhere.fits
+    assert elsewhere.gpu_limit == int(allocator_share(139.0) * GPU_FILL_CAPPED) and elsewhere.fits
 
 
 @pytest.mark.parametrize("spec_kw", [
