@@ -29,6 +29,13 @@ Rules the engine enforces, whatever the policy proposed:
   ``reads``) has been launched; the next taker of that slot waits for their fences on its lane.
 - **Deadlock.** If nothing can be launched, no completion is outstanding and tasks remain,
   :class:`~flowtrain.errors.DeadlockError` names the stuck lane heads.
+
+Memory. A run adds a graph per step for days, so nothing here may grow with the number of steps.
+Each node drops its links to other nodes as soon as they have served (its successors once it
+launched or completed, its slot's readers once the slot is released), so a finished node never
+keeps a later step's nodes alive; and :meth:`Scheduler.forget` drops a node from :attr:`nodes`
+when its completion arrives if that is after the caller forgot it (the executor's ``wait`` sees
+a fence set before the completion reaches the loop).
 """
 
 from __future__ import annotations
@@ -57,8 +64,11 @@ class Launch(NamedTuple):
 
 
 class _Node:
+    """One task's scheduling state. The lists of other nodes are emptied once they have served
+    (see the module docstring, "Memory"): a node's links then never pin another step's nodes."""
+
     __slots__ = ("task", "waiting", "succ_launch", "succ_done", "holders", "readers", "readers_left",
-                 "launched", "done", "notify", "slot", "fence_preds", "urgency")
+                 "launched", "done", "notify", "slot", "fence_preds", "urgency", "forgotten")
 
     def __init__(self, task: Task, urgency: float | None = None) -> None:
         self.task = task
@@ -74,6 +84,7 @@ class _Node:
         self.notify = False  # the host must be told when we complete
         self.slot: int | None = None
         self.fence_preds: list[Task] = []
+        self.forgotten = False  # forget() asked before the completion arrived: drop it then
 
 
 class PoolState:
@@ -214,6 +225,9 @@ class Scheduler:
             self.running[task.lane] -= 1
         for s in node.succ_done:
             s.waiting -= 1
+        node.succ_done = []  # served; add() appends to a done node's list no more
+        if node.forgotten:
+            del self.nodes[task]
 
     def needs_completion(self, task: Task) -> bool:
         """Whether the executor must report this task's completion through :meth:`complete`."""
@@ -224,12 +238,17 @@ class Scheduler:
         return self.unlaunched == 0
 
     def forget(self, tasks: Iterable[Task]) -> None:
-        """Drop finished tasks' bookkeeping (for long runs that add graph after graph).
+        """Drop tasks' bookkeeping (for long runs that add graph after graph): at once for a
+        finished task, at its :meth:`complete` for one whose completion is still on its way.
         Later graphs may no longer name forgotten tasks in their edges."""
         for t in tasks:
             n = self.nodes.get(t)
-            if n is not None and n.done:
+            if n is None:
+                continue
+            if n.done:
                 del self.nodes[t]
+            else:
+                n.forgotten = True
 
     # ---- internals --------------------------------------------------------------------
     def _most_urgent(self, lane: str, queue: deque[_Node]) -> _Node | None:
@@ -290,6 +309,9 @@ class Scheduler:
                 self._release(h)
         if task.takes is not None and node.readers_left == 0:
             self._release(node)  # a slot nobody reads is free at once
+        # Served: add() links to a launched node's succ_launch no more, and holders and fences
+        # are in the Launch now. Emptying them keeps this step's nodes from pinning others.
+        node.succ_launch, node.holders, node.fence_preds = [], [], []
         return Launch(task, slot, reads, tuple(waits))
 
     def _release(self, holder: _Node) -> None:
@@ -298,5 +320,6 @@ class Scheduler:
         assert slot is not None and pool.held.get(slot) is holder.task
         del pool.held[slot]
         readers = tuple(n.task for n in holder.readers)
+        holder.readers = []  # released: add() refuses new readers of a launched taker
         pool.fences[slot] = readers or (holder.task,)
         pool.free.append(slot)

@@ -63,6 +63,12 @@ _INTS = (
     ("save_total_limit", 1),
     ("max_skipped", 0),
 )
+#: integer fields with an upper bound too: (name -> a function giving the bound, and why)
+_INT_MAXIMA = {
+    # Each worker is a thread running AdamW on a unit; more threads than cores only contend,
+    # and 100,000 of them would take the process's address space in stacks.
+    "adam_workers": (lambda: max(256, 4 * (os.cpu_count() or 1)), "the larger of 256 and 4 per CPU"),
+}
 #: fields where None means "not set" (planned, unlimited, off)
 _OPTIONAL = {"grad_clip", "gpu_mem", "host_mem", "task_timeout", "chunk_tokens", "save_every",
              "save_total_limit", "max_skipped", "lr", "weight_decay", "warmup_steps"}  # last three: defaults decided later
@@ -105,6 +111,10 @@ def validate_numbers(cfg: Any) -> None:
             raise ConfigError(f"{_flag(name)} must be an integer >= {minimum} (got {v!r})")
         if v < minimum:
             raise ConfigError(f"{_flag(name)} must be at least {minimum} (got {v})")
+        if name in _INT_MAXIMA:
+            bound, why = _INT_MAXIMA[name]
+            if v > bound():
+                raise ConfigError(f"{_flag(name)} must be at most {bound()} ({why}) (got {v})")
     _check_betas(getattr(cfg, "betas", (0.9, 0.999)))
     seed = getattr(cfg, "seed", 0)
     if not (_is_int(seed) and _SEED_RANGE[0] <= seed <= _SEED_RANGE[1]):

@@ -326,7 +326,7 @@ def _messages(where: str, value: object) -> list[dict]:
         raise DataError(
             f"{where}: \"messages\" must be a non-empty list of objects with a string \"role\" "
             f"and a \"content\", such as [{{\"role\": \"user\", \"content\": \"Hi\"}}], not "
-            f"{json.dumps(value)[:60]}"
+            f"{_preview(value)}"
         )
     return value
 
@@ -415,6 +415,11 @@ def _parse_line(path: Path, line_no: int, raw: bytes) -> dict:
         obj = json.loads(raw)
     except UnicodeDecodeError:
         raise DataError(f"{path} line {line_no} is not UTF-8; re-save the file as UTF-8") from None
+    except RecursionError:  # the parser recurses once per level: [[[[...]]]] ends it
+        raise DataError(
+            f"{path} line {line_no} nests its JSON too deeply to read; a row is one object of "
+            f"strings and flat lists, such as {_JSONL_EXAMPLE}"
+        ) from None
     except json.JSONDecodeError as exc:
         raise DataError(
             f"{path} line {line_no} is not valid JSON ({exc.msg} at column {exc.colno}); "
@@ -438,13 +443,32 @@ def _id_row(path: Path, line_no: int, value: object, vocab_size: int) -> np.ndar
 def _int_list(path: Path, line_no: int, key: str, value: object) -> np.ndarray:
     if isinstance(value, list) and not value:
         return np.zeros(0, dtype=np.int64)  # dropped later, like every row under 2 tokens
-    row = np.asarray(value) if isinstance(value, list) else None
+    try:
+        row = np.asarray(value) if isinstance(value, list) else None
+    except (ValueError, OverflowError, RecursionError):  # nested, ragged or huge: numpy refuses
+        row = None
     if row is None or row.ndim != 1 or row.dtype.kind not in "iu":
         raise DataError(
             f"{path} line {line_no}: \"{key}\" must be a flat list of integers such as "
-            f"[1, 2, 3], not {json.dumps(value)[:60]}"
+            f"[1, 2, 3], not {_preview(value)}"
         )
     return row.astype(np.int64)
+
+
+def _preview(value: object, limit: int = 60) -> str:
+    """The start of ``value`` as JSON, for an error line: never the whole of a large value, and
+    never a RecursionError from a deeply nested one."""
+    if isinstance(value, (list, str)):
+        head = value[:limit]
+    elif isinstance(value, dict):
+        head = dict(list(value.items())[:limit])
+    else:
+        head = value
+    try:
+        text = json.dumps(head)
+    except (ValueError, TypeError, RecursionError):
+        return f"a {type(value).__name__} nested too deeply to show"
+    return text[:limit]
 
 
 def _tokenizer_hint(encoder: Encoder, vocab_size: int) -> str:

@@ -21,6 +21,11 @@ happen in :mod:`flowtrain.train.data_files`, where the line and position are kno
 ``lstrip_blocks``, its ``tojson``, ``raise_exception`` and ``strftime_now``, the special tokens
 as variables, ``{% generation %}`` blocks rendered as plain text); the rendered text is
 tokenised without adding special tokens, as transformers does, since the template writes them.
+
+A template is foreign code run on every row, so its rendering is bounded as well as sandboxed: a
+template that recurses without end, or builds a string of more than :data:`MAX_RENDER_CHARS`
+characters (by ``*``, ``+``, ``~``, a ``{% set %}`` block, a macro or its output), fails that row
+with one line instead of ending the process in a RecursionError or MemoryError.
 """
 
 from __future__ import annotations
@@ -55,6 +60,10 @@ _FOREIGN_TOKENIZERS = ("tokenizer.model", "vocab.json")
 # Long documents are encoded in pieces of about this many characters (split where a line
 # starts), so tokenizers can work on them in parallel without holding one giant Encoding.
 CHUNK_CHARS = 1 << 20
+
+#: Most characters a chat template may produce for one rendering, or build on its way there.
+#: A conversation of 64 Mi characters is far beyond any context a model is trained at.
+MAX_RENDER_CHARS = 64 << 20
 
 
 def find_tokenizer(model_dir: str | Path | None) -> Path | None:
@@ -235,7 +244,7 @@ def _is_flowtrain_checkpoint(folder: Path) -> bool:
     manifest = folder / "manifest.json"  # checkpoints.MANIFEST_NAME; data must not import it
     try:
         return json.loads(manifest.read_text(encoding="utf-8")).get("format") == "flowtrain-checkpoint"
-    except (OSError, ValueError, AttributeError):
+    except (OSError, ValueError, AttributeError, RecursionError):  # garbage is no checkpoint
         return False
 
 
@@ -252,7 +261,7 @@ def _tokenizer_config(model_dir: Path) -> dict:
         return {}
     try:
         data = json.loads(config.read_text(encoding="utf-8"))
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested beyond the parser's depth
         return {}  # an unreadable config only costs us the separator, not the run
     return data if isinstance(data, dict) else {}
 
@@ -318,9 +327,22 @@ class ChatTemplate:
             return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators,
                               sort_keys=sort_keys)
 
-        env = ImmutableSandboxedEnvironment(
+        class BoundedSandbox(ImmutableSandboxedEnvironment):
+            """The sandbox, with ``*``, ``**`` and ``+`` checked before they run: their result
+            would be too large (a 10 GB string is allocated before anything could refuse it)."""
+
+            intercepted_binops = frozenset({"*", "**", "+"})
+
+            def call_binop(self, context, operator, left, right):
+                _check_binop(operator, left, right)
+                return super().call_binop(context, operator, left, right)
+
+        env = BoundedSandbox(
             trim_blocks=True, lstrip_blocks=True, extensions=[Generation, jinja2.ext.loopcontrols]
         )
+        # Every join of template output (the rendering, {% set %} blocks, macros) goes through
+        # environment.concat, which compiled templates bind when they are built: bound it first.
+        env.concat = _bounded_join  # type: ignore[method-assign]
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
         env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
@@ -328,6 +350,12 @@ class ChatTemplate:
             self._template = env.from_string(template)
         except jinja2.exceptions.TemplateError as exc:
             raise DataError(f"the chat template in {source} does not compile ({exc}); fix it") from None
+        except RecursionError:
+            raise DataError(f"the chat template in {source} nests too deeply to compile; fix it") from None
+        # ``a ~ b`` compiles to the runtime's str_join, a name of the compiled module: bound it too.
+        namespace = self._template.root_render_func.__globals__
+        if "str_join" in namespace:
+            namespace["str_join"] = lambda seq: _bounded_join(str(x) for x in seq)
         self.source = source
         self._special = dict(special_tokens)
 
@@ -340,7 +368,80 @@ class ChatTemplate:
             return self._template.render(messages=messages, tools=None, documents=None,
                                          add_generation_prompt=add_generation_prompt, **self._special)
         except (jinja2.exceptions.TemplateError, TypeError, KeyError, IndexError) as exc:
-            raise ValueError(" ".join(str(exc).split()) or type(exc).__name__) from None
+            raise ValueError(_one_line(str(exc)) or type(exc).__name__) from None
+        except RecursionError:  # a macro calling itself, or a message nested beyond Python's depth
+            raise ValueError("it recursed too deeply (a macro that calls itself without end?)") from None
+        except (MemoryError, OverflowError):  # e.g. a filter such as center() asked for a huge width
+            raise ValueError("it built a value too large to hold in memory") from None
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    """``text`` on one line, cut to ``limit`` characters: an error quotes, it does not dump."""
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _too_large(n: int, what: str = "string") -> None:
+    import jinja2
+
+    unit = "characters" if what == "string" else "items"
+    raise jinja2.exceptions.SecurityError(
+        f"it would build a {what} of {n:,} {unit}, more than the {MAX_RENDER_CHARS:,} a rendering may have"
+    )
+
+
+def _bounded_join(parts: Iterable[Any]) -> str:
+    """``"".join(parts)``, refusing once the total passes :data:`MAX_RENDER_CHARS` (``parts`` may
+    be a template's output generator: it stops being drawn then)."""
+    out, total = [], 0
+    for part in parts:
+        total += len(part)
+        if total > MAX_RENDER_CHARS:
+            _too_large(total)
+        out.append(part)
+    return "".join(out)
+
+
+#: Bits a number computed in a template may have: big-integer products and powers take
+#: minutes long before they take the memory (2 ** 10 ** 9, or x * x doubled in a loop).
+_MAX_INT_BITS = 1 << 20
+
+
+def _check_binop(operator: str, left: Any, right: Any) -> None:
+    """Refuse ``left <operator> right`` in a template when its result would be too large: a
+    repeated or joined string, list or tuple of more than :data:`MAX_RENDER_CHARS` items, or an
+    integer of more than :data:`_MAX_INT_BITS` bits."""
+    sized = (str, list, tuple)
+
+    def integer(x: Any) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+
+    def kind(x: Any) -> str:
+        return "string" if isinstance(x, str) else "list"
+
+    if operator == "*" and isinstance(left, sized) and integer(right):
+        if len(left) * right > MAX_RENDER_CHARS:
+            _too_large(len(left) * right, kind(left))
+    elif operator == "*" and isinstance(right, sized) and integer(left):
+        if len(right) * left > MAX_RENDER_CHARS:
+            _too_large(len(right) * left, kind(right))
+    elif operator == "+" and isinstance(left, sized) and isinstance(right, sized):
+        if len(left) + len(right) > MAX_RENDER_CHARS:
+            _too_large(len(left) + len(right), kind(left))
+    elif integer(left) and integer(right):
+        if operator == "*":
+            bits = left.bit_length() + right.bit_length()
+        elif operator == "**" and right > 0 and abs(left) > 1:
+            bits = left.bit_length() * right
+        else:
+            return
+        if bits > _MAX_INT_BITS:
+            import jinja2
+
+            raise jinja2.exceptions.SecurityError(
+                f"it would compute a number of about {bits:,} bits, more than the {_MAX_INT_BITS:,} "
+                "a rendering may"
+            )
 
 
 def load_chat_template(tokenizer_dir: str | Path | None) -> ChatTemplate | None:

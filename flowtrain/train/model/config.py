@@ -96,6 +96,28 @@ _REQUIRED_HF_KEYS = (
     "num_attention_heads",
 )
 
+# Bounds on a model's sizes. A corrupt or hostile config.json (vocab_size 10**12, 10**6 layers)
+# must be refused with one line before anything is sized from it: the planner, the graph
+# compiler and the host state all allocate per layer, per chunk and per parameter. Each bound
+# is far above any published model (the largest have ~126 layers, hidden 16,384, intermediate
+# 53,248, 128 heads of 256, vocab 262,144, 10M positions) and far below what would exhaust a
+# machine just describing the model. Checked with integer arithmetic only.
+#: ModelConfig field -> (config.json key, largest accepted value)
+SIZE_BOUNDS: dict[str, tuple[str, int]] = {
+    "num_layers": ("num_hidden_layers", 4096),
+    "hidden_size": ("hidden_size", 1 << 18),
+    "intermediate_size": ("intermediate_size", 1 << 21),
+    "num_heads": ("num_attention_heads", 4096),
+    "num_kv_heads": ("num_key_value_heads", 4096),
+    "head_dim": ("head_dim", 1 << 14),
+    "vocab_size": ("vocab_size", 1 << 24),
+    "max_position_embeddings": ("max_position_embeddings", 1 << 26),
+}
+_HF_BOUNDS = {key: bound for key, bound in SIZE_BOUNDS.values()}
+#: Parameters a model may have: 10**13 fp32 weights are 40 TB, more host memory than any one
+#: machine has, so no run could ever hold them.
+MAX_PARAMETERS = 10**13
+
 
 class RopeScaling(msgspec.Struct, frozen=True):
     """Rotary frequency scaling: Llama 3.1's (``rope_type == "llama3"``) or linear.
@@ -217,11 +239,13 @@ class ModelConfig(msgspec.Struct, frozen=True):
 
     def validate(self) -> ModelConfig:
         """Raise :class:`ConfigError` if the sizes cannot form a model; return ``self``."""
-        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+        for name, (_, bound) in SIZE_BOUNDS.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"model config: {name} must be a positive integer, got {value!r}")
+            if value > bound:
+                raise ConfigError(f"model config: {name} {_short(value)} is above the bound {bound:,}; "
+                                  "no model that size can be trained")
         if self.hidden_size % self.num_heads:
             raise ConfigError(
                 f"model config: num_heads {self.num_heads} does not divide hidden_size "
@@ -262,7 +286,19 @@ class ModelConfig(msgspec.Struct, frozen=True):
             )
         self._check_rope_scaling()
         self._check_gemma_fields()
+        self._check_parameter_count()
         return self
+
+    def _check_parameter_count(self) -> None:
+        """Refuse more than :data:`MAX_PARAMETERS` parameters. Every size is bounded by now, so
+        the count is a small exact integer computation; nothing is allocated from it."""
+        n = self.num_parameters()
+        if n > MAX_PARAMETERS:
+            raise ConfigError(
+                f"model config: {n:.3g} parameters is above the bound {MAX_PARAMETERS:.0e} (more than a "
+                f"machine's host memory holds); check vocab_size {self.vocab_size}, hidden_size "
+                f"{self.hidden_size}, intermediate_size {self.intermediate_size}, num_layers {self.num_layers}"
+            )
 
     def _check_rope_scaling(self) -> None:
         rs = self.rope_scaling
@@ -484,8 +520,9 @@ _REQUIRED = object()
 
 def _hf_int(d: dict[str, Any], key: str, default: Any = _REQUIRED, *, minimum: int | None = 1,
             where: str = "") -> Any:
-    """``d[key]`` as a JSON integer >= ``minimum`` (any integer if None); absent or null gives
-    ``default``. A float is refused, not truncated: 4096.5 layers is a typo, not a size."""
+    """``d[key]`` as a JSON integer >= ``minimum`` (any integer if None) and, for a size, at most
+    its bound in :data:`SIZE_BOUNDS`; absent or null gives ``default``. A float is refused, not
+    truncated: 4096.5 layers is a typo, not a size."""
     v = d.get(key)
     if v is None:
         if default is _REQUIRED:
@@ -494,8 +531,20 @@ def _hf_int(d: dict[str, Any], key: str, default: Any = _REQUIRED, *, minimum: i
     if isinstance(v, bool) or not isinstance(v, int) or (minimum is not None and v < minimum):
         what = ("an integer" if minimum is None else "a positive integer" if minimum == 1
                 else f"an integer >= {minimum}")
-        raise ConfigError(f"config.json: {where}{key} must be {what} (got {v!r})")
+        raise ConfigError(f"config.json: {where}{key} must be {what} (got {_short(v)})")
+    bound = _HF_BOUNDS.get(key)
+    if bound is not None and v > bound:
+        raise ConfigError(f"config.json: {key} {_short(v)} is above the bound {bound:,}; "
+                          "no model that size can be trained (is config.json corrupt?)")
     return v
+
+
+def _short(v: Any, limit: int = 80) -> str:
+    """``repr(v)`` cut to ``limit`` characters: an error line quotes a value, not a file."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 200:
+        return f"an integer of {v.bit_length()} bits"  # str() of a huge int is slow, or refused
+    text = repr(v)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _hf_float(d: dict[str, Any], key: str, default: Any = _REQUIRED, *, where: str = "") -> float:
@@ -766,8 +815,24 @@ def default_chunk_tokens(vocab_size: int) -> int:
 CONFIG_NAME = "config.json"
 
 
+#: The weights of a model directory: one file, or an index naming shards (checkpoint.py's names).
+_WEIGHTS_NAME, _INDEX_NAME = "model.safetensors", "model.safetensors.index.json"
+#: Largest JSON file read whole (config.json, the index) and largest safetensors header; the
+#: safetensors library refuses headers above 100 MB too. Real ones are kilobytes.
+_MAX_JSON_BYTES = 64 << 20
+_MAX_HEADER_BYTES = 100_000_000
+#: safetensors dtypes a weight may have, with their bytes per element: floating point only. An
+#: integer or bool tensor would be cast to float silently (quantized weights without their scales).
+_FLOAT_DTYPES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}
+
+
 def read_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
-    """The :class:`ModelConfig` of a Hugging Face model directory."""
+    """The :class:`ModelConfig` of a Hugging Face model directory.
+
+    Where the directory holds weights, their safetensors headers are checked against the config
+    too (:func:`check_weight_headers`): a few kilobytes read, so a wrong or damaged checkpoint
+    is refused before the host state it would be loaded into is allocated. A directory with
+    ``config.json`` alone is accepted (``flowtrain plan`` and ``simulate`` need no weights)."""
     path = Path(model_dir)
     if not path.is_dir():
         raise CheckpointError(f"model directory {str(path)!r} does not exist or is not a directory")
@@ -776,8 +841,95 @@ def read_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
         raise CheckpointError(
             f"{str(path)!r} has no {CONFIG_NAME}; point at a Hugging Face model directory"
         )
+    cfg = ModelConfig.from_hf(_read_json(cfg_path))
+    check_weight_headers(path, cfg)
+    return cfg
+
+
+def _read_json(path: Path) -> Any:
+    """A small JSON file, or :class:`CheckpointError` in one line: too large, unreadable, not
+    JSON, or nested too deeply for the parser (which would raise RecursionError)."""
     try:
-        d = json.loads(cfg_path.read_text())
+        if path.stat().st_size > _MAX_JSON_BYTES:
+            raise CheckpointError(f"cannot read {path}: {path.stat().st_size:,} bytes, more than the "
+                                  f"{_MAX_JSON_BYTES:,} a JSON file of a model may have")
+        return json.loads(path.read_text())
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read {cfg_path}: {e}") from e
-    return ModelConfig.from_hf(d)
+        raise CheckpointError(f"cannot read {path}: {_short(str(e), 200)}") from e
+    except RecursionError:
+        raise CheckpointError(f"cannot read {path}: its JSON is nested too deeply") from None
+
+
+def check_weight_headers(model_dir: str | os.PathLike[str], cfg: ModelConfig, *, require: bool = False) -> None:
+    """Check the safetensors headers of ``model_dir`` against ``cfg`` without reading a weight:
+    every tensor the config implies is present, has its shape and a floating dtype, and its
+    bytes lie inside its file. Raises :class:`CheckpointError` naming the file and tensor, with
+    the same words as loading would. A directory without weight files passes (nothing to
+    check) unless ``require``: a caller about to load weights refuses it before allocating."""
+    from flowtrain.train.model.layout import model_layouts  # layout imports this module
+
+    path = Path(model_dir)
+    index = path / _INDEX_NAME
+    if not index.is_file() and not (path / _WEIGHTS_NAME).is_file():
+        if require:
+            raise CheckpointError(f"{str(path)!r} has neither {_WEIGHTS_NAME} nor {_INDEX_NAME}")
+        return
+    expected = {e.name: e.shape for lay in model_layouts(cfg) for e in lay.entries}
+    if index.is_file():
+        weight_map = _read_json(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} is not a valid safetensors index: it has no 'weight_map' object")
+        files: dict[Path, list[str]] = {}
+        for name in expected:
+            if not isinstance(weight_map.get(name), str):
+                raise CheckpointError(f"tensor {name!r} is missing from {index}")
+            files.setdefault(path / weight_map[name], []).append(name)
+    else:
+        files = {path / _WEIGHTS_NAME: list(expected)}
+    for file, names in files.items():
+        if not file.is_file():
+            raise CheckpointError(f"shard {_short(str(file), 200)} named in {index} does not exist")
+        header, data_bytes = _safetensors_header(file)
+        for name in names:
+            _check_tensor(file, name, header.get(name), expected[name], data_bytes)
+
+
+def _safetensors_header(file: Path) -> tuple[dict, int]:
+    """``(header, bytes after it)`` of a safetensors file: an 8-byte little-endian length, then
+    that many bytes of JSON. Only the header is read."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or n > min(_MAX_HEADER_BYTES, size - 8):
+                raise CheckpointError(f"cannot read {file}: corrupt or truncated (header of {n:,} bytes "
+                                      f"in a file of {size:,})")
+            header = json.loads(f.read(n))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"cannot read {file}: corrupt or truncated ({_short(str(e), 200)})") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"cannot read {file}: corrupt or truncated (its header is not a JSON object)")
+    return header, size - 8 - n
+
+
+def _check_tensor(file: Path, name: str, info: Any, shape: tuple[int, ...], data_bytes: int) -> None:
+    """One header entry against the shape the config implies (see :func:`check_weight_headers`)."""
+    if info is None:
+        raise CheckpointError(f"tensor {name!r} is missing from {file}")
+    got = info.get("shape") if isinstance(info, dict) else None
+    offsets = info.get("data_offsets") if isinstance(info, dict) else None
+    if (not isinstance(got, list) or not all(type(x) is int and x >= 0 for x in got)
+            or not isinstance(offsets, list) or len(offsets) != 2 or not all(type(x) is int for x in offsets)):
+        raise CheckpointError(f"cannot read {file}: corrupt or truncated (the entry of {name!r} is malformed)")
+    if tuple(got) != shape:
+        raise CheckpointError(f"tensor {name!r} in {file} has shape {_short(tuple(got))}, but the config "
+                              f"implies {shape}; does config.json belong to these weights?")
+    dtype = info.get("dtype")
+    if dtype not in _FLOAT_DTYPES:
+        raise CheckpointError(f"tensor {name!r} in {file} is {_short(dtype)}, not a floating-point weight; "
+                              f"flowtrain loads {', '.join(_FLOAT_DTYPES)} weights (convert quantized checkpoints)")
+    begin, end = offsets
+    if not 0 <= begin <= end <= data_bytes or end - begin != math.prod(shape) * _FLOAT_DTYPES[dtype]:
+        raise CheckpointError(f"cannot read {file}: corrupt or truncated ({name!r} lies at bytes {begin}-{end} "
+                              f"of {data_bytes:,})")
