@@ -36,6 +36,21 @@ Phases of a save and what a crash at each leaves behind:
    ``ROOT/.checkpoint-STEP.old-XXXX`` and deleted only once the new one is in place; killed in
    between, :func:`remove_stale` moves it back.
 
+**Lineage.** Runs that resume from one another form a line of training; one ``--out`` may hold
+several lines (resume from ``checkpoint-2`` while ``checkpoint-4`` of the first run is still
+there, and the two go separate ways). Each run has a random id, and ``trainer_state.json``
+records it with the ids of the runs it descends from, each with the last step taken from it
+(:class:`Lineage`). So the folder tells which checkpoints are on a run's line, and:
+
+- :func:`prune` with a lineage counts and deletes only checkpoints on that line (the run's own,
+  and its ancestors as the limit needs), never another line's, never the one just written;
+- :func:`latest_checkpoint` of a folder takes the newest checkpoint only if every other one is
+  on its line; otherwise the folder holds diverged lines, and it refuses, naming their newest
+  checkpoints, instead of silently continuing one of them.
+
+A checkpoint without lineage (written before it existed) still loads; such checkpoints count
+as one old run whose line is ordered by step number, which is how they were always treated.
+
 The step count is stored once per unit, so a checkpoint written under one gradient chunking,
 host layout (staged, full, stream-bf16) or residency resumes under any other.
 
@@ -56,6 +71,7 @@ import shutil
 import tempfile
 import threading
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -69,6 +85,7 @@ from .model.checkpoint import CONFIG_NAME, INDEX_NAME, fsync_dir, hf_config_text
 __all__ = [
     "FORMAT_VERSION",
     "CheckpointWriter",
+    "Lineage",
     "latest_checkpoint",
     "load_training_state",
     "prune",
@@ -107,6 +124,72 @@ def step_of(unit: UnitState) -> int:
             f"({', '.join(map(str, counts))}); save only between optimizer steps"
         )
     return counts[0]
+
+
+# ---------------------------------------------------------------------- lineage
+
+
+@dataclass(frozen=True)
+class Lineage:
+    """A run's line of training: its own id and, oldest first, ``(run id, last step)`` of each
+    run it descends from. Stored in ``trainer_state.json`` under ``"lineage"``::
+
+        line = Lineage.start(parent_state)   # a new run: a fresh id, the parent's line + parent
+        state["lineage"] = line.to_json()
+        line.owns(run_id, step)              # is that checkpoint on this line?
+
+    A checkpoint without lineage has run id None (see the module docstring).
+    """
+
+    run: str | None
+    ancestors: tuple[tuple[str | None, int], ...] = ()
+    parent: str | None = None  # the checkpoint resumed from, for people reading the file
+
+    @classmethod
+    def start(cls, parent_state: dict | None = None, parent: str | os.PathLike[str] | None = None) -> "Lineage":
+        """A new run's line: a fresh id, descending from the checkpoint whose trainer state is
+        ``parent_state`` (none: a run from scratch or from a pretrained model)."""
+        run = secrets.token_hex(8)
+        if not parent_state:
+            return cls(run)
+        up = cls.of(parent_state)
+        return cls(run, (*up.ancestors, (up.run, int(parent_state["step"]))),
+                   None if parent is None else os.path.abspath(parent))
+
+    @classmethod
+    def of(cls, trainer_state: dict) -> "Lineage":
+        """The line a checkpoint's trainer state records; run None for one without lineage."""
+        d = trainer_state.get("lineage") if isinstance(trainer_state, dict) else None
+        try:
+            ancestors = tuple((None if r is None else str(r), int(s)) for r, s in d["ancestors"])
+            return cls(str(d["run"]), ancestors, d.get("parent"))
+        except (TypeError, KeyError, ValueError, AttributeError):
+            return cls(None)
+
+    def owns(self, run: str | None, step: int) -> bool:
+        """Whether the checkpoint of ``step`` written by run ``run`` is on this line."""
+        return run == self.run or any(run == r and step <= last for r, last in self.ancestors)
+
+    def to_json(self) -> dict:
+        return {"run": self.run, "parent": self.parent, "ancestors": [list(a) for a in self.ancestors]}
+
+
+def _lineage_of(ckpt: Path) -> Lineage:
+    """The line ``ckpt`` was written on (run None: unreadable, or written without lineage; a
+    checkpoint that is chosen is verified later, so this may be lenient)."""
+    try:
+        return Lineage.of(json.loads((ckpt / TRAINER_STATE_NAME).read_text()))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return Lineage(None)
+
+
+def _run_of(ckpt: Path) -> str | None:
+    return _lineage_of(ckpt).run
+
+
+def _named(ckpt: Path) -> str:
+    parent = _lineage_of(ckpt).parent
+    return ckpt.name + (f" (resumed from {Path(parent).name})" if parent else "")
 
 
 # ---------------------------------------------------------------------- writing
@@ -330,16 +413,24 @@ def remove_stale(root: str | os.PathLike[str]) -> list[Path]:
     return removed
 
 
-def prune(root: str | os.PathLike[str], keep: int) -> list[Path]:
+def prune(root: str | os.PathLike[str], keep: int, lineage: Lineage | None = None,
+          protect: str | os.PathLike[str] | None = None) -> list[Path]:
     """Delete all but the newest ``keep`` complete checkpoints in ``root`` (newest by step
-    number: checkpoint-10 is newer than checkpoint-9). Returns the paths deleted."""
+    number: checkpoint-10 is newer than checkpoint-9). Returns the paths deleted.
+
+    With ``lineage``, only checkpoints on that line are counted and deleted: another run's line
+    in the same folder is left whole. ``protect`` (the checkpoint just written) is never
+    deleted."""
     if keep < 0:
         raise ValueError(f"prune: keep must not be negative (got {keep})")
     root = Path(root)
     if not root.is_dir():
         return []
     found = _complete(root)
-    doomed = [p for _, p in found[: max(0, len(found) - keep)]]
+    if lineage is not None:
+        found = [(step, p) for step, p in found if lineage.owns(_run_of(p), step)]
+    kept = None if protect is None else Path(protect).resolve()
+    doomed = [p for _, p in found[: max(0, len(found) - keep)] if p.resolve() != kept]
     for p in doomed:
         # Renamed first, so a run killed mid-delete leaves a hidden folder, not half a checkpoint.
         gone = root / f".{p.name}.del-{secrets.token_hex(4)}"
@@ -350,7 +441,11 @@ def prune(root: str | os.PathLike[str], keep: int) -> list[Path]:
 
 def latest_checkpoint(path: str | os.PathLike[str]) -> Path:
     """``path`` itself if it is a complete checkpoint, else the newest complete
-    ``checkpoint-N`` inside it. Folders without a manifest (unfinished saves) are skipped."""
+    ``checkpoint-N`` inside it. Folders without a manifest (unfinished saves) are skipped.
+
+    The newest is taken only when every other checkpoint there is on its line (:class:`Lineage`):
+    a folder holding lines that diverged is refused, naming each line's newest checkpoint, so
+    the caller passes the one to continue."""
     p = Path(path)
     if not p.is_dir():
         raise CheckpointError(
@@ -370,7 +465,16 @@ def latest_checkpoint(path: str | os.PathLike[str]) -> Path:
             f"{str(p)!r} holds no complete checkpoint (a checkpoint-N folder with a {MANIFEST_NAME}); "
             f"pass a checkpoint-N folder or the folder that holds them"
         )
-    return found[-1][1]
+    newest = found[-1][1]
+    line = _lineage_of(newest)
+    others = [q for step, q in found[:-1] if not line.owns(_run_of(q), step)]
+    if others:
+        other = others[-1]  # the newest checkpoint not on the newest's line: its line's head
+        raise CheckpointError(
+            f"{str(p)!r} holds runs that went separate ways: {_named(newest)} and {_named(other)} are not on "
+            f"one line of training; pass the checkpoint to continue, {str(newest)!r} or {str(other)!r}"
+        )
+    return newest
 
 
 # ---------------------------------------------------------------------- reading

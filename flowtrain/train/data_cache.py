@@ -20,13 +20,24 @@ every setting that changes the rows (``seq_len``, ``packing``, ``vocab_size``, p
 **What a folder holds.** ``input_ids.bin``, ``targets.bin`` and, for packed rows,
 ``positions.bin``: raw native-endian int64, ``(rows, seq_len)`` in C order. ``layout.npy``
 (packed rows only): one ``(example, row, column)`` line per example, ``example`` being its row
-number without packing. ``index.json``: the shape, the target count and the fingerprint.
+number without packing. ``index.json``: the shape, the target count, the fingerprint and a
+checksum of every ``.bin`` file.
+
+**Checked at every load.** A cache folder is trusted only as far as it is checked: a file
+changed in place (a bad disk block, a stray write; same size, other tokens) would otherwise be
+trained on, and resumed from, under the fingerprint stored when it was built. So every load
+reads the ``.bin`` files once and compares each one's CRC-32 (``zlib.crc32``, about 2 GB/s on
+one core: a second or so per billion tokens, and the pages are then warm for the mapping) with
+the index; on a mismatch it says so on stderr and rebuilds the folder from the ``--data`` file
+(which must exist: the key is a hash of it, so without it there is no cache to use). The
+fingerprint a resume compares is therefore one of bytes just verified. A CRC is no defence
+against someone forging a file; it catches accidents, which is what a cache meets.
 
 **Atomic.** A folder is built as ``<key>.tmp-<pid>-<random>`` and renamed to ``<key>`` once
 complete, so a folder named by its key is always whole: a killed build leaves only a ``.tmp``
 folder, which the next build of the same key removes once its process is gone. A folder whose
-files do not match its index is rebuilt. Two runs building one key at once both build; the
-first rename wins.
+files do not match its index (sizes or checksums) is rebuilt. Two runs building one key at
+once both build; the first rename wins.
 """
 
 from __future__ import annotations
@@ -37,6 +48,7 @@ import os
 import secrets
 import shutil
 import sys
+import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import metadata
@@ -52,8 +64,8 @@ __all__ = ["CACHE_ENV", "FORMAT", "RowWriter", "Rows", "cache_root", "cached", "
 
 #: The environment variable naming flowtrain's cache folder (data caches go in its ``data``).
 CACHE_ENV = "FLOWTRAIN_CACHE"
-#: The version of the folder layout; a new one never reads an old folder.
-FORMAT = 1
+#: The version of the folder layout; a new one never reads an old folder. 2: checksums.
+FORMAT = 2
 #: Tokens buffered by a :class:`RowWriter` before they go to disk, and read at a time to hash.
 _BLOCK_TOKENS = 1 << 22
 _FILES = ("input_ids", "targets", "positions")
@@ -89,7 +101,11 @@ def cached(path: Path, settings: dict, tokenizer_dir: str | Path | None,
     root = cache_root(root)
     final = root / cache_key(path, settings, tokenizer_dir)
     if _complete(final):
-        return final
+        bad = _corrupt(final)
+        if bad is None:
+            return final
+        print(f"flowtrain: the data cache {final} is corrupt ({bad} does not match its checksum); "
+              f"rebuilding it from {path}", file=sys.stderr)
     try:
         root.mkdir(parents=True, exist_ok=True)
         _remove_abandoned(root, final.name)
@@ -101,8 +117,8 @@ def cached(path: Path, settings: dict, tokenizer_dir: str | Path | None,
     try:
         index = build(tmp)
         _finish(tmp, index)
-        if final.exists():  # broken (it failed _complete) or built meanwhile by another run
-            if _complete(final):
+        if final.exists():  # broken (incomplete or corrupt) or built meanwhile by another run
+            if _complete(final) and _corrupt(final) is None:
                 shutil.rmtree(tmp, ignore_errors=True)
                 return final
             shutil.rmtree(final)
@@ -201,23 +217,41 @@ def fingerprint(tensors: list[torch.Tensor]) -> str:
     return h.hexdigest()[:32]
 
 
-def _file_fingerprint(folder: Path, index: dict) -> str:
-    """:func:`fingerprint` of a folder's rows, read with plain reads (no mapping to count as
-    the process's memory)."""
-    h = hashlib.sha256()
+def _file_digests(folder: Path, index: dict, fingerprint: bool = True) -> tuple[str | None, dict[str, str]]:
+    """:func:`fingerprint` of a folder's rows (unless ``fingerprint`` is false) and each file's
+    checksum, in one pass of plain reads (no mapping to count as the process's memory)."""
+    h = hashlib.sha256() if fingerprint else None
     shape = str((index["rows"], index["seq_len"])).encode()
+    sums = {}
     for name in index["files"]:
-        h.update(shape)
+        crc = 0
+        if h is not None:
+            h.update(shape)
         with (folder / f"{name}.bin").open("rb") as f:
             while block := f.read(_BLOCK_TOKENS * 8):
-                h.update(block)
-    return h.hexdigest()[:32]
+                crc = zlib.crc32(block, crc)
+                if h is not None:
+                    h.update(block)
+        sums[name] = f"crc32:{crc:08x}"
+    return (h.hexdigest()[:32] if h is not None else None), sums
+
+
+def _corrupt(folder: Path) -> str | None:
+    """The first ``.bin`` file of a complete folder whose checksum differs from its index, or
+    None when all match. Reads every byte of them."""
+    index = json.loads((folder / "index.json").read_text())
+    try:
+        _, sums = _file_digests(folder, index, fingerprint=False)
+    except OSError as exc:
+        return f"{exc.filename or folder} ({exc.strerror or exc})"
+    return next((f"{name}.bin" for name in index["files"] if sums[name] != index["checksums"].get(name)), None)
 
 
 def _finish(folder: Path, index: dict) -> None:
-    """Write index.json last (with the fingerprint), synced, so its presence means complete."""
+    """Write index.json last (with the fingerprint and checksums), synced, so its presence
+    means complete."""
     index = {"format": FORMAT, **index}
-    index["fingerprint"] = _file_fingerprint(folder, index)
+    index["fingerprint"], index["checksums"] = _file_digests(folder, index)
     with (folder / "index.json").open("w") as f:
         json.dump(index, f, indent=1)
         f.flush()
@@ -229,7 +263,7 @@ def _complete(folder: Path) -> bool:
     try:
         index = json.loads((folder / "index.json").read_text())
         size = index["rows"] * index["seq_len"] * 8
-        return index["format"] == FORMAT and index["rows"] > 0 and all(
+        return index["format"] == FORMAT and index["rows"] > 0 and isinstance(index["checksums"], dict) and all(
             (folder / f"{name}.bin").stat().st_size == size for name in index["files"])
     except (OSError, ValueError, KeyError, TypeError):
         return False

@@ -68,6 +68,8 @@ class TrainingLoop:
         self.consecutive = rs.get("consecutive_skipped", 0)
         self.last_saved: Path | None = run.resume_from
         self.last_saved_step = run.first_step if run.resume_from is not None else None
+        # which checkpoints are this run's line: pruning and `--resume OUT` go by it
+        self.lineage = checkpoints.Lineage.start(rs if run.resume_from is not None else None, run.resume_from)
         self.save_pending = False  # a checkpoint step was skipped: save at the next step
         self.t_last = 0.0
         #: the held-out micro-batches (ids, targets)
@@ -220,11 +222,12 @@ class TrainingLoop:
         writer = self.writers.pop(s)
         self.program.checkpoints.pop(s, None)
         ts = trainer_state(self.cfg, steps_done=s + 1, skipped=self.skipped, consecutive=self.consecutive,
-                           data=self.run.data_fp, last_loss=m.loss)
+                           data=self.run.data_fp, last_loss=m.loss, lineage=self.lineage.to_json())
         self.last_saved = writer.finish(ts, extra_files=tokenizer_files(self.run.tokenizer_dir))
         self.last_saved_step = s + 1
-        if self.cfg.save_total_limit:
-            checkpoints.prune(self.cfg.out, self.cfg.save_total_limit)  # type: ignore[arg-type]
+        if self.cfg.save_total_limit:  # this run's line only: another run's checkpoints are not ours
+            checkpoints.prune(self.cfg.out, self.cfg.save_total_limit, lineage=self.lineage,  # type: ignore[arg-type]
+                              protect=self.last_saved)
 
     async def _save_on_signal(self, engine: Engine) -> None:
         """After a graceful stop: every step in flight has finished; save the last one unless it

@@ -4,13 +4,26 @@ The final model is written whole into a hidden temporary folder beside ``--out``
 disk, then put in place:
 
 - ``--out`` missing or empty: the folder is renamed onto it in one atomic step.
-- ``--out`` holding a model (``--overwrite``) or this run's ``checkpoint-N`` folders: each new
-  file replaces its old namesake atomically, so every file at ``--out`` is at all times
-  either the old one or the new one, never partly written; old model files that the new model
-  does not have (say, shards of a differently sharded model) are removed last.
+- ``--out`` holding anything else (a model, with ``--overwrite``; this run's ``checkpoint-N``
+  folders; the run's lock file, :mod:`~flowtrain.train.out_lock`, which ``flowtrain train``
+  always holds there): each new file replaces its old namesake atomically, so every file at
+  ``--out`` is at all times either the old one or the new one, never partly written; old model
+  and tokenizer files that the new model does not have (say, shards of a differently sharded
+  model) are removed last.
 
 A run killed with ``kill -9`` leaves its temporary folder behind; the next run with the same
 ``--out`` removes it (:func:`remove_stale_temp`).
+
+``--out`` may be a symbolic link. :func:`resolve_out` resolves it once, at the start, and every
+write (temporary folders, renames, checkpoints, the lock) then happens in and beside the real
+folder: a rename can neither replace a link by a folder nor cross file systems, and the
+temporary folder must sit on the file system of its destination. A link that no folder can be
+made at is refused before anything is loaded.
+
+The model's files are replaced as a set: an old model's files that the new one does not have
+(shards of another sharding, and tokenizer files: a model trained from a preset has none) are
+removed, so no stale ``tokenizer.json`` is left to be read with the new weights. Other files
+(the user's notes, ``checkpoint-N`` folders) are kept.
 
 The folder is what a user fine-tuning a pretrained model expects of ``save_pretrained``: the
 weights in the checkpoint's own dtype (``save_dtype="auto"``; or ``"fp32"``, ``"bf16"``,
@@ -24,6 +37,7 @@ dtype; ``generation_config.json`` and the tokenizer's files copied::
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shutil
@@ -34,7 +48,7 @@ from typing import Any
 import torch
 
 from ..errors import CheckpointError, ConfigError
-from .data import tokenizer_files
+from .data import TOKENIZER_FILES, tokenizer_files
 from .host_state import HostState
 from .model.checkpoint import CONFIG_NAME, checkpoint_dtype, fsync_dir
 
@@ -47,6 +61,32 @@ GENERATION_CONFIG = "generation_config.json"
 #: Files of a saved model in a Hugging Face folder (besides tokenizer files).
 MODEL_FILE_GLOBS = ("config.json", "generation_config.json", "model.safetensors", "model-*-of-*.safetensors",
                     "model.safetensors.index.json")
+#: What a new model replaces as a whole: its files, and the tokenizer's that travel with it.
+REPLACED_GLOBS = (*MODEL_FILE_GLOBS, *TOKENIZER_FILES)
+
+
+def resolve_out(out: str | os.PathLike[str] | None) -> str | None:
+    """The real folder ``--out`` names (``os.path.realpath``), or None for None.
+
+    Refuses, in one line, a link no folder can be made at: a loop, or a link to a missing
+    path whose folder does not exist either (a link is followed, never extended into a tree of
+    new folders; create the target's folder, or fix the link).
+    """
+    if out is None:
+        return None
+    try:
+        real = os.path.realpath(out, strict=True)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise ConfigError(f"--out {out}: cannot follow its symbolic link ({e.strerror}); fix the link "
+                              f"or give another --out") from None
+        real = os.path.realpath(out)  # missing, or under a file: the path checks say what is wrong
+    for link in (p for p in (Path(out), *Path(out).parents) if p.is_symlink()):
+        target = os.path.realpath(link)
+        if not os.path.exists(target) and not os.path.isdir(os.path.dirname(target)):
+            raise ConfigError(f"--out {out}: {link} is a symbolic link to {target}, whose folder "
+                              f"{os.path.dirname(target)} does not exist; create it, or fix the link")
+    return real
 
 
 def _temp_prefix(out: Path) -> str:
@@ -146,7 +186,7 @@ def _place(tmp: Path, out: Path) -> None:
     new = {p.name for p in tmp.iterdir()}
     for name in sorted(new):
         os.replace(tmp / name, out / name)
-    stale = {p for g in MODEL_FILE_GLOBS for p in out.glob(g) if p.name not in new}
+    stale = {p for g in REPLACED_GLOBS for p in out.glob(g) if p.name not in new and p.is_file()}
     for p in stale:
         p.unlink()
     fsync_dir(out)

@@ -1,7 +1,11 @@
 """What a checkpoint remembers of the run, and when a resume may continue it.
 
 A checkpoint's ``trainer_state.json`` (built by :func:`trainer_state`) holds the steps done,
-the skipped-step counters, the run's settings, a fingerprint of the data and the random state.
+the skipped-step counters, the run's settings, a fingerprint of the data, the random state and
+the run's lineage (:class:`~flowtrain.train.checkpoints.Lineage`: which run wrote it, resumed
+from which). The data fingerprint is compared with the data's as loaded, and the data cache
+verifies its files' checksums at every load (:mod:`~flowtrain.train.data_cache`), so a
+corrupted cache is rebuilt before the comparison rather than trusted by its stored hash.
 A resume continues only where the remaining steps would compute what the original run would
 have: :func:`check_compatible` refuses, in one line naming the setting, a checkpoint from a
 different model, different data, or different optimizer, schedule or batching settings.
@@ -41,8 +45,10 @@ def settings_of(cfg) -> dict:
 
 
 def trainer_state(cfg, *, steps_done: int, skipped: int, consecutive: int, data: str,
-                  last_loss: float | None) -> dict:
-    """The JSON-able run state stored in a checkpoint after ``steps_done`` steps."""
+                  last_loss: float | None, lineage: dict | None = None) -> dict:
+    """The JSON-able run state stored in a checkpoint after ``steps_done`` steps; ``lineage``
+    (:meth:`~flowtrain.train.checkpoints.Lineage.to_json`) says which run wrote it and which
+    runs that one descends from."""
     settings = settings_of(cfg)
     return {
         "format": FORMAT,
@@ -53,6 +59,7 @@ def trainer_state(cfg, *, steps_done: int, skipped: int, consecutive: int, data:
         "data": {"fingerprint": data, "position": steps_done},
         "settings": settings,
         "rng": {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()},
+        **({"lineage": lineage} if lineage is not None else {}),
     }
 
 

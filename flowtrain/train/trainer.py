@@ -21,6 +21,7 @@ data position and counters, so the run continues exactly as if it had never stop
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gc
 import os
 from dataclasses import dataclass, field
@@ -45,7 +46,8 @@ from .model.config import MLP_CHUNK_TOKENS
 from .model.attention import attention_backends
 from .run_config import TrainConfig, compile_backend, load_model_config, precision_bytes, validate  # noqa: F401 - re-exported
 from .optimizer import AdamWConfig, LRSchedule
-from .output import remove_stale_temp, resolve_save_dtype, save_final_model
+from .out_lock import OutLock, check_free
+from .output import remove_stale_temp, resolve_out, resolve_save_dtype, save_final_model
 from .plan import Plan, cap_gpu_memory, plan_run, run_request
 from .loop import TrainingLoop
 from .program import StepProgram
@@ -101,6 +103,9 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
     """Check every input and output, read the resumed checkpoint's state, load and tokenise the
     data and plan memory: everything that bad input can make fail, before any large allocation."""
     check_compile_backend(cfg.compile)
+    cfg = msgspec.structs.replace(cfg, out=resolve_out(cfg.out))  # a symlink: write in the real folder
+    if cfg.out:
+        check_free(cfg.out)  # another run writing there: refuse before reading or checking it
     resume_from, resume_state = _find_resume(cfg)
     check_output_paths(cfg.out, cfg.overwrite, cfg.trace, cfg.metrics, resume=resume_from)
     model = cfg.model or (str(resume_from) if resume_from else "tiny")
@@ -279,9 +284,12 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
     # its all-reduces to finish theirs); only rank 0, with --save-every, then saves.
     saves = world.leader and cfg.save_every is not None
     cfg = for_rank(cfg, world)
+    cfg = msgspec.structs.replace(cfg, out=resolve_out(cfg.out))  # as prepare does: one real folder
     shutdown = Shutdown(graceful=saves or world.parallel, saves=saves)
-    with shutdown:
+    with shutdown, contextlib.ExitStack() as held:
         run = prepare(cfg, world)
+        if cfg.out:  # held until the final model is in place; taken before the clean-up below
+            held.enter_context(OutLock(cfg.out))
         join(world, run.device.type)
         if on_plan:
             on_plan(run.plan)
