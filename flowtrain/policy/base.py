@@ -76,17 +76,28 @@ def resolve_policy(policy: "str | Policy", **options) -> Policy:
 
 
 def _import_policy(spec: str, options: dict) -> Policy:
-    """``--policy my_schedules:ZigZag``: the class ``ZigZag`` of the importable module
-    ``my_schedules``, instantiated."""
+    """``--policy my_schedules:ZigZag``: the class ``ZigZag`` of the module ``my_schedules``,
+    instantiated. The module is found as ``python -m`` finds one: in the working directory,
+    then on ``PYTHONPATH``. Importing it runs its code, as any import does."""
     import importlib
+    import os
+    import sys
 
     module, _, name = spec.partition(":")
+    here = os.getcwd()
+    added = here not in sys.path
+    if added:
+        sys.path.insert(0, here)
     try:
         factory = getattr(importlib.import_module(module), name)
     except ImportError as exc:
-        raise ConfigError(f"--policy {spec}: cannot import module {module!r} ({exc}); put it on PYTHONPATH") from None
+        raise ConfigError(f"--policy {spec}: cannot import module {module!r} ({exc}); put it in the working "
+                          "directory or on PYTHONPATH") from None
     except AttributeError:
         raise ConfigError(f"--policy {spec}: module {module!r} has no {name!r}") from None
+    finally:
+        if added:
+            sys.path.remove(here)
     return resolve_policy(factory(**options))
 
 

@@ -119,7 +119,8 @@ def format_plan(model: str, plan) -> str:  # noqa: ANN001 - a Plan
     from .plan import GiB
     from .summary import activation_placement
 
-    lines = [f"{model}: {plan.params / 1e9:.2f} B parameters, layout {plan.layout} "
+    count = f"{plan.params / 1e9:.2f} B" if plan.params >= 1e8 else f"{plan.params / 1e6:.2f} M"
+    lines = [f"{model}: {count} parameters, layout {plan.layout} "
              f"({plan.host_state_bytes_per_param:.2f} host bytes of state per parameter), device {plan.device}"]
     res = plan.spec.resident
     lines.append(f"resident on the GPU (Adam there): {', '.join(res) if res else 'none'}")

@@ -95,8 +95,10 @@ def summary_lines(run: "Run") -> list[str]:
     micro_batches = cfg.batch_size // cfg.micro_batch_size
     why = f", {plan.order_choice}" if plan.order_choice else ""
     order = f", {plan.spec.order} order{why}" if micro_batches > 1 else ""
-    lines.append(f"steps      {cfg.steps} of {cfg.batch_size} sequences ({cfg.batch_size * seq:,} tokens, "
-                 f"{micro_batches} micro-batches of {cfg.micro_batch_size}{order}); "
+    sequences = "1 sequence" if cfg.batch_size == 1 else f"{cfg.batch_size} sequences"
+    pieces = "1 micro-batch" if micro_batches == 1 else f"{micro_batches} micro-batches"
+    lines.append(f"steps      {cfg.steps} of {sequences} ({cfg.batch_size * seq:,} tokens, "
+                 f"{pieces} of {cfg.micro_batch_size}{order}); "
                  f"lr {cfg.lr:g} {sched}, weight decay {cfg.weight_decay:g}"
                  + (" (none on norms and biases)" if cfg.weight_decay_skip == "norms-biases" else ""))
     if cfg.out:
