@@ -52,10 +52,23 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="flowtrain", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
-        p = sub.add_parser(name, help=help_text, description=help_text)
+        p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_ShowDefaults)
         if name == command:
             _add_command(p, module)
     return parser
+
+
+class _ShowDefaults(argparse.HelpFormatter):
+    """``--help`` shows every option's default that its text does not already state (none for
+    options off unless given, or decided by the run where their text says how)."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        if "default" in text or default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+            return text
+        shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else default
+        return f"{text} (default: {shown})".strip()
 
 
 def _add_command(p: argparse.ArgumentParser, module: str) -> None:

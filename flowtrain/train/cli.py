@@ -11,6 +11,7 @@ import math
 from typing import TYPE_CHECKING
 
 from . import defaults
+from .model.config import PRESETS
 
 if TYPE_CHECKING:  # the trainer imports torch; ``--help`` must not
     from .trainer import TrainConfig
@@ -26,8 +27,8 @@ def _betas(text: str) -> tuple[float, float]:
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
-    a("--model", default=None, help="Hugging Face model directory or preset (tiny, qwen-0.5b, llama-1b, llama-3b, llama-8b, "
-                                    "qwen-14b); default: tiny, or the resumed checkpoint's model")
+    a("--model", default=None, help=f"Hugging Face model directory or preset ({', '.join(PRESETS)}); "
+                                    "default: tiny, or the resumed checkpoint's model")
     a("--data", default=None, help=".jsonl (rows of text, prompt+completion, messages, or input_ids[+labels]), "
                                    ".txt or .npy; default: the bundled corpus")
     a("--tokenizer", default=None, metavar="DIR",

@@ -42,3 +42,21 @@ def test_a_policy_module_in_the_working_directory_is_found_and_the_path_left_as_
     policy = resolve_policy("my_plain_policy:Plain")
     assert type(policy).__name__ == "Plain"
     assert sys.path == before
+
+
+def test_help_and_the_readme_name_every_preset_and_help_shows_defaults(capsys):
+    import re
+    from pathlib import Path
+
+    import pytest
+
+    from flowtrain.train.model.config import PRESETS
+
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    listed = re.search(r"or a preset \(([^)]*)\)", readme).group(1)
+    assert re.findall(r"`([^`]+)`", listed) == list(PRESETS)
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert all(name in text for name in PRESETS)
+    assert "optimizer steps (default: 200)" in text and "tokens per sequence (default: 128)" in text
