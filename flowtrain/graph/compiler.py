@@ -569,7 +569,7 @@ class _StepBuilder(_Builder):
         if not adams:
             return
         t = self.node(VerifyStep)
-        checks = [o for o in self.offloads if isinstance(o, OffloadGrad)]
+        checks: list[Task] = [o for o in self.offloads if isinstance(o, OffloadGrad)]
         if self.spec.tied:
             checks += [a for a in adams if a.unit == "embed"]
         for a in checks + ([found_inf] if found_inf is not None else []):

@@ -50,7 +50,7 @@ def add_saves(graph: nx.DiGraph, spec: StepSpec, step: int | None = None) -> lis
     for t in graph:
         if isinstance(t, ADAM_KINDS):
             adams.setdefault((t.unit, t.layer), []).append(t)
-    saves = []
+    saves: list[Task] = []
     for unit, layer in units(spec):
         save = SaveUnit(step=step, unit=unit, layer=layer)
         graph.add_node(save)

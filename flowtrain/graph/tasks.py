@@ -37,7 +37,7 @@ This module is pure data: it imports neither torch nor asyncio.
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import msgspec
 
@@ -109,48 +109,48 @@ class Task(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
         return self.label
 
 
-class Fetch(Task, tag="fetch"):
+class Fetch(Task, frozen=True, tag="fetch"):
     """Copy one unit's weights from host memory into a free weight slot."""
 
     lane: ClassVar[str] = "h2d"
     takes: ClassVar[str | None] = WEIGHTS
 
 
-class Embed(Task, tag="embed"):
+class Embed(Task, frozen=True, tag="embed"):
     """Look up token embeddings for one micro-batch (reads the embedding's slot)."""
 
 
-class Forward(Task, tag="forward"):
+class Forward(Task, frozen=True, tag="forward"):
     """Run decoder layer ``layer`` on micro-batch ``micro_batch`` with the slot's weights."""
 
 
-class Loss(Task, tag="loss"):
+class Loss(Task, frozen=True, tag="loss"):
     """Final norm, output projection and chunked cross-entropy for one micro-batch, forward and
     backward at once: yields the loss, the gradient of the last hidden state and the head's
     weight gradient (accumulated into the head's gradient slot)."""
 
 
-class Recompute(Task, tag="recompute"):
+class Recompute(Task, frozen=True, tag="recompute"):
     """Rebuild the output of ``layer`` for ``micro_batch`` from the nearest checkpoint, so that
     the layer above has its input during backward."""
 
 
-class Backward(Task, tag="backward"):
+class Backward(Task, frozen=True, tag="backward"):
     """Gradients of ``layer`` for ``micro_batch`` w.r.t. its input and its flat weights; the
     weight gradient accumulates into the layer's gradient slot."""
 
 
-class EmbedBackward(Task, tag="embed_backward"):
+class EmbedBackward(Task, frozen=True, tag="embed_backward"):
     """Scatter one micro-batch's input gradient into the embedding's gradient slot."""
 
 
-class ZeroGrad(Task, tag="zero_grad"):
+class ZeroGrad(Task, frozen=True, tag="zero_grad"):
     """Take a gradient slot for one unit and zero it before its first backward."""
 
     takes: ClassVar[str | None] = GRADS
 
 
-class OffloadGrad(Task, tag="offload_grad"):
+class OffloadGrad(Task, frozen=True, tag="offload_grad"):
     """Copy one unit's accumulated gradient to its host gradient buffer, or (staged layout,
     ``chunk`` set) one chunk of it into a host staging slot."""
 
@@ -161,7 +161,7 @@ class OffloadGrad(Task, tag="offload_grad"):
         return HOST_GRADS if self.chunk is not None else None
 
 
-class OffloadAct(Task, tag="offload_act"):
+class OffloadAct(Task, frozen=True, tag="offload_act"):
     """Copy the input of ``layer`` for ``micro_batch`` (its activation checkpoint) to pinned
     host memory once the layer's forward has read it, and free it on the device: activation
     placement ``offload``, for checkpoints that would otherwise wait on the GPU through the
@@ -170,7 +170,7 @@ class OffloadAct(Task, tag="offload_act"):
     lane: ClassVar[str] = "d2h"
 
 
-class FetchAct(Task, tag="fetch_act"):
+class FetchAct(Task, frozen=True, tag="fetch_act"):
     """Bring an offloaded checkpoint back from host memory before the backward task that first
     reads it (the layer's ``recompute`` or ``backward``); it takes an ``acts`` slot, so only as
     many checkpoints as the budget allows are back on the device ahead of their backward."""
@@ -179,7 +179,7 @@ class FetchAct(Task, tag="fetch_act"):
     takes: ClassVar[str | None] = ACTS
 
 
-class ReduceGrad(Task, tag="reduce_grad"):
+class ReduceGrad(Task, frozen=True, tag="reduce_grad"):
     """Sum one unit's gradient slot over every data-parallel process (all-reduce), once all of
     this process's micro-batches have added to it and before it is offloaded: each process
     then holds the same gradient, and the unit's owner (or, resident, every process) updates
@@ -188,35 +188,35 @@ class ReduceGrad(Task, tag="reduce_grad"):
     lane: ClassVar[str] = "net"
 
 
-class GradSqNorm(Task, tag="grad_sq_norm"):
+class GradSqNorm(Task, frozen=True, tag="grad_sq_norm"):
     """Squared norm of a device-resident unit's gradient, for exact clipping."""
 
 
-class GradNorm(Task, tag="grad_norm"):
+class GradNorm(Task, frozen=True, tag="grad_norm"):
     """Combine per-unit gradient norms into the global norm (only when clipping)."""
 
     lane: ClassVar[str] = "cpu"
 
 
-class CpuAdam(Task, tag="cpu_adam"):
+class CpuAdam(Task, frozen=True, tag="cpu_adam"):
     """AdamW on one unit's fp32 master weights (or one chunk of them) from its host gradient."""
 
     lane: ClassVar[str] = "cpu"
 
 
-class GpuAdam(Task, tag="gpu_adam"):
+class GpuAdam(Task, frozen=True, tag="gpu_adam"):
     """AdamW on a device-resident unit: its fp32 master and Adam state live in GPU memory, so
     the update runs there; it then refreshes the unit's compute-dtype copy and zeroes its
     gradient accumulator for the next step."""
 
 
-class FoundInf(Task, tag="found_inf"):
+class FoundInf(Task, frozen=True, tag="found_inf"):
     """Whether this step's loss or any of its gradients is not finite, as one flag on the
     device (only where some unit is resident): every ``gpu_adam`` of the step waits for it and
     hands it to the fused kernel, which then leaves the unit untouched. No host sync."""
 
 
-class VerifyStep(Task, tag="verify_step"):
+class VerifyStep(Task, frozen=True, tag="verify_step"):
     """Once every finiteness check of the step's gradients is on the host: if the loss or a
     gradient turned out not finite after some units' Adam had run, put those units back from
     the step's undo record (the ``cpu_adam`` tasks after it then skip). The next step's fetches
@@ -225,7 +225,7 @@ class VerifyStep(Task, tag="verify_step"):
     lane: ClassVar[str] = "sync"
 
 
-class SyncStep(Task, tag="sync_step"):
+class SyncStep(Task, frozen=True, tag="sync_step"):
     """Data parallel with the host state shared by the processes of a node, each unit's Adam
     run by one of them (its owner): a barrier of the node's processes once this process's
     ``cpu_adam`` tasks (and ``verify_step``) are done, so once every owner's are. The next
@@ -235,13 +235,13 @@ class SyncStep(Task, tag="sync_step"):
     lane: ClassVar[str] = "sync"
 
 
-class EvalLoss(Task, tag="eval_loss"):
+class EvalLoss(Task, frozen=True, tag="eval_loss"):
     """Final norm, output projection and the summed cross-entropy of one held-out micro-batch,
     forward only (reads the head's weight slot; no gradient, no backward, no Adam): the last
     task of an evaluation graph (:mod:`flowtrain.graph.evaluation`)."""
 
 
-class SaveUnit(Task, tag="save"):
+class SaveUnit(Task, frozen=True, tag="save"):
     """Write one unit's state after this step's Adam (fp32 master, Adam m, v and step count)
     into the step's checkpoint. It runs on the ``io`` lane while the next step computes; the
     next step's Adam of the unit waits for it, so the checkpoint holds exactly this step."""
@@ -316,6 +316,6 @@ def task_to_dict(task: Task) -> dict:
 
 def task_from_dict(data: dict) -> Task:
     """Inverse of :func:`task_to_dict` (extra keys such as ``lane`` are ignored)."""
-    fields = {k: data.get(k) for k in ("step", "unit", "layer", "micro_batch", "phase", "chunk")}
+    fields: dict[str, Any] = {k: data.get(k) for k in ("step", "unit", "layer", "micro_batch", "phase", "chunk")}
     fields["step"] = fields["step"] or 0
     return KINDS[data["kind"]](**fields)

@@ -52,7 +52,7 @@ def register_policy(name: str) -> Callable[[type], type]:
 
     def deco(cls: type) -> type:
         POLICIES[name] = cls
-        cls.name = name
+        setattr(cls, "name", name)  # a class attribute the built-ins' ``name`` reads
         return cls
 
     return deco

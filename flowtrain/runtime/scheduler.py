@@ -195,7 +195,7 @@ class Scheduler:
                 while queue:
                     node = queue[0] if queue[0].urgency is None else self._most_urgent(lane, queue)
                     launch = None if node is None else self._try_launch(node)
-                    if launch is None:
+                    if launch is None or node is None:
                         break
                     if node is queue[0]:
                         queue.popleft()

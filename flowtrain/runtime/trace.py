@@ -238,15 +238,16 @@ def lane_busy(records: Iterable[TaskRecord]) -> dict[str, float]:
     busy = {}
     for lane, spans in by_lane.items():
         spans.sort()
-        total, cur_s, cur_e = 0.0, None, None
+        total = 0.0
+        current: tuple[float, float] | None = None  # the union's open interval
         for s, e in spans:
-            if cur_e is None or s > cur_e:
-                if cur_e is not None:
-                    total += cur_e - cur_s
-                cur_s, cur_e = s, e
+            if current is None or s > current[1]:
+                if current is not None:
+                    total += current[1] - current[0]
+                current = (s, e)
             else:
-                cur_e = max(cur_e, e)
-        if cur_e is not None:
-            total += cur_e - cur_s
+                current = (current[0], max(current[1], e))
+        if current is not None:
+            total += current[1] - current[0]
         busy[lane] = total
     return busy

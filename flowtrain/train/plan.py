@@ -371,8 +371,6 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
     hidden = tokens * cfg.hidden_size * cbytes
     live_mbs = _live_micro_batches(req)
     k = req.checkpoint_every
-    q = cfg.num_heads * cfg.head_dim  # type: ignore[operator]
-    kv = cfg.num_kv_heads * cfg.head_dim  # type: ignore[operator]
     layer_n = max((lay.numel for lay in layouts if lay.unit == "layer"), default=0)
     compiled = device.type == "cuda" and compile_backend(req.compile, device.type) == "inductor"
     layer_work = layer_work_bytes(cfg, tokens, cbytes, layer_n, compiled)

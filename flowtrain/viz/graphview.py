@@ -116,7 +116,7 @@ def graph_svg(graph: nx.DiGraph, critical: Sequence[Task], order: Sequence[Task]
     width, height = ncols * dx + 2 * pad, nrows * dy + 2 * pad + 8
     crit_nodes = set(critical)
     crit_edges = set(zip(critical, critical[1:]))
-    place = {t: (pad + c * dx, pad + 8 + r * dy) for t, (c, r) in pos.items()}
+    place: dict[Task, tuple[float, float]] = {t: (pad + c * dx, pad + 8 + r * dy) for t, (c, r) in pos.items()}
     number = {t: i for i, t in enumerate(order)}
     out = [f'<svg class="dag" xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
            f'viewBox="0 0 {width} {height}" font-family="sans-serif" font-size="10">']

@@ -138,6 +138,14 @@ def _opt_int(value: Any, what: str, where: str) -> int | None:
     return int(value)
 
 
+def _slot(value: Any, what: str, where: str) -> int:
+    """A slot index: an integer (not null)."""
+    slot = _opt_int(value, what, where)
+    if slot is None:
+        raise DataError(f"{where}: {what} must be an integer (got null)")
+    return slot
+
+
 def _number(value: Any, what: str, where: str) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
         raise DataError(f"{where}: {what!r} must be a finite number of microseconds (got {value!r})")
@@ -155,7 +163,7 @@ def _reads(value: Any, where: str) -> dict[str, tuple[int, ...]]:
             slots = [slots]
         if not isinstance(slots, list):
             raise DataError(f"{where}: args.reads[{pool!r}] must be a list of slot indices (got {slots!r})")
-        out[str(pool)] = tuple(_opt_int(s, f"args.reads[{pool!r}]", where) for s in slots)  # type: ignore[misc]
+        out[str(pool)] = tuple(_slot(s, f"args.reads[{pool!r}]", where) for s in slots)
     return out
 
 
@@ -239,13 +247,13 @@ def _bind_flows(flows: list[tuple], raw: list[dict], thread_of: list[Any]) -> No
     for ph, key, ts, cat, fid, bind_enclosing in flows:
         flow = (cat, fid)
         if ph == "s":
-            pos = enclosing(key, ts)
-            if pos is not None:
-                producers[flow] = pos
+            start = enclosing(key, ts)
+            if start is not None:
+                producers[flow] = start
         elif flow in producers:
-            pos = enclosing(key, ts) if bind_enclosing else following(key, ts)
-            if pos is not None and pos != producers[flow]:
-                raw[pos]["deps"] += (raw[producers[flow]]["id"],)
+            end = enclosing(key, ts) if bind_enclosing else following(key, ts)
+            if end is not None and end != producers[flow]:
+                raw[end]["deps"] += (raw[producers[flow]]["id"],)
 
 
 class _Event(msgspec.Struct):
@@ -317,6 +325,7 @@ def trace_from_json(data: Any, name: str = "trace", path: str | None = None) -> 
     ``traceEvents``, or a bare list of events). Dependencies come from flow events and from
     ``args.deps`` (task ids, as older files wrote them)."""
     src = path or name
+    events: Any
     if isinstance(data, _TraceDoc):
         events, other = data.traceEvents, data.otherData or {}
     elif isinstance(data, dict):
