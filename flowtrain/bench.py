@@ -163,8 +163,9 @@ def scheduler_benchmark(tasks: int = 10_000, micro_batches: int = 8, policies: t
 
     Much of the cost in a process that has imported torch (as a trainer has, and as ``flowtrain
     bench --scheduler`` does before measuring) is the garbage collector: the engine's per-task
-    objects trigger full collections, and each one walks torch's few hundred thousand objects too. ``gc_freeze`` moves everything alive after
-    set-up out of the collector's sight, as a long-running trainer may do after loading.
+    objects trigger full collections, and each one walks torch's few hundred thousand objects too.
+    ``gc_freeze`` moves everything alive after set-up out of the collector's sight, as a
+    long-running trainer may do after loading.
     """
     if repeat < 1:
         raise ConfigError(f"--repeat must be at least 1 (got {repeat})")

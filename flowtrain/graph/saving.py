@@ -16,7 +16,8 @@ sum)::
 
     sync_step (s) -> save L3 (s) -> reduce_grad L3 (s+1)
 
-:func:`add_saves` adds the save tasks to step ``s``'s graph; :func:`save_edges` gives the edges into the next step's graph, for the executor to add beside
+:func:`add_saves` adds the save tasks to step ``s``'s graph; :func:`save_edges` gives the edges
+into the next step's graph, for the executor to add beside
 :func:`~flowtrain.graph.compiler.cross_step_edges`::
 
     graph = compile_step(spec, step=s)

@@ -84,7 +84,8 @@ def run_model(args: argparse.Namespace) -> dict:
         cfg = TrainConfig(model=args.model, data=data, packing=args.packing, steps=args.steps, batch_size=args.batch_size,
                           micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, lr=1e-5, order=args.order,
                           policy=args.policy, precision=args.precision, device=args.device,
-                          checkpoint_every=args.checkpoint_every, activations=args.activations, adam_workers=args.adam_workers, progress=False,
+                          checkpoint_every=args.checkpoint_every, activations=args.activations,
+                          adam_workers=args.adam_workers, progress=False,
                           layout=args.layout, resident=args.resident, gpu_mem=args.gpu_mem, host_mem=args.host_mem,
                           chunk_tokens=args.chunk_tokens, compile=args.compile,
                           attention_backend=args.attention_backend)

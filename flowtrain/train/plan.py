@@ -160,7 +160,8 @@ def run_request(cfg: Any, model_dir: str | os.PathLike[str] | None = None, proce
     data-parallel ``processes``, ``cfg`` is one process's share (``distributed.local_share``),
     ``share`` of them on each node sharing the host state."""
     return RunRequest(seq_len=cfg.seq_len, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size,
-                      checkpoint_every=cfg.checkpoint_every, activations=cfg.activations, order=cfg.order, grad_clip=cfg.grad_clip is not None,
+                      checkpoint_every=cfg.checkpoint_every, activations=cfg.activations, order=cfg.order,
+                      grad_clip=cfg.grad_clip is not None,
                       layout=cfg.layout, resident=cfg.resident, gpu_mem=cfg.gpu_mem, host_mem=cfg.host_mem,
                       chunk_tokens=cfg.chunk_tokens, load_bytes=checkpoint_read_bytes(model_dir),
                       undo_mem=getattr(cfg, "undo_mem", 1.0), processes=processes, share=share,
