@@ -29,8 +29,8 @@ Each kind knows its **lane** (``h2d``, ``compute``, ``d2h``, ``cpu``, ``io`` for
 writes, ``net`` for collectives between data-parallel processes, or ``sync`` for the
 processes of a node that share one host copy of the state) and which buffer **pool** it takes a
 slot from (``takes``). A task that takes a slot holds it until every task that *reads* the slot
-(an edge marked ``reads=True`` in the graph) has been launched; the next task granted that slot waits for them, on its own lane, through a
-fence.
+(an edge marked ``reads=True`` in the graph) has been launched; the next task granted that slot
+waits for them, on its own lane, through a fence.
 
 This module is pure data: it imports neither torch nor asyncio.
 """
