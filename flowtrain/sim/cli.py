@@ -30,6 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--trace", default=None, metavar="FILE", help="write the simulated trace (Chrome JSON, opens in flowtrain viz)")
     a("--steps", type=int, default=3, help="steps to simulate (the first has nothing to overlap with)")
     a("--adam-workers", type=int, default=1, help="CPU Adam jobs at once, as flowtrain train's")
+    a("--attention-backend", choices=["auto", "flash"], default="auto",
+      help="the run's attention kernel, as flowtrain train's: auto (cuDNN's on CUDA) or flash; "
+           "attention runs at the machine file's rate for it (attention_tflops)")
     a("--list-machines", action=_ListMachines, nargs=0, help="list the shipped machines and exit")
 
 

@@ -13,10 +13,19 @@ it (:class:`~flowtrain.sim.machine.Machine`)::
   elementwise passes (norms, rotary, SwiGLU, residuals) at the memory bandwidth.
 - ``backward``: the layer's forward once more (flowtrain rebuilds the layer under autograd from
   its saved input), twice its GEMM FLOPs, the attention backward (2.5x the forward's FLOPs,
-  as flash attention counts it), twice the elementwise passes and the fp32 accumulation of the
-  weight gradient. A layer whose forward kept its activations (phase ``keep``,
-  ``--activations``) runs no forward again in its backward; one that kept its attention output
-  (phase ``attn``) runs no attention forward again.
+  as flash attention counts it) at the attention backward rate, twice the elementwise passes
+  and the fp32 accumulation of the weight gradient. A layer whose forward kept its activations
+  (phase ``keep``, ``--activations``) runs no forward again in its backward; one that kept its
+  attention output (phase ``attn``) runs no attention forward again.
+- the attention rates: the run's kernel (:func:`attention_kernel`: ``Shape.attention_backend``
+  ``auto`` runs cuDNN's fused attention on CUDA, ``flash`` flash attention) at the run's
+  sequence length, from the machine's ``attention_tflops`` table (forward+backward TFLOP/s by
+  kernel and length, interpolated in ``log(seq)``: :meth:`Machine.attention_rate`). That rate
+  ``R`` is split as the machine's ``attention_fwd_tflops`` (``f``) and ``attention_bwd_tflops``
+  (``b``) split theirs: the forward rate ``R (1 + 2.5 f / b) / 3.5``, the backward ``b / f``
+  times it, so that the forward and backward of a layer take ``3.5 x forward FLOPs / R``
+  together. A machine without the table, or without the run's kernel in it, uses ``f`` and
+  ``b`` themselves at every length.
 - ``loss``: head forward and backward (three GEMMs of ``tokens x hidden x vocab`` in loss
   chunks) plus passes over the fp32 logits.
 - ``fetch`` / ``offload_grad``, and ``offload_act`` / ``fetch_act`` (one micro-batch's layer
@@ -88,6 +97,9 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
     #: the streamed units whose Adam this process runs, where the node's processes share one
     #: host copy of the state (``StepSpec.owned_by``); None: every unit
     owned: frozenset[str] | None = None
+    #: the run's ``--attention-backend`` (``auto``: cuDNN's fused attention on CUDA; ``flash``):
+    #: which of the machine's ``attention_tflops`` rates attention runs at (:func:`attention_kernel`)
+    attention_backend: str = "auto"
 
     @property
     def per_node(self) -> int:
@@ -119,6 +131,30 @@ def _eff(dim: float, half: float) -> float:
     return dim / (dim + half)
 
 
+def attention_kernel(backend: str, device_type: str = "cuda") -> str:
+    """The fused attention kernel a run with ``--attention-backend backend`` runs on a
+    ``device_type`` device, as :func:`flowtrain.train.model.attention.attention_backends` orders
+    them: ``auto`` is cuDNN's on CUDA, ``flash`` is flash attention (the simulator's machines
+    are GPUs, so ``device_type`` is CUDA unless said otherwise)."""
+    if backend not in ("auto", "flash"):
+        raise ValueError(f"attention backend must be auto or flash (got {backend!r})")
+    return "cudnn" if backend == "auto" and device_type == "cuda" else "flash"
+
+
+def attention_rates(machine: Machine, kernel: str, seq_len: int, bwd_ratio: float = SOFTWARE["attention_bwd_ratio"]
+                    ) -> tuple[float, float]:
+    """``(forward, backward)`` TFLOP/s of causal attention with ``kernel`` at ``seq_len`` on
+    ``machine``: its ``attention_tflops`` rate for that kernel and length, split in the ratio of
+    its ``attention_fwd_tflops`` and ``attention_bwd_tflops`` (``bwd_ratio`` backward FLOPs per
+    forward FLOP); those two themselves where the table does not name the kernel."""
+    f, b = machine.attention_fwd_tflops, machine.attention_bwd_tflops
+    rate = machine.attention_rate(kernel, seq_len)
+    if rate is None:
+        return f, b
+    fwd = rate * (1.0 + bwd_ratio * f / b) / (1.0 + bwd_ratio)
+    return fwd, fwd * b / f
+
+
 class CostModel:
     """Seconds per task of one :class:`Shape` on one :class:`Machine` (see module docstring)."""
 
@@ -126,6 +162,10 @@ class CostModel:
         self.m = machine
         self.s = shape
         self.sw = {**SOFTWARE, **(software or {})}
+        #: the attention kernel the run uses, and its forward and backward TFLOP/s at the run's length
+        self.attention_kernel = attention_kernel(shape.attention_backend)
+        self.attention_tflops = attention_rates(machine, self.attention_kernel, shape.seq_len,
+                                                self.sw["attention_bwd_ratio"])
         self._layer = self._layer_costs()
 
     # ---- building blocks ------------------------------------------------------------------
@@ -145,8 +185,9 @@ class CostModel:
         gemms = (self.gemm_seconds(T, q, h) + 2 * self.gemm_seconds(T, kv, h) + self.gemm_seconds(T, h, q)
                  + 2 * self.gemm_seconds(T, i, h) + self.gemm_seconds(T, h, i))
         attn_flops = 2.0 * T * s.seq_len * q
-        attn_fwd = attn_flops / (self.m.attention_fwd_tflops * 1e12)
-        attn_bwd = sw["attention_bwd_ratio"] * attn_flops / (self.m.attention_bwd_tflops * 1e12)
+        fwd_tflops, bwd_tflops = self.attention_tflops
+        attn_fwd = attn_flops / (fwd_tflops * 1e12)
+        attn_bwd = sw["attention_bwd_ratio"] * attn_flops / (bwd_tflops * 1e12)
         ew = self.hbm_seconds(T * s.compute_bytes * (sw["ew_hidden"] * h + sw["ew_intermediate"] * i))
         forward = gemms + attn_fwd + ew
         accumulate = self.hbm_seconds(s.layer_numel * (s.compute_bytes + 8))

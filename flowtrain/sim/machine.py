@@ -21,6 +21,15 @@ Fields, by the task kinds that use them (:mod:`flowtrain.sim.costs`):
   (bf16 GEMM, large shapes), ``matmul_half_dim`` (a GEMM dimension at which efficiency has
   fallen to half: small GEMMs are slower per FLOP), ``attention_fwd_tflops`` and
   ``attention_bwd_tflops`` (causal flash attention), ``hbm_gbps`` (elementwise work, memsets).
+- attention by kernel and length (optional): ``attention_tflops`` maps a fused attention kernel
+  (``cudnn``, ``flash``) to ``[[seq_len, TFLOP/s], ...]``, its causal forward+backward rate at
+  each sequence length (FLOPs counted as the cost model counts them: forward ``2 x tokens x seq
+  x heads x head_dim``, backward 2.5x that). Between two lengths the rate is interpolated in
+  ``log(seq_len)``; outside them it is the nearest one's (:meth:`Machine.attention_rate`). The
+  cost model takes the run's kernel from it (``--attention-backend``; :mod:`flowtrain.sim.costs`)
+  and splits the rate into forward and backward as ``attention_fwd_tflops`` and
+  ``attention_bwd_tflops`` split theirs. A machine without it, or without the run's kernel in
+  it, uses those two rates at every length.
 - optimizer: ``gpu_adam_gparams`` (fused AdamW on the device, G parameters/s),
   ``cpu_adam_gparams`` (fused AdamW on the host's fp32 state with all cores, G parameters/s),
   ``cpu_cast_gparams`` (the fp32 -> bf16 refresh of the stream-bf16 layout).
@@ -33,7 +42,9 @@ Fields, by the task kinds that use them (:mod:`flowtrain.sim.costs`):
 
 from __future__ import annotations
 
+import bisect
 import json
+import math
 from pathlib import Path
 
 import msgspec
@@ -41,6 +52,9 @@ import msgspec
 from ..errors import ConfigError
 
 MACHINES_DIR = Path(__file__).parent / "machines"
+#: the fused attention kernels an ``attention_tflops`` table may name: cuDNN's (what
+#: ``--attention-backend auto`` runs on CUDA) and flash (``--attention-backend flash``)
+ATTENTION_KERNELS = ("cudnn", "flash")
 
 
 class Machine(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -66,6 +80,9 @@ class Machine(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     attention_fwd_tflops: float = 150.0
     attention_bwd_tflops: float = 110.0
     hbm_gbps: float = 2000.0
+    #: causal attention forward+backward TFLOP/s by kernel and sequence length (see the module
+    #: docstring); empty: ``attention_fwd_tflops`` and ``attention_bwd_tflops`` at every length
+    attention_tflops: dict[str, list[tuple[int, float]]] = msgspec.field(default_factory=dict)
     # optimizer and the rest
     gpu_adam_gparams: float = 30.0
     cpu_adam_gparams: float = 2.0
@@ -85,10 +102,40 @@ class Machine(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             value = getattr(self, field)
             if isinstance(value, float) and not value > 0 and field not in ("copy_latency_us", "launch_us", "sync_us", "gpu_link_gbps"):
                 raise ConfigError(f"machine {self.name!r}: {field} must be > 0 (got {value})")
+        for kernel, points in self.attention_tflops.items():
+            where = f"machine {self.name!r}: attention_tflops[{kernel!r}]"
+            if kernel not in ATTENTION_KERNELS:
+                raise ConfigError(f"machine {self.name!r}: attention_tflops names kernel {kernel!r}; "
+                                  f"the kernels are {', '.join(ATTENTION_KERNELS)}")
+            if not points:
+                raise ConfigError(f"{where} is empty: give [[seq_len, TFLOP/s], ...]")
+            lengths = [seq for seq, _ in points]
+            if any(seq <= 0 for seq in lengths) or lengths != sorted(set(lengths)):
+                raise ConfigError(f"{where}: sequence lengths must be > 0 and increasing (got {lengths})")
+            if any(not rate > 0 for _, rate in points):
+                raise ConfigError(f"{where}: every rate must be > 0 (got {[rate for _, rate in points]})")
         if self.duplex_gbps < max(self.h2d_gbps, self.d2h_gbps):
             raise ConfigError(f"machine {self.name!r}: duplex_gbps ({self.duplex_gbps}) is both directions together, "
                               f"so at least the larger of h2d_gbps and d2h_gbps")
         return self
+
+    def attention_rate(self, kernel: str, seq_len: int) -> float | None:
+        """The causal forward+backward TFLOP/s of ``kernel`` at ``seq_len`` from
+        ``attention_tflops``: a point's rate at its length, linear in ``log(seq_len)`` between
+        two points, the first or last point's outside them; None where the table does not name
+        the kernel."""
+        points = self.attention_tflops.get(kernel)
+        if not points:
+            return None
+        lengths = [seq for seq, _ in points]
+        if seq_len <= lengths[0]:
+            return float(points[0][1])
+        if seq_len >= lengths[-1]:
+            return float(points[-1][1])
+        i = bisect.bisect_right(lengths, seq_len)
+        (s0, r0), (s1, r1) = points[i - 1], points[i]
+        w = (math.log(seq_len) - math.log(s0)) / (math.log(s1) - math.log(s0))
+        return float(r0 + w * (r1 - r0))
 
     def to_json(self) -> str:
         return json.dumps(msgspec.to_builtins(self), indent=1) + "\n"

@@ -49,6 +49,7 @@ def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1, world: int = 
                  compute_bytes=compute_bytes, fetch_bytes=2 if plan.layout == "stream-bf16" else 4,
                  refresh=plan.layout == "stream-bf16", grad_chunks=dict(plan.spec.grad_chunks),
                  adam_workers=adam_workers, world=world, nodes=nodes,
+                 attention_backend=getattr(req, "attention_backend", "auto"),
                  owned=plan.spec.owned_by(0))  # the simulated process is the node's first
 
 

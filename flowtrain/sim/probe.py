@@ -132,7 +132,8 @@ def _probe_cpu(notes: dict[str, str], quick: bool, disk_dir: str | None) -> dict
     steps = torch.ones(())
     t = _median_seconds(lambda: _fused_adamw(p, g, m, v, steps), 2 if quick else 5)
     out["cpu_adam_gparams"] = round(n / t / 1e9, 3)
-    notes["cpu_adam_gparams"] = f"probe: torch._fused_adamw_ over {n / 1e6:.0f}M fp32 parameters, {t * 1e3:.1f} ms, {torch.get_num_threads()} threads"
+    notes["cpu_adam_gparams"] = (f"probe: torch._fused_adamw_ over {n / 1e6:.0f}M fp32 parameters, {t * 1e3:.1f} ms, "
+                                 f"{torch.get_num_threads()} threads")
     b = torch.empty(n, dtype=torch.bfloat16)
     t = _median_seconds(lambda: b.copy_(p), 2 if quick else 5)
     out["cpu_cast_gparams"] = round(n / t / 1e9, 3)

@@ -8,6 +8,14 @@ machine and predicts tokens/s::
     for row in compare():      # the table in docs/simulate.md; tests/sim hold it to 15%
         row["run"], row["measured"], row["predicted"], row["error"]
 
+Each run is simulated with the attention kernel it ran, at the machine file's rate for that
+kernel at the run's sequence length (``attention_tflops``): flash attention before cuDNN's became
+``--attention-backend auto``'s choice on 2026-12-03 at 15:32 (the runs of 2026-12-02 and the
+morning of 2026-12-03), cuDNN's after. A run without ``--gpu-mem`` is planned for the share of
+the H200's memory that its planner took. The 262,144-token run saved the attention outputs of
+the layers its trace shows (``save_attention``) and offloaded the checkpoints it shows
+(``offload``); the simulator gets the same layers.
+
 Only W1's trace of 2026-12-02 was used to fit the cost model (docs/simulate.md); every other run
 is a check.
 """
@@ -19,21 +27,48 @@ from pathlib import Path
 
 BENCH = Path(__file__).parents[2] / "docs" / "bench"
 
-#: kept activations, as ``--activations auto`` planned them (the runs of 2026-12-02 recomputed)
-_AUTO = {"activations": "auto"}
-#: (name in docs/benchmarks.md, result file, how to pick its line, extra planner arguments)
+#: the runs of 2026-12-02: every layer recomputed, flash attention (PyTorch's kernel order;
+#: ``--attention-backend`` did not exist yet)
+_FLASH = {"attention_backend": "flash"}
+#: kept activations, as ``--activations auto`` planned them, with flash attention (the runs of
+#: 2026-12-03 before cuDNN's became the default)
+_KEPT_FLASH = {"activations": "auto", "attention_backend": "flash"}
+#: kept activations, as ``--activations auto`` planned them, and cuDNN's attention (``auto``)
+_AUTO = {"activations": "auto", "attention_backend": "auto"}
+#: llama-8b at 262,144 tokens: the layers whose attention output the run saved (phase ``attn``
+#: in docs/bench/2026-12-03/saved-attention-8b256k-trace.json) and whose checkpoint it offloaded
+#: (``offload_act``), as the planner of that day placed them
+_SAVED_8B256K = {**_AUTO, "save_attention": tuple(range(11, 32)), "offload": tuple(range(8))}
+#: (name in docs/benchmarks.md, result file, how to pick its line, extra planner arguments; of
+#: those, ``attention_backend``, ``save_attention`` and ``offload`` go to the simulator, not the planner)
 RUNS = (
-    ("llama-3b W1 (4 seq/step)", "2026-12-02/after-fix-8b10-w1-results.jsonl", {"job": "w1"}, {}),
-    ("llama-3b W2 (16 seq/step)", "2026-12-02/w1-w2-results.jsonl", {"batch_size": 16}, {}),
-    ("llama-8b, 16 seq/step, streamed", "2026-12-02/capacity-8b-14b-results.jsonl", {"model": "llama-8b"}, {}),
-    ("qwen-14b, 8 seq/step", "2026-12-02/capacity-8b-14b-results.jsonl", {"model": "qwen-14b"}, {}),
-    ("llama-8b under --gpu-mem 10", "2026-12-02/after-fix-8b10-w1-results.jsonl", {"job": "8b10"}, {"gpu_mem": 10.0}),
+    ("llama-3b W1 (4 seq/step)", "2026-12-02/after-fix-8b10-w1-results.jsonl", {"job": "w1"}, _FLASH),
+    ("llama-3b W2 (16 seq/step)", "2026-12-02/w1-w2-results.jsonl", {"batch_size": 16}, _FLASH),
+    ("llama-8b, 16 seq/step, streamed", "2026-12-02/capacity-8b-14b-results.jsonl", {"model": "llama-8b"}, _FLASH),
+    ("qwen-14b, 8 seq/step", "2026-12-02/capacity-8b-14b-results.jsonl", {"model": "qwen-14b"}, _FLASH),
+    ("llama-8b under --gpu-mem 10", "2026-12-02/after-fix-8b10-w1-results.jsonl", {"job": "8b10"},
+     {**_FLASH, "gpu_mem": 10.0}),
     ("llama-3b W1, Adam reordered, two weight slots", "2026-12-03/adam-order-two-weight-slots-results.jsonl",
      {"job": "w1"}, _AUTO),
     ("llama-3b W1, Adam reordered", "2026-12-03/adam-order-results.jsonl", {"job": "w1"}, _AUTO),
     ("llama-3b W2, micro-batch order", "2026-12-03/adam-order-results.jsonl", {"job": "w2m"}, _AUTO),
     ("llama-8b, 16 seq/step, micro-batch order", "2026-12-03/adam-order-results.jsonl", {"job": "8bm"}, _AUTO),
+    ("llama-8b, one sequence of 262,144 tokens, saved attention", "2026-12-03/saved-attention-8b256k-results.jsonl",
+     {"job": "8b256ke"}, _SAVED_8B256K),
+    # measured after the machine file was written, before the Adam reordering and cuDNN attention
+    ("llama-3b W1, activations kept (all layers)", "2026-12-03/keep-w1-results.jsonl", {"job": "w1"}, _KEPT_FLASH),
+    ("llama-3b W1, --activations recompute", "2026-12-03/keep-w1-results.jsonl", {"job": "w1r"},
+     {"activations": "recompute", "attention_backend": "flash"}),
+    ("llama-8b, 16 seq/step, streamed, kept, packed chat data", "2026-12-03/packing-fixed-results.jsonl",
+     {"job": "8bpack"}, _KEPT_FLASH),
+    ("llama-8b, the same tokens unmasked (.npy stream)", "2026-12-03/packing-fixed-results.jsonl",
+     {"job": "8bstream"}, _KEPT_FLASH),
+    ("llama-8b, 16 seq/step in 10 GiB, checkpoints offloaded (micro-batch 2)", "2026-12-03/offload-8b10-results.jsonl",
+     {"job": "8b10o", "micro_batch_size": 2}, {**_KEPT_FLASH, "gpu_mem": 10.0}),
+    ("llama-3b W2, --activations auto (kept)", "2026-12-03/w2-256k-results.jsonl", {"job": "w2"}, _KEPT_FLASH),
 )
+#: the keys of a run's extra arguments that are the simulator's, not the planner's
+_SIM_ONLY = ("attention_backend", "save_attention", "offload")
 
 
 def measured_runs(bench: Path = BENCH) -> list[tuple[str, dict, dict]]:
@@ -52,24 +87,34 @@ def measured_runs(bench: Path = BENCH) -> list[tuple[str, dict, dict]]:
 
 
 def predict_run(row: dict, extra: dict, machine: str = "h200") -> dict:
-    """Simulate one measured run with its recorded placement and slot budgets."""
+    """Simulate one measured run with its recorded placement, slot budgets and attention kernel."""
+    import msgspec
     import torch
 
     from ..train.model import preset
-    from ..train.plan import RunRequest, plan_run
+    from ..train.plan import GPU_FILL, GiB, RunRequest, card_for, plan_run
     from .machine import load_machine
-    from .predict import predict
+    from .predict import predict_shape, shape_of
 
     cfg = preset(row["model"])
     resident = ",".join(row["resident"]) or "none"
+    m = load_machine(machine)
     # The runs of 2026-12-02 predate kept activations: every layer's backward ran its forward
-    # again; later ones name their placement in ``extra``. The GPU is the H200's.
-    settings = {"activations": "recompute", "order": row.get("order", "layer"), "gpu_mem": 139.8, **extra}
+    # again; later ones name their placement in ``extra``. The GPU is the H200's, and a run
+    # without --gpu-mem planned for GPU_FILL of its free memory (the machine's gpu_mem_gib):
+    # as a card for the planner, card_for that many bytes.
+    settings = {"activations": "recompute", "order": row.get("order", "layer"),
+                "gpu_mem": round(card_for(int(GPU_FILL * m.gpu_mem_gib * GiB)), 2),
+                **{k: v for k, v in extra.items() if k not in _SIM_ONLY}}
     req = RunRequest(seq_len=row["seq_len"], batch_size=row["batch_size"], micro_batch_size=row["micro_batch_size"],
                      resident=resident, layout=row.get("layout", "auto"), host_mem=118.0, **settings)
     plan = plan_run(cfg, req, device=torch.device("cuda"), dtype=torch.bfloat16, policy=row["policy"], local_gpu=False)
     plan.budgets = dict(row["budgets"])  # as the engine enforced them in that run
-    pred = predict(cfg, plan, req, load_machine(machine), row["policy"])
+    placed = {k: tuple(extra[k]) for k in ("save_attention", "offload") if k in extra}
+    if placed:  # the layers the run saved attention outputs of and offloaded checkpoints of
+        plan.spec = msgspec.structs.replace(plan.spec, **placed)
+    shape = msgspec.structs.replace(shape_of(cfg, plan, req), attention_backend=extra.get("attention_backend", "auto"))
+    pred = predict_shape(shape, plan, m, row["policy"], batch_size=req.batch_size)
     s = pred.summary
     measured = row["tokens_per_s"]
     return {"predicted": round(s.tokens_per_s, 1), "measured": measured, "error": s.tokens_per_s / measured - 1,

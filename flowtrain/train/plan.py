@@ -136,6 +136,9 @@ class RunRequest(msgspec.Struct, kw_only=True):
     processes: int = 1
     #: processes of a node that share one host copy of the state (``StepSpec.share``)
     share: int = 1
+    #: ``--attention-backend`` (auto: cuDNN's fused attention on CUDA; flash): the kernel whose
+    #: rate the simulator predicts attention at (flowtrain.sim.costs)
+    attention_backend: str = "auto"
 
 
 def checkpoint_read_bytes(model_dir: str | os.PathLike[str] | None) -> int:
@@ -165,7 +168,8 @@ def run_request(cfg: Any, model_dir: str | os.PathLike[str] | None = None, proce
                       layout=cfg.layout, resident=cfg.resident, gpu_mem=cfg.gpu_mem, host_mem=cfg.host_mem,
                       chunk_tokens=cfg.chunk_tokens, load_bytes=checkpoint_read_bytes(model_dir),
                       undo_mem=getattr(cfg, "undo_mem", 1.0), processes=processes, share=share,
-                      compile=getattr(cfg, "compile", "auto"))
+                      compile=getattr(cfg, "compile", "auto"),
+                      attention_backend=getattr(cfg, "attention_backend", "auto"))
 
 
 class Plan(msgspec.Struct, kw_only=True):

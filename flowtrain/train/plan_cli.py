@@ -61,7 +61,8 @@ def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: f
                      micro_batch_size=args.micro_batch_size, checkpoint_every=args.checkpoint_every,
                      activations=args.activations, order=args.order, grad_clip=1.0 if args.grad_clip else None,
                      precision=args.precision, policy=args.policy, layout=args.layout, resident=args.resident,
-                     gpu_mem=gpu_mem, host_mem=host_mem, chunk_tokens=args.chunk_tokens)
+                     gpu_mem=gpu_mem, host_mem=host_mem, chunk_tokens=args.chunk_tokens,
+                     attention_backend=getattr(args, "attention_backend", "auto"))
     validate_numbers(tc)
     cfg, model_dir = load_model_config(args.model)
     cfg.validate()
