@@ -492,8 +492,8 @@ def read_checkpoint(path: str | os.PathLike[str], verify: bool = True) -> tuple[
         manifest = json.loads(manifest_path.read_text())
         files = manifest["files"]
         assert isinstance(files, dict)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError, AssertionError) as e:
-        raise CheckpointError(f"{manifest_path} is not a valid checkpoint manifest: {e!r}") from e
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AssertionError, RecursionError) as e:
+        raise CheckpointError(f"{manifest_path} is not a valid checkpoint manifest ({_short(e)})") from None
     if manifest.get("format") != FORMAT or manifest.get("version") != FORMAT_VERSION:
         raise CheckpointError(
             f"{manifest_path}: format {manifest.get('format')!r} version {manifest.get('version')!r}; "
@@ -502,7 +502,7 @@ def read_checkpoint(path: str | os.PathLike[str], verify: bool = True) -> tuple[
     for name, want in files.items():
         file = ckpt / name
         if Path(name).name != name or not isinstance(want, dict) or not {"size", "sha256"} <= set(want):
-            raise CheckpointError(f"{manifest_path}: bad entry {name!r}: {want!r}")
+            raise CheckpointError(f"{manifest_path}: bad entry {_short(name)}: {_short(want)}")
         if not file.is_file():
             raise CheckpointError(f"{ckpt.name}/{name} is missing; the checkpoint is incomplete")
         size = file.stat().st_size
@@ -514,9 +514,19 @@ def read_checkpoint(path: str | os.PathLike[str], verify: bool = True) -> tuple[
             raise CheckpointError(f"{ckpt.name}/{name} does not match its sha256 in the manifest: corrupt")
     try:
         state = json.loads((ckpt / TRAINER_STATE_NAME).read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read {ckpt.name}/{TRAINER_STATE_NAME}: {e}") from e
+    except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise CheckpointError(f"cannot read {ckpt.name}/{TRAINER_STATE_NAME} ({_short(e)})") from None
+    if not isinstance(state, dict) or not isinstance(state.get("step"), int) or not isinstance(state.get("settings", {}), dict):
+        raise CheckpointError(f"{ckpt.name}/{TRAINER_STATE_NAME} is not a trainer state (it needs an integer "
+                              "\"step\" and a \"settings\" object)")
     return state, ckpt
+
+
+def _short(value: object, most: int = 120) -> str:
+    """``repr(value)`` cut to ``most`` characters: a garbage file makes one short line."""
+    text = repr(value)
+    return text if len(text) <= most else text[: most - 3] + "..."
+
 
 
 def load_training_state(path: str | os.PathLike[str], state: HostState) -> Path:

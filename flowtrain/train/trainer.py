@@ -42,6 +42,7 @@ from .data import Sequences, default_corpus_path, load_sequences
 from .host_state import HostState, return_freed_memory
 from .pinning import unpin_all
 from .model import ModelConfig, read_config
+from .model.config import check_weight_headers
 from .model.config import MLP_CHUNK_TOKENS
 from .model.attention import attention_backends
 from .run_config import TrainConfig, compile_backend, load_model_config, precision_bytes, validate  # noqa: F401 - re-exported
@@ -119,6 +120,8 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
             raise ConfigError(f"--resume {resume_from}: it holds a different model than --model {cfg.model} "
                               f"(config.json differs); leave out --model to continue the checkpoint's model")
         model_dir = resume_from  # its tokenizer files travel with every checkpoint
+    elif model_dir is not None:  # a folder without weights, or with a tensor missing: refused before allocating
+        check_weight_headers(model_dir, mcfg, require=True)
     validate(cfg, mcfg)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.precision, device)
