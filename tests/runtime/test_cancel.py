@@ -8,10 +8,12 @@ What must hold whenever the engine stops (see :mod:`flowtrain.runtime.executor`)
 - jobs that had not started are skipped: their fences set and failed;
 - every fence ever made is set once the ``async with`` block is left (:class:`FenceLog`);
 - a job that never returns delays the exit by the grace period only, and is named in
-  ``engine.stuck``.
+  ``engine.stuck``: the block is left while the job still runs.
 
-Time bounds are generous upper bounds (a hang shows as a 60 s guard); lower bounds only where
-the engine must wait (the grace period of a hung job).
+No test asserts how long anything took: each waits on events, and a timeout (``HANG_GUARD_S``)
+only turns a hang into a failure. That a running job is waited for within the grace period is
+asserted by jobs released after the stop, which finish and are not stuck; that a job that never
+returns is given up, by the block being left while the job is still held.
 """
 
 from __future__ import annotations
@@ -37,8 +39,7 @@ from flowtrain.graph import (
 from flowtrain.runtime import Engine, FaultInjector, Instrument
 from flowtrain.runtime.lanes import Fence, ThreadLane, _Clock
 
-GRACE = 0.3  # for tests where a job hangs: the exit must wait this long, and not much longer
-SLACK = 3.0  # what a loaded machine may add to a bound; a hang takes HANG_GUARD_S
+GRACE = 0.3  # for tests where a job hangs: what the engine gives it before it leaves it behind
 
 
 class Launches(Instrument):
@@ -56,10 +57,11 @@ class Launches(Instrument):
 
 
 def others_end(hung_thread: str) -> list[str]:
-    """Names of lane threads other than ``hung_thread`` still alive after a short wait."""
+    """Names of lane threads other than ``hung_thread`` still alive once they were given time to
+    end (``HANG_GUARD_S``, only ever reached if one hangs)."""
     for t in lane_threads():
         if t.name != hung_thread:
-            t.join(SLACK)
+            t.join(HANG_GUARD_S)
     return [t.name for t in lane_threads() if t.name != hung_thread]
 
 
@@ -165,14 +167,16 @@ async def test_a_hung_job_delays_the_exit_by_the_grace_period_only_and_is_report
     hung = Backward(unit="layer", layer=1, micro_batch=0)
     rec = Recorder({hung: hold})
     engine = Engine(rec, "double_buffer", grace=GRACE)
-    try:
+
+    async def run():
         async with engine:
             engine.add(graph)
             await hold.began()
             engine.cancel()
-            t0 = time.monotonic()
-        elapsed = time.monotonic() - t0
-        assert 0.9 * GRACE <= elapsed < GRACE + SLACK
+
+    try:
+        await guarded(run())
+        assert hung in rec.ran and hung not in rec.end  # left while the job still runs
         assert engine.stuck == [hung]
         assert not log.unset  # the hung job's fence too: abandoned, set as failed
         assert others_end("flowtrain-compute-0") == []
@@ -204,18 +208,16 @@ async def test_cancelling_the_task_that_waits_ends_the_run(monkeypatch, hangs):
         await hold.began()
         launched = len(launches.launched)
         runner.cancel()
-        t0 = time.monotonic()
         if not hangs:
             asyncio.get_running_loop().call_later(0.05, hold.release)
         with pytest.raises(asyncio.CancelledError):
             await guarded(runner)
-        elapsed = time.monotonic() - t0
         assert len(launches.launched) == launched
         assert not log.unset
         if hangs:
-            assert engine.stuck == [held] and 0.9 * GRACE <= elapsed < GRACE + SLACK
+            assert engine.stuck == [held] and held not in rec.end  # left while the job still runs
         else:
-            assert engine.stuck == [] and elapsed < SLACK and not lane_threads()
+            assert engine.stuck == [] and held in rec.end and not lane_threads()
     finally:
         hold.release()
     assert not join_lane_threads()
@@ -256,17 +258,14 @@ def test_sigint_under_asyncio_run_ends_the_process_within_the_grace_period(tmp_p
                             text=True, env=env)
     try:
         assert proc.stdout.readline() == "hanging\n"
-        t0 = time.monotonic()
         proc.send_signal(signal.SIGINT)
-        out, err = proc.communicate(timeout=HANG_GUARD_S)
-        elapsed = time.monotonic() - t0
+        out, err = proc.communicate(timeout=HANG_GUARD_S)  # the job never returns: only the grace period ends it
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.communicate()
     assert proc.returncode == 130, err
     assert out == "interrupted; stuck: backward L1 m0\n"
-    assert elapsed < 0.5 + SLACK
 
 
 # ---- failure -----------------------------------------------------------------------------------
@@ -294,19 +293,23 @@ async def test_a_failure_launches_nothing_more(monkeypatch, policy):
 
 
 async def test_the_watchdog_fails_the_run_naming_the_hung_task(monkeypatch):
+    """The hung job exceeds any timeout; 1 s leaves every other (instant) job far within it,
+    however loaded the machine."""
     log, launches = FenceLog(monkeypatch), Launches()
     graph = compile_step(StepSpec(layers=3, micro_batches=2))
     hung = Backward(unit="layer", layer=1, micro_batch=1)
     faults = FaultInjector(Recorder(), "backward@layer=1,micro_batch=1:hang")
-    engine = Engine(faults, "double_buffer", instruments=[launches], task_timeout=0.2, grace=GRACE)
-    t0 = time.monotonic()
+    engine = Engine(faults, "double_buffer", instruments=[launches], task_timeout=1.0, grace=GRACE)
+
+    async def run():
+        async with engine:
+            await engine.run(graph)
+
     try:
         with pytest.raises(StepFailed) as err:
-            async with engine:
-                await guarded(engine.run(graph))
-        assert time.monotonic() - t0 < 0.2 + GRACE + SLACK
+            await guarded(run())  # the job never returns: only the watchdog and the grace period end the run
         assert err.value.task == hung and isinstance(err.value.__cause__, TimeoutError)
-        assert str(err.value) == "task backward L1 m1 failed: TimeoutError: did not finish within 0.2 s"
+        assert str(err.value) == "task backward L1 m1 failed: TimeoutError: did not finish within 1 s"
         assert faults.fired == [(hung, faults.spec.faults[0])]
         assert engine.stuck == [hung] and launches.at_error == len(launches.launched)
         assert not log.unset
@@ -318,15 +321,28 @@ async def test_the_watchdog_fails_the_run_naming_the_hung_task(monkeypatch):
 async def test_the_watchdog_counts_only_the_time_a_job_runs():
     """::
 
-        compute:  forward L0 (0.4 s) --fence--> d2h: offload_grad L0 (0.4 s)
+        compute:  forward L0 -> L1 -> L2 -> L3 (0.25 s each) --fence--> d2h: offload_grad L0 (0.25 s)
 
-    The copy waits 0.4 s for its fence, then runs 0.4 s: 0.8 s after it was launched, but
-    never more than 0.4 s running, within a 0.6 s timeout."""
-    graph = nx.DiGraph([(A, D)], reads=False)
-    rec = Recorder({A: lambda t, c: time.sleep(0.4), D: lambda t, c: time.sleep(0.4)})
-    async with Engine(rec, Budget(), task_timeout=0.6) as engine:
+    The copy is launched at once and waits on its lane for the last forward's fence: more than
+    the 0.8 s timeout passes between its launch and its end (it was launched before forward L1
+    ended, and three forwards and the copy each sleep 0.25 s at least), but no job runs longer
+    than 0.25 s plus what a loaded machine adds, far within the timeout."""
+    forwards = [Forward(unit="layer", layer=i, micro_batch=0) for i in range(4)]
+    graph = nx.DiGraph(list(zip(forwards, [*forwards[1:], D])), reads=False)
+    rec = Recorder({t: lambda t, c: time.sleep(0.25) for t in graph})
+
+    class EndedAtLaunch(Instrument):
+        def __init__(self) -> None:
+            self.ended: dict = {}
+
+        def on_launch(self, task, lane):
+            self.ended[task] = set(rec.end)
+
+    launches = EndedAtLaunch()
+    async with Engine(rec, Budget(), instruments=[launches], task_timeout=0.8) as engine:
         await guarded(engine.run(graph))
-    assert rec.ran == {A, D}
+    assert rec.ran == set(graph)
+    assert not launches.ended[D] & set(forwards[1:])  # so its launch-to-end took over 0.75 + 0.25 s
 
 
 def test_the_grace_period_and_the_timeout_are_checked():
@@ -377,9 +393,7 @@ def test_close_gives_up_on_a_hung_job_after_its_timeout_and_skips_the_queue():
     queued = lane.submit(lambda: None, [], "queued", False)
     while not hung.began:
         time.sleep(0.001)
-    t0 = time.monotonic()
-    running = lane.close(GRACE)
-    assert 0.9 * GRACE <= time.monotonic() - t0 < GRACE + SLACK
+    running = lane.close(GRACE)  # returns although the job never does
     assert [tag for tag, _ in running] == ["hung"] and running[0][1] is hung
     assert queued.is_set() and queued.failed and not hung.is_set()
     go.set()
@@ -434,15 +448,19 @@ async def test_cuda_lanes_cancel_with_a_hung_launch_and_report_it(monkeypatch):
         x.mul_(1.0)
 
     engine = Engine(program, "double_buffer", device="cuda", instruments=[launches], grace=GRACE)
-    try:
+    seen = {}
+
+    async def run():
         async with engine:
             engine.add(graph)
             await hold.began()
-            launched = len(launches.launched)
+            seen["launched"] = len(launches.launched)
             engine.cancel()
-            cancelled_at = time.perf_counter()
-            t0 = time.monotonic()
-        assert 0.9 * GRACE <= time.monotonic() - t0 < GRACE + SLACK
+            seen["cancelled_at"] = time.perf_counter()
+
+    try:
+        await guarded(run())  # left while the hung launch is still held
+        launched, cancelled_at = seen["launched"], seen["cancelled_at"]
         assert engine.stuck == [hung] and len(launches.launched) == launched
         assert not log.unset and not log.started_after(cancelled_at)
     finally:
@@ -458,7 +476,7 @@ async def test_cuda_watchdog_and_closed_lane(monkeypatch):
     log = FenceLog(monkeypatch)
     graph = compile_step(StepSpec(layers=2, micro_batches=2))
     faults = FaultInjector(lambda t, c: None, "forward@layer=1,micro_batch=0:hang")
-    engine = Engine(faults, "double_buffer", device="cuda", task_timeout=0.2, grace=GRACE)
+    engine = Engine(faults, "double_buffer", device="cuda", task_timeout=1.0, grace=GRACE)
     try:
         with pytest.raises(StepFailed, match="forward L1 m0 failed: TimeoutError"):
             async with engine:

@@ -122,41 +122,41 @@ def _model_of_100_layers(tmp_path):
             "--host-mem", "2048", "--machine", "h200", "--json"]
 
 
-def test_simulate_of_100_layers_answers_within_2_seconds(tmp_path, monkeypatch, capsys):
+def test_simulate_of_100_layers_compiles_each_step_shape_once(tmp_path, monkeypatch, capsys):
     """Planning (every placement tried, and every micro-batch size) and three simulated steps,
-    in-process with the modules already imported: 0.8-1.0 s on a 2-core x86 machine, where it
-    took 2.5 s while the planner compiled the step graph for each candidate."""
-    import time
+    in-process. The planner sizes hundreds of candidate plans for 100 layers; it took 2.5 s
+    while it compiled the step graph (~30 ms for 100 layers x 16 micro-batches) for each
+    candidate. Counted instead of timed: the planner compiles each step shape once, far fewer
+    graphs than it sizes candidates, and the simulator compiles the three steps it simulates."""
+    import msgspec
 
-    from flowtrain.sim import cli as sim_cli  # noqa: F401 - imported before the clock starts
-    from flowtrain.train import plan, trainer  # noqa: F401
+    from flowtrain.sim import clock
+    from flowtrain.train import plan
 
     monkeypatch.setattr(plan, "_policy_budgets", plan._BudgetCache())  # nothing cached by earlier tests
-    argv = ["simulate", *_model_of_100_layers(tmp_path)]
-    t = time.perf_counter()
-    assert main(argv) == 0
-    took = time.perf_counter() - t
+    compiled, candidates, simulated = [], [], []
+    real_compile, real_make, real_step = plan.compile_step, plan._make, clock.compile_step
+    monkeypatch.setattr(plan, "compile_step", lambda spec: compiled.append(msgspec.json.encode(spec)) or real_compile(spec))
+    monkeypatch.setattr(plan, "_make", lambda *a, **kw: candidates.append(a) or real_make(*a, **kw))
+    monkeypatch.setattr(clock, "compile_step", lambda spec, step=0: simulated.append(step) or real_step(spec, step=step))
+    assert main(["simulate", *_model_of_100_layers(tmp_path)]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["plan"]["layout"] == "staged" and out["tokens_per_s"] > 0
-    assert took < 2.0, f"simulate took {took:.2f} s"
+    assert len(compiled) == len(set(compiled)) > 0, "a step shape was compiled twice"
+    assert 4 * len(compiled) < len(candidates), (len(compiled), len(candidates))  # not one graph per candidate
+    assert simulated == [0, 1, 2]
 
 
 def test_simulate_of_100_layers_end_to_end_in_a_fresh_process(tmp_path):
     """The whole command in its own process: it plans and simulates without importing torch
-    (which took ~1 s of ~2.1 s on a 2-core machine; ~1.0 s without, see docs/simulate.md). The
-    time bound is loose, for a slow CI machine."""
-    import time
-
+    (which took ~1 s of ~2.1 s on a 2-core machine; ~1.0 s without, see docs/simulate.md)."""
     code = ("import sys\nfrom flowtrain.cli import main\nrc = main(%r)\n"
             "print('torch imported' if 'torch' in sys.modules else 'no torch', file=sys.stderr)\nsys.exit(rc)"
             % (["simulate", *_model_of_100_layers(tmp_path)],))
-    t = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False)
-    took = time.perf_counter() - t
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, check=False)
     assert proc.returncode == 0, proc.stderr
     assert json.loads(proc.stdout)["tokens_per_s"] > 0
     assert proc.stderr.strip().splitlines()[-1] == "no torch", proc.stderr
-    assert took < 15.0, f"flowtrain simulate took {took:.1f} s"
 
 
 def test_simulate_is_not_capped_by_a_gpu_of_this_machine(monkeypatch, capsys):

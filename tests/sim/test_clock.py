@@ -91,9 +91,10 @@ def _max_overlap(spans):
 @pytest.mark.parametrize("micro_batches, adam", [(2, 5), (1, 12)], ids=["adam-keeps-up", "adam-falls-behind"])
 def test_same_order_and_slots_as_the_engine(micro_batches, adam):
     """The CPU executor, each task sleeping its duration, against the simulator with the same
-    durations: every lane runs the same tasks in the same order with the same slots, and the
-    starts agree to within scheduling jitter. Where Adam is slower than backward, gradients
-    queue and both run the waiting ``cpu_adam`` tasks bottom layer first, not in arrival order."""
+    durations: every lane runs the same tasks in the same order with the same slots, and what
+    the simulator starts clearly earlier than another task the engine starts earlier too. Where
+    Adam is slower than backward, gradients queue and both run the waiting ``cpu_adam`` tasks
+    bottom layer first, not in arrival order."""
     spec = StepSpec(layers=3, micro_batches=micro_batches, staged=True)
     graph = compile_step(spec)
     unit = 0.02
@@ -114,15 +115,22 @@ def test_same_order_and_slots_as_the_engine(micro_batches, adam):
     arrivals = [r.task for r in sorted(sim, key=lambda r: r.end) if r.task.kind == "offload_grad"]
     assert ([(a.unit, a.layer) for a in adams] == [(o.unit, o.layer) for o in arrivals]) == (adam < 4 * micro_batches)
     s_at, e_at = {r.task: r.start for r in sim}, {r.task: r.start for r in engine}
-    lag = [e_at[t] - s_at[t] for t in s_at]
-    assert max(abs(x) for x in lag) < 0.25 * max(s_at.values())  # thread start-up and sleep overshoot only
     for a in s_at:  # across lanes: what the simulator starts clearly earlier, the engine did too
         for b in s_at:
             if s_at[b] - s_at[a] > 2 * unit:
                 assert e_at[a] < e_at[b], (a, b)
 
 
-def test_hundred_layers_sixteen_micro_batches_in_under_two_seconds():
+def test_hundred_layers_sixteen_micro_batches_jump_from_event_to_event(monkeypatch):
+    """Three steps of 100 layers x 16 micro-batches (11,000 tasks; 0.6-0.9 s on a 2-core
+    machine, docs/simulate.md). Counted instead of timed: the clock jumps from one event to
+    the next, so the scheduler is asked at most once per event (a task's end, its completion
+    report, a step added), never once per tick of time."""
+    from flowtrain.runtime.scheduler import Scheduler
+
+    polls = []
+    real_poll = Scheduler.poll
+    monkeypatch.setattr(Scheduler, "poll", lambda self: polls.append(1) or real_poll(self))
     machine = load_machine("h200")
     shape = Shape(hidden=8192, intermediate=28672, layers=100, heads=64, kv_heads=8, head_dim=128, vocab=128256,
                   seq_len=4096, micro_batch_size=1, layer_numel=855_654_400, params=87_000_000_000,
@@ -130,11 +138,10 @@ def test_hundred_layers_sixteen_micro_batches_in_under_two_seconds():
     spec = StepSpec(layers=100, micro_batches=16, staged=True, grad_chunks={"embed": 3, "head": 3})
     policy = resolve_policy("double_buffer")
     plan = SimpleNamespace(spec=spec, budgets=policy.propose(compile_step(spec)).budgets)
-    t = time.perf_counter()
     pred = predict_shape(shape, plan, machine, batch_size=16, steps=3)
-    took = time.perf_counter() - t
-    assert took < 2.0, f"{took:.2f} s"
-    assert sum(len(r) for r in pred.records) > 3 * 100 * 16 * 2
+    tasks = sum(len(r) for r in pred.records)
+    assert tasks > 3 * 100 * 16 * 2
+    assert 0 < len(polls) <= 2 * tasks + 3, (len(polls), tasks)
     assert pred.summary.step_seconds > 0 and 0 < pred.summary.busy_fraction["compute"] <= 1.0
 
 

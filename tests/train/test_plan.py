@@ -140,6 +140,7 @@ SMALL = ModelConfig(vocab_size=32000, hidden_size=512, intermediate_size=1408, n
                     num_kv_heads=4, max_position_embeddings=512)
 
 
+@pytest.mark.slow  # a training process each; what the plan counts: test_plan_counts_what_the_state_allocates
 @pytest.mark.parametrize("layout", ["staged", "full"])
 def test_plan_predicts_measured_peak_host_memory_within_10_percent(tmp_path, layout):
     """A 57M-parameter model trained on the CPU in its own process: the planned host bytes (state,

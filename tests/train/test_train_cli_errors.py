@@ -1,5 +1,9 @@
 """Bad input to ``flowtrain train`` ends with one clear line, exit status 2, no traceback,
-and nothing written to --out."""
+and nothing written to --out.
+
+Each case starts a process (seconds each, importing torch): the default tier runs one of each
+kind, the slow tier the rest, whose messages are also checked in-process (test_checks.py,
+test_model_config.py, test_data.py, test_plan.py, test_policies.py)."""
 
 from __future__ import annotations
 
@@ -17,12 +21,16 @@ def run_train(*args, cwd=None):
                           capture_output=True, text=True, cwd=cwd, timeout=120, env=env)
 
 
+SLOW = pytest.mark.slow
+
+
 @pytest.mark.parametrize("args, needle", [
     (["--model", "no-such-model"], "neither a directory nor a preset"),
-    (["--batch-size", "8", "--micro-batch-size", "3"], "--micro-batch-size 3 does not divide --batch-size 8"),
-    (["--seq-len", "100000"], "beyond the model's"),
-    (["--policy", "nope"], "unknown policy"),
-    (["--steps", "0"], "--steps must be at least 1"),
+    pytest.param(["--batch-size", "8", "--micro-batch-size", "3"], "--micro-batch-size 3 does not divide --batch-size 8",
+                 marks=SLOW),
+    pytest.param(["--seq-len", "100000"], "beyond the model's", marks=SLOW),
+    pytest.param(["--policy", "nope"], "unknown policy", marks=SLOW),
+    pytest.param(["--steps", "0"], "--steps must be at least 1", marks=SLOW),
 ])
 def test_bad_flags(tmp_path, args, needle):
     out = tmp_path / "out"
@@ -33,6 +41,7 @@ def test_bad_flags(tmp_path, args, needle):
     assert not out.exists()
 
 
+@SLOW  # in-process: test_model_config.py (unsupported architecture), test_data.py (empty data)
 def test_bad_model_directory_and_data(tmp_path):
     model = tmp_path / "model"
     model.mkdir()
@@ -66,20 +75,22 @@ def assert_one_line_refusal(proc, needle, status=2):
 
 @pytest.mark.parametrize("args, needle", [
     (["--lr", "nan"], "--lr must be a finite number >= 0 (got nan)"),
-    (["--lr=-1"], "--lr must be a finite number >= 0 (got -1.0)"),
-    (["--eps", "inf"], "--eps must be a finite number >= 0 (got inf)"),
-    (["--weight-decay", "nan"], "--weight-decay must be a finite number >= 0 (got nan)"),
-    (["--grad-clip", "0"], "--grad-clip must be a finite number > 0 (got 0.0)"),
-    (["--min-lr", "nan"], "--min-lr must be a finite number >= 0 (got nan)"),
-    (["--betas", "0.9,nan"], "--betas must be two numbers in [0, 1) like 0.9,0.999 (got 0.9,nan)"),
-    (["--betas", "0.9,1.5"], "--betas must be two numbers in [0, 1)"),
-    (["--host-mem", "inf"], "--host-mem must be a finite number > 0 (got inf)"),
-    (["--gpu-mem", "nan"], "--gpu-mem must be a finite number > 0 (got nan)"),
-    (["--warmup-steps", "-1"], "--warmup-steps must be at least 0 (got -1)"),
-    (["--chunk-tokens", "0"], "--chunk-tokens must be at least 1 (got 0)"),
-    (["--checkpoint-every", "0"], "--checkpoint-every must be at least 1 (got 0)"),
-    (["--adam-workers", "0"], "--adam-workers must be at least 1 (got 0)"),
-    (["--compile", "nosuch"], "--compile 'nosuch' is not a torch.compile backend; choose auto, none, eager"),
+    *(pytest.param(args, needle, marks=SLOW) for args, needle in [
+        (["--lr=-1"], "--lr must be a finite number >= 0 (got -1.0)"),
+        (["--eps", "inf"], "--eps must be a finite number >= 0 (got inf)"),
+        (["--weight-decay", "nan"], "--weight-decay must be a finite number >= 0 (got nan)"),
+        (["--grad-clip", "0"], "--grad-clip must be a finite number > 0 (got 0.0)"),
+        (["--min-lr", "nan"], "--min-lr must be a finite number >= 0 (got nan)"),
+        (["--betas", "0.9,nan"], "--betas must be two numbers in [0, 1) like 0.9,0.999 (got 0.9,nan)"),
+        (["--betas", "0.9,1.5"], "--betas must be two numbers in [0, 1)"),
+        (["--host-mem", "inf"], "--host-mem must be a finite number > 0 (got inf)"),
+        (["--gpu-mem", "nan"], "--gpu-mem must be a finite number > 0 (got nan)"),
+        (["--warmup-steps", "-1"], "--warmup-steps must be at least 0 (got -1)"),
+        (["--chunk-tokens", "0"], "--chunk-tokens must be at least 1 (got 0)"),
+        (["--checkpoint-every", "0"], "--checkpoint-every must be at least 1 (got 0)"),
+        (["--adam-workers", "0"], "--adam-workers must be at least 1 (got 0)"),
+        (["--compile", "nosuch"], "--compile 'nosuch' is not a torch.compile backend; choose auto, none, eager"),
+    ]),
 ])
 def test_bad_numbers_and_backends_are_refused_before_loading(tmp_path, args, needle):
     out = tmp_path / "out"
@@ -87,6 +98,7 @@ def test_bad_numbers_and_backends_are_refused_before_loading(tmp_path, args, nee
     assert not out.exists()
 
 
+@SLOW  # five processes; the refusals are checked in-process in test_checks.py
 def test_unwritable_outputs_are_refused_before_training(tmp_path):
     f = tmp_path / "file"
     f.write_text("x")
