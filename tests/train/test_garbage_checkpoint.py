@@ -45,6 +45,7 @@ def test_a_garbage_manifest_is_one_short_line(saved, tmp_path, garbage):
 
 @pytest.mark.parametrize("state", ["[" * 100_000, "[1, 2, 3]", json.dumps({"step": "two"})],
                          ids=["nested", "a-list", "step-not-a-number"])
+@pytest.mark.slow
 def test_a_trainer_state_that_is_not_one_is_refused_in_one_line(saved, tmp_path, state):
     """The manifest is made to match the broken file, as a careless hand edit would leave it."""
     import hashlib

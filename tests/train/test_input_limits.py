@@ -181,6 +181,7 @@ def test_integer_and_bool_weights_are_refused_naming_the_tensor(tmp_path, dtype,
                                       "not a floating-point weight; flowtrain loads F64, F32, BF16, F16 weights")
 
 
+@pytest.mark.slow
 def test_int8_weights_are_one_line_on_the_command_line(tmp_path):
     import torch
 

@@ -97,6 +97,7 @@ def test_save_total_limit_prunes_only_the_resumed_runs_own_line(tmp_path):
     ok(train("--steps", "4", "--out", str(p), "--resume", str(p / "checkpoint-3")))
 
 
+@pytest.mark.slow
 def test_a_resumed_line_prunes_its_ancestors_and_resume_out_follows_it(tmp_path):
     """The everyday case: a run is stopped and resumed from its --out; the limit holds over the
     whole line, and --resume OUT keeps finding the newest checkpoint."""
@@ -118,6 +119,7 @@ def _strip_lineage(ckpt: Path) -> None:
     (ckpt / "manifest.json").write_text(json.dumps(manifest))
 
 
+@pytest.mark.slow
 def test_checkpoints_without_lineage_still_resume(tmp_path):
     p = tmp_path / "p"
     ok(train("--steps", "2", "--save-every", "1", "--out", str(p)))
@@ -180,6 +182,7 @@ def test_out_as_a_link_to_an_empty_folder(tmp_path, saves):
     assert not hidden(tmp_path)
 
 
+@pytest.mark.slow
 def test_out_as_a_dangling_link(tmp_path):
     link = tmp_path / "link"
     link.symlink_to(tmp_path / "made")  # its folder exists: the target is created
@@ -201,6 +204,7 @@ def _other_file_system(tmp_path: Path) -> Path | None:
     return None
 
 
+@pytest.mark.slow
 def test_out_as_a_link_to_another_file_system(tmp_path):
     target = _other_file_system(tmp_path)
     if target is None:
@@ -216,6 +220,7 @@ def test_out_as_a_link_to_another_file_system(tmp_path):
         shutil.rmtree(target, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_overwrite_through_a_link_replaces_the_model_as_a_whole(tmp_path):
     target, link = tmp_path / "target", tmp_path / "link"
     ok(train("--steps", "1", "--out", str(target)))
@@ -264,6 +269,7 @@ def wait_for(condition, proc, what, timeout=120.0):
         time.sleep(0.02)
 
 
+@pytest.mark.slow
 def test_two_real_runs_on_one_folder(tmp_path):
     """A real first run blocks in step 2's Adam (an injected hang) with checkpoint-2 half
     written; a second run is refused without touching it; once the first dies by SIGKILL the

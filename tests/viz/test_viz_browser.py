@@ -265,7 +265,8 @@ window.addEventListener("load", function () {
     p.rows.filter(function (r) { return r.type === "occ" || r.type === "mem"; }).forEach(function (r) {
       var img = ctx.getImageData(140 * dpr, (r.y + 12) * dpr, (p.width - 160) * dpr, (r.h - 12) * dpr).data, inked = 0;
       for (var i = 0; i < img.length; i += 4) if (img[i] + img[i + 1] + img[i + 2] < 600) inked++;
-      out.push({ type: r.type, label: r.label, budget: r.budget, peak: r.pts ? Math.max.apply(null, r.pts.map(function (q) { return q[1]; })) : null, inked: inked });
+      var peak = r.pts ? Math.max.apply(null, r.pts.map(function (q) { return q[1]; })) : null;
+      out.push({ type: r.type, label: r.label, budget: r.budget, peak: peak, inked: inked });
     });
   });
   document.documentElement.setAttribute("data-test", JSON.stringify(out));
