@@ -214,11 +214,7 @@ class Plan(msgspec.Struct, kw_only=True):
         checkpoints in flight to the host and the loss and backward's layer gradients with that
         working set are two phases too (on the H200 the 10 GiB llama-8b step peaked in its
         backward, within 1% of this count; docs/benchmarks.md)."""
-        g = self.gpu
-        work, loss = g.get("layer_work", 0), g.get("loss_chunks", 0)
-        forward, after = g.get("offload_in_flight", 0), g.get("layer_gradients", 0) + max(work, loss)
-        shared = sum(g.values()) - work - loss - g.get("offload_in_flight", 0) - g.get("layer_gradients", 0)
-        return shared + max(forward, after)
+        return gpu_peak(self.gpu)
 
     @property
     def host_state_bytes_per_param(self) -> float:
@@ -294,6 +290,14 @@ def _limits(req: RunRequest, device: torch.device, local_gpu: bool) -> tuple[int
             caps.append(int(torch.cuda.mem_get_info(device)[0] * GPU_FILL))
     gpu = min(caps) if caps else None
     return (None if host is None else int(host * HOST_FILL)), gpu
+
+
+def gpu_peak(g: dict[str, int]) -> int:
+    """Peak device bytes of the GPU items ``g`` (see :attr:`Plan.gpu_total`)."""
+    work, loss = g.get("layer_work", 0), g.get("loss_chunks", 0)
+    forward, gradients = g.get("offload_in_flight", 0), g.get("layer_gradients", 0)
+    shared = sum(g.values()) - work - loss - forward - gradients
+    return shared + max(forward, gradients + max(work, loss))
 
 
 def allocator_share(gpu_mem: float) -> int:
@@ -376,9 +380,8 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
     hidden = tokens * cfg.hidden_size * cbytes
     live_mbs = _live_micro_batches(req)
     k = req.checkpoint_every
-    layer_n = max((lay.numel for lay in layouts if lay.unit == "layer"), default=0)
     compiled = device.type == "cuda" and compile_backend(req.compile, device.type) == "inductor"
-    layer_work = layer_work_bytes(cfg, tokens, cbytes, layer_n, compiled)
+    layer_work = layer_work_bytes(cfg, tokens, cbytes, compiled)
     chunk = min(chunk_tokens, tokens)
     casting = cbytes != 4 and layout != "stream-bf16" and slot_n > 0
     resident_per = 16 + (cbytes if cbytes != 4 else 0)
@@ -412,7 +415,7 @@ def _offloading_gpu(req: RunRequest, hidden: int) -> dict[str, int]:
             "layer_gradients": live * hidden}
 
 
-def layer_work_bytes(cfg: ModelConfig, tokens: int, cbytes: int, layer_n: int, compiled: bool) -> int:
+def layer_work_bytes(cfg: ModelConfig, tokens: int, cbytes: int, compiled: bool) -> int:
     """Device bytes of one layer's backward for ``tokens`` tokens: its forward rebuilt under
     autograd (the tensors it saves), the gradients flowing back, the fused attention backward's
     own buffers (an fp32 accumulator for dq and, with grouped KV heads, dk and dv expanded to
@@ -432,6 +435,7 @@ def layer_work_bytes(cfg: ModelConfig, tokens: int, cbytes: int, layer_n: int, c
         per_token, mlp_units = 4 * h + 3 * q + 2 * kv + 2 * cfg.head_dim, 3 * f  # type: ignore[operator]
     else:
         per_token, mlp_units = 6 * h + 2 * q + 4 * kv, 4 * f
+    layer_n = max((lay.numel for lay in _layouts(cfg) if lay.unit == "layer"), default=0)
     work = tokens * cbytes * per_token + cbytes * layer_n
     work += tokens * (4 * q + (2 * cbytes * (q - kv) if kv < q else 0))  # attention backward's buffers
     if tokens > MLP_CHUNK_TOKENS:  # the MLP in pieces: one piece's intermediates, fp32 weight gradients
@@ -446,8 +450,7 @@ def _offload_in_flight(req: RunRequest, hidden: int) -> int:
     offload ``StepSpec.offload_lag`` layers below it is issued), and in backward the
     checkpoints back from the host ahead of their backward (the ``acts`` slots of
     :func:`flowtrain.policy.base.budgets`)."""
-    live = _live_micro_batches(req)
-    return (2 * live + 2 + _act_slots(req)) * hidden
+    return sum(v for k, v in _offloading_gpu(req, hidden).items() if k != "layer_gradients")
 
 
 def _act_slots(req: RunRequest) -> int:
@@ -611,8 +614,7 @@ def _with_saved_attention(cfg, req, device, dtype, policy, host_limit, gpu_limit
     attention pays, with residency only for capacity: a step is then long enough that fetches
     and CPU Adam hide), checkpoints offloaded as far as needed, the GPU spent on the outputs."""
     speed = not attention_pays(cfg, req.seq_len)
-    layer_n = max((lay.numel for lay in _layouts(cfg) if lay.unit == "layer"), default=0)
-    eager_work = layer_work_bytes(cfg, req.micro_batch_size * req.seq_len, dtype.itemsize, layer_n, compiled=False)
+    eager_work = layer_work_bytes(cfg, req.micro_batch_size * req.seq_len, dtype.itemsize, compiled=False)
     return plan_saved_attention(
         cfg, req, dtype.itemsize, req.micro_batch_size * req.seq_len * _live_micro_batches(req), eager_work,
         lambda r: _plan_state(cfg, r, device, dtype, policy, host_limit, gpu_limit, speed=speed),
@@ -727,16 +729,13 @@ def _bring_back(plan: Plan, cfg: ModelConfig, req: RunRequest) -> Plan:
             return recomputing
         return {**offloading, "checkpoints": slots + (len(starts) - n_off) * per_ck}
 
-    def gpu_total(n_off: int) -> int:
-        plan.gpu = with_back(n_off)
-        return plan.gpu_total
-
     if req.activations == "offload":
         n_off = len(starts)
     elif plan.gpu_limit is None:
         n_off = 0
     else:  # the fewest offloaded (from the bottom) that fit, else all of them
-        n_off = next((n for n in range(len(starts) + 1) if gpu_total(n) <= plan.gpu_limit), len(starts))
+        limit = plan.gpu_limit
+        n_off = next((n for n in range(len(starts) + 1) if gpu_peak(with_back(n)) <= limit), len(starts))
     plan.gpu = with_back(n_off)
     host = {k: v for k, v in plan.host.items() if k != "offloaded_activations"}
     if n_off == 0:
@@ -934,10 +933,10 @@ def _suggest(plan: Plan, cfg: ModelConfig, req: RunRequest, device, dtype, polic
             out.append(f"use {text}")
     if not out:
         if not plan.host_fits:
-            out.append(f"run where about {math.ceil(plan.host_node_total / GiB / HOST_FILL)} GiB of host memory "
-                       f"is free (--host-mem {math.ceil(plan.host_node_total / GiB / HOST_FILL)})")
+            host = math.ceil(plan.host_node_total / GiB / HOST_FILL)
+            out.append(f"run where about {host} GiB of host memory is free (--host-mem {host})")
             out.append(_largest_model(plan))
         if not plan.gpu_fits:
-            out.append(f"a GPU of about {math.ceil(card_for(plan.gpu_total))} GiB (--gpu-mem "
-                       f"{math.ceil(card_for(plan.gpu_total))})")
+            card = math.ceil(card_for(plan.gpu_total))
+            out.append(f"a GPU of about {card} GiB (--gpu-mem {card})")
     return out

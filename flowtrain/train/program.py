@@ -439,29 +439,28 @@ class StepProgram:
         x = self.acts.pop(key)  # type: ignore[arg-type]
         buf = self.act_host.get(key[1:])  # type: ignore[arg-type]
         if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:  # not reserved ahead
-            buf = self.act_host[key[1:]] = self._checkpoint_buffer(x.shape)  # type: ignore[index]
+            buf = self.act_host[key[1:]] = self._checkpoint_buffer(x.shape, x.dtype)  # type: ignore[index]
         buf.copy_(x, non_blocking=self._non_blocking)
         if self.device.type == "cuda":
             x.record_stream(torch.cuda.current_stream(self.device))
         return buf.numel() * buf.element_size()
 
-    def reserve_offloaded(self, layers: Iterable[int], micro_batches: int, rows: int) -> int:
+    def reserve_offloaded(self, layers: Iterable[int], micro_batches: int, rows: int) -> None:
         """Allocate, before the first step, the host buffer of every checkpoint the step graph
-        offloads (layer ``i``'s input of each micro-batch, ``rows`` sequences of ``seq_len``);
-        returns their bytes. Allocating and page-locking them inside the first step's
-        ``offload_act`` tasks held the d2h lane up for tens of milliseconds per buffer while the
-        forward ran on; host memory that is short now fails here, before anything trains."""
+        offloads (layer ``i``'s input of each micro-batch, ``rows`` sequences of ``seq_len``).
+        Allocated and page-locked inside the first step's ``offload_act`` tasks, they held the
+        d2h lane up while the forward ran on; and host memory that is short now fails here,
+        before anything trains."""
         shape = (rows, self.seq_len, self.cfg.hidden_size)
         for i in layers:
             for m in range(micro_batches):
                 if (i, m) not in self.act_host:
-                    self.act_host[(i, m)] = self._checkpoint_buffer(shape)
-        return sum(b.numel() * b.element_size() for b in self.act_host.values())
+                    self.act_host[(i, m)] = self._checkpoint_buffer(shape, self.dtype)
 
-    def _checkpoint_buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
+    def _checkpoint_buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
         # page-locked in place: torch's pinned allocator would round a 3 GiB checkpoint up to
         # 4 GiB (a power of two), host memory the plan does not have
-        return pinned_zeros(math.prod(shape), self._pin, self.dtype).view(shape)
+        return pinned_zeros(math.prod(shape), self._pin, dtype).view(shape)
 
     def _fetch_act(self, task: FetchAct, slot: int) -> int:
         """An offloaded checkpoint back onto the device, on the h2d lane, before its backward.
