@@ -71,6 +71,8 @@ def line(job: str, row: dict | None, base: dict, bad: list[str]) -> str:
         ratio = f" ({tok / want:.3f}x)" if tok and want else ""
         got = (f"{tok} tok/s{ratio} vs {want}, {row.get('model_tflops')} TFLOP/s, GPU {row.get('gpu_peak_gib')} "
                f"of {row.get('planned_gpu_gib')} GiB planned, process {row.get('gpu_process_peak_gib')} GiB")
+        if row.get("gpu_alloc_retries"):
+            got += f", {row['gpu_alloc_retries']} allocator retries"
     return f"{'PASS' if not bad else 'FAIL'} {job}: {got}" + "".join(f"\n     - {b}" for b in bad)
 
 

@@ -8,7 +8,8 @@ after a warm-up; GPU times from CUDA events):
   written and fsynced in ``--disk-dir``), cores and host memory.
 - GPU (when there is one): pinned host -> device, device -> host, and both at once (two
   streams), a bf16 GEMM at several square sizes (the largest rate is ``matmul_tflops``; how the
-  small ones fall off gives ``matmul_half_dim``), causal SDPA attention forward and backward, a
+  small ones fall off gives ``matmul_half_dim``), causal SDPA attention forward and backward, the
+  same forward+backward by sequence length for each fused kernel (``attention_tflops``), a
   device copy (memory bandwidth), fused AdamW on the device, and the host cost of a launch.
 
 On a machine without a GPU it measures the CPU parts, says so, and takes the GPU fields from
@@ -222,6 +223,8 @@ def _probe_gpu(notes: dict[str, str], quick: bool) -> dict:
     out["attention_bwd_tflops"] = round(2.5 * flops / max(t_fb - t_f, 1e-9) / 1e12, 1)
     notes["attention_fwd_tflops"] = f"probe: causal SDPA, {heads} heads x {seq} tokens x {hd}, backward counted as 2.5x the forward's FLOPs"
 
+    out["attention_tflops"] = _attention_by_length(notes, quick)
+
     # memory bandwidth (a device copy reads and writes), fused AdamW on the device
     n = (64 if quick else 256) * MiB
     x, y = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=dev)
@@ -240,3 +243,48 @@ def _probe_gpu(notes: dict[str, str], quick: bool) -> dict:
     out["launch_us"] = round((time.perf_counter() - t) * 1e3, 1)  # per launch: total ms over 1000 = µs each
     torch.cuda.synchronize()
     return out
+
+
+#: the kernel each ``attention_tflops`` entry names -> the ``--attention-backend`` that runs it
+_KERNEL_BACKEND = {"cudnn": "auto", "flash": "flash"}
+
+
+def _attention_by_length(notes: dict[str, str], quick: bool) -> dict[str, list[list[float]]]:
+    """Causal attention forward+backward TFLOP/s by sequence length, per fused kernel, through
+    training's own call (:func:`attend` under ``--attention-backend``), with llama-8b's heads
+    (32 query heads sharing 8 KV heads, head_dim 128) and at least 16,384 tokens per call (short
+    sequences batched). What ``simulate`` reads as ``attention_tflops``: attention's rate grows
+    with length until the kernel's tiles are full, and the kernels differ by a factor."""
+    import torch
+
+    heads, kv_heads, hd = 32, 8, 128
+    lengths = (2048, 8192) if quick else (4096, 32768, 131072, 262144)
+    table: dict[str, list[list[float]]] = {}
+    for kernel, backend in _KERNEL_BACKEND.items():
+        points = []
+        for seq in lengths:
+            batch = max(1, 16384 // seq)
+            t = _attention_seconds(batch, heads, kv_heads, seq, hd, backend, 2 if seq >= 131072 else 5)
+            flops = 3.5 * 2 * batch * seq * seq * heads * hd  # causal forward: half of 4 S^2 H D; backward 2.5x
+            points.append([seq, round(flops / t / 1e12, 1)])
+            torch.cuda.empty_cache()  # the next length's tensors in one piece
+        table[kernel] = points
+    notes["attention_tflops"] = ("probe: causal attention forward+backward through training's call, by kernel "
+                                 "(cudnn: --attention-backend auto, flash: --attention-backend flash) and length; "
+                                 f"{heads} heads sharing {kv_heads} KV heads, head_dim {hd}, >= 16,384 tokens a call; "
+                                 "FLOPs counted causal, backward 2.5x the forward")
+    return table
+
+
+def _attention_seconds(batch: int, heads: int, kv_heads: int, seq: int, hd: int, backend: str, reps: int) -> float:
+    """Seconds of one causal attention forward+backward through :func:`attend` under ``backend``."""
+    import torch
+
+    from ..train.model.attention import attend, attention_backends
+
+    dev = torch.device("cuda")
+    q = torch.randn(batch, heads, seq, hd, device=dev, dtype=torch.bfloat16, requires_grad=True)
+    k, v = (torch.randn(batch, kv_heads, seq, hd, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    grad = torch.randn_like(q)
+    with attention_backends(backend, "cuda"):
+        return _cuda_seconds(lambda: torch.autograd.grad(attend(q, k, v, None, None), (q, k, v), grad), reps)

@@ -143,14 +143,21 @@ def gpu_memory(torch) -> dict:  # noqa: ANN001 - the torch module, imported by t
     CUDA context, loaded kernels, library workspaces) and ``gpu_process_peak_gib``, the sum of
     the last two: what ``nvidia-smi`` shows the process at its peak. What lies outside the
     allocator only grows (kernels load, nothing unloads), so that sum is the peak's upper
-    bound. The device is taken to hold no other process, as on a benchmark machine."""
+    bound. The device is taken to hold no other process, as on a benchmark machine.
+    ``gpu_alloc_retries``: how often the allocator, short of room under its cap, released its
+    cached memory (a device synchronize each time) and tried again; ``gpu_device_frees``: how
+    often it gave memory back to the driver. Both stay near zero unless the plan runs the
+    allocator at its cap."""
     free, total = torch.cuda.mem_get_info()
     outside = (total - free) - torch.cuda.memory_reserved()
     reserved_peak = torch.cuda.max_memory_reserved()
+    stats = torch.cuda.memory_stats()
     return {"gpu_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
             "gpu_reserved_peak_gib": round(reserved_peak / 2**30, 2),
             "gpu_outside_allocator_gib": round(outside / 2**30, 2),
-            "gpu_process_peak_gib": round((outside + reserved_peak) / 2**30, 2)}
+            "gpu_process_peak_gib": round((outside + reserved_peak) / 2**30, 2),
+            "gpu_alloc_retries": stats.get("num_alloc_retries", 0),
+            "gpu_device_frees": stats.get("num_device_free", 0)}
 
 
 def print_result(result: dict, json_path: str | None) -> None:

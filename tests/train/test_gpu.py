@@ -104,3 +104,21 @@ def test_the_shared_state_is_pinned_and_copies_to_the_gpu(monkeypatch):
         pinning.unpin_all()
     finally:
         dist.destroy_process_group()
+
+
+def test_probe_measures_attention_by_length_for_each_kernel(tmp_path):
+    """``flowtrain probe --quick`` on the GPU writes an ``attention_tflops`` table simulate reads:
+    both fused kernels, every length measured, positive rates."""
+    import json
+
+    from flowtrain.cli import main
+    from flowtrain.sim.machine import load_machine
+
+    out = tmp_path / "probe.json"
+    assert main(["probe", "--quick", "--device", "cuda", "--out", str(out), "--disk-dir", str(tmp_path)]) == 0
+    table = json.loads(out.read_text())["attention_tflops"]
+    assert sorted(table) == ["cudnn", "flash"]
+    for points in table.values():
+        assert [seq for seq, _ in points] == [2048, 8192] and all(rate > 0 for _, rate in points)
+    machine = load_machine(out)
+    assert machine.attention_rate("flash", 4096) is not None
