@@ -6,8 +6,17 @@ policy (:mod:`flowtrain.policy`) by an asyncio engine over CUDA streams or threa
 """
 
 from .errors import (
-    CheckpointError, ConfigError, CycleError, DataError, DeadlockError, FlowtrainError, NonFiniteError,
-    PlanError, ScheduleError, SlotError, StepFailed,
+    CheckpointError,
+    ConfigError,
+    CycleError,
+    DataError,
+    DeadlockError,
+    FlowtrainError,
+    NonFiniteError,
+    PlanError,
+    ScheduleError,
+    SlotError,
+    StepFailed,
 )
 from .graph import StepSpec, compile_step, compile_steps, cross_step_edges
 from .policy import Policy, Proposal, natural_order, register_policy, resolve_policy

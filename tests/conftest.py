@@ -1,6 +1,6 @@
 """Settings every test shares.
 
-Tokenised data is cached (``flowtrain.train.data_cache``); tests keep their caches in one
+Tokenised data is cached (``flowtrain.data.cache``); tests keep their caches in one
 temporary folder for the session instead of the user's ``~/.cache/flowtrain``. Subprocesses
 inherit the variable.
 """
@@ -9,7 +9,7 @@ import os
 
 import pytest
 
-from flowtrain.train.data_cache import CACHE_ENV
+from flowtrain.data.cache import CACHE_ENV
 
 
 @pytest.fixture(scope="session", autouse=True)

@@ -7,7 +7,6 @@ import threading
 from pathlib import Path
 
 import pytest
-
 from test_docs_example import python_blocks
 
 DOC = Path(__file__).resolve().parents[1] / "docs" / "api.md"

@@ -13,8 +13,8 @@ import warnings
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from flowtrain.train.model import bind, decoder_layer, model_layouts, preset, rope_tables
-from flowtrain.train.model.attention import attention_backends
+from flowtrain.model import bind, decoder_layer, model_layouts, preset, rope_tables
+from flowtrain.model.attention import attention_backends
 
 warnings.filterwarnings("ignore")
 cfg = preset(sys.argv[1] if len(sys.argv) > 1 else "llama-3b")

@@ -36,7 +36,7 @@ fi
 for job in "$@"; do
   case $job in
     info) nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee -a "$OUT/log.txt"; free -g | tee -a "$OUT/log.txt" ;;
-    tests) log tests; timeout 300 python3 -m pytest -q -p no:cacheprovider tests/train/test_gpu.py tests/train/model/test_model_gpu.py tests/train/model/test_attention.py tests/train/test_saved_attention.py 2>&1 | tail -15 | tee -a "$OUT/log.txt" | tee /tmp/tests.txt
+    tests) log tests; timeout 300 python3 -m pytest -q -p no:cacheprovider tests/train/test_gpu.py tests/model/test_model_gpu.py tests/model/test_attention.py tests/train/test_saved_attention.py 2>&1 | tail -15 | tee -a "$OUT/log.txt" | tee /tmp/tests.txt
       python3 -c "import json, re, sys; t = open('/tmp/tests.txt').read(); n = lambda w: sum(int(x) for x in re.findall(r'(\d+) ' + w, t)); print(json.dumps({'job': 'tests', 'passed': n('passed'), 'failures': n('failed') + n('error')}))" >>"$RES" ;;
     attntests) log attntests; timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/train/test_saved_attention.py 2>&1 | tail -8 | tee -a "$OUT/log.txt" ;;
     w1) bench w1 $W --batch-size 4 --steps 7 --trace "$OUT/w1-trace.json" ;;

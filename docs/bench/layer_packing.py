@@ -13,9 +13,9 @@ import warnings
 import numpy as np
 import torch
 
-import flowtrain.train.model.attention as attention
-from flowtrain.train.model import bind, decoder_layer, model_layouts, preset, rope_tables
-from flowtrain.train.model.attention import Documents, rotary_for
+import flowtrain.model.attention as attention
+from flowtrain.model import bind, decoder_layer, model_layouts, preset, rope_tables
+from flowtrain.model.attention import Documents, rotary_for
 
 warnings.filterwarnings("ignore")
 cfg = preset("llama-8b")

@@ -5,9 +5,35 @@ from .evaluation import compile_eval
 from .export import graph_from_json, graph_to_json
 from .saving import add_saves, save_edges
 from .tasks import (
-    ACTS, DEVICE_LANES, GRADS, HOST_GRADS, KINDS, LANES, WEIGHTS, AnyTask, Backward, CpuAdam, Embed,
-    EmbedBackward, EvalLoss, Fetch, FetchAct, Forward, FoundInf, GpuAdam, GradNorm, GradSqNorm, Loss,
-    OffloadAct, OffloadGrad, Recompute, ReduceGrad, SaveUnit, Task, VerifyStep, ZeroGrad,
+    ACTS,
+    DEVICE_LANES,
+    GRADS,
+    HOST_GRADS,
+    KINDS,
+    LANES,
+    WEIGHTS,
+    AnyTask,
+    Backward,
+    CpuAdam,
+    Embed,
+    EmbedBackward,
+    EvalLoss,
+    Fetch,
+    FetchAct,
+    Forward,
+    FoundInf,
+    GpuAdam,
+    GradNorm,
+    GradSqNorm,
+    Loss,
+    OffloadAct,
+    OffloadGrad,
+    Recompute,
+    ReduceGrad,
+    SaveUnit,
+    Task,
+    VerifyStep,
+    ZeroGrad,
 )
 
 __all__ = [

@@ -72,6 +72,7 @@ import networkx as nx
 
 from ..errors import ConfigError
 from .tasks import (
+    WEIGHT_READERS,
     Backward,
     CpuAdam,
     Embed,
@@ -80,18 +81,17 @@ from .tasks import (
     FetchAct,
     Forward,
     FoundInf,
+    GpuAdam,
     GradNorm,
+    GradSqNorm,
     Loss,
     OffloadAct,
     OffloadGrad,
     Recompute,
     ReduceGrad,
-    GpuAdam,
-    GradSqNorm,
     SyncStep,
     Task,
     VerifyStep,
-    WEIGHT_READERS,
     ZeroGrad,
 )
 

@@ -142,7 +142,7 @@ def act_slots(order: str, checkpoint_every: int, micro_batches: int) -> int:
     be back on the device at once. A segment's checkpoint is read by its ``recompute`` and again
     by its ``backward``, so layer-major with segments of several layers every micro-batch's
     checkpoint is back before the first backward of the segment; otherwise one at a time. The
-    planner counts the same (``flowtrain.train.plan``)."""
+    planner counts the same (``flowtrain.plan.memory``)."""
     at_once = micro_batches if order == "layer" and checkpoint_every > 1 else 1
     return at_once + 1
 
@@ -164,7 +164,7 @@ def budgets(graph: nx.DiGraph, weights: int, grads: int, host_grads: int = 3) ->
 
 class WithBudgets:
     """A policy's order with other slot budgets: how a memory plan that shrank or grew the
-    policy's budgets (``flowtrain.train.plan``) hands them to the engine::
+    policy's budgets (``flowtrain.plan.memory``) hands them to the engine::
 
         engine = Engine(program, WithBudgets(resolve_policy("double_buffer"), {"weights": 2, "grads": 1}))
     """

@@ -1,6 +1,6 @@
 """Choosing a configuration by predicted time: the planner's second step.
 
-The memory plan (:mod:`flowtrain.train.plan`) answers "does it fit, and where does every byte
+The memory plan (:mod:`flowtrain.plan.memory`) answers "does it fit, and where does every byte
 live". Among the configurations that fit, this module picks the one the simulator predicts to
 be fastest on a machine, and says why::
 
@@ -95,14 +95,15 @@ def choose_fastest(cfg: Any, req: Any, machine: Machine, policy: str = "double_b
     """The fastest configuration that fits, among single-setting changes of ``req`` (two rounds).
     Each is planned as ``plan_run`` plans it (``local_gpu``: also capped by the free memory of
     this machine's GPU, as the memory plan printed beside the choice is)."""
-    from ..train.plan import Precision, Target, plan_run
+    from ..plan.memory import Precision, Target, plan_run
+    from .choose_plan import plan_and_choose
     from .predict import predict
 
     device = device or Target("cuda")
     dtype = dtype or Precision(2)  # bf16
     if req.order == "auto":  # as the planner decides it for this machine: the request as it would run
-        req = msgspec.structs.replace(req, order=plan_run(cfg, req, device=device, dtype=dtype, policy=policy,
-                                                          local_gpu=local_gpu, machine=machine).spec.order)
+        req = msgspec.structs.replace(req, order=plan_and_choose(cfg, req, device=device, dtype=dtype, policy=policy,
+                                                                 local_gpu=local_gpu, machine=machine).spec.order)
     seen: dict[tuple, Candidate] = {}
 
     def evaluate(settings: dict[str, Any]) -> Candidate:

@@ -131,7 +131,8 @@ class VirtualRun:
         step_of = {t: s for s, g in enumerate(graphs) for t in g}
         done_steps = 0
         while done_steps < steps:
-            self._loop(until=lambda k=done_steps: not waiting[k], on_end=lambda t: waiting[step_of[t]].discard(t))
+            step = done_steps
+            self._loop(until=lambda: not waiting[step], on_end=lambda t: waiting[step_of[t]].discard(t))
             done_steps += 1
             nxt = done_steps + in_flight - 1
             if nxt < steps:

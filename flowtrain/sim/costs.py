@@ -133,7 +133,7 @@ def _eff(dim: float, half: float) -> float:
 
 def attention_kernel(backend: str, device_type: str = "cuda") -> str:
     """The fused attention kernel a run with ``--attention-backend backend`` runs on a
-    ``device_type`` device, as :func:`flowtrain.train.model.attention.attention_backends` orders
+    ``device_type`` device, as :func:`flowtrain.model.attention.attention_backends` orders
     them: ``auto`` is cuDNN's on CUDA, ``flash`` is flash attention (the simulator's machines
     are GPUs, so ``device_type`` is CUDA unless said otherwise)."""
     if backend not in ("auto", "flash"):

@@ -1,6 +1,6 @@
 """From a memory plan to a predicted step: the bridge between the planner and the simulator.
 
-The planner (:mod:`flowtrain.train.plan`) decides placement, layout and slot budgets; this
+The planner (:mod:`flowtrain.plan.memory`) decides placement, layout and slot budgets; this
 module turns a plan and a model into a :class:`~flowtrain.sim.costs.Shape`, runs the plan's
 steps on the virtual clock under the same policy the trainer would use (the policy's order
 with the plan's budgets, ``WithBudgets``), and summarizes them::
@@ -35,7 +35,7 @@ class Prediction(msgspec.Struct, kw_only=True):
 
 def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1, world: int = 1, nodes: int = 1) -> Shape:
     """The :class:`Shape` of model ``cfg`` (a ``ModelConfig``) run under ``plan`` for ``req``."""
-    from ..train.model import model_layouts
+    from ..model import model_layouts
 
     layouts = model_layouts(cfg)
     numel = {lay.key: lay.numel for lay in layouts}

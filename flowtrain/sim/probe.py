@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import functools
 import json
 import os
 import socket
@@ -87,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 # ---- timing -------------------------------------------------------------------------------------
-def _median_seconds(fn: Callable[[], None], reps: int, sync: Callable[[], None] = lambda: None) -> float:
+def _median_seconds(fn: Callable[[], object], reps: int, sync: Callable[[], object] = lambda: None) -> float:
     fn()  # warm-up
     sync()
     times = []
@@ -99,7 +100,7 @@ def _median_seconds(fn: Callable[[], None], reps: int, sync: Callable[[], None] 
     return statistics.median(times)
 
 
-def _cuda_seconds(fn: Callable[[], None], reps: int) -> float:
+def _cuda_seconds(fn: Callable[[], object], reps: int) -> float:
     import torch
 
     fn()
@@ -166,7 +167,7 @@ def _probe_cpu(notes: dict[str, str], quick: bool, disk_dir: str | None) -> dict
 def _probe_gpu(notes: dict[str, str], quick: bool) -> dict:
     import torch
 
-    from ..train.model.attention import attend, attention_backends
+    from ..model.attention import attend, attention_backends
 
     dev = torch.device("cuda")
     reps = 3 if quick else 10
@@ -204,7 +205,7 @@ def _probe_gpu(notes: dict[str, str], quick: bool) -> dict:
     rates = {}
     for d in ((256, 1024, 4096) if quick else (256, 512, 1024, 2048, 4096, 8192)):
         a, b = torch.randn(d, d, device=dev, dtype=torch.bfloat16), torch.randn(d, d, device=dev, dtype=torch.bfloat16)
-        rates[d] = 2 * d**3 / _cuda_seconds(lambda a=a, b=b: a @ b, reps) / 1e12
+        rates[d] = 2 * d**3 / _cuda_seconds(functools.partial(torch.matmul, a, b), reps) / 1e12
     peak = max(rates.values())
     halves = [d * ((peak / r) ** (1 / 3) - 1) for d, r in rates.items() if r < 0.95 * peak]
     out["matmul_tflops"] = round(peak, 1)
@@ -213,12 +214,12 @@ def _probe_gpu(notes: dict[str, str], quick: bool) -> dict:
 
     # causal attention (SDPA with the kernels training prefers), forward and forward+backward
     heads, seq, hd = 32, (1024 if quick else 4096), 128
-    qkv = [torch.randn(1, heads, seq, hd, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3)]
+    aq, ak, av = (torch.randn(1, heads, seq, hd, device=dev, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
     flops = 2 * seq * seq * heads * hd  # causal: half of 4 S^2 H D
     grad = torch.randn(1, heads, seq, hd, device=dev, dtype=torch.bfloat16)
     with attention_backends("auto", "cuda"):  # the order applies to training's own call, attend
-        t_f = _cuda_seconds(lambda: attend(*qkv, None, None), reps)
-        t_fb = _cuda_seconds(lambda: attend(*qkv, None, None).backward(grad), reps)
+        t_f = _cuda_seconds(lambda: attend(aq, ak, av, None, None), reps)
+        t_fb = _cuda_seconds(lambda: attend(aq, ak, av, None, None).backward(grad), reps)
     out["attention_fwd_tflops"] = round(flops / t_f / 1e12, 1)
     out["attention_bwd_tflops"] = round(2.5 * flops / max(t_fb - t_f, 1e-9) / 1e12, 1)
     notes["attention_fwd_tflops"] = f"probe: causal SDPA, {heads} heads x {seq} tokens x {hd}, backward counted as 2.5x the forward's FLOPs"
@@ -280,7 +281,7 @@ def _attention_seconds(batch: int, heads: int, kv_heads: int, seq: int, hd: int,
     """Seconds of one causal attention forward+backward through :func:`attend` under ``backend``."""
     import torch
 
-    from ..train.model.attention import attend, attention_backends
+    from ..model.attention import attend, attention_backends
 
     dev = torch.device("cuda")
     q = torch.randn(batch, heads, seq, hd, device=dev, dtype=torch.bfloat16, requires_grad=True)

@@ -78,7 +78,7 @@ def critical_chain(records: Sequence[TaskRecord], cause: dict[Task, Task | None]
     default the last task to end), walked back until ``since``. Waiting between two links
     counts as ``idle`` on the later one."""
     by_task = {r.task: r for r in records}
-    cur = by_task[last] if last is not None else max(records, key=lambda r: r.end)
+    cur: TaskRecord | None = by_task[last] if last is not None else max(records, key=lambda r: r.end)
     runs: list[list] = []
     while cur is not None and cur.end > since:
         start = max(cur.start, since)

@@ -103,8 +103,8 @@ def predict_run(row: dict, extra: dict, machine: str = "h200") -> dict:
     import msgspec
     import torch
 
-    from ..train.model import preset
-    from ..train.plan import GPU_FILL, GiB, RunRequest, card_for, plan_run
+    from ..model import preset
+    from ..plan.memory import GPU_FILL, GiB, RunRequest, card_for, plan_run
     from .machine import load_machine
     from .predict import predict_shape, shape_of
 

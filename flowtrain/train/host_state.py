@@ -42,14 +42,14 @@ from typing import Iterable
 
 import torch
 
+from ..ckpt.checkpoints import all_finite
+from ..ckpt.hf import load_into, save_hf, unit_tensors
 from ..errors import CheckpointError, ConfigError
-from .model import ModelConfig, UnitLayout, init_unit, load_into, model_layouts, save_hf
-from .model.checkpoint import unit_tensors
+from ..model import ModelConfig, UnitLayout, init_unit, model_layouts
+from ..plan.host_layout import LAYOUTS, chunk_range, grad_chunks, slot_numel, staging_numel  # noqa: F401 - re-exported
 from .distributed import World
 from .pinning import pin as pin_in_place
 from .shared_state import SharedArena, aligned
-from .host_layout import LAYOUTS, chunk_range, grad_chunks, slot_numel, staging_numel  # noqa: F401 - re-exported
-
 
 
 def pinned_zeros(n: int, pin: bool, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -60,13 +60,6 @@ def pinned_zeros(n: int, pin: bool, dtype: torch.dtype = torch.float32) -> torch
     if pin and n > 0 and not pin_in_place(t):
         t = torch.zeros(n, dtype=dtype, pin_memory=True)
     return t
-
-
-def all_finite(t: torch.Tensor, piece: int = 1 << 24) -> bool:
-    """Whether every element of ``t`` is finite, checked in pieces (the bool temporary stays
-    small)."""
-    flat = t.reshape(-1)
-    return all(bool(torch.isfinite(flat[lo : lo + piece]).all()) for lo in range(0, flat.numel(), piece))
 
 
 def return_freed_memory() -> None:

@@ -31,6 +31,9 @@ from typing import TYPE_CHECKING
 
 import networkx as nx
 
+from ..ckpt import checkpoints
+from ..ckpt.resume import trainer_state
+from ..data.source import step_batches, tokenizer_files
 from ..errors import Interrupted, NonFiniteError
 from ..graph.compiler import StepSpec, compile_step, cross_step_edges
 from ..graph.evaluation import compile_eval
@@ -39,13 +42,10 @@ from ..policy import WithBudgets, resolve_policy
 from ..runtime.executor import Engine
 from ..runtime.faults import from_env as faults_from_env
 from ..runtime.trace import Instrument
-from . import checkpoints
-from .data import step_batches, tokenizer_files
 from .distributed import agree_to_stop
 from .host_state import HostState
 from .program import StepProgram
 from .reporting import Reporter, StepMetrics
-from .resume import trainer_state
 from .shutdown import Shutdown, signal_name
 
 if TYPE_CHECKING:

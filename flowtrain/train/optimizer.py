@@ -22,7 +22,6 @@ import torch
 
 from ..errors import ConfigError
 
-
 #: ``--weight-decay-skip``: which parameters get no weight decay.
 DECAY_SKIPS = ("none", "norms-biases")
 #: A weight is a norm's if a dotted part of its Hugging Face name is a norm module, as Hugging

@@ -23,7 +23,7 @@ Device buffers, allocated once:
   the backward tasks that read it), so no copy back allocates device memory. A layer whose
   forward and backward carry phase ``"attn"`` also keeps its attention output and log-sum-exp
   (``attn_records``) for its rebuild, which then runs no attention forward
-  (:mod:`flowtrain.train.model.saved_attention`).
+  (:mod:`flowtrain.model.saved_attention`).
 
 Host buffers: in the staged layouts, ``budgets["host_grads"]`` pinned staging slots, each the
 size of the largest streamed layer; ``offload_grad`` of chunk ``c`` copies that piece of the
@@ -56,12 +56,13 @@ without a host sync per layer: :mod:`flowtrain.train.nonfinite`.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
 import threading
 import warnings
+from collections.abc import Iterable
 
 import torch
 
+from ..ckpt.checkpoints import CheckpointWriter
 from ..errors import ConfigError, NonFiniteError
 from ..graph.tasks import (
     GRADS,
@@ -90,18 +91,16 @@ from ..graph.tasks import (
     VerifyStep,
     ZeroGrad,
 )
+from ..model import bind, decoder_layer, embed, head_loss, head_loss_and_grads, rope_tables
+from ..model.attention import Documents, rotary_for
+from ..model.gemma import embed_multiplier
+from ..model.saved_attention import AttentionRecord, recording, replaying
+from ..plan.host_layout import LANDING_NUMEL, chunk_range, slot_numel, staging_numel
 from ..runtime.executor import TaskContext
-from .checkpoints import CheckpointWriter
 from .distributed import World, all_reduce_sum, node_barrier
-from .host_layout import LANDING_NUMEL, chunk_range, slot_numel, staging_numel
 from .host_state import HostState, UnitState, pinned_zeros
-from .model import bind, decoder_layer, embed, head_loss, head_loss_and_grads, rope_tables
 from .kept import Kept, backward_kept, forward_kept
-from .model.gemma import embed_multiplier
-from .model.attention import Documents, rotary_for
-from .model.saved_attention import AttentionRecord, recording, replaying
-from .nonfinite import (SKIP, Injection, Saved, StepCheck, UndoBudget, injection_from_env, nonfinite,
-                        undo_arena_bytes)
+from .nonfinite import SKIP, Injection, Saved, StepCheck, UndoBudget, injection_from_env, nonfinite, undo_arena_bytes
 from .optimizer import AdamWConfig, adamw_step, clip_coefficient, decay_segments, no_decay_ranges
 
 

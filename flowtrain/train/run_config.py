@@ -10,8 +10,9 @@ from pathlib import Path
 import msgspec
 
 from ..errors import CheckpointError, ConfigError
+from ..model.config import PRESETS, ModelConfig, preset, read_config
+from ..plan.memory import compile_backend  # noqa: F401 - re-exported: what --compile runs
 from . import defaults
-from .model.config import PRESETS, ModelConfig, preset, read_config
 
 
 class TrainConfig(msgspec.Struct, kw_only=True):
@@ -47,10 +48,10 @@ class TrainConfig(msgspec.Struct, kw_only=True):
     #: but each layer's forward keeps its attention output, which the rebuild takes instead of
     #: running attention again) or "auto" (on a GPU: checkpoints on the GPU as the budget holds,
     #: the rest offloaded, then kept layers; at long sequences saved attention outputs where
-    #: they save more, flowtrain.train.plan_attention; recompute on the CPU)
+    #: they save more, flowtrain.plan.attention; recompute on the CPU)
     activations: str = "auto"
     #: micro-batch order: "layer", "micro" or "auto" (micro where the planner predicts it faster
-    #: on this GPU's machine model, flowtrain.train.order_choice; else layer)
+    #: on this GPU's machine model, flowtrain.sim.order_choice; else layer)
     order: str = "auto"
     adam_workers: int = 1
     out: str | None = None
@@ -106,18 +107,6 @@ def precision_bytes(precision: str | None, device_type: str) -> int:
     if precision not in ("fp32", "bf16"):
         raise ConfigError(f"--precision must be fp32 or bf16 (got {precision!r})")
     return 4 if precision == "fp32" else 2
-
-
-def compile_backend(name: str | None, device_type: str) -> str | None:
-    """The torch.compile backend ``--compile`` gives the layer on a device of this type, or None
-    for eager. ``auto`` compiles on CUDA (fused norms, rotary and SwiGLU: 8% faster than eager
-    at W1 on the H200, docs/benchmarks.md) and stays eager on the CPU, where compiling costs more
-    than it saves on small test runs."""
-    if name in (None, "none", "eager"):
-        return None
-    if name == "auto":
-        return "inductor" if device_type == "cuda" else None
-    return name
 
 
 def load_model_config(model: str) -> tuple[ModelConfig, Path | None]:

@@ -14,7 +14,7 @@ save. With
 ``save_every``, a step that ends a checkpoint interval gets one ``save`` task per unit
 (:mod:`flowtrain.graph.saving`), which writes the unit while the next step computes; the
 checkpoint is completed and renamed into place once the step is done
-(:mod:`flowtrain.train.checkpoints`). ``resume`` restores a checkpoint's weights, Adam state,
+(:mod:`flowtrain.ckpt.checkpoints`). ``resume`` restores a checkpoint's weights, Adam state,
 data position and counters, so the run continues exactly as if it had never stopped.
 """
 
@@ -31,32 +31,33 @@ from typing import Callable, Sequence
 import msgspec
 import torch
 
+from ..ckpt import checkpoints
+from ..ckpt.out_lock import OutLock, check_free
+from ..ckpt.output import remove_stale_temp, resolve_out, resolve_save_dtype, save_final_model
+from ..ckpt.resume import check_compatible, restore_rng, steps_done
+from ..data.source import Sequences, default_corpus_path, load_sequences
 from ..errors import ConfigError, PlanError
-from ..policy import resolve_policy
 from ..graph.tasks import GRADS, HOST_GRADS, WEIGHTS
+from ..model import ModelConfig, read_config
+from ..model.attention import attention_backends
+from ..model.config import MLP_CHUNK_TOKENS, check_weight_headers
+from ..plan.memory import Plan, cap_gpu_memory, run_request
+from ..policy import resolve_policy
 from ..runtime.executor import use_uvloop
 from ..runtime.trace import Instrument, TraceRecorder, lane_busy, write_chrome_trace
-from . import checkpoints, defaults
+from ..sim.choose_plan import plan_and_choose
+from . import defaults
 from .checks import check_compile_backend, check_output_paths, validate_numbers
-from .data import Sequences, default_corpus_path, load_sequences
+from .distributed import World, join, leave, local_share, node_barrier, world_from_env
 from .host_state import HostState, return_freed_memory
-from .pinning import unpin_all
-from .model import ModelConfig, read_config
-from .model.config import check_weight_headers
-from .model.config import MLP_CHUNK_TOKENS
-from .model.attention import attention_backends
-from .run_config import TrainConfig, compile_backend, load_model_config, precision_bytes, validate  # noqa: F401 - re-exported
-from .optimizer import AdamWConfig, LRSchedule
-from .out_lock import OutLock, check_free
-from .output import remove_stale_temp, resolve_out, resolve_save_dtype, save_final_model
-from .plan import Plan, cap_gpu_memory, plan_run, run_request
 from .loop import TrainingLoop
+from .optimizer import AdamWConfig, LRSchedule
+from .pinning import unpin_all
 from .program import StepProgram
 from .reporting import Reporter, StepMetrics
-from .resume import check_compatible, restore_rng, steps_done
+from .run_config import TrainConfig, compile_backend, load_model_config, precision_bytes, validate  # noqa: F401 - re-exported
 from .shutdown import Shutdown
 from .summary import summary_lines
-from .distributed import World, join, leave, local_share, node_barrier, world_from_env
 
 __all__ = ["TrainConfig", "StepMetrics", "train", "prepare"]
 
@@ -140,8 +141,8 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
         check_compatible(resume_state, cfg, data=data_fp, where=str(resume_from), total_steps=cfg.steps)
     world = world or world_from_env()
     device, local = _data_parallel(cfg, world, device)
-    plan = plan_run(mcfg, run_request(local, model_dir, world.size, share=world.local_size), device=device, dtype=dtype,
-                    policy=resolve_policy(cfg.policy))
+    plan = plan_and_choose(mcfg, run_request(local, model_dir, world.size, share=world.local_size), device=device,
+                           dtype=dtype, policy=resolve_policy(cfg.policy))
     if not plan.fits:
         raise PlanError(plan.refusal())
     return Run(cfg, mcfg, model_dir, device, dtype, plan, schedule, seqs, data_fp, resume_from, resume_state,

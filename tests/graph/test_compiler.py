@@ -9,9 +9,28 @@ import pytest
 
 from flowtrain.errors import ConfigError
 from flowtrain.graph import (
-    Backward, CpuAdam, Embed, EmbedBackward, Fetch, Forward, FoundInf, GpuAdam, GradNorm, GradSqNorm, Loss,
-    OffloadGrad, Recompute, StepSpec, VerifyStep, ZeroGrad, compile_step, compile_steps, cross_step_edges,
-    graph_from_json, graph_to_json, units,
+    Backward,
+    CpuAdam,
+    Embed,
+    EmbedBackward,
+    Fetch,
+    Forward,
+    FoundInf,
+    GpuAdam,
+    GradNorm,
+    GradSqNorm,
+    Loss,
+    OffloadGrad,
+    Recompute,
+    StepSpec,
+    VerifyStep,
+    ZeroGrad,
+    compile_step,
+    compile_steps,
+    cross_step_edges,
+    graph_from_json,
+    graph_to_json,
+    units,
 )
 
 SPECS = [

@@ -16,7 +16,16 @@ import networkx as nx
 import pytest
 
 from flowtrain.graph import (
-    CpuAdam, Fetch, GpuAdam, SaveUnit, StepSpec, add_saves, compile_step, cross_step_edges, save_edges, units,
+    CpuAdam,
+    Fetch,
+    GpuAdam,
+    SaveUnit,
+    StepSpec,
+    add_saves,
+    compile_step,
+    cross_step_edges,
+    save_edges,
+    units,
 )
 
 SPECS = [

@@ -6,9 +6,30 @@ import msgspec
 import pytest
 
 from flowtrain.graph import (
-    DEVICE_LANES, GRADS, HOST_GRADS, KINDS, LANES, WEIGHTS, AnyTask, Backward, CpuAdam, Embed,
-    EmbedBackward, EvalLoss, Fetch, Forward, FoundInf, GpuAdam, GradNorm, GradSqNorm, Loss, OffloadGrad, Recompute, SaveUnit,
-    VerifyStep, ZeroGrad,
+    DEVICE_LANES,
+    GRADS,
+    HOST_GRADS,
+    KINDS,
+    LANES,
+    WEIGHTS,
+    AnyTask,
+    Backward,
+    CpuAdam,
+    Embed,
+    EmbedBackward,
+    EvalLoss,
+    Fetch,
+    Forward,
+    FoundInf,
+    GpuAdam,
+    GradNorm,
+    GradSqNorm,
+    Loss,
+    OffloadGrad,
+    Recompute,
+    SaveUnit,
+    VerifyStep,
+    ZeroGrad,
 )
 from flowtrain.graph.tasks import ACTS, FetchAct, OffloadAct, ReduceGrad, SyncStep, task_from_dict, task_to_dict
 

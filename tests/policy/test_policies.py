@@ -8,7 +8,14 @@ import pytest
 from flowtrain.errors import ConfigError, CycleError
 from flowtrain.graph import GRADS, WEIGHTS, Forward, StepSpec, compile_step, compile_steps
 from flowtrain.policy import (
-    POLICIES, DoubleBuffer, Lookahead, Policy, Proposal, Sequential, natural_order, register_policy,
+    POLICIES,
+    DoubleBuffer,
+    Lookahead,
+    Policy,
+    Proposal,
+    Sequential,
+    natural_order,
+    register_policy,
     resolve_policy,
 )
 

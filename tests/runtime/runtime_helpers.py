@@ -25,8 +25,23 @@ import torch
 from hypothesis import strategies as st
 
 from flowtrain.graph import (
-    GRADS, WEIGHTS, Backward, CpuAdam, Embed, EmbedBackward, Fetch, Forward, FoundInf, GradNorm, Loss,
-    OffloadGrad, Recompute, StepSpec, Task, VerifyStep, ZeroGrad,
+    GRADS,
+    WEIGHTS,
+    Backward,
+    CpuAdam,
+    Embed,
+    EmbedBackward,
+    Fetch,
+    Forward,
+    FoundInf,
+    GradNorm,
+    Loss,
+    OffloadGrad,
+    Recompute,
+    StepSpec,
+    Task,
+    VerifyStep,
+    ZeroGrad,
 )
 from flowtrain.graph.tasks import DEVICE_LANES
 from flowtrain.runtime import run_graph

@@ -34,7 +34,15 @@ from runtime_helpers import HANG_GUARD_S, Budget, FenceLog, Hold, Recorder, guar
 
 from flowtrain.errors import ConfigError, ScheduleError, StepFailed
 from flowtrain.graph import (
-    WEIGHTS, Backward, CpuAdam, Fetch, Forward, OffloadGrad, StepSpec, compile_step, compile_steps,
+    WEIGHTS,
+    Backward,
+    CpuAdam,
+    Fetch,
+    Forward,
+    OffloadGrad,
+    StepSpec,
+    compile_step,
+    compile_steps,
 )
 from flowtrain.runtime import Engine, FaultInjector, Instrument
 from flowtrain.runtime.lanes import Fence, ThreadLane, _Clock

@@ -16,8 +16,18 @@ from runtime_helpers import HANG_GUARD_S, Budget, Recorder, check_slots, check_t
 
 from flowtrain.errors import DeadlockError, ScheduleError, SlotError, StepFailed
 from flowtrain.graph import (
-    GRADS, WEIGHTS, Backward, CpuAdam, Fetch, Forward, OffloadGrad, StepSpec, VerifyStep, compile_step,
-    compile_steps, cross_step_edges,
+    GRADS,
+    WEIGHTS,
+    Backward,
+    CpuAdam,
+    Fetch,
+    Forward,
+    OffloadGrad,
+    StepSpec,
+    VerifyStep,
+    compile_step,
+    compile_steps,
+    cross_step_edges,
 )
 from flowtrain.policy import Proposal, natural_order, resolve_policy
 from flowtrain.runtime import Engine, Instrument, TraceRecorder, chrome_trace, run_graph

@@ -19,7 +19,7 @@ import networkx as nx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from runtime_helpers import Recorder, run_async, specs, check_slots, check_topological, lane_order_ok, slots_suffice
+from runtime_helpers import Recorder, check_slots, check_topological, lane_order_ok, run_async, slots_suffice, specs
 
 from flowtrain.errors import DeadlockError, ScheduleError, StepFailed
 from flowtrain.graph import ACTS, GRADS, KINDS, WEIGHTS, compile_steps

@@ -8,12 +8,11 @@ must match the same model computed by plain loops, bit for bit.
 
 from __future__ import annotations
 
-
 import networkx as nx
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from runtime_helpers import Recorder, run_async, specs, ToyModel, check_slots, check_topological, same_state
+from runtime_helpers import Recorder, ToyModel, check_slots, check_topological, run_async, same_state, specs
 
 from flowtrain.errors import StepFailed
 from flowtrain.graph import GRADS, WEIGHTS, Fetch, Forward, StepSpec, compile_steps

@@ -11,7 +11,16 @@ import pytest
 
 from flowtrain.errors import DeadlockError, ScheduleError, SlotError
 from flowtrain.graph import (
-    GRADS, WEIGHTS, Backward, CpuAdam, Fetch, Forward, GradNorm, OffloadGrad, StepSpec, ZeroGrad,
+    GRADS,
+    WEIGHTS,
+    Backward,
+    CpuAdam,
+    Fetch,
+    Forward,
+    GradNorm,
+    OffloadGrad,
+    StepSpec,
+    ZeroGrad,
     compile_step,
 )
 from flowtrain.policy import resolve_policy

@@ -158,8 +158,8 @@ def test_a_machine_without_the_table_predicts_exactly_as_before():
 
 # ---- the 262K prediction, through the CLI's own path ---------------------------------------
 def simulate(argv: list[str], machine: Machine):
-    """What ``flowtrain simulate`` predicts for ``argv`` (flowtrain.sim.cli.run's path)."""
-    from flowtrain.sim import cli
+    """What ``flowtrain simulate`` predicts for ``argv`` (flowtrain.cli.simulate.run's path)."""
+    from flowtrain.cli import simulate as cli
 
     p = argparse.ArgumentParser()
     cli.add_arguments(p)

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from flowtrain.errors import ConfigError
+from flowtrain.model import ModelConfig, preset
 from flowtrain.train.checks import check_compile_backend, check_output_paths, validate_numbers
-from flowtrain.train.model import ModelConfig, preset
 from flowtrain.train.trainer import TrainConfig
 
 NAN, INF = math.nan, math.inf

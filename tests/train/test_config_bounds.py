@@ -24,7 +24,7 @@ import sys
 import pytest
 
 from flowtrain.errors import ConfigError
-from flowtrain.train.model.config import MAX_PARAMETERS, SIZE_BOUNDS, ModelConfig, preset
+from flowtrain.model.config import MAX_PARAMETERS, SIZE_BOUNDS, ModelConfig, preset
 
 ADDRESS_SPACE = 3 << 30
 HANG_GUARD_S = 300
@@ -96,9 +96,10 @@ def test_plan_refuses_more_parameters_than_any_machine_holds(tmp_path):
 def test_weights_that_do_not_match_the_config_are_refused_before_any_allocation(tmp_path):
     """config.json says 1,000 wide layers (17G parameters, far more than 3 GiB); the weights hold
     two tiny ones. The safetensors header says so before host state for 1,000 is allocated."""
-    from flowtrain.train.model import model_layouts
-    from flowtrain.train.model.checkpoint import save_hf
     import torch
+
+    from flowtrain.ckpt.hf import save_hf
+    from flowtrain.model import model_layouts
 
     cfg = preset("tiny")
     folder = tmp_path / "model"
@@ -138,7 +139,7 @@ def test_a_huge_integer_is_named_not_printed():
 
 
 def test_every_preset_is_within_the_bounds():
-    from flowtrain.train.model.config import PRESETS
+    from flowtrain.model.config import PRESETS
 
     for cfg in PRESETS.values():
         assert cfg.validate().num_parameters() <= MAX_PARAMETERS

@@ -25,9 +25,9 @@ from tokenizers.models import WordLevel
 from tokenizers.pre_tokenizers import Whitespace
 from tokenizers.processors import TemplateProcessing
 
+from flowtrain.data.source import load_sequences
+from flowtrain.data.text import load_chat_template
 from flowtrain.errors import ConfigError, DataError
-from flowtrain.train.data import load_sequences
-from flowtrain.train.data_text import load_chat_template
 
 transformers = pytest.importorskip("transformers")
 

@@ -213,8 +213,8 @@ def test_the_streamed_units_are_dealt_to_the_processes_of_a_node_and_a_barrier_e
 def test_processes_sharing_the_state_plan_the_node_once():
     """The plan counts the shared state (master, Adam) once per node and each process's own
     buffers once per process; ``--undo-mem`` is the node's."""
-    from flowtrain.train.model import preset
-    from flowtrain.train.plan import RunRequest, plan_run
+    from flowtrain.model import preset
+    from flowtrain.plan.memory import RunRequest, plan_run
 
     cfg = preset("tiny")
     undo = 0.001  # GiB: less than a step of tiny's updates, so the budget is what is held
@@ -290,7 +290,7 @@ def test_two_processes_on_a_node_take_about_the_host_memory_of_one(tmp_path):
     # made in a process of its own: this one stays small (a child started later would inherit
     # its peak resident size as the start of its own ru_maxrss)
     make = ("import sys, torch; from flowtrain.train.host_state import HostState; "
-            "from flowtrain.train.model.config import read_config; "
+            "from flowtrain.model.config import read_config; "
             "s = HostState.create(read_config(sys.argv[1]), pin=False); s.init_random(0); "
             "s.save(sys.argv[1], torch.bfloat16); print(sum(u.layout.numel for u in s.units))")
     made = subprocess.run([sys.executable, "-c", make, str(model)], capture_output=True, text=True, timeout=300)

@@ -85,7 +85,7 @@ def _tiny(tmp_path, name, *extra):
 
 @pytest.fixture(scope="module")
 def eval_text(tmp_path_factory):
-    from flowtrain.train.data import default_corpus_path
+    from flowtrain.data.source import default_corpus_path
 
     path = tmp_path_factory.mktemp("eval") / "eval.txt"
     path.write_text(default_corpus_path().read_text(encoding="utf-8")[:300], encoding="utf-8")

@@ -19,8 +19,9 @@ import pytest
 
 transformers = pytest.importorskip("transformers")
 
-from flowtrain.train.model import read_config
 from test_train_vs_hf import SEQ, make_checkpoint, make_data, reference_train, run_flowtrain
+
+from flowtrain.model import read_config
 
 WINDOW = 5
 assert WINDOW < SEQ

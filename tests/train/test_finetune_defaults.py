@@ -5,13 +5,12 @@ what torch AdamW with two parameter groups trains (Hugging Face's Trainer's grou
 from __future__ import annotations
 
 import pytest
+from test_train_vs_hf import ROWS, SEQ, STEPS, assert_same_weights, make_checkpoint, make_data, reference_train  # noqa: E402
 
+from flowtrain.model import model_layouts, preset
 from flowtrain.train import defaults
 from flowtrain.train.optimizer import decay_segments, no_decay_ranges, skips_decay
-from flowtrain.train.model import model_layouts, preset
 from flowtrain.train.trainer import TrainConfig, resolve_defaults
-
-from test_train_vs_hf import ROWS, STEPS, SEQ, assert_same_weights, make_checkpoint, make_data, reference_train  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 

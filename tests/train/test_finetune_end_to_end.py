@@ -8,10 +8,9 @@ import json
 
 import pytest
 import torch
+from test_data_finetune import CONVERSATIONS, VOCAB, make_tokenizer, write_jsonl  # noqa: E402
 
 from flowtrain.cli import main
-
-from test_data_finetune import CONVERSATIONS, VOCAB, make_tokenizer, write_jsonl  # noqa: E402
 
 transformers = pytest.importorskip("transformers")
 

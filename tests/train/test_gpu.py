@@ -81,10 +81,10 @@ def test_the_shared_state_is_pinned_and_copies_to_the_gpu(monkeypatch):
     barrier and hand-over on a one-process gloo group)."""
     import torch.distributed as dist
 
+    from flowtrain.model import preset
     from flowtrain.train import pinning
     from flowtrain.train.distributed import World
     from flowtrain.train.host_state import HostState
-    from flowtrain.train.model import preset
 
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29517")

@@ -22,12 +22,12 @@ import sys
 
 import pytest
 
+from flowtrain.data.files import read_jsonl
+from flowtrain.data.source import load_sequences
+from flowtrain.data.text import MAX_RENDER_CHARS, ByteEncoder, ChatTemplate, check_encoder
 from flowtrain.errors import CheckpointError, ConfigError, DataError
+from flowtrain.model.config import preset, read_config
 from flowtrain.train.checks import validate_numbers
-from flowtrain.train.data import load_sequences
-from flowtrain.train.data_files import read_jsonl
-from flowtrain.train.data_text import MAX_RENDER_CHARS, ByteEncoder, ChatTemplate, check_encoder
-from flowtrain.train.model.config import preset, read_config
 from flowtrain.train.run_config import TrainConfig
 
 DEEP = 100_000  # levels of nesting: beyond any recursion limit
@@ -154,8 +154,8 @@ def saved_tiny(tmp_path, dtype_of=None):
     import torch
     from safetensors.torch import load_file, save_file
 
-    from flowtrain.train.model import model_layouts
-    from flowtrain.train.model.checkpoint import save_hf
+    from flowtrain.ckpt.hf import save_hf
+    from flowtrain.model import model_layouts
 
     cfg = preset("tiny")
     folder = tmp_path / "model"

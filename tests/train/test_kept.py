@@ -18,11 +18,11 @@ from flowtrain.cli import main
 from flowtrain.errors import ConfigError
 from flowtrain.graph.compiler import StepSpec, compile_step
 from flowtrain.graph.tasks import Backward, Forward
+from flowtrain.model import bind, decoder_layer, model_layouts, rope_tables
+from flowtrain.plan.memory import RunRequest, kept_bytes_per_token, place_activations, plan_run
 from flowtrain.train.kept import saved_bytes
-from flowtrain.train.model import bind, decoder_layer, model_layouts, rope_tables
-from flowtrain.train.plan import RunRequest, kept_bytes_per_token, place_activations, plan_run
 
-sys.path.insert(0, str(Path(__file__).parent / "model"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "model"))
 from model_helpers import small_cfg  # noqa: E402
 from test_train_vs_hf import make_checkpoint, make_data  # noqa: E402
 

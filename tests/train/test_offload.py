@@ -20,11 +20,11 @@ import torch
 from flowtrain.errors import ConfigError
 from flowtrain.graph.compiler import StepSpec, compile_step
 from flowtrain.graph.tasks import ACTS, FetchAct, OffloadAct
+from flowtrain.plan.memory import RunRequest, card_for, plan_run
 from flowtrain.policy import resolve_policy
 from flowtrain.sim.clock import VirtualRun
-from flowtrain.train.plan import RunRequest, card_for, plan_run
 
-sys.path.insert(0, str(Path(__file__).parent / "model"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "model"))
 from model_helpers import small_cfg  # noqa: E402
 from test_kept import trains_like_recompute  # noqa: E402  (3 steps of a 3-layer model on the CPU, in fp32)
 
@@ -178,7 +178,7 @@ def test_llama_8b_takes_16_sequences_in_10_gib_by_offloading_its_checkpoints():
     """The run that motivated offloading: 16 sequences of 4096 per step in 10 GiB. Recomputing
     from checkpoints on the GPU, 32 layers x 16 micro-batches x 32 MiB do not fit beside the
     streaming slots; offloaded, the bottom checkpoints wait in host memory."""
-    from flowtrain.train.model import preset
+    from flowtrain.model import preset
 
     req = RunRequest(seq_len=4096, batch_size=16, micro_batch_size=1, host_mem=118.0, gpu_mem=10.0)
     plan = plan_run(preset("llama-8b"), req, device=CUDA, dtype=torch.bfloat16, local_gpu=False)
@@ -191,7 +191,7 @@ def test_auto_offloads_rather_than_give_up_a_gradient_slot_but_not_when_host_mem
     """llama-8b, 2 sequences in 10 GiB: recomputing from checkpoints on the GPU fits only with
     one gradient accumulator; auto offloads the bottom checkpoints and keeps two. With host
     memory the binding limit (qwen-14b in 104 GiB), offloading would make it worse: none."""
-    from flowtrain.train.model import preset
+    from flowtrain.model import preset
 
     def plan_for(model, **kw):
         req = RunRequest(**{**dict(seq_len=4096, batch_size=2, micro_batch_size=1, host_mem=118.0), **kw})

@@ -20,8 +20,8 @@ from __future__ import annotations
 import pytest
 
 from flowtrain.graph.compiler import StepSpec, compile_step
+from flowtrain.plan.memory import RunRequest, _act_slots, _offload_in_flight
 from flowtrain.sim.clock import VirtualRun
-from flowtrain.train.plan import RunRequest, _act_slots, _offload_in_flight
 
 
 def _peak_checkpoints_on_device(spec: StepSpec, copy_seconds: float) -> int:

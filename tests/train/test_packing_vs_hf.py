@@ -17,9 +17,10 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from flowtrain.train.data import load_sequences
 from test_families import _rel_errs
 from test_train_vs_hf import make_checkpoint
+
+from flowtrain.data.source import load_sequences
 
 SEQ, ROWS, STEPS = 16, 2, 3
 

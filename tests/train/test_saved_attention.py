@@ -13,17 +13,18 @@ from unittest import mock
 
 import pytest
 import torch
+
 from flowtrain.cli import main
 from flowtrain.errors import ConfigError
 from flowtrain.graph.compiler import StepSpec, compile_step
 from flowtrain.graph.tasks import Backward, Forward
-from flowtrain.train.model import bind, decoder_layer, model_layouts, preset, rope_tables
-from flowtrain.train.model import saved_attention as sa
-from flowtrain.train.model.attention import Documents, rotary_for
-from flowtrain.train.plan import RunRequest, plan_run
-from flowtrain.train.plan_attention import attention_pays, saved_attention_bytes
+from flowtrain.model import bind, decoder_layer, model_layouts, preset, rope_tables
+from flowtrain.model import saved_attention as sa
+from flowtrain.model.attention import Documents, rotary_for
+from flowtrain.plan.attention import attention_pays, saved_attention_bytes
+from flowtrain.plan.memory import RunRequest, plan_run
 
-sys.path.insert(0, str(Path(__file__).parent / "model"))
+sys.path.insert(0, str(Path(__file__).parents[1] / "model"))
 from model_helpers import small_cfg  # noqa: E402
 from test_kept import RUN_MODELS, RUN_PLACEMENTS, trains_like_recompute  # noqa: E402
 from test_train_vs_hf import make_checkpoint, make_data  # noqa: E402
@@ -274,7 +275,7 @@ def test_gpu_kernels_are_kept_and_replayed(backend, kernel):
     """In bf16, GQA with head size 128 at 2,048 tokens: each backend's kernel keeps its output,
     the rebuild runs no attention, and the gradients are those of a plain rebuild (the fused
     backward accumulates in its own order: equal up to bf16 rounding)."""
-    from flowtrain.train.model.attention import attention_backends
+    from flowtrain.model.attention import attention_backends
 
     cfg = small_cfg(hidden_size=1024, intermediate_size=2048, num_heads=8, num_kv_heads=2)
     lay = model_layouts(cfg)[1]

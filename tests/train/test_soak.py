@@ -15,9 +15,9 @@ from collections import Counter
 import pytest
 import torch
 
+from flowtrain.data.source import step_batches
 from flowtrain.graph.compiler import compile_step
 from flowtrain.runtime.reference import run_reference
-from flowtrain.train.data import step_batches
 from flowtrain.train.trainer import TrainConfig, build_state, prepare, train
 
 CFG = dict(model="tiny", batch_size=4, micro_batch_size=2, seq_len=32, lr=1e-3, warmup_steps=10,

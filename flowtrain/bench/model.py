@@ -1,0 +1,166 @@
+"""``flowtrain bench --model``: tokens/s, model TFLOP/s, memory and lane busy fractions.
+
+Trains ``--steps`` steps of a preset (or model directory) on random tokens (or on ``--data``,
+read as ``flowtrain train`` reads it: packed, with document masking, unless ``--no-packing``) and
+reports the steps after ``--warmup`` (excluded: compilation, allocator growth, first fetches)::
+
+    flowtrain bench --model llama-3b --seq-len 4096 --batch-size 4 --micro-batch-size 4 --steps 8
+
+Model FLOPs per token are ``6 N + 6 L h S`` (weights, and causal attention at half of
+``12 L h S``), recompute not counted, the same definition as the all-on-GPU and DeepSpeed baseline trainers use.
+Busy fractions come from the executed trace: for each lane, the union of its tasks' intervals
+over the measured window, so they say where the time went. Beside the measured peaks (host RSS,
+GPU ``max_memory_allocated``, and the whole process's device memory as ``nvidia-smi`` would
+show it: :func:`gpu_memory`) the result carries the memory plan the run followed (layout,
+resident units, slot budgets, planned host and GPU bytes), so every benchmark also checks the
+planner.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import tempfile
+from pathlib import Path
+
+from ..cli.train import add_compile_argument, add_memory_arguments
+from ..errors import ConfigError
+from ..runtime.trace import TraceRecorder, lane_busy, write_chrome_trace
+
+# numpy, torch, the model and the trainer are imported where a benchmark runs, so that
+# ``flowtrain bench --help`` (which adds these options) stays instant.
+
+
+def add_model_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
+    """Options of ``--model`` mode (``--model`` itself and ``--policy`` belong to the caller)."""
+    a = p.add_argument
+    a("--seq-len", type=int, default=4096)
+    a("--batch-size", type=int, default=4, help="sequences per optimizer step")
+    a("--micro-batch-size", type=int, default=4)
+    a("--steps", type=int, default=8, help="steps in all, warm-up included")
+    a("--warmup", type=int, default=2, help="first steps excluded from the numbers")
+    a("--precision", choices=["fp32", "bf16"], default=None)
+    a("--device", default="auto")
+    a("--adam-workers", type=int, default=1)
+    a("--order", choices=["auto", "layer", "micro"], default="auto",
+      help="micro-batch order, as flowtrain train's (micro: each micro-batch through the whole model)")
+    a("--trace", default=None, help="also write the executed trace (Chrome JSON)")
+    a("--data", metavar="FILE", default=None,
+      help="train on this data file instead of random tokens (token ids: .npy or input_ids rows)")
+    a("--no-packing", dest="packing", action="store_false",
+      help="with --data: one example per sequence, padded (default: packed, documents masked)")
+    add_memory_arguments(p)
+    add_compile_argument(p)
+
+
+def model_flops_per_token(model: str, seq_len: int) -> float:
+    from ..model import model_layouts
+    from ..train.trainer import load_model_config
+
+    cfg, _ = load_model_config(model)
+    n = sum(e.numel for lay in model_layouts(cfg) for e in lay.entries)
+    return 6.0 * n + 6.0 * cfg.num_layers * cfg.hidden_size * seq_len
+
+
+def run_model(args: argparse.Namespace) -> dict:
+    import numpy as np
+    import torch
+
+    from ..train.trainer import TrainConfig, load_model_config, prefer_expandable_segments, train
+
+    policy = args.policy[0] if isinstance(args.policy, list) else (args.policy or "double_buffer")
+    args.policy = policy
+    if args.steps <= args.warmup:
+        raise ConfigError(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    cfg_m, _ = load_model_config(args.model)
+    tokens = args.seq_len * args.batch_size * args.steps
+    with tempfile.TemporaryDirectory() as tmp:
+        data = args.data
+        if data is None:
+            data = str(Path(tmp) / "tokens.npy")
+            np.save(data, np.random.default_rng(0).integers(0, cfg_m.vocab_size, size=tokens, dtype=np.int64))
+        recorder = TraceRecorder()
+        cfg = TrainConfig(model=args.model, data=data, packing=args.packing, steps=args.steps, batch_size=args.batch_size,
+                          micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, lr=1e-5, order=args.order,
+                          policy=args.policy, precision=args.precision, device=args.device,
+                          checkpoint_every=args.checkpoint_every, activations=args.activations,
+                          adam_workers=args.adam_workers, progress=False,
+                          layout=args.layout, resident=args.resident, gpu_mem=args.gpu_mem, host_mem=args.host_mem,
+                          chunk_tokens=args.chunk_tokens, compile=args.compile,
+                          attention_backend=args.attention_backend)
+        prefer_expandable_segments(cfg)  # as train() would, before the line below starts the allocator
+        if torch.cuda.is_available():
+            torch.cuda.reset_peak_memory_stats()
+        plans: list = []
+        metrics = train(cfg, instruments=[recorder], on_plan=plans.append)
+    measured = metrics[args.warmup:]
+    seconds = sum(m.seconds for m in measured)
+    tok = sum(m.tokens for m in measured)
+    tok_s = tok / seconds
+    traced_steps = {r.task.step for r in recorder.records}
+    window = [r for r in recorder.records if r.task.step >= args.warmup]
+    t0 = min(r.start for r in window)
+    t1 = max(r.end for r in window)
+    busy = {lane: round(b / (t1 - t0), 4) for lane, b in lane_busy(window).items()}
+    result = {
+        "model": args.model, "seq_len": args.seq_len, "batch_size": args.batch_size,
+        "micro_batch_size": args.micro_batch_size, "policy": args.policy,
+        "order": plans[-1].spec.order if plans else args.order, "steps_measured": len(measured),
+        "tokens_per_s": round(tok_s, 1),
+        "model_tflops": round(tok_s * model_flops_per_token(args.model, args.seq_len) / 1e12, 1),
+        "step_seconds": [round(m.seconds, 4) for m in measured],
+        "loss": [round(m.loss, 4) for m in metrics],
+        "host_peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        "busy_fraction": busy,
+        "steps_traced": len(traced_steps),
+        "compile": args.compile,
+        "data": args.data,
+        "packing": args.packing,
+    }
+    if plans:
+        p = plans[0]
+        result.update(layout=p.layout, resident=list(p.spec.resident), budgets=p.budgets,
+                      planned_host_gib=round(p.host_total / 2**30, 2), planned_gpu_gib=round(p.gpu_total / 2**30, 2),
+                      planned_host_state_bytes_per_param=round(p.host_state_bytes_per_param, 3),
+                      # peak RSS per parameter: of the whole process, and less the planner's
+                      # allowance for the process itself (interpreter, torch, CUDA libraries)
+                      host_bytes_per_param=round(result["host_peak_gib"] * 2**30 / p.params, 3),
+                      measured_host_bytes_per_param=round(
+                          (result["host_peak_gib"] * 2**30 - p.host.get("runtime", 0)) / p.params, 3))
+    if torch.cuda.is_available() and cfg.device != "cpu":
+        result.update(gpu_memory(torch))
+        result["gpu"] = torch.cuda.get_device_name()
+    if args.trace:
+        write_chrome_trace(args.trace, recorder.records, meta={"policy": args.policy, "model": args.model})
+    return result
+
+
+def gpu_memory(torch) -> dict:  # noqa: ANN001 - the torch module, imported by the caller
+    """The run's device memory, as PyTorch sees it and as the card does (GiB):
+    ``gpu_peak_gib`` (most allocated), ``gpu_reserved_peak_gib`` (most the caching allocator
+    held), ``gpu_outside_allocator_gib`` (in use on the device now but not the allocator's: the
+    CUDA context, loaded kernels, library workspaces) and ``gpu_process_peak_gib``, the sum of
+    the last two: what ``nvidia-smi`` shows the process at its peak. What lies outside the
+    allocator only grows (kernels load, nothing unloads), so that sum is the peak's upper
+    bound. The device is taken to hold no other process, as on a benchmark machine.
+    ``gpu_alloc_retries``: how often the allocator, short of room under its cap, released its
+    cached memory (a device synchronize each time) and tried again; ``gpu_device_frees``: how
+    often it gave memory back to the driver. Both stay near zero unless the plan runs the
+    allocator at its cap."""
+    free, total = torch.cuda.mem_get_info()
+    outside = (total - free) - torch.cuda.memory_reserved()
+    reserved_peak = torch.cuda.max_memory_reserved()
+    stats = torch.cuda.memory_stats()
+    return {"gpu_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
+            "gpu_reserved_peak_gib": round(reserved_peak / 2**30, 2),
+            "gpu_outside_allocator_gib": round(outside / 2**30, 2),
+            "gpu_process_peak_gib": round((outside + reserved_peak) / 2**30, 2),
+            "gpu_alloc_retries": stats.get("num_alloc_retries", 0),
+            "gpu_device_frees": stats.get("num_device_free", 0)}
+
+
+def print_result(result: dict, json_path: str | None) -> None:
+    print(json.dumps(result))
+    if json_path:
+        Path(json_path).write_text(json.dumps(result, indent=1) + "\n")

@@ -1,0 +1,372 @@
+"""Read and write Hugging Face checkpoints straight from and into flat unit buffers.
+
+A model directory holds ``config.json`` and either ``model.safetensors`` or a sharded
+``model.safetensors.index.json`` plus its shards. Loading copies one tensor at a time into
+:func:`~flowtrain.model.layout.bind` views, so the model is never in memory twice;
+saving streams each tensor's bytes to disk in the safetensors format, for the same reason::
+
+    cfg = read_config("Llama-3.2-1B")
+    layouts = model_layouts(cfg)
+    flats = [torch.empty(lay.numel) for lay in layouts]
+    load_into("Llama-3.2-1B", cfg, layouts, flats)
+    ...
+    save_hf("out", cfg, layouts, flats, dtype=torch.bfloat16)   # from_pretrained("out") works
+
+Saving writes ``model.safetensors``, or above ``max_shard_bytes`` the sharded form that
+``save_pretrained`` writes, and can keep the source checkpoint's ``config.json`` as it was.
+
+Problems with the files (missing, truncated, wrong shapes) raise
+:class:`~flowtrain.errors.CheckpointError` naming the file and tensor.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import math
+import os
+import struct
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError, safe_open
+from torch import Tensor
+
+from flowtrain.errors import CheckpointError, FlowtrainError
+from flowtrain.model.config import CONFIG_NAME, ModelConfig, read_config  # noqa: F401 - re-exported
+from flowtrain.model.layout import Entry, UnitLayout, bind
+
+__all__ = ["checkpoint_dtype", "hf_config_text", "load_into", "read_config", "save_hf", "shard_tensors",
+           "unit_tensors", "write_safetensors"]
+
+log = logging.getLogger(__name__)
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+SHARD_NAME = "model-{:05d}-of-{:05d}.safetensors"
+SHARD_GLOB = "model-*-of-*.safetensors"
+
+_ST_DTYPES = {
+    torch.float32: "F32",
+    torch.bfloat16: "BF16",
+    torch.float16: "F16",
+    torch.float64: "F64",
+}
+_HF_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float16: "float16",
+    torch.float64: "float64",
+}
+_DTYPE_BY_HF_NAME = {name: dt for dt, name in _HF_DTYPE_NAMES.items() if dt != torch.float64}
+_DTYPE_BY_ST_NAME = {name: dt for dt, name in _ST_DTYPES.items() if dt != torch.float64}
+_WRITE_PIECE = 1 << 24  # elements converted/copied per write: bounds temporaries
+
+
+# ---------------------------------------------------------------------- loading
+
+
+def _weight_files(path: Path, names: Sequence[str]) -> dict[Path, list[str]]:
+    """Which file holds each expected tensor, grouped by file."""
+    index_path = path / INDEX_NAME
+    if index_path.is_file():
+        try:
+            weight_map = json.loads(index_path.read_text())["weight_map"]
+            assert isinstance(weight_map, dict)
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError,
+                AssertionError) as e:
+            raise CheckpointError(f"{index_path} is not a valid safetensors index: {e!r}") from e
+        files: dict[Path, list[str]] = {}
+        for name in names:
+            if name not in weight_map:
+                raise CheckpointError(f"tensor {name!r} is missing from {index_path}")
+            files.setdefault(path / weight_map[name], []).append(name)
+        for file in files:
+            if not file.is_file():
+                raise CheckpointError(f"shard {str(file)!r} named in {index_path} does not exist")
+        return files
+    single = path / WEIGHTS_NAME
+    if single.is_file():
+        return {single: list(names)}
+    hint = " (found pytorch_model.bin: re-save it as safetensors)" if (
+        path / "pytorch_model.bin").exists() else ""
+    raise CheckpointError(f"{str(path)!r} has neither {WEIGHTS_NAME} nor {INDEX_NAME}{hint}")
+
+
+def _harmless(name: str, cfg: ModelConfig) -> bool:
+    """Extra tensors that are expected in some checkpoints and safe to skip quietly."""
+    return name.endswith("rotary_emb.inv_freq") or (
+        cfg.tie_word_embeddings and name == "lm_head.weight"
+    )
+
+
+def load_into(
+    model_dir: str | os.PathLike[str],
+    cfg: ModelConfig,
+    layouts: Sequence[UnitLayout],
+    flats: Sequence[Tensor],
+) -> None:
+    """Copy every checkpoint tensor into its view of ``flats[k]``, cast to that flat's dtype.
+
+    Every tensor ``layouts`` describes must be present with its shape; extra tensors are
+    skipped (with a log line, except rotary ``inv_freq`` buffers and a tied model's head).
+    """
+    if len(flats) != len(layouts):
+        raise ValueError(f"load_into: {len(layouts)} layouts but {len(flats)} flat buffers")
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise CheckpointError(f"model directory {str(path)!r} does not exist or is not a directory")
+    targets: dict[str, tuple[Entry, Tensor]] = {}
+    for layout, flat in zip(layouts, flats):
+        views = bind(flat, layout)
+        for e in layout.entries:
+            targets[e.name] = (e, views[e.key])
+
+    for file, names in _weight_files(path, list(targets)).items():
+        try:
+            with safe_open(str(file), framework="pt") as f:
+                present = set(f.keys())
+                for name in names:
+                    if name not in present:
+                        raise CheckpointError(f"tensor {name!r} is missing from {file}")
+                    entry, view = targets[name]
+                    shape = tuple(f.get_slice(name).get_shape())
+                    if shape != entry.shape:
+                        raise CheckpointError(
+                            f"tensor {name!r} in {file} has shape {shape}, but the config "
+                            f"implies {entry.shape}; does config.json belong to these weights?"
+                        )
+                    view.copy_(f.get_tensor(name))
+                extra = sorted(n for n in present - set(targets) if not _harmless(n, cfg))
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"cannot read {file}: corrupt or truncated ({e})") from e
+        if extra:
+            log.warning("%s: ignoring %d unexpected tensor(s): %s", file, len(extra),
+                        ", ".join(extra[:5]) + (" ..." if len(extra) > 5 else ""))
+
+
+# ---------------------------------------------------------------------- saving
+
+
+def save_hf(
+    out_dir: str | os.PathLike[str],
+    cfg: ModelConfig,
+    layouts: Sequence[UnitLayout],
+    flats: Sequence[Tensor],
+    dtype: torch.dtype = torch.float32,
+    *,
+    max_shard_bytes: int | None = None,
+    source_config: dict[str, Any] | None = None,
+) -> None:
+    """Write ``config.json`` and the weights (tensors in ``dtype``) to ``out_dir``.
+
+    Weights of at most ``max_shard_bytes`` (``None``: no limit) go to one ``model.safetensors``;
+    more are split, as ``save_pretrained(max_shard_size=...)`` does, into
+    ``model-00001-of-0000N.safetensors`` files filled greedily in model order plus
+    ``model.safetensors.index.json`` (:func:`shard_tensors`). Every file goes through
+    :func:`write_safetensors`, which streams each tensor in pieces, so no second copy of the
+    model is made whatever ``dtype`` is. Weight files of a differently saved model already in
+    ``out_dir`` are removed, so the directory holds one consistent model.
+
+    ``source_config`` (the ``config.json`` dict of the checkpoint trained from) is written back
+    with only the dtype changed; without it the config comes from ``cfg`` (:func:`hf_config_text`).
+    """
+    if dtype not in _ST_DTYPES:
+        raise CheckpointError(
+            f"cannot save in {dtype}; choose one of {', '.join(map(str, _ST_DTYPES))}"
+        )
+    if len(flats) != len(layouts):
+        raise ValueError(f"save_hf: {len(layouts)} layouts but {len(flats)} flat buffers")
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+
+    tensors: list[tuple[str, Tensor]] = []
+    for layout, flat in zip(layouts, flats):
+        tensors += unit_tensors(flat, layout)
+    if cfg.tie_word_embeddings:
+        tensors = [(name, t) for name, t in tensors if name != "lm_head.weight"]
+    shards = shard_tensors(tensors, dtype, max_shard_bytes)
+    names = [WEIGHTS_NAME] if len(shards) == 1 else [
+        SHARD_NAME.format(i + 1, len(shards)) for i in range(len(shards))]
+
+    tmp = out / "weights.partial"
+    try:
+        for name, shard in zip(names, shards):
+            write_safetensors(tmp, shard, dtype)
+            os.replace(tmp, out / name)
+        if len(shards) > 1:
+            index = {"metadata": {"total_size": sum(_nbytes(t, dtype) for _, t in tensors)},
+                     "weight_map": {t: name for name, shard in zip(names, shards) for t, _ in shard}}
+            (out / INDEX_NAME).write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+        keep = {*names, INDEX_NAME} if len(shards) > 1 else {WEIGHTS_NAME}
+        for p in [out / WEIGHTS_NAME, out / INDEX_NAME, *out.glob(SHARD_GLOB)]:
+            if p.name not in keep:
+                p.unlink(missing_ok=True)
+        (out / CONFIG_NAME).write_text(hf_config_text(cfg, dtype, source_config))
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise CheckpointError(f"cannot write a checkpoint to {str(out)!r}: {e}") from e
+
+
+def shard_tensors(
+    tensors: Sequence[tuple[str, Tensor]], dtype: torch.dtype | None, max_shard_bytes: int | None
+) -> list[list[tuple[str, Tensor]]]:
+    """``tensors`` cut, in order, into shards of at most ``max_shard_bytes`` of data as ``dtype``.
+
+    Greedy, like transformers: a tensor that would overflow the current shard starts the next
+    one. A tensor is never split, so one larger than the limit gets a shard of its own. The
+    limit counts tensor bytes only (as the index's ``total_size`` does), not headers.
+    """
+    if max_shard_bytes is not None and max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be positive (got {max_shard_bytes})")
+    shards: list[list[tuple[str, Tensor]]] = [[]]
+    size = 0
+    for name, t in tensors:
+        n = _nbytes(t, dtype)
+        if max_shard_bytes is not None and shards[-1] and size + n > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append((name, t))
+        size += n
+    return shards
+
+
+def _nbytes(t: Tensor, dtype: torch.dtype | None) -> int:
+    return t.numel() * torch.empty((), dtype=dtype or t.dtype).element_size()
+
+
+def hf_config_text(
+    cfg: ModelConfig, dtype: torch.dtype = torch.float32, source: dict[str, Any] | None = None
+) -> str:
+    """The ``config.json`` text of ``cfg`` for weights stored in ``dtype``.
+
+    With ``source``, the config of the checkpoint trained from, that config is kept as it was
+    (architectures, rope settings, token ids, keys flowtrain does not know) and only its dtype
+    changes; should it not describe ``cfg``, flowtrain's values of the keys it knows win.
+    """
+    if source is None:
+        hf = cfg.to_hf()
+        hf["torch_dtype"] = hf["dtype"] = _HF_DTYPE_NAMES[dtype]
+        return json.dumps(hf, indent=2, sort_keys=True) + "\n"
+    hf = dict(source)
+    try:
+        same = ModelConfig.from_hf(source) == cfg
+    except FlowtrainError:
+        same = False
+    if not same:
+        log.warning("the source config.json does not describe the model saved; "
+                    "writing flowtrain's values for the keys it knows")
+        hf.update(cfg.to_hf())
+    keys = [k for k in ("torch_dtype", "dtype") if k in hf] or ["torch_dtype", "dtype"]
+    for k in keys:
+        hf[k] = _HF_DTYPE_NAMES[dtype]
+    return json.dumps(hf, indent=2) + "\n"
+
+
+def checkpoint_dtype(model_dir: str | os.PathLike[str]) -> torch.dtype | None:
+    """The floating dtype a Hugging Face checkpoint stores its weights in, or None if unknown.
+
+    ``config.json``'s ``torch_dtype`` (transformers 4) or ``dtype`` (5) if it names fp32, bf16
+    or fp16; else the dtype holding most elements in the first weight file's header.
+    """
+    path = Path(model_dir)
+    try:
+        d = json.loads((path / CONFIG_NAME).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        d = {}
+    for key in ("torch_dtype", "dtype"):
+        name = d.get(key) if isinstance(d, dict) else None
+        if isinstance(name, str) and name.removeprefix("torch.") in _DTYPE_BY_HF_NAME:
+            return _DTYPE_BY_HF_NAME[name.removeprefix("torch.")]
+    try:
+        if (path / WEIGHTS_NAME).is_file():
+            file = path / WEIGHTS_NAME
+        else:  # sharded: the first shard stands for all
+            file = path / min(json.loads((path / INDEX_NAME).read_text())["weight_map"].values())
+        with open(file, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+            header = json.loads(f.read(n))
+    except (OSError, struct.error, UnicodeDecodeError, ValueError, KeyError, TypeError, IndexError):
+        return None
+    elements: dict[torch.dtype, int] = {}
+    for info in header.values() if isinstance(header, dict) else ():
+        dt = _DTYPE_BY_ST_NAME.get(info.get("dtype")) if isinstance(info, dict) else None
+        if dt is not None and isinstance(info.get("shape"), list):
+            elements[dt] = elements.get(dt, 0) + math.prod(info["shape"])
+    return max(elements, key=elements.__getitem__) if elements else None
+
+
+def unit_tensors(flat: Tensor, layout: UnitLayout) -> list[tuple[str, Tensor]]:
+    """``(checkpoint name, view)`` of every tensor of one unit, in layout order."""
+    views = bind(flat, layout)
+    return [(e.name, views[e.key]) for e in layout.entries]
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a folder's entries (new files, renames) durable; a no-op where unsupported."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_safetensors(
+    path: str | os.PathLike[str],
+    tensors: Sequence[tuple[str, Tensor]],
+    dtype: torch.dtype | None = None,
+    metadata: dict[str, str] | None = None,
+) -> tuple[int, str]:
+    """Write one safetensors file holding ``tensors``; return its size in bytes and sha256.
+
+    The file is written by hand: an 8-byte little-endian header length, a JSON header of
+    names, dtypes, shapes and byte ranges, then each tensor's bytes in order. Each tensor is
+    streamed in pieces of at most 16M elements, cast to ``dtype`` (``None``: its own) and
+    copied to the host piece by piece if it lives on a device, so no second copy of the
+    tensors is made. The hash is computed from the same pieces as they are written, and the
+    file is fsynced before returning. ``tensors`` must be contiguous (``bind`` views are).
+    """
+    header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
+    offset = 0
+    for name, t in tensors:
+        dt = dtype or t.dtype
+        if dt not in _ST_DTYPES:
+            raise CheckpointError(
+                f"cannot save {name} in {dt}; choose one of {', '.join(map(str, _ST_DTYPES))}"
+            )
+        size = t.numel() * torch.empty((), dtype=dt).element_size()
+        header[name] = {"dtype": _ST_DTYPES[dt], "shape": list(t.shape),
+                        "data_offsets": [offset, offset + size]}
+        offset += size
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)  # the data section starts 8-byte aligned
+
+    digest = hashlib.sha256()
+    with open(path, "wb") as f:
+        for chunk in (struct.pack("<Q", len(blob)), blob):
+            f.write(chunk)
+            digest.update(chunk)
+        for _, t in tensors:
+            _write_tensor(f, t, dtype or t.dtype, digest)
+        f.flush()
+        os.fsync(f.fileno())
+    return 8 + len(blob) + offset, digest.hexdigest()
+
+
+def _write_tensor(f, t: Tensor, dtype: torch.dtype, digest) -> None:  # noqa: ANN001 (binary file)
+    """Stream ``t``'s elements, as ``dtype`` and little-endian, to the open file ``f``."""
+    flat = t.reshape(-1)  # a view: bind() entries are contiguous
+    for start in range(0, flat.numel(), _WRITE_PIECE):
+        piece = flat[start : start + _WRITE_PIECE]
+        piece = piece.to(device="cpu", dtype=dtype).contiguous()
+        data = piece.view(torch.uint8).numpy().data
+        f.write(data)
+        digest.update(data)

@@ -1,0 +1,152 @@
+"""``flowtrain plan``: the memory plan of a training run, without running it.
+
+Prints where every byte would live (host: master, Adam, gradients, staging, ...; GPU: weight
+slots, gradient accumulators, resident units, checkpoints, activations, loss chunks), whether
+the run fits, the largest micro-batch that fits, and what would make it fit. ``flowtrain
+train`` follows the same plan and refuses a run that does not fit before allocating anything::
+
+    flowtrain plan --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4
+    flowtrain plan --model llama-8b --seq-len 4096 --batch-size 2 --micro-batch-size 1 --gpu-mem 10 --json
+
+Without a GPU here, ``--device cuda`` (the default when ``--gpu-mem`` is given) plans for one
+on paper; with no ``--gpu-mem`` either, the GPU side is reported without a limit.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from .train import add_memory_arguments
+
+# The planner and the trainer import torch: they are imported where the command runs, so that
+# ``flowtrain plan --help`` stays instant.
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--model", required=True, help="Hugging Face model directory or preset")
+    a("--seq-len", type=int, required=True)
+    a("--batch-size", type=int, required=True, help="sequences per optimizer step")
+    a("--micro-batch-size", type=int, required=True)
+    a("--order", choices=["auto", "layer", "micro"], default="auto",
+      help="micro-batch order (auto: micro where predicted faster on this GPU or on --machine)")
+    a("--grad-clip", action="store_true", help="plan for exact gradient clipping (full layout)")
+    a("--precision", choices=["fp32", "bf16"], default=None, help="default: bf16 on CUDA, fp32 on the CPU")
+    a("--device", choices=["auto", "cpu", "cuda"], default="auto",
+      help="auto: cuda if this machine has one or --gpu-mem is given, else cpu")
+    a("--policy", default="double_buffer")
+    a("--nproc-per-node", type=int, default=1, metavar="N",
+      help="data-parallel processes per node (torchrun's): the plan is one process's, with its share of the batch")
+    a("--nnodes", type=int, default=1, metavar="M", help="nodes of --nproc-per-node processes each")
+    a("--json", action="store_true", help="print the plan as JSON")
+    add_memory_arguments(p)
+    # The choice by predicted time (flowtrain.sim): a separate step after the memory plan.
+    a("--machine", default=None, metavar="NAME|FILE",
+      help="also pick, among configurations that fit, the fastest predicted on this machine (flowtrain simulate)")
+
+
+def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: float | None) -> tuple:
+    """``(model config, model folder, request, processes)`` of the run ``args`` describe, checked
+    as ``flowtrain train`` checks it (the same ``TrainConfig`` and checks, so plan and simulate
+    accept and refuse exactly what train does); with ``--nproc-per-node``/``--nnodes`` the
+    request is one process's share of the batch and of the node's host memory. No torch."""
+    from ..errors import ConfigError
+    from ..plan.memory import run_request
+    from ..train.checks import validate_numbers
+    from ..train.distributed import local_share
+    from ..train.run_config import TrainConfig, load_model_config, validate
+
+    tc = TrainConfig(model=args.model, seq_len=args.seq_len, batch_size=args.batch_size,
+                     micro_batch_size=args.micro_batch_size, checkpoint_every=args.checkpoint_every,
+                     activations=args.activations, order=args.order, grad_clip=1.0 if args.grad_clip else None,
+                     precision=args.precision, policy=args.policy, layout=args.layout, resident=args.resident,
+                     gpu_mem=gpu_mem, host_mem=host_mem, chunk_tokens=args.chunk_tokens,
+                     attention_backend=getattr(args, "attention_backend", "auto"))
+    validate_numbers(tc)
+    cfg, model_dir = load_model_config(args.model)
+    cfg.validate()
+    validate(tc, cfg)
+    if args.nproc_per_node < 1 or args.nnodes < 1:
+        raise ConfigError(f"--nproc-per-node and --nnodes must be at least 1 (got {args.nproc_per_node}, {args.nnodes})")
+    processes = args.nproc_per_node * args.nnodes
+    local = local_share(tc, processes)
+    return cfg, model_dir, run_request(local, model_dir, processes, share=args.nproc_per_node), processes
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from ..sim.choose_plan import plan_and_choose
+    from ..train.trainer import resolve_dtype
+
+    cfg, model_dir, req, processes = checked_request(args, args.gpu_mem, args.host_mem)
+    if args.device == "auto":
+        device = torch.device("cuda" if (torch.cuda.is_available() or args.gpu_mem is not None) else "cpu")
+    else:
+        device = torch.device(args.device)
+    dtype = resolve_dtype(args.precision, device)
+    machine = None
+    if getattr(args, "machine", None) is not None and device.type == "cuda":
+        from ..sim.machine import load_machine
+
+        machine = load_machine(args.machine)
+    plan = plan_and_choose(cfg, req, device=device, dtype=dtype, policy=args.policy, machine=machine)
+    choice = None
+    if machine is not None and processes == 1:  # the fastest that fits, as the simulator predicts on --machine
+        import msgspec
+
+        from ..sim.choose import choose_fastest
+
+        resolved = msgspec.structs.replace(req, order=plan.spec.order)  # --order auto, decided above
+        choice = choose_fastest(cfg, resolved, machine, args.policy, device=device, dtype=dtype)
+    if args.json:
+        print(json.dumps({"model": args.model, **plan.to_dict(),
+                          **({"fastest": choice.to_dict()} if choice else {})}, indent=1))
+    else:
+        print(format_plan(args.model, plan))
+        if choice:
+            print(choice.explain())
+    return 0 if plan.fits else 1
+
+
+def _gib(n: int | None) -> str:
+    from ..plan.memory import GiB
+
+    return "no limit" if n is None else f"{n / GiB:8.2f} GiB"
+
+
+def format_plan(model: str, plan) -> str:  # noqa: ANN001 - a Plan
+    from ..plan.memory import GiB
+    from ..train.summary import activation_placement
+
+    count = f"{plan.params / 1e9:.2f} B" if plan.params >= 1e8 else f"{plan.params / 1e6:.2f} M"
+    lines = [f"{model}: {count} parameters, layout {plan.layout} "
+             f"({plan.host_state_bytes_per_param:.2f} host bytes of state per parameter), device {plan.device}"]
+    res = plan.spec.resident
+    lines.append(f"resident on the GPU (Adam there): {', '.join(res) if res else 'none'}")
+    lines.append(f"micro-batch order: {plan.spec.order}" + (f" ({plan.order_choice})" if plan.order_choice else ""))
+    lines.append(f"activations: {activation_placement(plan.spec)}")
+    if plan.placement_choice:
+        lines.append(f"placement: {plan.placement_choice}")
+    lines.append(f"slots: {plan.budgets}; loss chunk {plan.chunk_tokens} tokens"
+                 + (f"; staged gradient chunks {plan.spec.grad_chunks}" if plan.spec.grad_chunks else ""))
+    for title, part, total, limit, ok in (("host", plan.host, plan.host_total, plan.host_limit, plan.host_fits),
+                                          ("GPU", plan.gpu, plan.gpu_total, plan.gpu_limit, plan.gpu_fits)):
+        lines.append(f"{title} memory:")
+        for k, v in part.items():
+            if v:
+                lines.append(f"  {k:<16}{v / GiB:8.2f} GiB")
+        if title == "host" and plan.device == "cpu":
+            lines.append(f"  {'(GPU items)':<16}{plan.gpu_total / GiB:8.2f} GiB  (on the CPU they are host memory)")
+        if title == "host" and plan.spec.share > 1:
+            lines.append(f"  {'one process':<16}{total / GiB:8.2f} GiB (master and adam shared by the node's "
+                         f"{plan.spec.share} processes)")
+            total = plan.host_node_total
+        lines.append(f"  {'total':<16}{total / GiB:8.2f} GiB of {_gib(limit).strip()} usable: "
+                     + ("fits" if ok else "DOES NOT FIT"))
+    mb = plan.max_micro_batch
+    lines.append(f"largest micro-batch that fits: {mb if mb is not None else 'none (not even 1)'}")
+    if not plan.fits:
+        lines.append("to make it fit: " + "; ".join(plan.suggestions or ["use a smaller model"]))
+    return "\n".join(lines)

@@ -1,0 +1,110 @@
+"""``flowtrain simulate``: how fast a training run would be, without running it.
+
+Takes ``flowtrain plan``'s arguments, plans the run for ``--machine`` (its GPU and host memory
+unless ``--gpu-mem``/``--host-mem`` say otherwise), simulates a few steps on the virtual clock
+with the real scheduler and policy, and prints the predicted tokens/s, model TFLOP/s, step
+time, how busy each lane is and the critical chain::
+
+    flowtrain simulate --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --machine h200
+    flowtrain simulate --model qwen-14b ... --machine gh200 --json --trace sim.json   # viz opens sim.json
+
+``--device`` is ignored (the machine is the device); ``--precision`` applies as on a GPU.
+Machines: a shipped name (``flowtrain simulate --list-machines`` names them) or a machine file
+(``flowtrain probe`` writes one for the machine it runs on).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+import msgspec
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from .plan import add_arguments as add_plan_arguments
+
+    add_plan_arguments(p)  # the same run description as `flowtrain plan` (and its --machine)
+    p.set_defaults(machine="h200")
+    a = p.add_argument
+    a("--trace", default=None, metavar="FILE", help="write the simulated trace (Chrome JSON, opens in flowtrain viz)")
+    a("--steps", type=int, default=3, help="steps to simulate (the first has nothing to overlap with)")
+    a("--adam-workers", type=int, default=1, help="CPU Adam jobs at once, as flowtrain train's")
+    a("--attention-backend", choices=["auto", "flash"], default="auto",
+      help="the run's attention kernel, as flowtrain train's: auto (cuDNN's on CUDA) or flash; "
+           "attention runs at the machine file's rate for it (attention_tflops)")
+    a("--list-machines", action=_ListMachines, nargs=0, help="list the shipped machines and exit")
+
+
+class _ListMachines(argparse.Action):
+    """Prints the shipped machines during parsing (like --help, before required arguments)."""
+
+    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+        from ..sim.machine import load_machine, machine_names
+
+        for name in machine_names():
+            m = load_machine(name)
+            print(f"{name:<12} {m.description}  [{m.source.split(':')[0]}]")
+        parser.exit()
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..errors import ConfigError
+    from ..sim.machine import load_machine
+
+    if args.steps < 2:
+        raise ConfigError(f"--steps must be at least 2 to see a steady step (got {args.steps})")
+    machine = load_machine(args.machine)
+    cfg, req, plan, _, _, predictions = plan_for(args, machine, with_predictions=True)
+    if not plan.fits:
+        raise ConfigError(f"on {machine.name}: {plan.refusal()}")
+    # the planner may have predicted this plan already, choosing the order or the placement
+    pred = predictions.prediction(req, plan, machine, adam_workers=args.adam_workers, steps=args.steps,
+                                  world=req.processes, nodes=args.nnodes)
+    if args.trace:
+        from ..runtime.trace import write_chrome_trace
+
+        write_chrome_trace(args.trace, [r for recs in pred.records for r in recs],
+                           meta={"policy": args.policy, "model": args.model, "simulated": True, "machine": machine.name})
+    out = {"model": args.model, "machine": machine.name, "machine_source": machine.source,
+           "processes": req.processes, "nodes": args.nnodes,
+           **pred.summary.to_dict(), "plan": {"layout": plan.layout, "resident": list(plan.spec.resident),
+                                              "budgets": plan.budgets, "gpu_gib": round(plan.gpu_total / 2**30, 2),
+                                              "host_gib": round(plan.host_total / 2**30, 2),
+                                              "host_gib_per_node": round(plan.host_node_total / 2**30, 2),
+                                              "placement_choice": plan.placement_choice}}
+    if args.json:
+        print(json.dumps(out, indent=1))
+    else:
+        from ..sim.report import format_summary
+
+        res = plan.spec.resident
+        print(format_summary(pred.summary, header=(
+            f"{args.model} on {machine.name} ({machine.description}): layout {plan.layout}, "
+            f"resident {len(res)} units, slots {plan.budgets}, GPU {plan.gpu_total / 2**30:.1f} GiB, "
+            f"host {plan.host_total / 2**30:.1f} GiB"
+            + (f" ({plan.placement_choice})" if plan.placement_choice else ""))))
+    return 0
+
+
+def plan_for(args: argparse.Namespace, machine, with_predictions: bool = False) -> tuple:  # noqa: ANN001 - a Machine
+    """The model, request and memory plan of ``args`` on ``machine``: plan's checks, then
+    ``plan_and_choose`` for a GPU with the machine's memory unless --gpu-mem/--host-mem say otherwise
+    (never capped by a GPU of the machine this runs on: the plan is for ``machine``). With
+    ``with_predictions``, also the planner's :class:`~flowtrain.sim.order_choice.Predictions`."""
+    from ..plan.memory import Precision, Target
+    from ..sim.choose_plan import plan_and_choose
+    from ..sim.order_choice import Predictions
+    from ..train.run_config import precision_bytes
+    from .plan import checked_request
+
+    gpu_mem = args.gpu_mem if args.gpu_mem is not None else machine.gpu_mem_gib
+    host_mem = args.host_mem if args.host_mem is not None else machine.host_mem_gib
+    cfg, _, req, _ = checked_request(args, gpu_mem, host_mem)
+    device = Target("cuda")  # the machine's GPU, planned for without torch
+    dtype = Precision(precision_bytes(args.precision, device.type))
+    predictions = Predictions(cfg, args.policy)
+    plan = plan_and_choose(cfg, req, device=device, dtype=dtype, policy=args.policy, local_gpu=False, machine=machine,
+                           predictions=predictions)
+    req = msgspec.structs.replace(req, order=plan.spec.order)  # --order auto, as decided for the machine
+    return (cfg, req, plan, device, dtype, predictions) if with_predictions else (cfg, req, plan, device, dtype)

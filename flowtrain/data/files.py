@@ -1,0 +1,478 @@
+"""Reading a ``--data`` file into token ids: one reader per format, one shape of answer.
+
+Every reader returns :class:`Parsed`: how the ids are to be used, and an *iterator* of
+:class:`Piece` that reads, tokenises and checks the file as it is drawn, so a file of any size
+passes through a bounded amount of memory (a batch of lines, or a piece of text of about
+``CHUNK_CHARS`` characters, at a time)::
+
+    parsed = read_jsonl(path, vocab_size, encoder)
+    for piece in parsed.pieces:          # (ids, labels, starts), one row or document part each
+        ...
+
+* ``kind="stream"``: documents, to be joined (EOS between them) and cut into windows.
+  ``.txt`` (one document, in parts: ``starts`` is True for the first only), ``.jsonl`` rows
+  with ``text``, a 1-D ``.npy`` (in parts).
+* ``kind="rows"``: sequences as they stand, each cut at seq_len or padded, with ``labels``
+  (aligned with the ids as in transformers: ``labels[t]`` is what position ``t`` is, -100 where
+  no loss is taken; None means every token is learnt). ``.jsonl`` rows with ``input_ids``
+  (optionally ``labels``), ``prompt`` + ``completion`` or ``messages``; a 2-D ``.npy``.
+
+**Fine-tuning rows.** ``{"prompt": p, "completion": c}`` is the tokenizer's template prefix
+(BOS), ``p`` and ``c`` encoded each on its own (so a token never straddles the boundary), and
+EOS when the tokenizer has one; the loss is on ``c`` and the EOS. ``{"messages": [...]}`` is
+rendered with the model's chat template and the loss is on the assistant turns, found turn by
+turn: for each assistant message ``k``, the tokens of ``render(messages[:k],
+add_generation_prompt=True)`` (everything before it, its header included) and of
+``render(messages[:k+1])`` must both be prefixes of the whole conversation's tokens, and the
+tokens between the two are that turn's (its content and end-of-turn text, e.g. ChatML's
+``<|im_end|>\n``). A template that rewrites earlier turns as the conversation grows (so a prefix
+does not hold) is refused for that line rather than guessed at.
+
+Readers check every id against the model's vocabulary here, where the line and position are
+still known, so a bad file fails with ``data.jsonl line 7: token id 70000 at position 3 ...``
+instead of an index error deep inside the embedding. An error can come late in the file, after
+earlier pieces were drawn: whoever draws them must drop what it made of them (the cache does).
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal, NamedTuple
+
+import numpy as np
+
+from flowtrain.data import text as data_text
+from flowtrain.data.text import ChatTemplate, Encoder
+from flowtrain.errors import DataError
+
+# Text rows are handed to the tokenizer this many at a time (it encodes a batch in parallel).
+_ENCODE_BATCH = 1024
+# Bytes read from a .txt file at a time, and ids of a 1-D .npy checked and handed on at a time.
+_READ_BYTES = 1 << 20
+_NPY_CHUNK = 1 << 22
+
+_JSONL_EXAMPLE = (
+    '{"text": "..."}, {"prompt": "...", "completion": "..."}, {"messages": [{"role": ..., '
+    '"content": ...}, ...]}, {"input_ids": [1, 2, 3]} or {"input_ids": [...], "labels": [...]}'
+)
+
+IGNORE_INDEX = -100  # a target that is not one: torch's and Hugging Face's ignore_index
+
+# The keys a row may hold, and the form they make; any other key set is refused, so a typo
+# ("label", "response") never trains on what it was meant to mask. ``input_ids`` with ``text``
+# is a pre-tokenized row that kept its text for reading; the ids are what counts.
+_FORMS = {
+    frozenset({"text"}): "text",
+    frozenset({"prompt", "completion"}): "prompt/completion",
+    frozenset({"messages"}): "messages",
+    frozenset({"input_ids"}): "input_ids",
+    frozenset({"input_ids", "labels"}): "input_ids",
+    frozenset({"input_ids", "text"}): "input_ids",
+}
+
+
+class Piece(NamedTuple):
+    """One row of a ``rows`` file, or one document (or part of one) of a ``stream`` file."""
+
+    ids: np.ndarray  # (len,) int64
+    labels: np.ndarray | None = None  # rows: (len,) int64, -100 = no loss; None: the ids
+    starts: bool = True  # stream: a document starts here (False: it goes on from the last piece)
+
+
+@dataclass
+class Parsed:
+    """What a file holds: documents to join (``stream``) or sequences as they stand (``rows``)."""
+
+    kind: Literal["stream", "rows"]
+    pieces: Iterator[Piece]  # lazy: reading, tokenising and checking happen as it is drawn
+    eos_id: int | None = None  # separator between stream documents, when the tokenizer has one
+
+
+def read_txt(path: Path, vocab_size: int, encoder: Callable[[], Encoder]) -> Parsed:
+    """A plain UTF-8 text file: one document, read and tokenised in pieces of about
+    ``CHUNK_CHARS`` characters cut where a line starts (see ``data_text.split_stream``)."""
+    enc = encoder()
+    return Parsed("stream", _txt_pieces(path, vocab_size, enc), enc.eos_id)
+
+
+def _txt_pieces(path: Path, vocab_size: int, enc: Encoder) -> Iterator[Piece]:
+    hint = _tokenizer_hint(enc, vocab_size)
+    texts = data_text.split_stream(_utf8_blocks(path))
+    first = next(texts, "")
+    second = next(texts, None)
+    if second is None and len(first) <= data_text.CHUNK_CHARS:  # short: one call, template and all
+        ids = enc.encode_many([first])[0]
+        check_ids(ids, vocab_size, f"{path}", hint)
+        yield Piece(ids)
+        return
+    # Long: the pieces bare, the template (BOS, ...) around the whole once, as encode_document.
+    prefix, suffix = enc.template_ids()
+    done, pending = 0, [first] + ([second] if second is not None else [])
+    parts: Iterable[np.ndarray] = _encode_in_batches(enc, pending, texts)
+    for ids in _framed(prefix, parts, suffix):
+        check_ids(ids, vocab_size, f"{path}", hint, offset=done)
+        yield Piece(ids, starts=done == 0)
+        done += len(ids)
+
+
+def _encode_in_batches(enc: Encoder, head: list[str], rest: Iterator[str]) -> Iterator[np.ndarray]:
+    """``encode_bare`` of every text, a few at a time (the tokenizer runs a batch in parallel)."""
+    batch = list(head)
+    for text in rest:
+        batch.append(text)
+        if len(batch) >= 8:
+            yield from enc.encode_bare(batch)
+            batch = []
+    if batch:
+        yield from enc.encode_bare(batch)
+
+
+def _framed(prefix: np.ndarray, parts: Iterable[np.ndarray], suffix: np.ndarray) -> Iterator[np.ndarray]:
+    if prefix.size:
+        yield prefix
+    yield from (p for p in parts if p.size)
+    if suffix.size:
+        yield suffix
+
+
+def _utf8_blocks(path: Path) -> Iterator[str]:
+    """The file's text in blocks; DataError naming the byte offset of the first bad byte."""
+    decoder = codecs.getincrementaldecoder("utf-8")()
+    fed = 0  # bytes handed to the decoder so far
+    with path.open("rb") as f:
+        while True:
+            raw = f.read(_READ_BYTES)
+            held = len(decoder.getstate()[0])  # bytes of a character cut by the last block
+            try:
+                text = decoder.decode(raw, final=not raw)
+            except UnicodeDecodeError as exc:
+                raise DataError(
+                    f"{path} is not UTF-8 text (bad byte at offset {fed - held + exc.start}); "
+                    "re-save it as UTF-8"
+                ) from None
+            fed += len(raw)
+            if text:
+                yield text
+            if not raw:
+                return
+
+
+def read_jsonl(
+    path: Path,
+    vocab_size: int,
+    encoder: Callable[[], Encoder],
+    chat_template: Callable[[], ChatTemplate | None] = lambda: None,
+) -> Parsed:
+    """JSON lines, one object each, in one of the forms of ``_JSONL_EXAMPLE``.
+
+    ``text`` rows are documents (a stream); every other form gives one sequence per row. One
+    file holds one form (``input_ids`` rows with and without ``labels`` count as one); the first
+    line decides, and a line of another form is refused when it is reached.
+    """
+    probe = _lines(path)
+    first = next(probe, None)
+    probe.close()  # the first line decides the form; the file is read from the top below
+    if first is None:
+        raise DataError(f"{path} has no JSON lines; each line must look like {_JSONL_EXAMPLE}")
+    form = first[2]
+    lines = _lines(path, form=(form, first[0]))
+    if form == "input_ids":
+        return Parsed("rows", _id_rows(path, lines, vocab_size))
+    if form == "text":
+        enc = encoder()
+        return Parsed("stream", _text_rows(path, lines, vocab_size, enc), enc.eos_id)
+    if form == "prompt/completion":
+        return Parsed("rows", _prompt_rows(path, lines, vocab_size, encoder()))
+    template = chat_template()
+    if template is None:
+        raise DataError(
+            f"{path} holds \"messages\" rows, but the model's tokenizer has no chat template "
+            "(chat_template in tokenizer_config.json, or chat_template.jinja); pass --tokenizer "
+            "DIR with one, or write the rows as prompt/completion"
+        )
+    return Parsed("rows", _chat_rows(path, lines, vocab_size, encoder(), template))
+
+
+def _lines(path: Path, form: tuple[str, int] | None = None) -> Iterator[tuple[int, dict, str]]:
+    """(line number, row, form) for each non-blank line; with ``form`` (the file's form and the
+    line that set it), a row of another form is refused."""
+    with path.open("rb") as f:
+        for line_no, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            obj = _parse_line(path, line_no, raw)
+            this = _FORMS.get(frozenset(obj))
+            if this is None:
+                keys = ", ".join(sorted(obj)) or "no keys"
+                raise DataError(
+                    f"{path} line {line_no} has {keys}, which is none of the accepted row forms; "
+                    f"each line must look like {_JSONL_EXAMPLE}"
+                )
+            if form is not None and this != form[0]:
+                raise DataError(
+                    f"{path} mixes \"{form[0]}\" rows (line {form[1]}) and \"{this}\" rows (line "
+                    f"{line_no}); keep one form per file: convert the rows or split the file"
+                )
+            yield line_no, obj, this
+
+
+def _batched(lines: Iterator[tuple[int, dict, str]]) -> Iterator[list[tuple[int, dict]]]:
+    batch: list[tuple[int, dict]] = []
+    for line_no, obj, _ in lines:
+        batch.append((line_no, obj))
+        if len(batch) == _ENCODE_BATCH:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _id_rows(path: Path, lines: Iterator[tuple[int, dict, str]], vocab_size: int) -> Iterator[Piece]:
+    """``input_ids`` rows taken as given; ``labels``, where a row has them, aligned with them."""
+    for line_no, obj, _ in lines:
+        ids = _id_row(path, line_no, obj["input_ids"], vocab_size)
+        if "labels" not in obj:
+            yield Piece(ids)
+            continue
+        lab = _int_list(path, line_no, "labels", obj["labels"])
+        if len(lab) != len(ids):
+            raise DataError(
+                f"{path} line {line_no}: \"labels\" has {len(lab)} entries but \"input_ids\" has "
+                f"{len(ids)}; labels are aligned with input_ids (labels[t] for position t, "
+                "-100 where no loss is taken)"
+            )
+        bad = np.flatnonzero((lab != IGNORE_INDEX) & ((lab < 0) | (lab >= vocab_size)))
+        if bad.size:
+            pos = int(bad[0])
+            raise DataError(
+                f"{path} line {line_no}: label {lab[pos]} at position {pos} is neither -100 nor "
+                f"inside the model's vocabulary 0..{vocab_size - 1}"
+            )
+        yield Piece(ids, lab)
+
+
+def _text_rows(
+    path: Path, lines: Iterator[tuple[int, dict, str]], vocab_size: int, enc: Encoder
+) -> Iterator[Piece]:
+    hint = _tokenizer_hint(enc, vocab_size)
+    for batch in _batched(lines):
+        texts = [_string(path, line_no, obj, "text") for line_no, obj in batch]
+        for (line_no, _), ids in zip(batch, enc.encode_many(texts)):
+            check_ids(ids, vocab_size, f"{path} line {line_no}", hint)
+            yield Piece(ids)
+
+
+def _prompt_rows(
+    path: Path, lines: Iterator[tuple[int, dict, str]], vocab_size: int, enc: Encoder
+) -> Iterator[Piece]:
+    """Template prefix + prompt (no loss), then completion + EOS (loss)."""
+    prefix, _ = enc.template_ids()
+    end = np.array([] if enc.eos_id is None else [enc.eos_id], dtype=np.int64)
+    hint = _tokenizer_hint(enc, vocab_size)
+    for batch in _batched(lines):
+        prompts = enc.encode_bare([_string(path, n, obj, "prompt") for n, obj in batch])
+        completions = enc.encode_bare([_string(path, n, obj, "completion") for n, obj in batch])
+        for (line_no, _), prompt, completion in zip(batch, prompts, completions):
+            ids = np.concatenate([prefix, prompt, completion, end])
+            check_ids(ids, vocab_size, f"{path} line {line_no}", hint)
+            lab = ids.copy()
+            lab[: len(prefix) + len(prompt)] = IGNORE_INDEX
+            yield Piece(ids, lab)
+
+
+def _chat_rows(
+    path: Path, lines: Iterator[tuple[int, dict, str]], vocab_size: int, enc: Encoder,
+    template: ChatTemplate,
+) -> Iterator[Piece]:
+    """Each conversation rendered whole; labels on the assistant turns only (see the module)."""
+    hint = _tokenizer_hint(enc, vocab_size)
+    for line_no, obj, _ in lines:
+        where = f"{path} line {line_no}"
+        messages = _messages(where, obj["messages"])
+        turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+        try:
+            texts = [template.render(messages)]
+            for k in turns:
+                texts += [template.render(messages[:k], add_generation_prompt=True),
+                          template.render(messages[: k + 1])]
+        except ValueError as exc:
+            raise DataError(
+                f"{where}: the chat template ({template.source}) failed on this conversation: {exc}"
+            ) from None
+        encoded = enc.encode_bare(texts)
+        ids = encoded[0]
+        check_ids(ids, vocab_size, where, hint)
+        lab = np.full_like(ids, IGNORE_INDEX)
+        for k, before, through in zip(turns, encoded[1::2], encoded[2::2]):
+            if not (_is_prefix(before, ids) and _is_prefix(through, ids)) or len(before) > len(through):
+                raise DataError(
+                    f"{where}: the chat template does not render this conversation turn by turn "
+                    f"(the text up to messages[{k}] is not a prefix of the whole), so its "
+                    "assistant tokens cannot be found; pre-tokenize it as input_ids + labels"
+                )
+            lab[len(before) : len(through)] = ids[len(before) : len(through)]
+        yield Piece(ids, lab)
+
+
+def _messages(where: str, value: object) -> list[dict]:
+    ok = isinstance(value, list) and all(
+        isinstance(m, dict) and isinstance(m.get("role"), str) for m in value
+    )
+    if not ok or not value:
+        raise DataError(
+            f"{where}: \"messages\" must be a non-empty list of objects with a string \"role\" "
+            f"and a \"content\", such as [{{\"role\": \"user\", \"content\": \"Hi\"}}], not "
+            f"{_preview(value)}"
+        )
+    return value
+
+
+def _is_prefix(part: np.ndarray, whole: np.ndarray) -> bool:
+    return len(part) <= len(whole) and bool(np.array_equal(whole[: len(part)], part))
+
+
+def _string(path: Path, line_no: int, obj: dict, key: str) -> str:
+    value = obj[key]
+    if not isinstance(value, str):
+        raise DataError(
+            f"{path} line {line_no}: \"{key}\" is a {type(value).__name__}, not a string; "
+            "write it as one JSON string"
+        )
+    return value
+
+
+def read_npy(path: Path, vocab_size: int) -> Parsed:
+    """A NumPy integer array, memory-mapped: 1-D is a token stream, 2-D one sequence per row."""
+    try:
+        array = np.load(path, mmap_mode="r", allow_pickle=False)
+    except Exception as exc:  # numpy raises ValueError, OSError, EOFError, ... for bad files
+        raise DataError(
+            f"{path} is not a readable .npy file ({exc}); write token ids with "
+            "np.save(path, ids.astype(np.int32))"
+        ) from None
+    if not isinstance(array, np.ndarray):  # an .npz archive saved under an .npy name
+        array.close()
+        raise DataError(f"{path} is an .npz archive, not one array; save one array with np.save")
+    if array.dtype.kind not in "iu":
+        raise DataError(
+            f"{path} holds {array.dtype} values, not token ids; save an integer array "
+            "(e.g. np.save(path, ids.astype(np.int32)))"
+        )
+    if array.ndim not in (1, 2):
+        raise DataError(
+            f"{path} is a {array.ndim}-D array of shape {array.shape}; save a 1-D token stream "
+            "or a 2-D array with one sequence per row"
+        )
+    if array.size == 0:
+        raise DataError(f"{path} holds an empty array of shape {array.shape}; it has no tokens")
+    if array.ndim == 1:
+        return Parsed("stream", _npy_stream(path, array, vocab_size))
+    return Parsed("rows", _npy_rows(path, array, vocab_size))
+
+
+_NPY_HINT = "re-tokenize the data for this model or give the model a larger vocab_size"
+
+
+def _npy_stream(path: Path, array: np.ndarray, vocab_size: int) -> Iterator[Piece]:
+    for start in range(0, len(array), _NPY_CHUNK):
+        ids = np.asarray(array[start : start + _NPY_CHUNK], dtype=np.int64)
+        check_ids(ids, vocab_size, str(path), _NPY_HINT, offset=start)
+        yield Piece(ids, starts=start == 0)
+
+
+def _npy_rows(path: Path, array: np.ndarray, vocab_size: int) -> Iterator[Piece]:
+    step = max(1, _NPY_CHUNK // array.shape[1])
+    for start in range(0, len(array), step):
+        block = np.asarray(array[start : start + step], dtype=np.int64)
+        bad = np.argwhere((block < 0) | (block >= vocab_size))
+        if bad.size:
+            row, col = (int(v) for v in bad[0])
+            raise DataError(
+                f"{path} row {start + row}: token id {block[row, col]} at position {col} is "
+                f"outside the model's vocabulary 0..{vocab_size - 1}; {_NPY_HINT}"
+            )
+        yield from (Piece(row) for row in block)
+
+
+def check_ids(ids: np.ndarray, vocab_size: int, where: str, hint: str, offset: int = 0) -> None:
+    """Raise DataError naming the first id outside ``0 .. vocab_size - 1`` (its position counted
+    from ``offset``, for a part of a longer document)."""
+    bad = np.flatnonzero((ids < 0) | (ids >= vocab_size))
+    if bad.size:
+        pos = int(bad[0])
+        raise DataError(
+            f"{where}: token id {ids[pos]} at position {offset + pos} is outside the model's "
+            f"vocabulary 0..{vocab_size - 1}; {hint}"
+        )
+
+
+def _parse_line(path: Path, line_no: int, raw: bytes) -> dict:
+    try:
+        obj = json.loads(raw)
+    except UnicodeDecodeError:
+        raise DataError(f"{path} line {line_no} is not UTF-8; re-save the file as UTF-8") from None
+    except RecursionError:  # the parser recurses once per level: [[[[...]]]] ends it
+        raise DataError(
+            f"{path} line {line_no} nests its JSON too deeply to read; a row is one object of "
+            f"strings and flat lists, such as {_JSONL_EXAMPLE}"
+        ) from None
+    except json.JSONDecodeError as exc:
+        raise DataError(
+            f"{path} line {line_no} is not valid JSON ({exc.msg} at column {exc.colno}); "
+            f"each line must be one JSON object such as {_JSONL_EXAMPLE}"
+        ) from None
+    if not isinstance(obj, dict):
+        raise DataError(
+            f"{path} line {line_no} is a JSON {type(obj).__name__}, not an object; "
+            f"each line must look like {_JSONL_EXAMPLE}"
+        )
+    return obj
+
+
+def _id_row(path: Path, line_no: int, value: object, vocab_size: int) -> np.ndarray:
+    """One ``input_ids`` value as an int64 array, checked for type and range."""
+    row = _int_list(path, line_no, "input_ids", value)
+    check_ids(row, vocab_size, f"{path} line {line_no}", _NPY_HINT)
+    return row
+
+
+def _int_list(path: Path, line_no: int, key: str, value: object) -> np.ndarray:
+    if isinstance(value, list) and not value:
+        return np.zeros(0, dtype=np.int64)  # dropped later, like every row under 2 tokens
+    try:
+        row = np.asarray(value) if isinstance(value, list) else None
+    except (ValueError, OverflowError, RecursionError):  # nested, ragged or huge: numpy refuses
+        row = None
+    if row is None or row.ndim != 1 or row.dtype.kind not in "iu":
+        raise DataError(
+            f"{path} line {line_no}: \"{key}\" must be a flat list of integers such as "
+            f"[1, 2, 3], not {_preview(value)}"
+        )
+    return row.astype(np.int64)
+
+
+def _preview(value: object, limit: int = 60) -> str:
+    """The start of ``value`` as JSON, for an error line: never the whole of a large value, and
+    never a RecursionError from a deeply nested one."""
+    if isinstance(value, (list, str)):
+        head = value[:limit]
+    elif isinstance(value, dict):
+        head = dict(list(value.items())[:limit])
+    else:
+        head = value
+    try:
+        text = json.dumps(head)
+    except (ValueError, TypeError, RecursionError):
+        return f"a {type(value).__name__} nested too deeply to show"
+    return text[:limit]
+
+
+def _tokenizer_hint(encoder: Encoder, vocab_size: int) -> str:
+    return (
+        f"the tokenizer ({encoder.name}) does not fit the model's vocab_size {vocab_size}; "
+        "use the model's own tokenizer.json or a vocab_size at least as large as the tokenizer's"
+    )

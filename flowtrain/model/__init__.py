@@ -1,0 +1,64 @@
+"""The model: its config, flat-buffer layout, pure layer math and init.
+
+Owns what a model *is*: families and presets, Hugging Face config names, where each matrix sits
+in a unit's flat buffer, and the layer math as pure functions. It imports nothing of the
+runtime, the planner or training (``lint-imports`` holds it to that); reading and writing
+Hugging Face weight files is :mod:`flowtrain.ckpt.hf`'s.
+
+Weights never live in ``nn.Module``s. Each unit (embedding, decoder layer, head) owns one
+flat buffer; :func:`model_layouts` says where each matrix sits in it, :func:`bind` cuts it
+into views, and :func:`decoder_layer` is a pure function of activations and those views::
+
+    cfg = preset("tiny")
+    layouts = model_layouts(cfg)
+    flats = [torch.empty(lay.numel) for lay in layouts]
+    for lay, flat in zip(layouts, flats):
+        init_unit(flat, lay, cfg, seed=0)
+    cos, sin = rope_tables(cfg, seq_len=128, device="cpu")
+    x = embed(ids, bind(flats[0], layouts[0])["embed_tokens"])
+    for lay, flat in zip(layouts[1:-1], flats[1:-1]):
+        x = decoder_layer(x, bind(flat, lay), cos, sin, cfg)
+"""
+
+from flowtrain.model.config import PRESETS, ModelConfig, RopeScaling, default_chunk_tokens, preset, read_config
+from flowtrain.model.layout import ALIGN, Entry, UnitLayout, bind, model_layouts, unit_numel_max
+
+#: Names whose modules import torch, loaded on first use: the config and the layouts above are
+#: plain data, so ``flowtrain plan`` and ``flowtrain simulate`` read a model without torch.
+_LAZY = {
+    "IGNORE_INDEX": "functional", "decoder_layer": "functional", "embed": "functional", "head_loss": "functional",
+    "head_loss_and_grads": "functional", "rms_norm": "functional", "rope_tables": "functional",
+    "init_unit": "init",
+}
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f"flowtrain.model.{_LAZY[name]}"), name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+__all__ = [
+    "ALIGN",
+    "IGNORE_INDEX",
+    "PRESETS",
+    "Entry",
+    "ModelConfig",
+    "RopeScaling",
+    "UnitLayout",
+    "bind",
+    "decoder_layer",
+    "default_chunk_tokens",
+    "embed",
+    "head_loss",
+    "head_loss_and_grads",
+    "init_unit",
+    "model_layouts",
+    "preset",
+    "read_config",
+    "rms_norm",
+    "rope_tables",
+    "unit_numel_max",
+]

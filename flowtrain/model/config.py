@@ -1,0 +1,935 @@
+"""The shape of a Llama-family model, and the presets flowtrain knows by name.
+
+A :class:`ModelConfig` is everything the layer math, the flat-buffer layout and the
+checkpoint code need to know about a model: sizes, rotary settings and which optional
+biases exist. It is a frozen ``msgspec.Struct``, so it hashes, compares by value and
+round-trips through JSON; it converts to and from a Hugging Face ``config.json`` dict::
+
+    cfg = preset("tiny")                        # or ModelConfig.from_hf(json.load(f))
+    cfg.num_parameters()                        # 123,712
+    ModelConfig.from_hf(cfg.to_hf()) == cfg     # True
+
+Four Hugging Face architectures share this shape, each described by one :class:`Family`
+in :data:`FAMILIES`: ``LlamaForCausalLM`` (optional biases on q, k, v and o),
+``MistralForCausalLM`` (a sliding window), ``Qwen2ForCausalLM`` (biases on q, k and v,
+an optional sliding window) and ``Qwen3ForCausalLM`` (RMSNorm over each head of q and k, an
+explicit head_dim, an optional sliding window) and ``Gemma3ForCausalLM`` (Gemma 3's text
+model: sliding and global layers, q/k norms, sandwich norms, GeGLU, scaled embeddings; the
+layer math is :mod:`flowtrain.model.gemma`). Sliding windows are applied layer by layer
+(:meth:`ModelConfig.layer_window`). Anything else is refused with a
+:class:`~flowtrain.errors.ConfigError` rather than trained wrongly.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any, Literal
+
+import msgspec
+
+from flowtrain.errors import CheckpointError, ConfigError
+
+__all__ = [
+    "FAMILIES",
+    "PRESETS",
+    "SUPPORTED_ARCHITECTURES",
+    "Family",
+    "ModelConfig",
+    "RopeScaling",
+    "preset",
+]
+
+
+class Family(msgspec.Struct, frozen=True):
+    """What one Hugging Face architecture fixes about the layer, and what its config class
+    assumes when config.json leaves a key out (reading a config must give the model
+    transformers would build from the same file)."""
+
+    architecture: str
+    model_type: str
+    max_position_embeddings: int       # default when absent
+    rms_norm_eps: float = 1e-6         # default when absent
+    head_dim: int | None = None        # default when absent; None: hidden_size // num_heads
+    qkv_bias: bool = False             # q, k and v always carry biases, o none (Qwen2)
+    attention_bias: bool = False       # config.json's attention_bias may bias q, k, v and o
+    qk_norm: bool = False              # RMSNorm over each head of q and k, before rotary
+    # How config.json spells a sliding window. "mistral": sliding_window (absent: 4096) on
+    # every layer; "qwen": sliding_window on the layers from max_window_layers on, only
+    # when use_sliding_window is true.
+    window: Literal["none", "mistral", "qwen", "gemma"] = "none"
+    # Gemma 3's layer: norms scale by (1 + weight) in fp32 and also follow attention and the
+    # MLP, embeddings are multiplied by sqrt(hidden_size), the MLP is GeGLU (tanh GELU),
+    # attention scores by query_pre_attn_scalar ** -0.5, sliding layers rotate with their
+    # own base (rope_local_base_freq).
+    gemma: bool = False
+    tied: bool = False                 # tie_word_embeddings when absent
+
+
+FAMILIES: dict[str, Family] = {f.architecture: f for f in (
+    Family("LlamaForCausalLM", "llama", max_position_embeddings=2048, attention_bias=True),
+    Family("MistralForCausalLM", "mistral", max_position_embeddings=4096 * 32, window="mistral"),
+    Family("Qwen2ForCausalLM", "qwen2", max_position_embeddings=32768, qkv_bias=True,
+           window="qwen"),
+    Family("Qwen3ForCausalLM", "qwen3", max_position_embeddings=32768, head_dim=128,
+           attention_bias=True, qk_norm=True, window="qwen"),
+    Family("Gemma3ForCausalLM", "gemma3_text", max_position_embeddings=131072, head_dim=256,
+           attention_bias=True, qk_norm=True, window="gemma", gemma=True, tied=True),
+)}
+
+SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+
+_MISTRAL_WINDOW = 4096   # MistralConfig's sliding_window when config.json omits the key
+_QWEN_WINDOW = 4096      # Qwen2Config's and Qwen3Config's, used only with use_sliding_window
+_QWEN_FULL_LAYERS = 28   # their max_window_layers default
+_GEMMA_WINDOW = 4096     # Gemma3TextConfig's sliding_window
+_GEMMA_PATTERN = 6       # its sliding_window_pattern: every 6th layer attends globally
+_GEMMA_THETA = (1e6, 1e4)  # its rope_theta (global layers) and rope_local_base_freq
+
+_REQUIRED_HF_KEYS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+)
+
+# Bounds on a model's sizes. A corrupt or hostile config.json (vocab_size 10**12, 10**6 layers)
+# must be refused with one line before anything is sized from it: the planner, the graph
+# compiler and the host state all allocate per layer, per chunk and per parameter. Each bound
+# is far above any published model (the largest have ~126 layers, hidden 16,384, intermediate
+# 53,248, 128 heads of 256, vocab 262,144, 10M positions) and far below what would exhaust a
+# machine just describing the model. Checked with integer arithmetic only.
+#: ModelConfig field -> (config.json key, largest accepted value)
+SIZE_BOUNDS: dict[str, tuple[str, int]] = {
+    "num_layers": ("num_hidden_layers", 4096),
+    "hidden_size": ("hidden_size", 1 << 18),
+    "intermediate_size": ("intermediate_size", 1 << 21),
+    "num_heads": ("num_attention_heads", 4096),
+    "num_kv_heads": ("num_key_value_heads", 4096),
+    "head_dim": ("head_dim", 1 << 14),
+    "vocab_size": ("vocab_size", 1 << 24),
+    "max_position_embeddings": ("max_position_embeddings", 1 << 26),
+}
+_HF_BOUNDS = {key: bound for key, bound in SIZE_BOUNDS.values()}
+#: Parameters a model may have: 10**13 fp32 weights are 40 TB, more host memory than any one
+#: machine has, so no run could ever hold them.
+MAX_PARAMETERS = 10**13
+
+
+class RopeScaling(msgspec.Struct, frozen=True):
+    """Rotary frequency scaling: Llama 3.1's (``rope_type == "llama3"``) or linear.
+
+    llama3: low frequencies (wavelengths longer than ``original_max_position_embeddings /
+    low_freq_factor``) are divided by ``factor``, high ones are kept, and the band between
+    is interpolated smoothly; this lets a model pre-trained at 8K positions run at 128K.
+    linear (Gemma 3's global layers): every frequency is divided by ``factor``; the other
+    fields are unused.
+    """
+
+    rope_type: str
+    factor: float
+    low_freq_factor: float = 0.0
+    high_freq_factor: float = 0.0
+    original_max_position_embeddings: int = 0
+
+
+class ModelConfig(msgspec.Struct, frozen=True):
+    """Sizes and options of one Llama-family decoder-only model.
+
+    ``head_dim`` defaults to ``hidden_size // num_heads``. ``attention_bias`` puts biases on
+    q, k, v *and* o (Llama's and Qwen3's option); ``qkv_bias`` on q, k and v only (Qwen2).
+    Whether q and k are normalised per head follows from ``architecture`` (:attr:`qk_norm`).
+
+    ``sliding_window`` (None: none) is how many positions each token of the layers from
+    ``max_window_layers`` on may see, itself included (Mistral: every layer). flowtrain
+    computes full causal attention, the same thing while sequences are no longer than the
+    window; :meth:`check_seq_len` refuses longer ones.
+    """
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    qkv_bias: bool = False
+    initializer_range: float = 0.02
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+    pad_token_id: int | None = None
+    architecture: str = "LlamaForCausalLM"
+    sliding_window: int | None = None
+    max_window_layers: int = 0
+    #: Gemma 3: which layers slide ("sliding_attention") or see everything ("full_attention")
+    layer_types: tuple[str, ...] | None = None
+    #: Gemma 3: the rotary base of sliding layers (``rope_theta`` is the global layers')
+    rope_local_theta: float | None = None
+    #: Gemma 3: attention scores are scaled by this ** -0.5 (None: head_dim ** -0.5)
+    query_pre_attn_scalar: float | None = None
+
+    def __post_init__(self) -> None:
+        # head_dim is always an int after construction; None only means "derive it".
+        if self.head_dim is None and self.num_heads > 0:
+            msgspec.structs.force_setattr(self, "head_dim", self.hidden_size // self.num_heads)
+        fam = FAMILIES.get(self.architecture)
+        if fam is not None and fam.gemma and self.layer_types is None and self.num_layers > 0:
+            # Gemma3TextConfig's default: every _GEMMA_PATTERN-th layer attends globally.
+            types = tuple("sliding_attention" if (i + 1) % _GEMMA_PATTERN else "full_attention"
+                          for i in range(self.num_layers))
+            msgspec.structs.force_setattr(self, "layer_types", types)
+        if fam is not None and fam.gemma:  # Gemma3TextConfig's defaults, spelled out
+            if self.rope_local_theta is None:
+                msgspec.structs.force_setattr(self, "rope_local_theta", _GEMMA_THETA[1])
+            if self.query_pre_attn_scalar is None and self.head_dim is not None:
+                msgspec.structs.force_setattr(self, "query_pre_attn_scalar", float(self.head_dim))
+
+    # ------------------------------------------------------------------ checks and sizes
+
+    @property
+    def family(self) -> Family:
+        """The :class:`Family` of ``architecture``; :class:`ConfigError` if unsupported."""
+        fam = FAMILIES.get(self.architecture)
+        if fam is None:
+            raise ConfigError(_unsupported(self.architecture))
+        return fam
+
+    @property
+    def has_qkv_bias(self) -> bool:
+        """Whether q, k and v projections carry biases (either option turns them on)."""
+        return self.attention_bias or self.qkv_bias
+
+    @property
+    def qk_norm(self) -> bool:
+        """Whether q and k pass through an RMSNorm over each head (weights of head_dim)."""
+        return self.family.qk_norm
+
+    def check_seq_len(self, seq_len: int) -> None:
+        """Raise :class:`ConfigError` if sequences of ``seq_len`` tokens reach beyond the model's
+        positions. (A sliding window shorter than the sequence is applied, not refused.)"""
+        if seq_len > self.max_position_embeddings:
+            raise ConfigError(
+                f"--seq-len {seq_len} is beyond the model's {self.max_position_embeddings} positions "
+                f"(max_position_embeddings); use --seq-len {self.max_position_embeddings} or less"
+            )
+
+    def layer_window(self, layer: int) -> int | None:
+        """How many positions a token of decoder layer ``layer`` sees, itself included: the
+        sliding window on the layers from ``max_window_layers`` on (or, with ``layer_types``,
+        on the "sliding_attention" layers), None (all) elsewhere."""
+        if self.sliding_window is None or layer < self.max_window_layers:
+            return None
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    def layer_rope_local(self, layer: int) -> bool:
+        """Whether layer ``layer`` rotates with the local base (Gemma 3's sliding layers)."""
+        return (self.rope_local_theta is not None and self.layer_types is not None
+                and self.layer_types[layer] == "sliding_attention")
+
+    def validate(self) -> ModelConfig:
+        """Raise :class:`ConfigError` if the sizes cannot form a model; return ``self``."""
+        for name, (_, bound) in SIZE_BOUNDS.items():
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"model config: {name} must be a positive integer, got {value!r}")
+            if value > bound:
+                raise ConfigError(f"model config: {name} {_short(value)} is above the bound {bound:,}; "
+                                  "no model that size can be trained")
+        if self.hidden_size % self.num_heads:
+            raise ConfigError(
+                f"model config: num_heads {self.num_heads} does not divide hidden_size "
+                f"{self.hidden_size}; choose a head count that divides it"
+            )
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"model config: num_kv_heads {self.num_kv_heads} does not divide num_heads "
+                f"{self.num_heads}; grouped-query attention needs whole groups"
+            )
+        assert self.head_dim is not None
+        if self.head_dim % 2:
+            raise ConfigError(
+                f"model config: head_dim {self.head_dim} is odd; rotary embeddings rotate pairs, "
+                "so head_dim must be even"
+            )
+        if not (math.isfinite(self.rms_norm_eps) and self.rms_norm_eps > 0):
+            raise ConfigError(f"model config: rms_norm_eps must be > 0, got {self.rms_norm_eps}")
+        if not (math.isfinite(self.rope_theta) and self.rope_theta > 0):
+            raise ConfigError(f"model config: rope_theta must be > 0, got {self.rope_theta}")
+        if not (math.isfinite(self.initializer_range) and self.initializer_range >= 0):
+            raise ConfigError(
+                f"model config: initializer_range must be >= 0, got {self.initializer_range}"
+            )
+        if self.architecture not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(_unsupported(self.architecture))
+        if self.sliding_window is not None and (
+            isinstance(self.sliding_window, bool) or self.sliding_window <= 0
+        ):
+            raise ConfigError(
+                f"model config: sliding_window must be a positive integer or None, "
+                f"got {self.sliding_window!r}"
+            )
+        if not 0 <= self.max_window_layers <= self.num_layers:
+            raise ConfigError(
+                f"model config: max_window_layers must be between 0 and num_layers "
+                f"{self.num_layers}, got {self.max_window_layers}"
+            )
+        self._check_rope_scaling()
+        self._check_gemma_fields()
+        self._check_parameter_count()
+        return self
+
+    def _check_parameter_count(self) -> None:
+        """Refuse more than :data:`MAX_PARAMETERS` parameters. Every size is bounded by now, so
+        the count is a small exact integer computation; nothing is allocated from it."""
+        n = self.num_parameters()
+        if n > MAX_PARAMETERS:
+            raise ConfigError(
+                f"model config: {n:.3g} parameters is above the bound {MAX_PARAMETERS:.0e} (more than a "
+                f"machine's host memory holds); check vocab_size {self.vocab_size}, hidden_size "
+                f"{self.hidden_size}, intermediate_size {self.intermediate_size}, num_layers {self.num_layers}"
+            )
+
+    def _check_rope_scaling(self) -> None:
+        rs = self.rope_scaling
+        if rs is None:
+            return
+        if rs.rope_type not in ("llama3", "linear"):
+            raise ConfigError(
+                f"model config: rope scaling type {rs.rope_type!r} is not supported; "
+                "flowtrain implements 'llama3' and 'linear' scaling (or none)"
+            )
+        if not (math.isfinite(rs.factor) and rs.factor > 0):
+            raise ConfigError(f"model config: rope scaling needs factor > 0, got {rs}")
+        if rs.rope_type == "llama3":
+            finite = all(math.isfinite(x) for x in (rs.low_freq_factor, rs.high_freq_factor))
+            if not (finite and rs.high_freq_factor > rs.low_freq_factor > 0
+                    and rs.original_max_position_embeddings > 0):
+                raise ConfigError(
+                    f"model config: llama3 rope scaling needs factor > 0, high_freq_factor > "
+                    f"low_freq_factor > 0 and original_max_position_embeddings > 0, got {rs}"
+                )
+
+    def _check_gemma_fields(self) -> None:
+        """layer_types, rope_local_theta and query_pre_attn_scalar belong to Gemma 3 only."""
+        gemma = self.family.gemma
+        if not gemma:
+            for name in ("layer_types", "rope_local_theta", "query_pre_attn_scalar"):
+                if getattr(self, name) is not None:
+                    raise ConfigError(f"model config: {name} is a Gemma 3 setting; "
+                                      f"{self.architecture} has no such option")
+            return
+        if self.layer_types is not None and len(self.layer_types) != self.num_layers:
+            raise ConfigError(f"model config: layer_types names {len(self.layer_types)} layers, "
+                              f"the model has {self.num_layers}")
+        for name in ("rope_local_theta", "query_pre_attn_scalar"):
+            v = getattr(self, name)
+            if v is not None and not (math.isfinite(v) and v > 0):
+                raise ConfigError(f"model config: {name} must be > 0, got {v}")
+
+    def _check_exportable(self) -> None:
+        """Each Hugging Face architecture fixes which biases and windows exist; refuse a
+        mismatch."""
+        fam, arch = self.family, self.architecture
+        if fam.qkv_bias and (self.attention_bias or not self.qkv_bias):
+            raise ConfigError(
+                f"model config: {arch} always has biases on q, k and v and none on o; "
+                "set qkv_bias=True and attention_bias=False"
+            )
+        if not fam.qkv_bias and not fam.attention_bias and self.has_qkv_bias:
+            raise ConfigError(
+                f"model config: {arch} has no attention biases; "
+                "use architecture LlamaForCausalLM for a model with biases"
+            )
+        if not fam.qkv_bias and self.qkv_bias and not self.attention_bias:
+            raise ConfigError(
+                f"model config: {arch} cannot express q/k/v-only biases; "
+                "use architecture Qwen2ForCausalLM or attention_bias=True"
+            )
+        if self.sliding_window is not None and (
+            fam.window == "none" or (fam.window == "mistral" and self.max_window_layers)
+        ):
+            raise ConfigError(
+                f"model config: {arch} cannot express a sliding window"
+                + (" on some layers only" if fam.window == "mistral" else "")
+                + "; set sliding_window=None or choose a family that has one"
+            )
+
+    def layer_parameters(self) -> int:
+        """Parameters in one decoder layer."""
+        assert self.head_dim is not None
+        h = self.hidden_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        n = 2 * h                        # the two RMSNorm weights
+        n += h * q + 2 * h * kv + q * h  # q, k, v, o projections
+        n += 3 * h * self.intermediate_size
+        if self.has_qkv_bias:
+            n += q + 2 * kv
+        if self.attention_bias:
+            n += h
+        if self.qk_norm:
+            n += 2 * self.head_dim
+        if self.family.gemma:
+            n += 2 * h                   # the norms after attention and around the MLP
+        return n
+
+    def num_parameters(self) -> int:
+        """Total trainable parameters (a tied head counts once, as the embedding)."""
+        embed = self.vocab_size * self.hidden_size
+        head = self.hidden_size + (0 if self.tie_word_embeddings else embed)
+        return embed + self.num_layers * self.layer_parameters() + head
+
+    # ------------------------------------------------------------------ Hugging Face I/O
+
+    @classmethod
+    def from_hf(cls, d: dict[str, Any]) -> ModelConfig:
+        """Read a Hugging Face ``config.json`` dict; :class:`ConfigError` if unsupported or if
+        a value has the wrong type ("lots", 4.5, true where an integer belongs), is out of
+        range or not finite. An absent or null optional key takes transformers' default."""
+        if not isinstance(d, dict):
+            raise ConfigError(f"config.json must hold a JSON object, got {type(d).__name__}")
+        arch = _architecture(d)
+        missing = [k for k in _REQUIRED_HF_KEYS if d.get(k) is None]
+        if missing:
+            raise ConfigError(
+                f"config.json for {arch} lacks required key(s) {', '.join(missing)}; "
+                "add them (see the model card's config.json)"
+            )
+        fam = FAMILIES[arch]
+        _check_activation(d, fam)
+        if _hf_bool(d, "mlp_bias", False):
+            raise ConfigError(
+                "config.json sets mlp_bias; flowtrain supports MLPs without biases only"
+            )
+        heads = _hf_int(d, "num_attention_heads")
+        layers = _hf_int(d, "num_hidden_layers")
+        if fam.gemma:
+            extra = _gemma_fields(d, layers)
+        else:
+            theta, scaling = _rope(d)
+            window, full_layers = _sliding_window(d, fam, layers)
+            extra = dict(rope_theta=theta, rope_scaling=scaling, sliding_window=window,
+                         max_window_layers=full_layers)
+        eos = d.get("eos_token_id")
+        if isinstance(eos, list):  # several end tokens: the first is the one flowtrain appends
+            eos = eos[0] if eos else None
+        cfg = cls(
+            vocab_size=_hf_int(d, "vocab_size"),
+            hidden_size=_hf_int(d, "hidden_size"),
+            intermediate_size=_hf_int(d, "intermediate_size"),
+            num_layers=layers,
+            num_heads=heads,
+            num_kv_heads=_hf_int(d, "num_key_value_heads", heads),
+            head_dim=_hf_int(d, "head_dim", fam.head_dim),
+            rms_norm_eps=_hf_float(d, "rms_norm_eps", fam.rms_norm_eps),
+            max_position_embeddings=_hf_int(d, "max_position_embeddings",
+                                            fam.max_position_embeddings),
+            tie_word_embeddings=_hf_bool(d, "tie_word_embeddings", fam.tied),
+            attention_bias=fam.attention_bias and _hf_bool(d, "attention_bias", False),
+            qkv_bias=fam.qkv_bias,
+            initializer_range=_hf_float(d, "initializer_range", 0.02),
+            bos_token_id=_hf_int(d, "bos_token_id", None, minimum=None),
+            eos_token_id=_hf_int({"eos_token_id": eos}, "eos_token_id", None, minimum=None),
+            pad_token_id=_hf_int(d, "pad_token_id", None, minimum=None),
+            architecture=arch,
+            **extra,
+        )
+        return cfg.validate()
+
+    def to_hf(self) -> dict[str, Any]:
+        """A ``config.json`` dict that transformers loads into the same architecture.
+
+        Rotary settings are written both as ``rope_parameters`` (transformers 5) and as
+        ``rope_theta``/``rope_scaling`` (transformers 4), so either version reads them.
+        """
+        self.validate()
+        self._check_exportable()
+        rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        rope_scaling = None
+        if self.rope_scaling is not None:
+            rope_scaling = msgspec.structs.asdict(self.rope_scaling)
+            rope_parameters = {**rope_scaling, "rope_theta": self.rope_theta}
+        d: dict[str, Any] = {
+            "architectures": [self.architecture],
+            "model_type": self.family.model_type,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": rope_scaling,
+            "rope_parameters": rope_parameters,
+            "max_position_embeddings": self.max_position_embeddings,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "initializer_range": self.initializer_range,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "pad_token_id": self.pad_token_id,
+            "attention_dropout": 0.0,
+            "use_cache": True,
+            "torch_dtype": "float32",
+            "dtype": "float32",
+        }
+        fam = self.family
+        if fam.attention_bias:
+            d.update(attention_bias=self.attention_bias)
+        if self.architecture == "LlamaForCausalLM":
+            d.update(mlp_bias=False, pretraining_tp=1)
+        match fam.window:
+            case "mistral":
+                d.update(sliding_window=self.sliding_window)
+            case "qwen":
+                slides = self.sliding_window is not None
+                d.update(use_sliding_window=slides, sliding_window=self.sliding_window,
+                         max_window_layers=self.max_window_layers if slides else self.num_layers)
+            case "gemma":
+                self._gemma_to_hf(d)
+        return d
+
+    def _gemma_to_hf(self, d: dict[str, Any]) -> None:
+        """Gemma 3's spelling: its activation key, two rotary bases, layer types, score scale."""
+        del d["hidden_act"]
+        local = self.rope_local_theta
+        d["rope_parameters"] = {"full_attention": d["rope_parameters"],
+                                "sliding_attention": {"rope_type": "default", "rope_theta": local}}
+        types = self.layer_types or ()
+        scalar = self.query_pre_attn_scalar
+        d.update(hidden_activation="gelu_pytorch_tanh", rope_local_base_freq=local,
+                 sliding_window=self.sliding_window, layer_types=list(types),
+                 query_pre_attn_scalar=int(scalar) if scalar is not None and scalar.is_integer() else scalar,
+                 final_logit_softcapping=None, attn_logit_softcapping=None)
+
+
+_REQUIRED = object()
+
+
+def _hf_int(d: dict[str, Any], key: str, default: Any = _REQUIRED, *, minimum: int | None = 1,
+            where: str = "") -> Any:
+    """``d[key]`` as a JSON integer >= ``minimum`` (any integer if None) and, for a size, at most
+    its bound in :data:`SIZE_BOUNDS`; absent or null gives ``default``. A float is refused, not
+    truncated: 4096.5 layers is a typo, not a size."""
+    v = d.get(key)
+    if v is None:
+        if default is _REQUIRED:
+            raise ConfigError(f"config.json lacks required key {where}{key}")
+        return default
+    if isinstance(v, bool) or not isinstance(v, int) or (minimum is not None and v < minimum):
+        what = ("an integer" if minimum is None else "a positive integer" if minimum == 1
+                else f"an integer >= {minimum}")
+        raise ConfigError(f"config.json: {where}{key} must be {what} (got {_short(v)})")
+    bound = _HF_BOUNDS.get(key)
+    if bound is not None and v > bound:
+        raise ConfigError(f"config.json: {key} {_short(v)} is above the bound {bound:,}; "
+                          "no model that size can be trained (is config.json corrupt?)")
+    return v
+
+
+def _short(v: Any, limit: int = 80) -> str:
+    """``repr(v)`` cut to ``limit`` characters: an error line quotes a value, not a file."""
+    if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 200:
+        return f"an integer of {v.bit_length()} bits"  # str() of a huge int is slow, or refused
+    text = repr(v)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _hf_float(d: dict[str, Any], key: str, default: Any = _REQUIRED, *, where: str = "") -> float:
+    """``d[key]`` as a finite number (ranges are :meth:`ModelConfig.validate`'s); absent or null
+    gives ``default``."""
+    v = d.get(key)
+    if v is None:
+        if default is _REQUIRED:
+            raise ConfigError(f"config.json lacks required key {where}{key}")
+        return default
+    if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v):
+        raise ConfigError(f"config.json: {where}{key} must be a finite number (got {v!r})")
+    return float(v)
+
+
+def _hf_bool(d: dict[str, Any], key: str, default: bool) -> bool:
+    """``d[key]`` as JSON true/false (the string "false" is not false); absent or null gives
+    ``default``."""
+    v = d.get(key)
+    if v is None:
+        return default
+    if not isinstance(v, bool):
+        raise ConfigError(f"config.json: {key} must be true or false (got {v!r})")
+    return v
+
+
+def _unsupported(arch: object) -> str:
+    return (
+        f"unsupported architecture {arch!r}: flowtrain trains "
+        f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+    )
+
+
+def _sliding_window(d: dict[str, Any], fam: Family, layers: int) -> tuple[int | None, int]:
+    """``(window, max_window_layers)`` as transformers reads them; ``(None, 0)`` when no
+    layer slides (then the window cannot matter and is dropped)."""
+    match fam.window:
+        case "mistral":
+            # An absent key means MistralConfig's 4096, an explicit null no window.
+            window = _hf_int(d, "sliding_window", None) if "sliding_window" in d else _MISTRAL_WINDOW
+            return window, 0
+        case "qwen":
+            if not _hf_bool(d, "use_sliding_window", False):
+                return None, 0
+            window = _hf_int(d, "sliding_window", None) if "sliding_window" in d else _QWEN_WINDOW
+            full = _hf_int(d, "max_window_layers", _QWEN_FULL_LAYERS, minimum=0)
+            types = d.get("layer_types")
+            if isinstance(types, list):
+                sliding = [i for i, t in enumerate(types) if t == "sliding_attention"]
+                full = sliding[0] if sliding else layers
+                if sliding != list(range(full, len(types))):
+                    raise ConfigError(
+                        "config.json: layer_types mixes full and sliding attention other than "
+                        "full layers first, then sliding ones; flowtrain cannot express that"
+                    )
+            if window is None or full >= layers:
+                return None, 0
+            return window, full
+    return None, 0
+
+
+def _architecture(d: dict[str, Any]) -> str:
+    archs = d.get("architectures")
+    if isinstance(archs, list) and archs:
+        arch = archs[0]
+    else:
+        # Some configs only carry model_type; map it back when it is one we know.
+        by_type = {f.model_type: f.architecture for f in FAMILIES.values()}
+        model_type = d.get("model_type")
+        arch = by_type.get(model_type, model_type) if isinstance(model_type, str) else model_type
+        if arch is None:
+            raise ConfigError(
+                "config.json names no architecture (no 'architectures' or 'model_type' key); "
+                f"add \"architectures\": [\"LlamaForCausalLM\"] or another of "
+                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+            )
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(_unsupported(arch))
+    return arch
+
+
+def _rope(d: dict[str, Any], theta_default: float = 10000.0) -> tuple[float, RopeScaling | None]:
+    """Rotary base and scaling from either the transformers 4 or 5 spelling."""
+    params, where = d.get("rope_parameters"), "rope_parameters."
+    if not isinstance(params, dict):
+        params, where = d.get("rope_scaling") or {}, "rope_scaling."
+        if not isinstance(params, dict):
+            raise ConfigError(f"config.json: rope_scaling must be an object or null (got {params!r})")
+    if params.get("rope_theta") is not None:
+        theta = _hf_float(params, "rope_theta", where=where)
+    else:
+        theta = _hf_float(d, "rope_theta", theta_default)
+    return theta, _rope_scaling(params, where)
+
+
+def _rope_scaling(params: dict[str, Any], where: str) -> RopeScaling | None:
+    kind = params.get("rope_type", params.get("type", "default"))
+    if kind in (None, "default"):
+        return None
+    if kind == "linear":
+        if params.get("factor") is None:
+            raise ConfigError(f"config.json: linear rope scaling lacks 'factor' ({where})")
+        return RopeScaling(rope_type="linear", factor=_hf_float(params, "factor", where=where))
+    if kind != "llama3":
+        raise ConfigError(
+            f"config.json uses rope scaling {kind!r}; flowtrain supports 'llama3' and 'linear' "
+            "scaling or none"
+        )
+    for key in ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"):
+        if params.get(key) is None:
+            raise ConfigError(f"config.json: llama3 rope scaling lacks {key!r}")
+    return RopeScaling(
+        rope_type="llama3",
+        factor=_hf_float(params, "factor", where=where),
+        low_freq_factor=_hf_float(params, "low_freq_factor", where=where),
+        high_freq_factor=_hf_float(params, "high_freq_factor", where=where),
+        original_max_position_embeddings=_hf_int(params, "original_max_position_embeddings", where=where),
+    )
+
+
+def _check_activation(d: dict[str, Any], fam: Family) -> None:
+    """The MLP's activation must be the one flowtrain implements for the family."""
+    key, want = ("hidden_activation", "gelu_pytorch_tanh") if fam.gemma else ("hidden_act", "silu")
+    act = d.get(key, want)
+    if act != want:
+        mlp = "GeGLU MLP supports 'gelu_pytorch_tanh'" if fam.gemma else "SwiGLU MLP supports 'silu'"
+        raise ConfigError(f"config.json has {key} {act!r}; flowtrain's {mlp} only")
+
+
+def _gemma_fields(d: dict[str, Any], layers: int) -> dict[str, Any]:
+    """Gemma 3's rotary bases (global and local), window, layer types and score scale, read as
+    Gemma3TextConfig reads them (transformers 4 or 5 spelling)."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping"):
+        if d.get(key) is not None:
+            raise ConfigError(f"config.json sets {key}; flowtrain's Gemma 3 has no soft-capping")
+    if _hf_bool(d, "use_bidirectional_attention", False):
+        raise ConfigError("config.json sets use_bidirectional_attention; flowtrain trains causal models only")
+    params = d.get("rope_parameters")
+    if isinstance(params, dict) and "full_attention" in params:
+        full = params.get("full_attention") or {}
+        local = params.get("sliding_attention") or {}
+        if not isinstance(full, dict) or not isinstance(local, dict):
+            raise ConfigError("config.json: rope_parameters.full_attention and .sliding_attention must be objects")
+        theta = _hf_float(full, "rope_theta", _GEMMA_THETA[0], where="rope_parameters.full_attention.")
+        scaling = _rope_scaling(full, "rope_parameters.full_attention.")
+        local_theta = _hf_float(local, "rope_theta", _GEMMA_THETA[1], where="rope_parameters.sliding_attention.")
+        if _rope_scaling(local, "rope_parameters.sliding_attention.") is not None:
+            raise ConfigError("config.json scales the rotary of sliding layers; flowtrain scales global layers only")
+    else:
+        theta, scaling = _rope(d, theta_default=_GEMMA_THETA[0])
+        local_theta = _hf_float(d, "rope_local_base_freq", _GEMMA_THETA[1])
+    window = _hf_int(d, "sliding_window", None) if "sliding_window" in d else _GEMMA_WINDOW
+    types = d.get("layer_types")
+    if types is None:
+        pattern = _hf_int(d, "sliding_window_pattern", _GEMMA_PATTERN)
+        types = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(layers)]
+    if (not isinstance(types, list) or len(types) != layers
+            or any(t not in ("sliding_attention", "full_attention") for t in types)):
+        raise ConfigError(
+            f"config.json: layer_types must list 'sliding_attention' or 'full_attention' for each of "
+            f"the {layers} layers (got {types!r})"
+        )
+    return dict(rope_theta=theta, rope_scaling=scaling, rope_local_theta=local_theta,
+                sliding_window=window, layer_types=tuple(types),
+                query_pre_attn_scalar=_hf_float(d, "query_pre_attn_scalar", 256.0))
+
+
+_LLAMA3_SCALING = RopeScaling(
+    rope_type="llama3",
+    factor=32.0,
+    low_freq_factor=1.0,
+    high_freq_factor=4.0,
+    original_max_position_embeddings=8192,
+)
+
+PRESETS: dict[str, ModelConfig] = {
+    # Byte-level vocabulary, trains on a CPU in seconds; for tests and smoke runs.
+    "tiny": ModelConfig(
+        vocab_size=256, hidden_size=64, intermediate_size=172, num_layers=2,
+        num_heads=4, num_kv_heads=2, max_position_embeddings=1024,
+    ),
+    # Qwen2.5-0.5B's shape (tied): the smallest real-size model, for CPU runs of a real shape.
+    "qwen-0.5b": ModelConfig(
+        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
+        num_heads=14, num_kv_heads=2, qkv_bias=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=32768, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151643,
+        architecture="Qwen2ForCausalLM",
+    ),
+    # Llama-3.2-1B's shape.
+    "llama-1b": ModelConfig(
+        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
+        num_heads=32, num_kv_heads=8, rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING,
+        max_position_embeddings=131072, tie_word_embeddings=True,
+        bos_token_id=128000, eos_token_id=128001,
+    ),
+    # Llama-3.2-3B's shape with an untied head.
+    "llama-3b": ModelConfig(
+        vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_layers=28,
+        num_heads=24, num_kv_heads=8, rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING,
+        max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001,
+    ),
+    # Llama-3-8B.
+    "llama-8b": ModelConfig(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
+        num_heads=32, num_kv_heads=8, rope_theta=500000.0, max_position_embeddings=8192,
+        bos_token_id=128000, eos_token_id=128001,
+    ),
+    # Qwen2.5-14B's shape.
+    "qwen-14b": ModelConfig(
+        vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_layers=48,
+        num_heads=40, num_kv_heads=8, qkv_bias=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=32768, bos_token_id=151643, eos_token_id=151643,
+        architecture="Qwen2ForCausalLM",
+    ),
+    # Qwen3-8B's shape: per-head q/k norms, untied.
+    "qwen3-8b": ModelConfig(
+        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
+        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645,
+        architecture="Qwen3ForCausalLM",
+    ),
+    # Gemma-3-1B's shape: five sliding layers (window 512) per global one, tied.
+    "gemma3-1b": ModelConfig(
+        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_layers=26,
+        num_heads=4, num_kv_heads=1, head_dim=256, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=32768, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
+        pad_token_id=0, architecture="Gemma3ForCausalLM", sliding_window=512,
+        rope_local_theta=10000.0, query_pre_attn_scalar=256.0,
+    ),
+}
+
+
+def _long_context(base: ModelConfig, positions: int) -> ModelConfig:
+    """``base`` with Llama 3.1's rope scaling stretched from 8,192 original positions to
+    ``positions`` (factor positions / 8192): a shape for long-context training."""
+    scaling = RopeScaling(rope_type="llama3", factor=positions / 8192, low_freq_factor=1.0, high_freq_factor=4.0,
+                          original_max_position_embeddings=8192)
+    return msgspec.structs.replace(base, rope_scaling=scaling, max_position_embeddings=positions)
+
+
+#: One sequence of up to 262,144 tokens on Llama-3-8B's shape, 524,288 on llama-3b's.
+PRESETS["llama-8b-256k"] = _long_context(PRESETS["llama-8b"], 262144)
+PRESETS["llama-3b-512k"] = _long_context(PRESETS["llama-3b"], 524288)
+
+
+def preset(name: str) -> ModelConfig:
+    """The preset called ``name``; :class:`ConfigError` listing valid names otherwise."""
+    try:
+        return PRESETS[name]
+    except KeyError:
+        raise ConfigError(
+            f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}"
+        ) from None
+
+
+#: Tokens per micro-batch above which a layer's MLP runs in pieces of this many
+#: (:mod:`flowtrain.model.mlp`; 16 pieces at 512K tokens).
+MLP_CHUNK_TOKENS = 32768
+
+
+def default_chunk_tokens(vocab_size: int) -> int:
+    """Tokens per head chunk: at most ~1 GiB of fp32 logits, between 256 and 4096 tokens."""
+    fit = (1 << 30) // (4 * vocab_size)
+    return max(256, min(4096, fit // 256 * 256))
+
+
+#: A Hugging Face model directory's configuration file.
+CONFIG_NAME = "config.json"
+
+
+#: The weights of a model directory: one file, or an index naming shards (checkpoint.py's names).
+_WEIGHTS_NAME, _INDEX_NAME = "model.safetensors", "model.safetensors.index.json"
+#: Largest JSON file read whole (config.json, the index) and largest safetensors header; the
+#: safetensors library refuses headers above 100 MB too. Real ones are kilobytes.
+_MAX_JSON_BYTES = 64 << 20
+_MAX_HEADER_BYTES = 100_000_000
+#: safetensors dtypes a weight may have, with their bytes per element: floating point only. An
+#: integer or bool tensor would be cast to float silently (quantized weights without their scales).
+_FLOAT_DTYPES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}
+
+
+def read_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
+    """The :class:`ModelConfig` of a Hugging Face model directory.
+
+    Where the directory holds weights, their safetensors headers are checked against the config
+    too (:func:`check_weight_headers`): a few kilobytes read, so a wrong or damaged checkpoint
+    is refused before the host state it would be loaded into is allocated. A directory with
+    ``config.json`` alone is accepted (``flowtrain plan`` and ``simulate`` need no weights)."""
+    path = Path(model_dir)
+    if not path.is_dir():
+        raise CheckpointError(f"model directory {str(path)!r} does not exist or is not a directory")
+    cfg_path = path / CONFIG_NAME
+    if not cfg_path.is_file():
+        raise CheckpointError(
+            f"{str(path)!r} has no {CONFIG_NAME}; point at a Hugging Face model directory"
+        )
+    cfg = ModelConfig.from_hf(_read_json(cfg_path))
+    check_weight_headers(path, cfg)
+    return cfg
+
+
+def _read_json(path: Path) -> Any:
+    """A small JSON file, or :class:`CheckpointError` in one line: too large, unreadable, not
+    JSON, or nested too deeply for the parser (which would raise RecursionError)."""
+    try:
+        if path.stat().st_size > _MAX_JSON_BYTES:
+            raise CheckpointError(f"cannot read {path}: {path.stat().st_size:,} bytes, more than the "
+                                  f"{_MAX_JSON_BYTES:,} a JSON file of a model may have")
+        return json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot read {path}: {_short(str(e), 200)}") from e
+    except RecursionError:
+        raise CheckpointError(f"cannot read {path}: its JSON is nested too deeply") from None
+
+
+def check_weight_headers(model_dir: str | os.PathLike[str], cfg: ModelConfig, *, require: bool = False) -> None:
+    """Check the safetensors headers of ``model_dir`` against ``cfg`` without reading a weight:
+    every tensor the config implies is present, has its shape and a floating dtype, and its
+    bytes lie inside its file. Raises :class:`CheckpointError` naming the file and tensor, with
+    the same words as loading would. A directory without weight files passes (nothing to
+    check) unless ``require``: a caller about to load weights refuses it before allocating."""
+    from flowtrain.model.layout import model_layouts  # layout imports this module
+
+    path = Path(model_dir)
+    index = path / _INDEX_NAME
+    if not index.is_file() and not (path / _WEIGHTS_NAME).is_file():
+        if require:
+            raise CheckpointError(f"{str(path)!r} has neither {_WEIGHTS_NAME} nor {_INDEX_NAME}")
+        return
+    expected = {e.name: e.shape for lay in model_layouts(cfg) for e in lay.entries}
+    if index.is_file():
+        weight_map = _read_json(index)
+        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
+        if not isinstance(weight_map, dict):
+            raise CheckpointError(f"{index} is not a valid safetensors index: it has no 'weight_map' object")
+        files: dict[Path, list[str]] = {}
+        for name in expected:
+            if not isinstance(weight_map.get(name), str):
+                raise CheckpointError(f"tensor {name!r} is missing from {index}")
+            files.setdefault(path / weight_map[name], []).append(name)
+    else:
+        files = {path / _WEIGHTS_NAME: list(expected)}
+    for file, names in files.items():
+        if not file.is_file():
+            raise CheckpointError(f"shard {_short(str(file), 200)} named in {index} does not exist")
+        header, data_bytes = _safetensors_header(file)
+        for name in names:
+            _check_tensor(file, name, header.get(name), expected[name], data_bytes)
+
+
+def _safetensors_header(file: Path) -> tuple[dict, int]:
+    """``(header, bytes after it)`` of a safetensors file: an 8-byte little-endian length, then
+    that many bytes of JSON. Only the header is read."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            n = int.from_bytes(f.read(8), "little")
+            if size < 8 or n > min(_MAX_HEADER_BYTES, size - 8):
+                raise CheckpointError(f"cannot read {file}: corrupt or truncated (header of {n:,} bytes "
+                                      f"in a file of {size:,})")
+            header = json.loads(f.read(n))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise CheckpointError(f"cannot read {file}: corrupt or truncated ({_short(str(e), 200)})") from e
+    if not isinstance(header, dict):
+        raise CheckpointError(f"cannot read {file}: corrupt or truncated (its header is not a JSON object)")
+    return header, size - 8 - n
+
+
+def _check_tensor(file: Path, name: str, info: Any, shape: tuple[int, ...], data_bytes: int) -> None:
+    """One header entry against the shape the config implies (see :func:`check_weight_headers`)."""
+    if info is None:
+        raise CheckpointError(f"tensor {name!r} is missing from {file}")
+    got = info.get("shape") if isinstance(info, dict) else None
+    offsets = info.get("data_offsets") if isinstance(info, dict) else None
+    if (not isinstance(got, list) or not all(type(x) is int and x >= 0 for x in got)
+            or not isinstance(offsets, list) or len(offsets) != 2 or not all(type(x) is int for x in offsets)):
+        raise CheckpointError(f"cannot read {file}: corrupt or truncated (the entry of {name!r} is malformed)")
+    if tuple(got) != shape:
+        raise CheckpointError(f"tensor {name!r} in {file} has shape {_short(tuple(got))}, but the config "
+                              f"implies {shape}; does config.json belong to these weights?")
+    dtype = info.get("dtype")
+    if dtype not in _FLOAT_DTYPES:
+        raise CheckpointError(f"tensor {name!r} in {file} is {_short(dtype)}, not a floating-point weight; "
+                              f"flowtrain loads {', '.join(_FLOAT_DTYPES)} weights (convert quantized checkpoints)")
+    begin, end = offsets
+    if not 0 <= begin <= end <= data_bytes or end - begin != math.prod(shape) * _FLOAT_DTYPES[dtype]:
+        raise CheckpointError(f"cannot read {file}: corrupt or truncated ({name!r} lies at bytes {begin}-{end} "
+                              f"of {data_bytes:,})")

@@ -1,0 +1,158 @@
+"""Where each weight lives inside a unit's flat buffer.
+
+flowtrain keeps a model's parameters in a handful of 1-D host buffers, one per *unit*: the
+embedding, each decoder layer, and the head. Moving a unit to the GPU is then one large
+copy, and the optimizer sees one long vector per unit. A :class:`UnitLayout` says how to
+cut such a buffer back into named matrices; :func:`bind` does the cutting, as views::
+
+    layouts = model_layouts(cfg)                 # [embed, layer.0, ..., layer.L-1, head]
+    flat = torch.empty(layouts[1].numel)         # any dtype, any device
+    w = bind(flat, layouts[1])                   # {"q_proj": (q_out, hidden) view, ...}
+    w["q_proj"].normal_()                        # writes into ``flat``
+
+Every entry starts at a multiple of :data:`ALIGN` elements, so views stay aligned for
+vectorised kernels whatever the dtype; the gaps are padding that stays zero.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import TYPE_CHECKING
+
+import msgspec
+
+if TYPE_CHECKING:
+    from torch import Tensor
+
+from flowtrain.model.config import ModelConfig
+
+__all__ = ["ALIGN", "Entry", "UnitLayout", "bind", "model_layouts", "unit_numel_max"]
+
+ALIGN = 64  # elements; 128 bytes in bf16, 256 in fp32
+
+
+class Entry(msgspec.Struct, frozen=True):
+    """One tensor in a unit: ``key`` is the short name used by the layer math, ``name`` the
+    Hugging Face checkpoint name; it occupies ``flat[offset : offset + numel]``."""
+
+    key: str
+    name: str
+    shape: tuple[int, ...]
+    offset: int
+    numel: int
+
+
+class UnitLayout(msgspec.Struct, frozen=True):
+    """The entries of one unit (``"embed"``, ``"layer"`` or ``"head"``) and its padded size."""
+
+    unit: str
+    layer: int | None
+    entries: tuple[Entry, ...]
+    numel: int
+
+    @property
+    def key(self) -> str:
+        """``"embed"``, ``"layer.{i}"`` or ``"head"``: a stable name for this unit."""
+        return f"layer.{self.layer}" if self.unit == "layer" else self.unit
+
+    def entry(self, key: str) -> Entry:
+        """The entry called ``key``; ``KeyError`` listing the valid keys otherwise."""
+        for e in self.entries:
+            if e.key == key:
+                return e
+        raise KeyError(f"{self.key} has no entry {key!r}; it has {[e.key for e in self.entries]}")
+
+
+def _align(n: int) -> int:
+    return -(-n // ALIGN) * ALIGN
+
+
+_Spec = tuple[str, str, tuple[int, ...]]  # (key, checkpoint name, shape)
+
+
+def _pack(unit: str, layer: int | None, specs: Iterable[_Spec]) -> UnitLayout:
+    entries = []
+    offset = 0
+    for key, name, shape in specs:
+        numel = 1
+        for s in shape:
+            numel *= s
+        offset = _align(offset)
+        entries.append(Entry(key=key, name=name, shape=shape, offset=offset, numel=numel))
+        offset += numel
+    return UnitLayout(unit=unit, layer=layer, entries=tuple(entries), numel=_align(offset))
+
+
+def _layer_specs(cfg: ModelConfig, i: int) -> list[_Spec]:
+    assert cfg.head_dim is not None
+    h, ffn = cfg.hidden_size, cfg.intermediate_size
+    q_out, kv_out = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
+    attn, mlp = f"model.layers.{i}.self_attn", f"model.layers.{i}.mlp"
+    specs = [
+        ("input_layernorm", f"model.layers.{i}.input_layernorm.weight", (h,)),
+        ("q_proj", f"{attn}.q_proj.weight", (q_out, h)),
+        ("k_proj", f"{attn}.k_proj.weight", (kv_out, h)),
+        ("v_proj", f"{attn}.v_proj.weight", (kv_out, h)),
+    ]
+    if cfg.has_qkv_bias:
+        specs += [
+            ("q_bias", f"{attn}.q_proj.bias", (q_out,)),
+            ("k_bias", f"{attn}.k_proj.bias", (kv_out,)),
+            ("v_bias", f"{attn}.v_proj.bias", (kv_out,)),
+        ]
+    if cfg.attention_bias:
+        specs.append(("o_bias", f"{attn}.o_proj.bias", (h,)))
+    if cfg.qk_norm:
+        specs += [
+            ("q_norm", f"{attn}.q_norm.weight", (cfg.head_dim,)),
+            ("k_norm", f"{attn}.k_norm.weight", (cfg.head_dim,)),
+        ]
+    specs += [
+        ("o_proj", f"{attn}.o_proj.weight", (h, q_out)),
+        ("post_attention_layernorm", f"model.layers.{i}.post_attention_layernorm.weight", (h,)),
+    ]
+    if cfg.family.gemma:  # Gemma 3 also norms the MLP's input and output
+        specs += [
+            ("pre_feedforward_layernorm", f"model.layers.{i}.pre_feedforward_layernorm.weight", (h,)),
+            ("post_feedforward_layernorm", f"model.layers.{i}.post_feedforward_layernorm.weight", (h,)),
+        ]
+    specs += [
+        ("gate_proj", f"{mlp}.gate_proj.weight", (ffn, h)),
+        ("up_proj", f"{mlp}.up_proj.weight", (ffn, h)),
+        ("down_proj", f"{mlp}.down_proj.weight", (h, ffn)),
+    ]
+    return specs
+
+
+def model_layouts(cfg: ModelConfig) -> list[UnitLayout]:
+    """Layouts of every unit, in execution order: embed, layers 0..L-1, head.
+
+    A tied model's head holds only the final norm; it reuses the embedding matrix.
+    """
+    cfg.validate()
+    h, v = cfg.hidden_size, cfg.vocab_size
+    layouts = [_pack("embed", None, [("embed_tokens", "model.embed_tokens.weight", (v, h))])]
+    layouts += [_pack("layer", i, _layer_specs(cfg, i)) for i in range(cfg.num_layers)]
+    head = [("norm", "model.norm.weight", (h,))]
+    if not cfg.tie_word_embeddings:
+        head.append(("lm_head", "lm_head.weight", (v, h)))
+    layouts.append(_pack("head", None, head))
+    return layouts
+
+
+def bind(flat: Tensor, layout: UnitLayout) -> dict[str, Tensor]:
+    """Views of ``flat`` (1-D, at least ``layout.numel`` elements) shaped per entry.
+
+    No data is copied: writing to a view writes to ``flat``.
+    """
+    if flat.dim() != 1 or flat.numel() < layout.numel:
+        raise ValueError(
+            f"bind: unit {layout.key} needs a 1-D buffer of at least {layout.numel} elements, "
+            f"got shape {tuple(flat.shape)}"
+        )
+    return {e.key: flat[e.offset : e.offset + e.numel].view(e.shape) for e in layout.entries}
+
+
+def unit_numel_max(layouts: Sequence[UnitLayout]) -> int:
+    """The largest unit's padded size: what one reusable staging buffer must hold."""
+    return max(lay.numel for lay in layouts)

@@ -1,0 +1,87 @@
+"""``--activations auto`` and ``--layout auto``, checked against predicted step time.
+
+The planner places activations and picks the host layout by rules: what each placement saves
+per GPU byte (:func:`~flowtrain.plan.memory.place_activations`, :mod:`flowtrain.plan.attention`), and the
+staged layout (12 bytes per parameter) unless ``--grad-clip`` needs the full one. The rules
+follow what the H200 measured; another machine may want otherwise (a slow link wants the
+stream-bf16 layout, which halves the bytes of every fetch for 2 more host bytes per parameter).
+So where a machine model of the run's GPU is known (the one ``--order auto`` predicts with,
+:mod:`.order_choice`), the plan the rules make is compared with the plan of each alternative of
+a setting left on ``auto``, one change at a time::
+
+    req, plan, why = choose_placement(cfg, req, plan, plan_one, machine=machine)
+
+and the fastest predicted is taken where it fits and is at least 2% faster than the rules'
+plan (closer than the model can tell apart otherwise); ``why`` says so, and the plan and the run
+summary show it. Without a GPU, with several processes, or on a GPU no shipped machine
+describes, the rules' plan stands and nothing is simulated.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import msgspec
+
+from .order_choice import MARGIN, Predictions, this_gpu_machine
+
+__all__ = ["alternatives", "choose_placement"]
+
+
+def alternatives(req: Any) -> list[tuple[str, str]]:
+    """``(setting, value)`` pairs to compare with the rules' plan: the explicit values of each
+    setting the request leaves on ``auto``, where the rules may be wrong: keeping layers or not,
+    and the layout. Not the placements the rules turn to only for memory: ``offload`` (the rules
+    offload what the GPU cannot hold; offloading more only adds copies) and ``attention`` (the
+    rules save attention outputs wherever their FLOPs pay for their bytes; on every layer they
+    take memory that checkpoints or kept layers use better). Both stay in ``flowtrain plan
+    --machine``'s wider search (:mod:`flowtrain.sim.choose`)."""
+    out: list[tuple[str, str]] = []
+    if req.activations == "auto":
+        out += [("activations", a) for a in ("recompute", *(("keep",) if req.checkpoint_every == 1 else ()))]
+    if req.layout == "auto" and not req.grad_clip:
+        out.append(("layout", "stream-bf16"))
+    return out
+
+
+def choose_placement(cfg: Any, req: Any, plan: Any, plan_one: Callable[[Any], Any], *, policy: Any,
+                     machine: Any = None, local_gpu: bool = True,
+                     predictions: Predictions | None = None) -> tuple[Any, Any, str | None]:
+    """``(req, plan, why)``: the rules' request and plan, or an alternative's predicted at least
+    2% faster on ``machine`` (a :class:`~flowtrain.sim.machine.Machine`; by default, with
+    ``local_gpu``, the one describing this GPU); ``why`` names the change and both predictions
+    where one was taken. ``plan_one(req)`` plans one request; ``predictions`` may hold what the
+    order choice simulated already.
+
+    The layout alternative is tried only where the link shows on the rules' plan's critical
+    chain (at least the margin of it on ``h2d``): stream-bf16 only halves the fetches' bytes, so
+    it cannot gain more than the time the chain spends copying them."""
+    options = alternatives(req)
+    if not plan.fits or plan.device != "cuda" or req.processes > 1 or not options:
+        return req, plan, None
+    machine = machine or (this_gpu_machine() if local_gpu else None)
+    if machine is None:
+        return req, plan, None
+    predictions = predictions or Predictions(cfg, policy)
+
+    def same(p: Any) -> bool:  # an alternative the rules' plan already is
+        return (p.layout, p.spec, p.budgets, p.chunk_tokens) == (plan.layout, plan.spec, plan.budgets, plan.chunk_tokens)
+
+    summary = predictions(req, plan, machine)
+    base = summary.tokens_per_s
+    chain = summary.critical_by_lane
+    on_link = chain.get("h2d", 0.0) / (sum(chain.values()) or 1.0)
+    best = (base, req, plan, "")
+    for setting, value in options:
+        if setting == "layout" and on_link < MARGIN - 1:
+            continue
+        r = msgspec.structs.replace(req, **{setting: value})
+        p = plan_one(r)
+        if p.fits and not same(p):
+            t = predictions(r, p, machine).tokens_per_s
+            if t > best[0]:
+                best = (t, r, p, f"--{setting} {value}")
+    t, r, p, change = best
+    if t < MARGIN * base:
+        return req, plan, None
+    return r, p, f"auto: {change}, predicted on {machine.name} {t:,.0f} tok/s against {base:,.0f} for the rules' plan"

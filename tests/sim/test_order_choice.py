@@ -1,0 +1,130 @@
+"""``--order auto``: the planner takes micro-batch order only where the simulator, with the
+machine model of the GPU, predicts it faster; everywhere else the order is ``layer``."""
+
+from __future__ import annotations
+
+import json
+
+import msgspec
+import pytest
+import torch
+
+from flowtrain.cli import main
+from flowtrain.cli.plan import format_plan
+from flowtrain.model import preset
+from flowtrain.plan.memory import RunRequest, plan_run
+from flowtrain.sim.choose_plan import plan_and_choose
+from flowtrain.sim.machine import load_machine, machine_for_gpu
+from flowtrain.sim.predict import predict
+
+CUDA = torch.device("cuda")
+H200 = load_machine("h200")
+
+
+def request(**kw):
+    fields = {"seq_len": 4096, "batch_size": 16, "micro_batch_size": 4, "host_mem": 110.0, "gpu_mem": 139.0,
+              "order": "auto", **kw}
+    return RunRequest(**fields)
+
+
+def planned(model="llama-3b", machine=H200, **kw):
+    return plan_and_choose(preset(model), request(**kw), device=CUDA, dtype=torch.bfloat16, machine=machine)
+
+
+def test_micro_batch_order_where_it_is_predicted_faster_and_the_numbers_are_the_simulators():
+    """llama-3b, 16 sequences in micro-batches of 4 on the H200: every layer's activations of
+    one micro-batch fit, where layer order recomputes most layers for four."""
+    plan = planned()
+    assert plan.spec.order == "micro"
+    cfg = preset("llama-3b")
+    speeds = {}
+    for order in ("layer", "micro"):
+        req = request(order=order)
+        p = plan_run(cfg, req, device=CUDA, dtype=torch.bfloat16)
+        speeds[order] = predict(cfg, p, req, H200).summary.tokens_per_s
+    assert speeds["micro"] >= 1.02 * speeds["layer"]
+    assert plan.order_choice == (f"auto: predicted on h200 {speeds['micro']:,.0f} tok/s in micro-batch order, "
+                                 f"{speeds['layer']:,.0f} in layer order")
+
+
+@pytest.mark.parametrize("case", ["one micro-batch", "no machine model", "cpu", "several processes", "asked"])
+def test_layer_order_without_a_prediction_or_where_asked(case):
+    kw = {"one micro-batch": dict(batch_size=4), "no machine model": dict(machine=None),
+          "several processes": dict(processes=2), "asked": dict(order="layer")}.get(case, {})
+    if case == "cpu":
+        plan = plan_and_choose(preset("llama-3b"), request(), device=torch.device("cpu"), dtype=torch.float32)
+    else:
+        plan = planned(**kw)  # no GPU on this machine: without a machine there is nothing to predict with
+    assert plan.spec.order == "layer"
+    if case == "no machine model":
+        assert plan.order_choice.startswith("auto: no machine model of this GPU")
+    else:
+        assert plan.order_choice is None
+    assert planned(order="micro").spec.order == "micro"  # an explicit order is never changed
+
+
+def test_layer_order_where_micro_is_not_predicted_faster():
+    """The prediction decides, both ways: on a machine whose PCIe is a tenth of the H200's,
+    fetching every layer once per micro-batch costs more than the recompute it saves."""
+    slow_pcie = msgspec.structs.replace(H200, name="slow-pcie", h2d_gbps=4.5, d2h_gbps=4.5, duplex_gbps=7.0)
+    plan = planned(machine=slow_pcie)
+    assert plan.spec.order == "layer"
+    assert plan.order_choice.startswith("auto: predicted on slow-pcie")
+
+
+def test_the_gpu_is_matched_to_a_shipped_machine_by_its_name():
+    assert machine_for_gpu("NVIDIA H200").name == "h200"
+    assert machine_for_gpu("NVIDIA H100 SXM").name == "h100-sxm"
+    assert machine_for_gpu("Some Other GPU") is None
+
+
+def test_plan_shows_the_choice_and_its_reason(capsys):
+    argv = ["plan", "--model", "llama-3b", "--seq-len", "4096", "--batch-size", "16", "--micro-batch-size", "4",
+            "--host-mem", "110", "--gpu-mem", "139", "--device", "cuda", "--machine", "h200"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "micro-batch order: micro (auto: predicted on h200 " in out
+    assert main([*argv, "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["order"] == "micro" and d["order_choice"].startswith("auto: predicted on h200")
+    assert main([*argv[:-2], "--order", "layer"]) == 0
+    assert "micro-batch order: layer\n" in capsys.readouterr().out
+
+
+# ---- --activations auto and --layout auto, checked by prediction ------------------------------
+def _slow_link():
+    return msgspec.structs.replace(load_machine("h200"), h2d_gbps=4.0, d2h_gbps=4.0, duplex_gbps=6.0, name="slow-link")
+
+
+def _w1_plan(machine, **kw):
+    req = RunRequest(**{**dict(seq_len=4096, batch_size=4, micro_batch_size=4, host_mem=110, gpu_mem=80,
+                               order="layer"), **kw})
+    return plan_and_choose(preset("llama-3b"), req, device=torch.device("cuda"), dtype=torch.bfloat16, local_gpu=False,
+                           machine=machine)
+
+
+def test_the_rules_plan_stands_where_no_alternative_is_predicted_faster():
+    ruled, checked = _w1_plan(None), _w1_plan(load_machine("h200"))
+    assert checked.placement_choice is None
+    assert (checked.layout, checked.spec, checked.budgets) == (ruled.layout, ruled.spec, ruled.budgets)
+
+
+def test_a_slow_link_takes_the_layout_that_halves_the_fetch_bytes():
+    plan = _w1_plan(_slow_link())
+    assert plan.layout == "stream-bf16" and plan.fits
+    assert "--layout stream-bf16" in plan.placement_choice and "slow-link" in plan.placement_choice
+    assert "placement" in format_plan("llama-3b", plan)
+
+
+def test_a_setting_given_explicitly_is_not_second_guessed():
+    plan = _w1_plan(_slow_link(), layout="staged", activations="keep")
+    assert plan.layout == "staged" and plan.placement_choice is None
+
+
+def test_the_alternatives_are_the_auto_settings_explicit_values():
+    from flowtrain.sim.placement_choice import alternatives
+
+    everything = alternatives(RunRequest(seq_len=8, batch_size=1, micro_batch_size=1))
+    assert everything == [("activations", "recompute"), ("activations", "keep"), ("layout", "stream-bf16")]
+    spaced = alternatives(RunRequest(seq_len=8, batch_size=1, micro_batch_size=1, checkpoint_every=2, grad_clip=True))
+    assert spaced == [("activations", "recompute")]
