@@ -96,6 +96,13 @@ from .tasks import (
 )
 
 
+def checkpoint_layers(layers: int, checkpoint_every: int) -> frozenset[int]:
+    """The layers whose input the forward keeps for the backward, each the start of a segment
+    the backward rebuilds from: every ``checkpoint_every``-th layer from layer 0. The compiler's
+    segments and the step program's bookkeeping both ask here."""
+    return frozenset(range(0, layers, checkpoint_every))
+
+
 class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
     """What to compile: the shape of one optimizer step."""
 
@@ -281,7 +288,7 @@ class _StepBuilder(_Builder):
         self.spec = spec
         L, k = spec.layers, spec.checkpoint_every
         #: checkpoint segments ``[c, end)``: the input of layer ``c`` is kept from the forward.
-        self.segments = [(c, min(c + k, L)) for c in range(0, L, k)]
+        self.segments = [(c, min(c + k, L)) for c in sorted(checkpoint_layers(L, k))]
         self.fwd_input: dict[tuple[int, int], Task] = {}  # producer of layer i's input, forward
         self.bwd_input: dict[tuple[int, int], Task] = {}  # producer of layer i's input, backward
         self.grad_out: dict[tuple[int, int], Task] = {}  # producer of d(output of layer i)

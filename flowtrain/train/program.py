@@ -15,14 +15,16 @@ Device buffers, allocated once:
   pinned fp32 master, piece by piece through a small fp32 landing buffer and cast on the
   device, on the fetch's own lane (so a slot costs 2 bytes per parameter in bf16, not 6),
 - gradient slots: ``budgets["grads"]`` flat fp32 accumulators,
-- activations: a dict keyed ``(step, layer, micro_batch)``; the input of layer ``i`` is kept
-  from the forward pass when ``i % checkpoint_every == 0`` and rebuilt by ``recompute``
-  otherwise. An offloaded checkpoint (``offload_act``) waits in a pinned host buffer kept per
-  ``(layer, micro_batch)`` and reused every step; ``fetch_act`` brings it back into one of
+- activations: an :class:`~flowtrain.train.activations.ActivationStore`, tables keyed
+  ``(step, layer, micro_batch)``; the input of layer ``i`` is kept from the forward pass where
+  it starts a checkpoint segment (:func:`~flowtrain.graph.compiler.checkpoint_layers`, as the
+  compiler cuts them) and rebuilt by ``recompute`` otherwise. An offloaded checkpoint
+  (``offload_act``) waits in a pinned host buffer kept per ``(layer, micro_batch)`` and
+  reused every step; ``fetch_act`` brings it back into one of
   ``budgets["acts"]`` device buffers (a slot: the engine makes the next copy into it wait for
   the backward tasks that read it), so no copy back allocates device memory. A layer whose
   forward and backward carry phase ``"attn"`` also keeps its attention output and log-sum-exp
-  (``attn_records``) for its rebuild, which then runs no attention forward
+  (the store's ``attention`` table) for its rebuild, which then runs no attention forward
   (:mod:`flowtrain.model.saved_attention`).
 
 Host buffers: in the staged layouts, ``budgets["host_grads"]`` pinned staging slots, each the
@@ -43,7 +45,7 @@ reads the embedding's own copy and adds into the embedding's own gradient.)
 A held-out loss (``--eval-data``) is a forward-only graph of its own
 (:mod:`flowtrain.graph.evaluation`): :meth:`StepProgram.begin_eval` hands over its micro-batches,
 its ``fetch``, ``embed`` and ``forward`` tasks (phase ``"eval"``) run as in training but keep
-their activations apart (``eval_acts``), ``eval_loss`` adds each micro-batch's fp32 CE sum, and
+their activations apart (the store's ``eval_inputs``), ``eval_loss`` adds each micro-batch's fp32 CE sum, and
 :meth:`StepProgram.end_eval` returns the mean over every target token.
 
 A step whose loss or any gradient is not finite changes no weight (``skipped``): each piece is
@@ -64,6 +66,7 @@ import torch
 
 from ..ckpt.checkpoints import CheckpointWriter
 from ..errors import ConfigError, NonFiniteError
+from ..graph.compiler import checkpoint_layers
 from ..graph.tasks import (
     GRADS,
     HOST_GRADS,
@@ -99,7 +102,8 @@ from ..plan.host_layout import LANDING_NUMEL, chunk_range, slot_numel, staging_n
 from ..runtime.executor import TaskContext
 from .distributed import World, all_reduce_sum, node_barrier
 from .host_state import HostState, UnitState, pinned_zeros
-from .kept import Kept, backward_kept, forward_kept
+from .activations import ActivationStore
+from .kept import backward_kept, forward_kept
 from .nonfinite import SKIP, Injection, Saved, StepCheck, UndoBudget, injection_from_env, nonfinite, undo_arena_bytes
 from .optimizer import AdamWConfig, adamw_step, clip_coefficient, decay_segments, no_decay_ranges
 
@@ -164,7 +168,8 @@ class StepProgram:
         self.device = torch.device(device)
         self.dtype = dtype
         self.seq_len = seq_len
-        self.k = checkpoint_every
+        #: layers whose input stays from the forward for the backward (the compiler's segments)
+        self.checkpointed = checkpoint_layers(self.cfg.num_layers, checkpoint_every)
         self.adamw = adamw
         #: per unit, the element ranges that get no weight decay (``--weight-decay-skip``)
         self.no_decay = {u.layout.key: no_decay_ranges(u.layout.entries, adamw.weight_decay_skip)
@@ -187,17 +192,14 @@ class StepProgram:
         self.rope = {local: rope_tables(self.cfg, seq_len, self.device, dtype, local)
                      for local in {False, any(map(self.cfg.layer_rope_local, range(self.cfg.num_layers)))}}
         self.embed_multiplier = embed_multiplier(self.cfg)
-        self.acts: dict[tuple[int, int, int], torch.Tensor] = {}
-        self.dacts: dict[tuple[int, int, int], torch.Tensor] = {}
+        #: what a task leaves for another (a layer's input, an output gradient, a kept forward,
+        #: a saved attention output), empty of a step once it ends: see flowtrain.train.activations
+        self.store = ActivationStore()
         #: offloaded checkpoints' pinned host buffers by (layer, micro_batch), reused every step
         self.act_host: dict[tuple[int, int], torch.Tensor] = {}
         #: device buffers that fetch_act copies checkpoints back into, by acts slot, made at
         #: the first copy into each, once the checkpoint's shape is known
         self.act_slots: dict[int, torch.Tensor] = {}
-        #: kept layers' forward graphs until their backward (activation placement "keep")
-        self.kept: dict[tuple[int, int, int], Kept] = {}
-        #: attention outputs kept by forwards for their layer's rebuild (placement "attention")
-        self.attn_records: dict[tuple[int, int, int], AttentionRecord] = {}
         self.dev_ids: dict[tuple[int, int], torch.Tensor] = {}
         self.dev_targets: dict[tuple[int, int], torch.Tensor] = {}
         #: packed micro-batches' documents and their gathered rotary tables, by (phase, step, mb)
@@ -205,7 +207,6 @@ class StepProgram:
         self.steps: dict[int, _StepData] = {}
         #: held-out loss evaluations by the step whose weights they read, and their activations
         self.evals: dict[int, _EvalData] = {}
-        self.eval_acts: dict[tuple[int, int, int], torch.Tensor] = {}
         #: open checkpoint writers by the step they save (``save`` tasks write into them)
         self.checkpoints: dict[int, CheckpointWriter] = {}
         self._lock = threading.Lock()
@@ -267,6 +268,7 @@ class StepProgram:
         loss = float(self._step_loss(data)) / data.n_targets if data.loss is not None else math.nan
         norm = data.total_norm if data.total_norm is not None else self._total_norm(data)
         self._settle(data)  # a no-op where verify_step or grad_norm has settled the step
+        self.store.check_empty(step)  # every hand-off of the step taken: no device memory left behind
         if data.check.error is not None:
             raise NonFiniteError(data.check.error)
         return loss, norm, data.check.skipped
@@ -295,6 +297,7 @@ class StepProgram:
         """``(mean CE over every held-out target token, number of those tokens)`` of a finished
         evaluation: the micro-batches' fp32 sums added in micro-batch order, then divided."""
         data = self.evals.pop(step)
+        self.store.check_empty(step, evaluation=True)
         total = torch.zeros((), dtype=torch.float32)
         for m in sorted(data.sums):
             total += data.sums[m].cpu()
@@ -412,8 +415,8 @@ class StepProgram:
         self._place_documents("eval" if evaluating else "train", s, m, data.docs[m])  # type: ignore[arg-type, index]
         embed_state = self.state.embed
         w = bind(self._weights(embed_state, ctx), embed_state.layout)["embed_tokens"]
-        acts = self.eval_acts if evaluating else self.acts
-        acts[(s, 0, m)] = embed(ids, w, self.embed_multiplier)  # type: ignore[index]
+        inputs = self.store.eval_inputs if evaluating else self.store.inputs
+        inputs.put((s, 0, m), embed(ids, w, self.embed_multiplier))  # type: ignore[arg-type]
 
     def _place_documents(self, phase: str, s: int, m: int, docs: Documents | None) -> None:
         """Move a packed micro-batch's documents to the device with its rotary tables gathered
@@ -429,13 +432,13 @@ class StepProgram:
         return self.layer_fn(x, w, cos, sin, self.cfg, docs, self.cfg.layer_window(i))  # type: ignore[operator]
 
     def _layer_input(self, s: int, i: int, m: int, keep: bool) -> torch.Tensor:
-        return self.acts[(s, i, m)] if keep else self.acts.pop((s, i, m))
+        return self.store.inputs.peek((s, i, m)) if keep else self.store.inputs.take((s, i, m))
 
     def _offload_act(self, task: OffloadAct) -> int:
         """An offloaded checkpoint to its pinned host buffer, on the d2h lane (after the layer's
         forward has read it); the device copy is freed once the copy has run."""
         key = (task.step, task.layer, task.micro_batch)
-        x = self.acts.pop(key)  # type: ignore[arg-type]
+        x = self.store.inputs.take(key)  # type: ignore[arg-type]
         buf = self.act_host.get(key[1:])  # type: ignore[arg-type]
         if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:  # not reserved ahead
             buf = self.act_host[key[1:]] = self._checkpoint_buffer(x.shape, x.dtype)  # type: ignore[index]
@@ -472,7 +475,7 @@ class StepProgram:
         if x is None or x.shape != buf.shape:
             x = self.act_slots[slot] = torch.empty(buf.shape, dtype=buf.dtype, device=self.device)
         x.copy_(buf, non_blocking=self._non_blocking)
-        self.acts[key] = x  # type: ignore[index]
+        self.store.inputs.put(key, x)  # type: ignore[arg-type]
         return buf.numel() * buf.element_size()
 
     @torch.no_grad()
@@ -482,23 +485,25 @@ class StepProgram:
         unit = self.state.unit("layer", i)
         w = bind(self._weights(unit, ctx), unit.layout)
         if task.phase == "eval":  # nothing is kept for a backward
-            x = self.eval_acts.pop((s, i, m))  # type: ignore[arg-type]
-            self.eval_acts[(s, i + 1, m)] = self._layer("eval", s, i, m, x, w)  # type: ignore[arg-type, index]
+            x = self.store.eval_inputs.take((s, i, m))  # type: ignore[arg-type]
+            self.store.eval_inputs.put((s, i + 1, m), self._layer("eval", s, i, m, x, w))  # type: ignore[arg-type, operator]
             return
         if task.phase == "keep":  # the graph stays for the backward: see flowtrain.train.kept
-            x = self.acts.pop((s, i, m))  # type: ignore[arg-type]
-            y, self.kept[(s, i, m)] = forward_kept(  # type: ignore[index]
+            x = self.store.inputs.take((s, i, m))  # type: ignore[arg-type]
+            y, kept = forward_kept(
                 lambda x, f: self._layer("train", s, i, m, x, bind(f, unit.layout)),  # type: ignore[arg-type]
                 x, self._weights(unit, ctx)[: unit.layout.numel])
-            self.acts[(s, i + 1, m)] = y  # type: ignore[index]
+            self.store.kept.put((s, i, m), kept)  # type: ignore[arg-type]
+            self.store.inputs.put((s, i + 1, m), y)  # type: ignore[arg-type, operator]
             return
-        keep = isinstance(task, Recompute) or i % self.k == 0  # type: ignore[operator]
+        keep = isinstance(task, Recompute) or i in self.checkpointed  # a checkpoint stays for the backward
         x = self._layer_input(s, i, m, keep=keep)  # type: ignore[arg-type]
         record = None
         if task.phase == "attn":  # its attention output waits for the rebuild: saved_attention
-            record = self.attn_records[(s, i, m)] = AttentionRecord()  # type: ignore[index]
+            record = AttentionRecord()
+            self.store.attention.put((s, i, m), record)  # type: ignore[arg-type]
         with recording(record):
-            self.acts[(s, i + 1, m)] = self._layer("train", s, i, m, x, w)  # type: ignore[arg-type, index]
+            self.store.inputs.put((s, i + 1, m), self._layer("train", s, i, m, x, w))  # type: ignore[arg-type, operator]
 
     def _head_tensors(self, ctx: TaskContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(norm_w, head_w, norm_grad, head_grad)`` views the loss reads and adds into."""
@@ -518,7 +523,7 @@ class StepProgram:
         s, m = task.step, task.micro_batch
         data = self.steps[s]
         L = self.cfg.num_layers
-        h = self.acts.pop((s, L, m))  # type: ignore[arg-type]
+        h = self.store.inputs.take((s, L, m))  # type: ignore[arg-type]
         targets = data.targets[m].to(self.device, non_blocking=self._non_blocking)  # type: ignore[index]
         norm_w, head_w, norm_g, head_g = self._head_tensors(ctx)
         loss_sum, d_h, d_norm, d_head = head_loss_and_grads(
@@ -531,13 +536,13 @@ class StepProgram:
         with self._lock:
             data.loss = loss_sum if data.loss is None else data.loss + loss_sum
             data.check.loss_host = self._host_copy(data.loss)  # read by cpu_adam, on the host
-        self.dacts[(s, L - 1, m)] = d_h  # type: ignore[index]
+        self.store.grads.put((s, L - 1, m), d_h)  # type: ignore[arg-type]
 
     def _eval_loss(self, task: EvalLoss, ctx: TaskContext) -> None:
         """Forward only: final norm, head and the summed CE of one held-out micro-batch (fp32)."""
         s, m = task.step, task.micro_batch
         data = self.evals[s]
-        h = self.eval_acts.pop((s, self.cfg.num_layers, m))  # type: ignore[arg-type]
+        h = self.store.eval_inputs.take((s, self.cfg.num_layers, m))  # type: ignore[arg-type]
         targets = data.targets[m].to(self.device, non_blocking=self._non_blocking)  # type: ignore[index]
         head = self.state.head
         wbuf = self._weights(head, ctx)
@@ -559,23 +564,23 @@ class StepProgram:
         s, i, m = task.step, task.layer, task.micro_batch
         unit = self.state.unit("layer", i)
         n = unit.layout.numel
-        dy = self.dacts.pop((s, i, m))  # type: ignore[arg-type]
+        dy = self.store.grads.take((s, i, m))  # type: ignore[arg-type]
         if task.phase == "keep":
-            dx, dw = backward_kept(self.kept.pop((s, i, m)), self._weights(unit, ctx)[:n], dy)  # type: ignore[arg-type]
+            dx, dw = backward_kept(self.store.kept.take((s, i, m)), self._weights(unit, ctx)[:n], dy)  # type: ignore[arg-type]
         else:
-            x = self.acts.pop((s, i, m))  # type: ignore[arg-type]
-            record = self.attn_records.pop((s, i, m), None) if task.phase == "attn" else None  # type: ignore[arg-type]
+            x = self.store.inputs.take((s, i, m))  # type: ignore[arg-type]
+            record = self.store.attention.take((s, i, m)) if task.phase == "attn" else None  # type: ignore[arg-type]
             with torch.enable_grad(), replaying(record):
                 x = x.detach().requires_grad_(True)
                 flat = self._weights(unit, ctx)[:n].detach().requires_grad_(True)
                 y = self._layer("train", s, i, m, x, bind(flat, unit.layout))  # type: ignore[arg-type]
                 dx, dw = torch.autograd.grad(y, (x, flat), dy)
         self._grads(unit, ctx)[:n].add_(self._poison(dw, s, f"layer.{i}", m))  # type: ignore[arg-type]
-        self.dacts[(s, i - 1, m)] = dx  # type: ignore[operator, index]
+        self.store.grads.put((s, i - 1, m), dx)  # type: ignore[arg-type, operator]
 
     def _embed_backward(self, task: EmbedBackward, ctx: TaskContext) -> None:
         s, m = task.step, task.micro_batch
-        dx = self.dacts.pop((s, -1, m))  # type: ignore[arg-type]
+        dx = self.store.grads.take((s, -1, m))  # type: ignore[arg-type]
         ids = self.dev_ids.pop((s, m))  # type: ignore[arg-type]
         self.dev_docs.pop(("train", s, m), None)
         emb = self.state.embed
