@@ -93,6 +93,7 @@ from .tasks import (
     Task,
     VerifyStep,
     ZeroGrad,
+    check_shape,
 )
 
 
@@ -236,6 +237,7 @@ class _Builder:
 
     def node(self, cls: type[Task], **fields) -> Task:
         task = cls(step=self.step, **fields)
+        check_shape(task)  # each kind names what it should, nothing else
         assert task not in self.g, f"duplicate task {task}"
         self.g.add_node(task)
         return task

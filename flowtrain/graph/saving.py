@@ -36,7 +36,7 @@ from typing import Iterable
 import networkx as nx
 
 from .compiler import StepSpec, units
-from .tasks import CpuAdam, GpuAdam, ReduceGrad, SaveUnit, SyncStep, Task
+from .tasks import CpuAdam, GpuAdam, ReduceGrad, SaveUnit, SyncStep, Task, check_shape
 
 ADAM_KINDS = (CpuAdam, GpuAdam)
 
@@ -54,6 +54,7 @@ def add_saves(graph: nx.DiGraph, spec: StepSpec, step: int | None = None) -> lis
     saves: list[Task] = []
     for unit, layer in units(spec):
         save = SaveUnit(step=step, unit=unit, layer=layer)
+        check_shape(save)
         graph.add_node(save)
         for a in adams.get((unit, layer), []) + syncs:
             graph.add_edge(a, save, reads=False)

@@ -43,7 +43,24 @@ import msgspec
 
 Lane = Literal["h2d", "compute", "d2h", "cpu", "io", "net", "sync"]
 Unit = Literal["embed", "layer", "head"]
-Phase = Literal["forward", "recompute", "backward"]
+#: ``phase`` has three meanings, each a set of values of its own and each allowed on its kinds
+#: only (``Task.phases``; a task with another is refused when it is made or decoded):
+#: which pass a ``fetch`` serves ...
+FetchPass = Literal["forward", "recompute", "backward"]
+#: ... how a layer's ``forward`` and ``backward`` treat its activations (kept on the device, or
+#: its attention output saved), ...
+Placement = Literal["keep", "attn"]
+#: ... and that a ``fetch``, ``embed`` or ``forward`` belongs to a held-out loss graph.
+Eval = Literal["eval"]
+Phase = FetchPass | Placement | Eval
+FETCH_PASSES: frozenset[str] = frozenset(("forward", "recompute", "backward"))
+PLACEMENTS: frozenset[str] = frozenset(("keep", "attn"))
+EVAL = "eval"
+
+#: what a kind's tasks name (``Task.scope``): one unit (``layer`` set for a decoder layer's),
+#: one decoder layer and micro-batch, one micro-batch at the embedding or at the head, or the
+#: whole step. :func:`check_shape` holds a task to its kind's.
+Scope = Literal["unit", "layer_micro_batch", "embed_micro_batch", "head_micro_batch", "step"]
 
 #: Lanes whose work can be fenced without the host: a task on one of these lanes may be
 #: launched as soon as its producers on these lanes are *launched* (it waits for them on
@@ -76,11 +93,20 @@ class Task(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
     unit: str | None = None
     layer: int | None = None
     micro_batch: int | None = None
-    phase: str | None = None
+    phase: Phase | None = None
     chunk: int | None = None
 
     lane: ClassVar[str] = "compute"
     takes: ClassVar[str | None] = None
+    #: the values ``phase`` may take on this kind (None: none set)
+    phases: ClassVar[frozenset[str | None]] = frozenset({None})
+    #: what the kind's tasks name (:data:`Scope`), checked by :func:`check_shape`
+    scope: ClassVar[str] = "step"
+
+    def __post_init__(self) -> None:
+        if self.phase not in self.phases:
+            allowed = ", ".join(sorted(repr(p) for p in self.phases))
+            raise ValueError(f"a {self.kind} task's phase is one of {allowed} (got {self.phase!r})")
 
     @property
     def kind(self) -> str:
@@ -112,6 +138,9 @@ class Task(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
 class Fetch(Task, frozen=True, tag="fetch"):
     """Copy one unit's weights from host memory into a free weight slot."""
 
+    scope: ClassVar[str] = "unit"
+    phases: ClassVar[frozenset[str | None]] = frozenset({None, EVAL} | FETCH_PASSES)  # None: made by hand (check_shape asks for one)
+
     lane: ClassVar[str] = "h2d"
     takes: ClassVar[str | None] = WEIGHTS
 
@@ -119,9 +148,15 @@ class Fetch(Task, frozen=True, tag="fetch"):
 class Embed(Task, frozen=True, tag="embed"):
     """Look up token embeddings for one micro-batch (reads the embedding's slot)."""
 
+    scope: ClassVar[str] = "embed_micro_batch"
+    phases: ClassVar[frozenset[str | None]] = frozenset({None, EVAL})
+
 
 class Forward(Task, frozen=True, tag="forward"):
     """Run decoder layer ``layer`` on micro-batch ``micro_batch`` with the slot's weights."""
+
+    scope: ClassVar[str] = "layer_micro_batch"
+    phases: ClassVar[frozenset[str | None]] = frozenset({None, EVAL} | PLACEMENTS)
 
 
 class Loss(Task, frozen=True, tag="loss"):
@@ -129,23 +164,34 @@ class Loss(Task, frozen=True, tag="loss"):
     backward at once: yields the loss, the gradient of the last hidden state and the head's
     weight gradient (accumulated into the head's gradient slot)."""
 
+    scope: ClassVar[str] = "head_micro_batch"
+
 
 class Recompute(Task, frozen=True, tag="recompute"):
     """Rebuild the output of ``layer`` for ``micro_batch`` from the nearest checkpoint, so that
     the layer above has its input during backward."""
+
+    scope: ClassVar[str] = "layer_micro_batch"
 
 
 class Backward(Task, frozen=True, tag="backward"):
     """Gradients of ``layer`` for ``micro_batch`` w.r.t. its input and its flat weights; the
     weight gradient accumulates into the layer's gradient slot."""
 
+    scope: ClassVar[str] = "layer_micro_batch"
+    phases: ClassVar[frozenset[str | None]] = frozenset({None} | PLACEMENTS)
+
 
 class EmbedBackward(Task, frozen=True, tag="embed_backward"):
     """Scatter one micro-batch's input gradient into the embedding's gradient slot."""
 
+    scope: ClassVar[str] = "embed_micro_batch"
+
 
 class ZeroGrad(Task, frozen=True, tag="zero_grad"):
     """Take a gradient slot for one unit and zero it before its first backward."""
+
+    scope: ClassVar[str] = "unit"
 
     takes: ClassVar[str | None] = GRADS
 
@@ -153,6 +199,8 @@ class ZeroGrad(Task, frozen=True, tag="zero_grad"):
 class OffloadGrad(Task, frozen=True, tag="offload_grad"):
     """Copy one unit's accumulated gradient to its host gradient buffer, or (staged layout,
     ``chunk`` set) one chunk of it into a host staging slot."""
+
+    scope: ClassVar[str] = "unit"
 
     lane: ClassVar[str] = "d2h"
 
@@ -167,6 +215,8 @@ class OffloadAct(Task, frozen=True, tag="offload_act"):
     placement ``offload``, for checkpoints that would otherwise wait on the GPU through the
     rest of the forward and most of the backward."""
 
+    scope: ClassVar[str] = "layer_micro_batch"
+
     lane: ClassVar[str] = "d2h"
 
 
@@ -174,6 +224,8 @@ class FetchAct(Task, frozen=True, tag="fetch_act"):
     """Bring an offloaded checkpoint back from host memory before the backward task that first
     reads it (the layer's ``recompute`` or ``backward``); it takes an ``acts`` slot, so only as
     many checkpoints as the budget allows are back on the device ahead of their backward."""
+
+    scope: ClassVar[str] = "layer_micro_batch"
 
     lane: ClassVar[str] = "h2d"
     takes: ClassVar[str | None] = ACTS
@@ -185,11 +237,15 @@ class ReduceGrad(Task, frozen=True, tag="reduce_grad"):
     then holds the same gradient, and the unit's owner (or, resident, every process) updates
     the unit with it."""
 
+    scope: ClassVar[str] = "unit"
+
     lane: ClassVar[str] = "net"
 
 
 class GradSqNorm(Task, frozen=True, tag="grad_sq_norm"):
     """Squared norm of a device-resident unit's gradient, for exact clipping."""
+
+    scope: ClassVar[str] = "unit"
 
 
 class GradNorm(Task, frozen=True, tag="grad_norm"):
@@ -201,6 +257,8 @@ class GradNorm(Task, frozen=True, tag="grad_norm"):
 class CpuAdam(Task, frozen=True, tag="cpu_adam"):
     """AdamW on one unit's fp32 master weights (or one chunk of them) from its host gradient."""
 
+    scope: ClassVar[str] = "unit"
+
     lane: ClassVar[str] = "cpu"
 
 
@@ -208,6 +266,8 @@ class GpuAdam(Task, frozen=True, tag="gpu_adam"):
     """AdamW on a device-resident unit: its fp32 master and Adam state live in GPU memory, so
     the update runs there; it then refreshes the unit's compute-dtype copy and zeroes its
     gradient accumulator for the next step."""
+
+    scope: ClassVar[str] = "unit"
 
 
 class FoundInf(Task, frozen=True, tag="found_inf"):
@@ -240,11 +300,15 @@ class EvalLoss(Task, frozen=True, tag="eval_loss"):
     forward only (reads the head's weight slot; no gradient, no backward, no Adam): the last
     task of an evaluation graph (:mod:`flowtrain.graph.evaluation`)."""
 
+    scope: ClassVar[str] = "head_micro_batch"
+
 
 class SaveUnit(Task, frozen=True, tag="save"):
     """Write one unit's state after this step's Adam (fp32 master, Adam m, v and step count)
     into the step's checkpoint. It runs on the ``io`` lane while the next step computes; the
     next step's Adam of the unit waits for it, so the checkpoint holds exactly this step."""
+
+    scope: ClassVar[str] = "unit"
 
     lane: ClassVar[str] = "io"
 
@@ -304,6 +368,50 @@ KINDS: dict[str, type[Task]] = {
 #: Kinds whose work reads a unit's weights: the tasks of a device-resident unit that the next
 #: step (or an evaluation graph) must hold back until that unit's ``gpu_adam`` has updated them.
 WEIGHT_READERS: tuple[type[Task], ...] = (Embed, Forward, Loss, Recompute, Backward, EvalLoss)
+
+
+#: the fields each :data:`Scope` sets (the rest stay None); ``chunk`` only where a kind allows it
+_SCOPE_FIELDS: dict[str, tuple[str, ...]] = {
+    "unit": ("unit",),
+    "layer_micro_batch": ("unit", "layer", "micro_batch"),
+    "embed_micro_batch": ("unit", "micro_batch"),
+    "head_micro_batch": ("unit", "micro_batch"),
+    "step": (),
+}
+#: kinds whose tasks may name one chunk of a unit's gradient (the staged layout)
+_CHUNKED = frozenset(("offload_grad", "cpu_adam"))
+
+
+def check_shape(task: Task) -> None:
+    """Raise ``ValueError`` unless ``task`` names what its kind does (:data:`Scope`): a unit's
+    tasks a unit (and a decoder layer's its layer), a layer's per-micro-batch tasks the layer
+    and the micro-batch, the embedding's and the head's per-micro-batch tasks their unit and the
+    micro-batch, step-wide tasks none of them; a fetch names its pass (and, each micro-batch
+    through the model, the micro-batch it serves); only a gradient's offload and Adam a chunk.
+    The step compiler checks every task it makes; a hand-built graph may skip it."""
+    scope, kind = task.scope, task.kind
+    unit = {"layer_micro_batch": "layer", "embed_micro_batch": "embed", "head_micro_batch": "head"}.get(scope)
+    wrong = []
+    if unit is not None and task.unit != unit:
+        wrong.append(f"unit {task.unit!r} (its unit is {unit!r})")
+    if scope == "unit" and task.unit not in ("embed", "layer", "head"):
+        wrong.append(f"unit {task.unit!r} (a unit: 'embed', 'layer' or 'head')")
+    if scope == "step" and task.unit is not None:
+        wrong.append(f"unit {task.unit!r} (a step-wide task names none)")
+    needs_layer = task.unit == "layer" and scope != "step"
+    if (task.layer is not None) != needs_layer:
+        wrong.append(f"layer {task.layer!r}" + (" (missing)" if needs_layer else " (only a decoder layer's tasks name one)"))
+    may_mb = scope.endswith("micro_batch") or kind == "fetch"
+    if scope.endswith("micro_batch") and task.micro_batch is None:
+        wrong.append("no micro_batch")
+    if not may_mb and task.micro_batch is not None:
+        wrong.append(f"micro_batch {task.micro_batch!r} (its kind names none)")
+    if kind == "fetch" and task.phase is None:
+        wrong.append("no phase (the pass it serves)")
+    if task.chunk is not None and kind not in _CHUNKED:
+        wrong.append(f"chunk {task.chunk!r} (only offload_grad and cpu_adam name one)")
+    if wrong:
+        raise ValueError(f"task {task.label}: " + "; ".join(wrong))
 
 
 def task_to_dict(task: Task) -> dict:
