@@ -180,14 +180,30 @@ class Engine:
         self._arm_watchdog()
         return self
 
+    # ---- what exists only while a run is open (made by start) ----------------------------
+    @property
+    def _running_scheduler(self) -> Scheduler:
+        assert self.scheduler is not None, "no run is open: the engine's scheduler is made by run()"
+        return self.scheduler
+
+    @property
+    def _event(self) -> asyncio.Event:
+        assert self._wake is not None, "no run is open: the engine's wake-up event is made by start()"
+        return self._wake
+
+    @property
+    def _event_loop(self) -> asyncio.AbstractEventLoop:
+        assert self._loop is not None, "no run is open: the engine's event loop is taken by start()"
+        return self._loop
+
     def _open_lanes(self, clock: _Clock) -> None:
         done, err = self._done_threadsafe, self._error_threadsafe
         if self.device.startswith("cuda"):
             import torch
 
-            clock.cuda_base = torch.cuda.Event(enable_timing=True)  # type: ignore[attr-defined]
-            clock.cuda_base.record()  # type: ignore[attr-defined]
-            clock.cuda_base.synchronize()  # type: ignore[attr-defined]
+            clock.cuda_base = torch.cuda.Event(enable_timing=True)
+            clock.cuda_base.record()
+            clock.cuda_base.synchronize()
             clock.zero = time.perf_counter()
             for lane in DEVICE_LANES:
                 self._lanes[lane] = CudaLane(lane, clock, done, err, torch.device(self.device))
@@ -331,7 +347,7 @@ class Engine:
         for r in records:
             for ins in self.instruments:
                 ins.on_record(r)
-        self.scheduler.forget(tasks)  # type: ignore[union-attr]
+        self._running_scheduler.forget(tasks)
         for t in tasks:
             self._launches.pop(t, None)
             del self._fences[t]  # finished: keeps a long run's memory (and CUDA events) flat
@@ -339,8 +355,8 @@ class Engine:
 
     async def _changed(self) -> None:
         """Sleep until something happened: a launch, a completion, a failure or a stop."""
-        self._wake.clear()  # type: ignore[union-attr]
-        await self._wake.wait()  # type: ignore[union-attr]
+        self._event.clear()
+        await self._event.wait()
 
     def _record(self, task: Task) -> TaskRecord:
         f = self._fences[task]
@@ -363,7 +379,7 @@ class Engine:
         if self._stopped:
             return
         try:
-            launches = self.scheduler.poll()  # type: ignore[union-attr]
+            launches = self._running_scheduler.poll()
         except ScheduleError as exc:
             self._fail(None, exc)
             return
@@ -374,7 +390,7 @@ class Engine:
             # A producer missing here was waited for already (its fence set, then dropped by
             # ``wait``): it is finished, so there is nothing to wait for.
             fences = [self._fences[w] for w in launch.waits if w in self._fences]
-            notify = self.scheduler.needs_completion(task)  # type: ignore[union-attr]
+            notify = self._running_scheduler.needs_completion(task)
             for ins in self.instruments:
                 ins.on_launch(task, task.lane)
             program = self.program
@@ -387,7 +403,7 @@ class Engine:
             self._fences[task] = fence
             self._launches[task] = launch
         if launches:
-            self._wake.set()  # type: ignore[union-attr]
+            self._event.set()
 
     # ---- events from lane threads ---------------------------------------------------------
     def _call_soon(self, fn: Callable, *args: Any) -> None:
@@ -395,12 +411,12 @@ class Engine:
         if not self._attached:
             return
         try:
-            self._loop.call_soon_threadsafe(fn, *args)  # type: ignore[union-attr]
+            self._event_loop.call_soon_threadsafe(fn, *args)
         except RuntimeError:  # the loop closed meanwhile: nobody is listening any more
             pass
 
     def _wake_threadsafe(self) -> None:
-        self._call_soon(self._wake.set)  # type: ignore[union-attr]
+        self._call_soon(self._event.set)
 
     def _done_threadsafe(self, task: Task, fence: Fence) -> None:
         self._call_soon(self._on_done, task)
@@ -412,9 +428,9 @@ class Engine:
     def _on_done(self, task: Task) -> None:
         if self._stopped:
             return
-        self.scheduler.complete(task)  # type: ignore[union-attr]
+        self._running_scheduler.complete(task)
         self._pump()
-        self._wake.set()  # type: ignore[union-attr]
+        self._event.set()
 
     def _fail(self, task: Task | None, exc: BaseException) -> None:
         """The first failure (or cancel) wins; later ones are consequences and are dropped."""
@@ -425,9 +441,9 @@ class Engine:
                 self._error = StepFailed(task, exc)
                 self._error.__cause__ = exc
             for ins in self.instruments:
-                ins.on_error(task, exc)  # type: ignore[arg-type]
+                ins.on_error(task, exc)
         self._stop()
-        self._wake.set()  # type: ignore[union-attr]
+        self._event.set()
 
     def _raise_if_stopped(self) -> None:
         err = self._error
@@ -443,7 +459,7 @@ class Engine:
         if self.task_timeout is None or self._stopped:
             return
         period = min(max(self.task_timeout / 4, 0.01), 1.0)
-        self._watchdog = self._loop.call_later(period, self._check_timeouts)  # type: ignore[union-attr]
+        self._watchdog = self._event_loop.call_later(period, self._check_timeouts)
 
     def _check_timeouts(self) -> None:
         """One timer on the loop for every lane: fail on the first job running too long."""

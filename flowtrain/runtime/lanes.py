@@ -121,6 +121,8 @@ class _Clock:
 
     def __init__(self) -> None:
         self.zero = time.perf_counter()
+        #: on CUDA, the event the device lanes time their tasks from (recorded at ``zero``)
+        self.cuda_base: Any = None
 
     def now(self) -> float:
         return time.perf_counter() - self.zero
@@ -295,7 +297,7 @@ class CudaLane(_Lane):
         index = device.index if getattr(device, "index", None) is not None else torch.cuda.current_device()
         self.device = torch.device("cuda", index)
         self.stream = torch.cuda.Stream(device=device)
-        self.base = clock.cuda_base  # type: ignore[attr-defined]
+        self.base = clock.cuda_base
         self._jobs: queue.SimpleQueue = queue.SimpleQueue()
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._launching: tuple[Any, Fence] | None = None

@@ -66,8 +66,9 @@ class Instrument:
     def on_record(self, record: TaskRecord) -> None:
         """``task`` finished and its times are known."""
 
-    def on_error(self, task: Task, error: BaseException) -> None:
-        """``task`` raised; the step is being cancelled."""
+    def on_error(self, task: Task | None, error: BaseException) -> None:
+        """``task`` raised (None: the engine itself failed or was cancelled); the step is being
+        cancelled."""
 
 
 class TraceRecorder(Instrument):
