@@ -414,6 +414,15 @@ def check_shape(task: Task) -> None:
         raise ValueError(f"task {task.label}: " + "; ".join(wrong))
 
 
+def pool_of(task: Task) -> str:
+    """The buffer pool ``task`` takes a slot of; for the engine's slot bookkeeping, which only
+    asks tasks that take one (a ``ValueError`` otherwise)."""
+    pool = task.takes
+    if pool is None:
+        raise ValueError(f"task {task.label} takes no slot")
+    return pool
+
+
 def task_to_dict(task: Task) -> dict:
     """The task as plain JSON-able data, with ``kind`` and ``lane`` included."""
     data = msgspec.to_builtins(task)

@@ -14,7 +14,7 @@ import time
 import networkx as nx
 
 from ..errors import StepFailed
-from ..graph.tasks import Task
+from ..graph.tasks import Task, pool_of
 from .executor import Program, TaskContext
 from .scheduler import Launch
 from .trace import TaskRecord
@@ -39,7 +39,7 @@ def run_reference(graph: nx.DiGraph, program: Program) -> list[TaskRecord]:
         holders = [p for p, _, r in graph.in_edges(task, data="reads") if r]
         reads: dict[str, list[int]] = {}
         for h in holders:
-            reads.setdefault(h.takes, []).append(slot_of[h])  # type: ignore[arg-type]
+            reads.setdefault(pool_of(h), []).append(slot_of[h])
         launch = Launch(task, slot, reads, ())
         start = time.perf_counter() - zero
         try:
@@ -52,8 +52,9 @@ def run_reference(graph: nx.DiGraph, program: Program) -> list[TaskRecord]:
         for h in holders:
             readers_left[h] -= 1
             if readers_left[h] == 0:
-                free[h.takes].append(slot_of[h])  # type: ignore[index]
-                free[h.takes].sort()  # type: ignore[index]
+                free[pool_of(h)].append(slot_of[h])
+                free[pool_of(h)].sort()
         if task.takes is not None and readers_left[task] == 0:
-            free[task.takes].append(slot)  # type: ignore[arg-type]
+            assert slot is not None  # granted above: the task takes a slot
+            free[task.takes].append(slot)
     return records

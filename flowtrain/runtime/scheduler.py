@@ -46,7 +46,7 @@ from typing import Iterable, Mapping, NamedTuple
 import networkx as nx
 
 from ..errors import DeadlockError, ScheduleError, SlotError
-from ..graph.tasks import DEVICE_LANES, LANES, Task
+from ..graph.tasks import DEVICE_LANES, LANES, Task, pool_of
 
 
 class Launch(NamedTuple):
@@ -258,19 +258,20 @@ class Scheduler:
         if self.running[lane] >= self.workers[lane]:
             return None
         best: _Node | None = None
+        best_urgency = 0.0
         for node in queue:
             if node.urgency is None:
                 break  # a barrier
             if node.waiting or (node.task.takes is not None and self.pools[node.task.takes].takers[0] is not node):
                 continue
-            if best is None or node.urgency < best.urgency:  # type: ignore[operator]
-                best = node
+            if best is None or node.urgency < best_urgency:
+                best, best_urgency = node, node.urgency
         return best
 
     def _why(self, node: _Node) -> str:
         if node.waiting:
             return f"{node.waiting} dependencies unmet"
-        pool = self.pools[node.task.takes]  # type: ignore[index]
+        pool = self.pools[pool_of(node.task)]
         return f"needs a {pool.name} slot"
 
     def _try_launch(self, node: _Node) -> Launch | None:
@@ -290,7 +291,9 @@ class Scheduler:
             node.slot = slot
         reads: dict[str, list[int]] = {}
         for h in node.holders:
-            reads.setdefault(h.task.takes, []).append(h.slot)  # type: ignore[arg-type]
+            held = h.slot
+            assert held is not None  # a holder was granted its slot at its launch
+            reads.setdefault(pool_of(h.task), []).append(held)
         node.launched = True
         self.unlaunched -= 1
         if task.lane in self.running:
@@ -315,7 +318,7 @@ class Scheduler:
         return Launch(task, slot, reads, tuple(waits))
 
     def _release(self, holder: _Node) -> None:
-        pool = self.pools[holder.task.takes]  # type: ignore[index]
+        pool = self.pools[pool_of(holder.task)]
         slot = holder.slot
         assert slot is not None and pool.held.get(slot) is holder.task
         del pool.held[slot]
