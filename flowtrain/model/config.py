@@ -196,6 +196,13 @@ class ModelConfig(msgspec.Struct, frozen=True):
     # ------------------------------------------------------------------ checks and sizes
 
     @property
+    def head_size(self) -> int:
+        """``head_dim`` as the int it always is after construction (the field reads None from a
+        config.json that leaves it out)."""
+        assert self.head_dim is not None, "head_dim is set by __post_init__"
+        return self.head_dim
+
+    @property
     def family(self) -> Family:
         """The :class:`Family` of ``architecture``; :class:`ConfigError` if unsupported."""
         fam = FAMILIES.get(self.architecture)

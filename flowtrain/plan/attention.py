@@ -44,7 +44,7 @@ def _layer_numel(cfg: ModelConfig) -> int:
 
 def _attention_forward_flops(cfg: ModelConfig, seq_len: int) -> float:
     """Causal attention forward FLOPs per token of one layer: 2 x seq x heads x head_dim."""
-    return 2.0 * seq_len * cfg.num_heads * cfg.head_dim  # type: ignore[operator]
+    return 2.0 * seq_len * cfg.num_heads * cfg.head_size
 
 
 def attention_pays(cfg: ModelConfig, seq_len: int) -> bool:
@@ -64,7 +64,7 @@ def saved_attention_bytes(cfg: ModelConfig, tokens: int, itemsize: int) -> int:
     """Device bytes one layer's saved attention takes for ``tokens`` (every micro-batch alive at
     once): the output in the compute dtype and the log-sum-exp in fp32, per head."""
     heads = cfg.num_heads
-    return tokens * heads * (cfg.head_dim * itemsize + 4)  # type: ignore[operator]
+    return tokens * heads * (cfg.head_size * itemsize + 4)
 
 
 def plan_saved_attention(cfg: ModelConfig, req: Any, itemsize: int, live_tokens: int, layer_work: int,

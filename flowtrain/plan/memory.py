@@ -234,11 +234,11 @@ class Plan(msgspec.Struct, kw_only=True):
     def refusal(self) -> str:
         """One line: what does not fit, by how much, and what would make it fit."""
         parts = []
-        if not self.host_fits:
+        if self.host_limit is not None and not self.host_fits:  # a limit is what it does not fit
             who = f" for {self.spec.share} processes" if self.spec.share > 1 else ""
-            parts.append(f"host memory: needs {self.host_node_total / GiB:.1f} GiB{who}, {self.host_limit / GiB:.1f} GiB usable")  # type: ignore[operator]
-        if not self.gpu_fits:
-            parts.append(f"GPU memory: needs {self.gpu_total / GiB:.1f} GiB, {self.gpu_limit / GiB:.1f} GiB usable")  # type: ignore[operator]
+            parts.append(f"host memory: needs {self.host_node_total / GiB:.1f} GiB{who}, {self.host_limit / GiB:.1f} GiB usable")
+        if self.gpu_limit is not None and not self.gpu_fits:
+            parts.append(f"GPU memory: needs {self.gpu_total / GiB:.1f} GiB, {self.gpu_limit / GiB:.1f} GiB usable")
         fix = "; ".join(self.suggestions) or "use a smaller model"
         return f"the run does not fit ({'; '.join(parts)}); {fix} (see `flowtrain plan`)"
 
@@ -426,10 +426,10 @@ def layer_work_bytes(cfg: ModelConfig, tokens: int, cbytes: int, compiled: bool)
     H200 the count is within 10% of the measured peak of every run of the GPU gate
     (docs/benchmarks.md)."""
     h, f = cfg.hidden_size, cfg.intermediate_size
-    q = cfg.num_heads * cfg.head_dim  # type: ignore[operator]
-    kv = cfg.num_kv_heads * cfg.head_dim  # type: ignore[operator]
+    q = cfg.num_heads * cfg.head_size
+    kv = cfg.num_kv_heads * cfg.head_size
     if compiled:
-        per_token, mlp_units = 4 * h + 3 * q + 2 * kv + 2 * cfg.head_dim, 3 * f  # type: ignore[operator]
+        per_token, mlp_units = 4 * h + 3 * q + 2 * kv + 2 * cfg.head_size, 3 * f
     else:
         per_token, mlp_units = 6 * h + 2 * q + 4 * kv, 4 * f
     layer_n = max((lay.numel for lay in _layouts(cfg) if lay.unit == "layer"), default=0)
@@ -648,10 +648,10 @@ def kept_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, compiled: bool = 
     layer took 1.38 GiB at 16,384 tokens (docs/benchmarks.md), this formula 1.48."""
     c = dtype.itemsize
     h, f = cfg.hidden_size, cfg.intermediate_size
-    q, kv = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim  # type: ignore[operator]
+    q, kv = cfg.num_heads * cfg.head_size, cfg.num_kv_heads * cfg.head_size
     units: float
     if compiled:
-        units = 4 * h + 3 * q + 2 * kv + 3 * f + 2 * cfg.head_dim  # type: ignore[operator]
+        units = 4 * h + 3 * q + 2 * kv + 3 * f + 2 * cfg.head_size
         if cfg.qk_norm:
             units += q + kv
         if cfg.family.gemma:
