@@ -217,13 +217,17 @@ class CheckpointWriter:
     """
 
     def __init__(self, root: str | os.PathLike[str], step: int, cfg: ModelConfig,
-                 layouts: Sequence[UnitLayout]) -> None:
+                 layouts: Sequence[UnitLayout], source_config: dict | None = None) -> None:
+        """``source_config``: the ``config.json`` of the model the run started from, which the
+        checkpoint's ``config.json`` keeps key for key but for the dtype (fp32); without one,
+        flowtrain writes its own (:func:`~flowtrain.ckpt.hf.hf_config_text`)."""
         if step < 0:
             raise ValueError(f"CheckpointWriter: step must not be negative (got {step})")
         self.root = Path(root)
         self.step = step
         self.cfg = cfg
         self.layouts = list(layouts)
+        self.source_config = source_config
         self.final = self.root / f"checkpoint-{step}"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -322,7 +326,7 @@ class CheckpointWriter:
         index = {"metadata": {"total_size": sum(self._units.values())}, "weight_map": weight_map}
         small = {
             INDEX_NAME: json.dumps(index, indent=2, sort_keys=True) + "\n",
-            CONFIG_NAME: hf_config_text(self.cfg, torch.float32),
+            CONFIG_NAME: hf_config_text(self.cfg, torch.float32, self.source_config),
             TRAINER_STATE_NAME: json.dumps(trainer_state, indent=2) + "\n",
         }
         try:

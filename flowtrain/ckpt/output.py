@@ -149,7 +149,7 @@ def save_final_model(
     dtype = resolve_save_dtype(save_dtype, source)
     if isinstance(max_shard_bytes, bool) or not isinstance(max_shard_bytes, int) or max_shard_bytes < 1:
         raise ConfigError(f"the shard size must be a positive number of bytes (got {max_shard_bytes!r})")
-    source_config = _source_config(source)
+    source_config = read_source_config(source)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(out), dir=out.parent))
     try:
@@ -166,8 +166,10 @@ def save_final_model(
     return out
 
 
-def _source_config(source: Path | None) -> dict[str, Any] | None:
-    """The source checkpoint's ``config.json`` as a dict, or None where there is none."""
+def read_source_config(source: str | Path | None) -> dict[str, Any] | None:
+    """The source checkpoint's ``config.json`` as a dict, or None where there is none: what the
+    final model and every checkpoint keep, key for key, but for the dtype."""
+    source = Path(source) if source is not None else None
     path = source / CONFIG_NAME if source is not None else None
     if path is None or not path.is_file():
         return None

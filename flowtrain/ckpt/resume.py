@@ -1,7 +1,8 @@
 """What a checkpoint remembers of the run, and when a resume may continue it.
 
 A checkpoint's ``trainer_state.json`` (built by :func:`trainer_state`) holds the steps done,
-the skipped-step counters, the run's settings, a fingerprint of the data, the random state and
+the skipped-step counters, the run's settings, the learning-rate schedule's total steps (and
+any extensions of it, :class:`ContinuedSchedule`), a fingerprint of the data, the random state and
 the run's lineage (:class:`~flowtrain.ckpt.checkpoints.Lineage`: which run wrote it, resumed
 from which). The data fingerprint is compared with the data's as loaded, and the data cache
 verifies its files' checksums at every load (:mod:`~flowtrain.data.cache`), so a
@@ -10,22 +11,30 @@ A resume continues only where the remaining steps would compute what the origina
 have: :func:`check_compatible` refuses, in one line naming the setting, a checkpoint from a
 different model, different data, or different optimizer, schedule or batching settings.
 Settings that change *how* the run executes but not *what* it computes (policy, layout,
-resident units, device, micro-batch size, compile, memory caps, where outputs go, ``--steps``)
-may change on a resume::
+resident units, device, micro-batch size, compile, memory caps, where outputs go) may change
+on a resume. ``--steps`` may change where the schedule does not depend on it (``constant``);
+a cosine or linear decay would be stretched or squeezed, so a changed ``--steps`` is refused
+there unless ``--extend-schedule`` says how to go on: from the rate the checkpoint reached,
+the same decay to ``--min-lr`` at the new last step (:func:`resumed_schedule`)::
 
     state = trainer_state(cfg, steps_done=4, skipped=0, consecutive=0, data=fp, last_loss=2.3)
-    check_compatible(state, cfg, data=fp)       # raises ConfigError naming what differs
+    check_compatible(state, cfg, data=fp, where="out/checkpoint-4", total_steps=cfg.steps)
+    schedule = resumed_schedule(LRSchedule(...), state, where="out/checkpoint-4")  # the rate of every step
 """
 
 from __future__ import annotations
 
 import base64
 import math
+from typing import TYPE_CHECKING, Sequence
 
 import msgspec
 import torch
 
 from ..errors import CheckpointError, ConfigError
+
+if TYPE_CHECKING:  # the schedule is training's; a checkpoint only records how it continues
+    from ..train.optimizer import LRSchedule
 
 FORMAT = 1
 
@@ -34,8 +43,10 @@ MUST_MATCH = {
     "batch_size": "--batch-size", "seq_len": "--seq-len", "lr": "--lr", "weight_decay": "--weight-decay",
     "betas": "--betas", "eps": "--eps", "grad_clip": "--grad-clip", "warmup_steps": "--warmup-steps",
     "lr_schedule": "--lr-schedule", "min_lr": "--min-lr", "seed": "--seed", "shuffle": "--no-shuffle",
-    "packing": "--no-packing",
+    "packing": "--no-packing", "weight_decay_skip": "--weight-decay-skip",
 }
+#: Learning-rate schedules whose rates depend on ``--steps``: they decay until the last step.
+DECAYING = ("cosine", "linear")
 
 
 def settings_of(cfg) -> dict:
@@ -45,10 +56,11 @@ def settings_of(cfg) -> dict:
 
 
 def trainer_state(cfg, *, steps_done: int, skipped: int, consecutive: int, data: str,
-                  last_loss: float | None, lineage: dict | None = None) -> dict:
+                  last_loss: float | None, lineage: dict | None = None, schedule: dict | None = None) -> dict:
     """The JSON-able run state stored in a checkpoint after ``steps_done`` steps; ``lineage``
     (:meth:`~flowtrain.ckpt.checkpoints.Lineage.to_json`) says which run wrote it and which
-    runs that one descends from."""
+    runs that one descends from; ``schedule`` (:meth:`ContinuedSchedule.record`) how the
+    learning rate goes on."""
     settings = settings_of(cfg)
     return {
         "format": FORMAT,
@@ -60,6 +72,7 @@ def trainer_state(cfg, *, steps_done: int, skipped: int, consecutive: int, data:
         "settings": settings,
         "rng": {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()},
         **({"lineage": lineage} if lineage is not None else {}),
+        **({"schedule": schedule} if schedule is not None else {}),
     }
 
 
@@ -102,3 +115,112 @@ def check_compatible(state: dict, cfg, *, data: str, where: str, total_steps: in
     if total_steps <= done:
         raise ConfigError(f"--resume {where}: it has done {done} steps already and --steps is {total_steps}; "
                           f"--steps counts the whole run: raise it above {done}")
+    _check_schedule_steps(state, where, total_steps, extend=bool(getattr(cfg, "extend_schedule", False)))
+
+
+def _check_schedule_steps(state: dict, where: str, total_steps: int, *, extend: bool) -> None:
+    """A decaying schedule set for another ``--steps`` continues only with ``--extend-schedule``."""
+    shape = state.get("settings", {}).get("lr_schedule")
+    first, extended = schedule_record(state, where)
+    before = extended[-1][1] if extended else first
+    if extend or before is None or before == total_steps or shape not in DECAYING:
+        return
+    raise ConfigError(
+        f"--resume {where}: its {shape} schedule decays to --min-lr at step {before}, this run has --steps {total_steps}, "
+        f"which would stretch that schedule and change the learning rate of every step left; give --steps {before} to "
+        f"finish it, or add --extend-schedule to decay from the rate it reached to --min-lr at step {total_steps}"
+    )
+
+
+def schedule_record(state: dict, where: str) -> tuple[int | None, list[tuple[int, int]]]:
+    """``(the first run's --steps, the extensions)`` that a checkpoint's ``trainer_state.json``
+    records (:meth:`ContinuedSchedule.record`); a checkpoint written before schedules were
+    recorded has its settings' ``--steps`` and none."""
+    if "schedule" not in state:
+        steps = state.get("settings", {}).get("steps")
+        return (steps if isinstance(steps, int) else None), []
+    record = state["schedule"]
+    steps = record.get("steps") if isinstance(record, dict) else None
+    extended = record.get("extended") if isinstance(record, dict) else None
+    if not (isinstance(steps, int) and isinstance(extended, list)
+            and all(isinstance(x, list) and len(x) == 2 and all(isinstance(v, int) for v in x) for x in extended)):
+        raise CheckpointError(f"{where}: trainer_state.json has a malformed \"schedule\" (want {{\"steps\": N, "
+                              f"\"extended\": [[START, TOTAL], ...]}}, got {str(record)[:80]})")
+    return steps, [(a, b) for a, b in extended]
+
+
+def _cosine(frac: float) -> float:
+    return 0.5 * (1 + math.cos(math.pi * frac))
+
+
+#: The share of the way from ``--min-lr`` up to the rate a decay starts at that each decaying
+#: schedule keeps, a fraction ``frac`` of the way through the decay (1 at its start, 0 at its
+#: end): the shapes of :class:`~flowtrain.train.optimizer.LRSchedule`.
+_SHAPES = {"cosine": _cosine, "linear": lambda frac: 1.0 - frac}
+
+
+class ContinuedSchedule:
+    """The learning rate of every (0-based) step of a run, ``--extend-schedule`` included.
+
+    Without extensions it is ``base``, the run's :class:`~flowtrain.train.optimizer.LRSchedule`.
+    Each extension ``(start, total)`` (a resume that changed ``--steps`` to ``total``) keeps
+    every rate before ``start`` and from there decays, in the same shape, from the rate reached
+    at ``start`` to ``min_lr`` at ``total``: no jump. ``start`` is the step the resumed run
+    began at, or the end of the warm-up if that came later (a decay that had not begun is simply
+    laid over the new ``--steps``). Checkpoints keep :meth:`record`, so every later resume
+    rebuilds the same rates::
+
+        base = LRSchedule(lr=1e-3, schedule="cosine", total_steps=100)
+        lr = ContinuedSchedule(base, [(60, 200)])   # resumed from checkpoint-60 with --steps 200
+        lr(59) == base(59) and lr(60) == base(60) and lr(199) < lr(60)
+    """
+
+    def __init__(self, base: "LRSchedule", extended: Sequence[tuple[int, int]] = ()) -> None:
+        self.base = base
+        self.extended = [(int(a), int(b)) for a, b in extended]
+
+    def __call__(self, step: int) -> float:
+        return self._rate(step, len(self.extended))
+
+    def _rate(self, step: int, upto: int) -> float:
+        """The rate of ``step`` under the base schedule and the first ``upto`` extensions."""
+        for i in reversed(range(upto)):
+            start, total = self.extended[i]
+            if step >= start:
+                top, low = self._rate(start, i), self.base.min_lr
+                frac = min((step - start) / max(total - start, 1), 1.0)
+                return low + (top - low) * _SHAPES[self.base.schedule](frac)
+        return self.base(step)
+
+    @property
+    def total_steps(self) -> int:
+        """The step the schedule ends at (its last extension's, else the base's)."""
+        return self.extended[-1][1] if self.extended else self.base.total_steps
+
+    def record(self) -> dict:
+        """What a checkpoint keeps: the base schedule's total steps and the extensions."""
+        return {"steps": self.base.total_steps, "extended": [list(x) for x in self.extended]}
+
+
+def resumed_schedule(schedule: "LRSchedule", state: dict, *, where: str) -> ContinuedSchedule:
+    """The rates of a run that resumes ``state`` (checked by :func:`check_compatible`) with
+    ``schedule``, the settings it runs with (``total_steps``: its ``--steps``): the checkpoint's
+    schedule as it was, extended to ``--steps`` where that changed under a decaying schedule
+    (``--extend-schedule``). Refused where the rate had already reached ``--min-lr``: extending
+    would only train on at that rate."""
+    first, extended = schedule_record(state, where)
+    sched = ContinuedSchedule(msgspec.structs.replace(schedule, total_steps=first or schedule.total_steps), extended)
+    if schedule.schedule not in DECAYING or sched.total_steps == schedule.total_steps:
+        return sched
+    done = steps_done(state, where)
+    start = max(done, schedule.warmup_steps)
+    if start >= schedule.total_steps:  # the run ends before its warm-up does: no decay to lay out
+        return sched
+    reached = sched(start)
+    if reached <= schedule.min_lr:
+        raise ConfigError(
+            f"--resume {where} --extend-schedule: its {schedule.schedule} schedule had already decayed to --min-lr "
+            f"{schedule.min_lr:g} by step {done}, so it would train on at that rate; to train on at a new rate, start a "
+            f"new run from it (--model {where}: its weights, a new optimizer state)"
+        )
+    return ContinuedSchedule(sched.base, [*sched.extended, (start, schedule.total_steps)])

@@ -2,7 +2,8 @@
 
 Subcommands: ``train`` (the product), ``graph`` (compile a step DAG to JSON), ``plan`` (memory
 plan), ``viz`` (HTML report of graphs and traces), ``bench`` (benchmarks), ``simulate``
-(predicted speed on a machine) and ``probe`` (measure this machine for ``simulate``).
+(predicted speed on a machine), ``probe`` (measure this machine for ``simulate``) and ``cache``
+(list and trim the token cache of ``--data`` files).
 
 A failure ends the command with one line on stderr, never a traceback, and an exit status
 that says whose it is:
@@ -39,6 +40,7 @@ COMMANDS = {
     "bench": ("flowtrain.bench", "benchmark the scheduler or a training configuration"),
     "simulate": ("flowtrain.cli.simulate", "predict a training run's speed on a machine, without running it"),
     "probe": ("flowtrain.sim.probe", "measure this machine's copy, compute and CPU Adam rates into a machine file"),
+    "cache": ("flowtrain.cli.cache", "list the data cache's entries with their sizes; --clean [--max-gb G] removes them"),
 }
 
 

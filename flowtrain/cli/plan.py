@@ -52,6 +52,7 @@ def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: f
     accept and refuse exactly what train does); with ``--nproc-per-node``/``--nnodes`` the
     request is one process's share of the batch and of the node's host memory. No torch."""
     from ..errors import ConfigError
+    from ..plan.host_layout import check_units_fit
     from ..plan.memory import run_request
     from ..train.checks import validate_numbers
     from ..train.distributed import local_share
@@ -66,6 +67,7 @@ def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: f
     validate_numbers(tc)
     cfg, model_dir = load_model_config(args.model)
     cfg.validate()
+    check_units_fit(cfg, host_mem, None if gpu_mem is None else int(gpu_mem * 2**30))  # before sizing anything
     validate(tc, cfg)
     if args.nproc_per_node < 1 or args.nnodes < 1:
         raise ConfigError(f"--nproc-per-node and --nnodes must be at least 1 (got {args.nproc_per_node}, {args.nnodes})")

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from ..model.config import PRESETS
 from ..train import defaults
+from ..train.distributed import DEFAULT_TIMEOUT_S as DIST_TIMEOUT_S
 
 if TYPE_CHECKING:  # the trainer imports torch; ``--help`` must not
     from ..train.trainer import TrainConfig
@@ -38,10 +39,19 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--no-packing", action="store_true",
       help="one fine-tuning example (prompt+completion, messages, input_ids row) per sequence, right-padded; "
            "default: short examples are packed into each --seq-len sequence, attention kept within each")
+    a("--long-examples", choices=["auto", "error", "drop", "truncate"], default=defaults.LONG_EXAMPLES,
+      help="examples (rows of a .jsonl or 2-D .npy) longer than --seq-len: error stops before training, naming how "
+           "many and the first; drop leaves them out; truncate cuts them, keeping the start; auto (the default): "
+           "error for conversations (messages rows: a cut one trains on a reply without its end, a dropped one is "
+           "data you meant to use, so you choose), truncate for other rows, as text is cut into windows. The "
+           "start-up block counts the examples cut or dropped and the target tokens they lose")
     a("--steps", type=int, default=defaults.STEPS, help="optimizer steps")
     a("--batch-size", type=int, default=defaults.BATCH_SIZE, help="sequences per optimizer step")
     a("--micro-batch-size", type=int, default=defaults.MICRO_BATCH_SIZE, help="sequences per micro-batch")
-    a("--seq-len", type=int, default=defaults.SEQ_LEN, help="tokens per sequence")
+    a("--seq-len", type=int, default=defaults.SEQ_LEN,
+      help=f"tokens per sequence (default: {defaults.SEQ_LEN}) for text and the bundled corpus; a file of examples "
+           "(prompt+completion, messages, input_ids rows, 2-D .npy) takes its longest example, rounded up to a "
+           f"multiple of {defaults.SEQ_LEN_MULTIPLE}, at most the model's max_position_embeddings")
     scratch, tune = defaults.FROM_SCRATCH, defaults.FINE_TUNE
     both = "default: {} for a model folder, {} for a preset (random weights); a resumed run keeps its own"
     a("--lr", type=float, default=None, help="peak learning rate; " + both.format(tune["lr"], scratch["lr"]))
@@ -83,6 +93,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     g.add_argument("--resume", default=None, metavar="PATH",
                    help="continue from a checkpoint folder, or from an --out folder's newest checkpoint; "
                         "--steps stays the total")
+    g.add_argument("--extend-schedule", action="store_true",
+                   help="with --resume and a new --steps under a cosine or linear --lr-schedule: decay from the rate "
+                        "the checkpoint reached to --min-lr at the new last step (without it such a resume is refused)")
     g.add_argument("--max-skipped", type=int, default=defaults.MAX_SKIPPED, metavar="N",
                    help="stop once more than N steps in a row were skipped because loss or gradients were not finite "
                         f"(default {defaults.MAX_SKIPPED})")
@@ -91,6 +104,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         f"(default {defaults.UNDO_MEM:g})")
     g.add_argument("--task-timeout", type=float, default=None, metavar="S",
                    help="fail the run if one task runs longer than S seconds (default: no limit)")
+    g.add_argument("--dist-timeout", type=float, default=DIST_TIMEOUT_S, metavar="S",
+                   help="data parallel (torchrun): end the run in one line when another process has not answered "
+                        "for S seconds (stopped or hung; one that dies ends it at once)")
     g = p.add_argument_group("held-out loss")
     g.add_argument("--eval-data", default=None, metavar="FILE",
                    help="held-out data, read like --data; its mean loss over every target token is reported "
@@ -147,12 +163,15 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
         shuffle=not args.no_shuffle, precision=args.precision, device=args.device, policy=args.policy,
         checkpoint_every=args.checkpoint_every, activations=args.activations, order=args.order, adam_workers=args.adam_workers,
         out=args.out, overwrite=args.overwrite, metrics=args.metrics, trace=args.trace,
-        progress=False if args.no_progress else None, layout=args.layout, resident=args.resident,
+        progress="lines" if args.no_progress else None, layout=args.layout, resident=args.resident,
         gpu_mem=args.gpu_mem, host_mem=args.host_mem, chunk_tokens=args.chunk_tokens, compile=args.compile,
         attention_backend=args.attention_backend,
         tokenizer=args.tokenizer, byte_tokenizer=args.byte_tokenizer, packing=not args.no_packing, save_dtype=args.save_dtype,
+        long_examples=args.long_examples,
         save_every=args.save_every, save_total_limit=args.save_total_limit, resume=args.resume,
+        extend_schedule=args.extend_schedule,
         max_skipped=args.max_skipped, undo_mem=args.undo_mem, task_timeout=args.task_timeout,
+        dist_timeout=args.dist_timeout,
         eval_data=args.eval_data, eval_every=args.eval_every,
     )
 

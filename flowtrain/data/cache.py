@@ -9,19 +9,23 @@
 **Where.** ``$FLOWTRAIN_CACHE/data`` when ``FLOWTRAIN_CACHE`` is set, else
 ``$XDG_CACHE_HOME/flowtrain/data`` (``~/.cache/flowtrain/data``). Never next to the data file:
 its folder may be read-only, and one file may serve models with different tokenizers.
-flowtrain never deletes a finished cache folder; remove old ones to reclaim the disk.
+Training never deletes a finished cache folder; ``flowtrain cache`` lists the folders with their
+sizes and ``flowtrain cache --clean [--max-gb G]`` removes them, least recently used first
+(:mod:`~flowtrain.data.cache_entries`; every load marks its folder used).
 
 **Key.** A folder is named by a sha256 over the data file's bytes, the bytes of every tokenizer
 file of the model (``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``, ...),
-every setting that changes the rows (``seq_len``, ``packing``, ``vocab_size``, pad and EOS ids,
-``byte_tokenizer``, the text piece size), the versions of ``tokenizers`` and ``jinja2`` and
-:data:`FORMAT`. Same key, same rows; change anything and a new folder is built.
+every setting that changes the rows (``seq_len`` or how the data chooses it, ``packing``,
+``long_examples`` as built: ``"error"`` builds what ``"drop"`` does, ``vocab_size``, pad and
+EOS ids, ``byte_tokenizer``, the text piece size), the versions of ``tokenizers`` and
+``jinja2`` and :data:`FORMAT`. Same key, same rows; change anything and a new folder is built.
 
 **What a folder holds.** ``input_ids.bin``, ``targets.bin`` and, for packed rows,
 ``positions.bin``: raw native-endian int64, ``(rows, seq_len)`` in C order. ``layout.npy``
 (packed rows only): one ``(example, row, column)`` line per example, ``example`` being its row
 number without packing. ``index.json``: the shape, the target count, the fingerprint and a
-checksum of every ``.bin`` file.
+checksum of every ``.bin`` file, and the build's ``report`` (examples cut or dropped, the
+longest, the assistant-mask rule: what the run's start-up block says).
 
 **Checked at every load.** A cache folder is trusted only as far as it is checked: a file
 changed in place (a bad disk block, a stray write; same size, other tokens) would otherwise be
@@ -57,28 +61,18 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from flowtrain.data.cache_entries import CACHE_ENV, alive, cache_root, touch
 from flowtrain.data.text import tokenizer_files
 from flowtrain.errors import DataError
 
 __all__ = ["CACHE_ENV", "FORMAT", "RowWriter", "Rows", "cache_root", "cached", "fingerprint", "open_rows"]
 
-#: The environment variable naming flowtrain's cache folder (data caches go in its ``data``).
-CACHE_ENV = "FLOWTRAIN_CACHE"
 #: The version of the folder layout; a new one never reads an old folder. 2: checksums.
-FORMAT = 2
+#: 3: a report of what the build did to the examples (and examples spooled whole first).
+FORMAT = 3
 #: Tokens buffered by a :class:`RowWriter` before they go to disk, and read at a time to hash.
 _BLOCK_TOKENS = 1 << 22
 _FILES = ("input_ids", "targets", "positions")
-
-
-def cache_root(root: str | Path | None = None) -> Path:
-    """The folder data caches live in: ``root``, else from ``$FLOWTRAIN_CACHE``, else the user's."""
-    if root is not None:
-        return Path(root)
-    if os.environ.get(CACHE_ENV):
-        return Path(os.environ[CACHE_ENV]) / "data"
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "flowtrain" / "data"
 
 
 def cache_key(path: Path, settings: dict, tokenizer_dir: str | Path | None) -> str:
@@ -103,6 +97,7 @@ def cached(path: Path, settings: dict, tokenizer_dir: str | Path | None,
     if _complete(final):
         bad = _corrupt(final)
         if bad is None:
+            touch(final)
             return final
         print(f"flowtrain: the data cache {final} is corrupt ({bad} does not match its checksum); "
               f"rebuilding it from {path}", file=sys.stderr)
@@ -276,18 +271,8 @@ def _remove_abandoned(root: Path, key: str) -> None:
             pid = int(tmp.name.split(".tmp-")[1].split("-")[0])
         except ValueError:
             continue
-        if not _alive(pid):
+        if not alive(pid):
             shutil.rmtree(tmp, ignore_errors=True)
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def _version(name: str) -> str | None:

@@ -19,14 +19,24 @@ passes through a bounded amount of memory (a batch of lines, or a piece of text 
 
 **Fine-tuning rows.** ``{"prompt": p, "completion": c}`` is the tokenizer's template prefix
 (BOS), ``p`` and ``c`` encoded each on its own (so a token never straddles the boundary), and
-EOS when the tokenizer has one; the loss is on ``c`` and the EOS. ``{"messages": [...]}`` is
-rendered with the model's chat template and the loss is on the assistant turns, found turn by
-turn: for each assistant message ``k``, the tokens of ``render(messages[:k],
-add_generation_prompt=True)`` (everything before it, its header included) and of
-``render(messages[:k+1])`` must both be prefixes of the whole conversation's tokens, and the
-tokens between the two are that turn's (its content and end-of-turn text, e.g. ChatML's
-``<|im_end|>\n``). A template that rewrites earlier turns as the conversation grows (so a prefix
-does not hold) is refused for that line rather than guessed at.
+EOS when the tokenizer has one; the loss is on ``c`` and the EOS. ``{"messages": [...]}``
+(optionally with ``"tools": [...]``, JSON function schemas passed to the template as
+transformers' ``apply_chat_template(messages, tools=...)`` passes them) is rendered with the
+model's chat template and the loss is on the assistant turns (those with ``tool_calls``
+included; ``tool`` and every other role's turns carry none), found by one of two rules:
+
+* *Generation markers*, where the template has ``{% generation %}...{% endgeneration %}``: the
+  tokens transformers' ``apply_chat_template(messages, tokenize=True, return_dict=True,
+  return_assistant_tokens_mask=True)`` marks, computed the same way (each token that overlaps
+  the text of a generation block; :func:`~flowtrain.data.text.assistant_mask`).
+* *Turn by turn*, where it has none: for each assistant message ``k``, the tokens of
+  ``render(messages[:k], add_generation_prompt=True)`` (everything before it, its header
+  included) and of ``render(messages[:k+1])`` must both be prefixes of the whole conversation's
+  tokens, and the tokens between the two are that turn's (its content and end-of-turn text, e.g.
+  ChatML's ``<|im_end|>\n``). A template that rewrites earlier turns as the conversation grows
+  (so a prefix does not hold) is refused for that line rather than guessed at.
+
+:attr:`Parsed.mask` says which rule a file was read with (the run's start-up block shows it).
 
 Readers check every id against the model's vocabulary here, where the line and position are
 still known, so a bad file fails with ``data.jsonl line 7: token id 70000 at position 3 ...``
@@ -57,7 +67,7 @@ _NPY_CHUNK = 1 << 22
 
 _JSONL_EXAMPLE = (
     '{"text": "..."}, {"prompt": "...", "completion": "..."}, {"messages": [{"role": ..., '
-    '"content": ...}, ...]}, {"input_ids": [1, 2, 3]} or {"input_ids": [...], "labels": [...]}'
+    '"content": ...}, ...]} (+ "tools": [...]), {"input_ids": [1, 2, 3]} or {"input_ids": [...], "labels": [...]}'
 )
 
 IGNORE_INDEX = -100  # a target that is not one: torch's and Hugging Face's ignore_index
@@ -69,6 +79,7 @@ _FORMS = {
     frozenset({"text"}): "text",
     frozenset({"prompt", "completion"}): "prompt/completion",
     frozenset({"messages"}): "messages",
+    frozenset({"messages", "tools"}): "messages",
     frozenset({"input_ids"}): "input_ids",
     frozenset({"input_ids", "labels"}): "input_ids",
     frozenset({"input_ids", "text"}): "input_ids",
@@ -81,6 +92,7 @@ class Piece(NamedTuple):
     ids: np.ndarray  # (len,) int64
     labels: np.ndarray | None = None  # rows: (len,) int64, -100 = no loss; None: the ids
     starts: bool = True  # stream: a document starts here (False: it goes on from the last piece)
+    row: int = -1  # rows: where in the file it came from, as Parsed.row_name counts (a line, a row)
 
 
 @dataclass
@@ -90,6 +102,9 @@ class Parsed:
     kind: Literal["stream", "rows"]
     pieces: Iterator[Piece]  # lazy: reading, tokenising and checking happen as it is drawn
     eos_id: int | None = None  # separator between stream documents, when the tokenizer has one
+    row_name: str = "line"  # what Piece.row counts: "line" (1-based, .jsonl) or "row" (0-based, .npy)
+    #: messages rows: "generation" (the template's {% generation %} marks) or "turns" (turn by turn)
+    mask: str | None = None
 
 
 def read_txt(path: Path, vocab_size: int, encoder: Callable[[], Encoder]) -> Parsed:
@@ -194,7 +209,23 @@ def read_jsonl(
             "(chat_template in tokenizer_config.json, or chat_template.jinja); pass --tokenizer "
             "DIR with one, or write the rows as prompt/completion"
         )
-    return Parsed("rows", _chat_rows(path, lines, vocab_size, encoder(), template))
+    mask = "generation" if template.has_generation else "turns"
+    return Parsed("rows", _chat_rows(path, lines, vocab_size, encoder(), template), mask=mask)
+
+
+def holds_conversations(path: Path) -> bool:
+    """Whether ``path`` is a ``.jsonl`` of ``messages`` rows, by its first line (False for a
+    file that is not, or whose first line cannot be read: reading it fails later, properly)."""
+    if path.suffix.lower() != ".jsonl":
+        return False
+    lines = _lines(path)
+    try:
+        first = next(lines, None)
+    except (DataError, OSError):
+        return False
+    finally:
+        lines.close()
+    return first is not None and first[2] == "messages"
 
 
 def _lines(path: Path, form: tuple[str, int] | None = None) -> Iterator[tuple[int, dict, str]]:
@@ -236,7 +267,7 @@ def _id_rows(path: Path, lines: Iterator[tuple[int, dict, str]], vocab_size: int
     for line_no, obj, _ in lines:
         ids = _id_row(path, line_no, obj["input_ids"], vocab_size)
         if "labels" not in obj:
-            yield Piece(ids)
+            yield Piece(ids, row=line_no)
             continue
         lab = _int_list(path, line_no, "labels", obj["labels"])
         if len(lab) != len(ids):
@@ -252,7 +283,7 @@ def _id_rows(path: Path, lines: Iterator[tuple[int, dict, str]], vocab_size: int
                 f"{path} line {line_no}: label {lab[pos]} at position {pos} is neither -100 nor "
                 f"inside the model's vocabulary 0..{vocab_size - 1}"
             )
-        yield Piece(ids, lab)
+        yield Piece(ids, lab, row=line_no)
 
 
 def _text_rows(
@@ -281,7 +312,7 @@ def _prompt_rows(
             check_ids(ids, vocab_size, f"{path} line {line_no}", hint)
             lab = ids.copy()
             lab[: len(prefix) + len(prompt)] = IGNORE_INDEX
-            yield Piece(ids, lab)
+            yield Piece(ids, lab, row=line_no)
 
 
 def _chat_rows(
@@ -293,29 +324,62 @@ def _chat_rows(
     for line_no, obj, _ in lines:
         where = f"{path} line {line_no}"
         messages = _messages(where, obj["messages"])
-        turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+        tools = _tools(where, obj.get("tools"))
         try:
-            texts = [template.render(messages)]
-            for k in turns:
-                texts += [template.render(messages[:k], add_generation_prompt=True),
-                          template.render(messages[: k + 1])]
+            if template.has_generation:
+                ids, lab = _by_generation_marks(messages, tools, enc, template)
+            else:
+                ids, lab = _turn_by_turn(where, messages, tools, enc, template)
         except ValueError as exc:
             raise DataError(
                 f"{where}: the chat template ({template.source}) failed on this conversation: {exc}"
             ) from None
-        encoded = enc.encode_bare(texts)
-        ids = encoded[0]
         check_ids(ids, vocab_size, where, hint)
-        lab = np.full_like(ids, IGNORE_INDEX)
-        for k, before, through in zip(turns, encoded[1::2], encoded[2::2]):
-            if not (_is_prefix(before, ids) and _is_prefix(through, ids)) or len(before) > len(through):
-                raise DataError(
-                    f"{where}: the chat template does not render this conversation turn by turn "
-                    f"(the text up to messages[{k}] is not a prefix of the whole), so its "
-                    "assistant tokens cannot be found; pre-tokenize it as input_ids + labels"
-                )
-            lab[len(before) : len(through)] = ids[len(before) : len(through)]
-        yield Piece(ids, lab)
+        yield Piece(ids, lab, row=line_no)
+
+
+def _by_generation_marks(messages: list[dict], tools: list[dict] | None, enc: Encoder,
+                         template: ChatTemplate) -> tuple[np.ndarray, np.ndarray]:
+    """Ids and labels of a conversation whose template marks assistant text: what transformers'
+    ``return_assistant_tokens_mask`` marks is learnt, nothing else."""
+    text, spans = template.render_spans(messages, tools)
+    ids, offsets = enc.encode_offsets(text)
+    return ids, np.where(data_text.assistant_mask(offsets, spans), ids, IGNORE_INDEX)
+
+
+def _turn_by_turn(where: str, messages: list[dict], tools: list[dict] | None, enc: Encoder,
+                  template: ChatTemplate) -> tuple[np.ndarray, np.ndarray]:
+    """Ids and labels of a conversation whose template has no generation marks: each assistant
+    turn's tokens lie between the conversation rendered up to it and through it."""
+    turns = [k for k, m in enumerate(messages) if m["role"] == "assistant"]
+    texts = [template.render(messages, tools=tools)]
+    for k in turns:
+        texts += [template.render(messages[:k], add_generation_prompt=True, tools=tools),
+                  template.render(messages[: k + 1], tools=tools)]
+    encoded = enc.encode_bare(texts)
+    ids = encoded[0]
+    lab = np.full_like(ids, IGNORE_INDEX)
+    for k, before, through in zip(turns, encoded[1::2], encoded[2::2]):
+        if not (_is_prefix(before, ids) and _is_prefix(through, ids)) or len(before) > len(through):
+            raise DataError(
+                f"{where}: the chat template does not render this conversation turn by turn "
+                f"(the text up to messages[{k}] is not a prefix of the whole), so its "
+                "assistant tokens cannot be found; pre-tokenize it as input_ids + labels"
+            )
+        lab[len(before) : len(through)] = ids[len(before) : len(through)]
+    return ids, lab
+
+
+def _tools(where: str, value: object) -> list[dict] | None:
+    """A row's ``tools``: a list of JSON objects (function schemas), or None for none."""
+    if value is None:
+        return None
+    if not isinstance(value, list) or not all(isinstance(t, dict) for t in value):
+        raise DataError(
+            f"{where}: \"tools\" must be a list of objects (JSON function schemas, such as "
+            f"[{{\"type\": \"function\", \"function\": {{\"name\": ...}}}}]), not {_preview(value)}"
+        )
+    return value
 
 
 def _messages(where: str, value: object) -> list[dict]:
@@ -371,7 +435,7 @@ def read_npy(path: Path, vocab_size: int) -> Parsed:
         raise DataError(f"{path} holds an empty array of shape {array.shape}; it has no tokens")
     if array.ndim == 1:
         return Parsed("stream", _npy_stream(path, array, vocab_size))
-    return Parsed("rows", _npy_rows(path, array, vocab_size))
+    return Parsed("rows", _npy_rows(path, array, vocab_size), row_name="row")
 
 
 _NPY_HINT = "re-tokenize the data for this model or give the model a larger vocab_size"
@@ -395,7 +459,7 @@ def _npy_rows(path: Path, array: np.ndarray, vocab_size: int) -> Iterator[Piece]
                 f"{path} row {start + row}: token id {block[row, col]} at position {col} is "
                 f"outside the model's vocabulary 0..{vocab_size - 1}; {_NPY_HINT}"
             )
-        yield from (Piece(row) for row in block)
+        yield from (Piece(row, row=start + i) for i, row in enumerate(block))
 
 
 def check_ids(ids: np.ndarray, vocab_size: int, where: str, hint: str, offset: int = 0) -> None:

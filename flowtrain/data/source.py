@@ -14,18 +14,32 @@
 are token *streams*: documents are tokenised, joined with the EOS token between them and cut
 into windows of exactly ``seq_len`` tokens (a final tail of 2 or more tokens is kept, padded).
 ``.jsonl`` rows with ``input_ids`` and the rows of a 2-D ``.npy`` are *sequences as they
-stand*: cut at ``seq_len`` (keeping the start) or right-padded. Sequences under 2 tokens or
-without a single target teach nothing and are dropped. Formats live in
-:mod:`~flowtrain.data.files`, tokenizers and chat templates in
+stand*, learnt whole: padded, or, longer than ``seq_len``, cut or dropped (see below).
+Sequences under 2 tokens or without a single target teach nothing and are dropped.
+Formats live in :mod:`~flowtrain.data.files`, tokenizers and chat templates in
 :mod:`~flowtrain.data.text`.
 
 **Fine-tuning.** ``.jsonl`` rows may also be ``{"prompt", "completion"}`` (loss on the
-completion and its EOS), ``{"messages": [...]}`` (the model's chat template; loss on the
-assistant turns) or ``{"input_ids", "labels"}`` (labels as transformers takes them: aligned with
-the ids, -100 for no loss). Each example is one sequence of its own, padded to ``seq_len``.
-Several short examples are *not* packed into one sequence: that needs attention masked between
-documents (and positions restarted), which the model does not have yet; until then packing would
-let one example attend to another.
+completion and its EOS), ``{"messages": [...]}`` with optional ``"tools": [...]`` (the model's
+chat template; loss on the assistant turns) or ``{"input_ids", "labels"}`` (labels as
+transformers takes them: aligned with the ids, -100 for no loss). Every row (these and the
+sequences above) is one *example*. With ``packing`` (the default) short examples share a
+sequence, each whole: best fit decreasing, with ``positions`` restarting at every example so
+that the model restarts rotary positions and keeps attention inside each example
+(:mod:`~flowtrain.data.pack`); without it each example is a sequence of its own, padded.
+
+**Examples longer than seq_len** are never cut silently: ``long_examples`` says what becomes
+of them, and :attr:`Sequences.report` counts the examples cut and dropped and the target tokens
+they lost. ``"truncate"`` cuts each at ``seq_len``, keeping its start (a sequence cut so that
+no target is left is left out); ``"drop"`` leaves them out; ``"error"`` raises DataError naming
+how many there are and the first, after building the cache as ``"drop"`` does (so choosing
+``drop`` next reuses it); ``"auto"`` is ``"error"`` for conversations (``messages`` rows) and
+``"truncate"`` for every other row, as a token stream is cut into windows.
+
+**seq_len from the data.** ``seq_len`` may be a :class:`FromData`: the rows are then as long as
+the longest example with a target, rounded up to a multiple (64 for ``flowtrain train``), at
+most the model's positions; a token stream has no examples to measure and takes
+``FromData.stream``.
 
 **Which tokenizer.** Text (``.txt``, ``text``, ``prompt``/``completion``, ``messages``) is
 tokenised with ``tokenizer_dir/tokenizer.json``. A preset model (``tokenizer_dir=None``) learns
@@ -73,6 +87,7 @@ from flowtrain.data import text as data_text
 from flowtrain.data.files import (
     IGNORE_INDEX,
     Parsed,
+    holds_conversations,
     read_jsonl,
     read_npy,
     read_txt,
@@ -89,8 +104,11 @@ from flowtrain.errors import ConfigError, DataError
 
 __all__ = [
     "IGNORE_INDEX",
+    "LONG_EXAMPLES",
     "TOKENIZER_FILES",
     "Batch",
+    "DataReport",
+    "FromData",
     "Sequences",
     "default_corpus_path",
     "find_tokenizer",
@@ -100,6 +118,48 @@ __all__ = [
 ]
 
 _FORMATS = (".jsonl", ".txt", ".npy")
+
+#: What ``long_examples`` may say about an example longer than seq_len (see the module).
+LONG_EXAMPLES = ("auto", "error", "drop", "truncate")
+
+@dataclass(frozen=True)
+class FromData:
+    """A ``seq_len`` the data chooses (``flowtrain train`` without ``--seq-len``): rows of
+    examples are as long as the longest example, rounded up to a multiple of ``multiple``, at
+    most ``most`` (the model's ``max_position_embeddings``); a token stream, which has no
+    examples, is cut into windows of ``stream`` tokens (at most ``most``). The numbers are the
+    caller's: ``flowtrain.train.defaults`` says why 128 and 64."""
+
+    stream: int
+    multiple: int
+    most: int | None = None
+
+    def for_stream(self) -> int:
+        return min(self.stream, self.most) if self.most is not None else self.stream
+
+    def for_examples(self, longest: int) -> int:
+        rounded = -(-max(longest, 2) // self.multiple) * self.multiple
+        return min(rounded, self.most) if self.most is not None else rounded
+
+
+@dataclass(frozen=True)
+class DataReport:
+    """What reading a file did, for the run's start-up block (kept in the cache's index)."""
+
+    kind: str = "stream"  # "stream" (documents cut into windows) or "rows" (examples)
+    examples: int = 0  # rows: examples in the sequences, whole or cut
+    longest: int = 0  # rows: tokens of the longest example with a target, before any cut
+    seq_len_from_data: bool = False  # seq_len was a FromData
+    capped: bool = False  # ... and the model's positions set it, below the longest example
+    cut: tuple[int, int] = (0, 0)  # (examples cut at seq_len, target tokens they lost)
+    dropped: tuple[int, int] = (0, 0)  # (examples longer than seq_len left out, their target tokens)
+    first_dropped: str | None = None  # e.g. "line 7 (97 tokens)"
+    mask: str | None = None  # messages: "generation" (its {% generation %} marks) or "turns"
+
+    @classmethod
+    def from_index(cls, report: dict) -> DataReport:
+        return cls(**{**report, "cut": tuple(report.get("cut", (0, 0))),
+                      "dropped": tuple(report.get("dropped", (0, 0)))})
 
 
 @dataclass(eq=False)
@@ -113,6 +173,8 @@ class Sequences:
     positions: torch.Tensor | None = None
     _num_targets: int | None = field(default=None, repr=False)  # known from the cache index
     _fingerprint: str | None = field(default=None, repr=False)
+    #: what reading the file did: examples, the longest, those cut or dropped, the mask rule
+    report: DataReport = field(default_factory=DataReport, repr=False)
 
     def __post_init__(self) -> None:
         shapes = [self.input_ids.shape, self.targets.shape]
@@ -190,7 +252,7 @@ class Batch:
 
 def load_sequences(
     path: str | Path,
-    seq_len: int,
+    seq_len: int | FromData,
     vocab_size: int,
     tokenizer_dir: str | Path | None = None,
     pad_id: int = 0,
@@ -198,6 +260,7 @@ def load_sequences(
     byte_tokenizer: bool = False,
     *,
     packing: bool = True,
+    long_examples: str = "truncate",
     cache_dir: str | Path | None = None,
 ) -> Sequences:
     """Read a ``.jsonl``, ``.txt`` or ``.npy`` file into :class:`Sequences`, through the cache.
@@ -206,15 +269,25 @@ def load_sequences(
     when ``tokenizer_dir`` is None (a preset) or ``byte_tokenizer`` is set; a ``tokenizer_dir``
     without tokenizer.json is refused for text. ``messages`` rows use the chat template found in
     ``tokenizer_dir``. ``eos_id`` separates joined documents and ends completions; when None,
-    the tokenizer's ``tokenizer_config.json`` may name one. ``packing`` packs fine-tuning rows
-    (see the module). The rows are built once into ``cache_dir`` (default: see
-    :func:`~flowtrain.data.cache.cache_root`) and mapped from there. Raises DataError for
-    a file that cannot be used and ConfigError for impossible sizes or ids.
+    the tokenizer's ``tokenizer_config.json`` may name one. ``seq_len`` is a number or a
+    :class:`FromData`; ``packing`` packs examples and ``long_examples`` (one of
+    :data:`LONG_EXAMPLES`; ``"truncate"``, what this function always did, unless asked
+    otherwise; ``flowtrain train`` asks for ``"auto"``) says what becomes of an example longer
+    than seq_len (see the module). The rows are built once into ``cache_dir``
+    (default: see :func:`~flowtrain.data.cache.cache_root`) and mapped from there. Raises
+    DataError for a file that cannot be used and ConfigError for impossible sizes or ids.
     """
-    _check_config(seq_len, vocab_size, pad_id, eos_id)
+    if long_examples not in LONG_EXAMPLES:
+        raise ConfigError(f"--long-examples must be one of {', '.join(LONG_EXAMPLES)} (got {long_examples!r})")
+    if isinstance(seq_len, FromData) and seq_len.multiple < 1:
+        raise ConfigError(f"a seq_len from the data is rounded up to a multiple of at least 1 (got {seq_len.multiple})")
+    _check_config(seq_len if isinstance(seq_len, int) else seq_len.for_stream(), vocab_size, pad_id, eos_id)
     path = _check_file(Path(path))
-    settings = {"seq_len": seq_len, "packing": packing, "vocab_size": vocab_size, "pad_id": pad_id,
-                "eos_id": eos_id, "byte_tokenizer": byte_tokenizer, "chunk_chars": data_text.CHUNK_CHARS}
+    chosen = seq_len if isinstance(seq_len, int) else ["from the data", seq_len.stream, seq_len.most, seq_len.multiple]
+    drop = long_examples in ("drop", "error") or (long_examples == "auto" and holds_conversations(path))
+    settings = {"seq_len": chosen, "packing": packing, "long_examples": "drop" if drop else "truncate",
+                "vocab_size": vocab_size, "pad_id": pad_id, "eos_id": eos_id, "byte_tokenizer": byte_tokenizer,
+                "chunk_chars": data_text.CHUNK_CHARS}
     text: list[bool] = []  # set when text is tokenised: a cached load checks the tokenizer again
 
     @functools.cache
@@ -224,22 +297,82 @@ def load_sequences(
 
     def build(folder: Path) -> dict:
         parsed = _parse(path, vocab_size, encoder, tokenizer_dir)
-        packed = packing and parsed.kind == "rows"
-        with data_cache.RowWriter(folder, seq_len, positions=packed) as out:
-            if parsed.kind == "stream":
-                data_pack.stream_rows(path, parsed.pieces, parsed.eos_id, seq_len, pad_id, out)
-            elif packed:
-                layout = data_pack.packed_rows(path, parsed.pieces, seq_len, pad_id, out, folder)
-                np.save(folder / "layout.npy", layout)
-            else:
-                data_pack.plain_rows(path, parsed.pieces, seq_len, pad_id, out)
-            return {**out.close(), "kind": parsed.kind, "text": bool(text), "source": str(path)}
+        if parsed.kind == "stream":
+            length = seq_len if isinstance(seq_len, int) else seq_len.for_stream()
+            with data_cache.RowWriter(folder, length, positions=False) as out:
+                data_pack.stream_rows(path, parsed.pieces, parsed.eos_id, length, pad_id, out)
+                index = out.close()
+            report = {"kind": "stream", "seq_len_from_data": not isinstance(seq_len, int)}
+        else:
+            index, report = _build_rows(path, parsed, folder, seq_len, pad_id, packing, drop, long_examples)
+        return {**index, "kind": parsed.kind, "text": bool(text), "source": str(path.absolute()), "report": report}
 
     rows = data_cache.open_rows(data_cache.cached(path, settings, tokenizer_dir, build, cache_dir))
     if rows.index["text"]:
         check_encoder(tokenizer_dir, vocab_size, byte_tokenizer)  # the errors a miss would raise
-    return Sequences(rows.input_ids, rows.targets, rows.positions,
-                     _num_targets=rows.index["num_targets"], _fingerprint=rows.index["fingerprint"])
+    report = DataReport.from_index(rows.index["report"])
+    if long_examples in ("error", "auto") and report.dropped[0]:  # "auto" drops conversations only
+        raise _long_examples_error(path, report, rows.index["seq_len"])
+    return Sequences(rows.input_ids, rows.targets, rows.positions, _num_targets=rows.index["num_targets"],
+                     _fingerprint=rows.index["fingerprint"], report=report)
+
+
+def _build_rows(path: Path, parsed: Parsed, folder: Path, seq_len: int | FromData, pad_id: int, packing: bool,
+                drop: bool, long_examples: str) -> tuple[dict, dict]:
+    """Write the rows of a file of examples into ``folder``: spool them whole, choose seq_len
+    (from the data, if asked), cut or ``drop`` the long ones, then pad or pack. The index
+    entries of the files written and the report."""
+    spooled = data_pack.Spooled(parsed.pieces, folder)
+    try:
+        if not len(spooled):
+            raise _no_rows(path, None)
+        length = seq_len if isinstance(seq_len, int) else seq_len.for_examples(spooled.longest)
+        fitted = data_pack.fit(spooled, length, drop_long=drop)
+        first = (f"{parsed.row_name} {fitted.first_dropped[0]} ({fitted.first_dropped[1]:,} tokens)"
+                 if fitted.first_dropped else None)
+        report = {"kind": "rows", "examples": len(fitted.keep), "longest": spooled.longest,
+                  "seq_len_from_data": not isinstance(seq_len, int),
+                  "capped": not isinstance(seq_len, int) and length < spooled.longest,
+                  "cut": [fitted.cut_count, fitted.cut_lost], "dropped": [fitted.dropped_count, fitted.dropped_lost],
+                  "first_dropped": first, "mask": parsed.mask}
+        if not len(fitted.keep):
+            if fitted.dropped_count and long_examples in ("error", "auto"):
+                raise _long_examples_error(path, DataReport.from_index(report), length)
+            raise _no_rows(path, length, fitted.dropped_count)
+        with data_cache.RowWriter(folder, length, positions=packing) as out:
+            if packing:
+                np.save(folder / "layout.npy", data_pack.packed_rows(spooled, fitted, length, pad_id, out))
+            else:
+                data_pack.plain_rows(spooled, fitted, length, pad_id, out)
+            return out.close(), report
+    finally:
+        spooled.remove()
+
+
+def _no_rows(path: Path, seq_len: int | None, dropped: int = 0) -> DataError:
+    if dropped:
+        return DataError(
+            f"{path} has no usable sequences: every example with a target is longer than --seq-len {seq_len} "
+            f"and --long-examples drop left all {dropped:,} out; pass a larger --seq-len or --long-examples truncate"
+        )
+    within = f" within the first --seq-len {seq_len}" if seq_len is not None else ""
+    return DataError(
+        f"{path} has no usable sequences: every one has fewer than 2 tokens or no token "
+        f"with a loss{within}, and predicting a next token needs at least 2"
+    )
+
+
+def _long_examples_error(path: Path, report: DataReport, seq_len: int) -> DataError:
+    """The one line ``long_examples="error"`` ends in: how many, the first, what to pass."""
+    count, lost = report.dropped
+    limit = (f"the model's {seq_len:,} positions (--seq-len from the data, at most max_position_embeddings)"
+             if report.capped else f"--seq-len {seq_len}")
+    larger = "" if report.capped else f", or --seq-len {report.longest} or more to keep every one whole"
+    return DataError(
+        f"{path}: {count:,} example{'s' if count != 1 else ''} longer than {limit}, the first at "
+        f"{report.first_dropped}, {lost:,} target tokens in all; pass --long-examples drop to train without "
+        f"them or --long-examples truncate to cut them at {seq_len} tokens{larger}"
+    )
 
 
 def _check_file(path: Path) -> Path:

@@ -16,11 +16,14 @@ training it on bytes would silently teach it nonsense::
 Encoders return ``np.ndarray`` int64 id arrays; range checks against the model's vocabulary
 happen in :mod:`flowtrain.data.files`, where the line and position are known.
 
-**Chat templates.** :class:`ChatTemplate` renders ``messages`` the way transformers'
-``apply_chat_template`` does (a sandboxed Jinja2 environment with ``trim_blocks`` and
-``lstrip_blocks``, its ``tojson``, ``raise_exception`` and ``strftime_now``, the special tokens
-as variables, ``{% generation %}`` blocks rendered as plain text); the rendered text is
-tokenised without adding special tokens, as transformers does, since the template writes them.
+**Chat templates.** :class:`ChatTemplate` renders ``messages`` (and a row's ``tools``) the way
+transformers' ``apply_chat_template`` does (a sandboxed Jinja2 environment with ``trim_blocks``
+and ``lstrip_blocks``, its ``tojson``, ``raise_exception`` and ``strftime_now``, the special
+tokens as variables, ``tools`` and ``documents``); the rendered text is tokenised without adding
+special tokens, as transformers does, since the template writes them. ``{% generation %}...{%
+endgeneration %}`` blocks render their body unchanged, and :meth:`ChatTemplate.render_spans`
+records where each one's text lies, as transformers' ``return_assistant_tokens_mask`` does;
+:func:`assistant_mask` turns those spans into the same token mask.
 
 A template is foreign code run on every row, so its rendering is bounded as well as sandboxed: a
 template that recurses without end, or builds a string of more than :data:`MAX_RENDER_CHARS`
@@ -31,7 +34,8 @@ with one line instead of ending the process in a RecursionError or MemoryError.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Iterator
+import re
+from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
@@ -104,6 +108,11 @@ class Encoder(Protocol):
         """The special ids the template puts before and after a document (BOS, ...)."""
         ...
 
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """``text`` encoded without the template's special tokens: its int64 ids and ``(n, 2)``
+        int64 character offsets ``[start, end)`` of each token in ``text``."""
+        ...
+
 
 class ByteEncoder:
     """The fallback: a text's UTF-8 bytes are its token ids (0..255), no special tokens."""
@@ -125,6 +134,12 @@ class ByteEncoder:
     def template_ids(self) -> tuple[np.ndarray, np.ndarray]:
         empty = np.zeros(0, dtype=np.int64)
         return empty, empty
+
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """Each byte is a token of the character it belongs to: ``é`` is two tokens at [i, i+1)."""
+        ids = self.encode_document(text)
+        chars = np.repeat(np.arange(len(text), dtype=np.int64), [len(c.encode("utf-8")) for c in text])
+        return ids, np.stack([chars, chars + 1], axis=1)
 
 
 class TokenizerEncoder:
@@ -165,6 +180,13 @@ class TokenizerEncoder:
     def encode_bare(self, texts: list[str]) -> list[np.ndarray]:
         encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
         return [np.asarray(e.ids, dtype=np.int64) for e in encodings]
+
+    def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """The call transformers makes in ``apply_chat_template`` (``add_special_tokens=False``),
+        with the encoding's character offsets, which its assistant mask reads."""
+        encoding = self._tokenizer.encode_batch([text], add_special_tokens=False)[0]
+        offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
+        return np.asarray(encoding.ids, dtype=np.int64), offsets
 
     def template_ids(self) -> tuple[np.ndarray, np.ndarray]:
         """The special ids the tokenizer's template puts before and after a document."""
@@ -286,7 +308,10 @@ class ChatTemplate:
     """A model's Jinja2 chat template, rendered as transformers' ``apply_chat_template`` does.
 
     ``messages`` with ``None`` values have those keys dropped first (transformers does too), so
-    ``{"content": None, "tool_calls": [...]}`` renders as the template expects.
+    ``{"content": None, "tool_calls": [...]}`` renders as the template expects. ``tools`` (a
+    row's list of JSON function schemas) is the template's ``tools`` variable, None without.
+    ``has_generation`` says whether the template marks assistant text with ``{% generation %}``
+    (found as transformers looks for it, by the tag's spelling in the source).
     """
 
     def __init__(self, source: str, template: str, special_tokens: dict[str, str]) -> None:
@@ -305,9 +330,13 @@ class ChatTemplate:
                 "safely; pip install 'jinja2>=3.1.6'"
             )
 
+        tracking = self._tracking = _Tracking()
+
         class Generation(jinja2.ext.Extension):
-            """``{% generation %}...{% endgeneration %}`` renders its body unchanged; assistant
-            tokens are found turn by turn (see :mod:`.files`), not from these marks."""
+            """``{% generation %}...{% endgeneration %}`` renders its body unchanged; while
+            :meth:`ChatTemplate.render_spans` runs, it records the body's ``[start, end)`` in the
+            output, counted as transformers' ``AssistantTracker`` counts it (the characters
+            the rendering has yielded so far)."""
 
             tags = frozenset({"generation"})
 
@@ -317,7 +346,10 @@ class ChatTemplate:
                 return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
 
             def _body(self, caller):
-                return caller()
+                text = caller()
+                if tracking.spans is not None:
+                    tracking.spans.append((tracking.chars, tracking.chars + len(text)))
+                return text
 
         def raise_exception(message):
             raise jinja2.exceptions.TemplateError(message)
@@ -358,21 +390,98 @@ class ChatTemplate:
             namespace["str_join"] = lambda seq: _bounded_join(str(x) for x in seq)
         self.source = source
         self._special = dict(special_tokens)
+        self.has_generation = bool(_GENERATION_TAG.search(template))
 
-    def render(self, messages: list[dict], add_generation_prompt: bool = False) -> str:
+    def render(self, messages: list[dict], add_generation_prompt: bool = False,
+               tools: list[dict] | None = None) -> str:
         """The conversation as text. Raises ``ValueError`` with the template's own message."""
+        return self._rendered(lambda kwargs: self._template.render(**kwargs), messages,
+                              add_generation_prompt, tools)
+
+    def render_spans(self, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
+        """The conversation as text and the ``[start, end)`` character span of every
+        ``{% generation %}`` block in it, in the order the blocks finished: what transformers'
+        ``apply_chat_template(..., return_assistant_tokens_mask=True)`` computes its mask from."""
+
+        def generate(kwargs: dict) -> str:
+            self._tracking.start()
+            blocks = []
+            for block in self._template.generate(**kwargs):
+                self._tracking.chars += len(block)
+                if self._tracking.chars > MAX_RENDER_CHARS:
+                    _too_large(self._tracking.chars)
+                blocks.append(block)
+            return "".join(blocks)
+
+        try:
+            text = self._rendered(generate, messages, False, tools)
+            return text, list(self._tracking.spans or ())
+        finally:
+            self._tracking.stop()
+
+    def _rendered(self, render: Callable[[dict], str], messages: list[dict], add_generation_prompt: bool,
+                  tools: list[dict] | None) -> str:
         import jinja2
 
         messages = [{k: v for k, v in m.items() if v is not None} for m in messages]
+        kwargs = dict(messages=messages, tools=tools, documents=None, add_generation_prompt=add_generation_prompt,
+                      **self._special)
         try:
-            return self._template.render(messages=messages, tools=None, documents=None,
-                                         add_generation_prompt=add_generation_prompt, **self._special)
+            return render(kwargs)
         except (jinja2.exceptions.TemplateError, TypeError, KeyError, IndexError) as exc:
             raise ValueError(_one_line(str(exc)) or type(exc).__name__) from None
         except RecursionError:  # a macro calling itself, or a message nested beyond Python's depth
             raise ValueError("it recursed too deeply (a macro that calls itself without end?)") from None
         except (MemoryError, OverflowError):  # e.g. a filter such as center() asked for a huge width
             raise ValueError("it built a value too large to hold in memory") from None
+
+
+#: How transformers finds out that a template marks assistant text (it warns when asked for a mask
+#: that a template without it cannot give): the opening tag's spelling, whitespace control allowed.
+_GENERATION_TAG = re.compile(r"\{\%-?\s*generation\s*-?\%\}")
+
+
+class _Tracking:
+    """The state of one :meth:`ChatTemplate.render_spans`: the characters yielded so far and the
+    spans recorded (None: not tracking, as during :meth:`ChatTemplate.render`)."""
+
+    def __init__(self) -> None:
+        self.chars = 0
+        self.spans: list[tuple[int, int]] | None = None
+
+    def start(self) -> None:
+        self.chars, self.spans = 0, []
+
+    def stop(self) -> None:
+        self.chars, self.spans = 0, None
+
+
+def assistant_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """``(n,)`` bool: the tokens (character ``offsets``, ``(n, 2)``) that overlap a generation
+    span, exactly as transformers' ``apply_chat_template`` marks ``assistant_masks``: it walks
+    the tokens in order with a pointer into the spans, moving past every span that ends at or
+    before the token's start, and marks the token if it ends after that span's start.
+
+    Spans in order with tokens in order (every real template) take one ``searchsorted``; any
+    other case runs transformers' loop itself, so the answer is the same either way."""
+    n = len(offsets)
+    if not spans or not n:
+        return np.zeros(n, dtype=bool)
+    begins = np.array([s for s, _ in spans], dtype=np.int64)
+    ends = np.array([e for _, e in spans], dtype=np.int64)
+    starts, stops = offsets[:, 0], offsets[:, 1]
+    if np.all(np.diff(ends) >= 0) and np.all(np.diff(starts) >= 0):
+        k = np.searchsorted(ends, starts, side="right")  # spans that end at or before each start
+        inside = k < len(spans)
+        return inside & (stops > begins[np.minimum(k, len(spans) - 1)])
+    mask, k = np.zeros(n, dtype=bool), 0
+    for t in range(n):
+        while k < len(spans) and starts[t] >= ends[k]:
+            k += 1
+        if k == len(spans):
+            break
+        mask[t] = stops[t] > begins[k]
+    return mask
 
 
 def _one_line(text: str, limit: int = 300) -> str:

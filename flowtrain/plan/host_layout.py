@@ -8,15 +8,68 @@ lets ``flowtrain plan`` and ``flowtrain simulate`` answer without importing it.
 
 from __future__ import annotations
 
-import math
+import os
 from typing import TYPE_CHECKING, Iterable
 
+from ..errors import ConfigError
+
 if TYPE_CHECKING:
+    from ..model.config import ModelConfig
     from ..model.layout import UnitLayout
 
 #: Host state layouts: fp32 master and Adam m, v always; gradients through a staging ring
 #: (``staged``), a per-unit host gradient (``full``), or staged plus a bf16 streaming copy.
 LAYOUTS = ("staged", "full", "stream-bf16")
+
+#: Bytes of training state per parameter that no layout goes below: the fp32 master weight and
+#: Adam's two fp32 moments (where the unit is streamed or resident).
+STATE_BYTES_PER_PARAM = 12
+
+
+def units_by_size(cfg: "ModelConfig") -> list[tuple[int, str]]:
+    """``(parameters, what sizes them)`` of the embedding, one decoder layer and the head, largest
+    first: integer arithmetic on the config alone, before any layout is built."""
+    vh = f"vocab_size {cfg.vocab_size:,} x hidden_size {cfg.hidden_size:,}"
+    units = [(cfg.vocab_size * cfg.hidden_size, f"{vh}: an embedding of"),
+             (cfg.layer_parameters(), f"hidden_size {cfg.hidden_size:,} and intermediate_size "
+                                      f"{cfg.intermediate_size:,}: one decoder layer of")]
+    if not cfg.tie_word_embeddings:
+        units.append((cfg.vocab_size * cfg.hidden_size + cfg.hidden_size, f"{vh}: an output head of"))
+    return sorted(units, key=lambda u: -u[0])
+
+
+def host_memory_total() -> int | None:
+    """Bytes of this machine's memory (all of it, not what is free), or None where unknown."""
+    try:
+        return os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_units_fit(cfg: "ModelConfig", host_mem: float | None, gpu_bytes: int | None = None) -> None:
+    """Refuse, in one line naming the config.json fields, a model whose largest unit's training
+    state alone (:data:`STATE_BYTES_PER_PARAM` per parameter) is more than the machine could hold
+    in one place: the host's memory (``host_mem`` GiB, ``--host-mem``, else all of this
+    machine's) or, where larger, the GPU's (``gpu_bytes``). A unit's state lives whole in one of
+    them, so no plan could fit such a model, and sizing one would allocate without end (its
+    gradient passes the staging slots in millions of chunks, each a task of the step's graph).
+    Integer arithmetic only, before anything is sized from the config."""
+    host = int(host_mem * 2**30) if host_mem is not None else host_memory_total()
+    if host is None:
+        return
+    holds = max(host, gpu_bytes or 0)
+    params, what = units_by_size(cfg)[0]
+    need = params * STATE_BYTES_PER_PARAM
+    if need <= holds:
+        return
+    source = " planned for (--host-mem, or the machine's)" if host_mem is not None else ", all of this machine's memory"
+    gpu = f" or the GPU ({gpu_bytes / 2**30:,.1f} GiB)" if gpu_bytes else ""
+    raise ConfigError(
+        f"model config: {what} {params:,} parameters, whose training state alone ({STATE_BYTES_PER_PARAM} bytes each: "
+        f"{need / 2**30:,.0f} GiB) is more than the host could hold ({host / 2**30:,.1f} GiB{source}){gpu}; "
+        f"no plan can fit this model"
+    )
+
 
 #: Elements of the fp32 landing buffer that fetches of fp32 masters pass through on their way
 #: to a bf16 slot (64 MiB): large enough that each piece's copy runs at full PCIe speed.
@@ -42,11 +95,27 @@ def staging_numel(layouts: Iterable[UnitLayout], resident: Iterable[str] = ()) -
     return max(layers or [lay.numel for lay in streamed] or [0])
 
 
+#: The most staging chunks one unit's gradient may pass through: each is an ``offload_grad`` and a
+#: ``cpu_adam`` task of every step's graph. Published models need a few dozen at most (an
+#: embedding a few dozen times the largest decoder layer).
+MAX_GRAD_CHUNKS = 1 << 14
+
+
 def grad_chunks(layouts: Iterable[UnitLayout], resident: Iterable[str], stage_n: int) -> dict[str, int]:
-    """Staging chunks of every streamed unit larger than one staging slot."""
+    """Staging chunks of every streamed unit larger than one staging slot. A unit that would
+    need more than :data:`MAX_GRAD_CHUNKS` is refused in one line, before any task is built."""
     res = set(resident)
-    return {lay.key: math.ceil(lay.numel / stage_n) for lay in layouts
-            if lay.key not in res and stage_n and lay.numel > stage_n}
+    big = [lay for lay in layouts if lay.key not in res and stage_n and lay.numel > stage_n]
+    chunks = {lay.key: -(-lay.numel // stage_n) for lay in big}
+    for lay in big:
+        if chunks[lay.key] > MAX_GRAD_CHUNKS:
+            name = {"embed": "the embedding", "head": "the output head"}.get(lay.key, lay.key)
+            raise ConfigError(
+                f"model config: vocab_size and hidden_size make {name} ({lay.numel:,} parameters) {chunks[lay.key]:,} "
+                f"times the largest decoder layer ({stage_n:,}): its gradient would pass the host staging slots in as "
+                f"many chunks, each a task of every step, more than the {MAX_GRAD_CHUNKS:,} a step may hold"
+            )
+    return chunks
 
 
 def chunk_range(numel: int, stage_n: int, chunk: int | None) -> tuple[int, int]:

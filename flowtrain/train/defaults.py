@@ -19,10 +19,36 @@ fields are ``None`` in ``TrainConfig`` until the run decides.
 
 from __future__ import annotations
 
+
+class SeqLenDefault(int):
+    """The ``--seq-len`` of a run that gives none: an ``int`` equal to :data:`SEQ_LEN` (so that
+    ``TrainConfig()`` is a valid config that prints 128 everywhere), whose type says the data
+    decides. The trainer replaces it with a plain ``int`` once the data is read
+    (``flowtrain.data.source.FromData``): a token stream (text, .txt, 1-D .npy, the bundled
+    corpus) keeps 128; a file of examples takes its longest example, rounded up to a multiple of
+    :data:`SEQ_LEN_MULTIPLE`, at most the model's ``max_position_embeddings``. Any ``--seq-len``
+    a user types, or ``TrainConfig(seq_len=...)``, is a plain ``int`` and is used as given."""
+
+
+def seq_len_given(seq_len: int) -> bool:
+    """Whether ``seq_len`` was chosen by the user (not :class:`SeqLenDefault`)."""
+    return not isinstance(seq_len, SeqLenDefault)
+
+
 STEPS = 200
 BATCH_SIZE = 16  # sequences per optimizer step
 MICRO_BATCH_SIZE = 8
-SEQ_LEN = 128
+SEQ_LEN = SeqLenDefault(128)  # token streams; examples: from the data (SeqLenDefault)
+#: a seq_len from the data is rounded up to a multiple of this: attention kernels and tensor cores
+#: work in tiles of 64 (or 128) tokens, so a row of 1,000 tokens costs what one of 1,024 does, and
+#: the rounding adds under 64 tokens of padding a row (which packing fills with other examples)
+SEQ_LEN_MULTIPLE = 64
+#: examples longer than --seq-len: "auto" stops a run on conversations before training, naming
+#: them (a cut conversation trains on a reply without its end, often without its last turns; a
+#: dropped one is data the user meant to train on: the user chooses, --long-examples drop or
+#: truncate, knowing how many), and cuts every other row, keeping its start, as text is cut into
+#: windows; the start-up block counts what was cut or dropped either way
+LONG_EXAMPLES = "auto"
 BETAS = (0.9, 0.999)
 EPS = 1e-8
 SEED = 0

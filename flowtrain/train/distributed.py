@@ -19,16 +19,69 @@ state (:mod:`flowtrain.train.shared_state`): each streamed unit's Adam runs in o
 owner (``StepSpec.owner``), and a ``sync_step`` barrier of the node's processes (a gloo group
 of their own, :func:`node_barrier`) ends every step, before any of them reads the updated
 weights.
+
+A process that dies (``kill -9``, a crash) or stops answering (``SIGSTOP``, a hang) must not
+leave the others waiting: every collective gives up after ``--dist-timeout`` seconds
+(:data:`DEFAULT_TIMEOUT_S`, 30 minutes: longer than any one process's share of loading the
+model or writing a checkpoint, while the others wait), and a peer's death is seen at once (its
+connections close). Either ends the run with :class:`PeerLost`, one line::
+
+    flowtrain: error: data parallel: another process is gone (killed or crashed; its own output
+    says why) while this one waited in a gradient all-reduce (Connection closed by peer ...)
 """
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import os
-from typing import Any
+import re
+from typing import Any, Iterator
 
 import msgspec
 
-from ..errors import ConfigError
+from ..errors import ConfigError, FlowtrainError
+
+#: Seconds a collective waits for the other processes before the run ends (``--dist-timeout``).
+DEFAULT_TIMEOUT_S = 30 * 60.0
+
+
+class PeerLost(ConnectionError, FlowtrainError):
+    """Another data-parallel process is gone, or gave no answer within the timeout; ``what``
+    says which collective this process was in. A :class:`~flowtrain.errors.FlowtrainError`, so
+    the command line prints its message as it is, and an ``OSError``, so the exit status is 1
+    (the system failed, not the input)."""
+
+    def __init__(self, what: str, cause: BaseException, timeout_s: float) -> None:
+        detail = _gist(cause)
+        if "timed out" in detail.lower():
+            text = (f"data parallel: no answer from another process for {timeout_s:g} s (--dist-timeout) while this one "
+                    f"waited in {what}: it is stopped, hung or far behind ({detail})")
+        else:
+            text = (f"data parallel: another process is gone (killed or crashed; its own output says why) while this "
+                    f"one waited in {what} ({detail})")
+        super().__init__(text)
+
+
+def _gist(exc: BaseException) -> str:
+    """The first line of a backend's error without its source location and advice:
+    ``[.../pair.cc:537] Read error [127.0.0.1]:16263: Connection reset by peer. This is ...``
+    becomes ``Read error [127.0.0.1]:16263: Connection reset by peer``."""
+    lines = str(exc).strip().splitlines()
+    text = re.sub(r"^\[[^\]]*\]\s*", "", lines[0]) if lines else type(exc).__name__
+    return text.split(". This is typically")[0].rstrip(". ")
+
+
+@contextlib.contextmanager
+def _collective(what: str, kinds: type[BaseException] | tuple[type[BaseException], ...] = RuntimeError) -> Iterator[None]:
+    """Turn a backend's failure inside the block into :class:`PeerLost`: any ``RuntimeError``
+    of a collective (gloo raises plain ones; torch's ``DistError`` is one too), or only
+    ``kinds`` where other errors can come from the block (joining: a backend this torch lacks
+    is no lost peer)."""
+    try:
+        yield
+    except kinds as e:
+        raise PeerLost(what, e, _TIMEOUT_S) from e
 
 
 class World(msgspec.Struct, frozen=True):
@@ -97,25 +150,32 @@ _METRICS_GROUP: Any = None
 #: The processes of this node (gloo, on the CPU): the ``sync_step`` barrier and the handing
 #: round of the shared state's file name.
 _NODE_GROUP: Any = None
+#: The groups' timeout (``--dist-timeout``), for :class:`PeerLost`'s line.
+_TIMEOUT_S = DEFAULT_TIMEOUT_S
 
 
-def join(world: World, device_type: str) -> None:
-    """Join the process group (NCCL on CUDA, gloo on the CPU); a no-op for one process."""
-    global _METRICS_GROUP, _NODE_GROUP
+def join(world: World, device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -> None:
+    """Join the process group (NCCL on CUDA, gloo on the CPU); a no-op for one process. Every
+    collective of every group gives up after ``timeout_s`` seconds (:class:`PeerLost`), and so
+    does waiting here for the other processes to join."""
+    global _METRICS_GROUP, _NODE_GROUP, _TIMEOUT_S
     if not world.parallel:
         return
     import torch.distributed as dist
 
     if not dist.is_initialized():
         backend = "nccl" if device_type == "cuda" else "gloo"
-        dist.init_process_group(backend, rank=world.rank, world_size=world.size)
-        _METRICS_GROUP = dist.new_group(backend=backend)
-        # every process creates every node's group, in the same order (new_group's rule)
-        for node in range(world.size // world.local_size):
-            ranks = list(range(node * world.local_size, (node + 1) * world.local_size))
-            group = dist.new_group(ranks, backend="gloo")
-            if world.rank in ranks:
-                _NODE_GROUP = group
+        timeout = datetime.timedelta(seconds=timeout_s)
+        _TIMEOUT_S = timeout_s
+        with _collective("joining the other processes", getattr(dist, "DistError", RuntimeError)):
+            dist.init_process_group(backend, rank=world.rank, world_size=world.size, timeout=timeout)
+            _METRICS_GROUP = dist.new_group(backend=backend, timeout=timeout)
+            # every process creates every node's group, in the same order (new_group's rule)
+            for node in range(world.size // world.local_size):
+                ranks = list(range(node * world.local_size, (node + 1) * world.local_size))
+                group = dist.new_group(ranks, backend="gloo", timeout=timeout)
+                if world.rank in ranks:
+                    _NODE_GROUP = group
 
 
 def leave(world: World) -> None:
@@ -130,12 +190,14 @@ def leave(world: World) -> None:
     _METRICS_GROUP = _NODE_GROUP = None
 
 
-def all_reduce_sum(t: Any, *, metrics: bool = False) -> None:
+def all_reduce_sum(t: Any, *, metrics: bool = False, what: str | None = None) -> None:
     """Sum ``t`` over every process, in place (on the current CUDA stream on a GPU); with
-    ``metrics``, on the group kept for the training loop's own collectives."""
+    ``metrics``, on the group kept for the training loop's own collectives. ``what`` names it
+    in :class:`PeerLost`'s line."""
     import torch.distributed as dist
 
-    dist.all_reduce(t, op=dist.ReduceOp.SUM, group=_METRICS_GROUP if metrics else None)
+    with _collective(what or ("summing the step's loss" if metrics else "a gradient all-reduce")):
+        dist.all_reduce(t, op=dist.ReduceOp.SUM, group=_METRICS_GROUP if metrics else None)
 
 
 def node_barrier() -> None:
@@ -144,7 +206,8 @@ def node_barrier() -> None:
     import torch
     import torch.distributed as dist
 
-    dist.all_reduce(torch.zeros(1), group=_NODE_GROUP)
+    with _collective("a barrier of the node's processes"):
+        dist.all_reduce(torch.zeros(1), group=_NODE_GROUP)
 
 
 def node_broadcast(obj: Any, world: World) -> Any:
@@ -152,7 +215,8 @@ def node_broadcast(obj: Any, world: World) -> Any:
     import torch.distributed as dist
 
     box = [obj]
-    dist.broadcast_object_list(box, src=world.rank - world.local_rank, group=_NODE_GROUP)
+    with _collective("handing round the shared state's files"):
+        dist.broadcast_object_list(box, src=world.rank - world.local_rank, group=_NODE_GROUP)
     return box[0]
 
 
@@ -163,5 +227,5 @@ def agree_to_stop(asked: bool, device: Any) -> bool:
     import torch
 
     flag = torch.tensor([1.0 if asked else 0.0], device=device)
-    all_reduce_sum(flag, metrics=True)
+    all_reduce_sum(flag, metrics=True, what="the step boundary's vote on stopping")
     return bool(flag.item() > 0)

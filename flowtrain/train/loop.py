@@ -13,7 +13,8 @@ let it overlap step ``s``) before step ``s`` is waited for and reported. Around 
   runs behind that step's Adam of every unit and is *waited for* before the next step is added,
   so no Adam changes weights it still reads: the step overlap pauses once per evaluation, and
   its time is not counted in any step's tokens/s
-  (:meth:`~flowtrain.train.reporting.Reporter.eval` reports it);
+  (:meth:`~flowtrain.train.reporting.Reporter.eval` reports it, and the step's
+  :class:`~flowtrain.train.reporting.StepMetrics` carries it to ``on_step`` and the returned list);
 - a signal (:mod:`flowtrain.train.shutdown`) stops adding steps, or cancels the engine, and the
   run ends with :class:`~flowtrain.errors.Interrupted` saying what was saved::
 
@@ -32,9 +33,10 @@ from typing import TYPE_CHECKING
 import networkx as nx
 
 from ..ckpt import checkpoints
+from ..ckpt.output import read_source_config
 from ..ckpt.resume import trainer_state
 from ..data.source import step_batches, tokenizer_files
-from ..errors import Interrupted, NonFiniteError
+from ..errors import Interrupted, NonFiniteError, StepFailed
 from ..graph.compiler import StepSpec, compile_step, cross_step_edges
 from ..graph.evaluation import compile_eval
 from ..graph.saving import add_saves, save_edges
@@ -42,7 +44,7 @@ from ..policy import WithBudgets, resolve_policy
 from ..runtime.executor import Engine
 from ..runtime.faults import from_env as faults_from_env
 from ..runtime.trace import Instrument
-from .distributed import agree_to_stop
+from .distributed import PeerLost, agree_to_stop
 from .host_state import HostState
 from .program import StepProgram
 from .reporting import Reporter, StepMetrics
@@ -71,6 +73,8 @@ class TrainingLoop:
         # which checkpoints are this run's line: pruning and `--resume OUT` go by it
         self.lineage = checkpoints.Lineage.start(rs if run.resume_from is not None else None, run.resume_from)
         self.save_pending = False  # a checkpoint step was skipped: save at the next step
+        #: the config.json every checkpoint keeps (that of the model the run started from)
+        self.source_config = read_source_config(run.source_dir)
         self.t_last = 0.0
         #: the held-out micro-batches (ids, targets)
         self.eval_batches = _eval_micro_batches(run.eval_seqs, self.cfg.micro_batch_size)
@@ -111,6 +115,10 @@ class TrainingLoop:
             if not self.shutdown.cancelled:
                 raise
             raise self._interrupted(saved=False, stuck=engine.stuck) from None
+        except StepFailed as e:
+            if isinstance(e.__cause__, PeerLost):  # not the task's fault: say what happened to the peer
+                raise e.__cause__ from None
+            raise
         finally:
             self.shutdown.detach()
         if self.shutdown.requested:
@@ -159,7 +167,11 @@ class TrainingLoop:
         graph = compile_eval(self.spec, s, len(ids))
         engine.add(graph)
         await engine.wait(graph)
-        self.reporter.eval(s, *self.program.end_eval(s))
+        m = self.metrics[-1]  # step s's: every step in flight was finished first
+        m.eval_loss, m.eval_tokens = self.program.end_eval(s)
+        self.reporter.eval(m)
+        if self.on_step:  # held back by _finish until the evaluation was in
+            self.on_step(m)
         self.t_last = time.perf_counter()  # tok/s counts training time only
 
     def _saves_after(self, s: int) -> bool:
@@ -175,7 +187,7 @@ class TrainingLoop:
         loss, grad_norm, skipped = self.program.end_step(s)
         now = time.perf_counter()
         seconds, self.t_last = now - self.t_last, now
-        m = StepMetrics(step=s, loss=loss, tokens=tokens, seconds=seconds,
+        m = StepMetrics(step=s + 1, loss=loss, tokens=tokens, seconds=seconds,
                         tokens_per_s=tokens / seconds if seconds > 0 else 0.0, lr=self.run.schedule(s),
                         grad_norm=grad_norm, skipped=skipped)
         self.metrics.append(m)
@@ -188,7 +200,7 @@ class TrainingLoop:
             else:
                 self._complete_checkpoint(s, m)
         self.reporter.step(m)
-        if self.on_step:
+        if self.on_step and not self._evaluates_after(s):  # else _evaluate calls it, with the held-out loss
             self.on_step(m)
         self._check_skipped(s)
 
@@ -214,7 +226,8 @@ class TrainingLoop:
 
     # ---- checkpoints -----------------------------------------------------------------------
     def _open_checkpoint(self, s: int) -> None:
-        writer = checkpoints.CheckpointWriter(self.cfg.out, s + 1, self.state.cfg, self.state.layouts)  # type: ignore[arg-type]
+        writer = checkpoints.CheckpointWriter(self.cfg.out, s + 1, self.state.cfg, self.state.layouts,  # type: ignore[arg-type]
+                                              source_config=self.source_config)
         self.writers[s] = writer
         self.program.checkpoints[s] = writer
 
@@ -222,7 +235,8 @@ class TrainingLoop:
         writer = self.writers.pop(s)
         self.program.checkpoints.pop(s, None)
         ts = trainer_state(self.cfg, steps_done=s + 1, skipped=self.skipped, consecutive=self.consecutive,
-                           data=self.run.data_fp, last_loss=m.loss, lineage=self.lineage.to_json())
+                           data=self.run.data_fp, last_loss=m.loss, lineage=self.lineage.to_json(),
+                           schedule=self.run.schedule.record())
         self.last_saved = writer.finish(ts, extra_files=tokenizer_files(self.run.tokenizer_dir))
         self.last_saved_step = s + 1
         if self.cfg.save_total_limit:  # this run's line only: another run's checkpoints are not ours
@@ -232,9 +246,9 @@ class TrainingLoop:
     async def _save_on_signal(self, engine: Engine) -> None:
         """After a graceful stop: every step in flight has finished; save the last one unless it
         was just saved."""
-        if self.cfg.save_every is None or not self.metrics or self.last_saved_step == self.metrics[-1].step + 1:
+        if self.cfg.save_every is None or not self.metrics or self.last_saved_step == self.metrics[-1].step:
             return  # nothing to save (a data-parallel process other than rank 0 saves nothing)
-        s = self.metrics[-1].step
+        s = self.metrics[-1].step - 1  # the task graph's step: 0-based
         graph = nx.DiGraph()
         add_saves(graph, self.spec, step=s)
         self._open_checkpoint(s)
@@ -250,13 +264,18 @@ class TrainingLoop:
 
     def _interrupted(self, *, saved: bool, stuck) -> Interrupted:
         signum = self.shutdown.signum or 2
-        done = self.metrics[-1].step + 1 if self.metrics else self.run.first_step
+        done = self.metrics[-1].step if self.metrics else self.run.first_step
         if saved and self.last_saved is not None:
             what = f"checkpoint of step {self.last_saved_step} saved to {self.last_saved}"
         elif self.last_saved is not None:
             what = f"nothing saved since {self.last_saved} (step {self.last_saved_step})"
-        else:
+        elif self.cfg.save_every is None:
             what = "no checkpoint was written (use --save-every to keep one)"
+        elif saved:  # a graceful stop before any step of this run finished: nothing new to save
+            what = "no checkpoint was written (no step had finished)"
+        else:  # with --save-every only a second signal cancels the run
+            what = ("no checkpoint was written (the second signal stopped the run before the checkpoint the first "
+                    f"one asked for was written, and no --save-every {self.cfg.save_every} checkpoint was due yet)")
         tail = f"; task {stuck[0]} was still running and was abandoned" if stuck else ""
         return Interrupted(signum, f"stopped by {signal_name(signum)} after step {done}: {what}{tail}")
 

@@ -6,14 +6,20 @@ blew up) are written as ``null``: bare ``NaN`` is not JSON. A skipped step says 
 
     {"step": 7, "loss": null, "skipped": true, "grad_norm": null, ...}
 
+``step`` counts optimizer steps from 1, as the progress lines do and as ``checkpoint-N`` names
+the state after step ``N`` (Hugging Face's ``trainer_state.json`` counts the same way): the
+line of step 7 is the one a run's ``checkpoint-7`` was saved after. A resumed run's lines go
+on from the checkpoint's number.
+
 A held-out loss (``--eval-data``, ``--eval-every``) is a line of its own, written right after
 its step's line: the mean cross-entropy over every target token of the eval set, with the
-weights after that step (``step`` is 0-based, as on the step lines), and how many tokens that
-is::
+weights after that step, and how many tokens that is::
 
     {"step": 7, "eval_loss": 3.1416, "eval_tokens": 12345}
 
-On the terminal it is a line ``step 8/100  eval_loss 3.1416  (12,345 tokens)``.
+On the terminal it is a line ``step 7/100  eval_loss 3.1416  (12,345 tokens)``. Through the
+Python API the same numbers are on the step's :class:`StepMetrics` (``eval_loss``,
+``eval_tokens``), filled before ``on_step`` sees it.
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ import msgspec
 
 
 class StepMetrics(msgspec.Struct):
+    #: optimizer steps done, this one included (1 for a run's first step), as the progress
+    #: lines and ``checkpoint-N`` count
     step: int
     loss: float
     tokens: int
@@ -36,12 +44,21 @@ class StepMetrics(msgspec.Struct):
     #: the step's loss or a gradient was not finite, so no weight, Adam moment or step count
     #: changed (the step's batch is consumed all the same)
     skipped: bool = False
+    #: the held-out loss with the weights after this step (mean cross-entropy over every target
+    #: token of ``--eval-data``) and how many tokens it covers; None for a step not evaluated
+    eval_loss: float | None = None
+    eval_tokens: int | None = None
+
+
+#: fields of :class:`StepMetrics` that ``--metrics`` writes on a line of their own (:meth:`Reporter.eval`)
+_EVAL_FIELDS = ("eval_loss", "eval_tokens")
 
 
 def metrics_json(m: StepMetrics) -> str:
-    """One JSON line; non-finite numbers become ``null``."""
+    """One JSON line; non-finite numbers become ``null``. The held-out loss is not on it: it
+    has a line of its own, written when the evaluation is done."""
     data = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-            for k, v in msgspec.to_builtins(m).items()}
+            for k, v in msgspec.to_builtins(m).items() if k not in _EVAL_FIELDS}
     return json.dumps(data, allow_nan=False)
 
 
@@ -52,14 +69,17 @@ def _num(x: float, fmt: str) -> str:
 class Reporter:
     """Progress on a terminal (tqdm), plain lines otherwise, and the ``--metrics`` JSON lines.
 
-    ``first`` is the step a resumed run starts at, so the bar and the lines count from there.
+    ``first`` is the number of steps a resumed run had done, so the bar and the lines count
+    from there. ``progress``: None for a bar on a terminal and plain lines otherwise, True for
+    the bar, ``"lines"`` for plain lines (``--no-progress``), False for nothing printed at all.
     """
 
     def __init__(self, *, total: int, first: int = 0, metrics: str | None = None,
-                 progress: bool | None = None, quiet: bool = False) -> None:
-        #: nothing printed (a data-parallel process other than rank 0; its metrics go nowhere)
-        self.quiet = quiet
-        interactive = not quiet and (progress if progress is not None else sys.stderr.isatty())
+                 progress: bool | str | None = None, quiet: bool = False) -> None:
+        #: nothing printed (``progress=False``, or a data-parallel process other than rank 0);
+        #: the ``--metrics`` lines are written all the same
+        self.quiet = quiet or progress is False
+        interactive = not self.quiet and (progress is True or (progress is None and sys.stderr.isatty()))
         self.bar = None
         if interactive:
             from tqdm import tqdm
@@ -79,20 +99,23 @@ class Reporter:
             self.bar.set_postfix(loss=_num(m.loss, ".4f"), tok_s=f"{m.tokens_per_s:,.0f}",
                                  **({"skipped": "yes"} if m.skipped else {}))
             self.bar.update(1)
-        elif not self.quiet and (m.skipped or (m.step - self.first) % self.every == 0 or m.step == self.total - 1):
+        elif not self.quiet and (m.skipped or (m.step - 1 - self.first) % self.every == 0 or m.step == self.total):
             print(
-                f"step {m.step + 1}/{self.total}  loss {_num(m.loss, '.4f')}  grad_norm {_num(m.grad_norm, '.3f')}  "
+                f"step {m.step}/{self.total}  loss {_num(m.loss, '.4f')}  grad_norm {_num(m.grad_norm, '.3f')}  "
                 f"{m.tokens_per_s:,.0f} tok/s  lr {m.lr:.3g}" + ("  skipped: not finite, weights unchanged" if m.skipped else ""),
                 flush=True,
             )
 
-    def eval(self, step: int, loss: float, tokens: int) -> None:
-        """The held-out loss after ``step``: its own JSON line and its own progress line."""
+    def eval(self, m: StepMetrics) -> None:
+        """The held-out loss after step ``m`` (its ``eval_loss`` filled): its own JSON line and
+        its own progress line."""
+        loss, tokens = m.eval_loss, m.eval_tokens
+        assert loss is not None and tokens is not None, "eval() reports an evaluated step"
         if self.metrics:
             value = loss if math.isfinite(loss) else None
-            self.metrics.write(json.dumps({"step": step, "eval_loss": value, "eval_tokens": tokens}, allow_nan=False) + "\n")
+            self.metrics.write(json.dumps({"step": m.step, "eval_loss": value, "eval_tokens": tokens}, allow_nan=False) + "\n")
             self.metrics.flush()
-        self.say(f"step {step + 1}/{self.total}  eval_loss {_num(loss, '.4f')}  ({tokens:,} tokens)")
+        self.say(f"step {m.step}/{self.total}  eval_loss {_num(loss, '.4f')}  ({tokens:,} tokens)")
 
     def say(self, line: str) -> None:
         """A line of its own, between progress updates."""

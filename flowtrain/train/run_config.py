@@ -5,6 +5,7 @@ they can answer without importing torch. :mod:`flowtrain.train.trainer` re-expor
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import msgspec
@@ -13,6 +14,7 @@ from ..errors import CheckpointError, ConfigError
 from ..model.config import PRESETS, ModelConfig, preset, read_config
 from ..plan.memory import compile_backend  # noqa: F401 - re-exported: what --compile runs
 from . import defaults
+from .distributed import DEFAULT_TIMEOUT_S as DIST_TIMEOUT_S
 
 
 class TrainConfig(msgspec.Struct, kw_only=True):
@@ -23,6 +25,8 @@ class TrainConfig(msgspec.Struct, kw_only=True):
     steps: int = defaults.STEPS
     batch_size: int = defaults.BATCH_SIZE
     micro_batch_size: int = defaults.MICRO_BATCH_SIZE
+    #: the default (``defaults.SeqLenDefault``) lets the data decide: 128 for a token stream, the
+    #: longest example rounded up for fine-tuning rows; the trainer puts the number in
     seq_len: int = defaults.SEQ_LEN
     #: the optimizer fields left None take defaults by where the weights come from
     #: (``flowtrain.train.defaults.optimizer_defaults``) or, resuming, the checkpoint's settings
@@ -58,7 +62,10 @@ class TrainConfig(msgspec.Struct, kw_only=True):
     overwrite: bool = False
     metrics: str | None = None
     trace: str | None = None
-    progress: bool | None = None  # None: a bar on a terminal, plain lines otherwise
+    #: None: a progress bar on a terminal, plain lines otherwise; True: the bar; "lines": plain
+    #: lines (``--no-progress``); False: nothing printed while the run trains (the returned
+    #: metrics, ``on_step`` and ``metrics`` still get every step)
+    progress: bool | str | None = None
     chunk_tokens: int | None = None
     #: host state layout: "auto" (staged, or full with --grad-clip), "staged", "full", "stream-bf16"
     layout: str = "auto"
@@ -80,6 +87,9 @@ class TrainConfig(msgspec.Struct, kw_only=True):
     #: pack short fine-tuning examples into each sequence (``positions`` restart per example);
     #: False (``--no-packing``): one example per sequence, right-padded
     packing: bool = True
+    #: examples longer than seq_len: "error" (stop before training, naming them), "drop", "truncate",
+    #: or "auto" (error for conversations, truncate for other rows)
+    long_examples: str = defaults.LONG_EXAMPLES
     #: dtype of the final model: "auto" (the input model's), "fp32", "bf16", "fp16"
     save_dtype: str = "auto"
     #: write ``out/checkpoint-STEP`` every this many steps (needs ``out``)
@@ -88,12 +98,18 @@ class TrainConfig(msgspec.Struct, kw_only=True):
     save_total_limit: int | None = None
     #: a checkpoint folder, or an ``out`` folder meaning its newest checkpoint
     resume: str | None = None
+    #: resuming with another ``steps`` under a cosine or linear schedule: decay from the rate
+    #: the checkpoint reached to ``min_lr`` at the new last step (else such a resume is refused)
+    extend_schedule: bool = False
     #: stop once more than this many steps in a row were skipped as not finite
     max_skipped: int = defaults.MAX_SKIPPED
     #: host memory (GiB) for undo records of a step whose gradients turn non-finite late
     undo_mem: float = defaults.UNDO_MEM
     #: fail a task that runs longer than this many seconds (None: no limit)
     task_timeout: float | None = None
+    #: data parallel (torchrun): seconds any collective waits for the other processes before
+    #: the run ends (a process that stopped or hung); a dead process ends it at once
+    dist_timeout: float = DIST_TIMEOUT_S
     #: held-out data (read like ``data``) whose mean loss is reported every ``eval_every`` steps
     #: and after the last; both or neither
     eval_data: str | None = None
@@ -132,11 +148,18 @@ def validate(cfg: TrainConfig, mcfg: ModelConfig) -> None:
         raise ConfigError(f"--micro-batch-size {cfg.micro_batch_size} does not divide --batch-size {cfg.batch_size}")
     if cfg.seq_len < 2:
         raise ConfigError(f"--seq-len must be at least 2 (got {cfg.seq_len})")
-    mcfg.check_seq_len(cfg.seq_len)
+    if defaults.seq_len_given(cfg.seq_len):  # else the data decides, within the model's positions
+        mcfg.check_seq_len(cfg.seq_len)
+    if cfg.long_examples not in ("auto", "error", "drop", "truncate"):
+        raise ConfigError(f"--long-examples must be auto, error, drop or truncate (got {cfg.long_examples!r})")
     if cfg.attention_backend not in ("auto", "flash"):
         raise ConfigError(f"--attention-backend must be auto or flash (got {cfg.attention_backend!r})")
     if cfg.adam_workers < 1:
         raise ConfigError("--adam-workers must be at least 1")
+    if not (isinstance(cfg.dist_timeout, (int, float)) and math.isfinite(cfg.dist_timeout) and cfg.dist_timeout > 0):
+        raise ConfigError(f"--dist-timeout must be a finite number of seconds > 0 (got {cfg.dist_timeout!r})")
+    if cfg.progress not in (None, True, False, "lines"):
+        raise ConfigError(f"progress must be None, True, False or 'lines' (got {cfg.progress!r})")
     if (cfg.eval_data is None) != (cfg.eval_every is None):
         given, missing = ("--eval-data", "--eval-every N") if cfg.eval_data is not None else ("--eval-every", "--eval-data FILE")
         raise ConfigError(f"{given} needs {missing}: give both (held-out loss every N steps) or neither")

@@ -5,9 +5,20 @@ the results go, so that a wrong setting shows before hours are spent on it::
     device     cuda (bf16 compute, fp32 master weights and Adam state)
     memory     layout staged; resident on the GPU: embed, head, layer.0-7; planned host 6.1 GiB, GPU 9.8 GiB
     activations layers 20-23 keep theirs; recompute from a checkpoint every layer
-    data       corpus.jsonl: 1,204 sequences of 512 tokens, 402,113 target tokens; 200 steps cover 2.7 epochs
+    data       corpus.txt: 1,204 sequences of 512 tokens, 402,113 target tokens; 200 steps cover 2.7 epochs
     steps      200 of 16 sequences (8,192 tokens, 2 micro-batches of 8, layer order); lr 3e-3 constant
     output     model to trained/; checkpoints every 50 steps to trained/checkpoint-STEP (keep 3)
+
+For a file of examples the ``data`` line also says how many examples the sequences hold, where
+the length came from, which rule found the assistant tokens of chat rows, and how many examples
+longer than ``--seq-len`` were cut or dropped, with the target tokens they lost::
+
+    data       chats.jsonl: 9,120 examples in 1,873 sequences of 1024 tokens (from the data: the longest
+               example, 1,001 tokens, rounded up), 2,140,113 target tokens; loss on assistant turns by
+               generation markers; every example within 1024 tokens; 200 steps cover 1.7 epochs
+    data       chats.jsonl: 9,117 examples in 1,870 sequences of 512 tokens, 2,090,007 target tokens; loss
+               on assistant turns by generation markers; examples longer than 512 tokens: 3 dropped (2,210
+               target tokens); 200 steps cover 1.7 epochs
 """
 
 from __future__ import annotations
@@ -17,6 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
+    from ..data.source import Sequences
     from .trainer import Run
 
 
@@ -57,6 +69,41 @@ def activation_placement(spec) -> str:  # noqa: ANN001 - a StepSpec
     return "; ".join(parts)
 
 
+def _count(n: int, noun: str) -> str:
+    """``1 sequence``, ``1,204 sequences``."""
+    return f"{n:,} {noun}" if n == 1 else f"{n:,} {noun}s"
+
+
+#: how the loss finds a chat row's assistant tokens, by the rule the data was read with
+_MASK_RULES = {
+    "generation": "loss on assistant turns by generation markers",
+    "turns": "loss on assistant turns found turn by turn (the chat template has no generation markers)",
+}
+
+
+def data_description(seqs: "Sequences") -> str:
+    """What the sequences hold, for the ``data`` line: ``1,204 sequences of 512 tokens, 402,113
+    target tokens``, and for a file of examples the examples, the length's origin, the chat
+    mask rule and the examples longer than seq_len cut or dropped (``flowtrain.data.source``)."""
+    n, seq = seqs.input_ids.shape
+    report = seqs.report
+    targets = f"{seqs.num_targets():,} target tokens"
+    if report.kind != "rows":
+        return f"{_count(n, 'sequence')} of {seq} tokens, {targets}"
+    origin = ""
+    if report.seq_len_from_data:
+        origin = (f" (from the data: the model's {seq} positions; the longest example has {report.longest:,} tokens)"
+                  if report.capped else f" (from the data: the longest example, {report.longest:,} tokens, rounded up)")
+    parts = [f"{_count(report.examples, 'example')} in {_count(n, 'sequence')} of {seq} tokens{origin}, {targets}"]
+    if report.mask in _MASK_RULES:
+        parts.append(_MASK_RULES[report.mask])
+    (cut, cut_lost), (dropped, dropped_lost) = report.cut, report.dropped
+    long = ([f"{cut:,} cut ({cut_lost:,} target tokens lost)"] if cut else []) + (
+        [f"{dropped:,} dropped ({dropped_lost:,} target tokens)"] if dropped else [])
+    parts.append(f"examples longer than {seq} tokens: {', '.join(long)}" if long else f"every example within {seq} tokens")
+    return "; ".join(parts)
+
+
 def summary_lines(run: "Run") -> list[str]:
     cfg, m, plan = run.cfg, run.mcfg, run.plan
     gib = 1 << 30
@@ -83,12 +130,11 @@ def summary_lines(run: "Run") -> list[str]:
         lines.append(f"processes  {world.size} (torchrun), each running {cfg.batch_size // world.size} of the "
                      f"{cfg.batch_size} sequences of a step{shared}")
     n, seq = run.seqs.input_ids.shape
-    targets = run.seqs.num_targets()
     epochs = cfg.steps * cfg.batch_size / max(n, 1)
-    lines.append(f"data       {cfg.data or 'the bundled corpus'}: {n:,} sequences of {seq} tokens, "
-                 f"{targets:,} target tokens; {cfg.steps} steps cover {epochs:.1f} epochs")
+    lines.append(f"data       {cfg.data or 'the bundled corpus'}: {data_description(run.seqs)}; "
+                 f"{cfg.steps} steps cover {epochs:.1f} epochs")
     if getattr(run, "eval_seqs", None) is not None:
-        lines.append(f"eval       {cfg.eval_data}: {len(run.eval_seqs):,} sequences, "
+        lines.append(f"eval       {cfg.eval_data}: {_count(len(run.eval_seqs), 'sequence')}, "
                      f"{run.eval_seqs.num_targets():,} target tokens, every {cfg.eval_every} steps "
                      "and after the last")
     sched = f"{cfg.lr_schedule}" + (f" after {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else "")

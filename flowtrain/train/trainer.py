@@ -34,13 +34,14 @@ import torch
 from ..ckpt import checkpoints
 from ..ckpt.out_lock import OutLock, check_free
 from ..ckpt.output import remove_stale_temp, resolve_out, resolve_save_dtype, save_final_model
-from ..ckpt.resume import check_compatible, restore_rng, steps_done
-from ..data.source import Sequences, default_corpus_path, load_sequences
+from ..ckpt.resume import ContinuedSchedule, check_compatible, restore_rng, resumed_schedule, steps_done
+from ..data.source import FromData, Sequences, default_corpus_path, load_sequences
 from ..errors import ConfigError, PlanError
 from ..graph.tasks import GRADS, HOST_GRADS, WEIGHTS
 from ..model import ModelConfig, read_config
 from ..model.attention import attention_backends
 from ..model.config import MLP_CHUNK_TOKENS, check_weight_headers
+from ..plan.host_layout import check_units_fit
 from ..plan.memory import Plan, cap_gpu_memory, run_request
 from ..policy import resolve_policy
 from ..runtime.executor import use_uvloop
@@ -56,6 +57,7 @@ from .pinning import unpin_all
 from .program import StepProgram
 from .reporting import Reporter, StepMetrics
 from .run_config import TrainConfig, compile_backend, load_model_config, precision_bytes, validate  # noqa: F401 - re-exported
+from .shared_state import remove_stale, shared_dir
 from .shutdown import Shutdown
 from .summary import summary_lines
 
@@ -86,7 +88,7 @@ class Run:
     device: torch.device
     dtype: torch.dtype
     plan: Plan
-    schedule: LRSchedule
+    schedule: ContinuedSchedule  # the learning rate of every step, a resumed run's extensions included
     seqs: Sequences
     data_fp: str
     resume_from: Path | None = None
@@ -115,6 +117,7 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
     cfg = resolve_defaults(cfg, pretrained=model_dir is not None, saved=resume_state.get("settings"))
     validate_numbers(cfg)
     mcfg.validate()
+    check_units_fit(mcfg, cfg.host_mem, None if cfg.gpu_mem is None else int(cfg.gpu_mem * 2**30))  # before sizing anything
     if resume_from is not None:
         saved_cfg = read_config(resume_from)
         if saved_cfg != mcfg:
@@ -127,18 +130,21 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.precision, device)
     adamw_config(cfg).validate()
-    schedule = LRSchedule(lr=cfg.lr, warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule,
-                          total_steps=cfg.steps, min_lr=cfg.min_lr).validate()
+    schedule = ContinuedSchedule(LRSchedule(lr=cfg.lr, warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule,
+                                            total_steps=cfg.steps, min_lr=cfg.min_lr).validate())
     resolve_policy(cfg.policy)
     resolve_save_dtype(cfg.save_dtype, model_dir)  # a bad name fails now, not after training
     tokenizer_dir = _tokenizer_dir(cfg, model_dir)
-    seqs = load_sequences(cfg.data or str(default_corpus_path()), cfg.seq_len, mcfg.vocab_size,
-                          tokenizer_dir=tokenizer_dir, pad_id=mcfg.pad_token_id or 0, eos_id=mcfg.eos_token_id,
-                          byte_tokenizer=cfg.byte_tokenizer, packing=cfg.packing)
+    seqs = load_sequences(cfg.data or str(default_corpus_path()), _data_seq_len(cfg, mcfg, resume_state),
+                          mcfg.vocab_size, tokenizer_dir=tokenizer_dir, pad_id=mcfg.pad_token_id or 0,
+                          eos_id=mcfg.eos_token_id, byte_tokenizer=cfg.byte_tokenizer, packing=cfg.packing,
+                          long_examples=cfg.long_examples)
+    cfg = _with_data_seq_len(cfg, seqs)
     data_fp = seqs.fingerprint()  # from the data cache's index: no pass over the rows
     eval_seqs = _load_eval(cfg, mcfg, tokenizer_dir)
     if resume_from is not None:
         check_compatible(resume_state, cfg, data=data_fp, where=str(resume_from), total_steps=cfg.steps)
+        schedule = resumed_schedule(schedule.base, resume_state, where=str(resume_from))
     world = world or world_from_env()
     device, local = _data_parallel(cfg, world, device)
     plan = plan_and_choose(mcfg, run_request(local, model_dir, world.size, share=world.local_size), device=device,
@@ -180,10 +186,33 @@ def _load_eval(cfg: TrainConfig, mcfg: ModelConfig, tokenizer_dir: Path | None) 
         return None
     seqs = load_sequences(cfg.eval_data, cfg.seq_len, mcfg.vocab_size, tokenizer_dir=tokenizer_dir,
                           pad_id=mcfg.pad_token_id or 0, eos_id=mcfg.eos_token_id, byte_tokenizer=cfg.byte_tokenizer,
-                          packing=cfg.packing)
+                          packing=cfg.packing, long_examples=cfg.long_examples)
     if len(seqs) == 0 or seqs.num_targets() == 0:
         raise ConfigError(f"--eval-data {cfg.eval_data}: no target tokens to evaluate; give a file with text in it")
     return seqs
+
+
+def _data_seq_len(cfg: TrainConfig, mcfg: ModelConfig, resume_state: dict) -> int | FromData:
+    """The seq_len to read ``--data`` at: ``--seq-len`` as given; without one, a resumed run's
+    own, else the data's choice (:class:`~flowtrain.data.source.FromData`, see
+    :class:`~flowtrain.train.defaults.SeqLenDefault`)."""
+    if defaults.seq_len_given(cfg.seq_len):
+        return cfg.seq_len
+    saved = resume_state.get("settings", {}).get("seq_len")
+    if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 2:
+        return saved
+    return FromData(stream=int(cfg.seq_len), multiple=defaults.SEQ_LEN_MULTIPLE, most=mcfg.max_position_embeddings)
+
+
+def _with_data_seq_len(cfg: TrainConfig, seqs: Sequences) -> TrainConfig:
+    """``cfg`` with the seq_len the data was read at, a plain ``int`` from here on (the plan, the
+    step program and every checkpoint's settings see the number); and, now that the length is
+    known, the allocator's choice that ``train`` made before reading the data made again."""
+    if defaults.seq_len_given(cfg.seq_len):
+        return cfg
+    cfg = msgspec.structs.replace(cfg, seq_len=int(seqs.seq_len))
+    prefer_expandable_segments(cfg)
+    return cfg
 
 
 def _tokenizer_dir(cfg: TrainConfig, model_dir: Path | None) -> Path | None:
@@ -291,10 +320,12 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
     cfg = msgspec.structs.replace(cfg, out=resolve_out(cfg.out))  # as prepare does: one real folder
     shutdown = Shutdown(graceful=saves or world.parallel, saves=saves)
     with shutdown, contextlib.ExitStack() as held:
+        if world.parallel:  # a process of the node killed while its shared files had names left them to us
+            held.callback(remove_stale, shared_dir())
         run = prepare(cfg, world)
         if cfg.out:  # held until the final model is in place; taken before the clean-up below
             held.enter_context(OutLock(cfg.out))
-        join(world, run.device.type)
+        join(world, run.device.type, cfg.dist_timeout)
         if on_plan:
             on_plan(run.plan)
         if cfg.out:
@@ -339,16 +370,29 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
 
 
 def _write_trace(run: Run, recorder: TraceRecorder) -> None:
-    cfg, plan = run.cfg, run.plan
-    write_chrome_trace(cfg.trace, recorder.records, meta={
-        "policy": cfg.policy, "budgets": plan.budgets, "model": cfg.model or "", "device": str(run.device),
-        "precision": "fp32" if run.dtype == torch.float32 else "bf16", "steps": cfg.steps,
-        "busy_seconds": lane_busy(recorder.records), "layout": plan.layout,
+    write_chrome_trace(run.cfg.trace, recorder.records, meta=trace_meta(run.cfg, run.plan, run.device, run.dtype,
+                                                                       recorder.records))
+
+
+def trace_meta(cfg: TrainConfig, plan: Plan, device: torch.device, dtype: torch.dtype, records: Sequence) -> dict:
+    """What a trace file records about its run (``flowtrain train --trace`` and ``flowtrain bench
+    --trace`` alike): the settings, the plan's slot budgets, the bytes of a slot of each pool
+    and where each pool lives, the memory limits, the plan's peaks (``planned``) and, on a GPU,
+    the peaks measured so far (``measured``), which the visualizer draws memory against."""
+    meta = {
+        "policy": cfg.policy, "budgets": plan.budgets, "model": cfg.model or "", "device": str(device),
+        "precision": "fp32" if dtype == torch.float32 else "bf16", "steps": cfg.steps,
+        "busy_seconds": lane_busy(records), "layout": plan.layout,
         "resident": list(plan.spec.resident), "kept_layers": list(plan.spec.keep),
         # what the visualizer draws memory against: bytes per slot, where each pool lives, limits
         "slot_bytes": {pool: size // max(plan.budgets.get(pool, 1), 1) for pool, size in (
             (WEIGHTS, plan.gpu.get("weight_slots", 0)), (GRADS, plan.gpu.get("grad_slots", 0)),
             (HOST_GRADS, plan.host.get("staging", 0)))},
-        "pool_memory": {HOST_GRADS: "pinned"},
+        "pool_memory": {pool: "pinned" if pool == HOST_GRADS else "gpu" for pool in plan.budgets},
         "capacities": {"gpu": plan.gpu_limit, "host": plan.host_limit},
-    })
+        "planned": {"gpu": plan.gpu_total, "host": plan.host_total},
+    }
+    if device.type == "cuda":
+        meta["measured"] = {"gpu_peak": torch.cuda.max_memory_allocated(device),
+                            "gpu_reserved_peak": torch.cuda.max_memory_reserved(device)}
+    return meta

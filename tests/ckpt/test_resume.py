@@ -26,6 +26,8 @@ class StopAfter(Exception):
 
 
 def stop_after(step: int):
+    """Raise once ``step`` steps are done (``StepMetrics.step`` counts from 1)."""
+
     def hook(m):
         if m.step == step:
             raise StopAfter
@@ -48,7 +50,7 @@ def assert_identical(a: dict, b: dict) -> None:
         assert torch.equal(a[k], b[k]), k
 
 
-def interrupted_then_resumed(tmp_path, steps=4, stop=1, **extra) -> None:
+def interrupted_then_resumed(tmp_path, steps=4, stop=2, **extra) -> None:
     cfg = dict(BASE, steps=steps, out=str(tmp_path / "b"), save_every=2, **extra)
     with pytest.raises(StopAfter):
         train(TrainConfig(**cfg), on_step=stop_after(stop))

@@ -59,7 +59,7 @@ def test_a_good_run_writes_a_loadable_model(tmp_path):
     proc = run_train("--steps", "3", "--out", str(tmp_path / "out"), "--metrics", str(tmp_path / "m.jsonl"))
     assert proc.returncode == 0, proc.stderr
     lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
-    assert [m["step"] for m in lines] == [0, 1, 2]
+    assert [m["step"] for m in lines] == [1, 2, 3]
     assert set(lines[0]) == {"step", "loss", "tokens", "seconds", "tokens_per_s", "lr", "grad_norm", "skipped"}
     assert (tmp_path / "out" / "config.json").exists() and (tmp_path / "out" / "model.safetensors").exists()
     # an existing non-empty --out is refused, not overwritten

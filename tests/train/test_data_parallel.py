@@ -141,7 +141,7 @@ def test_a_signal_stops_every_process_after_the_same_step_and_rank_0_saves_it(tm
     lines = [x for x in err.splitlines() if x.startswith("flowtrain:")]
     assert len(lines) == 1 and "stopped by SIGINT after step" in lines[0] and "saved to" in lines[0], err[-2000:]
     last = json.loads(metrics.read_text().splitlines()[-1])["step"]
-    saved = out / f"checkpoint-{last + 1}"
+    saved = out / f"checkpoint-{last}"  # both count steps from 1
     assert (saved / "trainer_state.json").exists() and not list(out.glob(".*"))
     assert not (out / "model.safetensors").exists()  # the run did not finish
 

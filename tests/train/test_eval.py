@@ -68,7 +68,7 @@ def test_eval_loss_matches_hf(tmp_path, placement, tied):
     run_flowtrain(tmp_path / "model", tmp_path / "data.jsonl", tmp_path / "out", "--eval-data",
                   str(tmp_path / "eval.jsonl"), "--eval-every", "2", "--metrics", str(tmp_path / "m.jsonl"), *placement)
     _, evals = read_metrics(tmp_path / "m.jsonl")
-    assert [e["step"] for e in evals] == [1, STEPS - 1]
+    assert [e["step"] for e in evals] == [2, STEPS]
     ref, n = hf_eval_loss(tmp_path / "out", rows)
     assert evals[-1]["eval_tokens"] == n
     assert abs(evals[-1]["eval_loss"] - ref) <= 1e-5 * abs(ref), (evals[-1], ref)
@@ -93,7 +93,7 @@ def eval_text(tmp_path_factory):
 
 
 def test_schedule_weights_and_trace(tmp_path, eval_text, capsys):
-    """Every 2 steps of 5 (0-based steps 1 and 3) and after the last (4); the weights end
+    """Every 2 steps of 5 (steps 2 and 4) and after the last (5); the weights end
     bit-identical to a run without evaluation; the eval tasks are in the trace."""
     from safetensors.torch import load_file
 
@@ -102,8 +102,8 @@ def test_schedule_weights_and_trace(tmp_path, eval_text, capsys):
     printed = capsys.readouterr().out
     without = _tiny(tmp_path, "without")
     steps, evals = read_metrics(tmp_path / "with.jsonl")
-    assert [e["step"] for e in evals] == [1, 3, 4]
-    assert [s["step"] for s in steps] == [0, 1, 2, 3, 4]
+    assert [e["step"] for e in evals] == [2, 4, 5]
+    assert [s["step"] for s in steps] == [1, 2, 3, 4, 5]
     assert all(e["eval_tokens"] > 0 and e["eval_loss"] > 0 for e in evals)
     assert printed.count("eval_loss") == 3 and "step 2/5  eval_loss" in printed
     assert read_metrics(tmp_path / "without.jsonl")[1] == []

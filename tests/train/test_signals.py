@@ -109,7 +109,7 @@ def test_signal_with_checkpoints_saves_then_resumes(tmp_path, sig, status):
     _, err = finish(proc)
     assert proc.returncode == 0, err
     rows = [json.loads(x) for x in metrics.read_text().splitlines()]
-    assert [r["step"] for r in rows] == list(range(done + 2))
+    assert [r["step"] for r in rows] == list(range(1, done + 3))  # counted from 1, as checkpoint-N is
     assert (out / "model.safetensors").exists()
 
 

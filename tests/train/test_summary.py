@@ -8,7 +8,7 @@ from flowtrain.train.trainer import TrainConfig, train
 
 def test_the_summary_names_model_data_steps_and_outputs(tmp_path, capsys):
     train(TrainConfig(model="tiny", steps=2, batch_size=4, micro_batch_size=2, seq_len=32, device="cpu",
-                      progress=False, out=str(tmp_path / "out"), save_every=2, save_total_limit=3))
+                      progress="lines", out=str(tmp_path / "out"), save_every=2, save_total_limit=3))
     lines = capsys.readouterr().out.splitlines()
     head = {line.split()[0]: line for line in lines[:7]}
     assert set(head) == {"model", "device", "memory", "activations", "data", "steps", "output"}
