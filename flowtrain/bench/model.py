@@ -23,6 +23,7 @@ import json
 import resource
 import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from ..cli.train import add_compile_argument, add_memory_arguments
 from ..errors import ConfigError
@@ -30,6 +31,8 @@ from ..runtime.trace import TraceRecorder, lane_busy, write_chrome_trace
 
 # numpy, torch, the model and the trainer are imported where a benchmark runs, so that
 # ``flowtrain bench --help`` (which adds these options) stays instant.
+if TYPE_CHECKING:
+    from ..train.trainer import TrainConfig
 
 
 def add_model_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -132,8 +135,23 @@ def run_model(args: argparse.Namespace) -> dict:
         result.update(gpu_memory(torch))
         result["gpu"] = torch.cuda.get_device_name()
     if args.trace:
-        write_chrome_trace(args.trace, recorder.records, meta={"policy": args.policy, "model": args.model})
+        write_chrome_trace(args.trace, recorder.records, meta=bench_trace_meta(args, cfg, plans, recorder.records))
     return result
+
+
+def bench_trace_meta(args: argparse.Namespace, cfg: TrainConfig, plans: list, records: list) -> dict:
+    """What ``flowtrain bench --trace`` records about its run: what a ``flowtrain train
+    --trace`` file does (:func:`flowtrain.train.trainer.trace_meta`: budgets, slot sizes, where
+    each pool lives, limits, planned and measured peaks), and the steps the benchmark left out
+    as warm-up."""
+    import torch
+
+    from ..train.trainer import resolve_dtype, trace_meta
+
+    if not plans:  # the run stopped before it was planned: what is known
+        return {"policy": args.policy, "model": args.model, "warmup": args.warmup}
+    device = torch.device(plans[-1].device)
+    return {**trace_meta(cfg, plans[-1], device, resolve_dtype(args.precision, device), records), "warmup": args.warmup}
 
 
 def gpu_memory(torch) -> dict:  # noqa: ANN001 - the torch module, imported by the caller

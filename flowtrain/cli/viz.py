@@ -1,6 +1,7 @@
 """``flowtrain viz``: draw graphs and traces as one self-contained HTML report (and a PNG).
 
     flowtrain viz sequential.json double_buffer.json --out report.html --png report.png
+    flowtrain viz trace.json --png trace.png      # the PNG alone: no report.html
     flowtrain viz trace.json --steps 2:6          # summaries over steps 2 to 5
     flowtrain viz step.json --policy lookahead --out graph.html
 
@@ -16,6 +17,7 @@ second, and the HTML needs nothing from the machine that trained.
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 from ..errors import ConfigError
 from ..viz.html import TraceView, write_report
@@ -25,8 +27,10 @@ from ..viz.steps import fmt_time, parse_steps
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("inputs", nargs="+", metavar="INPUT", help="trace or graph JSON files (traces share a time scale)")
-    p.add_argument("--out", default="report.html", help="HTML report to write (default: report.html)")
-    p.add_argument("--png", metavar="FILE", help="also write a PNG picture (the traces, or the first graph)")
+    p.add_argument("--out", default=None,
+                   help="HTML report to write (default: report.html, unless --png alone asks for a picture)")
+    p.add_argument("--png", metavar="FILE", help="write a PNG picture (the traces, or the first graph); "
+                                                 "with --out too, both")
     p.add_argument("--policy", default=None, help="policy whose planned order graphs show (default: double_buffer)")
     p.add_argument("--title", default="flowtrain schedule report", help="report title")
     p.add_argument("--steps", metavar="A:B", default=None,
@@ -39,6 +43,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if args.min_gap_ms is not None and args.min_gap_ms < 0:
         raise ConfigError(f"--min-gap-ms must be at least 0 (got {args.min_gap_ms})")
+    for flag, path in (("--out", args.out), ("--png", args.png)):  # nothing is written unless everything can be
+        if path and not Path(path).absolute().parent.is_dir():
+            raise ConfigError(f"{flag} {path}: the folder {Path(path).parent} does not exist; create it first")
     if args.png:  # matplotlib is optional and slow to import: only for --png, and checked before writing
         from ..viz.png import require_matplotlib
 
@@ -53,15 +60,17 @@ def run(args: argparse.Namespace) -> int:
         parse_steps(args.steps)  # a malformed window fails before anything is read
     min_gap = None if args.min_gap_ms is None else args.min_gap_ms * 1e-3
     views = [TraceView(t, min_gap, args.steps) for t in traces]
-    out = write_report(args.out, inputs, policy=args.policy or "double_buffer", title=args.title,
-                       min_gap=min_gap, steps=args.steps, views=views)
     counts = ((len(traces), "trace"), (len(graphs), "graph"))
     what = ", ".join(f"{n} {k}{'s' if n != 1 else ''}" for n, k in counts if n)
-    print(f"wrote {out} ({what})")
+    html = args.out or (None if args.png else "report.html")  # write only what was asked for
+    if html is not None:
+        out = write_report(html, inputs, policy=args.policy or "double_buffer", title=args.title,
+                           min_gap=min_gap, steps=args.steps, views=views)
+        print(f"wrote {out} ({what})")
     for v in views:
         s = v.summary
         print(f"  {v.trace.label}: {v.window.label}: step time {fmt_time(s.step_time)}, "
-              f"compute busy {100 * s.busy_fraction.get('compute', 0.0):.1f}%, "
+              f"compute busy {100 * s.compute_busy:.1f}% of busy + idle, "
               f"copy hidden {100 * s.overlap.copy_hidden:.1f}%")
     if args.png:
         from ..viz.png import write_png

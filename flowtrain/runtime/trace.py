@@ -4,6 +4,13 @@ Every executed task leaves a :class:`TaskRecord` (lane, worker, start, end, slot
 Times are seconds from the start of the run: on CUDA lanes they come from CUDA events recorded
 around the task's kernels, elsewhere from the worker thread's clock.
 
+A trace file counts time in **whole nanoseconds**: every time is rounded once
+(:attr:`TaskRecord.start_ns`, :attr:`TaskRecord.end_ns`) and everything the writer decides (which
+task came first, which tenancy a reader belongs to, a counter's instant) compares those
+integers. So a task that ends the instant the next one starts (on its lane, or on the slot it
+frees) ends at exactly that next start in the file, and a reader that rounds ``ts * 1000``
+and ``(ts + dur) * 1000`` to integers finds them equal, never one nanosecond apart.
+
 Instruments are hooks with no-op defaults; the trace is one more instrument::
 
     recorder = TraceRecorder()
@@ -47,6 +54,16 @@ class TaskRecord(msgspec.Struct, kw_only=True):
     @property
     def duration(self) -> float:
         return self.end - self.start
+
+    @property
+    def start_ns(self) -> int:
+        """``start`` in whole nanoseconds: the trace file's clock."""
+        return _ns(self.start)
+
+    @property
+    def end_ns(self) -> int:
+        """``end`` in whole nanoseconds, never before :attr:`start_ns`."""
+        return max(_ns(self.end), _ns(self.start))
 
     @property
     def lane_name(self) -> str:
@@ -105,12 +122,14 @@ def task_id(task: Task) -> str:
 
 
 def _ns(seconds: float) -> int:
+    """Seconds as whole nanoseconds, the one rounding every time in a trace file goes through."""
     return round(seconds * 1e9)
 
 
 def _us(ns: int) -> int | float:
     """Integer nanoseconds as the format's microseconds: ``12345`` ns is ``12.345``, which a
-    reader that rounds ``ts * 1000`` (Perfetto) turns back into exactly 12345."""
+    reader that rounds ``ts * 1000`` (Perfetto) turns back into exactly 12345. Only ever
+    applied to an integer, so an end and a start that are the same instant are the same text."""
     return ns // 1000 if ns % 1000 == 0 else ns / 1000
 
 
@@ -124,45 +143,52 @@ def _dep_positions(records: Sequence[TaskRecord]) -> list[list[int]]:
     for r in records:
         found = []
         for d in r.deps:
-            cands = [n for n in runs.get(d, ()) if records[n].start <= r.start]
+            cands = [n for n in runs.get(d, ()) if records[n].start_ns <= r.start_ns]
             if cands:
-                found.append(max(cands, key=lambda n: records[n].start))
+                found.append(max(cands, key=lambda n: records[n].start_ns))
         out.append(found)
     return out
 
 
-def slot_tenancies(records: Sequence[TaskRecord]) -> list[tuple[str, int, float, float, int]]:
-    """``(pool, slot, start, end, bytes)`` per slot taken: from the taker's start until the last
-    task that read the slot under it (the latest taker that started no later than the reader)
-    has finished, since the buffer is needed until then. ``bytes`` are the taker's."""
+def _tenancies_ns(records: Sequence[TaskRecord]) -> list[tuple[str, int, int, int, int]]:
+    """:func:`slot_tenancies` in whole nanoseconds, decided on those integers: a reader that
+    starts the nanosecond a new taker does reads the new taker's buffer, as in the file."""
     takers: dict[tuple[str, int], list[TaskRecord]] = {}
     for r in records:
         if r.task.takes is not None and r.slot is not None:
             takers.setdefault((r.task.takes, r.slot), []).append(r)
     starts, ends = {}, {}
     for key, rs in takers.items():
-        rs.sort(key=lambda r: r.start)
-        starts[key] = [r.start for r in rs]
-        ends[key] = [r.end for r in rs]
+        rs.sort(key=lambda r: r.start_ns)
+        starts[key] = [r.start_ns for r in rs]
+        ends[key] = [r.end_ns for r in rs]
     for r in records:
         for pool, slots in r.reads.items():
             for s in slots:
                 key = (pool, s)
-                j = bisect_right(starts.get(key, []), r.start) - 1
+                j = bisect_right(starts.get(key, []), r.start_ns) - 1
                 if j >= 0 and takers[key][j] is r:
                     j -= 1
                 if j >= 0:
-                    ends[key][j] = max(ends[key][j], r.end)
-    return sorted((key[0], key[1], r.start, ends[key][j], r.bytes)
+                    ends[key][j] = max(ends[key][j], r.end_ns)
+    return sorted((key[0], key[1], r.start_ns, ends[key][j], r.bytes)
                   for key, rs in takers.items() for j, r in enumerate(rs))
+
+
+def slot_tenancies(records: Sequence[TaskRecord]) -> list[tuple[str, int, float, float, int]]:
+    """``(pool, slot, start, end, bytes)`` per slot taken: from the taker's start until the last
+    task that read the slot under it (the latest taker that started no later than the reader)
+    has finished, since the buffer is needed until then. ``bytes`` are the taker's. Times are
+    seconds, each a whole number of nanoseconds (the trace file's clock)."""
+    return [(pool, slot, start / 1e9, end / 1e9, nbytes) for pool, slot, start, end, nbytes in _tenancies_ns(records)]
 
 
 def _counter_events(records: Sequence[TaskRecord], pid: int) -> list[dict]:
     """Slots in use per pool, and bytes held in taken slots per pool, as counter ("C") events
     in time order: one value per instant, releases counted before takes at the same instant."""
     changes: dict[str, list[tuple[int, int, int]]] = {}
-    for pool, _, start, end, nbytes in slot_tenancies(records):
-        changes.setdefault(pool, []).extend([(_ns(start), 1, nbytes), (_ns(end), -1, -nbytes)])
+    for pool, _, start, end, nbytes in _tenancies_ns(records):
+        changes.setdefault(pool, []).extend([(start, 1, nbytes), (end, -1, -nbytes)])
     events = []
     for pool, cs in sorted(changes.items()):
         cs.sort(key=lambda c: (c[0], c[1]))
@@ -186,8 +212,9 @@ def chrome_trace(records: Sequence[TaskRecord], meta: dict | None = None) -> dic
     What each event is, so that Perfetto reads the whole file:
 
     - one complete event (``"ph": "X"``) per task on its lane's thread; ``ts`` and ``dur`` come
-      from the same nanosecond ends (``dur = end - start``), so back-to-back tasks on a lane
-      touch but never overlap (Perfetto drops a slice that overlaps its neighbour);
+      from the same whole-nanosecond ends (``dur = end - start``), so back-to-back tasks on a
+      lane touch but never overlap (Perfetto drops a slice that overlaps its neighbour), and
+      ``round(ts * 1000) + round(dur * 1000)`` is exactly the end in nanoseconds;
     - ``args`` holds the task's fields without nulls, ``id`` (the record's position: compact),
       ``lane_name``, and ``slot``, ``reads`` and ``bytes`` where there are any;
     - every dependency is a flow: ``"ph": "s"`` at the producer's start, ``"ph": "f"`` with
@@ -200,7 +227,7 @@ def chrome_trace(records: Sequence[TaskRecord], meta: dict | None = None) -> dic
     for name in sorted({r.lane_name for r in records}, key=_tid):
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": _tid(name), "args": {"name": name}})
         events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": _tid(name), "args": {"sort_index": _tid(name)}})
-    spans = [(_ns(r.start), max(_ns(r.end), _ns(r.start))) for r in records]
+    spans = [(r.start_ns, r.end_ns) for r in records]
     for n, r in enumerate(records):
         args = {k: v for k, v in task_to_dict(r.task).items() if v is not None}
         args.update(id=n, lane_name=r.lane_name)

@@ -134,6 +134,15 @@ def pool_budgets(trace: Trace, uses: Sequence[SlotUse] | None = None) -> dict[st
     return dict(sorted(seen.items()))
 
 
+def inferred_budgets(trace: Trace, budgets: dict[str, int]) -> list[str]:
+    """The pools of ``budgets`` whose budget the trace does not record (``budgets`` metadata,
+    absent from older traces): :func:`pool_budgets` inferred them from the highest slot seen,
+    and the report says so beside them."""
+    meta = trace.meta.get("budgets")
+    given = {p for p, n in meta.items() if isinstance(n, int)} if isinstance(meta, dict) else set()
+    return sorted(p for p in budgets if p not in given)
+
+
 def occupancy(trace: Trace, uses: Sequence[SlotUse] | None = None) -> dict[str, list[tuple[float, int]]]:
     """Slots in use per pool as a step function: ``[(time, count from then on), ...]``."""
     uses = slot_uses(trace) if uses is None else uses

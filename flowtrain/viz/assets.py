@@ -23,6 +23,9 @@ tr.crit td { background: #fde8e8; }
 .legend span.item { margin-right: 12px; white-space: nowrap; }
 .toolbar { position: sticky; top: 0; background: #fff; padding: 6px 0; z-index: 2;
            border-bottom: 1px solid #eee; }
+/* Scrolling (a gap pattern's click, a link) stops under the sticky toolbar, never behind it:
+   the page script keeps --ft-bar at the toolbar's height. */
+html { scroll-padding-top: var(--ft-bar, 0px); }
 .toolbar button { margin-right: 4px; }
 .panel { margin: 10px 0 18px; }
 .panel h2 { margin-top: 8px; }
@@ -37,7 +40,7 @@ canvas.gantt.dragging { cursor: grabbing; }
 .cols { display: flex; flex-wrap: wrap; gap: 18px; }
 details { margin: 6px 0; } summary { cursor: pointer; color: #335; }
 .brushbox { margin-top: 4px; }
-#ft-brush { display: block; width: 100%; height: 46px; cursor: crosshair; border: 1px solid #e5e5e5; }
+#ft-brush { display: block; width: 100%; height: 58px; cursor: crosshair; border: 1px solid #e5e5e5; }
 tr.pattern { cursor: pointer; } tr.pattern:hover td { background: #eef3fb; }
 tr.warm td { color: #a0522d; }
 .whichwin { font-size: 12px; color: #335; margin: 4px 0; }

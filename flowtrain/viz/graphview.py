@@ -30,8 +30,10 @@ KIND_COLORS = {
     "embed_backward": "#ffbe7d",
     "zero_grad": "#bab0ac",
     "offload_grad": "#76b7b2",
-    "offload_act": "#499894",
-    "fetch_act": "#86bcb6",
+    # checkpoints out to the host and back: apart from each other and from offload_grad, which
+    # shares their lanes (the two used to be nearly the same teal)
+    "offload_act": "#0b6e4f",
+    "fetch_act": "#003f5c",
     "grad_norm": "#ff9da7",
     "cpu_adam": "#b07aa1",
     "gpu_adam": "#7b4173",

@@ -28,6 +28,7 @@ from .analysis import (
     default_min_gap,
     describe_wait,
     gap_patterns,
+    inferred_budgets,
     mean_durations,
     occupancy,
     pool_budgets,
@@ -36,12 +37,13 @@ from .analysis import (
 from .assets import CSS, GUARD_JS
 from .graphview import CRITICAL, KIND_COLORS, REASON_COLORS, color, graph_section
 from .load import GraphInput, Trace
-from .memory import Memory, memory
+from .memory import Memory, caption, memory
 from .page_js import GANTT_JS
 from .steps import (
     StepStats,
     Window,
     WindowSummary,
+    brush_scale,
     choose_window,
     step_stats,
     window_summary,
@@ -72,8 +74,9 @@ class TraceView:
         self.gaps: list[Gap] = compute_gaps(trace, min_gap=self.min_gap, waits=self.waits)
         self.chain: list[int] = critical_chain(trace, self.waits)
         self.budgets = pool_budgets(trace, self.uses)
+        self.inferred: list[str] = inferred_budgets(trace, self.budgets)  # pools the trace gives no budget for
         self.rows: list[StepStats] = step_stats(trace, self.gaps, self.uses)
-        self.window: Window = choose_window(self.rows, steps)
+        self.window: Window = choose_window(self.rows, steps, source=trace.path or trace.name)
         self.summary: WindowSummary = window_summary(self.rows, self.window, self.budgets)
         self.memory: Memory = memory(trace, self.uses)
 
@@ -109,10 +112,12 @@ def _task_columns(view: TraceView, kinds: list[str]) -> dict[str, list]:
 
 
 def _step_rows(view: TraceView) -> list[dict]:
-    """Each step's additive numbers (microseconds): the page sums them over the brushed window."""
+    """Each step's additive numbers (microseconds): the page sums them over the brushed window.
+    ``busy.compute + idle + tail`` is the step's time."""
     return [{"step": r.step, "s": _us(r.start), "e": _us(r.end), "warm": r.warmup, "tasks": r.tasks,
              "busy": {k: _us(v) for k, v in r.busy.items()}, "bytes": r.bytes, "cc": _us(r.compute_copy),
              "co": _us(r.copy), "cu": _us(r.compute_cpu), "cp": _us(r.cpu), "idle": _us(r.idle_compute),
+             "tail": _us(r.tail),
              "why": {k: _us(v) for k, v in r.idle_by_reason.items()},
              "area": {k: _us(v) for k, v in r.slot_seconds.items()}, "peak": r.peak_slots}
             for r in view.rows]
@@ -150,9 +155,12 @@ def trace_payload(view: TraceView, kinds: list[str]) -> dict:
         "steps": _step_rows(view),
         "window": {"first": w.first, "last": w.last, "why": w.why},
         "budgets": view.budgets,
+        "inferred": view.inferred,
+        "brushMax": _us(brush_scale(view.rows)),
         "occ": {pool: [[_us(t), n] for t, n in pts] for pool, pts in occupancy(tr, view.uses).items()},
         "mem": {where: [[_us(t), b] for t, b in pts] for where, pts in mem.held.items()},
         "memUnknown": list(mem.unknown),
+        "memCaption": caption(mem),
         "caps": mem.capacities,
     }
 

@@ -9,7 +9,14 @@ in microseconds, the task's fields under ``args``. A **graph** is ``flowtrain gr
     >>> item.tasks[0].kind, item.lanes            # doctest: +SKIP
     ('fetch', ['compute', 'h2d', 'd2h', 'cpu:0'])
 
-Times are re-based so that the first task starts at 0 and are kept in **seconds**. Anything
+**Times are read as whole nanoseconds.** A file's ``ts`` and ``dur`` are microseconds, often
+with a fraction; adding them in floating point can put a task's end a hair after the next
+task's start at the same instant (``12.345 + 0.001`` is not ``12.346``), which would make a
+slot look held twice at once. So each start (``ts``) and each end (``ts + dur``) is rounded to
+a whole nanosecond first, and everything compares those integers: an end and a start that are
+the same instant in the file are equal here, in any trace, old or new. Times are then
+re-based so that the first task starts at 0 and kept in **seconds**, each the integer divided
+by ``1e9`` (equal integers, equal seconds; order kept). Anything
 malformed raises :class:`~flowtrain.errors.DataError` naming the file and what to fix; the
 visualizer is written against the format, not against one producer, so fields it can do without
 (``deps``, ``reads``, ``slot``, ``bytes``, ...) may be missing.
@@ -36,7 +43,8 @@ LANE_KINDS = ("compute", "h2d", "d2h", "cpu", "io")
 
 
 class TraceTask(msgspec.Struct, frozen=True, kw_only=True):
-    """One executed task. ``start``/``end`` are seconds since the trace's first task started."""
+    """One executed task. ``start``/``end`` are seconds since the trace's first task started,
+    each a whole number of nanoseconds (see the module's note on times)."""
 
     index: int  # position in Trace.tasks (sorted by start)
     id: str
@@ -167,9 +175,16 @@ def _reads(value: Any, where: str) -> dict[str, tuple[int, ...]]:
     return out
 
 
+def ns(us: float) -> int:
+    """The file's microseconds as whole nanoseconds: ``12.345`` is ``12345``."""
+    return round(us * 1000)
+
+
 def _task_fields(ev: Any, n: int, src: str) -> dict:
-    """The fields of one complete event, ``start``/``end`` still in the file's microseconds;
-    ``lane_name`` and ``lane`` are None where ``args`` does not say (see :func:`_name_lanes`)."""
+    """The fields of one complete event, ``start``/``end`` in whole nanoseconds of the file's
+    clock (the end is ``ts + dur`` rounded, so it equals the start of a task that begins at that
+    instant); ``lane_name`` and ``lane`` are None where ``args`` does not say (see
+    :func:`_name_lanes`)."""
     where = f"{src}: event {n} ({ev.name if ev.name is not None else '?'!r})"
     ts = _number(ev.ts, "ts", where)
     dur = _number(0.0 if ev.dur is None else ev.dur, "dur", where)
@@ -189,8 +204,8 @@ def _task_fields(ev: Any, n: int, src: str) -> dict:
         kind=kind,
         lane=None if args.get("lane") is None else str(args["lane"]),
         lane_name=None if lane_name is None else str(lane_name),
-        start=ts,
-        end=ts + dur,
+        start=ns(ts),
+        end=ns(ts + dur),
         step=_opt_int(args.get("step"), "args.step", where) or 0,
         unit=None if args.get("unit") is None else str(args["unit"]),
         layer=_opt_int(args.get("layer"), "args.layer", where),
@@ -220,9 +235,9 @@ def _bind_flows(flows: list[tuple], raw: list[dict], thread_of: list[Any]) -> No
     Perfetto does: ``s`` to the slice enclosing it, ``f`` to the slice enclosing it when
     ``"bp": "e"``, else to the next slice to start on its thread.
     An end placed at a slice's start (as ``write_chrome_trace`` places both) is found by one
-    lookup; any other by binary search."""
+    lookup; any other by binary search. Times are whole nanoseconds, as the tasks' are."""
     at_start: dict[tuple, int] = {}
-    lanes: dict[Any, list[tuple[float, float, int]]] = {}
+    lanes: dict[Any, list[tuple[int, int, int]]] = {}
     for pos, r in enumerate(raw):
         key = (thread_of[pos], r["start"])
         if key not in at_start or r["end"] > raw[at_start[key]]["end"]:
@@ -232,14 +247,14 @@ def _bind_flows(flows: list[tuple], raw: list[dict], thread_of: list[Any]) -> No
         spans.sort()
     starts = {k: [s for s, _, _ in v] for k, v in lanes.items()}
 
-    def enclosing(key: Any, ts: float) -> int | None:
+    def enclosing(key: Any, ts: int) -> int | None:
         pos = at_start.get((key, ts))
         if pos is not None:
             return pos
         j = bisect_right(starts.get(key, []), ts) - 1
         return lanes[key][j][2] if j >= 0 and lanes[key][j][1] >= ts else None
 
-    def following(key: Any, ts: float) -> int | None:
+    def following(key: Any, ts: int) -> int | None:
         j = bisect_left(starts.get(key, []), ts)
         return lanes[key][j][2] if j < len(starts.get(key, [])) else None
 
@@ -313,7 +328,7 @@ def _read_events(events: list, src: str) -> tuple[list[dict], list[tuple], list[
         elif (ev.ph == "s" or ev.ph == "f") and isinstance(ev.ts, (int, float)) and not isinstance(ev.id, (list, dict)):
             key = shared.setdefault((ev.pid, ev.tid), (ev.pid, ev.tid))
             cat = shared.setdefault(ev.cat, ev.cat) if isinstance(ev.cat, str) else ev.cat
-            flows.append((ev.ph, key, ev.ts, cat, ev.id, ev.bp == "e"))
+            flows.append((ev.ph, key, ns(ev.ts), cat, ev.id, ev.bp == "e"))
         elif ev.ph == "M" and ev.name == "thread_name" and isinstance(ev.args, dict):
             threads[(ev.pid, ev.tid)] = str(ev.args.get("name"))
     _name_lanes(raw, thread_of, threads)
@@ -349,11 +364,11 @@ def trace_from_json(data: Any, name: str = "trace", path: str | None = None) -> 
     t0 = raw[0]["start"]
     tasks = []
     for i, r in enumerate(raw):
-        r["start"] = (r["start"] - t0) / 1e6  # division: 45 us becomes exactly 45e-6
-        r["end"] = (r["end"] - t0) / 1e6
+        r["start"] = (r["start"] - t0) / 1e9  # integer / 1e9: 45000 ns becomes exactly 45e-6
+        r["end"] = (r["end"] - t0) / 1e9
         tasks.append(TraceTask(index=i, **r))
         raw[i] = None  # type: ignore[call-overload]
-    return Trace(tasks, meta=meta, name=name, path=path, offset=t0 / 1e6)
+    return Trace(tasks, meta=meta, name=name, path=path, offset=t0 / 1e9)
 
 
 class GraphInput:

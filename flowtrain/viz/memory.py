@@ -14,6 +14,14 @@ Without ``slot_bytes`` a pool's slot size is the most bytes a task that took one
 moves a whole slot); a pool whose takers move nothing (``zero_grad``) has no known size and is
 left out of the byte totals, by name. Without ``pool_memory`` a pool named ``host*`` is pinned
 host memory and any other is on the GPU.
+
+The slots are only part of a run's memory: activations, resident weights, the allocator's cache
+and the CUDA context are not in any slot, so a run can peak at 73.7 GiB on the GPU while its
+slots hold 2.3 GiB. What the producer recorded about the whole run is kept beside the slot
+bytes and said apart from them (:func:`caption`)::
+
+    "planned": {"gpu": 82443000000, "host": 28451000000},       # the memory plan's peaks
+    "measured": {"gpu_peak": 79110000000, "gpu_reserved_peak": ...}   # torch's, after the run
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ import msgspec
 
 from .analysis import SlotUse
 from .load import Trace
+from .steps import fmt_bytes
 
 GPU, PINNED = "gpu", "pinned"
 
@@ -37,12 +46,15 @@ class Memory(msgspec.Struct, frozen=True):
     place: dict[str, str]  # per pool
     unknown: tuple[str, ...]  # pools whose slot size the trace does not say
     capacities: dict[str, int]  # per place, where the trace says
+    planned: dict[str, int] = {}  # the memory plan's peak bytes of the whole run, per place ("gpu", "host")
+    measured: dict[str, int] = {}  # measured peaks of the whole run ("gpu_peak": allocated, "gpu_reserved_peak")
 
     def peak(self, place: str) -> int:
         return max((b for _, b in self.held.get(place, [])), default=0)
 
 
 def _meta_ints(trace: Trace, key: str) -> dict[str, int]:
+    """``meta[key]`` as ``{name: int}``, leaving out what is not a number (``null`` limits)."""
     value = trace.meta.get(key)
     if not isinstance(value, dict):
         return {}
@@ -71,7 +83,32 @@ def memory(trace: Trace, uses: Sequence[SlotUse]) -> Memory:
         if sizes.get(u.pool):
             changes.setdefault(place[u.pool], []).extend([(u.start, sizes[u.pool]), (u.end, -sizes[u.pool])])
     held = {where: _steps(cs) for where, cs in sorted(changes.items())}
-    return Memory(held, {p: sizes[p] for p in pools if sizes.get(p)}, place, unknown, _meta_ints(trace, "capacities"))
+    return Memory(held, {p: sizes[p] for p in pools if sizes.get(p)}, place, unknown, _meta_ints(trace, "capacities"),
+                  _meta_ints(trace, "planned"), _meta_ints(trace, "measured"))
+
+
+def caption(m: Memory) -> str:
+    """What the bytes row shows, in words: the slots' peaks, named as the slots' (never as the
+    run's memory), then the run's own GPU numbers where the trace records them, else that it
+    does not. For example ``slots hold at most 2.3 GiB on the GPU, 4.5 GiB pinned (slot
+    buffers only) · the run on the GPU: 73.7 GiB measured peak (allocated), 76.8 GiB planned,
+    limit 80.0 GiB``."""
+    names = {GPU: "on the GPU", PINNED: "pinned"}
+    held = [f"{fmt_bytes(m.peak(w))} {names.get(w, w)}" for w in (GPU, PINNED) if w in m.held]
+    parts = [f"slots hold at most {', '.join(held)} (slot buffers only)" if held else "no slot bytes known"]
+    if m.unknown:
+        parts.append(f"not counted (slot size unknown): {', '.join(m.unknown)}")
+    run = []
+    if "gpu_peak" in m.measured:
+        run.append(f"{fmt_bytes(m.measured['gpu_peak'])} measured peak (allocated)")
+    if "gpu_reserved_peak" in m.measured:
+        run.append(f"{fmt_bytes(m.measured['gpu_reserved_peak'])} reserved")
+    if "gpu" in m.planned:
+        run.append(f"{fmt_bytes(m.planned['gpu'])} planned")
+    if GPU in m.capacities:
+        run.append(f"limit {fmt_bytes(m.capacities[GPU])}")
+    parts.append(f"the run on the GPU: {', '.join(run)}" if run else "the trace records no peak for the run's GPU memory")
+    return " \u00b7 ".join(parts)
 
 
 def _steps(changes: list[tuple[float, int]]) -> list[tuple[float, int]]:

@@ -9,6 +9,10 @@ lane). When done it writes ``data-ft-ready``, ``data-ft-render-ms`` (``performan
 i.e. since navigation start) and ``data-ft-lanes`` (tasks drawn per lane, per trace) on
 ``<html>``; each redraw updates every canvas's ``data-drawn``.
 
+Hovered times are offsets into the step that holds them (``step 3 +512.3 ms``), with as many
+digits as the thing hovered needs to tell its two ends apart (a 1 ms gap 15 s into a run reads
+``from step 3 +512.3 ms to +513.4 ms``, never ``from 15.2 s to 15.2 s``).
+
 The window, the summaries and "align at step" are :mod:`flowtrain.viz.summary_js`, which runs
 after this script and builds on ``window.ftViz`` (the view, the panels, the formatters).
 """
@@ -42,6 +46,18 @@ GANTT_JS = r"""
     var u = ["B", "KiB", "MiB", "GiB", "TiB"], i = 0;
     while (Math.abs(b) >= 1024 && i < 4) { b /= 1024; i++; }
     return (i ? b.toFixed(1) : String(Math.round(b))) + " " + u[i];
+  }
+  function fmtOffset(us, res) { // "+512.3 ms": the unit that fits |us|, digits down to res (us)
+    var a = Math.abs(us), unit = "\u00b5s", scale = 1;
+    if (a >= 1e6) { unit = "s"; scale = 1e6; } else if (a >= 1e3) { unit = "ms"; scale = 1e3; }
+    var digits = Math.min(9, Math.max(0, Math.ceil(-Math.log10(Math.max(res, 1e-3) / scale) - 1e-9)));
+    return (us < 0 ? "\u2212" : "+") + (a / scale).toFixed(digits) + " " + unit;
+  }
+  function stepAt(steps, t) { // the step whose band holds time t (the first one before them all)
+    var lo = 0, hi = steps.length - 1;
+    if (hi < 0) return null;
+    while (lo < hi) { var mid = (lo + hi + 1) >> 1; if (steps[mid].s <= t) lo = mid; else hi = mid - 1; }
+    return steps[lo];
   }
   function rate(bytes, us) { return us > 0 && bytes > 0 ? (bytes / us / 1e3).toFixed(2) + " GB/s" : ""; }
   function niceStep(span, target) {
@@ -121,6 +137,17 @@ GANTT_JS = r"""
   Panel.prototype.scale = function () { return (this.width - GUTTER - RPAD) / (view.x1 - view.x0); };
   Panel.prototype.X = function (t) { return GUTTER + (t - this.shift - view.x0) * this.scale(); };
   Panel.prototype.time = function (px) { return view.x0 + this.shift + (px - GUTTER) / this.scale(); };
+  // "step 3 +512.3 ms": a time as an offset into its step, to a resolution of res microseconds
+  Panel.prototype.when = function (t, res) {
+    var st = stepAt(this.tr.steps, t);
+    return st ? "step " + st.step + " " + fmtOffset(t - st.s, res) : fmtTime(t);
+  };
+  // "from step 3 +512.3 ms to +513.4 ms": both ends with the digits that tell them apart
+  Panel.prototype.between = function (s, e) {
+    var res = (e - s) / 10, a = stepAt(this.tr.steps, s), b = stepAt(this.tr.steps, e);
+    var end = a && b && a.step === b.step ? fmtOffset(e - a.s, res) : this.when(e, res);
+    return "from " + this.when(s, res) + " to " + end;
+  };
   Panel.prototype.v0 = function () { return view.x0 + this.shift; };
   Panel.prototype.v1 = function () { return view.x1 + this.shift; };
   Panel.prototype.windowSpan = function () {
@@ -301,23 +328,20 @@ GANTT_JS = r"""
       ctx.beginPath(); ctx.moveTo(GUTTER, yb); ctx.lineTo(this.width, yb); ctx.stroke();
       ctx.setLineDash([]);
     }
-    this.note("budget " + (row.budget || "?") + ", peak " + peak, row.y);
+    this.note("budget " + (row.budget || "?") + (this.tr.inferred.indexOf(row.pool) >= 0 ? " (inferred)" : "") +
+              ", peak " + peak, row.y);
   };
 
   Panel.prototype.drawMem = function (row) { // bytes held on the GPU and in pinned host memory
     var ctx = this.ctx, mem = this.tr.mem, top = row.y + 12, bottom = row.y + row.h, peak = 1;
     var places = Object.keys(mem), colors = { gpu: "#2ca02c", pinned: "#9467bd" };
     places.forEach(function (w) { mem[w].forEach(function (p) { peak = Math.max(peak, p[1]); }); });
-    var yscale = (bottom - top) / peak, text = [];
+    var yscale = (bottom - top) / peak;
     places.forEach(function (w) {
       ctx.strokeStyle = colors[w] || "#555"; ctx.lineWidth = 1.5;
       this.stepPath(mem[w], bottom, yscale, false); ctx.stroke();
-      var pk = 0; mem[w].forEach(function (p) { pk = Math.max(pk, p[1]); });
-      text.push((w === "gpu" ? "GPU" : "pinned host") + " peak " + fmtBytes(pk) +
-                (this.tr.caps[w] ? " of " + fmtBytes(this.tr.caps[w]) : ""));
     }, this);
-    if (this.tr.memUnknown.length) text.push("not counted (slot size unknown): " + this.tr.memUnknown.join(", "));
-    this.note(text.join(" \u00b7 "), row.y);
+    this.note(this.tr.memCaption, row.y);  // Python's words: the slots' bytes, and the run's where recorded
   };
 
   Panel.prototype.box = function (i) {
@@ -387,27 +411,28 @@ GANTT_JS = r"""
     var T = this.tr.t, self = this;
     if (h.type === "occ") {
       return "<b>" + esc(h.row.pool) + "</b>: " + h.n + " slot" + (h.n === 1 ? "" : "s") + " in use of a budget of " +
-        (h.row.budget || "?") + " at " + fmtTime(h.t);
+        (h.row.budget || "?") + (this.tr.inferred.indexOf(h.row.pool) >= 0 ? " (inferred)" : "") +
+        " at " + this.when(h.t, 1 / this.scale());
     }
     if (h.type === "mem") {
       return Object.keys(this.tr.mem).map(function (w) {
-        return (w === "gpu" ? "GPU" : "pinned host") + ": " + fmtBytes(valueAt(self.tr.mem[w], h.t));
-      }).join("<br>") + "<br>at " + fmtTime(h.t);
+        return (w === "gpu" ? "GPU" : "pinned host") + " slots: " + fmtBytes(valueAt(self.tr.mem[w], h.t));
+      }).join("<br>") + "<br>at " + this.when(h.t, 1 / this.scale());
     }
     if (h.type === "gap") {
       return "<b>" + esc(this.tr.gapLane) + " idle " + fmtTime(h.it.e - h.it.s) + "</b> (" + esc(h.it.r) + ")<br>" +
-        "from " + fmtTime(h.it.s) + " to " + fmtTime(h.it.e) + "<br>" + esc(h.it.text);
+        this.between(h.it.s, h.it.e) + "<br>" + esc(h.it.text);
     }
     if (h.type === "slot") {
       return "<b>" + esc(h.it.pool + " slot #" + h.it.slot) + "</b><br>held by " + esc(T.name[h.it.h]) +
-        "<br>from " + fmtTime(h.it.s) + " to " + fmtTime(h.it.e) + " (" + fmtTime(h.it.e - h.it.s) + "), " +
+        "<br>" + this.between(h.it.s, h.it.e) + " (" + fmtTime(h.it.e - h.it.s) + "), " +
         h.it.n + " reader" + (h.it.n === 1 ? "" : "s");
     }
     var i = h.i, parts = ["<b>" + esc(T.name[i]) + "</b>"], dur = T.e[i] - T.s[i];
     parts.push("kind " + esc(D.kinds[T.k[i]]) + " \u00b7 lane " + esc(this.tr.lanes[T.l[i]]) + " \u00b7 step " + T.step[i]);
     parts.push("layer " + (T.layer[i] === null ? "\u2013" : T.layer[i]) + " \u00b7 micro-batch " +
                (T.mb[i] === null ? "\u2013" : T.mb[i]));
-    parts.push("start " + fmtTime(T.s[i]) + " \u00b7 duration " + fmtTime(dur));
+    parts.push("start " + this.when(T.s[i], Math.max(dur / 10, 1e-3)) + " \u00b7 duration " + fmtTime(dur));
     var gbs = rate(T.bytes[i], dur);
     parts.push("bytes " + fmtBytes(T.bytes[i]) + (gbs ? " at " + gbs : "") + (T.slot[i] ? " \u00b7 slot " + esc(T.slot[i]) : "") +
                (T.reads[i] ? " \u00b7 reads " + esc(T.reads[i]) : ""));
@@ -477,28 +502,43 @@ GANTT_JS = r"""
     view.x0 = t - f * span; view.x1 = view.x0 + span;
   }
   function show(t0, t1) { var pad = (t1 - t0) * 0.02; view.x0 = t0 - pad; view.x1 = t1 + pad; schedule(); }
-  function reset() { view.x0 = FULL.x0; view.x1 = FULL.x1; schedule(); }
+  function reset() { // every trace whole, however each is shifted (aligned at a step or its window)
+    var lo = 0, hi = 0;
+    panels.forEach(function (p) {
+      var st = p.tr.steps, end = st.length ? st[st.length - 1].e : maxWall;
+      lo = Math.min(lo, -p.shift); hi = Math.max(hi, end - p.shift);
+    });
+    var span = Math.max(hi - lo, 1);
+    view.x0 = lo - span * 0.005; view.x1 = hi + span * 0.01; schedule();
+  }
 
   var panels = D.traces.map(function (tr, n) { return new Panel(tr, document.getElementById("panel-" + n)); });
   function drawAll() {
     panels.forEach(function (p) { p.draw(); });
     var span = document.getElementById("ft-span");
-    if (span) span.textContent = fmtTime(view.x0) + " \u2013 " + fmtTime(view.x1);
+    if (span) span.textContent = fmtTime(view.x0) + " \u2013 " + fmtTime(view.x1) + (state.aligned === null ? "" :
+      " from each trace's " + (state.aligned === "window" ? "window" : "step " + state.aligned) + " start");
     if (window.ftViz && window.ftViz.onDraw) window.ftViz.onDraw();
   }
   function resizeAll() { panels.forEach(function (p) { p.resize(); }); drawAll(); }
 
   var bar = document.getElementById("ft-toolbar");
+  function barHeight() { // the sticky toolbar's height: scrolling stops short of it (CSS --ft-bar)
+    root.style.setProperty("--ft-bar", (bar.offsetHeight + 6) + "px");
+  }
+  // Scroll a panel's chart to just under the toolbar, so that its top lanes are in view.
+  function reveal(p) { barHeight(); p.canvas.scrollIntoView({ block: "start" }); }
   bar.querySelector("[data-act=reset]").addEventListener("click", reset);
   bar.querySelector("[data-act=in]").addEventListener("click", function () { zoomAt((view.x0 + view.x1) / 2, 0.5); schedule(); });
   bar.querySelector("[data-act=out]").addEventListener("click", function () { zoomAt((view.x0 + view.x1) / 2, 2); schedule(); });
   bar.querySelector("[data-act=crit]").addEventListener("change", function (ev) { state.critical = ev.target.checked; schedule(); });
-  window.addEventListener("resize", resizeAll);
+  window.addEventListener("resize", function () { barHeight(); resizeAll(); });
+  barHeight();
 
   // for the summary script, tests and the console
   window.ftViz = { D: D, view: view, FULL: FULL, state: state, panels: panels, redraw: drawAll, reset: reset,
                    zoomAt: zoomAt, show: show, schedule: schedule, fmtTime: fmtTime, fmtBytes: fmtBytes,
-                   rate: rate, esc: esc };
+                   fmtOffset: fmtOffset, rate: rate, esc: esc, reveal: reveal, barHeight: barHeight };
   resizeAll();
   root.setAttribute("data-ft-lanes", JSON.stringify(panels.map(function (p) {
     return { trace: p.tr.label, lanes: JSON.parse(p.canvas.getAttribute("data-drawn")) };

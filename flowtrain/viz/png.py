@@ -95,7 +95,7 @@ def _draw_trace(ax, view: TraceView, width: float) -> None:
     s = view.summary
     ax.set_title(
         f"{tr.label}, {view.window.label}: step {fmt_time(s.step_time)}, compute busy "
-        f"{100 * s.busy_fraction.get('compute', 0.0):.0f}%, copy hidden {100 * s.overlap.copy_hidden:.0f}%, "
+        f"{100 * s.compute_busy:.0f}% of busy + idle, copy hidden {100 * s.overlap.copy_hidden:.0f}%, "
         f"compute idle {fmt_time(s.idle_compute / s.window.steps)} per step", fontsize=9, loc="left")
 
 

@@ -2,11 +2,13 @@
 
 The first step of a run is not like the others (nothing is prefetched yet, caches are cold, a
 compiler may be warming up), so a whole-trace average says little about the steady state. Here
-time is cut at step ends: step ``k`` owns the time from the end of the step before it to its own
-end (the first step owns the time from the trace's start), so steps tile the trace and every
-number that adds up over time (busy seconds, overlap, idle by reason, slot-seconds, tasks,
-bytes) is kept per step. A window of steps is then a sum of rows, which is also how the page's
-brush recomputes its summary::
+time is cut where compute starts each step: step ``k`` owns the time from its first compute
+task to the first compute task of step ``k + 1`` (the first step from the trace's start, the
+last to the trace's end), so steps tile the trace, every compute task lies in its own step,
+and the next step's prefetch and the previous step's optimizer work, which overlap compute,
+are counted where they ran. Every number that adds up over time (busy seconds, overlap, idle
+by reason, slot-seconds, tasks, bytes) is kept per step. A window of steps is then a sum of
+rows, which is also how the page's brush recomputes its summary::
 
     rows = step_stats(trace, gaps, uses)          # one StepStats per step, in step order
     win = choose_window(rows, "1:")               # steps 1.. (None: the default window)
@@ -17,6 +19,13 @@ brush recomputes its summary::
 ``2:5`` is steps 2, 3 and 4, ``3`` is step 3 alone. By default the first step is left out, and
 so is any step at the start that took more than three times the median step (warm-up); a
 warm-up step later on is kept but flagged.
+
+**Busy, idle and tail.** Compute's time in a step is cut three ways that add up to the step:
+*busy* (its tasks), *idle* (gaps before compute's last task of the trace) and *tail* (after
+that last task: the last step's optimizer work, with nothing left to hide it behind). Compute
+busy as a fraction is busy over busy + idle, the time compute had work coming, for a step and a
+window alike, so a window's figure is its steps' figures weighted by their time and the tail
+never drags the last step down.
 """
 
 from __future__ import annotations
@@ -38,8 +47,9 @@ WARMUP_FACTOR = 3.0
 
 
 class StepStats(msgspec.Struct, frozen=True, kw_only=True):
-    """One step's share of the trace: the time from the previous step's end to its own end,
-    and what happened in it (seconds; per lane name or per pool)."""
+    """One step's share of the trace: the time from its first compute task to the next step's,
+    and what happened in it (seconds; per lane name or per pool). ``busy["compute"] +
+    idle_compute + tail`` is the step's duration."""
 
     step: int
     start: float
@@ -52,6 +62,7 @@ class StepStats(msgspec.Struct, frozen=True, kw_only=True):
     compute_cpu: float
     cpu: float
     idle_compute: float  # compute idle before its last task ends
+    tail: float  # the step's time after compute's last task (in the trace): nothing left to compute
     idle_by_reason: dict[str, float]  # marked compute gaps, clipped to the step
     slot_seconds: dict[str, float]  # slots in use integrated over time, per pool
     peak_slots: dict[str, int]
@@ -60,6 +71,11 @@ class StepStats(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def duration(self) -> float:
         return self.end - self.start
+
+    @property
+    def compute_busy(self) -> float:
+        """Compute busy over busy + idle (the step's time less its tail): 0.0 .. 1.0."""
+        return _fraction(self.busy.get("compute", 0.0), self.duration - self.tail)
 
 
 class Window(msgspec.Struct, frozen=True):
@@ -80,7 +96,10 @@ class Window(msgspec.Struct, frozen=True):
 
 
 class WindowSummary(msgspec.Struct, frozen=True):
-    """The summary numbers of a window (fractions are of the window's duration)."""
+    """The summary numbers of a window. ``busy_fraction`` is each lane's busy time over the
+    window's duration; ``compute_busy`` is compute's over busy + idle, the basis of the per-step
+    figures (:attr:`StepStats.compute_busy`). ``busy["compute"] + idle_compute + tail ==
+    duration``."""
 
     window: Window
     duration: float
@@ -95,6 +114,12 @@ class WindowSummary(msgspec.Struct, frozen=True):
     peak_slots: dict[str, int]
     mean_slots: dict[str, float]
     budgets: dict[str, int]
+    tail: float = 0.0
+    compute_busy: float = 0.0
+
+
+def _fraction(part: float, whole: float) -> float:
+    return part / whole if whole > 0 else 0.0
 
 
 def fmt_time(seconds: float) -> str:
@@ -115,21 +140,26 @@ def fmt_bytes(n: float) -> str:
     raise AssertionError("unreachable")
 
 
-# ---- cutting time at step ends --------------------------------------------------------------
+# ---- cutting time where each step's compute starts ------------------------------------------
 
 
 def step_bounds(trace: Trace) -> list[tuple[int, float, float]]:
-    """``(step, start, end)`` per step in step order: each step from the previous one's end
-    (the trace's start for the first) to its own last task's end. Ends never go back in time."""
-    ends: dict[int, float] = {}
-    for t in trace.tasks:
-        ends[t.step] = max(ends.get(t.step, 0.0), t.end)
-    out, prev = [], 0.0
-    for step in sorted(ends):
-        end = max(ends[step], prev)
-        out.append((step, prev, end))
-        prev = end
-    return out
+    """``(step, start, end)`` per step in step order. A step starts at its first compute task
+    (a step without one: its first task), the first step at the trace's start (its first
+    fetches come before any compute); each ends where the next starts, the last at the trace's
+    end. Starts never go back in time, so the steps tile the trace."""
+    first: dict[int, float] = {}
+    first_compute: dict[int, float] = {}
+    for t in trace.tasks:  # sorted by start: the first seen is the earliest
+        first.setdefault(t.step, t.start)
+        if t.lane == "compute":
+            first_compute.setdefault(t.step, t.start)
+    steps = sorted(first)
+    starts: list[float] = []
+    for n, step in enumerate(steps):
+        starts.append(0.0 if n == 0 else max(first_compute.get(step, first[step]), starts[-1]))
+    ends = starts[1:] + [max(trace.wall, starts[-1])] if steps else []
+    return list(zip(steps, starts, ends))
 
 
 def split(spans: Sequence[Span], cuts: Sequence[float], weights: Sequence[float] | None = None) -> list[float]:
@@ -161,8 +191,8 @@ def step_stats(trace: Trace, gaps: Sequence[Gap], uses: Sequence[SlotUse]) -> li
     comp, copy, cpu = lane_spans(trace, ["compute"]), lane_spans(trace, ["h2d", "d2h"]), lane_spans(trace, ["cpu"])
     cc, co = split(intersect(comp, copy), cuts), split(copy, cuts)
     cu, cp = split(intersect(comp, cpu), cuts), split(cpu, cuts)
-    last_compute = comp[-1][1] if comp else 0.0
-    active = split([(cuts[0], last_compute)], cuts)  # the part of each step before compute's end
+    last_compute = comp[-1][1] if comp else cuts[0]
+    tail = split([(last_compute, cuts[-1])], cuts)  # the part of each step after compute's end
     comp_busy = split(comp, cuts)
     reasons: dict[str, list[Span]] = {}
     for g in gaps:
@@ -180,8 +210,8 @@ def step_stats(trace: Trace, gaps: Sequence[Gap], uses: Sequence[SlotUse]) -> li
     times = [e - s for _, s, e in bounds]
     median = statistics.median(times)
     return [StepStats(step=step, start=s, end=e, tasks=counts[i], busy=busy[i], bytes=nbytes[i],
-                      compute_copy=cc[i], copy=co[i], compute_cpu=cu[i], cpu=cp[i],
-                      idle_compute=max(active[i] - comp_busy[i], 0.0), idle_by_reason=idle[i],
+                      compute_copy=cc[i], copy=co[i], compute_cpu=cu[i], cpu=cp[i], tail=tail[i],
+                      idle_compute=max((e - s) - comp_busy[i] - tail[i], 0.0), idle_by_reason=idle[i],
                       slot_seconds=area[i], peak_slots=peak[i],
                       warmup=i == 0 or times[i] > WARMUP_FACTOR * median)
             for i, (step, s, e) in enumerate(bounds)]
@@ -234,15 +264,17 @@ def default_window(rows: Sequence[StepStats]) -> Window:
     return _window(rows, i, len(rows), f"steady state: leaves out warm-up step{'s' if i > 1 else ''} {dropped}")
 
 
-def choose_window(rows: Sequence[StepStats], steps: str | None = None) -> Window:
-    """The window ``--steps`` names (see :func:`parse_steps`), or :func:`default_window`."""
+def choose_window(rows: Sequence[StepStats], steps: str | None = None, source: str | None = None) -> Window:
+    """The window ``--steps`` names (see :func:`parse_steps`), or :func:`default_window`.
+    ``source`` (the trace's file) is named in the error when the trace has none of the steps."""
     if steps is None:
         return default_window(rows)
     first, stop = parse_steps(steps)
     idx = [i for i, r in enumerate(rows) if (first is None or r.step >= first) and (stop is None or r.step < stop)]
     if not idx:
         have = f"{rows[0].step}\u2013{rows[-1].step}" if rows else "none"
-        raise ConfigError(f"--steps {steps}: no such steps in the trace (it has steps {have})")
+        where = f"{source}: " if source else ""
+        raise ConfigError(f"{where}--steps {steps}: no such steps in the trace (it has steps {have})")
     return _window(rows, idx[0], idx[-1] + 1, f"--steps {steps}")
 
 
@@ -267,6 +299,7 @@ def window_summary(rows: Sequence[StepStats], window: Window, budgets: dict[str,
     cc, co = sum(r.compute_copy for r in rs), sum(r.copy for r in rs)
     cu, cp = sum(r.compute_cpu for r in rs), sum(r.cpu for r in rs)
     idle = _add([r.idle_by_reason for r in rs])
+    tail = sum(r.tail for r in rs)
     return WindowSummary(
         window=window,
         duration=d,
@@ -281,18 +314,31 @@ def window_summary(rows: Sequence[StepStats], window: Window, budgets: dict[str,
         peak_slots=_add([r.peak_slots for r in rs], max),
         mean_slots={k: v / d if d else 0.0 for k, v in _add([r.slot_seconds for r in rs]).items()},
         budgets=budgets,
+        tail=tail,
+        compute_busy=_fraction(busy.get("compute", 0.0), d - tail),
     )
 
 
+def brush_scale(rows: Sequence[StepStats]) -> float:
+    """The step time the window brush draws at full height: the longest step that is not
+    warm-up, so that steady steps of 0.7 and 0.8 s read as different bars rather than flat
+    lines under a warm-up step ten times longer (warm-up bars are drawn cut at full height);
+    the longest step when every step is warm-up."""
+    steady = [r.duration for r in rows if not r.warmup]
+    return max(steady or [r.duration for r in rows] or [0.0])
+
+
 def step_table(rows: Sequence[StepStats]) -> dict[str, tuple[float, float, float]]:
-    """(min, median, max) over steps of the step time and of each lane kind's busy fraction."""
+    """(min, median, max) over steps of the step time and of each lane kind's busy fraction
+    (compute's as :attr:`StepStats.compute_busy`, the others' of the step's time)."""
     out = {"step time": _mmm([r.duration for r in rows])}
     kinds = sorted({lane.partition(":")[0] for r in rows for lane in r.busy},
                    key=lambda k: ("compute", "h2d", "d2h", "cpu", "io").index(k)
                    if k in ("compute", "h2d", "d2h", "cpu", "io") else 9)
     for kind in kinds:
-        fr = [max((v for lane, v in r.busy.items() if lane.partition(":")[0] == kind), default=0.0) / r.duration
-              if r.duration else 0.0 for r in rows]
+        fr = [r.compute_busy if kind == "compute" else
+              _fraction(max((v for lane, v in r.busy.items() if lane.partition(":")[0] == kind), default=0.0), r.duration)
+              for r in rows]
         out[f"{kind} busy"] = _mmm(fr)
     return out
 

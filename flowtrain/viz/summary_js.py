@@ -3,10 +3,17 @@
 ``SUMMARY_JS`` owns the window: the brush (a strip of steps, drag across them), the summaries
 (sums of the per-step rows Python computed in :mod:`flowtrain.viz.steps`, so every number
 covers the window and says which), the per-step and comparison tables, the gap patterns (a
-click zooms to the next gap of the pattern) and "align at step". It adds ``setWindow(first,
-last)`` and ``align(step)`` to ``window.ftViz``, writes each panel's numbers into its
-``data-window`` (for tests and the console), and, when done, ``data-ft-render-ms`` and
-``data-ft-ready`` on ``<html>``.
+click zooms to the next gap of the pattern and scrolls its chart into view) and "align at
+step". It adds ``setWindow(first, last)`` and ``align(step)`` to ``window.ftViz``, writes each
+panel's numbers into its ``data-window`` (for tests and the console), and, when done,
+``data-ft-render-ms`` and ``data-ft-ready`` on ``<html>``.
+
+Compute's time in the window is cut as Python cuts it (:mod:`flowtrain.viz.steps`): busy +
+idle + tail = the window, and "compute busy" is busy over busy + idle, per step and for the
+window alike. The brush is scaled to the longest step that is not warm-up (Python's
+``brushMax``) and labels each bar with its time. With several traces the page opens with each
+counted from the start of its own window ("align at: window start"), so no trace is shown
+inside another's warm-up.
 """
 
 SUMMARY_JS = r"""
@@ -21,21 +28,25 @@ SUMMARY_JS = r"""
     return n ? (n % 2 ? s[(n - 1) / 2] : (s[n / 2 - 1] + s[n / 2]) / 2) : 0;
   }
   function laneKind(lane) { return lane.split(":")[0]; }
+  function computeBusy(busy, active) { return active > 0 ? busy / active : 0; }
+  function stepBusy(r) { return computeBusy(r.busy.compute || 0, r.e - r.s - r.tail); }
 
   // The window's numbers: sums of its steps' rows (Python's flowtrain.viz.steps.window_summary).
   function fold(p) {
     var rows = p.tr.steps.filter(function (r) { return r.step >= p.win.first && r.step <= p.win.last; });
     var w = { rows: rows, n: rows.length, tasks: {}, busy: {}, bytes: {}, why: {}, area: {}, peak: {},
-              cc: 0, co: 0, cu: 0, cp: 0, idle: 0 };
+              cc: 0, co: 0, cu: 0, cp: 0, idle: 0, tail: 0 };
     if (!rows.length) return w;
     w.s = rows[0].s; w.e = rows[rows.length - 1].e; w.dur = w.e - w.s; w.stepTime = w.dur / rows.length;
     rows.forEach(function (r) {
       add(w.tasks, r.tasks); add(w.busy, r.busy); add(w.bytes, r.bytes); add(w.why, r.why); add(w.area, r.area);
       for (var k in r.peak) w.peak[k] = Math.max(w.peak[k] || 0, r.peak[k]);
-      w.cc += r.cc; w.co += r.co; w.cu += r.cu; w.cp += r.cp; w.idle += r.idle;
+      w.cc += r.cc; w.co += r.co; w.cu += r.cu; w.cp += r.cp; w.idle += r.idle; w.tail += r.tail;
     });
     w.frac = {};
     for (var lane in w.busy) w.frac[lane] = w.dur ? w.busy[lane] / w.dur : 0;
+    w.active = w.dur - w.tail;  // busy + idle: the time compute had work coming
+    w.computeBusy = computeBusy(w.busy.compute || 0, w.active);
     w.copyHidden = w.co ? w.cc / w.co : 0; w.cpuHidden = w.cp ? w.cu / w.cp : 0;
     return w;
   }
@@ -46,12 +57,14 @@ SUMMARY_JS = r"""
       ", " + fmtTime(w.dur) + ")";
   }
   // min / median / max over the window's steps: step time, and each lane kind's busy fraction
+  // (compute's of busy + idle, as the headline's; the others' of the step's time)
   function perStep(w) {
     var out = [["step time", w.rows.map(function (r) { return r.e - r.s; }), fmtTime]];
     var kinds = [];
     w.rows.forEach(function (r) { for (var l in r.busy) if (kinds.indexOf(laneKind(l)) < 0) kinds.push(laneKind(l)); });
     kinds.forEach(function (kd) {
       out.push([kd + " busy", w.rows.map(function (r) {
+        if (kd === "compute") return stepBusy(r);
         var b = 0; for (var l in r.busy) if (laneKind(l) === kd) b = Math.max(b, r.busy[l]);
         return r.e > r.s ? b / (r.e - r.s) : 0;
       }), pct]);
@@ -77,18 +90,25 @@ SUMMARY_JS = r"""
     h.push("<div class=whichwin>window: <b>" + esc(windowLabel(p, w)) + "</b>" +
            (p.win.why ? " &middot; " + esc(p.win.why) : "") + "</div>");
     if (!w.n) return h.join("");
+    var cb = perStep(w)[1];  // compute busy per step (min / median / max)
     h.push("<div>step time <b>" + fmtTime(w.stepTime) + "</b> (the window over its " + w.n + " step" + (w.n > 1 ? "s" : "") +
-           "), compute busy <b>" + pct(w.frac.compute || 0) + "</b></div>");
+           "), compute busy <b class=headbusy>" + pct(w.computeBusy) + "</b> of busy + idle" +
+           (cb && cb.name === "compute busy" ? " (per step: median " + pct(cb.med) + ", min " + pct(cb.min) + ", max " +
+            pct(cb.max) + ")" : "") + "</div>");
+    var why = Object.keys(w.why).filter(function (r) { return w.why[r] > 0; }).sort(function (a, b) { return w.why[b] - w.why[a]; });
+    var marked = 0; why.forEach(function (r) { marked += w.why[r]; });
+    h.push("<div class=basis>compute's " + fmtTime(w.dur) + ": busy " + fmtTime(w.busy.compute || 0) + " + idle " +
+           fmtTime(w.idle) + " + tail " + fmtTime(w.tail) + " (after compute's last task: nothing left to compute)</div>");
+    h.push("<div>compute idle " + fmtTime(w.idle) + ": marked gaps (longer than " + fmtTime(tr.minGap) + ") " +
+           (why.map(function (r) { return esc(r) + " " + fmtTime(w.why[r]); }).join(", ") || "none") +
+           "; shorter gaps " + fmtTime(Math.max(w.idle - marked, 0)) + "</div>");
     h.push("<div>overlap: compute hid <b>" + pct(w.copyHidden) + "</b> of copy time (" + fmtTime(w.cc) + " of " +
            fmtTime(w.co) + ") and " + pct(w.cpuHidden) + " of CPU time (" + fmtTime(w.cu) + " of " + fmtTime(w.cp) + ")</div>");
-    var why = Object.keys(w.why).filter(function (r) { return w.why[r] > 0; }).sort(function (a, b) { return w.why[b] - w.why[a]; });
-    h.push("<div>compute idle " + fmtTime(w.idle) + " in all; marked gaps (longer than " + fmtTime(tr.minGap) + "): " +
-           (why.map(function (r) { return esc(r) + " " + fmtTime(w.why[r]); }).join(", ") || "none") + "</div>");
     var pools = Object.keys(tr.budgets);
     if (pools.length) {
       h.push("<div>slots: " + pools.map(function (pl) {
-        return esc(pl) + " budget " + tr.budgets[pl] + ", peak " + (w.peak[pl] || 0) + ", mean " +
-          ((w.area[pl] || 0) / w.dur).toFixed(2);
+        return esc(pl) + " budget " + tr.budgets[pl] + (tr.inferred.indexOf(pl) >= 0 ? " (inferred)" : "") +
+          ", peak " + (w.peak[pl] || 0) + ", mean " + ((w.area[pl] || 0) / w.dur).toFixed(2);
       }).join("; ") + "</div>");
     }
     var lanes = tr.lanes.map(function (l) {
@@ -96,7 +116,7 @@ SUMMARY_JS = r"""
       return "<tr><td>" + esc(l) + "</td><td>" + (w.tasks[l] || 0) + "</td><td>" + fmtTime(w.busy[l] || 0) + "</td><td>" +
         pct(w.frac[l] || 0) + "</td><td>" + fmtBytes(w.bytes[l] || 0) + "</td><td>" + gbs + "</td></tr>";
     }).join("");
-    h.push("<table class=lanes><tr><th>lane</th><th>tasks</th><th>busy</th><th>busy %</th><th>bytes</th>" +
+    h.push("<table class=lanes><tr><th>lane</th><th>tasks</th><th>busy</th><th>busy % of window</th><th>bytes</th>" +
            "<th>copy rate</th></tr>" + lanes + "</table>");
     var ps = perStep(w).map(function (r) {
       return "<tr><td>" + r.name + "</td><td>" + r.fmt(r.min) + "</td><td>" + r.fmt(r.med) + "</td><td>" + r.fmt(r.max) + "</td></tr>";
@@ -105,11 +125,11 @@ SUMMARY_JS = r"""
     var each = tr.steps.map(function (r) {
       var inw = r.step >= p.win.first && r.step <= p.win.last;
       return "<tr" + (r.warm ? " class=warm" : "") + "><td>" + r.step + (inw ? "" : " (outside)") + "</td><td>" +
-        fmtTime(r.e - r.s) + "</td><td>" + pct(r.e > r.s ? (r.busy.compute || 0) / (r.e - r.s) : 0) + "</td><td>" +
-        (r.warm ? "warm-up" : "") + "</td></tr>";
+        fmtTime(r.e - r.s) + "</td><td>" + pct(stepBusy(r)) + "</td><td>" + fmtTime(r.idle) + "</td><td>" +
+        (r.tail > 0 ? fmtTime(r.tail) : "") + "</td><td>" + (r.warm ? "warm-up" : "") + "</td></tr>";
     }).join("");
     h.push("<details><summary>every step (" + tr.steps.length + ")</summary><table><tr><th>step</th><th>time</th>" +
-           "<th>compute busy</th><th></th></tr>" + each + "</table></details>");
+           "<th>compute busy</th><th>idle</th><th>tail</th><th></th></tr>" + each + "</table></details>");
     var pr = patternRows(p, w);
     if (pr.length) {
       h.push("<table class=patterns><tr><th>compute idle, by pattern (click: zoom to the next gap)</th><th>gaps</th>" +
@@ -127,7 +147,8 @@ SUMMARY_JS = r"""
     box.innerHTML = summaryHtml(p, w);
     p.el.setAttribute("data-window", JSON.stringify(w.n ? {
       first: w.rows[0].step, last: w.rows[w.n - 1].step, steps: w.n, start: w.s, end: w.e, stepTime: w.stepTime,
-      busy: w.frac, copyHidden: w.copyHidden, idle: w.idle, why: w.why, peak: w.peak,
+      busy: w.frac, computeBusy: w.computeBusy, busyUs: w.busy.compute || 0, tail: w.tail,
+      copyHidden: w.copyHidden, idle: w.idle, why: w.why, peak: w.peak,
       patterns: patternRows(p, w).map(function (g) { return [p.tr.patterns[g.p].text, g.n]; }) } : { steps: 0 }));
     Array.prototype.forEach.call(box.querySelectorAll("tr.pattern"), function (row) {
       row.addEventListener("click", function () { nextGap(p, +row.getAttribute("data-p"), w); });
@@ -141,6 +162,7 @@ SUMMARY_JS = r"""
     p.marked = pat;
     var g = gs[p.cursor], span = Math.max((g.e - g.s) * 8, 1);
     F.show(g.s - p.shift - span / 2, g.e - p.shift + span / 2);
+    F.reveal(p);  // the table is below the chart: bring the chart (top lanes first) into view
   }
 
   function renderCompare(ws) {
@@ -154,9 +176,10 @@ SUMMARY_JS = r"""
       row("window", function (w, p) { return esc(windowLabel(p, w)); }) +
       row("step time (window / steps)", function (w) { return fmtTime(w.stepTime); }) +
       row("step time min / median / max", function (w) { return mm(w, "min") + " / " + mm(w, "med") + " / " + mm(w, "max"); }) +
-      row("compute busy", function (w) { return pct(w.frac.compute || 0); }) +
+      row("compute busy (of busy + idle)", function (w) { return pct(w.computeBusy); }) +
       row("copy hidden by compute", function (w) { return pct(w.copyHidden); }) +
       row("compute idle per step", function (w) { return fmtTime(w.idle / w.n); }) +
+      row("tail (after compute's last task)", function (w) { return fmtTime(w.tail); }) +
       row("largest idle reason", function (w) {
         var r = Object.keys(w.why).sort(function (a, b) { return w.why[b] - w.why[a]; })[0];
         return r && w.why[r] > 0 ? esc(r) + " " + fmtTime(w.why[r]) : "none";
@@ -173,31 +196,43 @@ SUMMARY_JS = r"""
   }
 
   // ---- the brush: one bar per step of the trace with the most steps; drag across steps -------
-  var brush = document.getElementById("ft-brush"), refSteps = panels.reduce(function (a, p) {
-    return p.tr.steps.length > a.length ? p.tr.steps : a; }, []);
+  var ref = panels.reduce(function (a, p) { return p.tr.steps.length > a.tr.steps.length ? p : a; }, panels[0]);
+  var brush = document.getElementById("ft-brush"), refSteps = ref.tr.steps;
   var drag = null;
   function brushIndex(ev) {
     var r = brush.getBoundingClientRect(), n = refSteps.length;
     return Math.min(n - 1, Math.max(0, Math.floor((ev.clientX - r.left) / r.width * n)));
   }
+  // Bars are scaled to the longest step that is not warm-up (brushMax): a warm-up step ten
+  // times longer is drawn cut at full height (white notches) rather than flattening the rest.
+  // Each bar is labelled with its step and its time where they fit; F.brushBars says what was drawn.
   function drawBrush(sel) {
-    var dpr = window.devicePixelRatio || 1, W = brush.clientWidth || 600, H = 46, n = refSteps.length;
+    var dpr = window.devicePixelRatio || 1, W = brush.clientWidth || 600, H = 58, TOP = 24, n = refSteps.length;
     brush.width = Math.round(W * dpr); brush.height = Math.round(H * dpr);
-    var ctx = brush.getContext("2d"), bw = W / Math.max(n, 1), most = 1;
+    var ctx = brush.getContext("2d"), bw = W / Math.max(n, 1), most = Math.max(ref.tr.brushMax, 1e-3), bars = [];
     ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-    refSteps.forEach(function (r) { most = Math.max(most, r.e - r.s); });
+    ctx.font = "10px sans-serif"; ctx.textBaseline = "middle";
     var a = sel ? sel[0] : panels[0].win.first, b = sel ? sel[1] : panels[0].win.last;
     refSteps.forEach(function (r, i) {
-      var inw = r.step >= a && r.step <= b, h = Math.max(3, (H - 14) * (r.e - r.s) / most);
-      ctx.fillStyle = inw ? "#dce8f8" : "#fff"; ctx.fillRect(i * bw, 0, bw, H);
+      var d = r.e - r.s, inw = r.step >= a && r.step <= b, cut = d > most * 1.0001;
+      var h = Math.max(3, (H - TOP) * Math.min(d / most, 1)), x = i * bw, label = fmtTime(d);
+      ctx.fillStyle = inw ? "#dce8f8" : "#fff"; ctx.fillRect(x, 0, bw, H);
       ctx.fillStyle = r.warm ? "#e8a25a" : (inw ? "#2a6bd1" : "#9db4d3");
-      ctx.fillRect(i * bw + 1, H - h, Math.max(bw - 2, 1), h);
-      if (bw > 26) { ctx.fillStyle = "#333"; ctx.font = "10px sans-serif"; ctx.fillText(String(r.step), i * bw + 3, 10); }
+      ctx.fillRect(x + 1, H - h, Math.max(bw - 2, 1), h);
+      if (cut) { ctx.fillStyle = "#fff"; ctx.fillRect(x + 1, H - h + 4, Math.max(bw - 2, 1), 2); ctx.fillRect(x + 1, H - h + 8, Math.max(bw - 2, 1), 2); }
+      ctx.fillStyle = "#333";
+      var stepText = String(r.step), shown = ctx.measureText(label).width + 4 <= bw;
+      if (ctx.measureText(stepText).width + 4 <= bw) ctx.fillText(stepText, x + 2, 7);
+      if (shown) ctx.fillText(label, x + 2, 18);
+      bars.push({ step: r.step, h: h, label: shown ? label : "", cut: cut, time: d });
     });
+    F.brushBars = bars;
+    brush.title = refSteps.map(function (r) { return "step " + r.step + ": " + fmtTime(r.e - r.s); }).join("\n");
   }
   function setWindow(first, last) {
     panels.forEach(function (p) { p.win = { first: Math.min(first, last), last: Math.max(first, last), why: "brushed" }; p.marked = null; });
     renderAll();
+    if (F.state.aligned === "window") { align("window"); return; }  // each trace from its own window's start
     var sp = panels[0].windowSpan();
     if (sp) F.show(sp[0] - panels[0].shift, sp[1] - panels[0].shift);
   }
@@ -215,29 +250,41 @@ SUMMARY_JS = r"""
   });
 
   // ---- align at step: every trace's time counts from the start of that step ------------------
+  // ("window start": each trace from the start of its own window, which may be another step)
   var sel = document.querySelector("#ft-toolbar [data-act=align]");
+  var winOpt = document.createElement("option");
+  winOpt.value = "window"; winOpt.textContent = "window start"; sel.appendChild(winOpt);
   refSteps.forEach(function (r) {
     var o = document.createElement("option"); o.value = String(r.step); o.textContent = "step " + r.step; sel.appendChild(o);
   });
   function align(step) {
-    F.state.aligned = step === null || step === "" ? null : +step;
+    F.state.aligned = step === null || step === "" ? null : (step === "window" ? "window" : +step);
     var longest = 0;
     panels.forEach(function (p) {
-      var r = F.state.aligned === null ? null : p.tr.steps.filter(function (s) { return s.step === F.state.aligned; })[0];
-      p.shift = r ? r.s : 0;
-      if (r) longest = Math.max(longest, r.e - r.s);
+      if (F.state.aligned === "window") {
+        var sp = p.windowSpan();
+        p.shift = sp ? sp[0] : 0;
+        if (sp) longest = Math.max(longest, sp[1] - sp[0]);
+      } else {
+        var r = F.state.aligned === null ? null : p.tr.steps.filter(function (s) { return s.step === F.state.aligned; })[0];
+        p.shift = r ? r.s : 0;
+        if (r) longest = Math.max(longest, (r.e - r.s) * 1.5);
+      }
       p.el.setAttribute("data-shift", String(p.shift));
     });
     sel.value = F.state.aligned === null ? "" : String(F.state.aligned);
-    if (F.state.aligned === null) F.reset(); else F.show(0, longest * 1.5);
+    if (F.state.aligned === null) F.reset(); else F.show(0, longest);
   }
   sel.addEventListener("change", function () { align(sel.value); });
 
   F.setWindow = setWindow; F.align = align; F.fold = fold;
   panels.forEach(function (p) { p.win.why = p.tr.window.why; });
   renderAll();
-  var first = panels[0].windowSpan();  // open on the window (double-click or reset: everything)
-  if (first) { var pad = (first[1] - first[0]) * 0.02; F.view.x0 = first[0] - pad; F.view.x1 = first[1] + pad; }
+  // Open on the window (double-click or reset: everything); several traces each on its own
+  // window, counted from its start, so that none is shown inside another's warm-up.
+  if (panels.length > 1) align("window");
+  var first = panels[0].windowSpan();
+  if (first && panels.length === 1) { var pad = (first[1] - first[0]) * 0.02; F.view.x0 = first[0] - pad; F.view.x1 = first[1] + pad; }
   F.redraw();
   root.setAttribute("data-ft-render-ms", performance.now().toFixed(1));
   root.setAttribute("data-ft-ready", "1");

@@ -15,6 +15,7 @@ from __future__ import annotations
 import html.parser
 import json
 import os
+import re
 import shutil
 import subprocess
 from pathlib import Path
@@ -161,10 +162,10 @@ window.addEventListener("load", function () {
 """
 
 
-def run_script(chromium: str, tmp_path: Path, page: Path, script: str) -> dict:
+def run_script(chromium: str, tmp_path: Path, page: Path, script: str, *extra: str) -> dict:
     """Load ``page`` with ``script`` run after the load event; what it put in ``data-test``."""
     page.write_text(page.read_text().replace("</body>", f"<script>{script}</script></body>"))
-    proc = browse(chromium, tmp_path, page, "--virtual-time-budget=10000", "--dump-dom")
+    proc = browse(chromium, tmp_path, page, "--virtual-time-budget=10000", "--dump-dom", *extra)
     parser = _HtmlAttrs()
     parser.feed(proc.stdout)
     attrs = parser.attrs or {}
@@ -197,7 +198,7 @@ window.addEventListener("load", function () {
   document.documentElement.setAttribute("data-test", JSON.stringify({
     before: before, after: F.panels.map(function (p) { return JSON.parse(p.el.getAttribute("data-window")); }),
     text: F.panels.map(function (p) { return p.el.querySelector(".whichwin").textContent; }),
-    view: [F.view.x0, F.view.x1] }));
+    view: [F.view.x0, F.view.x1], shift: F.panels.map(function (p) { return p.shift; }) }));
 });
 """
 
@@ -228,8 +229,10 @@ def test_the_window_brush_recomputes_every_summary(chromium, tmp_path, cpu_trace
         assert (before["first"], before["last"]) == (1, 3)
         assert numbers(after) == pytest.approx(expected(path, "1:3"), rel=1e-6, abs=1e-3)
         assert text.startswith("window: steps 1\u20132 (2 of 4, ") and "brushed" in text
-    start, end = got["after"][0]["start"], got["after"][0]["end"]
-    assert got["view"][0] < start < end < got["view"][1] < end + (end - start) * 0.1  # zoomed to the window
+    longest = max(w["end"] - w["start"] for w in got["after"])
+    for w, shift in zip(got["after"], got["shift"]):  # each trace counted from its own window's start
+        assert w["start"] - shift == 0 and got["view"][0] < 0 < w["end"] - shift <= got["view"][1]
+    assert got["view"][1] < longest * 1.1  # zoomed to the windows
 
 
 ALIGN_JS = r"""
@@ -309,3 +312,95 @@ def test_a_gap_pattern_row_zooms_to_its_gaps_in_turn(chromium, tmp_path, cpu_tra
     assert got["marked"] and len(got["gaps"]) == got["rows"][0][1] >= 2  # the row counts the window's gaps
     for view, (s, e) in zip((got["first"], got["second"]), got["gaps"]):
         assert view[0] < s < e < view[1] and view[1] - view[0] < 20 * (e - s) + 2  # each click: the next gap
+
+
+# ---- what the page says about real H200 traces (slices in tests/viz/fixtures) ----------------
+
+FIXTURES = Path(__file__).parent / "fixtures"
+
+TRUTH_JS = r"""
+window.addEventListener("load", function () {
+  var F = window.ftViz, out = { panels: [] };
+  F.panels.forEach(function (p) {  // as the page opened: what each chart shows, in its own time
+    var w = JSON.parse(p.el.getAttribute("data-window"));
+    out.panels.push({ shift: p.shift, v0: p.v0(), v1: p.v1(), start: w.start, end: w.end, window: w,
+                      summary: p.el.querySelector(".summary").textContent, aligned: F.state.aligned });
+  });
+  out.bars = F.brushBars;
+  var p = F.panels[0], T = p.tr.t, c = p.canvas;
+  var w0 = out.panels[0], gap = p.tr.gaps.filter(function (g) { return g.s >= w0.start && g.e <= w0.end; })
+    .sort(function (a, b) { return (b.e - b.s) - (a.e - a.s); })[0];  // the window's longest gap
+  F.show(gap.s - p.shift - (gap.e - gap.s), gap.e - p.shift + (gap.e - gap.s)); F.redraw();
+  var r = c.getBoundingClientRect(), row = p.rows.filter(function (x) { return x.type === "gap"; })[0];
+  var tip = document.getElementById("ft-tip");
+  function at(t, rw) { return { clientX: r.left + p.X(t), clientY: r.top + rw.y + rw.h / 2, bubbles: true }; }
+  c.dispatchEvent(new MouseEvent("mousemove", at((gap.s + gap.e) / 2, row)));
+  out.gapTip = tip.textContent; out.gap = [gap.s, gap.e];
+  var lane = p.rows[0], i = lane.idx.filter(function (j) { return T.s[j] > gap.e; })[0];
+  c.dispatchEvent(new MouseEvent("mousemove", at((T.s[i] + T.e[i]) / 2, lane)));
+  out.taskTip = tip.textContent; out.task = [T.s[i], T.step[i]];
+  document.documentElement.setAttribute("data-test", JSON.stringify(out));
+});
+"""
+
+
+def test_the_page_tells_the_truth_about_an_h200_run(chromium, tmp_path, cpu_traces):
+    """W1 on an H200 (a 12 s warm-up, then 0.7-0.8 s steps) beside a CPU run of a few ms:
+    each opens on its own window; the brush shows the steady steps as bars of their own
+    heights, labelled with their times; hovered times are offsets into their step with the
+    digits to tell a gap's ends apart; budgets the trace does not record say "(inferred)";
+    the headline compute busy is Python's and lies among the per-step figures."""
+    from flowtrain.viz.html import TraceView
+    from flowtrain.viz.steps import fmt_time
+
+    w1 = FIXTURES / "w1-adam-order-steps0-3.json"
+    views = [TraceView(load_input(w1)), TraceView(load_input(cpu_traces[1]))]
+    page = write_report(tmp_path / "report.html", [v.trace for v in views])
+    got = run_script(chromium, tmp_path, page, TRUTH_JS)
+    longest = max(p["end"] - p["start"] for p in got["panels"])
+    for p, v in zip(got["panels"], views):
+        assert p["aligned"] == "window" and p["shift"] == pytest.approx(v.window.start * 1e6, abs=1e-3)
+        # each chart shows its own window from its start (one scale: the shorter one has room after it)
+        assert p["start"] - 0.03 * longest < p["v0"] < p["start"] < p["end"] <= p["v1"]
+        assert p["window"]["computeBusy"] == pytest.approx(v.summary.compute_busy, rel=1e-9)
+        assert f"compute busy {100 * v.summary.compute_busy:.1f}% of busy + idle (per step: median" in p["summary"]
+    assert "weights budget 6 (inferred)" in got["panels"][0]["summary"]  # W1's file records no budgets
+    assert "(inferred)" not in got["panels"][1]["summary"]  # a train trace records them
+    bars, rows = got["bars"], views[0].rows
+    assert [b["step"] for b in bars] == [0, 1, 2, 3] and bars[0]["cut"] and not any(b["cut"] for b in bars[1:])
+    assert all(b["h"] > 0.8 * 34 for b in bars[1:])  # 0.69-0.81 s of a 0.81 s scale: tall bars, not 3-px lines
+    assert [b["label"] for b in bars] == [fmt_time(r.duration).replace("µ", "\u00b5") for r in rows]
+    tip = got["gapTip"]
+    m = re.search(r"from step (\d+) \+([\d.]+) (\w+) to \+([\d.]+) (\w+)", tip)
+    assert m and m.group(2) != m.group(4), tip  # never "from 15.2 s to 15.2 s"
+    step = next(r for r in rows if r.start * 1e6 <= got["gap"][0] < r.end * 1e6)
+    assert int(m.group(1)) == step.step
+    assert float(m.group(2)) * {"s": 1e6, "ms": 1e3}.get(m.group(3), 1) == pytest.approx(got["gap"][0] - step.start * 1e6, rel=0.05)
+    assert re.search(rf"start step {got['task'][1]} \+[\d.]+ ", got["taskTip"]), got["taskTip"]
+
+
+SCROLL_JS = r"""
+window.addEventListener("load", function () {
+  var F = window.ftViz, bar = document.getElementById("ft-toolbar"), out = {};
+  var p = F.panels[F.panels.length - 1], row = p.el.querySelector("tr.pattern"), pat = +row.getAttribute("data-p");
+  window.scrollTo(0, document.documentElement.scrollHeight);  // down at the tables, the chart out of view
+  out.before = p.canvas.getBoundingClientRect().top;
+  row.click();
+  var w = JSON.parse(p.el.getAttribute("data-window"));
+  var g = p.tr.gaps.filter(function (x) { return x.p === pat && x.e > w.start && x.s < w.end; })[p.cursor];
+  out.after = p.canvas.getBoundingClientRect().top; out.bar = bar.getBoundingClientRect().bottom;
+  out.height = window.innerHeight; out.view = [p.v0(), p.v1()]; out.gap = [g.s, g.e];
+  F.panels[0].canvas.scrollIntoView();  // any scroll to a chart stops under the toolbar
+  out.first = F.panels[0].canvas.getBoundingClientRect().top; out.bar0 = bar.getBoundingClientRect().bottom;
+  document.documentElement.setAttribute("data-test", JSON.stringify(out));
+});
+"""
+
+
+def test_a_gap_pattern_click_brings_its_chart_into_view_under_the_toolbar(chromium, tmp_path, cpu_traces):
+    page = write_report(tmp_path / "report.html", [load_input(p) for p in cpu_traces[::-1]])
+    got = run_script(chromium, tmp_path, page, SCROLL_JS, "--window-size=1300,700")
+    assert got["before"] < 0 or got["before"] > got["height"]  # the chart was out of view
+    assert got["bar"] - 1 <= got["after"] < got["bar"] + 20  # now just under the sticky toolbar
+    assert got["view"][0] < got["gap"][0] < got["gap"][1] < got["view"][1]  # and zoomed to the gap
+    assert got["bar0"] - 1 <= got["first"] < got["bar0"] + 20

@@ -49,8 +49,8 @@ def test_report_holds_every_task_lane_slot_and_gap():
         "zero_grad waited for a grads slot", "forward had all it needed (launch overhead)"]
     assert [g["p"] for g in t["gaps"]] == [1, 2, 3, 0]
     # each step's additive numbers, for the page to sum over a window; the default window
-    assert [(r["step"], r["s"], r["e"], r["warm"]) for r in t["steps"]] == [(0, 0, 60, True), (1, 60, 80, False)]
-    assert t["steps"][0]["busy"]["compute"] == 37 and t["steps"][1]["why"]["fetch"] == 10
+    assert [(r["step"], r["s"], r["e"], r["warm"]) for r in t["steps"]] == [(0, 0, 70, True), (1, 70, 80, False)]
+    assert t["steps"][0]["busy"]["compute"] == 37 and t["steps"][0]["why"]["fetch"] == 25
     assert t["window"] == {"first": 1, "last": 1, "why": "steady state: leaves out warm-up step 0"}
     # slots in use per pool against the budgets, and bytes held per place
     assert t["budgets"] == {"grads": 1, "weights": 2}
@@ -142,8 +142,8 @@ def test_png_spans_the_window():
     from flowtrain.viz.png import _trace_figure
 
     (ax,) = _trace_figure([TraceView(hand_trace(), steps="1:")]).axes
-    lo, hi = ax.get_xlim()  # ms from the window's start; step 1 runs from 60 to 80 us
-    assert -0.001 < lo < 0 and 0.020 < hi < 0.021
+    lo, hi = ax.get_xlim()  # ms from the window's start; step 1 runs from 70 to 80 us
+    assert -0.001 < lo < 0 and 0.010 < hi < 0.0102
     assert "step 1 (1 of 2 steps" in ax.get_title(loc="left")
     (wide,) = _trace_figure([TraceView(hand_trace(), steps=":")]).axes
     assert 0.080 < wide.get_xlim()[1] < 0.081  # both steps: 80 us

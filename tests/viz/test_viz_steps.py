@@ -38,25 +38,27 @@ def test_split_cuts_spans_at_step_ends():
     assert split([(1, 3)], [0, 2, 4], weights=[5]) == [5, 5]
 
 
-def test_each_step_owns_the_time_since_the_previous_step_ended():
-    """hand_trace: step 0 ends with adamA at 60 us, step 1 (fD, uD) at 80 us."""
+def test_each_step_starts_at_its_first_compute_task():
+    """hand_trace: step 1's first compute task, uD, starts at 70 us; its prefetch fD (60-70)
+    ran while step 0 was still on the clock, so it is counted in step 0."""
     r0, r1 = rows_of(hand_trace())
-    assert (r0.step, r0.start, r0.end, r0.warmup) == (0, 0.0, us(60), True)
-    assert (r1.step, r1.start, r1.end, r1.warmup) == (1, us(60), us(80), False)
-    assert r0.tasks == {"h2d": 2, "compute": 5, "d2h": 1, "cpu:0": 1} and r1.tasks == {"h2d": 1, "compute": 1}
+    assert (r0.step, r0.start, r0.end, r0.warmup) == (0, 0.0, us(70), True)
+    assert (r1.step, r1.start, r1.end, r1.warmup) == (1, us(70), us(80), False)
+    assert r0.tasks == {"h2d": 3, "compute": 5, "d2h": 1, "cpu:0": 1} and r1.tasks == {"compute": 1}
     assert r0.busy["compute"] == approx(us(37)) and r1.busy["compute"] == approx(us(10))
-    assert r1.idle_by_reason == {"fetch": approx(us(10)), "slot": 0.0, "host": 0.0}  # 60-70 waits for fD
+    assert r0.idle_by_reason == {"fetch": approx(us(25)), "slot": approx(us(5)), "host": approx(us(3))}
+    assert r0.idle_compute == approx(us(33)) and r0.tail == 0.0 and r1.idle_compute == 0.0
     assert r0.peak_slots == {"grads": 1, "weights": 2} and r1.peak_slots == {"grads": 0, "weights": 1}
-    assert r1.slot_seconds["weights"] == approx(us(20))  # fD holds weights #0 60-80
+    assert r1.slot_seconds["weights"] == approx(us(10))  # fD holds weights #0 60-80
 
 
 def test_the_default_window_leaves_out_the_first_step():
     rows = rows_of(hand_trace())
     w = choose_window(rows)
-    assert (w.first, w.last, w.steps, w.total) == (1, 1, 1, 2) and w.label == "step 1 (1 of 2 steps, 20 µs)"
+    assert (w.first, w.last, w.steps, w.total) == (1, 1, 1, 2) and w.label == "step 1 (1 of 2 steps, 10 µs)"
     s = window_summary(rows, w, {"weights": 2, "grads": 1})
-    assert s.step_time == approx(us(20)) and s.busy_fraction["compute"] == approx(0.5)
-    assert s.overlap.copy_hidden == 0.0 and s.idle_compute == approx(us(10))
+    assert s.step_time == approx(us(10)) and s.busy_fraction["compute"] == approx(1.0)
+    assert s.overlap.copy_hidden == 0.0 and s.idle_compute == 0.0
     assert s.mean_slots == {"grads": 0.0, "weights": approx(1.0)}
 
 
