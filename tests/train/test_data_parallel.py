@@ -274,13 +274,15 @@ def _peak_pss(cmd: list[str], cwd: Path) -> tuple[int, dict[str, int], str]:
     return proc.returncode, best, log.read_text()
 
 
-@SLOW  # minutes: a 2.2 GiB state trained by one process, then by two
+@SLOW  # minutes: a 2.4 GB state trained by one process, then by two
 @pytest.mark.skipif(not Path("/proc/self/smaps_rollup").exists(), reason="PSS is read from Linux's /proc")
 def test_two_processes_on_a_node_take_about_the_host_memory_of_one(tmp_path):
-    """The fp32 master and Adam state exist once per node: two processes' peak host memory
-    together (PSS, so shared pages count once) is within 15% of one process's, on a model
-    whose state (2.2 GiB) outweighs what each process needs of its own. ``--host-mem`` is given,
-    so the plan (and whether it is refused) does not depend on what this machine has free now."""
+    """The fp32 master and Adam state exist once per node: the second process adds its own
+    working memory (torch, buffers: under a GiB) to the peak host memory of the node (PSS, so
+    shared pages count once), never a second copy of the state (2.4 GB here). The bound, three quarters of the state,
+    sits near halfway between the two, so a loaded machine's noise in either run cannot cross it.
+    ``--host-mem`` is given, so the plan (and whether it is refused) does not depend on what this
+    machine has free now."""
     model = tmp_path / "model"
     model.mkdir()
     (model / "config.json").write_text(
@@ -306,6 +308,7 @@ def test_two_processes_on_a_node_take_about_the_host_memory_of_one(tmp_path):
         assert rc == 0, out[-3000:]
     assert peaks[2].get("Pss_Shmem", 0) >= 0.95 * state_bytes  # the state lives in shared memory
     assert peaks[1]["Pss"] >= state_bytes
-    assert peaks[2]["Pss"] <= 1.15 * peaks[1]["Pss"], (peaks[1], peaks[2])
+    added = peaks[2]["Pss"] - peaks[1]["Pss"]
+    assert added <= 0.75 * state_bytes, (added, state_bytes, peaks[1], peaks[2])
     if Path("/dev/shm").is_dir():  # the files were unlinked once mapped: nothing is left behind
         assert set(Path("/dev/shm").glob("flowtrain-*")) == shm_before
