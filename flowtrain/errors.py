@@ -8,13 +8,42 @@ invariants only.
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 
 class FlowtrainError(Exception):
     """Base class: a problem the user can act on."""
 
 
 class ConfigError(FlowtrainError):
-    """A flag, preset or config value is invalid or unsupported."""
+    """A flag, preset or config value is invalid or unsupported.
+
+    A message about a setting names it by its field, in braces, and is raised with
+    ``named=True``: ``ConfigError("{steps} must be at least 1 (got 0)", named=True)``. Its text
+    (``str``) spells the field as the Python API takes it (``steps must be at least 1``); each
+    command spells it as its own flag (:meth:`spelled`: ``--steps must be at least 1``), so a
+    check written once speaks to both, and ``flowtrain graph`` names ``graph``'s flags, not
+    ``train``'s. Any other brace in such a message is doubled, as in :meth:`str.format`.
+    """
+
+    def __init__(self, message: str = "", *, named: bool = False) -> None:
+        self.template = message if named else None
+        super().__init__(message.format_map(_Spelling(str)) if named else message)
+
+    def spelled(self, spell: Callable[[str], str]) -> str:
+        """The message with each named field spelled by ``spell`` (a field -> its flag)."""
+        return str(self) if self.template is None else self.template.format_map(_Spelling(spell))
+
+
+class _Spelling(dict):
+    """``str.format_map``'s mapping that spells every field it is asked for."""
+
+    def __init__(self, spell: Callable[[str], str]) -> None:
+        super().__init__()
+        self.spell = spell
+
+    def __missing__(self, field: str) -> str:
+        return self.spell(field)
 
 
 class ScheduleError(FlowtrainError):

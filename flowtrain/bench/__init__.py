@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from ..cli.train import flag_of  # noqa: F401 - how bench's errors spell the settings they name
 from ..errors import ConfigError
 from ..graph import StepSpec, compile_step
 from ..runtime import Engine, use_uvloop

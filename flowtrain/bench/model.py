@@ -25,7 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..cli.train import add_compile_argument, add_memory_arguments
+from ..cli.flags import add_config_flags, config_values
+from ..cli.train import KERNEL_FIELDS, MEMORY_FIELDS
 from ..errors import ConfigError
 from ..runtime.trace import TraceRecorder, lane_busy, write_chrome_trace
 
@@ -35,26 +36,24 @@ if TYPE_CHECKING:
     from ..train.trainer import TrainConfig
 
 
+#: the fields of ``TrainConfig`` that ``bench --model`` takes, with train's flags and checks
+#: (its defaults below: a benchmark measures long sequences, a few steps)
+BENCH_FIELDS = ("data", "packing", "seq_len", "batch_size", "micro_batch_size", "steps", "precision", "device",
+                "adam_workers", "order", *MEMORY_FIELDS, *KERNEL_FIELDS)
+
+
 def add_model_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """Options of ``--model`` mode (``--model`` itself and ``--policy`` belong to the caller)."""
+    add_config_flags(p, BENCH_FIELDS, grouped=False,
+                     defaults={"seq_len": 4096, "batch_size": 4, "micro_batch_size": 4, "steps": 8},
+                     helps={"steps": "steps in all, warm-up included",
+                            "seq_len": "tokens per sequence",
+                            "data": "train on this data file instead of random tokens (token ids: .npy or input_ids rows)",
+                            "packing": "with --data: one example per sequence, padded (default: packed, documents "
+                                       "masked)"})
     a = p.add_argument
-    a("--seq-len", type=int, default=4096)
-    a("--batch-size", type=int, default=4, help="sequences per optimizer step")
-    a("--micro-batch-size", type=int, default=4)
-    a("--steps", type=int, default=8, help="steps in all, warm-up included")
     a("--warmup", type=int, default=2, help="first steps excluded from the numbers")
-    a("--precision", choices=["fp32", "bf16"], default=None)
-    a("--device", default="auto")
-    a("--adam-workers", type=int, default=1)
-    a("--order", choices=["auto", "layer", "micro"], default="auto",
-      help="micro-batch order, as flowtrain train's (micro: each micro-batch through the whole model)")
     a("--trace", default=None, help="also write the executed trace (Chrome JSON)")
-    a("--data", metavar="FILE", default=None,
-      help="train on this data file instead of random tokens (token ids: .npy or input_ids rows)")
-    a("--no-packing", dest="packing", action="store_false",
-      help="with --data: one example per sequence, padded (default: packed, documents masked)")
-    add_memory_arguments(p)
-    add_compile_argument(p)
 
 
 def model_flops_per_token(model: str, seq_len: int) -> float:
@@ -84,14 +83,8 @@ def run_model(args: argparse.Namespace) -> dict:
             data = str(Path(tmp) / "tokens.npy")
             np.save(data, np.random.default_rng(0).integers(0, cfg_m.vocab_size, size=tokens, dtype=np.int64))
         recorder = TraceRecorder()
-        cfg = TrainConfig(model=args.model, data=data, packing=args.packing, steps=args.steps, batch_size=args.batch_size,
-                          micro_batch_size=args.micro_batch_size, seq_len=args.seq_len, lr=1e-5, order=args.order,
-                          policy=args.policy, precision=args.precision, device=args.device,
-                          checkpoint_every=args.checkpoint_every, activations=args.activations,
-                          adam_workers=args.adam_workers, progress=False,
-                          layout=args.layout, resident=args.resident, gpu_mem=args.gpu_mem, host_mem=args.host_mem,
-                          chunk_tokens=args.chunk_tokens, compile=args.compile,
-                          attention_backend=args.attention_backend)
+        cfg = TrainConfig(**{**config_values(args, BENCH_FIELDS), "data": data}, model=args.model, lr=1e-5,
+                          policy=args.policy, progress=False)
         prefer_expandable_segments(cfg)  # as train() would, before the line below starts the allocator
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()

@@ -28,8 +28,9 @@ import argparse
 import importlib
 import os
 import sys
+from collections.abc import Callable
 
-from ..errors import FlowtrainError, Interrupted
+from ..errors import ConfigError, FlowtrainError, Interrupted
 
 #: subcommand -> module with ``add_arguments(parser)`` and ``run(args) -> int``
 COMMANDS = {
@@ -82,7 +83,7 @@ def _add_command(p: argparse.ArgumentParser, module: str) -> None:
         p.set_defaults(_unavailable=module)
         return
     mod.add_arguments(p)
-    p.set_defaults(_run=mod.run)
+    p.set_defaults(_run=mod.run, _flag_of=getattr(mod, "flag_of", None))
 
 
 def _command(argv: list[str]) -> str | None:
@@ -110,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FlowtrainError, ValueError, OSError, KeyboardInterrupt) as exc:
         if os.environ.get("FLOWTRAIN_DEBUG") == "1":
             raise
-        print(f"flowtrain: {_one_line(exc)}", file=sys.stderr)
+        print(f"flowtrain: {_one_line(exc, getattr(args, '_flag_of', None))}", file=sys.stderr)
         return _exit_status(exc)
 
 
@@ -122,12 +123,15 @@ def _exit_status(exc: BaseException) -> int:
     return 2
 
 
-def _one_line(exc: BaseException) -> str:
-    """The message of ``exc`` as one line; errors from outside flowtrain name their type and
-    how to see where they came from."""
+def _one_line(exc: BaseException, flag_of: Callable[[str], str] | None = None) -> str:
+    """The message of ``exc`` as one line, the settings it names spelled as the command's flags
+    (``flag_of``: the command module's, else ``--field-name``); errors from outside flowtrain
+    name their type and how to see where they came from."""
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted"
-    if isinstance(exc, FlowtrainError):
+    if isinstance(exc, ConfigError):
+        text = exc.spelled(flag_of or (lambda field: "--" + field.replace("_", "-")))
+    elif isinstance(exc, FlowtrainError):
         text = str(exc)
     elif isinstance(exc, OSError) and exc.strerror:
         names = [str(f) for f in (exc.filename, exc.filename2) if f is not None]

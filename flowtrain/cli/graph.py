@@ -33,6 +33,15 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--out", required=True, help="output JSON file")
 
 
+#: how ``graph`` spells the fields of :class:`StepSpec` that are not ``--`` + their name
+_FLAGS = {"share": "--processes", "full_layout": "the full layout (leave out --staged)"}
+
+
+def flag_of(field: str) -> str:
+    """``graph``'s flag for a :class:`StepSpec` field (its errors name fields)."""
+    return _FLAGS.get(field, "--" + field.replace("_", "-"))
+
+
 def _chunks(items: list[str]) -> dict[str, int]:
     out = {}
     for item in items:

@@ -17,30 +17,33 @@ from __future__ import annotations
 import argparse
 import json
 
-from .train import add_memory_arguments
+from .flags import add_config_flags, config_values
+from .train import MEMORY_FIELDS, flag_of
+
+__all__ = ["PLAN_FIELDS", "add_arguments", "checked_request", "flag_of", "format_plan", "run"]
 
 # The planner and the trainer import torch: they are imported where the command runs, so that
 # ``flowtrain plan --help`` stays instant.
 
+#: the fields of ``TrainConfig`` that ``plan`` (and ``simulate``) take, with train's flags,
+#: defaults and checks
+PLAN_FIELDS = ("model", "seq_len", "batch_size", "micro_batch_size", "order", "grad_clip", "precision", "device",
+               "policy", "attention_backend", *MEMORY_FIELDS)
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    add_config_flags(p, PLAN_FIELDS, required=["model"], grouped=False, helps={
+        "model": "Hugging Face model directory or preset",
+        "order": "micro-batch order (auto: micro where predicted faster on this GPU or on --machine)",
+        "grad_clip": "plan for exact gradient clipping at this norm (the full layout)",
+        "device": "auto: cuda if this machine has one or --gpu-mem is given, else cpu",
+        "seq_len": "tokens per sequence (default: 128, as train's for text)",
+    })
     a = p.add_argument
-    a("--model", required=True, help="Hugging Face model directory or preset")
-    a("--seq-len", type=int, required=True)
-    a("--batch-size", type=int, required=True, help="sequences per optimizer step")
-    a("--micro-batch-size", type=int, required=True)
-    a("--order", choices=["auto", "layer", "micro"], default="auto",
-      help="micro-batch order (auto: micro where predicted faster on this GPU or on --machine)")
-    a("--grad-clip", action="store_true", help="plan for exact gradient clipping (full layout)")
-    a("--precision", choices=["fp32", "bf16"], default=None, help="default: bf16 on CUDA, fp32 on the CPU")
-    a("--device", choices=["auto", "cpu", "cuda"], default="auto",
-      help="auto: cuda if this machine has one or --gpu-mem is given, else cpu")
-    a("--policy", default="double_buffer")
     a("--nproc-per-node", type=int, default=1, metavar="N",
       help="data-parallel processes per node (torchrun's): the plan is one process's, with its share of the batch")
     a("--nnodes", type=int, default=1, metavar="M", help="nodes of --nproc-per-node processes each")
     a("--json", action="store_true", help="print the plan as JSON")
-    add_memory_arguments(p)
     # The choice by predicted time (flowtrain.sim): a separate step after the memory plan.
     a("--machine", default=None, metavar="NAME|FILE",
       help="also pick, among configurations that fit, the fastest predicted on this machine (flowtrain simulate)")
@@ -54,17 +57,12 @@ def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: f
     from ..errors import ConfigError
     from ..plan.host_layout import check_units_fit
     from ..plan.memory import run_request
-    from ..train.checks import validate_numbers
+    from ..train.checks import check_fields
     from ..train.distributed import local_share
     from ..train.run_config import TrainConfig, load_model_config, validate
 
-    tc = TrainConfig(model=args.model, seq_len=args.seq_len, batch_size=args.batch_size,
-                     micro_batch_size=args.micro_batch_size, checkpoint_every=args.checkpoint_every,
-                     activations=args.activations, order=args.order, grad_clip=1.0 if args.grad_clip else None,
-                     precision=args.precision, policy=args.policy, layout=args.layout, resident=args.resident,
-                     gpu_mem=gpu_mem, host_mem=host_mem, chunk_tokens=args.chunk_tokens,
-                     attention_backend=getattr(args, "attention_backend", "auto"))
-    validate_numbers(tc)
+    tc = TrainConfig(**{**config_values(args, PLAN_FIELDS), "gpu_mem": gpu_mem, "host_mem": host_mem})
+    check_fields(tc)
     cfg, model_dir = load_model_config(args.model)
     cfg.validate()
     check_units_fit(cfg, host_mem, None if gpu_mem is None else int(gpu_mem * 2**30))  # before sizing anything

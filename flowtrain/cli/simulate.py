@@ -20,19 +20,23 @@ import json
 
 import msgspec
 
+from .flags import add_config_flags
+from .train import flag_of
+
+__all__ = ["add_arguments", "flag_of", "plan_for", "run"]
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from .plan import add_arguments as add_plan_arguments
 
     add_plan_arguments(p)  # the same run description as `flowtrain plan` (and its --machine)
     p.set_defaults(machine="h200")
+    add_config_flags(p, ["steps", "adam_workers"], defaults={"steps": 3}, grouped=False, helps={
+        "steps": "steps to simulate (the first has nothing to overlap with)",
+        "adam_workers": "CPU Adam jobs at once, as flowtrain train's",
+    })
     a = p.add_argument
     a("--trace", default=None, metavar="FILE", help="write the simulated trace (Chrome JSON, opens in flowtrain viz)")
-    a("--steps", type=int, default=3, help="steps to simulate (the first has nothing to overlap with)")
-    a("--adam-workers", type=int, default=1, help="CPU Adam jobs at once, as flowtrain train's")
-    a("--attention-backend", choices=["auto", "flash"], default="auto",
-      help="the run's attention kernel, as flowtrain train's: auto (cuDNN's on CUDA) or flash; "
-           "attention runs at the machine file's rate for it (attention_tflops)")
     a("--list-machines", action=_ListMachines, nargs=0, help="list the shipped machines and exit")
 
 
@@ -52,8 +56,8 @@ def run(args: argparse.Namespace) -> int:
     from ..errors import ConfigError
     from ..sim.machine import load_machine
 
-    if args.steps < 2:
-        raise ConfigError(f"--steps must be at least 2 to see a steady step (got {args.steps})")
+    if not isinstance(args.steps, int) or args.steps < 2:
+        raise ConfigError(f"{{steps}} must be at least 2 to see a steady step (got {args.steps})", named=True)
     machine = load_machine(args.machine)
     cfg, req, plan, _, _, predictions = plan_for(args, machine, with_predictions=True)
     if not plan.fits:

@@ -176,50 +176,53 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
         return [u for u in units(self) if not self.is_resident(*u)]
 
     def validate(self) -> "StepSpec":
-        if self.layers < 1:
-            raise ConfigError(f"--layers must be at least 1 (got {self.layers})")
-        if self.micro_batches < 1:
-            raise ConfigError(f"--micro-batches must be at least 1 (got {self.micro_batches})")
-        if self.checkpoint_every < 1:
-            raise ConfigError(f"--checkpoint-every must be at least 1 (got {self.checkpoint_every})")
+        """Refuse a spec that cannot be compiled. Errors name fields in braces (see
+        :class:`~flowtrain.errors.ConfigError`): ``flowtrain graph`` spells them as its flags,
+        ``flowtrain train`` as the settings that lead to them."""
+        for name in ("layers", "micro_batches", "checkpoint_every"):
+            if getattr(self, name) < 1:
+                raise ConfigError(f"{{{name}}} must be at least 1 (got {getattr(self, name)})", named=True)
         if self.order not in ("layer", "micro"):
-            raise ConfigError(f"--order must be 'layer' or 'micro' (got {self.order!r})")
+            raise ConfigError(f"{{order}} must be 'layer' or 'micro' (got {self.order!r})", named=True)
         valid = {"embed", "head", *(f"layer.{i}" for i in range(self.layers))}
         unknown = sorted(set(self.resident) - valid)
         if unknown:
-            raise ConfigError(f"resident units {unknown} are not units of this model (embed, layer.0..layer.{self.layers - 1}, head)")
+            raise ConfigError(f"{{resident}} units {unknown} are not units of this model "
+                              f"(embed, layer.0..layer.{self.layers - 1}, head)", named=True)
         if self.tied and ("embed" in self.resident) != ("head" in self.resident):
             raise ConfigError("a tied embedding is read by the head: keep embed and head both resident or both streamed")
         if self.staged and self.grad_clip:
             raise ConfigError(
-                "--grad-clip needs every gradient before any update, so it keeps a whole host gradient: "
-                "use --layout full (16 bytes per parameter) with --grad-clip"
+                "{grad_clip} needs every gradient before any update, so it keeps a whole host gradient, 16 bytes "
+                "per parameter: use {full_layout}", named=True
             )
         if self.keep and self.checkpoint_every != 1:
             raise ConfigError(
-                "kept activations need a checkpoint at every layer: use --activation-checkpoint-every 1 "
-                "with --activations keep (a segment recomputes all of its layers)"
+                "kept activations ({keep}) need a checkpoint at every layer: use {checkpoint_every} 1 with them "
+                "(a segment recomputes all of its layers)", named=True
             )
         bad = sorted(i for i in self.keep if not 0 <= i < self.layers)
         if bad or len(set(self.keep)) != len(self.keep):
-            raise ConfigError(f"kept layers {list(self.keep)} must be distinct layers of 0..{self.layers - 1}")
+            raise ConfigError(f"kept layers ({{keep}}) {list(self.keep)} must be distinct layers of "
+                              f"0..{self.layers - 1}", named=True)
         bad = sorted(i for i in self.offload if not 0 <= i < self.layers or i % self.checkpoint_every or i in self.keep)
         if bad or len(set(self.offload)) != len(self.offload):
-            raise ConfigError(f"offloaded layers {bad or list(self.offload)} must be distinct layers whose input is a "
-                              f"checkpoint: multiples of --activation-checkpoint-every, not kept")
+            raise ConfigError(f"offloaded layers ({{offload}}) {bad or list(self.offload)} must be distinct layers "
+                              f"whose input is a checkpoint: multiples of {{checkpoint_every}}, not kept", named=True)
         if self.save_attention and self.checkpoint_every != 1:
             raise ConfigError(
-                "saved attention outputs need a checkpoint at every layer: use --activation-checkpoint-every 1 "
-                "with --activations attention (a segment's recompute tasks would run attention again)"
+                "saved attention outputs ({save_attention}) need a checkpoint at every layer: use {checkpoint_every} "
+                "1 with them (a segment's recompute tasks would run attention again)", named=True
             )
         bad = sorted(i for i in self.save_attention if not 0 <= i < self.layers or i in self.keep)
         if bad or len(set(self.save_attention)) != len(self.save_attention):
-            raise ConfigError(f"layers saving attention {bad or list(self.save_attention)} must be distinct layers "
-                              f"of 0..{self.layers - 1}, not kept")
+            raise ConfigError(f"layers saving attention ({{save_attention}}) {bad or list(self.save_attention)} must "
+                              f"be distinct layers of 0..{self.layers - 1}, not kept", named=True)
         if self.share < 1 or (self.share > 1 and not self.reduce):
-            raise ConfigError(f"share must be 1, or the processes of a node with reduce (got {self.share})")
+            raise ConfigError(f"{{share}} must be 1, or the processes of a node with reduce (got {self.share})",
+                              named=True)
         if any(c < 1 for c in self.grad_chunks.values()):
-            raise ConfigError(f"grad_chunks must be at least 1 (got {self.grad_chunks})")
+            raise ConfigError(f"{{grad_chunks}} must be at least 1 (got {self.grad_chunks})", named=True)
         return self
 
 
@@ -610,7 +613,8 @@ def cross_step_edges(earlier: Iterable[Task], later: Iterable[Task], spec: StepS
             verify.append(t)
     edges = []
     for t in later:
-        if isinstance(t, Fetch) or (isinstance(t, WEIGHT_READERS) and spec.is_resident(t.unit, t.layer)):  # type: ignore[arg-type]
+        reads_resident = isinstance(t, WEIGHT_READERS) and t.unit is not None and spec.is_resident(t.unit, t.layer)
+        if isinstance(t, Fetch) or reads_resident:
             edges += [(a, t) for a in adams[(t.unit, t.layer)]]
             if spec.tied and t.unit == "head":
                 edges += [(a, t) for a in adams[("embed", None)]]

@@ -225,8 +225,8 @@ class ModelConfig(msgspec.Struct, frozen=True):
         positions. (A sliding window shorter than the sequence is applied, not refused.)"""
         if seq_len > self.max_position_embeddings:
             raise ConfigError(
-                f"--seq-len {seq_len} is beyond the model's {self.max_position_embeddings} positions "
-                f"(max_position_embeddings); use --seq-len {self.max_position_embeddings} or less"
+                f"{{seq_len}} {seq_len} is beyond the model's {self.max_position_embeddings} positions "
+                f"(max_position_embeddings); use {{seq_len}} {self.max_position_embeddings} or less", named=True
             )
 
     def layer_window(self, layer: int) -> int | None:

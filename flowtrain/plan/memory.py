@@ -868,7 +868,8 @@ def plan_run(cfg: ModelConfig, req: RunRequest, *, device: torch.device, dtype: 
     ``layer`` and the placement rules' plan stands (what ``plan_and_choose`` also answers on the
     CPU, or where no machine model describes the GPU)."""
     if req.batch_size < 1 or req.micro_batch_size < 1 or req.batch_size % req.micro_batch_size:
-        raise ConfigError(f"--micro-batch-size {req.micro_batch_size} does not divide --batch-size {req.batch_size}")
+        raise ConfigError(f"{{micro_batch_size}} {req.micro_batch_size} does not divide {{batch_size}} {req.batch_size}",
+                          named=True)
     host_limit, gpu_limit = _limits(req, device, local_gpu)
 
     def plan_one(r: RunRequest) -> Plan:

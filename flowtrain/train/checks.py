@@ -4,9 +4,9 @@ paths it will write.
 A run should not fail after an hour of training because ``--trace`` names a folder, nor end in
 a traceback because of ``--lr nan``. These checks run first, before a model is read or a byte
 is allocated, and refuse with one :class:`~flowtrain.errors.ConfigError` line that names the
-flag and says what it accepts::
+field (the command line spells it as its flag) and says what it accepts::
 
-    validate_numbers(cfg)               # --lr must be a finite number >= 0 (got nan)
+    check_fields(cfg)                   # --lr must be a finite number >= 0 (got nan)
     check_compile_backend(cfg.compile)  # --compile 'nosuch' is not a torch.compile backend; ...
     check_output_paths(cfg.out, cfg.overwrite, cfg.trace, cfg.metrics)
 
@@ -31,53 +31,24 @@ import math
 import os
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from ..errors import ConfigError
+from .settings import check_values
 
-__all__ = ["check_compile_backend", "check_output_paths", "validate_numbers"]
+if TYPE_CHECKING:
+    from .run_config import TrainConfig
 
-#: float fields: (name, lowest accepted value, whether that value itself is accepted)
-_FLOATS = (
-    ("lr", 0.0, True),
-    ("min_lr", 0.0, True),
-    ("weight_decay", 0.0, True),
-    ("eps", 0.0, True),  # torch.optim.AdamW accepts eps == 0
-    ("grad_clip", 0.0, False),
-    ("gpu_mem", 0.0, False),
-    ("host_mem", 0.0, False),
-    ("undo_mem", 0.0, True),
-    ("task_timeout", 0.0, False),
-)
-#: integer fields: (name, minimum)
-_INTS = (
-    ("steps", 1),
-    ("batch_size", 1),
-    ("micro_batch_size", 1),
-    ("seq_len", 2),
-    ("warmup_steps", 0),
-    ("checkpoint_every", 1),
-    ("adam_workers", 1),
-    ("chunk_tokens", 1),
-    ("save_every", 1),
-    ("save_total_limit", 1),
-    ("max_skipped", 0),
-)
+__all__ = ["check_compile_backend", "check_fields", "check_output_paths"]
+
 #: integer fields with an upper bound too: (name -> a function giving the bound, and why)
 _INT_MAXIMA = {
     # Each worker is a thread running AdamW on a unit; more threads than cores only contend,
     # and 100,000 of them would take the process's address space in stacks.
     "adam_workers": (lambda: max(256, 4 * (os.cpu_count() or 1)), "the larger of 256 and 4 per CPU"),
 }
-#: fields where None means "not set" (planned, unlimited, off)
-_OPTIONAL = {"grad_clip", "gpu_mem", "host_mem", "task_timeout", "chunk_tokens", "save_every",
-             "save_total_limit", "max_skipped", "lr", "weight_decay", "warmup_steps"}  # last three: defaults decided later
 _SEED_RANGE = (-(2**63), 2**64 - 1)  # what torch.manual_seed accepts
 _TRIVIAL_BACKENDS = ("auto", "none", "eager")
-
-
-def _flag(name: str) -> str:
-    return "--" + name.replace("_", "-")
 
 
 def _is_number(v: Any) -> bool:
@@ -88,40 +59,22 @@ def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def validate_numbers(cfg: Any) -> None:
-    """Refuse any numeric field of a :class:`TrainConfig` that is NaN, infinite, of the wrong
-    type or out of range. Fields a config does not have are skipped, so this works for any
-    object with some of :class:`TrainConfig`'s fields."""
-    for name, low, inclusive in _FLOATS:
-        if not hasattr(cfg, name):
-            continue
-        v = getattr(cfg, name)
-        if v is None and name in _OPTIONAL:
-            continue
-        op = ">=" if inclusive else ">"
-        if not (_is_number(v) and math.isfinite(v) and (v >= low if inclusive else v > low)):
-            raise ConfigError(f"{_flag(name)} must be a finite number {op} {low:g} (got {v!r})")
-    for name, minimum in _INTS:
-        if not hasattr(cfg, name):
-            continue
-        v = getattr(cfg, name)
-        if v is None and name in _OPTIONAL:
-            continue
-        if not _is_int(v):
-            raise ConfigError(f"{_flag(name)} must be an integer >= {minimum} (got {v!r})")
-        if v < minimum:
-            raise ConfigError(f"{_flag(name)} must be at least {minimum} (got {v})")
-        if name in _INT_MAXIMA:
-            bound, why = _INT_MAXIMA[name]
-            if v > bound():
-                raise ConfigError(f"{_flag(name)} must be at most {bound()} ({why}) (got {v})")
-    _check_betas(getattr(cfg, "betas", (0.9, 0.999)))
-    seed = getattr(cfg, "seed", 0)
-    if not (_is_int(seed) and _SEED_RANGE[0] <= seed <= _SEED_RANGE[1]):
-        raise ConfigError(f"--seed must be an integer from -2**63 to 2**64-1 (got {seed!r})")
-    batch, micro = getattr(cfg, "batch_size", 1), getattr(cfg, "micro_batch_size", 1)
-    if batch % micro:
-        raise ConfigError(f"--micro-batch-size {micro} does not divide --batch-size {batch}")
+def check_fields(cfg: TrainConfig) -> None:
+    """Refuse any field of a :class:`TrainConfig` that its declaration does not accept (a
+    number NaN, infinite, of the wrong type or out of range; a choice not among its values:
+    :func:`flowtrain.train.settings.check_values`), then what a declaration cannot say: upper
+    bounds, the seed's range, the betas, and a micro-batch that does not divide the batch.
+    Each error names the field; the command line spells it as its flag."""
+    check_values(cfg)
+    for name, (bound, why) in _INT_MAXIMA.items():
+        if getattr(cfg, name) > bound():
+            raise ConfigError(f"{{{name}}} must be at most {bound()} ({why}) (got {getattr(cfg, name)})", named=True)
+    _check_betas(cfg.betas)
+    if not (_is_int(cfg.seed) and _SEED_RANGE[0] <= cfg.seed <= _SEED_RANGE[1]):
+        raise ConfigError(f"{{seed}} must be an integer from -2**63 to 2**64-1 (got {cfg.seed!r})", named=True)
+    if cfg.batch_size % cfg.micro_batch_size:
+        raise ConfigError(f"{{micro_batch_size}} {cfg.micro_batch_size} does not divide {{batch_size}} "
+                          f"{cfg.batch_size}", named=True)
 
 
 def _check_betas(betas: Any) -> None:
@@ -129,7 +82,7 @@ def _check_betas(betas: Any) -> None:
           and all(_is_number(b) and math.isfinite(b) and 0.0 <= b < 1.0 for b in betas))
     if not ok:
         shown = ",".join(map(str, betas)) if isinstance(betas, (tuple, list)) else repr(betas)
-        raise ConfigError(f"--betas must be two numbers in [0, 1) like 0.9,0.999 (got {shown})")
+        raise ConfigError(f"{{betas}} must be two numbers in [0, 1) like 0.9,0.999 (got {shown})", named=True)
 
 
 def check_compile_backend(name: str | None) -> None:

@@ -5,8 +5,8 @@ they can answer without importing torch. :mod:`flowtrain.train.trainer` re-expor
 
 from __future__ import annotations
 
-import math
 from pathlib import Path
+from typing import Annotated, Literal
 
 import msgspec
 
@@ -15,37 +15,138 @@ from ..model.config import PRESETS, ModelConfig, preset, read_config
 from ..plan.memory import compile_backend  # noqa: F401 - re-exported: what --compile runs
 from . import defaults
 from .distributed import DEFAULT_TIMEOUT_S as DIST_TIMEOUT_S
+from .settings import Setting
+
+
+#: the groups of ``flowtrain train --help``, in the order shown (None: the first, untitled)
+DATA, OPTIMIZER, SCHEDULE, MEMORY, KERNELS, OUTPUT, SAFETY, EVAL = (
+    "data and batches", "optimizer", "run and schedule", "memory and placement", "kernels",
+    "output", "checkpoints and safety", "held-out loss")
+_BOTH = "default: {} for a model folder, {} for a preset (random weights); a resumed run keeps its own"
+_SCRATCH, _TUNE = defaults.FROM_SCRATCH, defaults.FINE_TUNE
+
+
+def _betas(text: str) -> tuple[float, float]:
+    """``--betas 0.9,0.95`` -> ``(0.9, 0.95)``."""
+    try:
+        b1, b2 = (float(x) for x in text.split(","))
+    except ValueError:
+        raise ValueError(f"--betas takes two numbers like 0.9,0.95 (got {text!r})") from None
+    return b1, b2
 
 
 class TrainConfig(msgspec.Struct, kw_only=True):
-    """Everything ``flowtrain train`` takes; see ``flowtrain train --help`` for each field."""
+    """Everything ``flowtrain train`` takes, declared once.
 
-    model: str | None = None  # None: the resumed checkpoint's model, else "tiny"
-    data: str | None = None
-    steps: int = defaults.STEPS
-    batch_size: int = defaults.BATCH_SIZE
-    micro_batch_size: int = defaults.MICRO_BATCH_SIZE
+    Each field carries its :class:`Setting`: the text of its ``--help``, its bounds, and how the
+    command line spells it. The command line's flags are generated from these
+    (``flowtrain.cli.flags``), and so are the checks of their values
+    (:func:`flowtrain.train.checks.check_fields`); a check names the field, and each command
+    spells it as its own flag. Fields left ``None`` are decided by the run (the optimizer's by
+    where the weights come from, ``flowtrain.train.defaults.optimizer_defaults``, or by the
+    resumed checkpoint).
+    """
+
+    model: Annotated[str | None, Setting(
+        f"Hugging Face model directory or preset ({', '.join(PRESETS)}); default: tiny, or the resumed "
+        "checkpoint's model")] = None
+    data: Annotated[str | None, Setting(
+        ".jsonl (rows of text, prompt+completion, messages, or input_ids[+labels]), .txt or .npy; default: the "
+        "bundled corpus", group=DATA)] = None
+    tokenizer: Annotated[str | None, Setting(
+        "folder with tokenizer.json (+ tokenizer_config.json with a chat template) for text data; default: the model "
+        "folder's", metavar="DIR", group=DATA)] = None
+    byte_tokenizer: Annotated[bool, Setting(
+        "train text as raw UTF-8 bytes (presets do this anyway)", group=DATA)] = False
+    packing: Annotated[bool, Setting(
+        "one fine-tuning example (prompt+completion, messages, input_ids row) per sequence, right-padded; default: "
+        "short examples are packed into each --seq-len sequence, attention kept within each",
+        flag="--no-packing", const=False, group=DATA)] = True
+    long_examples: Annotated[Literal["auto", "error", "drop", "truncate"], Setting(
+        "examples (rows of a .jsonl or 2-D .npy) longer than --seq-len: error stops before training, naming how many "
+        "and the first; drop leaves them out; truncate cuts them, keeping the start; auto (the default): error for "
+        "conversations (messages rows: a cut one trains on a reply without its end, a dropped one is data you meant "
+        "to use, so you choose), truncate for other rows, as text is cut into windows. The start-up block counts the "
+        "examples cut or dropped and the target tokens they lose", group=DATA)] = defaults.LONG_EXAMPLES
     #: the default (``defaults.SeqLenDefault``) lets the data decide: 128 for a token stream, the
     #: longest example rounded up for fine-tuning rows; the trainer puts the number in
-    seq_len: int = defaults.SEQ_LEN
-    #: the optimizer fields left None take defaults by where the weights come from
-    #: (``flowtrain.train.defaults.optimizer_defaults``) or, resuming, the checkpoint's settings
-    lr: float | None = None
-    weight_decay: float | None = None
+    seq_len: Annotated[int, Setting(
+        f"tokens per sequence (default: {defaults.SEQ_LEN}) for text and the bundled corpus; a file of examples "
+        "(prompt+completion, messages, input_ids rows, 2-D .npy) takes its longest example, rounded up to a multiple "
+        f"of {defaults.SEQ_LEN_MULTIPLE}, at most the model's max_position_embeddings",
+        ge=2, group=DATA)] = defaults.SEQ_LEN
+    batch_size: Annotated[int, Setting("sequences per optimizer step", ge=1, group=DATA)] = defaults.BATCH_SIZE
+    micro_batch_size: Annotated[int, Setting(
+        "sequences per micro-batch", ge=1, group=DATA)] = defaults.MICRO_BATCH_SIZE
+    shuffle: Annotated[bool, Setting(
+        "sequences in file order", flag="--no-shuffle", const=False, group=DATA)] = True
+    seed: Annotated[int, Setting("seed for initialisation and shuffling", group=DATA)] = defaults.SEED
+
+    steps: Annotated[int, Setting("optimizer steps", ge=1, group=SCHEDULE)] = defaults.STEPS
+    lr: Annotated[float | None, Setting(
+        "peak learning rate; " + _BOTH.format(_TUNE["lr"], _SCRATCH["lr"]), ge=0.0, group=SCHEDULE)] = None
+    warmup_steps: Annotated[int | None, Setting(
+        "linear warm-up steps; " + _BOTH.format(f"{defaults.WARMUP_FRACTION * 100:.0f}%% of --steps",
+                                                _SCRATCH["warmup_steps"]), ge=0, group=SCHEDULE)] = None
+    lr_schedule: Annotated[Literal["constant", "cosine", "linear"] | None, Setting(
+        "decay after warm-up; " + _BOTH.format(_TUNE["lr_schedule"], _SCRATCH["lr_schedule"]), group=SCHEDULE)] = None
+    min_lr: Annotated[float, Setting(
+        "final rate of a cosine or linear schedule (default 0)", ge=0.0, group=SCHEDULE)] = 0.0
+
+    weight_decay: Annotated[float | None, Setting(
+        "AdamW decoupled weight decay; " + _BOTH.format(_TUNE["weight_decay"], _SCRATCH["weight_decay"]),
+        ge=0.0, group=OPTIMIZER)] = None
     #: "none" or "norms-biases" (no decay on norm weights and biases)
-    weight_decay_skip: str | None = None
-    betas: tuple[float, float] = defaults.BETAS
-    eps: float = defaults.EPS
-    grad_clip: float | None = None
-    warmup_steps: int | None = None
-    lr_schedule: str | None = None
-    min_lr: float = 0.0
-    seed: int = defaults.SEED
-    shuffle: bool = True
-    precision: str | None = None
-    device: str = "auto"
-    policy: str = defaults.POLICY
-    checkpoint_every: int = 1
+    weight_decay_skip: Annotated[Literal["none", "norms-biases"] | None, Setting(
+        "parameters without weight decay: norms-biases (norm weights and biases, as Hugging Face's Trainer) or none "
+        "(decay everything, one torch AdamW group); " + _BOTH.format(_TUNE["weight_decay_skip"],
+                                                                    _SCRATCH["weight_decay_skip"]),
+        group=OPTIMIZER)] = None
+    betas: Annotated[tuple[float, float], Setting(
+        "AdamW betas, B1,B2", parse=_betas, group=OPTIMIZER)] = defaults.BETAS
+    eps: Annotated[float, Setting("AdamW eps", ge=0.0, group=OPTIMIZER)] = defaults.EPS  # torch accepts 0
+    grad_clip: Annotated[float | None, Setting(
+        "clip the global gradient norm to this value (exact)", gt=0.0, group=OPTIMIZER)] = None
+    adam_workers: Annotated[int, Setting(
+        "CPU threads running AdamW tasks concurrently", ge=1, group=OPTIMIZER)] = 1
+
+    precision: Annotated[Literal["fp32", "bf16"] | None, Setting(
+        "default: bf16 on CUDA, fp32 on CPU", group=KERNELS)] = None
+    device: Annotated[str, Setting("auto, cpu or cuda", group=KERNELS)] = "auto"
+    #: torch.compile backend for the decoder layer: "auto" (inductor on CUDA, eager on the CPU),
+    #: "none" (eager), or a backend name ("inductor", "aot_eager", ...)
+    compile: Annotated[str | None, Setting(
+        "torch.compile backend for the decoder layer; auto: inductor on CUDA, eager on the CPU",
+        metavar="auto|none|BACKEND", group=KERNELS)] = "auto"
+    attention_backend: Annotated[Literal["auto", "flash"], Setting(
+        "fused attention kernel on a GPU: auto (cuDNN's where it runs the call, else flash; about 1.6-1.9x flash's "
+        "rate on an H200) or flash (PyTorch's default)", group=KERNELS)] = "auto"
+    policy: Annotated[str, Setting(
+        "scheduling policy: sequential, double_buffer, lookahead, or module:Class (your own)",
+        group=KERNELS)] = defaults.POLICY
+    #: micro-batch order: "layer", "micro" or "auto" (micro where the planner predicts it faster
+    #: on this GPU's machine model, flowtrain.sim.order_choice; else layer)
+    order: Annotated[Literal["auto", "layer", "micro"], Setting(
+        "micro-batch order: layer (every micro-batch through a layer, then the next: weights cross PCIe once per "
+        "pass) or micro (each micro-batch through the whole model: fewer activations wait, more layers kept); auto: "
+        "micro where it is predicted faster on this GPU (a shipped machine model), else layer", group=KERNELS)] = "auto"
+
+    #: host state layout: "auto" (staged, or full with --grad-clip), "staged", "full", "stream-bf16"
+    layout: Annotated[Literal["auto", "staged", "full", "stream-bf16"], Setting(
+        "host state layout: staged (12 B/param), full (16, needed by --grad-clip), stream-bf16 (14, half the PCIe "
+        "bytes); auto: staged, or full with --grad-clip", group=MEMORY)] = "auto"
+    #: units kept on the device with their Adam there: "auto" (the planner decides), "none",
+    #: or comma-separated unit keys ("embed,head,layer.0")
+    resident: Annotated[str, Setting(
+        "units whose state lives on the GPU, Adam there: auto (the planner decides), none, or e.g. "
+        "embed,head,layer.0", metavar="auto|none|UNITS", group=MEMORY)] = "auto"
+    gpu_mem: Annotated[float | None, Setting(
+        "the GPU's memory as nvidia-smi shows it (a '10 GB' card: 10); the whole process stays within it less 0.5 "
+        "GiB for the display, CUDA's own share included (enforced)", gt=0.0, metavar="GiB", group=MEMORY)] = None
+    host_mem: Annotated[float | None, Setting(
+        "host memory to plan for (default: what is available)", gt=0.0, metavar="GiB", group=MEMORY)] = None
+    chunk_tokens: Annotated[int | None, Setting(
+        "tokens per loss chunk (default: planned)", ge=1, group=MEMORY)] = None
     #: activation placement: "keep" (a layer's backward reuses its forward's activations, held
     #: on the GPU), "recompute" (backward runs the forward again from checkpoints on the GPU),
     #: "offload" (recompute, from checkpoints that wait in host memory), "attention" (recompute,
@@ -53,67 +154,68 @@ class TrainConfig(msgspec.Struct, kw_only=True):
     #: running attention again) or "auto" (on a GPU: checkpoints on the GPU as the budget holds,
     #: the rest offloaded, then kept layers; at long sequences saved attention outputs where
     #: they save more, flowtrain.plan.attention; recompute on the CPU)
-    activations: str = "auto"
-    #: micro-batch order: "layer", "micro" or "auto" (micro where the planner predicts it faster
-    #: on this GPU's machine model, flowtrain.sim.order_choice; else layer)
-    order: str = "auto"
-    adam_workers: int = 1
-    out: str | None = None
-    overwrite: bool = False
-    metrics: str | None = None
-    trace: str | None = None
+    activations: Annotated[Literal["auto", "keep", "offload", "recompute", "attention"], Setting(
+        "keep each layer's activations on the GPU for its backward (no recompute), offload its checkpoint to host "
+        "memory until its backward, recompute from checkpoints on the GPU, or recompute but keep each layer's "
+        "attention output (the rebuild skips attention; checkpoints offloaded as needed); auto: checkpoints on the "
+        "GPU as the budget holds (the rest offloaded), then kept layers, and at long sequences saved attention "
+        "outputs where they save more (recompute on the CPU)", group=MEMORY)] = "auto"
+    checkpoint_every: Annotated[int, Setting(
+        "with recompute: keep a layer input every K layers and recompute the layers between (--checkpoint-every is "
+        "the old name)", ge=1, flag="--activation-checkpoint-every", aliases=("--checkpoint-every",), metavar="K",
+        group=MEMORY)] = 1
+
+    out: Annotated[str | None, Setting(
+        "write the trained model here (Hugging Face format), checkpoints in OUT/checkpoint-STEP",
+        group=OUTPUT)] = None
+    #: dtype of the final model: "auto" (the input model's), "fp32", "bf16", "fp16"
+    save_dtype: Annotated[Literal["auto", "fp32", "bf16", "fp16"], Setting(
+        "dtype of the final model: auto (the input model's; fp32 for a preset), fp32, bf16, fp16; sharded above 5 GB "
+        "with model.safetensors.index.json (checkpoints always keep fp32)", group=OUTPUT)] = "auto"
+    overwrite: Annotated[bool, Setting(
+        "replace the model in a non-empty --out (the old one stays until the new one is in place)",
+        group=OUTPUT)] = False
+    metrics: Annotated[str | None, Setting(
+        "write one JSON line per step here (and one per held-out loss)", group=OUTPUT)] = None
+    trace: Annotated[str | None, Setting(
+        "write the executed tasks as Chrome trace JSON here", group=OUTPUT)] = None
     #: None: a progress bar on a terminal, plain lines otherwise; True: the bar; "lines": plain
     #: lines (``--no-progress``); False: nothing printed while the run trains (the returned
     #: metrics, ``on_step`` and ``metrics`` still get every step)
-    progress: bool | str | None = None
-    chunk_tokens: int | None = None
-    #: host state layout: "auto" (staged, or full with --grad-clip), "staged", "full", "stream-bf16"
-    layout: str = "auto"
-    #: units kept on the device with their Adam there: "auto" (the planner decides), "none",
-    #: or comma-separated unit keys ("embed,head,layer.0")
-    resident: str = "auto"
-    #: torch.compile backend for the decoder layer: "auto" (inductor on CUDA, eager on the CPU),
-    #: "none" (eager), or a backend name ("inductor", "aot_eager", ...)
-    compile: str | None = "auto"
-    #: fused attention kernel on CUDA: "auto" (cuDNN's where it can run, else flash) or "flash"
-    attention_backend: str = "auto"
-    gpu_mem: float | None = None  # GiB flowtrain may take on the GPU (enforced)
-    host_mem: float | None = None  # GiB of host memory to plan for (default: what is available)
-    #: a folder with tokenizer.json (+ tokenizer_config.json, chat template) for text data;
-    #: None: the model folder's
-    tokenizer: str | None = None
-    #: train text as raw UTF-8 bytes even with a model folder (presets do so anyway)
-    byte_tokenizer: bool = False
-    #: pack short fine-tuning examples into each sequence (``positions`` restart per example);
-    #: False (``--no-packing``): one example per sequence, right-padded
-    packing: bool = True
-    #: examples longer than seq_len: "error" (stop before training, naming them), "drop", "truncate",
-    #: or "auto" (error for conversations, truncate for other rows)
-    long_examples: str = defaults.LONG_EXAMPLES
-    #: dtype of the final model: "auto" (the input model's), "fp32", "bf16", "fp16"
-    save_dtype: str = "auto"
-    #: write ``out/checkpoint-STEP`` every this many steps (needs ``out``)
-    save_every: int | None = None
-    #: keep only the newest this many checkpoints
-    save_total_limit: int | None = None
-    #: a checkpoint folder, or an ``out`` folder meaning its newest checkpoint
-    resume: str | None = None
-    #: resuming with another ``steps`` under a cosine or linear schedule: decay from the rate
-    #: the checkpoint reached to ``min_lr`` at the new last step (else such a resume is refused)
-    extend_schedule: bool = False
-    #: stop once more than this many steps in a row were skipped as not finite
-    max_skipped: int = defaults.MAX_SKIPPED
-    #: host memory (GiB) for undo records of a step whose gradients turn non-finite late
-    undo_mem: float = defaults.UNDO_MEM
-    #: fail a task that runs longer than this many seconds (None: no limit)
-    task_timeout: float | None = None
-    #: data parallel (torchrun): seconds any collective waits for the other processes before
-    #: the run ends (a process that stopped or hung); a dead process ends it at once
-    dist_timeout: float = DIST_TIMEOUT_S
-    #: held-out data (read like ``data``) whose mean loss is reported every ``eval_every`` steps
-    #: and after the last; both or neither
-    eval_data: str | None = None
-    eval_every: int | None = None
+    progress: Annotated[bool | str | None, Setting(
+        "plain log lines instead of a progress bar", flag="--no-progress", const="lines", group=OUTPUT)] = None
+
+    save_every: Annotated[int | None, Setting(
+        "write OUT/checkpoint-STEP every N steps (weights, Adam state, data position, settings)", ge=1, metavar="N",
+        group=SAFETY)] = None
+    save_total_limit: Annotated[int | None, Setting(
+        "keep only the newest K checkpoints", ge=1, metavar="K", group=SAFETY)] = None
+    resume: Annotated[str | None, Setting(
+        "continue from a checkpoint folder, or from an --out folder's newest checkpoint; --steps stays the total",
+        metavar="PATH", group=SAFETY)] = None
+    extend_schedule: Annotated[bool, Setting(
+        "with --resume and a new --steps under a cosine or linear --lr-schedule: decay from the rate the checkpoint "
+        "reached to --min-lr at the new last step (without it such a resume is refused)", group=SAFETY)] = False
+    max_skipped: Annotated[int, Setting(
+        f"stop once more than N steps in a row were skipped because loss or gradients were not finite "
+        f"(default {defaults.MAX_SKIPPED})", ge=0, metavar="N", group=SAFETY)] = defaults.MAX_SKIPPED
+    undo_mem: Annotated[float, Setting(
+        "host memory for undoing the updates of a step whose gradients turn non-finite late "
+        f"(default {defaults.UNDO_MEM:g})", ge=0.0, metavar="GiB", group=SAFETY)] = defaults.UNDO_MEM
+    task_timeout: Annotated[float | None, Setting(
+        "fail the run if one task runs longer than S seconds (default: no limit)", gt=0.0, metavar="S",
+        group=SAFETY)] = None
+    dist_timeout: Annotated[float, Setting(
+        "data parallel (torchrun): end the run in one line when another process has not answered for S seconds "
+        "(stopped or hung; one that dies ends it at once)", gt=0.0, metavar="S", group=SAFETY)] = DIST_TIMEOUT_S
+
+    eval_data: Annotated[str | None, Setting(
+        "held-out data, read like --data; its mean loss over every target token is reported (progress line and "
+        "--metrics) every --eval-every steps and after the last; needs --eval-every", metavar="FILE",
+        group=EVAL)] = None
+    eval_every: Annotated[int | None, Setting(
+        "evaluate on --eval-data after every N optimizer steps (a forward pass over the whole set)", ge=1,
+        metavar="N", group=EVAL)] = None
 
 
 def precision_bytes(precision: str | None, device_type: str) -> int:
@@ -140,37 +242,21 @@ def load_model_config(model: str) -> tuple[ModelConfig, Path | None]:
 
 
 def validate(cfg: TrainConfig, mcfg: ModelConfig) -> None:
-    if cfg.steps < 1:
-        raise ConfigError(f"--steps must be at least 1 (got {cfg.steps})")
-    if cfg.batch_size < 1 or cfg.micro_batch_size < 1:
-        raise ConfigError("--batch-size and --micro-batch-size must be at least 1")
-    if cfg.batch_size % cfg.micro_batch_size:
-        raise ConfigError(f"--micro-batch-size {cfg.micro_batch_size} does not divide --batch-size {cfg.batch_size}")
-    if cfg.seq_len < 2:
-        raise ConfigError(f"--seq-len must be at least 2 (got {cfg.seq_len})")
+    """What the fields' own declarations cannot say (those are checked first, by
+    :func:`flowtrain.train.checks.check_fields`): how fields go together, and with the model."""
     if defaults.seq_len_given(cfg.seq_len):  # else the data decides, within the model's positions
         mcfg.check_seq_len(cfg.seq_len)
-    if cfg.long_examples not in ("auto", "error", "drop", "truncate"):
-        raise ConfigError(f"--long-examples must be auto, error, drop or truncate (got {cfg.long_examples!r})")
-    if cfg.attention_backend not in ("auto", "flash"):
-        raise ConfigError(f"--attention-backend must be auto or flash (got {cfg.attention_backend!r})")
-    if cfg.adam_workers < 1:
-        raise ConfigError("--adam-workers must be at least 1")
-    if not (isinstance(cfg.dist_timeout, (int, float)) and math.isfinite(cfg.dist_timeout) and cfg.dist_timeout > 0):
-        raise ConfigError(f"--dist-timeout must be a finite number of seconds > 0 (got {cfg.dist_timeout!r})")
     if cfg.progress not in (None, True, False, "lines"):
-        raise ConfigError(f"progress must be None, True, False or 'lines' (got {cfg.progress!r})")
+        raise ConfigError(f"{{progress}} must be None, True, False or 'lines' (got {cfg.progress!r})", named=True)
     if (cfg.eval_data is None) != (cfg.eval_every is None):
-        given, missing = ("--eval-data", "--eval-every N") if cfg.eval_data is not None else ("--eval-every", "--eval-data FILE")
-        raise ConfigError(f"{given} needs {missing}: give both (held-out loss every N steps) or neither")
-    if cfg.eval_every is not None and cfg.eval_every < 1:
-        raise ConfigError(f"--eval-every must be at least 1 (got {cfg.eval_every})")
+        given, missing = ("{eval_data}", "{eval_every} N") if cfg.eval_data is not None else ("{eval_every}", "{eval_data} FILE")
+        raise ConfigError(f"{given} needs {missing}: give both (held-out loss every N steps) or neither", named=True)
     if cfg.save_every is not None and not cfg.out:
-        raise ConfigError("--save-every writes OUT/checkpoint-STEP folders: give --out OUT")
+        raise ConfigError("{save_every} writes OUT/checkpoint-STEP folders: give {out} OUT", named=True)
     if cfg.save_every is not None and cfg.resume is None and cfg.out and Path(cfg.out).is_dir():
         old = sorted(p.name for p in Path(cfg.out).glob("checkpoint-*"))
         if old:
             raise ConfigError(
-                f"--out {cfg.out} holds checkpoints of an earlier run ({', '.join(old[-3:])}); continue it with "
-                f"--resume {cfg.out}, or write this run's checkpoints to another --out"
+                f"{{out}} {cfg.out} holds checkpoints of an earlier run ({', '.join(old[-3:])}); continue it with "
+                f"{{resume}} {cfg.out}, or write this run's checkpoints to another {{out}}", named=True
             )

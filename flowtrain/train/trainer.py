@@ -48,7 +48,7 @@ from ..runtime.executor import use_uvloop
 from ..runtime.trace import Instrument, TraceRecorder, lane_busy, write_chrome_trace
 from ..sim.choose_plan import plan_and_choose
 from . import defaults
-from .checks import check_compile_backend, check_output_paths, validate_numbers
+from .checks import check_compile_backend, check_fields, check_output_paths
 from .distributed import World, join, leave, local_share, node_barrier, world_from_env
 from .host_state import HostState, return_freed_memory
 from .loop import TrainingLoop
@@ -115,7 +115,7 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
     model = cfg.model or (str(resume_from) if resume_from else "tiny")
     mcfg, model_dir = load_model_config(model)
     cfg = resolve_defaults(cfg, pretrained=model_dir is not None, saved=resume_state.get("settings"))
-    validate_numbers(cfg)
+    check_fields(cfg)
     mcfg.validate()
     check_units_fit(mcfg, cfg.host_mem, None if cfg.gpu_mem is None else int(cfg.gpu_mem * 2**30))  # before sizing anything
     if resume_from is not None:

@@ -128,7 +128,7 @@ def test_a_corrupt_checkpoint_is_refused(tmp_path):
 def test_new_checkpoints_never_mix_with_an_earlier_runs(tmp_path):
     out = tmp_path / "run"
     train(TrainConfig(**BASE, steps=2, out=str(out), save_every=1))
-    with pytest.raises(ConfigError, match="--resume"):
+    with pytest.raises(ConfigError, match="continue it with resume "):  # the field, as the API has it
         train(TrainConfig(**BASE, steps=2, out=str(out), overwrite=True, save_every=1))
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
     # a checkpoint is a model: training can start from it like from any Hugging Face folder

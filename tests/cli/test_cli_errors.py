@@ -63,5 +63,6 @@ def test_flowtrain_debug_shows_the_traceback(tmp_path):
     args = ("train", "--no-progress", "--lr", "nan", "--out", str(tmp_path / "out"))
     proc = run_flowtrain(*args, env={**os.environ, "FLOWTRAIN_DEBUG": "1"})
     assert proc.returncode == 1  # Python's own status for an uncaught exception
-    assert "Traceback" in proc.stderr and "ConfigError: --lr must be a finite number >= 0 (got nan)" in proc.stderr
+    # the exception itself names the field, as the Python API spells it
+    assert "Traceback" in proc.stderr and "ConfigError: lr must be a finite number >= 0 (got nan)" in proc.stderr
     assert not (tmp_path / "out").exists()

@@ -69,8 +69,13 @@ def segments(spec):
     ],
 )
 def test_spec_errors_name_the_flag(fields, flag):
-    with pytest.raises(ConfigError, match=flag):
+    """``flowtrain graph`` names its own flag; the exception's text the StepSpec field."""
+    from flowtrain.cli.graph import flag_of
+
+    with pytest.raises(ConfigError) as info:
         compile_step(StepSpec(**fields))
+    assert info.value.spelled(flag_of).startswith(flag + " ")
+    assert str(info.value).startswith(flag[2:].replace("-", "_") + " ")
 
 
 def test_units_bottom_to_top():
@@ -269,8 +274,12 @@ def test_staged_chunks_each_take_a_staging_slot_read_by_their_adam():
 
 
 def test_staged_with_clip_or_mixed_tied_residency_is_refused():
-    with pytest.raises(ConfigError, match="--layout full"):
+    from flowtrain.cli import graph, train
+
+    with pytest.raises(ConfigError) as info:
         StepSpec(layers=2, staged=True, grad_clip=True).validate()
+    assert info.value.spelled(train.flag_of).endswith("use --layout full")  # what train's user changes
+    assert info.value.spelled(graph.flag_of).endswith("(leave out --staged)")
     with pytest.raises(ConfigError, match="both resident"):
         StepSpec(layers=2, tied=True, resident=("embed",)).validate()
     with pytest.raises(ConfigError, match="not units"):

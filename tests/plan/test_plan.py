@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from flowtrain.cli import main
+from flowtrain.errors import ConfigError
 from flowtrain.graph import GRADS, WEIGHTS
 from flowtrain.model import ModelConfig, model_layouts, preset
 from flowtrain.plan.memory import GPU_FILL_CAPPED, GiB, RunRequest, allocator_share, card_for, plan_run
@@ -48,8 +49,11 @@ def test_staged_layout_is_about_12_host_bytes_per_parameter_with_fp32_master_and
 def test_grad_clip_chooses_the_full_layout_and_says_so_when_forced_staged():
     assert plan(resident="none", grad_clip=True).layout == "full"
     assert plan(resident="none", grad_clip=True).host_state_bytes_per_param >= 16.0
-    with pytest.raises(Exception, match="--layout full"):
+    from flowtrain.cli.train import flag_of
+
+    with pytest.raises(ConfigError) as info:
         plan(resident="none", grad_clip=True, layout="staged")
+    assert "--grad-clip" in info.value.spelled(flag_of) and "use --layout full" in info.value.spelled(flag_of)
 
 
 def test_speed_placement_keeps_embed_head_and_bottom_third_of_layers_on_the_gpu():

@@ -9,22 +9,21 @@ import os
 import re
 import subprocess
 import sys
-from types import SimpleNamespace
 
 import pytest
 
 from flowtrain.errors import ConfigError
 from flowtrain.model import ModelConfig, preset
-from flowtrain.train.checks import check_compile_backend, check_output_paths, validate_numbers
+from flowtrain.cli.train import flag_of
+from flowtrain.train.checks import check_compile_backend, check_fields, check_output_paths
 from flowtrain.train.trainer import TrainConfig
 
 NAN, INF = math.nan, math.inf
 
 
 def cfg(**changes):
-    """TrainConfig's defaults with ``changes``, including fields it may not have yet."""
-    defaults = TrainConfig()
-    return SimpleNamespace(**{**{f: getattr(defaults, f) for f in TrainConfig.__struct_fields__}, **changes})
+    """TrainConfig's defaults with ``changes``."""
+    return TrainConfig(**changes)
 
 
 def refused(match: str):
@@ -35,7 +34,7 @@ def refused(match: str):
 
 
 def test_the_defaults_pass():
-    validate_numbers(TrainConfig())
+    check_fields(TrainConfig())
 
 
 @pytest.mark.parametrize("changes, message", [
@@ -62,9 +61,9 @@ def test_the_defaults_pass():
     ({"seq_len": 1}, "--seq-len must be at least 2 (got 1)"),
     ({"warmup_steps": -1}, "--warmup-steps must be at least 0 (got -1)"),
     ({"chunk_tokens": 0}, "--chunk-tokens must be at least 1 (got 0)"),
-    ({"checkpoint_every": 0}, "--checkpoint-every must be at least 1 (got 0)"),
+    ({"checkpoint_every": 0}, "--activation-checkpoint-every must be at least 1 (got 0)"),
     ({"adam_workers": 0}, "--adam-workers must be at least 1 (got 0)"),
-    ({"batch_size": 8, "micro_batch_size": 3}, "--micro-batch-size 3 does not divide --batch-size 8"),
+    ({"micro_batch_size": 3, "batch_size": 8}, "--micro-batch-size 3 does not divide --batch-size 8"),
     ({"seed": 2**64}, "--seed must be an integer from -2**63 to 2**64-1"),
     # fields the trainer grows: checked when present
     ({"save_every": 0}, "--save-every must be at least 1 (got 0)"),
@@ -74,8 +73,12 @@ def test_the_defaults_pass():
     ({"task_timeout": 0.0}, "--task-timeout must be a finite number > 0 (got 0.0)"),
 ])
 def test_a_bad_number_is_refused_naming_its_flag(changes, message):
-    with refused(message):
-        validate_numbers(cfg(**changes))
+    """The command line names the flag; the Python API (the exception's text) the field."""
+    with pytest.raises(ConfigError) as info:
+        check_fields(cfg(**changes))
+    assert info.value.spelled(flag_of).startswith(message)
+    field = next(iter(changes))
+    assert str(info.value).startswith(field + " "), str(info.value)
 
 
 @pytest.mark.parametrize("changes", [
@@ -85,7 +88,7 @@ def test_a_bad_number_is_refused_naming_its_flag(changes, message):
     {"task_timeout": None, "undo_mem": 0.0},
 ])
 def test_edge_values_that_torch_accepts_pass(changes):
-    validate_numbers(cfg(**changes))
+    check_fields(cfg(**changes))
 
 
 # ---------------------------------------------------------------------- compile backend
@@ -262,10 +265,9 @@ def test_config_json_nulls_take_the_defaults():
 
 
 def test_an_unknown_attention_backend_is_refused_before_anything_runs():
-    from flowtrain.train.run_config import validate
-
-    with refused("--attention-backend must be auto or flash (got 'cudnn-only')"):
-        validate(TrainConfig(attention_backend="cudnn-only"), preset("tiny"))
+    with pytest.raises(ConfigError) as info:
+        check_fields(TrainConfig(attention_backend="cudnn-only"))
+    assert info.value.spelled(flag_of) == "--attention-backend must be auto or flash (got 'cudnn-only')"
 
 
 def test_long_context_asks_for_expandable_segments_unless_the_user_chose():

@@ -189,13 +189,15 @@ def test_the_timeout_is_a_flag_with_a_default_and_is_checked():
     from flowtrain.cli import build_parser
     from flowtrain.cli.train import config_from_args
     from flowtrain.errors import ConfigError
-    from flowtrain.model.config import preset
+    from flowtrain.cli.train import flag_of
+    from flowtrain.train.checks import check_fields
     from flowtrain.train.distributed import DEFAULT_TIMEOUT_S
-    from flowtrain.train.run_config import TrainConfig, validate
+    from flowtrain.train.run_config import TrainConfig
 
     args = build_parser("train").parse_args(["train"])
     assert config_from_args(args).dist_timeout == DEFAULT_TIMEOUT_S == 1800
     assert config_from_args(build_parser("train").parse_args(["train", "--dist-timeout", "60"])).dist_timeout == 60
     for bad in (0.0, -1.0, float("nan"), float("inf")):
-        with pytest.raises(ConfigError, match="--dist-timeout"):
-            validate(TrainConfig(dist_timeout=bad), preset("tiny"))
+        with pytest.raises(ConfigError, match="^dist_timeout must be a finite number > 0") as info:
+            check_fields(TrainConfig(dist_timeout=bad))
+        assert info.value.spelled(flag_of).startswith("--dist-timeout must be")

@@ -184,10 +184,13 @@ def test_a_file_whose_examples_all_fit_says_so(tmp_path, capsys):
 
 def test_long_examples_is_checked_and_recorded(tmp_path):
     from flowtrain.ckpt.resume import settings_of
-    from flowtrain.model import preset
-    from flowtrain.train.run_config import TrainConfig, validate
+    from flowtrain.cli.train import flag_of
+    from flowtrain.errors import ConfigError
+    from flowtrain.train.checks import check_fields
+    from flowtrain.train.run_config import TrainConfig
 
-    with pytest.raises(Exception, match="--long-examples must be auto, error, drop or truncate"):
-        validate(TrainConfig(long_examples="cut"), preset("tiny"))
+    with pytest.raises(ConfigError) as info:
+        check_fields(TrainConfig(long_examples="cut"))
+    assert info.value.spelled(flag_of) == "--long-examples must be auto, error, drop or truncate (got 'cut')"
     assert settings_of(TrainConfig(long_examples="drop"))["long_examples"] == "drop"
     assert json.loads(json.dumps(settings_of(TrainConfig())))["long_examples"] == "auto"

@@ -27,7 +27,7 @@ from flowtrain.data.source import load_sequences
 from flowtrain.data.text import MAX_RENDER_CHARS, ByteEncoder, ChatTemplate, check_encoder
 from flowtrain.errors import CheckpointError, ConfigError, DataError
 from flowtrain.model.config import preset, read_config
-from flowtrain.train.checks import validate_numbers
+from flowtrain.train.checks import check_fields
 from flowtrain.train.run_config import TrainConfig
 
 DEEP = 100_000  # levels of nesting: beyond any recursion limit
@@ -55,10 +55,10 @@ def one_line(proc: subprocess.CompletedProcess) -> str:
 
 def test_adam_workers_is_bounded():
     bound = max(256, 4 * (os.cpu_count() or 1))
-    validate_numbers(TrainConfig(adam_workers=bound))
-    with pytest.raises(ConfigError, match=rf"^--adam-workers must be at most {bound} \(the larger of 256 and 4 per "
-                                          r"CPU\) \(got 100000\)$"):
-        validate_numbers(TrainConfig(adam_workers=100_000))
+    check_fields(TrainConfig(adam_workers=bound))
+    with pytest.raises(ConfigError, match=rf"^adam_workers must be at most {bound} \(the larger of 256 and 4 per "
+                                          r"CPU\) \(got 100000\)$"):  # the field, as the Python API names it
+        check_fields(TrainConfig(adam_workers=100_000))
 
 
 def test_adam_workers_100000_is_one_line_on_the_command_line():
