@@ -16,7 +16,8 @@ The lanes keep the executor's rules, so the order and slots are the engine's:
 - the ``cpu`` pool takes launched tasks in order onto ``cpu_workers`` workers; ``io`` has one;
 - a task whose completion the host needs (``Scheduler.needs_completion``) is reported back
   ``sync_us`` after it ends, and only then may its host-side successors be launched;
-- steps are added like the trainer adds them: two in flight, step ``s + 2`` once step ``s`` has
+- steps are added as the trainer adds them, through the same
+  :class:`~flowtrain.graph.stream.StepStream`: two in flight, step ``s + 2`` once step ``s`` has
   finished, linked by :func:`~flowtrain.graph.compiler.cross_step_edges`.
 
 Phases of one event: (1) *pump*: ``poll()`` the scheduler, queue its launches on their lanes;
@@ -31,11 +32,13 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
-from typing import Any, Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import networkx as nx
 
-from ..graph.compiler import StepSpec, compile_step, cross_step_edges
+from ..graph.compiler import StepSpec, compile_step
+from ..graph.stream import OpenStep, StepStream
 from ..graph.tasks import LANES, Task
 from ..policy import resolve_policy
 from ..runtime.scheduler import Launch, Scheduler
@@ -89,7 +92,7 @@ class VirtualRun:
         self._seq = 0
 
     # ---- adding work ------------------------------------------------------------------------
-    def add(self, graph: nx.DiGraph, after: list[tuple[Task, Task]] = ()) -> None:  # type: ignore[assignment]
+    def add(self, graph: nx.DiGraph, after: Iterable[tuple[Task, Task]] = ()) -> None:
         """Add a graph under the policy's proposal, as :meth:`Engine.add` does."""
         proposal = self.policy.propose(graph)
         if self.scheduler is None:
@@ -114,32 +117,29 @@ class VirtualRun:
 
     def run_steps(self, spec: StepSpec, steps: int = 4, in_flight: int = 2,
                   build: Callable[[StepSpec, int], nx.DiGraph] | None = None) -> list[list[TaskRecord]]:
-        """Simulate ``steps`` training steps as the trainer runs them (``in_flight`` at once);
-        the records of each step."""
+        """Simulate ``steps`` training steps as the trainer runs them (``in_flight`` at once,
+        through the same :class:`~flowtrain.graph.stream.StepStream`); the records of each step."""
         build = build or (lambda sp, s: compile_step(sp, step=s))
+        stream = StepStream(spec, in_flight)
         graphs: list[nx.DiGraph] = []
+        waiting: dict[int, set[Task]] = {}
+        step_of: dict[Task, int] = {}
 
-        def add_step(s: int) -> None:
+        def finish(done: OpenStep) -> None:
+            self._loop(until=lambda: not waiting[done.step], on_end=lambda t: waiting[step_of[t]].discard(t))
+
+        for s in range(steps):
             g = build(spec, s)
-            after = cross_step_edges(graphs[-1], g, spec) if graphs else []
-            graphs.append(g)
-            self.add(g, after)
-
-        for s in range(min(in_flight, steps)):
-            add_step(s)
-        waiting = {s: set(graphs[s].nodes) for s in range(len(graphs))}
-        step_of = {t: s for s, g in enumerate(graphs) for t in g}
-        done_steps = 0
-        while done_steps < steps:
-            step = done_steps
-            self._loop(until=lambda: not waiting[step], on_end=lambda t: waiting[step_of[t]].discard(t))
-            done_steps += 1
-            nxt = done_steps + in_flight - 1
-            if nxt < steps:
+            if s >= in_flight:
                 self.now += self.sync  # the trainer's host turn between steps
-                add_step(nxt)
-                waiting[nxt] = set(graphs[nxt].nodes)
-                step_of.update((t, nxt) for t in graphs[nxt])
+            graphs.append(g)
+            waiting[s] = set(g.nodes)
+            step_of.update((t, s) for t in g)
+            self.add(g, stream.push(s, g))
+            for done in stream.due():
+                finish(done)
+        for done in stream.drain():
+            finish(done)
         return [sorted((self.records[t] for t in g), key=lambda r: (r.start, r.end)) for g in graphs]
 
     def _loop(self, until: Callable[[], bool] | None = None, on_end: Callable[[Task], None] | None = None) -> None:

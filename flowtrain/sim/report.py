@@ -93,7 +93,7 @@ def critical_chain(records: Sequence[TaskRecord], cause: dict[Task, Task | None]
         if prev is not None and prev.end < cur.start - 1e-9 and prev.end > since:
             runs.append(["wait", "idle", 1, cur.start - max(prev.end, since)])
         cur = prev
-    return [tuple(r) for r in runs]  # type: ignore[misc]
+    return [(str(lane), str(kind), int(n), float(s)) for lane, kind, n, s in runs]
 
 
 def format_summary(s: Summary, header: str = "") -> str:

@@ -1,7 +1,8 @@
 """The asynchronous part of a run: steps through the engine, checkpoints, skipped steps, signals.
 
 Two steps are in flight at a time: step ``s + 1`` is added to the engine (with the edges that
-let it overlap step ``s``) before step ``s`` is waited for and reported. Around that:
+let it overlap step ``s``) before step ``s`` is waited for and reported
+(:class:`~flowtrain.graph.stream.StepStream`, which the simulator's clock runs too). Around that:
 
 - a step that ends a checkpoint interval gets a ``save`` task per unit; once the step is done
   its checkpoint is completed and renamed into place (or, if the step was skipped, written at
@@ -26,7 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,9 +38,10 @@ from ..ckpt.output import read_source_config
 from ..ckpt.resume import trainer_state
 from ..data.source import step_batches, tokenizer_files
 from ..errors import Interrupted, NonFiniteError, StepFailed
-from ..graph.compiler import StepSpec, compile_step, cross_step_edges
+from ..graph.compiler import StepSpec, compile_step
 from ..graph.evaluation import compile_eval
 from ..graph.saving import add_saves, save_edges
+from ..graph.stream import OpenStep, StepStream
 from ..policy import WithBudgets, resolve_policy
 from ..runtime.executor import Engine
 from ..runtime.faults import from_env as faults_from_env
@@ -52,6 +54,15 @@ from .shutdown import Shutdown, signal_name
 
 if TYPE_CHECKING:
     from .trainer import Run
+
+
+@dataclass(frozen=True)
+class _Added:
+    """What the loop keeps with a step in flight: its save tasks (the next step's Adam waits
+    for them) and its tokens (for its metrics)."""
+
+    saves: list
+    tokens: int
 
 
 class TrainingLoop:
@@ -88,27 +99,23 @@ class TrainingLoop:
                         instruments=self.hooks, task_timeout=cfg.task_timeout)
         self.shutdown.attach(asyncio.get_running_loop(), asyncio.current_task())  # type: ignore[arg-type]
         batches = step_batches(run.seqs, cfg.batch_size, shuffle=cfg.shuffle, seed=cfg.seed, start_step=run.first_step)
-        in_flight: deque = deque()
+        # two steps in flight; a step's saves hold back the next step's Adam of their unit
+        stream = StepStream(self.spec, in_flight=2, link=lambda prev, graph: save_edges(prev.data.saves, graph))
         try:
             async with engine:
                 self.t_last = time.perf_counter()
-                prev, prev_saves = None, []
                 for s in range(run.first_step, cfg.steps):
                     if await self._stop_agreed():
                         break
-                    batch = next(batches)
-                    graph, saves = self._add_step(engine, s, batch, prev, prev_saves)
-                    prev, prev_saves = list(graph), saves
-                    in_flight.append((s, graph, int(batch.input_ids.numel())))
+                    self._add_step(engine, stream, s, next(batches))
                     if self._evaluates_after(s):  # steps done first, so their times stay their own
-                        while in_flight:
-                            await self._finish(engine, *in_flight.popleft())
+                        for done in stream.drain():  # all done: the next step needs no edges
+                            await self._finish(engine, done)
                         await self._evaluate(engine, s)
-                        prev, prev_saves = None, []  # all done: the next step needs no edges
-                    elif len(in_flight) == 2:
-                        await self._finish(engine, *in_flight.popleft())
-                while in_flight:
-                    await self._finish(engine, *in_flight.popleft())
+                    for done in stream.due():
+                        await self._finish(engine, done)
+                for done in stream.drain():
+                    await self._finish(engine, done)
                 if self.shutdown.requested:
                     await self._save_on_signal(engine)
         except asyncio.CancelledError:
@@ -136,7 +143,7 @@ class TrainingLoop:
         self.shutdown.request_from_peer()
         return True
 
-    def _add_step(self, engine: Engine, s: int, batch, prev, prev_saves):
+    def _add_step(self, engine: Engine, stream: StepStream, s: int, batch) -> None:
         cfg = self.cfg
         # this process's share of the step (all of it on one process); the loss is averaged
         # over the whole step's targets either way
@@ -148,11 +155,7 @@ class TrainingLoop:
         if self._saves_after(s):
             saves = add_saves(graph, self.spec)
             self._open_checkpoint(s)
-        edges = []
-        if prev is not None:
-            edges = cross_step_edges(prev, graph, self.spec) + save_edges(prev_saves, graph)
-        engine.add(graph, edges)
-        return graph, saves
+        engine.add(graph, stream.push(s, graph, _Added(saves, int(batch.input_ids.numel()))))
 
     # ---- held-out loss ----------------------------------------------------------------------
     def _evaluates_after(self, s: int) -> bool:
@@ -182,8 +185,9 @@ class TrainingLoop:
         self.save_pending = False
         return due
 
-    async def _finish(self, engine: Engine, s: int, graph, tokens: int) -> None:
-        await engine.wait(graph)
+    async def _finish(self, engine: Engine, done: OpenStep) -> None:
+        s, tokens = done.step, done.data.tokens
+        await engine.wait(done.graph)
         loss, grad_norm, skipped = self.program.end_step(s)
         now = time.perf_counter()
         seconds, self.t_last = now - self.t_last, now

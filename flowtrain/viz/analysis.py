@@ -26,7 +26,7 @@ import msgspec
 import networkx as nx
 
 from ..graph.tasks import Task
-from ..policy import resolve_policy
+from ..policy import Policy, resolve_policy
 from .load import Trace, TraceTask
 
 Span = tuple[float, float]
@@ -91,12 +91,12 @@ def slot_uses(trace: Trace) -> list[SlotUse]:
 
     A reader's holder is the dependency that took the slot it reads; without ``deps`` in the
     trace, the latest taker of that slot that started no later than the reader."""
-    holders = [t for t in trace.tasks if t.takes is not None and t.slot is not None]
+    holders = [(t, t.takes, t.slot) for t in trace.tasks if t.takes is not None and t.slot is not None]
     by_slot: dict[tuple[str, int], list[TraceTask]] = {}
-    for h in holders:  # tasks are sorted by start, so each list is too
-        by_slot.setdefault((h.takes, h.slot), []).append(h)  # type: ignore[arg-type]
+    for h, pool, slot in holders:  # tasks are sorted by start, so each list is too
+        by_slot.setdefault((pool, slot), []).append(h)
     starts = {k: [h.start for h in v] for k, v in by_slot.items()}
-    readers: dict[int, list[int]] = {h.index: [] for h in holders}
+    readers: dict[int, list[int]] = {h.index: [] for h, _, _ in holders}
     for t in trace.tasks:
         deps = trace.dep_indices[t.index]
         for pool, slots in t.reads.items():
@@ -110,10 +110,10 @@ def slot_uses(trace: Trace) -> list[SlotUse]:
                 if owner is not None:
                     readers[owner].append(t.index)
     out = []
-    for h in holders:
+    for h, pool, slot in holders:
         rs = tuple(readers[h.index])
         end = max([h.end, *(trace.tasks[r].end for r in rs)])
-        out.append(SlotUse(h.takes, h.slot, h.index, rs, h.start, end))  # type: ignore[arg-type]
+        out.append(SlotUse(pool, slot, h.index, rs, h.start, end))
     return out
 
 
@@ -471,9 +471,9 @@ def mean_durations(traces: Iterable[Trace]) -> dict[str, float]:
     return {k: sum(v) / len(v) for k, v in sums.items()}
 
 
-def planned_order(graph: nx.DiGraph, policy: object = "double_buffer") -> tuple[list[Task], dict[str, int]]:
+def planned_order(graph: nx.DiGraph, policy: str | Policy = "double_buffer") -> tuple[list[Task], dict[str, int]]:
     """The order and slot budgets a policy (a registered name or an object) proposes."""
-    proposal = resolve_policy(policy).propose(graph)  # type: ignore[arg-type]
+    proposal = resolve_policy(policy).propose(graph)
     return list(proposal.order), dict(proposal.budgets)
 
 

@@ -16,6 +16,7 @@ from typing import Sequence
 import networkx as nx
 
 from ..graph.tasks import Task
+from ..policy import Policy
 from .analysis import critical_path, depths, planned_order
 from .load import LANE_KINDS
 
@@ -175,7 +176,7 @@ def lane_orders(order: Sequence[Task]) -> dict[str, list[Task]]:
     return dict(sorted(out.items(), key=lambda kv: LANE_KINDS.index(kv[0]) if kv[0] in LANE_KINDS else 99))
 
 
-def graph_section(graph: nx.DiGraph, policy: object = "double_buffer", title: str = "graph",
+def graph_section(graph: nx.DiGraph, policy: str | Policy = "double_buffer", title: str = "graph",
                   cost: dict[str, float] | None = None, max_drawn: int = MAX_DRAWN) -> str:
     """An HTML fragment for one graph: facts, the drawing (or table), the planned order."""
     order, budgets = planned_order(graph, policy)

@@ -18,6 +18,7 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+from ..policy import Policy
 from .analysis import (
     Gap,
     SlotUse,
@@ -204,7 +205,7 @@ def _json_script(data: object) -> str:
     return text.replace("<", "\\u003c")
 
 
-def render_report(inputs: Sequence[Trace | GraphInput], policy: object = "double_buffer",
+def render_report(inputs: Sequence[Trace | GraphInput], policy: str | Policy = "double_buffer",
                   title: str = "flowtrain schedule report", min_gap: float | None = None,
                   steps: str | None = None, views: Sequence[TraceView] | None = None) -> str:
     """The report as one HTML string; ``steps`` is the first window (``--steps A:B``);

@@ -362,12 +362,13 @@ def trace_from_json(data: Any, name: str = "trace", path: str | None = None) -> 
     del flows
     raw.sort(key=lambda r: (r["start"], lane_sort_key(r["lane_name"]), r["end"]))
     t0 = raw[0]["start"]
-    tasks = []
-    for i, r in enumerate(raw):
+    tasks: list[TraceTask] = []
+    raw.reverse()  # popped from the end: each event's dict goes as its task comes
+    while raw:
+        r = raw.pop()
         r["start"] = (r["start"] - t0) / 1e9  # integer / 1e9: 45000 ns becomes exactly 45e-6
         r["end"] = (r["end"] - t0) / 1e9
-        tasks.append(TraceTask(index=i, **r))
-        raw[i] = None  # type: ignore[call-overload]
+        tasks.append(TraceTask(index=len(tasks), **r))
     return Trace(tasks, meta=meta, name=name, path=path, offset=t0 / 1e9)
 
 

@@ -71,8 +71,8 @@ def _draw_trace(ax, view: TraceView, width: float) -> None:
         ax.axvspan(ms(r.start), ms(r.end), color=band if inside else "#ececec", zorder=0, linewidth=0)
     for y, (_, kind, key) in enumerate(rows):
         spans: dict[str, list[tuple[float, float]]] = {}
-        if kind == "lane":
-            for t in tr.by_lane[key]:  # type: ignore[index]
+        if kind == "lane" and isinstance(key, str):
+            for t in tr.by_lane[key]:
                 spans.setdefault(t.kind, []).append((ms(t.start), max(t.duration * 1e3, width * 0.1)))
             height, alpha = 0.8, 1.0
         elif kind == "gap":
