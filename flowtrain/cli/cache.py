@@ -39,7 +39,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--max-gb must be a finite number >= 0 (got {args.max_gb})")
     root = cache_root()
     if args.clean:
-        removed = trim(0 if args.max_gb is None else int(args.max_gb * 1e9))
+        removed = trim(0 if args.max_gb is None else round(args.max_gb * 1e9))  # 1.2345e-05 GB is 12,345 bytes
         left = entries()
         print(f"removed {_entries(removed)} ({_size(sum(e.size for e in removed))}) from {root}; "
               f"{_entries(left)} ({_size(sum(e.size for e in left))}) left"

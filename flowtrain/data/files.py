@@ -364,7 +364,8 @@ def _turn_by_turn(where: str, messages: list[dict], tools: list[dict] | None, en
             raise DataError(
                 f"{where}: the chat template does not render this conversation turn by turn "
                 f"(the text up to messages[{k}] is not a prefix of the whole), so its "
-                "assistant tokens cannot be found; pre-tokenize it as input_ids + labels"
+                "assistant tokens cannot be found; mark them in the template with {% generation %} ... "
+                "{% endgeneration %} (docs/training.md), or pre-tokenize it as input_ids + labels"
             )
         lab[len(before) : len(through)] = ids[len(before) : len(through)]
     return ids, lab

@@ -38,8 +38,9 @@ how many there are and the first, after building the cache as ``"drop"`` does (s
 
 **seq_len from the data.** ``seq_len`` may be a :class:`FromData`: the rows are then as long as
 the longest example with a target, rounded up to a multiple (64 for ``flowtrain train``), at
-most the model's positions; a token stream has no examples to measure and takes
-``FromData.stream``.
+least ``FromData.least`` (``flowtrain train`` puts the held-out set's length there, so that its
+examples fit too), at most the model's positions; a token stream has no examples to measure and
+takes ``FromData.stream``.
 
 **Which tokenizer.** Text (``.txt``, ``text``, ``prompt``/``completion``, ``messages``) is
 tokenised with ``tokenizer_dir/tokenizer.json``. A preset model (``tokenizer_dir=None``) learns
@@ -133,12 +134,16 @@ class FromData:
     stream: int
     multiple: int
     most: int | None = None
+    #: rows at least this long (another file's examples that must fit too: the held-out set's)
+    least: int = 0
 
     def for_stream(self) -> int:
         return min(self.stream, self.most) if self.most is not None else self.stream
 
-    def for_examples(self, longest: int) -> int:
+    def for_examples(self, longest: int, own: bool = False) -> int:
+        """Rows for examples of at most ``longest`` tokens (``own``: leaving out ``least``)."""
         rounded = -(-max(longest, 2) // self.multiple) * self.multiple
+        rounded = rounded if own else max(rounded, self.least)
         return min(rounded, self.most) if self.most is not None else rounded
 
 
@@ -151,6 +156,7 @@ class DataReport:
     longest: int = 0  # rows: tokens of the longest example with a target, before any cut
     seq_len_from_data: bool = False  # seq_len was a FromData
     capped: bool = False  # ... and the model's positions set it, below the longest example
+    widened: bool = False  # ... and FromData.least (the held-out set's examples) set it, above this file's
     cut: tuple[int, int] = (0, 0)  # (examples cut at seq_len, target tokens they lost)
     dropped: tuple[int, int] = (0, 0)  # (examples longer than seq_len left out, their target tokens)
     first_dropped: str | None = None  # e.g. "line 7 (97 tokens)"
@@ -283,7 +289,8 @@ def load_sequences(
         raise ConfigError(f"a seq_len from the data is rounded up to a multiple of at least 1 (got {seq_len.multiple})")
     _check_config(seq_len if isinstance(seq_len, int) else seq_len.for_stream(), vocab_size, pad_id, eos_id)
     path = _check_file(Path(path))
-    chosen = seq_len if isinstance(seq_len, int) else ["from the data", seq_len.stream, seq_len.most, seq_len.multiple]
+    chosen = (seq_len if isinstance(seq_len, int)
+              else ["from the data", seq_len.stream, seq_len.most, seq_len.multiple, seq_len.least])
     drop = long_examples in ("drop", "error") or (long_examples == "auto" and holds_conversations(path))
     settings = {"seq_len": chosen, "packing": packing, "long_examples": "drop" if drop else "truncate",
                 "vocab_size": vocab_size, "pad_id": pad_id, "eos_id": eos_id, "byte_tokenizer": byte_tokenizer,
@@ -333,6 +340,7 @@ def _build_rows(path: Path, parsed: Parsed, folder: Path, seq_len: int | FromDat
         report = {"kind": "rows", "examples": len(fitted.keep), "longest": spooled.longest,
                   "seq_len_from_data": not isinstance(seq_len, int),
                   "capped": not isinstance(seq_len, int) and length < spooled.longest,
+                  "widened": not isinstance(seq_len, int) and length > seq_len.for_examples(spooled.longest, own=True),
                   "cut": [fitted.cut_count, fitted.cut_lost], "dropped": [fitted.dropped_count, fitted.dropped_lost],
                   "first_dropped": first, "mask": parsed.mask}
         if not len(fitted.keep):

@@ -93,7 +93,10 @@ def data_description(seqs: "Sequences") -> str:
     origin = ""
     if report.seq_len_from_data:
         origin = (f" (from the data: the model's {seq} positions; the longest example has {report.longest:,} tokens)"
-                  if report.capped else f" (from the data: the longest example, {report.longest:,} tokens, rounded up)")
+                  if report.capped else
+                  f" (from the data: the longest held-out example, rounded up; the longest here has "
+                  f"{report.longest:,} tokens)" if report.widened else
+                  f" (from the data: the longest example, {report.longest:,} tokens, rounded up)")
     parts = [f"{_count(report.examples, 'example')} in {_count(n, 'sequence')} of {seq} tokens{origin}, {targets}"]
     if report.mask in _MASK_RULES:
         parts.append(_MASK_RULES[report.mask])
@@ -132,7 +135,7 @@ def summary_lines(run: "Run") -> list[str]:
     n, seq = run.seqs.input_ids.shape
     epochs = cfg.steps * cfg.batch_size / max(n, 1)
     lines.append(f"data       {cfg.data or 'the bundled corpus'}: {data_description(run.seqs)}; "
-                 f"{cfg.steps} steps cover {epochs:.1f} epochs")
+                 f"{_count(cfg.steps, 'step')} cover{'s' if cfg.steps == 1 else ''} {epochs:.1f} epochs")
     if getattr(run, "eval_seqs", None) is not None:
         lines.append(f"eval       {cfg.eval_data}: {_count(len(run.eval_seqs), 'sequence')}, "
                      f"{run.eval_seqs.num_targets():,} target tokens, every {cfg.eval_every} steps "

@@ -21,6 +21,7 @@ data position and counters, so the run continues exactly as if it had never stop
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import contextlib
 import gc
 import os
@@ -135,7 +136,7 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
     resolve_policy(cfg.policy)
     resolve_save_dtype(cfg.save_dtype, model_dir)  # a bad name fails now, not after training
     tokenizer_dir = _tokenizer_dir(cfg, model_dir)
-    seqs = load_sequences(cfg.data or str(default_corpus_path()), _data_seq_len(cfg, mcfg, resume_state),
+    seqs = load_sequences(cfg.data or str(default_corpus_path()), _data_seq_len(cfg, mcfg, resume_state, tokenizer_dir),
                           mcfg.vocab_size, tokenizer_dir=tokenizer_dir, pad_id=mcfg.pad_token_id or 0,
                           eos_id=mcfg.eos_token_id, byte_tokenizer=cfg.byte_tokenizer, packing=cfg.packing,
                           long_examples=cfg.long_examples)
@@ -192,16 +193,26 @@ def _load_eval(cfg: TrainConfig, mcfg: ModelConfig, tokenizer_dir: Path | None) 
     return seqs
 
 
-def _data_seq_len(cfg: TrainConfig, mcfg: ModelConfig, resume_state: dict) -> int | FromData:
+def _data_seq_len(cfg: TrainConfig, mcfg: ModelConfig, resume_state: dict,
+                  tokenizer_dir: Path | None) -> int | FromData:
     """The seq_len to read ``--data`` at: ``--seq-len`` as given; without one, a resumed run's
     own, else the data's choice (:class:`~flowtrain.data.source.FromData`, see
-    :class:`~flowtrain.train.defaults.SeqLenDefault`)."""
+    :class:`~flowtrain.train.defaults.SeqLenDefault`): the longest example of ``--data`` and of
+    ``--eval-data`` both, so that a held-out example longer than every training one is not
+    refused as too long for a length nobody chose."""
     if defaults.seq_len_given(cfg.seq_len):
         return cfg.seq_len
     saved = resume_state.get("settings", {}).get("seq_len")
     if isinstance(saved, int) and not isinstance(saved, bool) and saved >= 2:
         return saved
-    return FromData(stream=int(cfg.seq_len), multiple=defaults.SEQ_LEN_MULTIPLE, most=mcfg.max_position_embeddings)
+    choice = FromData(stream=int(cfg.seq_len), multiple=defaults.SEQ_LEN_MULTIPLE, most=mcfg.max_position_embeddings)
+    if cfg.eval_data is not None:
+        held_out = load_sequences(cfg.eval_data, choice, mcfg.vocab_size, tokenizer_dir=tokenizer_dir,
+                                  pad_id=mcfg.pad_token_id or 0, eos_id=mcfg.eos_token_id,
+                                  byte_tokenizer=cfg.byte_tokenizer, packing=cfg.packing, long_examples="truncate")
+        if held_out.report.kind == "rows":
+            choice = dataclasses.replace(choice, least=int(held_out.seq_len))
+    return choice
 
 
 def _with_data_seq_len(cfg: TrainConfig, seqs: Sequences) -> TrainConfig:

@@ -86,7 +86,11 @@ def test_short_micro_batches_take_the_plain_path(monkeypatch):
 
 def test_training_with_the_mlp_in_pieces_matches_the_plain_mlp(tmp_path, monkeypatch):
     """A whole training run (3 steps, fp32, CPU) with every MLP in pieces of 5 tokens ends at
-    the weights of the plain run (pieces add the weight gradients in another order)."""
+    the weights of the plain run, within 1e-4 as the parity tests against transformers: pieces
+    add the weight gradients in another order, and Adam, dividing each update by the root of
+    the gradient's square, turns the last bits of a small gradient into a visible difference
+    (1.3e-5 on one CPU, under 1e-5 on another). Pieces that lost or doubled a token would be
+    off by far more."""
     sys.path.insert(0, str(Path(__file__).parents[1] / "train"))
     from test_kept import _train
     from test_train_vs_hf import make_checkpoint, make_data
@@ -97,5 +101,5 @@ def test_training_with_the_mlp_in_pieces_matches_the_plain_mlp(tmp_path, monkeyp
     monkeypatch.setattr(mlp_module, "MLP_CHUNK_TOKENS", 5)
     pieces = _train(tmp_path, "pieces", tmp_path / "model", tmp_path / "data.jsonl")
     for name, t in plain.items():
-        assert rel_err(pieces[name], t) < 1e-5, name
+        assert rel_err(pieces[name], t) < 1e-4, name
     assert any(not torch.equal(pieces[n], plain[n]) for n in plain if "mlp" in n)  # the pieces ran

@@ -143,3 +143,20 @@ def test_the_model_caps_the_length_and_auto_refuses_what_does_not_fit(tmp_path, 
     line = data_line(capsys.readouterr().out)
     assert ("2 examples in 2 sequences of 128 tokens (from the data: the model's 128 positions; the longest example "
             "has 131 tokens)") in line and "examples longer than 128 tokens: 1 cut" in line, line
+
+
+def test_held_out_examples_longer_than_every_training_one_set_the_length(tmp_path, capsys):
+    """Without --seq-len, the rows take the longest example of --data and --eval-data both: a
+    held-out conversation longer than all the training ones is evaluated whole, not refused."""
+    make_qwen3(tmp_path / "qwen3")
+    data = write_jsonl(tmp_path / "chats.jsonl", [{"messages": c} for c in CONVERSATIONS])  # longest: 31 tokens
+    held_out = write_jsonl(tmp_path / "held.jsonl", [{"messages": long_chat(7)}, {"messages": CONVERSATIONS[0]}])  # 81
+    metrics = tmp_path / "m.jsonl"
+    capsys.readouterr()
+    assert main(run_args(tmp_path, data, "--steps", "1", "--eval-data", str(held_out), "--eval-every", "1",
+                         "--metrics", str(metrics))) == 0
+    line = data_line(capsys.readouterr().out)
+    assert "in 1 sequence of 128 tokens (from the data: the longest held-out example, rounded up; the longest here " \
+           "has 31 tokens)" in line, line
+    evals = [r for r in map(json.loads, metrics.read_text().splitlines()) if "eval_loss" in r]
+    assert len(evals) == 1 and evals[0]["eval_loss"] > 0
