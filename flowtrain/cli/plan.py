@@ -17,6 +17,9 @@ from __future__ import annotations
 import argparse
 import json
 
+import msgspec
+
+from ..train import defaults
 from .flags import add_config_flags, config_values
 from .train import MEMORY_FIELDS, flag_of
 
@@ -27,8 +30,9 @@ __all__ = ["PLAN_FIELDS", "add_arguments", "checked_request", "flag_of", "format
 
 #: the fields of ``TrainConfig`` that ``plan`` (and ``simulate``) take, with train's flags,
 #: defaults and checks
-PLAN_FIELDS = ("model", "seq_len", "batch_size", "micro_batch_size", "order", "grad_clip", "precision", "device",
-               "policy", "attention_backend", *MEMORY_FIELDS)
+PLAN_FIELDS = ("model", "data", "tokenizer", "byte_tokenizer", "seq_len", "batch_size",
+               "micro_batch_size", "order", "grad_clip", "precision", "device", "policy", "attention_backend",
+               *MEMORY_FIELDS)
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -37,7 +41,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
         "order": "micro-batch order (auto: micro where predicted faster on this GPU or on --machine)",
         "grad_clip": "plan for exact gradient clipping at this norm (the full layout)",
         "device": "auto: cuda if this machine has one or --gpu-mem is given, else cpu",
-        "seq_len": "tokens per sequence (default: 128, as train's for text)",
+        "seq_len": "tokens per sequence; default: as train's, from --data (its longest example, rounded up to a "
+                   "multiple of 64) or 128 for text and without --data",
+        "data": "the training data, to plan at the length train would take from it (read through the data cache, "
+                "so train does not tokenise it again); default: none, --seq-len or 128",
     })
     a = p.add_argument
     a("--nproc-per-node", type=int, default=1, metavar="N",
@@ -66,6 +73,10 @@ def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: f
     cfg, model_dir = load_model_config(args.model)
     cfg.validate()
     check_units_fit(cfg, host_mem, None if gpu_mem is None else int(gpu_mem * 2**30))  # before sizing anything
+    if tc.data is not None:  # the length train would take from the data (this reads it: torch)
+        from ..train.trainer import seq_len_of_data
+
+        tc = msgspec.structs.replace(tc, seq_len=seq_len_of_data(tc, cfg, model_dir))
     validate(tc, cfg)
     if args.nproc_per_node < 1 or args.nnodes < 1:
         raise ConfigError(f"--nproc-per-node and --nnodes must be at least 1 (got {args.nproc_per_node}, {args.nnodes})")
@@ -101,9 +112,11 @@ def run(args: argparse.Namespace) -> int:
         resolved = msgspec.structs.replace(req, order=plan.spec.order)  # --order auto, decided above
         choice = choose_fastest(cfg, resolved, machine, args.policy, device=device, dtype=dtype)
     if args.json:
-        print(json.dumps({"model": args.model, **plan.to_dict(),
+        print(json.dumps({"model": args.model, "seq_len": req.seq_len, **plan.to_dict(),
                           **({"fastest": choice.to_dict()} if choice else {})}, indent=1))
     else:
+        if args.data is not None and not defaults.seq_len_given(args.seq_len):
+            print(f"seq-len {req.seq_len}, as train takes it from {args.data}")
         print(format_plan(args.model, plan))
         if choice:
             print(choice.explain())

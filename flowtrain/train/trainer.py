@@ -136,10 +136,7 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
     resolve_policy(cfg.policy)
     resolve_save_dtype(cfg.save_dtype, model_dir)  # a bad name fails now, not after training
     tokenizer_dir = _tokenizer_dir(cfg, model_dir)
-    seqs = load_sequences(cfg.data or str(default_corpus_path()), _data_seq_len(cfg, mcfg, resume_state, tokenizer_dir),
-                          mcfg.vocab_size, tokenizer_dir=tokenizer_dir, pad_id=mcfg.pad_token_id or 0,
-                          eos_id=mcfg.eos_token_id, byte_tokenizer=cfg.byte_tokenizer, packing=cfg.packing,
-                          long_examples=cfg.long_examples)
+    seqs = _read_data(cfg, mcfg, tokenizer_dir, _data_seq_len(cfg, mcfg, resume_state, tokenizer_dir))
     cfg = _with_data_seq_len(cfg, seqs)
     data_fp = seqs.fingerprint()  # from the data cache's index: no pass over the rows
     eval_seqs = _load_eval(cfg, mcfg, tokenizer_dir)
@@ -191,6 +188,22 @@ def _load_eval(cfg: TrainConfig, mcfg: ModelConfig, tokenizer_dir: Path | None) 
     if len(seqs) == 0 or seqs.num_targets() == 0:
         raise ConfigError(f"--eval-data {cfg.eval_data}: no target tokens to evaluate; give a file with text in it")
     return seqs
+
+
+def _read_data(cfg: TrainConfig, mcfg: ModelConfig, tokenizer_dir: Path | None, seq_len: int | FromData) -> Sequences:
+    """``--data`` (the bundled corpus without it) read as the run reads it."""
+    return load_sequences(cfg.data or str(default_corpus_path()), seq_len, mcfg.vocab_size, tokenizer_dir=tokenizer_dir,
+                          pad_id=mcfg.pad_token_id or 0, eos_id=mcfg.eos_token_id, byte_tokenizer=cfg.byte_tokenizer,
+                          packing=cfg.packing, long_examples=cfg.long_examples)
+
+
+def seq_len_of_data(cfg: TrainConfig, mcfg: ModelConfig, model_dir: Path | None) -> int:
+    """The ``seq_len`` a run of ``cfg`` trains at: ``--seq-len`` as given, else the one its data
+    chooses (:func:`_data_seq_len`); what ``flowtrain plan --data`` plans for. Reads the data as
+    the run would, so data the run would refuse is refused here (through the cache, so the run
+    that follows does not tokenise it again)."""
+    tokenizer_dir = _tokenizer_dir(cfg, model_dir)
+    return int(_read_data(cfg, mcfg, tokenizer_dir, _data_seq_len(cfg, mcfg, {}, tokenizer_dir)).seq_len)
 
 
 def _data_seq_len(cfg: TrainConfig, mcfg: ModelConfig, resume_state: dict,

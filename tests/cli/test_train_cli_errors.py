@@ -87,7 +87,7 @@ def assert_one_line_refusal(proc, needle, status=2):
         (["--gpu-mem", "nan"], "--gpu-mem must be a finite number > 0 (got nan)"),
         (["--warmup-steps", "-1"], "--warmup-steps must be at least 0 (got -1)"),
         (["--chunk-tokens", "0"], "--chunk-tokens must be at least 1 (got 0)"),
-        (["--checkpoint-every", "0"], "--checkpoint-every must be at least 1 (got 0)"),
+        (["--checkpoint-every", "0"], "--activation-checkpoint-every must be at least 1 (got 0)"),  # the old name works
         (["--adam-workers", "0"], "--adam-workers must be at least 1 (got 0)"),
         (["--compile", "nosuch"], "--compile 'nosuch' is not a torch.compile backend; choose auto, none, eager"),
     ]),
