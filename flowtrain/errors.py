@@ -8,6 +8,7 @@ invariants only.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable
 
 
@@ -23,27 +24,30 @@ class ConfigError(FlowtrainError):
     (``str``) spells the field as the Python API takes it (``steps must be at least 1``); each
     command spells it as its own flag (:meth:`spelled`: ``--steps must be at least 1``), so a
     check written once speaks to both, and ``flowtrain graph`` names ``graph``'s flags, not
-    ``train``'s. Any other brace in such a message is doubled, as in :meth:`str.format`.
+    ``train``'s. A doubled brace stands for a brace; any other text is left as it is (a path
+    with braces in it, put in by an f-string, cannot break the message).
     """
 
     def __init__(self, message: str = "", *, named: bool = False) -> None:
         self.template = message if named else None
-        super().__init__(message.format_map(_Spelling(str)) if named else message)
+        super().__init__(_spell(message, lambda field: field) if named else message)
 
-    def spelled(self, spell: Callable[[str], str]) -> str:
-        """The message with each named field spelled by ``spell`` (a field -> its flag)."""
-        return str(self) if self.template is None else self.template.format_map(_Spelling(spell))
+    def spelled(self, spell: Callable[[str], str | None]) -> str:
+        """The message with each named field spelled by ``spell`` (a field -> its flag; None:
+        not a setting of that command, left as written)."""
+        return str(self) if self.template is None else _spell(self.template, spell)
 
 
-class _Spelling(dict):
-    """``str.format_map``'s mapping that spells every field it is asked for."""
+_NAMED = re.compile(r"\{\{|\}\}|\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
-    def __init__(self, spell: Callable[[str], str]) -> None:
-        super().__init__()
-        self.spell = spell
 
-    def __missing__(self, field: str) -> str:
-        return self.spell(field)
+def _spell(template: str, spell: Callable[[str], str | None]) -> str:
+    def one(m: re.Match[str]) -> str:
+        if m.group(1) is None:
+            return m.group(0)[0]  # {{ -> {, }} -> }
+        return spell(m.group(1)) or m.group(0)
+
+    return _NAMED.sub(one, template)
 
 
 class ScheduleError(FlowtrainError):

@@ -73,8 +73,8 @@ def _lock(path: Path, create: bool, out: Path) -> int | None:
         except BlockingIOError:
             who = _holder(fd)
             os.close(fd)
-            raise ConfigError(f"--out {out} is in use by another flowtrain run ({who}); wait for it to end, "
-                              f"or give this run another --out") from None
+            raise ConfigError(f"{{out}} {out} is in use by another flowtrain run ({who}); wait for it to end, "
+                              f"or give this run another {{out}}", named=True) from None
         except BaseException:
             os.close(fd)
             raise

@@ -80,14 +80,14 @@ def resolve_out(out: str | os.PathLike[str] | None) -> str | None:
         real = os.path.realpath(out, strict=True)
     except OSError as e:
         if e.errno == errno.ELOOP:
-            raise ConfigError(f"--out {out}: cannot follow its symbolic link ({e.strerror}); fix the link "
-                              f"or give another --out") from None
+            raise ConfigError(f"{{out}} {out}: cannot follow its symbolic link ({e.strerror}); fix the link "
+                              f"or give another {{out}}", named=True) from None
         real = os.path.realpath(out)  # missing, or under a file: the path checks say what is wrong
     for link in (p for p in (Path(out), *Path(out).parents) if p.is_symlink()):
         target = os.path.realpath(link)
         if not os.path.exists(target) and not os.path.isdir(os.path.dirname(target)):
-            raise ConfigError(f"--out {out}: {link} is a symbolic link to {target}, whose folder "
-                              f"{os.path.dirname(target)} does not exist; create it, or fix the link")
+            raise ConfigError(f"{{out}} {out}: {link} is a symbolic link to {target}, whose folder "
+                              f"{os.path.dirname(target)} does not exist; create it, or fix the link", named=True)
     return real
 
 
@@ -121,7 +121,7 @@ def resolve_save_dtype(save_dtype: str, source_dir: str | Path | None) -> torch.
     if save_dtype == "auto":
         return (checkpoint_dtype(source_dir) if source_dir is not None else None) or torch.float32
     if save_dtype not in SAVE_DTYPES:
-        raise ConfigError(f"--save-dtype must be one of auto, {', '.join(SAVE_DTYPES)} (got {save_dtype!r})")
+        raise ConfigError(f"{{save_dtype}} must be one of auto, {', '.join(SAVE_DTYPES)} (got {save_dtype!r})", named=True)
     return SAVE_DTYPES[save_dtype]
 
 

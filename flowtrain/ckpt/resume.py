@@ -38,13 +38,10 @@ if TYPE_CHECKING:  # the schedule is training's; a checkpoint only records how i
 
 FORMAT = 1
 
-#: TrainConfig fields that decide what the remaining steps compute, with their flags.
-MUST_MATCH = {
-    "batch_size": "--batch-size", "seq_len": "--seq-len", "lr": "--lr", "weight_decay": "--weight-decay",
-    "betas": "--betas", "eps": "--eps", "grad_clip": "--grad-clip", "warmup_steps": "--warmup-steps",
-    "lr_schedule": "--lr-schedule", "min_lr": "--min-lr", "seed": "--seed", "shuffle": "--no-shuffle",
-    "packing": "--no-packing", "weight_decay_skip": "--weight-decay-skip",
-}
+#: TrainConfig fields that decide what the remaining steps compute (an error names the field;
+#: the command line spells it as its flag)
+MUST_MATCH = ("batch_size", "seq_len", "lr", "weight_decay", "betas", "eps", "grad_clip", "warmup_steps",
+              "lr_schedule", "min_lr", "seed", "shuffle", "packing", "weight_decay_skip")
 #: Learning-rate schedules whose rates depend on ``--steps``: they decay until the last step.
 DECAYING = ("cosine", "linear")
 
@@ -102,19 +99,18 @@ def check_compatible(state: dict, cfg, *, data: str, where: str, total_steps: in
     """Refuse to resume from ``state`` when the remaining steps would compute something else."""
     saved = state.get("settings", {})
     now = settings_of(cfg)
-    for field, flag in MUST_MATCH.items():
+    for field in MUST_MATCH:
         if field in saved and not _same(saved[field], now[field]):
             raise ConfigError(
-                f"--resume {where}: it was trained with {field}={saved[field]!r}, this run has {flag} giving "
-                f"{now[field]!r}; use the same setting to continue it, or start a new run"
-            )
+                f"{{resume}} {where}: it was trained with {field}={saved[field]!r}, this run has {{{field}}} giving "
+                f"{now[field]!r}; use the same setting to continue it, or start a new run", named=True)
     if state.get("data", {}).get("fingerprint") != data:
-        raise ConfigError(f"--resume {where}: the training data differs from the data this checkpoint was "
-                          f"trained on (pass the same --data, tokenised the same way)")
+        raise ConfigError(f"{{resume}} {where}: the training data differs from the data this checkpoint was "
+                          f"trained on (pass the same {{data}}, tokenised the same way)", named=True)
     done = steps_done(state, where)
     if total_steps <= done:
-        raise ConfigError(f"--resume {where}: it has done {done} steps already and --steps is {total_steps}; "
-                          f"--steps counts the whole run: raise it above {done}")
+        raise ConfigError(f"{{resume}} {where}: it has done {done} steps already and {{steps}} is {total_steps}; "
+                          f"{{steps}} counts the whole run: raise it above {done}", named=True)
     _check_schedule_steps(state, where, total_steps, extend=bool(getattr(cfg, "extend_schedule", False)))
 
 
@@ -126,10 +122,9 @@ def _check_schedule_steps(state: dict, where: str, total_steps: int, *, extend: 
     if extend or before is None or before == total_steps or shape not in DECAYING:
         return
     raise ConfigError(
-        f"--resume {where}: its {shape} schedule decays to --min-lr at step {before}, this run has --steps {total_steps}, "
-        f"which would stretch that schedule and change the learning rate of every step left; give --steps {before} to "
-        f"finish it, or add --extend-schedule to decay from the rate it reached to --min-lr at step {total_steps}"
-    )
+        f"{{resume}} {where}: its {shape} schedule decays to {{min_lr}} at step {before}, this run has {{steps}} {total_steps}, "
+        f"which would stretch that schedule and change the learning rate of every step left; give {{steps}} {before} to "
+        f"finish it, or add {{extend_schedule}} to decay from the rate it reached to {{min_lr}} at step {total_steps}", named=True)
 
 
 def schedule_record(state: dict, where: str) -> tuple[int | None, list[tuple[int, int]]]:
@@ -219,8 +214,7 @@ def resumed_schedule(schedule: "LRSchedule", state: dict, *, where: str) -> Cont
     reached = sched(start)
     if reached <= schedule.min_lr:
         raise ConfigError(
-            f"--resume {where} --extend-schedule: its {schedule.schedule} schedule had already decayed to --min-lr "
+            f"{{resume}} {where} {{extend_schedule}}: its {schedule.schedule} schedule had already decayed to {{min_lr}} "
             f"{schedule.min_lr:g} by step {done}, so it would train on at that rate; to train on at a new rate, start a "
-            f"new run from it (--model {where}: its weights, a new optimizer state)"
-        )
+            f"new run from it ({{model}} {where}: its weights, a new optimizer state)", named=True)
     return ContinuedSchedule(sched.base, [*sched.extended, (start, schedule.total_steps)])

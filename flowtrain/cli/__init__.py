@@ -123,14 +123,16 @@ def _exit_status(exc: BaseException) -> int:
     return 2
 
 
-def _one_line(exc: BaseException, flag_of: Callable[[str], str] | None = None) -> str:
+def _one_line(exc: BaseException, flag_of: Callable[[str], str | None] | None = None) -> str:
     """The message of ``exc`` as one line, the settings it names spelled as the command's flags
-    (``flag_of``: the command module's, else ``--field-name``); errors from outside flowtrain
+    (``flag_of``: the command module's, else train's); errors from outside flowtrain
     name their type and how to see where they came from."""
     if isinstance(exc, KeyboardInterrupt):
         return "interrupted"
     if isinstance(exc, ConfigError):
-        text = exc.spelled(flag_of or (lambda field: "--" + field.replace("_", "-")))
+        if flag_of is None:  # a command without its own: train's spelling, where it has one
+            from .train import flag_of
+        text = exc.spelled(flag_of)
     elif isinstance(exc, FlowtrainError):
         text = str(exc)
     elif isinstance(exc, OSError) and exc.strerror:

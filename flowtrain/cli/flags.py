@@ -90,10 +90,7 @@ def config_values(args: argparse.Namespace, names: Iterable[str] | None = None) 
     return {f.name: getattr(args, f.name) for f in config_fields(names)}
 
 
-def flag_of(field: str) -> str:
+def flag_of(field: str) -> str | None:
     """How ``train`` spells ``field`` (``checkpoint_every`` -> ``--activation-checkpoint-every``);
-    a name that is no field of ``TrainConfig`` by the usual rule."""
-    for f in fields_of(TrainConfig):
-        if f.name == field:
-            return f.flag
-    return "--" + field.replace("_", "-")
+    None for a name that is no field of ``TrainConfig``."""
+    return next((f.flag for f in fields_of(TrainConfig) if f.name == field), None)

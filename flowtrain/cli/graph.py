@@ -37,9 +37,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 _FLAGS = {"share": "--processes", "full_layout": "the full layout (leave out --staged)"}
 
 
-def flag_of(field: str) -> str:
-    """``graph``'s flag for a :class:`StepSpec` field (its errors name fields)."""
-    return _FLAGS.get(field, "--" + field.replace("_", "-"))
+def flag_of(field: str) -> str | None:
+    """``graph``'s flag for a :class:`StepSpec` field (its errors name fields); None for a name
+    that is no field of it."""
+    if field in _FLAGS:
+        return _FLAGS[field]
+    return "--" + field.replace("_", "-") if field in StepSpec.__struct_fields__ else None
 
 
 def _chunks(items: list[str]) -> dict[str, int]:

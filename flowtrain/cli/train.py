@@ -31,8 +31,9 @@ _BELOW = {"staged": "--layout staged", "full_layout": "--layout full", "keep": "
           "micro_batches": "--batch-size / --micro-batch-size", "share": "--nproc-per-node"}
 
 
-def flag_of(field: str) -> str:
-    """How ``train`` (and ``plan``, ``simulate``, ``bench``) spell a field an error names."""
+def flag_of(field: str) -> str | None:
+    """How ``train`` (and ``plan``, ``simulate``, ``bench``) spell a field an error names; None
+    for a name that is none of theirs."""
     return _BELOW.get(field) or config_flag(field)
 
 

@@ -238,9 +238,8 @@ class Batch:
         """The step cut into consecutive micro-batches of ``micro_batch_size`` rows (views)."""
         if micro_batch_size < 1 or len(self) % micro_batch_size:
             raise ConfigError(
-                f"--micro-batch-size {micro_batch_size} does not divide --batch-size "
-                f"{len(self)}; pick a divisor of {len(self)}"
-            )
+                f"{{micro_batch_size}} {micro_batch_size} does not divide {{batch_size}} "
+                f"{len(self)}; pick a divisor of {len(self)}", named=True)
         return [
             Batch(self.input_ids[i : i + micro_batch_size], self.targets[i : i + micro_batch_size],
                   None if self.positions is None else self.positions[i : i + micro_batch_size])
@@ -284,7 +283,7 @@ def load_sequences(
     DataError for a file that cannot be used and ConfigError for impossible sizes or ids.
     """
     if long_examples not in LONG_EXAMPLES:
-        raise ConfigError(f"--long-examples must be one of {', '.join(LONG_EXAMPLES)} (got {long_examples!r})")
+        raise ConfigError(f"{{long_examples}} must be one of {', '.join(LONG_EXAMPLES)} (got {long_examples!r})", named=True)
     if isinstance(seq_len, FromData) and seq_len.multiple < 1:
         raise ConfigError(f"a seq_len from the data is rounded up to a multiple of at least 1 (got {seq_len.multiple})")
     _check_config(seq_len if isinstance(seq_len, int) else seq_len.for_stream(), vocab_size, pad_id, eos_id)
@@ -421,7 +420,7 @@ def step_batches(
     many batches without building them, for resuming a run.
     """
     if batch_size < 1:
-        raise ConfigError(f"--batch-size {batch_size} must be at least 1")
+        raise ConfigError(f"{{batch_size}} {batch_size} must be at least 1", named=True)
     if start_step < 0:
         raise ConfigError(f"start_step {start_step} must be at least 0")
     n = len(seqs)
@@ -464,8 +463,7 @@ def default_corpus_path() -> Path:
 def _check_config(seq_len: int, vocab_size: int, pad_id: int, eos_id: int | None) -> None:
     if seq_len < 2:
         raise ConfigError(
-            f"--seq-len {seq_len} is too short: predicting a next token needs at least 2"
-        )
+            f"{{seq_len}} {seq_len} is too short: predicting a next token needs at least 2", named=True)
     if vocab_size < 1:
         raise ConfigError(f"vocab_size {vocab_size} must be at least 1")
     if not 0 <= pad_id < vocab_size:

@@ -234,9 +234,8 @@ def check_encoder(
     if path is not None:
         if byte_tokenizer:
             raise ConfigError(
-                f"--byte-tokenizer asks for raw UTF-8 bytes, but {tokenizer_dir} has a "
-                "tokenizer.json; drop --byte-tokenizer to use it, or train from a folder without one"
-            )
+                f"{{byte_tokenizer}} asks for raw UTF-8 bytes, but {tokenizer_dir} has a "
+                "tokenizer.json; drop {byte_tokenizer} to use it, or train from a folder without one", named=True)
         return path
     if tokenizer_dir is not None:
         foreign = [n for n in _FOREIGN_TOKENIZERS if (Path(tokenizer_dir) / n).is_file()]

@@ -97,9 +97,8 @@ def check_compile_backend(name: str | None) -> None:
     # The default listing leaves out debug backends (aot_eager, ...), which are accepted too.
     shown = ", ".join([*_TRIVIAL_BACKENDS, *torch._dynamo.list_backends()])
     raise ConfigError(
-        f"--compile {name!r} is not a torch.compile backend; choose {shown} "
-        "(debug backends such as aot_eager work too)"
-    )
+        f"{{compile}} {name!r} is not a torch.compile backend; choose {shown} "
+        "(debug backends such as aot_eager work too)", named=True)
 
 
 def check_output_paths(out: str | os.PathLike[str] | None, overwrite: bool,
@@ -131,16 +130,16 @@ def _inside(p: Path, folder: Path) -> bool:
 
 def _check_out(out: Path, overwrite: bool, resume: Path | None) -> None:
     if out.exists() and not out.is_dir():
-        raise ConfigError(f"--out {out} is a file; give a folder to write the model into (created if missing)")
+        raise ConfigError(f"{{out}} {out} is a file; give a folder to write the model into (created if missing)", named=True)
     if not out.exists():
         _check_creatable("--out", out)
         return
     try:
         non_empty = any(out.iterdir())
     except OSError as e:
-        raise ConfigError(f"--out {out} cannot be read ({e.strerror})") from None
+        raise ConfigError(f"{{out}} {out} cannot be read ({e.strerror})", named=True) from None
     if non_empty and not overwrite and not (resume is not None and _inside(resume, out)):
-        raise ConfigError(f"--out {out} exists and is not empty; choose another directory or add --overwrite")
+        raise ConfigError(f"{{out}} {out} exists and is not empty; choose another directory or add {{overwrite}}", named=True)
     _check_writable("--out", out, out)  # checkpoints are written inside it
     _check_writable("--out", out, Path(os.path.abspath(out)).parent)  # the model is renamed in beside it
 

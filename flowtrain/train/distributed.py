@@ -107,7 +107,7 @@ class World(msgspec.Struct, frozen=True):
         k, extra = divmod(len(micro_batches), self.size)
         if extra:
             raise ConfigError(f"{len(micro_batches)} micro-batches per step do not split over {self.size} processes: "
-                              f"make --batch-size / --micro-batch-size a multiple of {self.size}")
+                              f"make {{batch_size}} / {{micro_batch_size}} a multiple of {self.size}", named=True)
         return micro_batches[self.rank * k : (self.rank + 1) * k]
 
 
@@ -119,8 +119,8 @@ def local_share(cfg: Any, size: int) -> Any:
         return cfg
     per = cfg.micro_batch_size * size
     if cfg.batch_size % per:
-        raise ConfigError(f"--batch-size {cfg.batch_size} does not split into {size} processes' shares of "
-                          f"--micro-batch-size {cfg.micro_batch_size}: use a multiple of {per}")
+        raise ConfigError(f"{{batch_size}} {cfg.batch_size} does not split into {size} processes' shares of "
+                          f"{{micro_batch_size}} {cfg.micro_batch_size}: use a multiple of {per}", named=True)
     return msgspec.structs.replace(cfg, batch_size=cfg.batch_size // size)
 
 

@@ -164,7 +164,7 @@ class HostState:
         one shared copy (:mod:`flowtrain.train.shared_state`); every process of the node calls
         this at the same point."""
         if layout not in LAYOUTS:
-            raise ConfigError(f"--layout must be one of {', '.join(LAYOUTS)} (got {layout!r})")
+            raise ConfigError(f"{{layout}} must be one of {', '.join(LAYOUTS)} (got {layout!r})", named=True)
         res = set(resident)
         chunks = chunks or {}
         layouts = model_layouts(cfg)

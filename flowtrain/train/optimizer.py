@@ -42,13 +42,13 @@ class AdamWConfig(msgspec.Struct, frozen=True, kw_only=True):
     def validate(self) -> "AdamWConfig":
         b1, b2 = self.betas
         if not (0.0 <= b1 < 1.0 and 0.0 <= b2 < 1.0):
-            raise ConfigError(f"--betas must be two numbers in [0, 1) (got {b1},{b2})")
+            raise ConfigError(f"{{betas}} must be two numbers in [0, 1) (got {b1},{b2})", named=True)
         if self.lr < 0 or self.eps < 0 or self.weight_decay < 0:
-            raise ConfigError("--lr, --eps and --weight-decay must not be negative")
+            raise ConfigError("{lr}, {eps} and {weight_decay} must not be negative", named=True)
         if self.grad_clip is not None and self.grad_clip <= 0:
-            raise ConfigError(f"--grad-clip must be positive (got {self.grad_clip})")
+            raise ConfigError(f"{{grad_clip}} must be positive (got {self.grad_clip})", named=True)
         if self.weight_decay_skip not in DECAY_SKIPS:
-            raise ConfigError(f"--weight-decay-skip must be one of {', '.join(DECAY_SKIPS)} (got {self.weight_decay_skip!r})")
+            raise ConfigError(f"{{weight_decay_skip}} must be one of {', '.join(DECAY_SKIPS)} (got {self.weight_decay_skip!r})", named=True)
         return self
 
 
@@ -99,9 +99,9 @@ class LRSchedule(msgspec.Struct, frozen=True, kw_only=True):
 
     def validate(self) -> "LRSchedule":
         if self.schedule not in ("constant", "cosine", "linear"):
-            raise ConfigError(f"--lr-schedule must be constant, cosine or linear (got {self.schedule!r})")
+            raise ConfigError(f"{{lr_schedule}} must be constant, cosine or linear (got {self.schedule!r})", named=True)
         if self.warmup_steps < 0:
-            raise ConfigError("--warmup-steps must not be negative")
+            raise ConfigError("{warmup_steps} must not be negative", named=True)
         return self
 
     def __call__(self, step: int) -> float:

@@ -223,7 +223,7 @@ def precision_bytes(precision: str | None, device_type: str) -> int:
     (bf16 on CUDA, fp32 on the CPU by default); ``trainer.resolve_dtype`` makes it a dtype."""
     precision = precision or ("bf16" if device_type == "cuda" else "fp32")
     if precision not in ("fp32", "bf16"):
-        raise ConfigError(f"--precision must be fp32 or bf16 (got {precision!r})")
+        raise ConfigError(f"{{precision}} must be fp32 or bf16 (got {precision!r})", named=True)
     return 4 if precision == "fp32" else 2
 
 

@@ -69,9 +69,9 @@ def resolve_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if name.startswith("cuda") and not torch.cuda.is_available():
-        raise ConfigError("--device cuda was asked for, but this machine has no CUDA GPU (use --device cpu)")
+        raise ConfigError("{device} cuda was asked for, but this machine has no CUDA GPU (use {device} cpu)", named=True)
     if name != "cpu" and not name.startswith("cuda"):
-        raise ConfigError(f"--device must be auto, cpu or cuda (got {name!r})")
+        raise ConfigError(f"{{device}} must be auto, cpu or cuda (got {name!r})", named=True)
     return torch.device(name)
 
 
@@ -122,8 +122,8 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
     if resume_from is not None:
         saved_cfg = read_config(resume_from)
         if saved_cfg != mcfg:
-            raise ConfigError(f"--resume {resume_from}: it holds a different model than --model {cfg.model} "
-                              f"(config.json differs); leave out --model to continue the checkpoint's model")
+            raise ConfigError(f"{{resume}} {resume_from}: it holds a different model than {{model}} {cfg.model} "
+                              f"(config.json differs); leave out {{model}} to continue the checkpoint's model", named=True)
         model_dir = resume_from  # its tokenizer files travel with every checkpoint
     elif model_dir is not None:  # a folder without weights, or with a tensor missing: refused before allocating
         check_weight_headers(model_dir, mcfg, require=True)
@@ -186,7 +186,7 @@ def _load_eval(cfg: TrainConfig, mcfg: ModelConfig, tokenizer_dir: Path | None) 
                           pad_id=mcfg.pad_token_id or 0, eos_id=mcfg.eos_token_id, byte_tokenizer=cfg.byte_tokenizer,
                           packing=cfg.packing, long_examples=cfg.long_examples)
     if len(seqs) == 0 or seqs.num_targets() == 0:
-        raise ConfigError(f"--eval-data {cfg.eval_data}: no target tokens to evaluate; give a file with text in it")
+        raise ConfigError(f"{{eval_data}} {cfg.eval_data}: no target tokens to evaluate; give a file with text in it", named=True)
     return seqs
 
 
@@ -243,10 +243,10 @@ def _tokenizer_dir(cfg: TrainConfig, model_dir: Path | None) -> Path | None:
     if cfg.tokenizer is None:
         return model_dir
     if cfg.byte_tokenizer:
-        raise ConfigError("--tokenizer and --byte-tokenizer contradict each other: give one")
+        raise ConfigError("{tokenizer} and {byte_tokenizer} contradict each other: give one", named=True)
     path = Path(cfg.tokenizer)
     if not (path / "tokenizer.json").is_file():
-        raise ConfigError(f"--tokenizer {cfg.tokenizer}: no tokenizer.json there; give the folder that holds it")
+        raise ConfigError(f"{{tokenizer}} {cfg.tokenizer}: no tokenizer.json there; give the folder that holds it", named=True)
     return path
 
 

@@ -102,13 +102,13 @@ def test_resume_refuses_other_settings_and_data_in_one_line(tmp_path):
     train(TrainConfig(**BASE, steps=2, out=str(out), save_every=2))
     with pytest.raises(ConfigError, match="lr"):
         train(TrainConfig(**dict(BASE, lr=1e-2), steps=4, out=str(out), resume=str(out)))
-    with pytest.raises(ConfigError, match="--batch-size"):
+    with pytest.raises(ConfigError, match="this run has batch_size giving 8"):
         train(TrainConfig(**dict(BASE, batch_size=8), steps=4, out=str(out), resume=str(out)))
     other = tmp_path / "other.txt"
     other.write_text("some other text entirely " * 200)
     with pytest.raises(ConfigError, match="data"):
         train(TrainConfig(**BASE, steps=4, data=str(other), out=str(out), resume=str(out)))
-    with pytest.raises(ConfigError, match="--steps"):
+    with pytest.raises(ConfigError, match="steps is 2; steps counts the whole run"):
         train(TrainConfig(**BASE, steps=2, out=str(out), resume=str(out)))
     with pytest.raises(CheckpointError):
         train(TrainConfig(**BASE, steps=4, out=str(tmp_path / "x"), resume=str(tmp_path / "nothing-here")))

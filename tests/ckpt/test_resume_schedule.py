@@ -84,13 +84,13 @@ def test_extend_schedule_decays_from_the_rate_reached_and_resumes_exactly(tmp_pa
     a, b = load_file(tmp_path / "ext" / "model.safetensors"), load_file(tmp_path / "again" / "model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     # and its schedule now ends at step 8: another --steps needs the flag again
-    with pytest.raises(ConfigError, match="decays to --min-lr at step 8, this run has --steps 10"):
+    with pytest.raises(ConfigError, match="decays to min_lr at step 8, this run has steps 10"):
         train(TrainConfig(steps=10, resume=str(tmp_path / "ext" / "checkpoint-6"), out=str(tmp_path / "c"), **BASE))
 
 
 def test_extending_a_schedule_that_reached_min_lr_is_refused(tmp_path):
     train(TrainConfig(model="tiny", steps=2, out=str(tmp_path / "a"), save_every=2, **BASE))
-    with pytest.raises(ConfigError, match="had already decayed to --min-lr 0.0001 by step 2"):
+    with pytest.raises(ConfigError, match="had already decayed to min_lr 0.0001 by step 2"):
         train(TrainConfig(steps=4, resume=str(tmp_path / "a"), extend_schedule=True, out=str(tmp_path / "b"), **BASE))
     assert not (tmp_path / "b").exists()
 

@@ -360,7 +360,7 @@ def test_tokenizer_ids_beyond_the_model_vocabulary_name_the_line(tmp_path):
 @pytest.mark.parametrize(
     "kwargs, pattern",
     [
-        ({"seq_len": 1}, "--seq-len 1"),
+        ({"seq_len": 1}, "seq_len 1"),
         ({"vocab_size": 0}, "vocab_size 0"),
         ({"pad_id": 256}, "pad_id 256"),
         ({"pad_id": -1}, "pad_id -1"),
@@ -424,7 +424,7 @@ def test_start_step_resumes_the_same_sequence_of_batches(tmp_path):
 
 def test_bad_batch_size_is_a_config_error(tmp_path):
     seqs = numbered(tmp_path, 3)
-    with pytest.raises(ConfigError, match="--batch-size 0"):
+    with pytest.raises(ConfigError, match="batch_size 0"):
         step_batches(seqs, 0, shuffle=False, seed=0)  # raised at the call, not the first step
 
 
@@ -439,7 +439,7 @@ def test_micro_batches_split_the_step_in_order(tmp_path):
     assert torch.equal(torch.cat([m.targets for m in micro]), batch.targets)
     assert sum(m.num_targets() for m in micro) == batch.num_targets() == seqs.num_targets()
     assert batch.micro_batches(8)[0].input_ids.shape == (8, 6)
-    with pytest.raises(ConfigError, match="--micro-batch-size 3 does not divide --batch-size 8"):
+    with pytest.raises(ConfigError, match="micro_batch_size 3 does not divide batch_size 8"):
         batch.micro_batches(3)
 
 

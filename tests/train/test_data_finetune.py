@@ -353,7 +353,7 @@ def test_ids_need_no_tokenizer_and_bytes_with_a_tokenizer_is_a_config_error(tmp_
     path = write_jsonl(tmp_path / "d.jsonl", [{"input_ids": [1, 2, 3], "labels": [1, 2, 3]}])
     assert len(load_sequences(path, seq_len=4, vocab_size=10, tokenizer_dir=empty)) == 1
     text = write_jsonl(tmp_path / "t.jsonl", [{"text": "hi"}])
-    with pytest.raises(ConfigError, match="--byte-tokenizer .* has a tokenizer.json"):
+    with pytest.raises(ConfigError, match="byte_tokenizer .* has a tokenizer.json"):  # the field, as the API has it
         load_sequences(text, seq_len=4, vocab_size=VOCAB, tokenizer_dir=make_tokenizer(tmp_path / "tok"),
                        byte_tokenizer=True)
 
