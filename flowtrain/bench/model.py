@@ -7,7 +7,9 @@ reports the steps after ``--warmup`` (excluded: compilation, allocator growth, f
     flowtrain bench --model llama-3b --seq-len 4096 --batch-size 4 --micro-batch-size 4 --steps 8
 
 Model FLOPs per token are ``6 N + 6 L h S`` (weights, and causal attention at half of
-``12 L h S``), recompute not counted, the same definition as the all-on-GPU and DeepSpeed baseline trainers use.
+``12 L h S``), recompute not counted, the same definition as the all-on-GPU and DeepSpeed baseline trainers use;
+for a mixture of experts N is the active parameters (the router and the top-k experts of each
+sparse layer, not every expert: :func:`flowtrain.model.config.model_flops_per_token`).
 Busy fractions come from the executed trace: for each lane, the union of its tasks' intervals
 over the measured window, so they say where the time went. Beside the measured peaks (host RSS,
 GPU ``max_memory_allocated``, and the whole process's device memory as ``nvidia-smi`` would
@@ -57,12 +59,11 @@ def add_model_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) ->
 
 
 def model_flops_per_token(model: str, seq_len: int) -> float:
-    from ..model import model_layouts
+    from ..model.config import model_flops_per_token as per_token
     from ..train.trainer import load_model_config
 
     cfg, _ = load_model_config(model)
-    n = sum(e.numel for lay in model_layouts(cfg) for e in lay.entries)
-    return 6.0 * n + 6.0 * cfg.num_layers * cfg.hidden_size * seq_len
+    return per_token(cfg, seq_len)
 
 
 def run_model(args: argparse.Namespace) -> dict:

@@ -80,6 +80,7 @@ from safetensors import SafetensorError, safe_open
 
 from ..errors import CheckpointError
 from ..model import ModelConfig, UnitLayout
+from ..model.layout import hub_tensors
 from .hf import CONFIG_NAME, INDEX_NAME, fsync_dir, hf_config_text, unit_tensors, write_safetensors
 
 if TYPE_CHECKING:  # the state is training's; a checkpoint only reads and fills it
@@ -322,7 +323,8 @@ class CheckpointWriter:
 
     def _write_small_files(self, trainer_state: dict, extra_files: Iterable[str | os.PathLike[str]]) -> None:
         n = len(self.layouts)
-        weight_map = {e.name: model_file(i, n) for i, lay in enumerate(self.layouts) for e in lay.entries}
+        weight_map = {name: model_file(i, n) for i, lay in enumerate(self.layouts) for e in lay.entries
+                      for name, _, _ in hub_tensors(e)}
         index = {"metadata": {"total_size": sum(self._units.values())}, "weight_map": weight_map}
         small = {
             INDEX_NAME: json.dumps(index, indent=2, sort_keys=True) + "\n",

@@ -27,7 +27,7 @@ import logging
 import math
 import os
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +37,7 @@ from torch import Tensor
 
 from flowtrain.errors import CheckpointError, FlowtrainError
 from flowtrain.model.config import CONFIG_NAME, ModelConfig, read_config  # noqa: F401 - re-exported
-from flowtrain.model.layout import Entry, UnitLayout, bind
+from flowtrain.model.layout import UnitLayout, bind, hub_tensors
 
 __all__ = ["checkpoint_dtype", "hf_config_text", "load_into", "read_config", "save_hf", "shard_tensors",
            "unit_tensors", "write_safetensors"]
@@ -119,11 +119,15 @@ def load_into(
     path = Path(model_dir)
     if not path.is_dir():
         raise CheckpointError(f"model directory {str(path)!r} does not exist or is not a directory")
-    targets: dict[str, tuple[Entry, Tensor]] = {}
+    targets: dict[str, tuple[tuple[int, ...], Callable[[Tensor], Any]]] = {}
     for layout, flat in zip(layouts, flats):
         views = bind(flat, layout)
         for e in layout.entries:
-            targets[e.name] = (e, views[e.key])
+            for name, shape, index in hub_tensors(e):
+                view = views[e.key] if index is None else views[e.key][index]
+                targets[name] = (shape, view.copy_)
+    if any(e.stacked for lay in layouts for e in lay.entries):
+        _accept_fused_experts(path, layouts, flats, targets)
 
     for file, names in _weight_files(path, list(targets)).items():
         try:
@@ -132,20 +136,66 @@ def load_into(
                 for name in names:
                     if name not in present:
                         raise CheckpointError(f"tensor {name!r} is missing from {file}")
-                    entry, view = targets[name]
+                    want, copy = targets[name]
                     shape = tuple(f.get_slice(name).get_shape())
-                    if shape != entry.shape:
+                    if shape != want:
                         raise CheckpointError(
                             f"tensor {name!r} in {file} has shape {shape}, but the config "
-                            f"implies {entry.shape}; does config.json belong to these weights?"
+                            f"implies {want}; does config.json belong to these weights?"
                         )
-                    view.copy_(f.get_tensor(name))
+                    copy(f.get_tensor(name))
                 extra = sorted(n for n in present - set(targets) if not _harmless(n, cfg))
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"cannot read {file}: corrupt or truncated ({e})") from e
         if extra:
             log.warning("%s: ignoring %d unexpected tensor(s): %s", file, len(extra),
                         ", ".join(extra[:5]) + (" ..." if len(extra) > 5 else ""))
+
+
+def _checkpoint_names(path: Path) -> set[str]:
+    """The tensor names a model directory holds (its index's, or its single file's)."""
+    index_path = path / INDEX_NAME
+    try:
+        if index_path.is_file():
+            weight_map = json.loads(index_path.read_text()).get("weight_map")
+            return set(weight_map) if isinstance(weight_map, dict) else set()
+        if (path / WEIGHTS_NAME).is_file():
+            with safe_open(str(path / WEIGHTS_NAME), framework="pt") as f:
+                return set(f.keys())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError, SafetensorError):
+        pass  # reported, with the file named, when the weights are read
+    return set()
+
+
+def _accept_fused_experts(path: Path, layouts: Sequence[UnitLayout], flats: Sequence[Tensor],
+                          targets: dict[str, tuple[tuple[int, ...], Callable[[Tensor], Any]]]) -> None:
+    """Where a checkpoint holds a sparse layer's experts as transformers 5 keeps them in memory
+    (``model.layers.N.mlp.experts.gate_up_proj`` (E, 2 inter, hidden), gate rows first, and
+    ``...experts.down_proj`` (E, hidden, inter), the router as ``mlp.gate.weight``) rather than
+    the Hub's one tensor per expert, read those instead: ``targets`` is rewritten in place."""
+    present = _checkpoint_names(path)
+    for layout, flat in zip(layouts, flats):
+        if layout.layer is None or not any(e.stacked for e in layout.entries):
+            continue
+        gate, up, down, router = (layout.entry(k) for k in ("experts_gate", "experts_up", "experts_down", "router"))
+        prefix = f"model.layers.{layout.layer}.mlp"
+        fused_up, fused_down = f"{prefix}.experts.gate_up_proj", f"{prefix}.experts.down_proj"
+        if hub_tensors(gate)[0][0] in present or fused_up not in present:
+            continue
+        views = bind(flat, layout)
+        for e in (gate, up, down):
+            for name, _, _ in hub_tensors(e):
+                del targets[name]
+        inter = gate.shape[1]
+
+        def copy_gate_up(t: Tensor, g: Tensor = views[gate.key], u: Tensor = views[up.key], n: int = inter) -> None:
+            g.copy_(t[:, :n])
+            u.copy_(t[:, n:])
+
+        targets[fused_up] = ((gate.shape[0], 2 * inter, gate.shape[2]), copy_gate_up)
+        targets[fused_down] = (down.shape, views[down.key].copy_)
+        if router.name not in present and f"{prefix}.gate.weight" in present:
+            targets[f"{prefix}.gate.weight"] = targets.pop(router.name)
 
 
 # ---------------------------------------------------------------------- saving
@@ -300,9 +350,11 @@ def checkpoint_dtype(model_dir: str | os.PathLike[str]) -> torch.dtype | None:
 
 
 def unit_tensors(flat: Tensor, layout: UnitLayout) -> list[tuple[str, Tensor]]:
-    """``(checkpoint name, view)`` of every tensor of one unit, in layout order."""
+    """``(checkpoint name, view)`` of every tensor of one unit, in layout order, with the Hub's
+    names: a stacked entry (a sparse layer's experts) as one tensor per expert."""
     views = bind(flat, layout)
-    return [(e.name, views[e.key]) for e in layout.entries]
+    return [(name, views[e.key] if index is None else views[e.key][index])
+            for e in layout.entries for name, _, index in hub_tensors(e)]
 
 
 def fsync_dir(path: Path) -> None:

@@ -15,7 +15,11 @@ in :data:`FAMILIES`: ``LlamaForCausalLM`` (optional biases on q, k, v and o),
 an optional sliding window) and ``Qwen3ForCausalLM`` (RMSNorm over each head of q and k, an
 explicit head_dim, an optional sliding window) and ``Gemma3ForCausalLM`` (Gemma 3's text
 model: sliding and global layers, q/k norms, sandwich norms, GeGLU, scaled embeddings; the
-layer math is :mod:`flowtrain.model.gemma`). Sliding windows are applied layer by layer
+layer math is :mod:`flowtrain.model.gemma`), and two mixtures of experts,
+``Qwen3MoeForCausalLM`` (Qwen3's attention; experts in the layers that
+:meth:`ModelConfig.layer_sparse` names, a dense MLP in the others) and ``MixtralForCausalLM``
+(Mistral's attention, experts in every layer; the layer math of both is
+:mod:`flowtrain.model.moe`). Sliding windows are applied layer by layer
 (:meth:`ModelConfig.layer_window`). Anything else is refused with a
 :class:`~flowtrain.errors.ConfigError` rather than trained wrongly.
 """
@@ -39,6 +43,7 @@ __all__ = [
     "Family",
     "ModelConfig",
     "RopeScaling",
+    "model_flops_per_token",
     "preset",
 ]
 
@@ -59,13 +64,21 @@ class Family(msgspec.Struct, frozen=True):
     # How config.json spells a sliding window. "mistral": sliding_window (absent: 4096) on
     # every layer; "qwen": sliding_window on the layers from max_window_layers on, only
     # when use_sliding_window is true.
-    window: Literal["none", "mistral", "qwen", "gemma"] = "none"
+    # "mixtral": sliding_window on every layer, absent meaning none; "qwen_moe": sliding_window
+    # (absent: 4096) on every layer, only when use_sliding_window is true.
+    window: Literal["none", "mistral", "qwen", "gemma", "mixtral", "qwen_moe"] = "none"
     # Gemma 3's layer: norms scale by (1 + weight) in fp32 and also follow attention and the
     # MLP, embeddings are multiplied by sqrt(hidden_size), the MLP is GeGLU (tanh GELU),
     # attention scores by query_pre_attn_scalar ** -0.5, sliding layers rotate with their
     # own base (rope_local_base_freq).
     gemma: bool = False
     tied: bool = False                 # tie_word_embeddings when absent
+    # Mixture of experts (:mod:`flowtrain.model.moe`): "qwen3" (Qwen3-MoE: the top-k weights
+    # renormalised only with norm_topk_prob, dense MLP layers by mlp_only_layers and
+    # decoder_sparse_step; checkpoint names mlp.gate, mlp.experts.E.{gate,up,down}_proj) or
+    # "mixtral" (every layer sparse, always renormalised; block_sparse_moe.gate,
+    # block_sparse_moe.experts.E.{w1,w2,w3}). "none": a dense model.
+    moe: Literal["none", "qwen3", "mixtral"] = "none"
 
 
 FAMILIES: dict[str, Family] = {f.architecture: f for f in (
@@ -77,6 +90,10 @@ FAMILIES: dict[str, Family] = {f.architecture: f for f in (
            attention_bias=True, qk_norm=True, window="qwen"),
     Family("Gemma3ForCausalLM", "gemma3_text", max_position_embeddings=131072, head_dim=256,
            attention_bias=True, qk_norm=True, window="gemma", gemma=True, tied=True),
+    Family("Qwen3MoeForCausalLM", "qwen3_moe", max_position_embeddings=32768, attention_bias=True,
+           qk_norm=True, window="qwen_moe", moe="qwen3"),
+    Family("MixtralForCausalLM", "mixtral", max_position_embeddings=4096 * 32, rms_norm_eps=1e-5,
+           window="mixtral", moe="mixtral"),
 )}
 
 SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
@@ -117,6 +134,8 @@ _HF_BOUNDS = {key: bound for key, bound in SIZE_BOUNDS.values()}
 #: Parameters a model may have: 10**13 fp32 weights are 40 TB, more host memory than any one
 #: machine has, so no run could ever hold them.
 MAX_PARAMETERS = 10**13
+#: Experts a sparse layer may have (the largest published models have a few hundred).
+MAX_EXPERTS = 1 << 14
 
 
 class RopeScaling(msgspec.Struct, frozen=True):
@@ -176,6 +195,20 @@ class ModelConfig(msgspec.Struct, frozen=True):
     rope_local_theta: float | None = None
     #: Gemma 3: attention scores are scaled by this ** -0.5 (None: head_dim ** -0.5)
     query_pre_attn_scalar: float | None = None
+    #: Mixture of experts (0 experts: a dense model): experts per sparse layer, how many each
+    #: token is routed to, each expert's intermediate size (Mixtral: intermediate_size)
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    #: renormalise the top-k routing weights to sum to one (Mixtral always does)
+    norm_topk_prob: bool = False
+    #: Qwen3-MoE: layer i has experts when (i + 1) % decoder_sparse_step == 0 and i is not in
+    #: mlp_only_layers; the others have a dense MLP of intermediate_size
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()
+    #: train with the load-balancing loss (weight router_aux_loss_coef) added to the loss
+    output_router_logits: bool = False
+    router_aux_loss_coef: float = 0.0
 
     def __post_init__(self) -> None:
         # head_dim is always an int after construction; None only means "derive it".
@@ -219,6 +252,20 @@ class ModelConfig(msgspec.Struct, frozen=True):
     def qk_norm(self) -> bool:
         """Whether q and k pass through an RMSNorm over each head (weights of head_dim)."""
         return self.family.qk_norm
+
+    @property
+    def moe(self) -> bool:
+        """Whether the model routes tokens to experts (:mod:`flowtrain.model.moe`)."""
+        return self.family.moe != "none"
+
+    def layer_sparse(self, layer: int) -> bool:
+        """Whether decoder layer ``layer`` has a router and experts (else a dense MLP)."""
+        return (self.moe and self.num_experts > 0 and layer not in self.mlp_only_layers
+                and (layer + 1) % self.decoder_sparse_step == 0)
+
+    def sparse_layers(self) -> list[int]:
+        """The decoder layers with experts, in order (empty for a dense model)."""
+        return [i for i in range(self.num_layers) if self.layer_sparse(i)]
 
     def check_seq_len(self, seq_len: int) -> None:
         """Raise :class:`ConfigError` if sequences of ``seq_len`` tokens reach beyond the model's
@@ -293,8 +340,44 @@ class ModelConfig(msgspec.Struct, frozen=True):
             )
         self._check_rope_scaling()
         self._check_gemma_fields()
+        self._check_moe_fields()
         self._check_parameter_count()
         return self
+
+    def _check_moe_fields(self) -> None:
+        """Experts belong to the MoE families only; their counts must form a router."""
+        names = ("num_experts", "num_experts_per_tok", "moe_intermediate_size")
+        if not self.moe:
+            if any(getattr(self, n) for n in names) or self.mlp_only_layers or self.output_router_logits:
+                raise ConfigError(f"model config: {self.architecture} has no experts; use "
+                                  "Qwen3MoeForCausalLM or MixtralForCausalLM for a mixture of experts")
+            return
+        for name in names:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"model config: {name} must be a positive integer, got {value!r}")
+        if self.num_experts > MAX_EXPERTS:
+            raise ConfigError(f"model config: num_experts {self.num_experts:,} is above the bound {MAX_EXPERTS:,}")
+        if self.moe_intermediate_size > SIZE_BOUNDS["intermediate_size"][1]:
+            raise ConfigError(f"model config: moe_intermediate_size {self.moe_intermediate_size:,} is above "
+                              f"the bound {SIZE_BOUNDS['intermediate_size'][1]:,}")
+        if self.num_experts_per_tok > self.num_experts:
+            raise ConfigError(f"model config: num_experts_per_tok {self.num_experts_per_tok} is more than the "
+                              f"{self.num_experts} experts; route each token to at most num_experts")
+        if self.decoder_sparse_step < 1:
+            raise ConfigError(f"model config: decoder_sparse_step must be >= 1, got {self.decoder_sparse_step}")
+        if any(not 0 <= i < self.num_layers for i in self.mlp_only_layers):
+            raise ConfigError(f"model config: mlp_only_layers {list(self.mlp_only_layers)} names layers outside "
+                              f"0..{self.num_layers - 1}")
+        if not (math.isfinite(self.router_aux_loss_coef) and self.router_aux_loss_coef >= 0):
+            raise ConfigError(f"model config: router_aux_loss_coef must be >= 0, got {self.router_aux_loss_coef}")
+        if self.family.moe == "mixtral" and self.moe_intermediate_size != self.intermediate_size:
+            raise ConfigError("model config: Mixtral's experts are intermediate_size wide; set "
+                              "moe_intermediate_size to intermediate_size")
+        if self.family.moe == "mixtral" and (not self.norm_topk_prob or self.mlp_only_layers
+                                             or self.decoder_sparse_step != 1):
+            raise ConfigError("model config: Mixtral renormalises its top-k weights and has experts in every "
+                              "layer; set norm_topk_prob=True, mlp_only_layers=() and decoder_sparse_step=1")
 
     def _check_parameter_count(self) -> None:
         """Refuse more than :data:`MAX_PARAMETERS` parameters. Every size is bounded by now, so
@@ -363,23 +446,25 @@ class ModelConfig(msgspec.Struct, frozen=True):
                 f"model config: {arch} cannot express q/k/v-only biases; "
                 "use architecture Qwen2ForCausalLM or attention_bias=True"
             )
+        every_layer = fam.window in ("mistral", "mixtral", "qwen_moe")
         if self.sliding_window is not None and (
-            fam.window == "none" or (fam.window == "mistral" and self.max_window_layers)
+            fam.window == "none" or (every_layer and self.max_window_layers)
         ):
             raise ConfigError(
                 f"model config: {arch} cannot express a sliding window"
-                + (" on some layers only" if fam.window == "mistral" else "")
+                + (" on some layers only" if every_layer else "")
                 + "; set sliding_window=None or choose a family that has one"
             )
 
-    def layer_parameters(self) -> int:
-        """Parameters in one decoder layer."""
+    def layer_parameters(self, layer: int | None = None) -> int:
+        """Parameters in decoder layer ``layer`` (None: the largest layer; all of a dense
+        model's layers are alike). A sparse layer counts its router and every expert."""
         assert self.head_dim is not None
         h = self.hidden_size
         q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         n = 2 * h                        # the two RMSNorm weights
         n += h * q + 2 * h * kv + q * h  # q, k, v, o projections
-        n += 3 * h * self.intermediate_size
+        n += self.mlp_parameters(layer)
         if self.has_qkv_bias:
             n += q + 2 * kv
         if self.attention_bias:
@@ -390,11 +475,34 @@ class ModelConfig(msgspec.Struct, frozen=True):
             n += 2 * h                   # the norms after attention and around the MLP
         return n
 
+    def mlp_parameters(self, layer: int | None = None, *, active: bool = False) -> int:
+        """Parameters of layer ``layer``'s MLP (None: the largest): a dense SwiGLU of
+        intermediate_size, or a router and num_experts experts of moe_intermediate_size each.
+        ``active``: those one token uses, the router and its num_experts_per_tok experts."""
+        h = self.hidden_size
+        sparse = self.layer_sparse(layer) if layer is not None else bool(self.sparse_layers())
+        if not sparse:
+            return 3 * h * self.intermediate_size
+        experts = self.num_experts_per_tok if active else self.num_experts
+        return h * self.num_experts + experts * 3 * h * self.moe_intermediate_size
+
     def num_parameters(self) -> int:
         """Total trainable parameters (a tied head counts once, as the embedding)."""
         embed = self.vocab_size * self.hidden_size
         head = self.hidden_size + (0 if self.tie_word_embeddings else embed)
+        if self.moe:
+            return embed + sum(self.layer_parameters(i) for i in range(self.num_layers)) + head
         return embed + self.num_layers * self.layer_parameters() + head
+
+    def active_parameters(self) -> int:
+        """Parameters one token's forward uses: for a mixture of experts, every weight but the
+        experts it is not routed to (the router and num_experts_per_tok experts per sparse
+        layer); for a dense model, :meth:`num_parameters`. Model FLOPs count these (6 per
+        parameter per token, :func:`model_flops_per_token`)."""
+        if not self.moe:
+            return self.num_parameters()
+        inactive = sum(self.mlp_parameters(i) - self.mlp_parameters(i, active=True) for i in self.sparse_layers())
+        return self.num_parameters() - inactive
 
     # ------------------------------------------------------------------ Hugging Face I/O
 
@@ -427,6 +535,8 @@ class ModelConfig(msgspec.Struct, frozen=True):
             window, full_layers = _sliding_window(d, fam, layers)
             extra = dict(rope_theta=theta, rope_scaling=scaling, sliding_window=window,
                          max_window_layers=full_layers)
+        if fam.moe != "none":
+            extra.update(_moe_fields(d, fam, layers))
         eos = d.get("eos_token_id")
         if isinstance(eos, list):  # several end tokens: the first is the one flowtrain appends
             eos = eos[0] if eos else None
@@ -506,7 +616,25 @@ class ModelConfig(msgspec.Struct, frozen=True):
                          max_window_layers=self.max_window_layers if slides else self.num_layers)
             case "gemma":
                 self._gemma_to_hf(d)
+            case "mixtral":
+                d.update(sliding_window=self.sliding_window)
+            case "qwen_moe":
+                d.update(use_sliding_window=self.sliding_window is not None,
+                         sliding_window=self.sliding_window)
+        if self.moe:
+            self._moe_to_hf(d)
         return d
+
+    def _moe_to_hf(self, d: dict[str, Any]) -> None:
+        """The experts' keys as each family's config class spells them."""
+        d.update(num_experts_per_tok=self.num_experts_per_tok, output_router_logits=self.output_router_logits,
+                 router_aux_loss_coef=self.router_aux_loss_coef)
+        if self.family.moe == "mixtral":
+            d.update(num_local_experts=self.num_experts, router_jitter_noise=0.0)
+        else:  # Qwen3MoeConfig reads num_experts (and maps num_local_experts onto it)
+            d.update(num_experts=self.num_experts, moe_intermediate_size=self.moe_intermediate_size,
+                     norm_topk_prob=self.norm_topk_prob, decoder_sparse_step=self.decoder_sparse_step,
+                     mlp_only_layers=list(self.mlp_only_layers))
 
     def _gemma_to_hf(self, d: dict[str, Any]) -> None:
         """Gemma 3's spelling: its activation key, two rotary bases, layer types, score scale."""
@@ -610,6 +738,12 @@ def _sliding_window(d: dict[str, Any], fam: Family, layers: int) -> tuple[int | 
             if window is None or full >= layers:
                 return None, 0
             return window, full
+        case "mixtral":  # MixtralConfig: no window unless config.json names one
+            return _hf_int(d, "sliding_window", None), 0
+        case "qwen_moe":  # Qwen3MoeConfig: the window on every layer, with use_sliding_window
+            if not _hf_bool(d, "use_sliding_window", False):
+                return None, 0
+            return (_hf_int(d, "sliding_window", None) if "sliding_window" in d else _QWEN_WINDOW), 0
     return None, 0
 
 
@@ -679,6 +813,30 @@ def _check_activation(d: dict[str, Any], fam: Family) -> None:
     if act != want:
         mlp = "GeGLU MLP supports 'gelu_pytorch_tanh'" if fam.gemma else "SwiGLU MLP supports 'silu'"
         raise ConfigError(f"config.json has {key} {act!r}; flowtrain's {mlp} only")
+
+
+def _moe_fields(d: dict[str, Any], fam: Family, layers: int) -> dict[str, Any]:
+    """The experts' sizes and routing options, read as Qwen3MoeConfig and MixtralConfig read
+    them (absent keys take their defaults; either spelling of the expert count)."""
+    mixtral = fam.moe == "mixtral"
+    defaults = (8, 2) if mixtral else (128, 8)
+    experts = d.get("num_local_experts") if d.get("num_local_experts") is not None else d.get("num_experts")
+    if mixtral and _hf_float(d, "router_jitter_noise", 0.0) != 0.0:
+        raise ConfigError("config.json sets router_jitter_noise; flowtrain routes without jitter (set it to 0)")
+    only = d.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
+        raise ConfigError(f"config.json: mlp_only_layers must be a list of layer indices (got {_short(only)})")
+    return dict(
+        num_experts=_hf_int({"num_experts": experts}, "num_experts", defaults[0]),
+        num_experts_per_tok=_hf_int(d, "num_experts_per_tok", defaults[1]),
+        moe_intermediate_size=(_hf_int(d, "intermediate_size") if mixtral
+                               else _hf_int(d, "moe_intermediate_size", 768)),
+        norm_topk_prob=True if mixtral else _hf_bool(d, "norm_topk_prob", False),
+        decoder_sparse_step=1 if mixtral else _hf_int(d, "decoder_sparse_step", 1),
+        mlp_only_layers=() if mixtral else tuple(sorted(set(only))),
+        output_router_logits=_hf_bool(d, "output_router_logits", False),
+        router_aux_loss_coef=_hf_float(d, "router_aux_loss_coef", 0.001),
+    )
 
 
 def _gemma_fields(d: dict[str, Any], layers: int) -> dict[str, Any]:
@@ -784,6 +942,28 @@ PRESETS: dict[str, ModelConfig] = {
 }
 
 
+#: Qwen3-30B-A3B's shape: 48 layers of 128 experts (768 wide), 8 per token, renormalised.
+PRESETS["qwen3-30b-a3b"] = ModelConfig(
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
+    num_heads=32, num_kv_heads=4, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
+    max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645,
+    architecture="Qwen3MoeForCausalLM", num_experts=128, num_experts_per_tok=8,
+    moe_intermediate_size=768, norm_topk_prob=True, router_aux_loss_coef=0.001,
+)
+#: The same layer, 12 of them: Qwen3-30B-A3B's expert shapes at a quarter of its depth.
+PRESETS["qwen3-moe-12l"] = msgspec.structs.replace(PRESETS["qwen3-30b-a3b"], num_layers=12)
+#: Mixtral-8x7B's shape: 32 layers of 8 experts (14336 wide), 2 per token.
+PRESETS["mixtral-8x7b"] = ModelConfig(
+    vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
+    num_heads=32, num_kv_heads=8, rope_theta=1000000.0, rms_norm_eps=1e-5,
+    max_position_embeddings=32768, bos_token_id=1, eos_token_id=2,
+    architecture="MixtralForCausalLM", num_experts=8, num_experts_per_tok=2,
+    moe_intermediate_size=14336, norm_topk_prob=True, router_aux_loss_coef=0.02,
+)
+#: Four of Mixtral-8x7B's layers.
+PRESETS["mixtral-4l"] = msgspec.structs.replace(PRESETS["mixtral-8x7b"], num_layers=4)
+
+
 def _long_context(base: ModelConfig, positions: int) -> ModelConfig:
     """``base`` with Llama 3.1's rope scaling stretched from 8,192 original positions to
     ``positions`` (factor positions / 8192): a shape for long-context training."""
@@ -805,6 +985,19 @@ def preset(name: str) -> ModelConfig:
         raise ConfigError(
             f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}"
         ) from None
+
+
+def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+    """Model FLOPs per trained token, the benchmarks' convention: ``6 N + 6 L h S``.
+
+    ``6 N``: a forward and a backward multiply-add per weight (2 + 4 FLOPs), N counting the
+    embedding matrices as the baselines do; ``6 L h S``: causal attention's score and value
+    products, half of ``12 L h S``. Recompute is not counted. For a mixture of experts, N is
+    the *active* parameters (:meth:`ModelConfig.active_parameters`: attention, norms, each
+    sparse layer's router and the num_experts_per_tok experts a token runs through, the dense
+    layers, the embeddings), since a token's forward multiplies by those weights only."""
+    n = cfg.active_parameters() if cfg.moe else cfg.num_parameters()
+    return 6.0 * n + 6.0 * cfg.num_layers * cfg.hidden_size * seq_len
 
 
 #: Tokens per micro-batch above which a layer's MLP runs in pieces of this many
@@ -873,7 +1066,7 @@ def check_weight_headers(model_dir: str | os.PathLike[str], cfg: ModelConfig, *,
     bytes lie inside its file. Raises :class:`CheckpointError` naming the file and tensor, with
     the same words as loading would. A directory without weight files passes (nothing to
     check) unless ``require``: a caller about to load weights refuses it before allocating."""
-    from flowtrain.model.layout import model_layouts  # layout imports this module
+    from flowtrain.model.layout import hub_tensors, model_layouts  # layout imports this module
 
     path = Path(model_dir)
     index = path / _INDEX_NAME
@@ -881,18 +1074,21 @@ def check_weight_headers(model_dir: str | os.PathLike[str], cfg: ModelConfig, *,
         if require:
             raise CheckpointError(f"{str(path)!r} has neither {_WEIGHTS_NAME} nor {_INDEX_NAME}")
         return
-    expected = {e.name: e.shape for lay in model_layouts(cfg) for e in lay.entries}
+    expected = {name: shape for lay in model_layouts(cfg) for e in lay.entries for name, shape, _ in hub_tensors(e)}
     if index.is_file():
         weight_map = _read_json(index)
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index} is not a valid safetensors index: it has no 'weight_map' object")
+        expected = _fused_experts_expected(cfg, expected, set(weight_map))
         files: dict[Path, list[str]] = {}
         for name in expected:
             if not isinstance(weight_map.get(name), str):
                 raise CheckpointError(f"tensor {name!r} is missing from {index}")
             files.setdefault(path / weight_map[name], []).append(name)
     else:
+        header, _ = _safetensors_header(path / _WEIGHTS_NAME)
+        expected = _fused_experts_expected(cfg, expected, set(header))
         files = {path / _WEIGHTS_NAME: list(expected)}
     for file, names in files.items():
         if not file.is_file():
@@ -900,6 +1096,33 @@ def check_weight_headers(model_dir: str | os.PathLike[str], cfg: ModelConfig, *,
         header, data_bytes = _safetensors_header(file)
         for name in names:
             _check_tensor(file, name, header.get(name), expected[name], data_bytes)
+
+
+def _fused_experts_expected(cfg: ModelConfig, expected: dict[str, tuple[int, ...]], present: set[str]
+                            ) -> dict[str, tuple[int, ...]]:
+    """``expected`` with each sparse layer's experts (and router) under the names transformers 5
+    keeps in memory (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``, ``mlp.gate.weight``)
+    where the checkpoint holds that form instead of the Hub's one tensor per expert
+    (:func:`flowtrain.ckpt.hf.load_into` reads either)."""
+    from flowtrain.model.layout import model_layouts
+
+    out = dict(expected)
+    for lay in model_layouts(cfg)[1:-1]:
+        if not any(e.stacked for e in lay.entries):
+            continue
+        gate, down, router = lay.entry("experts_gate"), lay.entry("experts_down"), lay.entry("router")
+        prefix = f"model.layers.{lay.layer}.mlp"
+        if gate.name.format(0) in present or f"{prefix}.experts.gate_up_proj" not in present:
+            continue
+        for key in ("experts_gate", "experts_up", "experts_down"):
+            e = lay.entry(key)
+            for i in range(e.shape[0]):
+                del out[e.name.format(i)]
+        out[f"{prefix}.experts.gate_up_proj"] = (gate.shape[0], 2 * gate.shape[1], gate.shape[2])
+        out[f"{prefix}.experts.down_proj"] = down.shape
+        if router.name not in present and f"{prefix}.gate.weight" in present:
+            out[f"{prefix}.gate.weight"] = out.pop(router.name)
+    return out
 
 
 def _safetensors_header(file: Path) -> tuple[dict, int]:

@@ -35,6 +35,7 @@ from flowtrain.model.attention import Documents, self_attention
 from flowtrain.model.config import ModelConfig, default_chunk_tokens  # noqa: F401 - re-exported
 from flowtrain.model.gemma import gemma_layer, gemma_rms_norm
 from flowtrain.model.mlp import gated_mlp
+from flowtrain.model.moe import RouterTap, moe_decoder_layer
 
 __all__ = [
     "IGNORE_INDEX",
@@ -129,6 +130,7 @@ def decoder_layer(
     cfg: ModelConfig,
     docs: Documents | None = None,
     window: int | None = None,
+    router: RouterTap | None = None,
 ) -> Tensor:
     """One pre-norm Llama block: x + attn(norm(x)), then + SwiGLU(norm(.)). Returns x's shape.
 
@@ -137,7 +139,12 @@ def decoder_layer(
     document of ``docs`` when rows are packed, within the last ``window`` positions in a
     sliding-window layer (``cfg.layer_window(i)``). Padding sits at the right of a row, so
     real tokens never attend to it, and padded positions are dropped from the loss instead.
+
+    Qwen3-MoE and Mixtral (``cfg.moe``) run :func:`~flowtrain.model.moe.moe_decoder_layer`,
+    which hands each sparse layer's routing to ``router`` where one is given.
     """
+    if cfg.moe:
+        return moe_decoder_layer(x, w, cos, sin, cfg, rms_norm, docs, window, router)
     if cfg.family.gemma:
         return gemma_layer(x, w, cos, sin, cfg, docs, window)
     h = rms_norm(x, w["input_layernorm"], cfg.rms_norm_eps)

@@ -12,6 +12,14 @@ cut such a buffer back into named matrices; :func:`bind` does the cutting, as vi
 
 Every entry starts at a multiple of :data:`ALIGN` elements, so views stay aligned for
 vectorised kernels whatever the dtype; the gaps are padding that stays zero.
+
+A mixture-of-experts layer keeps each projection of all its experts as one *stacked* entry,
+(experts, out, in), so the layer math can index an expert or hand the whole stack to a grouped
+GEMM. The Hub stores one tensor per expert instead; a stacked entry's ``name`` has a ``{}``
+where the expert's number goes, and :func:`hub_tensors` lists those names::
+
+    e = layouts[1].entry("experts_gate")        # shape (128, 768, 2048), stacked
+    hub_tensors(e)[0]                           # ("model.layers.0.mlp.experts.0.gate_proj.weight", (768, 2048), 0)
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ if TYPE_CHECKING:
 
 from flowtrain.model.config import ModelConfig
 
-__all__ = ["ALIGN", "Entry", "UnitLayout", "bind", "model_layouts", "unit_numel_max"]
+__all__ = ["ALIGN", "Entry", "UnitLayout", "bind", "hub_tensors", "model_layouts", "unit_numel_max"]
 
 ALIGN = 64  # elements; 128 bytes in bf16, 256 in fp32
 
@@ -40,6 +48,16 @@ class Entry(msgspec.Struct, frozen=True):
     shape: tuple[int, ...]
     offset: int
     numel: int
+    #: one checkpoint tensor per index of the first dimension, named ``name.format(index)``
+    stacked: bool = False
+
+
+def hub_tensors(entry: Entry) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """``(checkpoint name, shape, index)`` of each tensor a checkpoint stores for ``entry``:
+    itself (index None), or for a stacked entry one per expert (its index in the stack)."""
+    if not entry.stacked:
+        return [(entry.name, entry.shape, None)]
+    return [(entry.name.format(i), entry.shape[1:], i) for i in range(entry.shape[0])]
 
 
 class UnitLayout(msgspec.Struct, frozen=True):
@@ -67,7 +85,7 @@ def _align(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-_Spec = tuple[str, str, tuple[int, ...]]  # (key, checkpoint name, shape)
+_Spec = tuple[str, str, tuple[int, ...]]  # (key, checkpoint name, shape); "{}" in the name: stacked
 
 
 def _pack(unit: str, layer: int | None, specs: Iterable[_Spec]) -> UnitLayout:
@@ -78,7 +96,8 @@ def _pack(unit: str, layer: int | None, specs: Iterable[_Spec]) -> UnitLayout:
         for s in shape:
             numel *= s
         offset = _align(offset)
-        entries.append(Entry(key=key, name=name, shape=shape, offset=offset, numel=numel))
+        entries.append(Entry(key=key, name=name, shape=shape, offset=offset, numel=numel,
+                             stacked="{}" in name))
         offset += numel
     return UnitLayout(unit=unit, layer=layer, entries=tuple(entries), numel=_align(offset))
 
@@ -116,12 +135,32 @@ def _layer_specs(cfg: ModelConfig, i: int) -> list[_Spec]:
             ("pre_feedforward_layernorm", f"model.layers.{i}.pre_feedforward_layernorm.weight", (h,)),
             ("post_feedforward_layernorm", f"model.layers.{i}.post_feedforward_layernorm.weight", (h,)),
         ]
+    if cfg.layer_sparse(i):
+        return specs + _expert_specs(cfg, i)
     specs += [
         ("gate_proj", f"{mlp}.gate_proj.weight", (ffn, h)),
         ("up_proj", f"{mlp}.up_proj.weight", (ffn, h)),
         ("down_proj", f"{mlp}.down_proj.weight", (h, ffn)),
     ]
     return specs
+
+
+#: The Hub's names of an expert's three projections, by family: (gate, up, down).
+_EXPERT_NAMES = {"qwen3": ("mlp", "gate_proj", "up_proj", "down_proj"),
+                 "mixtral": ("block_sparse_moe", "w1", "w3", "w2")}
+
+
+def _expert_specs(cfg: ModelConfig, i: int) -> list[_Spec]:
+    """A sparse layer's router (experts, hidden) and its experts' stacked projections."""
+    h, e, ffn = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    block, gate, up, down = _EXPERT_NAMES[cfg.family.moe]
+    prefix = f"model.layers.{i}.{block}"
+    return [
+        ("router", f"{prefix}.gate.weight", (e, h)),
+        ("experts_gate", f"{prefix}.experts.{{}}.{gate}.weight", (e, ffn, h)),
+        ("experts_up", f"{prefix}.experts.{{}}.{up}.weight", (e, ffn, h)),
+        ("experts_down", f"{prefix}.experts.{{}}.{down}.weight", (e, h, ffn)),
+    ]
 
 
 def model_layouts(cfg: ModelConfig) -> list[UnitLayout]:

@@ -55,6 +55,7 @@ from ..graph.tasks import ACTS, GRADS, HOST_GRADS, WEIGHTS
 from ..model.config import MLP_CHUNK_TOKENS, ModelConfig, default_chunk_tokens
 from ..model.layout import model_layouts
 from .attention import attention_pays, forward_flops_saved, plan_saved_attention
+from .experts import dense_mlp_layers, expert_bytes_per_token
 from .host_layout import LANDING_NUMEL, LAYOUTS, grad_chunks, slot_numel, staging_numel, undo_arena_bytes
 
 if TYPE_CHECKING:
@@ -435,9 +436,22 @@ def layer_work_bytes(cfg: ModelConfig, tokens: int, cbytes: int, compiled: bool)
     layer_n = max((lay.numel for lay in _layouts(cfg) if lay.unit == "layer"), default=0)
     work = tokens * cbytes * per_token + cbytes * layer_n
     work += tokens * (4 * q + (2 * cbytes * (q - kv) if kv < q else 0))  # attention backward's buffers
+    if cfg.moe:  # the larger of a sparse layer's routing and experts and a dense layer's MLP
+        return work + _moe_mlp_work(cfg, tokens, cbytes, mlp_units)
     if tokens > MLP_CHUNK_TOKENS:  # the MLP in pieces: one piece's intermediates, fp32 weight gradients
         return work + MLP_CHUNK_TOKENS * cbytes * mlp_units + 12 * h * f
     return work + tokens * cbytes * mlp_units
+
+
+def _moe_mlp_work(cfg: ModelConfig, tokens: int, cbytes: int, mlp_units: int) -> int:
+    """A mixture of experts' MLP work in the layer whose MLP needs most: a sparse layer's
+    routing and T k expert rows (:mod:`.experts`; never run in pieces), or a dense layer's."""
+    h, f = cfg.hidden_size, cfg.intermediate_size
+    dense = 0
+    if dense_mlp_layers(cfg):
+        dense = (MLP_CHUNK_TOKENS * cbytes * mlp_units + 12 * h * f if tokens > MLP_CHUNK_TOKENS
+                 else tokens * cbytes * mlp_units)
+    return max(dense, tokens * expert_bytes_per_token(cfg, cbytes) if cfg.sparse_layers() else 0)
 
 
 def _offload_in_flight(req: RunRequest, hidden: int) -> int:
@@ -656,12 +670,18 @@ def kept_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, compiled: bool = 
             units += q + kv
         if cfg.family.gemma:
             units += h
+        if cfg.moe and cfg.sparse_layers():  # routing and expert rows in place of the MLP's 3 f
+            mlp = max(expert_bytes_per_token(cfg, c), c * 3 * f if dense_mlp_layers(cfg) else 0)
+            return int(c * (units - 3 * f)) + mlp + 4 * cfg.num_heads + 8
         return int(c * units) + 4 * cfg.num_heads + 8
     units = 8 * h + 3 * q + 2.5 * kv + 4 * f
     if cfg.qk_norm:
         units += 3 * q + 3 * kv
     if cfg.family.gemma:
         units += 12 * h
+    if cfg.moe and cfg.sparse_layers():  # a sparse layer keeps its routing and expert rows instead
+        mlp = max(expert_bytes_per_token(cfg, c), c * 4 * f if dense_mlp_layers(cfg) else 0)
+        return int(c * (units - 4 * f)) + mlp + 4 * cfg.num_heads
     return int(c * units) + 4 * cfg.num_heads
 
 

@@ -123,7 +123,8 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
         return -(-n // chunks)
 
     def model_flops_per_token(self) -> float:
-        """flowtrain's and the benchmarks' convention: 6 N + 6 L h S (recompute not counted)."""
+        """flowtrain's and the benchmarks' convention: 6 N + 6 L h S (recompute not counted; N
+        a mixture of experts' active parameters: :func:`flowtrain.model.config.model_flops_per_token`)."""
         return 6.0 * self.params + 6.0 * self.layers * self.hidden * self.seq_len
 
 

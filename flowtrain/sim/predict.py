@@ -40,9 +40,13 @@ def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1, world: int = 
     layouts = model_layouts(cfg)
     numel = {lay.key: lay.numel for lay in layouts}
     layer_numel = max((lay.numel for lay in layouts if lay.unit == "layer"), default=0)
-    params = sum(e.numel for lay in layouts for e in lay.entries)
+    # model FLOPs count the weights a token multiplies by: a mixture of experts' active ones
+    params = cfg.active_parameters() if cfg.moe else sum(e.numel for lay in layouts for e in lay.entries)
     compute_bytes = 2 if plan.device == "cuda" else 4
-    return Shape(hidden=cfg.hidden_size, intermediate=cfg.intermediate_size, layers=cfg.num_layers,
+    # a sparse layer's experts cost about a dense MLP as wide as the k experts a token runs through
+    intermediate = (cfg.num_experts_per_tok * cfg.moe_intermediate_size if cfg.moe and cfg.sparse_layers()
+                    else cfg.intermediate_size)
+    return Shape(hidden=cfg.hidden_size, intermediate=intermediate, layers=cfg.num_layers,
                  heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, vocab=cfg.vocab_size,
                  seq_len=req.seq_len, micro_batch_size=req.micro_batch_size, layer_numel=layer_numel, numel=numel,
                  params=params, tied=cfg.tie_word_embeddings, chunk_tokens=plan.chunk_tokens,

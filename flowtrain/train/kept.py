@@ -90,11 +90,16 @@ def forward_kept(layer: Callable[[Tensor, Tensor], Tensor], x: Tensor, flat: Ten
     return kept.y.detach(), kept
 
 
-def backward_kept(kept: Kept, weights: Tensor, dy: Tensor) -> tuple[Tensor, Tensor]:
+def backward_kept(kept: Kept, weights: Tensor, dy: Tensor, extra: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """``(dx, dw)`` of a kept layer for output gradient ``dy``, reading the saved weight views
-    from ``weights`` (the same values the forward read, wherever they are now)."""
+    from ``weights`` (the same values the forward read, wherever they are now). ``extra``: a
+    scalar of the same forward's graph differentiated along with the output (a mixture of
+    experts' load-balancing term, :mod:`flowtrain.train.load_balance`)."""
     kept.weights = weights
-    dx, dw = torch.autograd.grad(kept.y, (kept.x, kept.flat), dy)  # type: ignore[arg-type]
+    if extra is None:
+        dx, dw = torch.autograd.grad(kept.y, (kept.x, kept.flat), dy)  # type: ignore[arg-type]
+    else:
+        dx, dw = torch.autograd.grad((kept.y, extra), (kept.x, kept.flat), (dy, torch.ones_like(extra)))  # type: ignore[arg-type]
     kept.x = kept.flat = kept.y = kept.weights = None
     return dx, dw
 

@@ -97,6 +97,7 @@ from ..graph.tasks import (
 from ..model import bind, decoder_layer, embed, head_loss, head_loss_and_grads, rope_tables
 from ..model.attention import Documents, rotary_for
 from ..model.gemma import embed_multiplier
+from ..model.moe import RouterTap
 from ..model.saved_attention import AttentionRecord, recording, replaying
 from ..plan.host_layout import LANDING_NUMEL, chunk_range, slot_numel, staging_numel
 from ..runtime.executor import TaskContext
@@ -104,6 +105,7 @@ from .distributed import World, all_reduce_sum, node_barrier
 from .host_state import HostState, UnitState, pinned_zeros
 from .activations import ActivationStore
 from .kept import backward_kept, forward_kept
+from .load_balance import LoadBalance
 from .nonfinite import SKIP, Injection, Saved, StepCheck, UndoBudget, injection_from_env, nonfinite, undo_arena_bytes
 from .optimizer import AdamWConfig, adamw_step, clip_coefficient, decay_segments, no_decay_ranges
 
@@ -119,6 +121,8 @@ class _StepData:
         self.n_targets = n_targets
         self.lr = lr
         self.loss: torch.Tensor | None = None
+        #: a mixture of experts' load-balancing loss, already weighted (flowtrain.train.load_balance)
+        self.aux_loss: torch.Tensor | None = None
         self.sq_norms: dict[tuple[str, int | None], torch.Tensor] = {}  # (unit key, chunk) -> squared grad norm
         self.clip: torch.Tensor | None = None  # clip coefficient, once known
         self.total_norm: float | None = None
@@ -225,6 +229,9 @@ class StepProgram:
         #: a value written into one gradient or loss, for tests (else $FLOWTRAIN_INJECT_NAN)
         self.inject = inject_nonfinite or injection_from_env(self.cfg.num_layers)
         self._checks = self._checks_per_step()
+        #: a mixture of experts trained with its load-balancing loss (output_router_logits)
+        self.balance = (LoadBalance(self.cfg) if self.cfg.moe and self.cfg.output_router_logits
+                        and self.cfg.sparse_layers() else None)
 
     @property
     def _pin(self) -> bool:
@@ -257,6 +264,8 @@ class StepProgram:
         check = StepCheck(step, self._checks, bool(self.state.resident), self.undo)
         docs = _documents(micro_positions, len(micro_ids))
         self.steps[step] = _StepData(micro_ids, micro_targets, n_targets, lr, check, docs)
+        if self.balance is not None:  # each process's micro-batches are its share of the step's
+            self.balance.begin(step, micro_targets, self.device, len(micro_ids) * self.world.size)
 
     def end_step(self, step: int) -> tuple[float, float, bool]:
         """``(mean loss, global grad norm, skipped)`` of a finished step; frees its bookkeeping.
@@ -266,6 +275,14 @@ class StepProgram:
         could not be put back."""
         data = self.steps.pop(step)
         loss = float(self._step_loss(data)) / data.n_targets if data.loss is not None else math.nan
+        if data.aux_loss is not None:
+            aux = data.aux_loss
+            if self.world.parallel:  # every process's micro-batches' terms
+                aux = aux.detach().clone()
+                all_reduce_sum(aux, metrics=True)
+            loss += float(aux)
+        if self.balance is not None:
+            self.balance.end(step)
         norm = data.total_norm if data.total_norm is not None else self._total_norm(data)
         self._settle(data)  # a no-op where verify_step or grad_norm has settled the step
         self.store.check_empty(step)  # every hand-off of the step taken: no device memory left behind
@@ -425,11 +442,21 @@ class StepProgram:
             dev = docs.to(self.device, non_blocking=self._non_blocking)
             self.dev_docs[(phase, s, m)] = (dev, {k: rotary_for(*t, dev) for k, t in self.rope.items()})
 
-    def _layer(self, phase: str, s: int, i: int, m: int, x: torch.Tensor, w) -> torch.Tensor:
-        """Decoder layer ``i`` of micro-batch ``m``: its documents, rotary tables and window."""
+    def _layer(self, phase: str, s: int, i: int, m: int, x: torch.Tensor, w,  # noqa: ANN001
+               router: RouterTap | None = None) -> torch.Tensor:
+        """Decoder layer ``i`` of micro-batch ``m``: its documents, rotary tables and window
+        (and, for a mixture of experts' load-balancing loss, the tap its routing goes to)."""
         docs, rope = self.dev_docs.get((phase, s, m), (None, self.rope))
         cos, sin = rope[self.cfg.layer_rope_local(i)]
+        if router is not None:
+            return self.layer_fn(x, w, cos, sin, self.cfg, docs, self.cfg.layer_window(i), router)  # type: ignore[operator]
         return self.layer_fn(x, w, cos, sin, self.cfg, docs, self.cfg.layer_window(i))  # type: ignore[operator]
+
+    def _counting(self, s: int, i: int, m: int) -> RouterTap | None:
+        """The router tap of layer ``i``'s forward in training (None: no load-balancing loss)."""
+        if self.balance is None or not self.cfg.layer_sparse(i):
+            return None
+        return self.balance.counting(s, i, m)
 
     def _layer_input(self, s: int, i: int, m: int, keep: bool) -> torch.Tensor:
         return self.store.inputs.peek((s, i, m)) if keep else self.store.inputs.take((s, i, m))
@@ -490,8 +517,9 @@ class StepProgram:
             return
         if task.phase == "keep":  # the graph stays for the backward: see flowtrain.train.kept
             x = self.store.inputs.take((s, i, m))  # type: ignore[arg-type]
+            tap = self._counting(s, i, m)  # type: ignore[arg-type]
             y, kept = forward_kept(
-                lambda x, f: self._layer("train", s, i, m, x, bind(f, unit.layout)),  # type: ignore[arg-type]
+                lambda x, f: self._layer("train", s, i, m, x, bind(f, unit.layout), tap),  # type: ignore[arg-type]
                 x, self._weights(unit, ctx)[: unit.layout.numel])
             self.store.kept.put((s, i, m), kept)  # type: ignore[arg-type]
             self.store.inputs.put((s, i + 1, m), y)  # type: ignore[arg-type, operator]
@@ -502,8 +530,9 @@ class StepProgram:
         if task.phase == "attn":  # its attention output waits for the rebuild: saved_attention
             record = AttentionRecord()
             self.store.attention.put((s, i, m), record)  # type: ignore[arg-type]
+        tap = None if isinstance(task, Recompute) else self._counting(s, i, m)  # type: ignore[arg-type]
         with recording(record):
-            self.store.inputs.put((s, i + 1, m), self._layer("train", s, i, m, x, w))  # type: ignore[arg-type, operator]
+            self.store.inputs.put((s, i + 1, m), self._layer("train", s, i, m, x, w, tap))  # type: ignore[arg-type, operator]
 
     def _head_tensors(self, ctx: TaskContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(norm_w, head_w, norm_grad, head_grad)`` views the loss reads and adds into."""
@@ -533,9 +562,12 @@ class StepProgram:
         loss_sum = self._poison(loss_sum, s, "loss", m)  # type: ignore[arg-type]
         norm_g.add_(self._poison(d_norm, s, "head", m))  # type: ignore[arg-type]
         head_g.add_(d_head)
+        aux = self.balance.loss(s, m) if self.balance is not None else None  # type: ignore[arg-type]
         with self._lock:
             data.loss = loss_sum if data.loss is None else data.loss + loss_sum
             data.check.loss_host = self._host_copy(data.loss)  # read by cpu_adam, on the host
+            if aux is not None:
+                data.aux_loss = aux if data.aux_loss is None else data.aux_loss + aux
         self.store.grads.put((s, L - 1, m), d_h)  # type: ignore[arg-type]
 
     def _eval_loss(self, task: EvalLoss, ctx: TaskContext) -> None:
@@ -565,16 +597,23 @@ class StepProgram:
         unit = self.state.unit("layer", i)
         n = unit.layout.numel
         dy = self.store.grads.take((s, i, m))  # type: ignore[arg-type]
+        balanced = self.balance is not None and self.cfg.layer_sparse(i)
         if task.phase == "keep":
-            dx, dw = backward_kept(self.store.kept.take((s, i, m)), self._weights(unit, ctx)[:n], dy)  # type: ignore[arg-type]
+            extra = self.balance.kept_term(s, i, m) if balanced else None  # type: ignore[union-attr, arg-type]
+            dx, dw = backward_kept(self.store.kept.take((s, i, m)), self._weights(unit, ctx)[:n], dy, extra)  # type: ignore[arg-type]
         else:
             x = self.store.inputs.take((s, i, m))  # type: ignore[arg-type]
             record = self.store.attention.take((s, i, m)) if task.phase == "attn" else None  # type: ignore[arg-type]
+            terms: list[torch.Tensor] = []  # the load-balancing loss's share of this layer
+            tap = self.balance.gradient(s, m, terms) if balanced else None  # type: ignore[union-attr, arg-type]
             with torch.enable_grad(), replaying(record):
                 x = x.detach().requires_grad_(True)
                 flat = self._weights(unit, ctx)[:n].detach().requires_grad_(True)
-                y = self._layer("train", s, i, m, x, bind(flat, unit.layout))  # type: ignore[arg-type]
-                dx, dw = torch.autograd.grad(y, (x, flat), dy)
+                y = self._layer("train", s, i, m, x, bind(flat, unit.layout), tap)  # type: ignore[arg-type]
+                if terms:
+                    dx, dw = torch.autograd.grad((y, terms[0]), (x, flat), (dy, torch.ones_like(terms[0])))
+                else:
+                    dx, dw = torch.autograd.grad(y, (x, flat), dy)
         self._grads(unit, ctx)[:n].add_(self._poison(dw, s, f"layer.{i}", m))  # type: ignore[arg-type]
         self.store.grads.put((s, i - 1, m), dx)  # type: ignore[arg-type, operator]
 

@@ -1,0 +1,162 @@
+"""Mixture-of-experts layers: a router sends each token to a few experts, as pure functions.
+
+A sparse decoder layer (Qwen3-MoE, Mixtral) is a Llama block whose MLP is replaced by a
+*router* (a linear map from hidden to one logit per expert) and ``num_experts`` small SwiGLU
+MLPs. Each token runs through the ``num_experts_per_tok`` experts with the highest routing
+probability, and their outputs are summed with those probabilities as weights::
+
+    r = route(h, w["router"], cfg)                  # probs (T, E) fp32, top-k experts and weights
+    y = run_experts(h, r, w["experts_gate"], w["experts_up"], w["experts_down"])
+
+Routing follows transformers 5: softmax over the router logits in fp32, top-k, the k weights
+renormalised to sum to one (Mixtral always, Qwen3-MoE with ``norm_topk_prob``), then cast back
+to the logits' dtype (Qwen3-MoE; Mixtral keeps fp32 and casts each expert's weighted output).
+
+Two ways to run the experts, the same sums:
+
+* :func:`experts_loop`, the exact reference: for each expert that received tokens, gather
+  them, run the expert, scale by the routing weight and add back (``index_add``). One small
+  GEMM per expert and one host sync (which experts are hit); what runs on the CPU.
+* :func:`experts_grouped`: the tokens sorted by expert once per layer, then one grouped GEMM
+  per projection (``torch._grouped_mm``: one kernel over every expert's rows), then scattered
+  back. Chosen on CUDA in bf16 on Hopper or newer where torch has it (:func:`grouped_available`).
+
+A layer's forward may also hand its routing to a :data:`RouterTap`, a callable the training
+program passes in to collect what the load-balancing loss needs (see
+:mod:`flowtrain.train.load_balance`); the layer math itself never adds that loss.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from flowtrain.model.attention import Documents, self_attention
+from flowtrain.model.mlp import gated_mlp
+
+if TYPE_CHECKING:
+    from flowtrain.model.config import ModelConfig
+
+__all__ = ["RouterTap", "Routing", "experts_grouped", "experts_loop", "grouped_available", "moe_decoder_layer",
+           "route", "run_experts"]
+
+#: Called by a sparse layer's forward with its routing probabilities (tokens, experts) fp32
+#: (part of the autograd graph where the layer runs under autograd) and the chosen experts
+#: (tokens, k) int64.
+RouterTap = Callable[[Tensor, Tensor], None]
+
+
+@dataclass(frozen=True)
+class Routing:
+    """One sparse layer's routing of T tokens among E experts."""
+
+    logits: Tensor   # (T, E) the router's output, in the compute dtype
+    probs: Tensor    # (T, E) fp32 softmax of the logits
+    experts: Tensor  # (T, k) int64: each token's experts, most probable first
+    weights: Tensor  # (T, k) each chosen expert's weight: logits' dtype (Qwen3-MoE) or fp32 (Mixtral)
+
+
+def route(h: Tensor, router_w: Tensor, cfg: ModelConfig) -> Routing:
+    """Route the tokens of ``h`` (..., hidden) with ``router_w`` (experts, hidden)."""
+    logits = F.linear(h.reshape(-1, h.shape[-1]), router_w)
+    probs = torch.softmax(logits.float(), dim=-1)
+    top, experts = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
+    if cfg.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    if cfg.family.moe == "qwen3":
+        top = top.to(logits.dtype)
+    return Routing(logits=logits, probs=probs, experts=experts, weights=top)
+
+
+def _expert(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    """One expert's SwiGLU on its tokens x (n, hidden)."""
+    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+
+
+@torch.compiler.disable  # data-dependent: which experts, how many rows each (a compiled layer runs it eagerly)
+def experts_loop(x: Tensor, r: Routing, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    """The reference: each expert that received tokens runs on them, one after another.
+
+    ``x`` (T, hidden); ``gate``, ``up`` (E, inter, hidden), ``down`` (E, hidden, inter).
+    Experts are visited in ascending order and their outputs added into a zeroed (T, hidden)
+    output, each token's at most once per expert, as transformers' loop does."""
+    out = torch.zeros_like(x)
+    hit = torch.bincount(r.experts.reshape(-1), minlength=gate.shape[0]).nonzero().flatten().tolist()
+    for e in hit:
+        token, slot = torch.where(r.experts == e)
+        y = _expert(x[token], gate[e], up[e], down[e]) * r.weights[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
+def grouped_available(x: Tensor) -> bool:
+    """Whether :func:`experts_grouped` may run on ``x``: torch has ``_grouped_mm``, and ``x`` is
+    bf16 on a CUDA device of compute capability 9.0 or newer (what its kernel supports)."""
+    return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+
+
+def experts_grouped(x: Tensor, r: Routing, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    """The same sums as :func:`experts_loop`, with three grouped GEMMs instead of 3 E small ones.
+
+    The T k (token, expert) pairs are sorted by expert once (a stable sort: tokens keep their
+    order within an expert); ``offsets[e]`` is where expert e's rows end. Each projection is one
+    ``torch._grouped_mm`` over every expert's rows, then the rows are weighted and added back to
+    their tokens. Buffers: T k rows of hidden and of 3 x inter, whatever the routing."""
+    k = r.experts.shape[1]
+    flat = r.experts.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    token = order // k
+    offsets = torch.cumsum(torch.bincount(flat, minlength=gate.shape[0]), 0).to(torch.int32)
+    rows = x[token]
+    h = (F.silu(torch._grouped_mm(rows, gate.transpose(-2, -1), offs=offsets))
+         * torch._grouped_mm(rows, up.transpose(-2, -1), offs=offsets))
+    y = torch._grouped_mm(h, down.transpose(-2, -1), offs=offsets)
+    y = y * r.weights.reshape(-1)[order, None]
+    return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+
+
+def run_experts(x: Tensor, r: Routing, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+    """:func:`experts_grouped` where :func:`grouped_available`, else :func:`experts_loop`."""
+    run = experts_grouped if grouped_available(x) else experts_loop
+    return run(x, r, gate, up, down)
+
+
+@torch.compiler.disable  # a compiled layer calls the tap as it is, without tracing (and guarding on) its state
+def _hand_over(router: RouterTap, probs: Tensor, experts: Tensor) -> None:
+    router(probs, experts)
+
+
+def sparse_mlp(h: Tensor, w: Mapping[str, Tensor], cfg: ModelConfig, router: RouterTap | None = None) -> Tensor:
+    """A sparse layer's MLP on ``h`` (batch, seq, hidden): route, then run the experts."""
+    r = route(h, w["router"], cfg)
+    if router is not None:
+        _hand_over(router, r.probs, r.experts)
+    out = run_experts(h.reshape(-1, h.shape[-1]), r, w["experts_gate"], w["experts_up"], w["experts_down"])
+    return out.view_as(h)
+
+
+def moe_decoder_layer(
+    x: Tensor,  # (batch, seq, hidden) compute dtype
+    w: Mapping[str, Tensor],  # bind(flat, layer_layout)
+    cos: Tensor,
+    sin: Tensor,
+    cfg: ModelConfig,
+    norm: Callable[[Tensor, Tensor, float], Tensor],
+    docs: Documents | None = None,
+    window: int | None = None,
+    router: RouterTap | None = None,
+) -> Tensor:
+    """One Qwen3-MoE or Mixtral block: x + attn(norm(x)), then + MLP(norm(.)), the MLP sparse
+    where the layer has a router (``cfg.layer_sparse``), else the dense SwiGLU."""
+    h = norm(x, w["input_layernorm"], cfg.rms_norm_eps)
+    x = x + self_attention(h, w, cos, sin, cfg, docs, window, norm)
+    h = norm(x, w["post_attention_layernorm"], cfg.rms_norm_eps)
+    if "router" not in w:  # Qwen3-MoE's mlp_only_layers and off-step layers
+        return x + gated_mlp(h, w["gate_proj"], w["up_proj"], w["down_proj"], F.silu)
+    return x + sparse_mlp(h, w, cfg, router)

@@ -1,0 +1,45 @@
+"""The memory plan of a mixture of experts: a sparse layer's unit holds every expert, and its
+work counts the routing and the T k expert rows a grouped GEMM gathers (any routing, the worst
+case of every token on one expert included)."""
+
+from __future__ import annotations
+
+import msgspec
+import torch
+
+from flowtrain.model import model_layouts, preset
+from flowtrain.plan.experts import expert_bytes_per_token
+from flowtrain.plan.memory import RunRequest, layer_work_bytes, plan_run
+
+CUDA, BF16 = torch.device("cuda"), torch.bfloat16
+
+
+def test_a_sparse_layer_unit_holds_its_router_and_every_expert():
+    cfg = preset("qwen3-30b-a3b")
+    layer = model_layouts(cfg)[1]
+    h, e, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
+    experts = sum(x.numel for x in layer.entries if x.key.startswith("experts_"))
+    assert experts == 3 * e * h * inter and layer.entry("router").shape == (e, h)
+    assert layer.numel >= cfg.layer_parameters(0) > 3 * e * h * inter
+    p = plan_run(cfg, RunRequest(seq_len=4096, batch_size=16, micro_batch_size=4, host_mem=500.0, gpu_mem=140.0),
+                 device=CUDA, dtype=BF16)
+    assert p.fits
+    assert p.gpu["weight_slots"] >= 2 * layer.numel  # a slot holds a whole layer: every expert
+
+
+def test_layer_work_counts_routing_and_every_gathered_expert_row():
+    cfg = preset("mixtral-4l")
+    tokens, c = 8192, 2
+    k, e, h, inter = cfg.num_experts_per_tok, cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
+    assert expert_bytes_per_token(cfg, c) == e * (c + 4) + 12 * k + k * c * (3 * h + 4 * inter)
+    one = msgspec.structs.replace(cfg, num_experts_per_tok=1)
+    grown = layer_work_bytes(cfg, tokens, c, False) - layer_work_bytes(one, tokens, c, False)
+    assert grown == tokens * (expert_bytes_per_token(cfg, c) - expert_bytes_per_token(one, c))
+
+
+def test_a_dense_layer_of_a_mixture_counts_when_it_needs_more():
+    """Qwen3-MoE's mlp_only_layers: the dense MLP (intermediate_size 6144) of one layer beside
+    the experts' rows (8 x 768 wide); the larger of the two is what a layer's work may need."""
+    cfg = preset("qwen3-moe-12l")
+    dense_one = msgspec.structs.replace(cfg, mlp_only_layers=(3,), intermediate_size=4 * 6144)
+    assert layer_work_bytes(dense_one, 4096, 2, False) > layer_work_bytes(cfg, 4096, 2, False)
