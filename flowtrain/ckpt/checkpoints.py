@@ -394,6 +394,11 @@ def _sha256(path: Path) -> str:
 # ---------------------------------------------------------------------- the root folder
 
 
+def checkpoint_steps(root: str | os.PathLike[str]) -> list[int]:
+    """The steps of the complete checkpoints in folder ``root`` (none if it is no folder)."""
+    return [step for step, _ in _complete(Path(root))] if Path(root).is_dir() else []
+
+
 def _complete(root: Path) -> list[tuple[int, Path]]:
     """``(step, path)`` of the complete checkpoints in ``root``, oldest first."""
     found = []

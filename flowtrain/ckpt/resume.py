@@ -25,8 +25,9 @@ the same decay to ``--min-lr`` at the new last step (:func:`resumed_schedule`)::
 from __future__ import annotations
 
 import base64
+import binascii
 import math
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Annotated, Sequence
 
 import msgspec
 import torch
@@ -78,15 +79,49 @@ def restore_rng(state: dict) -> None:
     torch.set_rng_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
 
 
+class _Position(msgspec.Struct):
+    fingerprint: str
+    position: Annotated[int, msgspec.Meta(ge=0)]
+
+
+class _Rng(msgspec.Struct):
+    torch: str
+
+
+class _StateShape(msgspec.Struct):
+    """The fields of a trainer_state.json a resume reads, with their types and bounds (a file
+    edited by hand, its manifest entry updated to match, is refused here in one line)."""
+
+    step: Annotated[int, msgspec.Meta(ge=1)]
+    data: _Position
+    rng: _Rng
+    settings: dict
+    skipped_steps: Annotated[int, msgspec.Meta(ge=0)] = 0
+    consecutive_skipped: Annotated[int, msgspec.Meta(ge=0)] = 0
+    last_loss: float | None = None
+
+
 def steps_done(state: dict, where: str) -> int:
-    """The checkpoint's step count, checked."""
+    """The checkpoint's step count, the whole state checked: its format, the types and bounds
+    of what a resume reads, a data position within the steps done, and a random generator
+    state torch can take."""
     if state.get("format") != FORMAT:
         raise CheckpointError(f"{where}: trainer_state.json has format {state.get('format')!r}; "
                               f"this flowtrain reads format {FORMAT}")
-    step = state.get("step")
-    if not isinstance(step, int) or step < 1:
-        raise CheckpointError(f"{where}: trainer_state.json has no valid step count (got {step!r})")
-    return step
+    try:
+        shape = msgspec.convert(state, _StateShape)
+    except msgspec.ValidationError as e:
+        raise CheckpointError(f"{where}: trainer_state.json is not a trainer state flowtrain wrote ({e})") from None
+    if max(shape.data.position, shape.skipped_steps, shape.consecutive_skipped) > shape.step:
+        raise CheckpointError(f"{where}: trainer_state.json counts more than its {shape.step} steps "
+                              f"(data position {shape.data.position}, {shape.skipped_steps} skipped, {shape.consecutive_skipped} in a row)")
+    try:
+        rng = base64.b64decode(shape.rng.torch, validate=True)
+    except (binascii.Error, ValueError):
+        rng = b""
+    if len(rng) != torch.get_rng_state().numel():
+        raise CheckpointError(f"{where}: trainer_state.json's rng.torch is not a torch generator state")
+    return shape.step
 
 
 def _same(a, b) -> bool:

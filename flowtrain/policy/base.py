@@ -84,6 +84,9 @@ def _import_policy(spec: str, options: dict) -> Policy:
     import sys
 
     module, _, name = spec.partition(":")
+    if not module or not name.isidentifier():
+        raise ConfigError(f"--policy {spec}: give module:Class, a module and the name of a class in it, "
+                          "like my_schedules:ZigZag")
     here = os.getcwd()
     added = here not in sys.path
     if added:
@@ -98,7 +101,14 @@ def _import_policy(spec: str, options: dict) -> Policy:
     finally:
         if added:
             sys.path.remove(here)
-    return resolve_policy(factory(**options))
+    if not isinstance(factory, type):  # a function, a constant: not a policy to instantiate
+        raise ConfigError(f"--policy {spec}: {module}.{name} is a {type(factory).__name__}, not a class; "
+                          "give a class with a propose(graph) method")
+    try:
+        made = factory(**options)
+    except Exception as exc:  # the user's constructor: its failure is theirs to read, in one line
+        raise ConfigError(f"--policy {spec}: {module}.{name}() failed: {type(exc).__name__}: {exc}") from None
+    return resolve_policy(made)
 
 
 def natural_order(graph: nx.DiGraph) -> list[Task]:

@@ -253,10 +253,13 @@ def validate(cfg: TrainConfig, mcfg: ModelConfig) -> None:
         raise ConfigError(f"{given} needs {missing}: give both (held-out loss every N steps) or neither", named=True)
     if cfg.save_every is not None and not cfg.out:
         raise ConfigError("{save_every} writes OUT/checkpoint-STEP folders: give {out} OUT", named=True)
-    if cfg.save_every is not None and cfg.resume is None and cfg.out and Path(cfg.out).is_dir():
+    if cfg.resume is None and cfg.out and Path(cfg.out).is_dir():
+        # A new run beside an earlier run's checkpoints: its own would mix with them, and with
+        # --overwrite alone they would stay beside a model they are not of, for a later --resume
+        # to continue over it.
         old = sorted(p.name for p in Path(cfg.out).glob("checkpoint-*"))
         if old:
             raise ConfigError(
                 f"{{out}} {cfg.out} holds checkpoints of an earlier run ({', '.join(old[-3:])}); continue it with "
-                f"{{resume}} {cfg.out}, or write this run's checkpoints to another {{out}}", named=True
+                f"{{resume}} {cfg.out}, remove them, or write this run to another {{out}}", named=True
             )

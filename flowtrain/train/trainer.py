@@ -37,7 +37,7 @@ from ..ckpt.out_lock import OutLock, check_free
 from ..ckpt.output import remove_stale_temp, resolve_out, resolve_save_dtype, save_final_model
 from ..ckpt.resume import ContinuedSchedule, check_compatible, restore_rng, resumed_schedule, steps_done
 from ..data.source import FromData, Sequences, default_corpus_path, load_sequences
-from ..errors import ConfigError, PlanError
+from ..errors import CheckpointError, ConfigError, PlanError
 from ..graph.tasks import GRADS, HOST_GRADS, WEIGHTS
 from ..model import ModelConfig, read_config
 from ..model.attention import attention_backends
@@ -50,6 +50,7 @@ from ..runtime.trace import Instrument, TraceRecorder, lane_busy, write_chrome_t
 from ..sim.choose_plan import plan_and_choose
 from . import defaults
 from .checks import check_compile_backend, check_fields, check_output_paths
+from .settings import check_values
 from .distributed import World, join, leave, local_share, node_barrier, world_from_env
 from .host_state import HostState, return_freed_memory
 from .loop import TrainingLoop
@@ -113,6 +114,7 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
         check_free(cfg.out)  # another run writing there: refuse before reading or checking it
     resume_from, resume_state = _find_resume(cfg)
     check_output_paths(cfg.out, cfg.overwrite, cfg.trace, cfg.metrics, resume=resume_from)
+    _check_nothing_replaced(cfg, resume_from, resume_state)
     model = cfg.model or (str(resume_from) if resume_from else "tiny")
     mcfg, model_dir = load_model_config(model)
     cfg = resolve_defaults(cfg, pretrained=model_dir is not None, saved=resume_state.get("settings"))
@@ -281,7 +283,33 @@ def _find_resume(cfg: TrainConfig) -> tuple[Path | None, dict]:
     path = checkpoints.latest_checkpoint(cfg.resume)
     state, path = checkpoints.read_checkpoint(path, verify=True)
     steps_done(state, str(path))
+    _check_saved_settings(state["settings"], path)
     return path, state
+
+
+def _check_nothing_replaced(cfg: TrainConfig, resume_from: Path | None, resume_state: dict) -> None:
+    """Resuming from checkpoint-K into a folder that holds checkpoint-N of a run that went
+    further, N a step this run saves at (after K, a multiple of --save-every, at most --steps):
+    this run's checkpoint-N would replace that one. Refused, naming them, before anything runs."""
+    if resume_from is None or cfg.save_every is None or not cfg.out:
+        return
+    done = resume_state["step"]
+    later = [n for n in checkpoints.checkpoint_steps(cfg.out) if done < n <= cfg.steps and n % cfg.save_every == 0]
+    if later:
+        names = ", ".join(f"checkpoint-{n}" for n in later[:3]) + (", ..." if len(later) > 3 else "")
+        raise ConfigError(
+            f"{{resume}} {resume_from} is step {done}, and {{out}} {cfg.out} holds {names} of a run that went "
+            f"further, which this run's checkpoints would replace; write this run to another {{out}}, or remove "
+            "them first", named=True)
+
+
+def _check_saved_settings(settings: dict, where: Path) -> None:
+    """A checkpoint's settings are a ``TrainConfig`` whose values its checks accept (the
+    resumed run takes its schedule, optimizer and data order from them)."""
+    try:
+        check_values(msgspec.convert(settings, TrainConfig))
+    except (msgspec.ValidationError, ConfigError) as e:
+        raise CheckpointError(f"{where}: trainer_state.json's settings are not a run's settings ({e})") from None
 
 
 def build_state(run: Run) -> tuple[HostState, StepProgram]:

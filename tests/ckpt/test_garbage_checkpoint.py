@@ -8,6 +8,7 @@ import json
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -73,3 +74,38 @@ def test_a_model_folder_without_weights_is_refused_before_training(saved, tmp_pa
                            "--no-progress"], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2, proc.stderr[-2000:]
     assert len(proc.stderr.strip().splitlines()) == 1 and "step 1" not in proc.stdout
+
+
+def _edit_state(saved, tmp_path, edit) -> Path:
+    """A copy of the checkpoint with its trainer state edited by ``edit`` and the manifest made
+    to match, as a careful hand edit would leave it."""
+    import hashlib
+
+    ckpt = tmp_path / "checkpoint-2"
+    shutil.copytree(saved, ckpt)
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    edit(state)
+    data = json.dumps(state).encode()
+    (ckpt / "trainer_state.json").write_bytes(data)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    manifest["files"]["trainer_state.json"] = {"size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+    (ckpt / "manifest.json").write_text(json.dumps(manifest))
+    return ckpt
+
+
+@pytest.mark.parametrize("edit, says", [
+    (lambda s: s.update(rng="garbage"), "trainer_state.json is not a trainer state"),
+    (lambda s: s["rng"].update(torch="AAAA"), "rng.torch is not a torch generator state"),
+    (lambda s: s["data"].update(position=-5), "data.position"),
+    (lambda s: s["data"].update(position=10**30), "counts more than its 2 steps"),
+    (lambda s: s.update(skipped_steps=-1), "skipped_steps"),
+    (lambda s: s["settings"].update(steps="many"), "settings are not a run's settings"),
+    (lambda s: s["settings"].update(lr=-1.0), "settings are not a run's settings (lr must be"),
+], ids=["rng-not-an-object", "rng-too-short", "negative-position", "position-past-the-steps", "negative-skipped",
+        "steps-not-a-number", "negative-lr"])
+def test_a_trainer_state_edited_by_hand_is_refused_in_one_line(saved, tmp_path, capsys, edit, says):
+    ckpt = _edit_state(saved, tmp_path, edit)
+    rc = main(["train", *TINY, "--steps", "3", "--resume", str(ckpt), "--out", str(tmp_path / "again")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert rc == 2 and len(err) == 1 and says in err[0], err
+    assert not (tmp_path / "again").exists()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -69,7 +70,11 @@ def test_policy_module_class_on_the_command_line(tmp_path, zigzag_module):
     ("no_such_module_xyz:Thing", "cannot import module"),
     ("flowtrain.policy:NoSuchPolicy", "has no 'NoSuchPolicy'"),
     ("flowtrain.errors:ConfigError", "is not a policy"),
+    ("os:system", "os.system is a builtin_function_or_method, not a class"),  # never called
+    ("os:sep", "os.sep is a str, not a class"),
+    (":x", "give module:Class"),
+    ("json:JSONDecodeError", "json.JSONDecodeError() failed: TypeError"),  # its constructor needs arguments
 ])
 def test_bad_policy_specs_are_one_line(spec, needle):
-    with pytest.raises(ConfigError, match=needle):
+    with pytest.raises(ConfigError, match=re.escape(needle)):
         resolve_policy(spec)
