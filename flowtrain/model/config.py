@@ -952,6 +952,11 @@ PRESETS["qwen3-30b-a3b"] = ModelConfig(
 )
 #: The same layer, 12 of them: Qwen3-30B-A3B's expert shapes at a quarter of its depth.
 PRESETS["qwen3-moe-12l"] = msgspec.structs.replace(PRESETS["qwen3-30b-a3b"], num_layers=12)
+#: Qwen3-235B-A22B's shape (for plan and simulate: 2.8 TB of host state): 94 layers of 128
+#: experts (1536 wide), 8 per token.
+PRESETS["qwen3-235b-a22b"] = msgspec.structs.replace(
+    PRESETS["qwen3-30b-a3b"], hidden_size=4096, intermediate_size=12288, num_layers=94, num_heads=64,
+    moe_intermediate_size=1536)
 #: Mixtral-8x7B's shape: 32 layers of 8 experts (14336 wide), 2 per token.
 PRESETS["mixtral-8x7b"] = ModelConfig(
     vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,

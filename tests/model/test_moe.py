@@ -177,12 +177,14 @@ def test_saved_checkpoint_loads_in_transformers(tmp_path, name, tied):
 
 
 def test_presets_have_the_published_sizes():
-    """Qwen3-30B-A3B: 30.5B parameters, 3.3B active; Mixtral-8x7B: 46.7B, 12.9B active."""
+    """Qwen3-30B-A3B: 30.5B parameters, 3.3B active; Qwen3-235B-A22B: 235.1B, 22.2B;
+    Mixtral-8x7B: 46.7B, 12.9B active."""
     sizes = {name: (PRESETS[name].num_parameters(), PRESETS[name].active_parameters())
-             for name in ("qwen3-30b-a3b", "mixtral-8x7b")}
+             for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b")}
+    assert round(sizes["qwen3-235b-a22b"][0] / 1e9, 1) == 235.1 and round(sizes["qwen3-235b-a22b"][1] / 1e9, 1) == 22.2
     assert round(sizes["qwen3-30b-a3b"][0] / 1e9, 1) == 30.5 and round(sizes["qwen3-30b-a3b"][1] / 1e9, 1) == 3.4
     assert round(sizes["mixtral-8x7b"][0] / 1e9, 1) == 46.7 and round(sizes["mixtral-8x7b"][1] / 1e9, 1) == 12.9
-    for name in ("qwen3-30b-a3b", "qwen3-moe-12l", "mixtral-8x7b", "mixtral-4l"):
+    for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "qwen3-moe-12l", "mixtral-8x7b", "mixtral-4l"):
         cfg = PRESETS[name]
         assert ModelConfig.from_hf(cfg.to_hf()) == cfg
         assert sum(lay.numel for lay in model_layouts(cfg)) >= cfg.num_parameters()
