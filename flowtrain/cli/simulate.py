@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     from ..errors import ConfigError
     from ..sim.machine import load_machine
 
-    if not isinstance(args.steps, int) or args.steps < 2:
+    if args.steps < 2:
         raise ConfigError(f"{{steps}} must be at least 2 to see a steady step (got {args.steps})", named=True)
     machine = load_machine(args.machine)
     cfg, req, plan, _, _, predictions = plan_for(args, machine, with_predictions=True)

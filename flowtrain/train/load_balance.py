@@ -37,11 +37,10 @@ import torch
 from torch import Tensor
 
 from ..model.config import ModelConfig
+from ..model.functional import IGNORE_INDEX
 from ..model.moe import RouterTap
 
 __all__ = ["LoadBalance", "real_tokens"]
-
-IGNORE_INDEX = -100
 
 
 def real_tokens(targets: Tensor) -> Tensor:
@@ -113,26 +112,22 @@ class LoadBalance:
         aux = self.experts * torch.dot(tally.count / n, tally.mass / n)
         return self.coef * aux / self._micro_batches[step]
 
-    def _weights(self, step: int, micro_batch: int) -> tuple[Tensor, Tensor]:
-        """``(g, mask)``: the loss's gradient with respect to each (real) row's probabilities."""
+    def _term(self, step: int, micro_batch: int, probs: Tensor) -> Tensor:
+        """``sum(g_e * P[row, e])`` over the real rows of one layer's probabilities, ``g`` the
+        loss's gradient with respect to each of them: differentiated, the layer's share."""
         tally = self._tallies[(step, micro_batch)]
         n = self._rows(tally)
         g = self.coef * self.experts * tally.count / (n * n) / self._micro_batches[step]
-        return g, tally.mask
+        return (probs * tally.mask[:, None] * g[None, :]).sum()
 
     def gradient(self, step: int, micro_batch: int, terms: list[Tensor]) -> RouterTap:
-        """The tap of a layer's backward re-run: appends ``sum(g_e * P[row, e])`` over its real
-        rows to ``terms``, which the backward differentiates along with the layer's output."""
-        g, mask = self._weights(step, micro_batch)
-
+        """The tap of a layer's backward re-run: appends its :meth:`_term` to ``terms``, which
+        the backward differentiates along with the layer's output."""
         def tap(probs: Tensor, experts: Tensor) -> None:
-            terms.append((probs * mask[:, None] * g[None, :]).sum())
+            terms.append(self._term(step, micro_batch, probs))
         return tap
 
     def kept_term(self, step: int, layer: int, micro_batch: int) -> Tensor | None:
         """The same term for a kept forward's probabilities (None: the layer has no router)."""
         probs = self._kept.pop((step, layer, micro_batch), None)
-        if probs is None:
-            return None
-        g, mask = self._weights(step, micro_batch)
-        return (probs * mask[:, None] * g[None, :]).sum()
+        return None if probs is None else self._term(step, micro_batch, probs)

@@ -184,19 +184,24 @@ def _load_eval(cfg: TrainConfig, mcfg: ModelConfig, tokenizer_dir: Path | None) 
     model forward over all of it: its cost is that of a forward pass over that many sequences."""
     if cfg.eval_data is None:
         return None
-    seqs = load_sequences(cfg.eval_data, cfg.seq_len, mcfg.vocab_size, tokenizer_dir=tokenizer_dir,
-                          pad_id=mcfg.pad_token_id or 0, eos_id=mcfg.eos_token_id, byte_tokenizer=cfg.byte_tokenizer,
-                          packing=cfg.packing, long_examples=cfg.long_examples)
+    seqs = _read(cfg.eval_data, cfg, mcfg, tokenizer_dir, cfg.seq_len)
     if len(seqs) == 0 or seqs.num_targets() == 0:
         raise ConfigError(f"{{eval_data}} {cfg.eval_data}: no target tokens to evaluate; give a file with text in it", named=True)
     return seqs
 
 
+def _read(path: str, cfg: TrainConfig, mcfg: ModelConfig, tokenizer_dir: Path | None, seq_len: int | FromData,
+          long_examples: str | None = None) -> Sequences:
+    """A data file read as the run reads its data: the model's ids, the run's tokenizer and
+    packing, and ``long_examples`` (default: the run's)."""
+    return load_sequences(path, seq_len, mcfg.vocab_size, tokenizer_dir=tokenizer_dir, pad_id=mcfg.pad_token_id or 0,
+                          eos_id=mcfg.eos_token_id, byte_tokenizer=cfg.byte_tokenizer, packing=cfg.packing,
+                          long_examples=long_examples or cfg.long_examples)
+
+
 def _read_data(cfg: TrainConfig, mcfg: ModelConfig, tokenizer_dir: Path | None, seq_len: int | FromData) -> Sequences:
     """``--data`` (the bundled corpus without it) read as the run reads it."""
-    return load_sequences(cfg.data or str(default_corpus_path()), seq_len, mcfg.vocab_size, tokenizer_dir=tokenizer_dir,
-                          pad_id=mcfg.pad_token_id or 0, eos_id=mcfg.eos_token_id, byte_tokenizer=cfg.byte_tokenizer,
-                          packing=cfg.packing, long_examples=cfg.long_examples)
+    return _read(cfg.data or str(default_corpus_path()), cfg, mcfg, tokenizer_dir, seq_len)
 
 
 def seq_len_of_data(cfg: TrainConfig, mcfg: ModelConfig, model_dir: Path | None) -> int:
@@ -222,9 +227,7 @@ def _data_seq_len(cfg: TrainConfig, mcfg: ModelConfig, resume_state: dict,
         return saved
     choice = FromData(stream=int(cfg.seq_len), multiple=defaults.SEQ_LEN_MULTIPLE, most=mcfg.max_position_embeddings)
     if cfg.eval_data is not None:
-        held_out = load_sequences(cfg.eval_data, choice, mcfg.vocab_size, tokenizer_dir=tokenizer_dir,
-                                  pad_id=mcfg.pad_token_id or 0, eos_id=mcfg.eos_token_id,
-                                  byte_tokenizer=cfg.byte_tokenizer, packing=cfg.packing, long_examples="truncate")
+        held_out = _read(cfg.eval_data, cfg, mcfg, tokenizer_dir, choice, long_examples="truncate")
         if held_out.report.kind == "rows":
             choice = dataclasses.replace(choice, least=int(held_out.seq_len))
     return choice
