@@ -13,7 +13,10 @@ the backward half (a third less compute per layer). Its saved tensors are of two
 
       y, kept = forward_kept(layer, x, flat, layout)     # y detached; kept holds the graph
       ...                                                # the slot is reused meanwhile
-      dx, dw = backward_kept(kept, flat_now, dy)         # flat_now: the backward's fetch
+      dx = backward_kept(kept, flat_now, dy, grads)      # flat_now: the backward's fetch
+
+The weight gradients go straight into the unit's fp32 gradient ``grads``, one weight at a
+time (:mod:`flowtrain.train.weight_grads`).
 
 So a kept layer costs GPU memory for its activations only, and the gradients are the same
 computation as a recompute would do (bit-identical in fp32 where the math is the same: both
@@ -28,6 +31,10 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from flowtrain.model.layout import UnitLayout
+
+from .weight_grads import backward_into, weight_leaves
+
 __all__ = ["Kept", "backward_kept", "forward_kept", "saved_bytes"]
 
 
@@ -41,14 +48,15 @@ class _WeightRef:
 
 
 class Kept:
-    """One layer's kept forward: its input and weight leaves, its output, and the buffer its
-    saved weight views are read from (set by :func:`backward_kept`)."""
+    """One layer's kept forward: its input and weight leaves (and the layout they follow), its
+    output, and the buffer its saved weight views are read from (set by :func:`backward_kept`)."""
 
-    __slots__ = ("x", "flat", "y", "weights", "bytes", "_seen")
+    __slots__ = ("x", "leaves", "layout", "y", "weights", "bytes", "_seen")
 
-    def __init__(self, count: bool = False) -> None:
+    def __init__(self, layout: UnitLayout, count: bool = False) -> None:
         self.x: Tensor | None = None
-        self.flat: Tensor | None = None
+        self.leaves: dict[str, Tensor] | None = None
+        self.layout = layout
         self.y: Tensor | None = None
         self.weights: Tensor | None = None  # the flat buffer the backward reads weights from
         self.bytes = 0  # device bytes of the kept activations, when counted (saved_bytes)
@@ -77,34 +85,38 @@ class Kept:
         return saved  # type: ignore[return-value]
 
 
-def forward_kept(layer: Callable[[Tensor, Tensor], Tensor], x: Tensor, flat: Tensor,
-                 count: bool = False) -> tuple[Tensor, Kept]:
-    """Run ``layer(x_leaf, flat_leaf)`` under autograd, keeping its graph; ``flat`` is the unit's
-    weights in their slot. Returns the detached output and the :class:`Kept` record (with
-    ``count``, its :attr:`Kept.bytes` adds up the activations kept)."""
-    kept = Kept(count)
+def forward_kept(layer: Callable[[Tensor, dict[str, Tensor]], Tensor], x: Tensor, flat: Tensor,
+                 layout: UnitLayout, count: bool = False) -> tuple[Tensor, Kept]:
+    """Run ``layer(x_leaf, weight_leaves)`` under autograd, keeping its graph; ``flat`` is the
+    unit's weights in their slot, ``layout`` where each weight sits in it. Returns the detached
+    output and the :class:`Kept` record (with ``count``, its :attr:`Kept.bytes` adds up the
+    activations kept)."""
+    kept = Kept(layout, count)
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(kept._pack(flat), kept._unpack):
         kept.x = x.detach().requires_grad_(True)
-        kept.flat = flat.detach().requires_grad_(True)
-        kept.y = layer(kept.x, kept.flat)
+        kept.leaves = weight_leaves(flat, layout)
+        kept.y = layer(kept.x, kept.leaves)
     return kept.y.detach(), kept
 
 
-def backward_kept(kept: Kept, weights: Tensor, dy: Tensor, extra: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """``(dx, dw)`` of a kept layer for output gradient ``dy``, reading the saved weight views
-    from ``weights`` (the same values the forward read, wherever they are now). ``extra``: a
-    scalar of the same forward's graph differentiated along with the output (a mixture of
-    experts' load-balancing term, :mod:`flowtrain.train.load_balance`)."""
+def backward_kept(kept: Kept, weights: Tensor, dy: Tensor, grads: Tensor, extra: Tensor | None = None,
+                  first: Callable[[Tensor], Tensor] | None = None) -> Tensor:
+    """The input gradient of a kept layer for output gradient ``dy``, reading the saved weight
+    views from ``weights`` (the same values the forward read, wherever they are now) and adding
+    the weight gradients into ``grads`` (:func:`flowtrain.train.weight_grads.backward_into`,
+    ``first`` as there). ``extra``: a scalar of the same forward's graph differentiated along
+    with the output (a mixture of experts' load-balancing term, :mod:`flowtrain.train.load_balance`)."""
     kept.weights = weights
-    if extra is None:
-        dx, dw = torch.autograd.grad(kept.y, (kept.x, kept.flat), dy)  # type: ignore[arg-type]
-    else:
-        dx, dw = torch.autograd.grad((kept.y, extra), (kept.x, kept.flat), (dy, torch.ones_like(extra)))  # type: ignore[arg-type]
-    kept.x = kept.flat = kept.y = kept.weights = None
-    return dx, dw
+    assert kept.y is not None and kept.x is not None and kept.leaves is not None
+    outputs, grad_outputs = ((kept.y, dy) if extra is None
+                             else ((kept.y, extra), (dy, torch.ones_like(extra))))
+    dx = backward_into(outputs, grad_outputs, kept.x, kept.leaves, kept.layout, grads, first)
+    kept.x = kept.leaves = kept.y = kept.weights = None
+    return dx
 
 
-def saved_bytes(layer: Callable[[Tensor, Tensor], Tensor], x: Tensor, flat: Tensor) -> int:
+def saved_bytes(layer: Callable[[Tensor, dict[str, Tensor]], Tensor], x: Tensor, flat: Tensor,
+                layout: UnitLayout) -> int:
     """Device bytes a kept forward of ``layer`` holds for these shapes (weights excluded)."""
-    _, kept = forward_kept(layer, x, flat, count=True)
+    _, kept = forward_kept(layer, x, flat, layout, count=True)
     return kept.bytes

@@ -57,6 +57,7 @@ without a host sync per layer: :mod:`flowtrain.train.nonfinite`.
 
 from __future__ import annotations
 
+import functools
 import math
 import threading
 import warnings
@@ -107,6 +108,7 @@ from .activations import ActivationStore
 from .kept import backward_kept, forward_kept
 from .load_balance import LoadBalance
 from .nonfinite import SKIP, Injection, Saved, StepCheck, UndoBudget, injection_from_env, nonfinite, undo_arena_bytes
+from .weight_grads import backward_into, weight_leaves
 from .optimizer import AdamWConfig, adamw_step, clip_coefficient, decay_segments, no_decay_ranges
 
 
@@ -519,8 +521,8 @@ class StepProgram:
             x = self.store.inputs.take((s, i, m))  # type: ignore[arg-type]
             tap = self._counting(s, i, m)  # type: ignore[arg-type]
             y, kept = forward_kept(
-                lambda x, f: self._layer("train", s, i, m, x, bind(f, unit.layout), tap),  # type: ignore[arg-type]
-                x, self._weights(unit, ctx)[: unit.layout.numel])
+                lambda x, w: self._layer("train", s, i, m, x, w, tap),  # type: ignore[arg-type]
+                x, self._weights(unit, ctx)[: unit.layout.numel], unit.layout)
             self.store.kept.put((s, i, m), kept)  # type: ignore[arg-type]
             self.store.inputs.put((s, i + 1, m), y)  # type: ignore[arg-type, operator]
             return
@@ -598,9 +600,12 @@ class StepProgram:
         n = unit.layout.numel
         dy = self.store.grads.take((s, i, m))  # type: ignore[arg-type]
         balanced = self.balance is not None and self.cfg.layer_sparse(i)
+        grads = self._grads(unit, ctx)
+        first = functools.partial(self._poison, step=s, where=f"layer.{i}", micro_batch=m)
         if task.phase == "keep":
             extra = self.balance.kept_term(s, i, m) if balanced else None  # type: ignore[union-attr, arg-type]
-            dx, dw = backward_kept(self.store.kept.take((s, i, m)), self._weights(unit, ctx)[:n], dy, extra)  # type: ignore[arg-type]
+            dx = backward_kept(self.store.kept.take((s, i, m)), self._weights(unit, ctx)[:n], dy, grads,  # type: ignore[arg-type]
+                               extra, first)
         else:
             x = self.store.inputs.take((s, i, m))  # type: ignore[arg-type]
             record = self.store.attention.take((s, i, m)) if task.phase == "attn" else None  # type: ignore[arg-type]
@@ -608,13 +613,10 @@ class StepProgram:
             tap = self.balance.gradient(s, m, terms) if balanced else None  # type: ignore[union-attr, arg-type]
             with torch.enable_grad(), replaying(record):
                 x = x.detach().requires_grad_(True)
-                flat = self._weights(unit, ctx)[:n].detach().requires_grad_(True)
-                y = self._layer("train", s, i, m, x, bind(flat, unit.layout), tap)  # type: ignore[arg-type]
-                if terms:
-                    dx, dw = torch.autograd.grad((y, terms[0]), (x, flat), (dy, torch.ones_like(terms[0])))
-                else:
-                    dx, dw = torch.autograd.grad(y, (x, flat), dy)
-        self._grads(unit, ctx)[:n].add_(self._poison(dw, s, f"layer.{i}", m))  # type: ignore[arg-type]
+                leaves = weight_leaves(self._weights(unit, ctx)[:n], unit.layout)
+                y = self._layer("train", s, i, m, x, leaves, tap)  # type: ignore[arg-type]
+                outputs, grad_outputs = ((y, terms[0]), (dy, torch.ones_like(terms[0]))) if terms else (y, dy)
+                dx = backward_into(outputs, grad_outputs, x, leaves, unit.layout, grads, first)
         self.store.grads.put((s, i - 1, m), dx)  # type: ignore[arg-type, operator]
 
     def _embed_backward(self, task: EmbedBackward, ctx: TaskContext) -> None:

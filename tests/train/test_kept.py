@@ -18,7 +18,7 @@ from flowtrain.cli import main
 from flowtrain.errors import ConfigError
 from flowtrain.graph.compiler import StepSpec, compile_step
 from flowtrain.graph.tasks import Backward, Forward
-from flowtrain.model import bind, decoder_layer, model_layouts, rope_tables
+from flowtrain.model import decoder_layer, model_layouts, rope_tables
 from flowtrain.plan.memory import RunRequest, kept_bytes_per_token, place_activations, plan_run
 from flowtrain.train.kept import saved_bytes
 
@@ -43,7 +43,7 @@ def _saved_per_token(cfg, dtype, make_layer=lambda: decoder_layer) -> float:
         cos, sin = rope_tables(cfg, tokens, dtype=dtype)
         x = torch.randn(1, tokens, cfg.hidden_size, dtype=dtype)
         layer = make_layer()
-        measured.append(saved_bytes(lambda x, f: layer(x, bind(f, lay), cos, sin, cfg, None, None), x, flat))
+        measured.append(saved_bytes(lambda x, w: layer(x, w, cos, sin, cfg, None, None), x, flat, lay))
     return (measured[1] - measured[0]) / 64
 
 
