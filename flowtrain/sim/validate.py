@@ -78,6 +78,9 @@ RUNS = (
     ("gate: llama-8b, 16 seq/step on a 10 GB card", "2026-12-04/gate-results.jsonl", {"job": "8b10o"},
      {**_AUTO, "gpu_mem": 10.0, "not_modelled": _AT_CAP}),
     ("gate: llama-3b, one sequence of 65,536 tokens", "2026-12-04/gate-results.jsonl", {"job": "long"}, _AUTO),
+    # the gate after the weight gradients went into the fp32 buffer one weight at a time
+    ("gate: llama-8b on a 10 GB card, weight gradients one at a time", "2026-12-04/weight-grads-gate-results.jsonl",
+     {"job": "8b10o"}, {**_AUTO, "gpu_mem": 10.0}),
 )
 #: the keys of a run's extra arguments that are the simulator's (or the table's), not the planner's
 _SIM_ONLY = ("attention_backend", "save_attention", "offload", "not_modelled")
