@@ -53,7 +53,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--json", action="store_true", help="print the plan as JSON")
     # The choice by predicted time (flowtrain.sim): a separate step after the memory plan.
     a("--machine", default=None, metavar="NAME|FILE",
-      help="also pick, among configurations that fit, the fastest predicted on this machine (flowtrain simulate)")
+      help="also pick, among configurations that fit, the fastest predicted on this machine (flowtrain "
+           "simulate); from a computer without a GPU, plan for that machine's GPU and memory")
 
 
 def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: float | None) -> tuple:
@@ -88,29 +89,15 @@ def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: f
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from ..sim.choose_plan import plan_and_choose
-    from ..train.trainer import resolve_dtype
-
-    cfg, model_dir, req, processes = checked_request(args, args.gpu_mem, args.host_mem)
-    if args.device == "auto":
-        device = torch.device("cuda" if (torch.cuda.is_available() or args.gpu_mem is not None) else "cpu")
-    else:
-        device = torch.device(args.device)
-    dtype = resolve_dtype(args.precision, device)
     machine = None
-    if getattr(args, "machine", None) is not None and device.type == "cuda":
+    if args.machine is not None:
         from ..sim.machine import load_machine
 
         machine = load_machine(args.machine)
-    plan = plan_and_choose(cfg, req, device=device, dtype=dtype, policy=args.policy, machine=machine)
-    choice = None
-    if machine is not None and processes == 1:  # the fastest that fits, as the simulator predicts on --machine
-        import msgspec
-
-        from ..sim.choose import choose_fastest
-
-        resolved = msgspec.structs.replace(req, order=plan.spec.order)  # --order auto, decided above
-        choice = choose_fastest(cfg, resolved, machine, args.policy, device=device, dtype=dtype)
+    if machine is not None and args.device == "auto" and not torch.cuda.is_available():
+        req, plan, choice = _plan_elsewhere(args, machine)  # for that machine, from one without its GPU
+    else:
+        req, plan, choice = _plan_here(args, machine)
     if args.json:
         print(json.dumps({"model": args.model, "seq_len": req.seq_len, **plan.to_dict(),
                           **({"fastest": choice.to_dict()} if choice else {})}, indent=1))
@@ -121,6 +108,46 @@ def run(args: argparse.Namespace) -> int:
         if choice:
             print(choice.explain())
     return 0 if plan.fits else 1
+
+
+def _plan_here(args: argparse.Namespace, machine):  # noqa: ANN001, ANN202 - a Machine; (request, Plan, Choice)
+    """The plan on this machine's device (its GPU's free memory a cap too); with ``machine``, the
+    fastest configuration that fits as the simulator predicts it there."""
+    import torch
+
+    from ..sim.choose_plan import plan_and_choose
+    from ..train.trainer import resolve_dtype
+
+    cfg, _, req, processes = checked_request(args, args.gpu_mem, args.host_mem)
+    if args.device == "auto":
+        device = torch.device("cuda" if (torch.cuda.is_available() or args.gpu_mem is not None) else "cpu")
+    else:
+        device = torch.device(args.device)
+    dtype = resolve_dtype(args.precision, device)
+    if device.type != "cuda":
+        machine = None  # a plan for the CPU: no GPU to predict
+    plan = plan_and_choose(cfg, req, device=device, dtype=dtype, policy=args.policy, machine=machine)
+    choice = None
+    if machine is not None and processes == 1:  # the fastest that fits, as the simulator predicts on --machine
+        from ..sim.choose import choose_fastest
+
+        resolved = msgspec.structs.replace(req, order=plan.spec.order)  # --order auto, decided above
+        choice = choose_fastest(cfg, resolved, machine, args.policy, device=device, dtype=dtype)
+    return req, plan, choice
+
+
+def _plan_elsewhere(args: argparse.Namespace, machine):  # noqa: ANN001, ANN202 - a Machine; (request, Plan, Choice)
+    """The plan for ``machine`` from a computer without a GPU: its GPU and host memory unless
+    --gpu-mem/--host-mem say otherwise, as ``flowtrain simulate`` plans, and the fastest
+    configuration that fits there."""
+    from ..sim.choose import choose_fastest
+    from .simulate import plan_for
+
+    cfg, req, plan, device, dtype = plan_for(args, machine)
+    processes = args.nproc_per_node * args.nnodes
+    choice = (choose_fastest(cfg, req, machine, args.policy, device=device, dtype=dtype, local_gpu=False)
+              if processes == 1 else None)
+    return req, plan, choice
 
 
 def _gib(n: int | None) -> str:

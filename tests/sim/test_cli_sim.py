@@ -63,6 +63,27 @@ def test_plan_with_a_machine_says_which_configuration_is_fastest_and_why(capsys)
     assert "fastest predicted on h200" in text and ("bound by" in text)
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="plans for another machine from one without a GPU")
+def test_plan_for_a_machine_from_a_computer_without_a_gpu_uses_that_machines_memory(capsys):
+    """From a laptop, ``plan --machine`` plans for that machine's GPU and host memory (as simulate
+    does), not for this computer's CPU; --gpu-mem still says otherwise."""
+    from flowtrain.sim.machine import load_machine
+
+    argv = ["plan", "--model", "llama-1b", "--seq-len", "1024", "--batch-size", "8", "--json"]
+    assert main(argv) in (0, 1)  # fits or not in this computer's memory
+    here = json.loads(capsys.readouterr().out)
+    assert here["device"] == "cpu" and "fastest" not in here
+    for name in ("h200", "rtx4090"):
+        assert main([*argv, "--machine", name]) in (0, 1)
+        there = json.loads(capsys.readouterr().out)
+        m = load_machine(name)
+        assert there["device"] == "cuda" and there["fastest"]["best"]["fits"] == there["fits"]
+        assert 0.8 * m.gpu_mem_gib * 2**30 < there["gpu_limit"] <= m.gpu_mem_gib * 2**30
+        assert 0.8 * m.host_mem_gib * 2**30 < there["host_limit"] <= m.host_mem_gib * 2**30
+    assert main([*argv, "--machine", "h200", "--gpu-mem", "10"]) == 0
+    assert json.loads(capsys.readouterr().out)["gpu_limit"] < 10 * 2**30
+
+
 def test_plan_with_a_machine_weighs_activation_placements_by_predicted_time(capsys):
     """On a GPU where the checkpoints of 16 sequences only just fit beside the state, the choice
     weighs recompute, offload and kept layers: the request to recompute (its slots shrunk to
