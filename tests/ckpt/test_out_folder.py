@@ -73,6 +73,7 @@ def lineage(ckpt: Path) -> dict:
 # ---------------------------------------------------------------------- lineage
 
 
+@pytest.mark.slow  # a whole run in a subprocess: the slow tier
 def test_save_total_limit_prunes_only_the_resumed_runs_own_line(tmp_path):
     """The reported case: a resume from checkpoint-2 with --save-total-limit 1 used to delete
     its own checkpoint-3 (keeping the higher-numbered checkpoint-4 of the first run), after
@@ -238,6 +239,7 @@ def test_overwrite_through_a_link_replaces_the_model_as_a_whole(tmp_path):
 # ---------------------------------------------------------------------- one run per folder
 
 
+@pytest.mark.slow  # a whole run in a subprocess: the slow tier
 def test_a_second_run_is_refused_while_the_folder_is_held(tmp_path):
     """The test holds the lock itself (as a running run would): no timing involved."""
     out = tmp_path / "out"

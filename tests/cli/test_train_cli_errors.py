@@ -55,6 +55,7 @@ def test_bad_model_directory_and_data(tmp_path):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.slow  # a whole run in a subprocess: the slow tier
 def test_a_good_run_writes_a_loadable_model(tmp_path):
     proc = run_train("--steps", "3", "--out", str(tmp_path / "out"), "--metrics", str(tmp_path / "m.jsonl"))
     assert proc.returncode == 0, proc.stderr

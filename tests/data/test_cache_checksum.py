@@ -82,6 +82,7 @@ def test_without_its_source_a_cache_is_not_used(tmp_path, cache):
         load_sequences(path, seq_len=4, vocab_size=10)
 
 
+@pytest.mark.slow  # a whole run in a subprocess: the slow tier
 def test_a_resume_on_a_corrupted_cache_continues_on_the_true_data(tmp_path):
     """Through the command line: 4 steps straight, against 2 steps, the cache corrupted, and a
     resume for 2 more. The resume must notice, rebuild, and end with the same weights."""

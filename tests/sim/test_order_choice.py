@@ -78,6 +78,7 @@ def test_the_gpu_is_matched_to_a_shipped_machine_by_its_name():
     assert machine_for_gpu("Some Other GPU") is None
 
 
+@pytest.mark.slow  # a plan that simulates every configuration it weighs: the slow tier
 def test_plan_shows_the_choice_and_its_reason(capsys):
     argv = ["plan", "--model", "llama-3b", "--seq-len", "4096", "--batch-size", "16", "--micro-batch-size", "4",
             "--host-mem", "110", "--gpu-mem", "139", "--device", "cuda", "--machine", "h200"]

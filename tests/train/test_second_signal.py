@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import signal
 
+import pytest
 from test_signals import finish, hidden, start, wait_for_lines
 
 
+@pytest.mark.slow  # a whole run in a subprocess: the slow tier
 def test_a_second_ctrl_c_with_save_every_says_why_nothing_was_saved(tmp_path):
     out, metrics, hanging = tmp_path / "out", tmp_path / "m.jsonl", tmp_path / "hanging"
     proc = start("--steps", "100000", "--save-every", "1000", "--out", str(out), "--metrics", str(metrics),
