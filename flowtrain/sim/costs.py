@@ -61,6 +61,9 @@ SOFTWARE = {
     "loss_logit_passes": 20.0,
     # attention backward FLOPs per forward FLOP (flash attention's convention)
     "attention_bwd_ratio": 2.5,
+    # a mixture of experts' routed rows: hidden elements moved per (token, expert) pair in the
+    # forward (gathered by expert, weighted, added back to their token), not fitted
+    "ew_routed": 6.0,
 }
 
 
@@ -73,6 +76,7 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
     """
 
     hidden: int
+    #: a dense MLP's width; for a mixture of experts, the k experts' together (k x expert width)
     intermediate: int
     layers: int
     heads: int
@@ -100,6 +104,10 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
     #: the run's ``--attention-backend`` (``auto``: cuDNN's fused attention on CUDA; ``flash``):
     #: which of the machine's ``attention_tflops`` rates attention runs at (:func:`attention_kernel`)
     attention_backend: str = "auto"
+    #: a mixture of experts' sparse layers (0: dense): experts per layer, experts per token
+    #: (``intermediate`` is then ``experts_per_token`` x each expert's width)
+    experts: int = 0
+    experts_per_token: int = 0
 
     @property
     def per_node(self) -> int:
@@ -184,17 +192,32 @@ class CostModel:
         T, h, i = s.tokens, s.hidden, s.intermediate
         q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
         gemms = (self.gemm_seconds(T, q, h) + 2 * self.gemm_seconds(T, kv, h) + self.gemm_seconds(T, h, q)
-                 + 2 * self.gemm_seconds(T, i, h) + self.gemm_seconds(T, h, i))
+                 + self._mlp_gemm_seconds())
         attn_flops = 2.0 * T * s.seq_len * q
         fwd_tflops, bwd_tflops = self.attention_tflops
         attn_fwd = attn_flops / (fwd_tflops * 1e12)
         attn_bwd = sw["attention_bwd_ratio"] * attn_flops / (bwd_tflops * 1e12)
-        ew = self.hbm_seconds(T * s.compute_bytes * (sw["ew_hidden"] * h + sw["ew_intermediate"] * i))
+        routed = sw["ew_routed"] * s.experts_per_token * h if s.experts else 0.0
+        ew = self.hbm_seconds(T * s.compute_bytes * (sw["ew_hidden"] * h + sw["ew_intermediate"] * i + routed))
         forward = gemms + attn_fwd + ew
         accumulate = self.hbm_seconds(s.layer_numel * (s.compute_bytes + 8))
         backward = forward + 2 * gemms + attn_bwd + 2 * ew + accumulate
         return {"forward": forward, "backward": backward, "gemms": gemms, "attention": attn_fwd + attn_bwd,
                 "attention_forward": attn_fwd}
+
+    def _mlp_gemm_seconds(self) -> float:
+        """The MLP's GEMMs in a layer's forward. Dense: gate and up (T x h by h x i), down. A
+        mixture of experts: the router, then each projection as one grouped GEMM over the
+        experts, expert e's rows a GEMM of its own; with T k rows spread evenly, E GEMMs of T k / E
+        rows each, at the rate a GEMM of that size runs (small ones run far below a dense MLP's)."""
+        s = self.s
+        T, h, i = s.tokens, s.hidden, s.intermediate
+        if not s.experts:
+            return 2 * self.gemm_seconds(T, i, h) + self.gemm_seconds(T, h, i)
+        rows = max(1, T * s.experts_per_token // s.experts)
+        width = i // s.experts_per_token
+        return (self.gemm_seconds(T, s.experts, h) + 2 * self.gemm_seconds(rows, width, h, count=s.experts)
+                + self.gemm_seconds(rows, h, width, count=s.experts))
 
     def _loss_seconds(self, backward: bool) -> float:
         s = self.s

@@ -54,6 +54,8 @@ def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1, world: int = 
                  refresh=plan.layout == "stream-bf16", grad_chunks=dict(plan.spec.grad_chunks),
                  adam_workers=adam_workers, world=world, nodes=nodes,
                  attention_backend=getattr(req, "attention_backend", "auto"),
+                 experts=cfg.num_experts if cfg.moe and cfg.sparse_layers() else 0,
+                 experts_per_token=cfg.num_experts_per_tok if cfg.moe and cfg.sparse_layers() else 0,
                  owned=plan.spec.owned_by(0))  # the simulated process is the node's first
 
 

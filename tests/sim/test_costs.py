@@ -105,3 +105,20 @@ def test_h200_reproduces_the_measured_w1_task_times():
     }
     off = {k: p / m - 1 for k, (p, m) in pairs.items()}
     assert all(abs(v) < 0.12 for v in off.values()), off
+
+
+def test_experts_cost_more_than_a_dense_mlp_of_their_flops_the_fewer_rows_each_gets():
+    """A sparse layer's k experts of width I do a dense MLP's FLOPs of width k I, but as E small
+    GEMMs: the fewer tokens per micro-batch, the fewer rows each expert's GEMM has and the
+    further below the dense rate it runs; at many rows per expert the two meet."""
+    m = load_machine("h200")
+    moe = {**_fields(W1), "hidden": 2048, "intermediate": 8 * 768, "experts": 128, "experts_per_token": 8}
+    dense = {**moe, "experts": 0, "experts_per_token": 0}
+    ratios = []
+    for tokens_per_micro_batch in (1024, 16384, 1 << 20):
+        shape = {"seq_len": 1024, "micro_batch_size": tokens_per_micro_batch // 1024}
+        sparse_s = CostModel(m, Shape(**{**moe, **shape}))._mlp_gemm_seconds()
+        dense_s = CostModel(m, Shape(**{**dense, **shape}))._mlp_gemm_seconds()
+        ratios.append(sparse_s / dense_s)
+    assert ratios[0] > ratios[1] > ratios[2] > 1.0
+    assert ratios[2] < 1.1  # 65,536 rows per expert: as fast as dense, the router aside
