@@ -91,6 +91,7 @@ from .tasks import (
     ReduceGrad,
     SyncStep,
     Task,
+    Unit,
     VerifyStep,
     ZeroGrad,
     check_shape,
@@ -226,7 +227,7 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
         return self
 
 
-def units(spec: StepSpec) -> list[tuple[str, int | None]]:
+def units(spec: StepSpec) -> list[tuple[Unit, int | None]]:
     """The parameter units of the model, bottom to top: embed, layers, head."""
     return [("embed", None), *(("layer", i) for i in range(spec.layers)), ("head", None)]
 

@@ -9,8 +9,10 @@ the networkx node, and it round-trips to JSON for free::
     >>> msgspec.json.decode(msgspec.json.encode(t), type=AnyTask) == t
     True
 
-Every task carries the same fields (most of them ``None`` where they do not apply), so that
-every node of an exported graph has ``kind``, ``layer``, ``micro_batch`` and ``lane``:
+Every task carries the same fields (``None`` where they do not apply), so that every node of an
+exported graph has ``kind``, ``layer``, ``micro_batch`` and ``lane``; each kind declares the
+ones it needs as required and typed (a ``forward`` without ``micro_batch`` cannot be made, and
+its ``layer`` is an ``int``; its ``unit`` is ``"layer"`` by default and can be nothing else):
 
 - ``step``: which optimizer step the task belongs to (steps may overlap).
 - ``unit``: which parameter unit it touches: ``"embed"``, ``"layer"`` or ``"head"`` (final norm
@@ -135,8 +137,10 @@ class Task(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
         return self.label
 
 
-class Fetch(Task, frozen=True, tag="fetch"):
+class Fetch(Task, frozen=True, kw_only=True, tag="fetch"):
     """Copy one unit's weights from host memory into a free weight slot."""
+
+    unit: Unit
 
     scope: ClassVar[str] = "unit"
     phases: ClassVar[frozenset[str | None]] = frozenset({None, EVAL} | FETCH_PASSES)  # None: made by hand (check_shape asks for one)
@@ -145,60 +149,85 @@ class Fetch(Task, frozen=True, tag="fetch"):
     takes: ClassVar[str | None] = WEIGHTS
 
 
-class Embed(Task, frozen=True, tag="embed"):
+class Embed(Task, frozen=True, kw_only=True, tag="embed"):
     """Look up token embeddings for one micro-batch (reads the embedding's slot)."""
+
+    unit: Literal["embed"] = "embed"
+    micro_batch: int
 
     scope: ClassVar[str] = "embed_micro_batch"
     phases: ClassVar[frozenset[str | None]] = frozenset({None, EVAL})
 
 
-class Forward(Task, frozen=True, tag="forward"):
+class Forward(Task, frozen=True, kw_only=True, tag="forward"):
     """Run decoder layer ``layer`` on micro-batch ``micro_batch`` with the slot's weights."""
+
+    unit: Literal["layer"] = "layer"
+    layer: int
+    micro_batch: int
 
     scope: ClassVar[str] = "layer_micro_batch"
     phases: ClassVar[frozenset[str | None]] = frozenset({None, EVAL} | PLACEMENTS)
 
 
-class Loss(Task, frozen=True, tag="loss"):
+class Loss(Task, frozen=True, kw_only=True, tag="loss"):
     """Final norm, output projection and chunked cross-entropy for one micro-batch, forward and
     backward at once: yields the loss, the gradient of the last hidden state and the head's
     weight gradient (accumulated into the head's gradient slot)."""
 
+    unit: Literal["head"] = "head"
+    micro_batch: int
+
     scope: ClassVar[str] = "head_micro_batch"
 
 
-class Recompute(Task, frozen=True, tag="recompute"):
+class Recompute(Task, frozen=True, kw_only=True, tag="recompute"):
     """Rebuild the output of ``layer`` for ``micro_batch`` from the nearest checkpoint, so that
     the layer above has its input during backward."""
+
+    unit: Literal["layer"] = "layer"
+    layer: int
+    micro_batch: int
 
     scope: ClassVar[str] = "layer_micro_batch"
 
 
-class Backward(Task, frozen=True, tag="backward"):
+class Backward(Task, frozen=True, kw_only=True, tag="backward"):
     """Gradients of ``layer`` for ``micro_batch`` w.r.t. its input and its flat weights; the
     weight gradient accumulates into the layer's gradient slot."""
+
+    unit: Literal["layer"] = "layer"
+    layer: int
+    micro_batch: int
 
     scope: ClassVar[str] = "layer_micro_batch"
     phases: ClassVar[frozenset[str | None]] = frozenset({None} | PLACEMENTS)
 
 
-class EmbedBackward(Task, frozen=True, tag="embed_backward"):
+class EmbedBackward(Task, frozen=True, kw_only=True, tag="embed_backward"):
     """Scatter one micro-batch's input gradient into the embedding's gradient slot."""
+
+    unit: Literal["embed"] = "embed"
+    micro_batch: int
 
     scope: ClassVar[str] = "embed_micro_batch"
 
 
-class ZeroGrad(Task, frozen=True, tag="zero_grad"):
+class ZeroGrad(Task, frozen=True, kw_only=True, tag="zero_grad"):
     """Take a gradient slot for one unit and zero it before its first backward."""
+
+    unit: Unit
 
     scope: ClassVar[str] = "unit"
 
     takes: ClassVar[str | None] = GRADS
 
 
-class OffloadGrad(Task, frozen=True, tag="offload_grad"):
+class OffloadGrad(Task, frozen=True, kw_only=True, tag="offload_grad"):
     """Copy one unit's accumulated gradient to its host gradient buffer, or (staged layout,
     ``chunk`` set) one chunk of it into a host staging slot."""
+
+    unit: Unit
 
     scope: ClassVar[str] = "unit"
 
@@ -209,21 +238,29 @@ class OffloadGrad(Task, frozen=True, tag="offload_grad"):
         return HOST_GRADS if self.chunk is not None else None
 
 
-class OffloadAct(Task, frozen=True, tag="offload_act"):
+class OffloadAct(Task, frozen=True, kw_only=True, tag="offload_act"):
     """Copy the input of ``layer`` for ``micro_batch`` (its activation checkpoint) to pinned
     host memory once the layer's forward has read it, and free it on the device: activation
     placement ``offload``, for checkpoints that would otherwise wait on the GPU through the
     rest of the forward and most of the backward."""
+
+    unit: Literal["layer"] = "layer"
+    layer: int
+    micro_batch: int
 
     scope: ClassVar[str] = "layer_micro_batch"
 
     lane: ClassVar[str] = "d2h"
 
 
-class FetchAct(Task, frozen=True, tag="fetch_act"):
+class FetchAct(Task, frozen=True, kw_only=True, tag="fetch_act"):
     """Bring an offloaded checkpoint back from host memory before the backward task that first
     reads it (the layer's ``recompute`` or ``backward``); it takes an ``acts`` slot, so only as
     many checkpoints as the budget allows are back on the device ahead of their backward."""
+
+    unit: Literal["layer"] = "layer"
+    layer: int
+    micro_batch: int
 
     scope: ClassVar[str] = "layer_micro_batch"
 
@@ -231,19 +268,23 @@ class FetchAct(Task, frozen=True, tag="fetch_act"):
     takes: ClassVar[str | None] = ACTS
 
 
-class ReduceGrad(Task, frozen=True, tag="reduce_grad"):
+class ReduceGrad(Task, frozen=True, kw_only=True, tag="reduce_grad"):
     """Sum one unit's gradient slot over every data-parallel process (all-reduce), once all of
     this process's micro-batches have added to it and before it is offloaded: each process
     then holds the same gradient, and the unit's owner (or, resident, every process) updates
     the unit with it."""
+
+    unit: Unit
 
     scope: ClassVar[str] = "unit"
 
     lane: ClassVar[str] = "net"
 
 
-class GradSqNorm(Task, frozen=True, tag="grad_sq_norm"):
+class GradSqNorm(Task, frozen=True, kw_only=True, tag="grad_sq_norm"):
     """Squared norm of a device-resident unit's gradient, for exact clipping."""
+
+    unit: Unit
 
     scope: ClassVar[str] = "unit"
 
@@ -254,18 +295,22 @@ class GradNorm(Task, frozen=True, tag="grad_norm"):
     lane: ClassVar[str] = "cpu"
 
 
-class CpuAdam(Task, frozen=True, tag="cpu_adam"):
+class CpuAdam(Task, frozen=True, kw_only=True, tag="cpu_adam"):
     """AdamW on one unit's fp32 master weights (or one chunk of them) from its host gradient."""
+
+    unit: Unit
 
     scope: ClassVar[str] = "unit"
 
     lane: ClassVar[str] = "cpu"
 
 
-class GpuAdam(Task, frozen=True, tag="gpu_adam"):
+class GpuAdam(Task, frozen=True, kw_only=True, tag="gpu_adam"):
     """AdamW on a device-resident unit: its fp32 master and Adam state live in GPU memory, so
     the update runs there; it then refreshes the unit's compute-dtype copy and zeroes its
     gradient accumulator for the next step."""
+
+    unit: Unit
 
     scope: ClassVar[str] = "unit"
 
@@ -295,18 +340,23 @@ class SyncStep(Task, frozen=True, tag="sync_step"):
     lane: ClassVar[str] = "sync"
 
 
-class EvalLoss(Task, frozen=True, tag="eval_loss"):
+class EvalLoss(Task, frozen=True, kw_only=True, tag="eval_loss"):
     """Final norm, output projection and the summed cross-entropy of one held-out micro-batch,
     forward only (reads the head's weight slot; no gradient, no backward, no Adam): the last
     task of an evaluation graph (:mod:`flowtrain.graph.evaluation`)."""
 
+    unit: Literal["head"] = "head"
+    micro_batch: int
+
     scope: ClassVar[str] = "head_micro_batch"
 
 
-class SaveUnit(Task, frozen=True, tag="save"):
+class SaveUnit(Task, frozen=True, kw_only=True, tag="save"):
     """Write one unit's state after this step's Adam (fp32 master, Adam m, v and step count)
     into the step's checkpoint. It runs on the ``io`` lane while the next step computes; the
     next step's Adam of the unit waits for it, so the checkpoint holds exactly this step."""
+
+    unit: Unit
 
     scope: ClassVar[str] = "unit"
 
@@ -432,7 +482,11 @@ def task_to_dict(task: Task) -> dict:
 
 
 def task_from_dict(data: dict) -> Task:
-    """Inverse of :func:`task_to_dict` (extra keys such as ``lane`` are ignored)."""
-    fields: dict[str, Any] = {k: data.get(k) for k in ("step", "unit", "layer", "micro_batch", "phase", "chunk")}
-    fields["step"] = fields["step"] or 0
-    return KINDS[data["kind"]](**fields)
+    """Inverse of :func:`task_to_dict` (extra keys such as ``lane`` are ignored). The fields are
+    checked against the kind's types: a missing required field, or a value of the wrong type
+    (a ``forward`` whose ``unit`` is not ``"layer"``), raises ``msgspec.ValidationError``."""
+    fields: dict[str, Any] = {k: data[k] for k in _FIELDS if data.get(k) is not None}
+    return msgspec.convert(fields, type=KINDS[data["kind"]])
+
+
+_FIELDS = ("step", "unit", "layer", "micro_batch", "phase", "chunk")

@@ -58,12 +58,21 @@ def test_a_phase_outside_its_kinds_meaning_is_refused(cls, phase):
         with pytest.raises(ValueError, match="no phase"):
             check_shape(Fetch(unit="layer", layer=0))
         return
+    fields = _named(cls)
     with pytest.raises(ValueError, match=f"a {cls.__struct_config__.tag} task's phase is one of"):
-        cls(unit="layer", layer=0, micro_batch=0, phase=phase)
-    data = msgspec.json.encode({"kind": cls.__struct_config__.tag, "unit": "layer", "layer": 0, "micro_batch": 0,
-                                "phase": phase})
-    with pytest.raises(msgspec.ValidationError):
+        cls(**fields, phase=phase)
+    cls(**fields)  # the same task without the phase is fine, so the phase is what was refused
+    data = msgspec.json.encode({"kind": cls.__struct_config__.tag, **fields, "phase": phase})
+    with pytest.raises(msgspec.ValidationError, match="phase is one of"):
         msgspec.json.decode(data, type=AnyTask)
+
+
+def _named(cls) -> dict:
+    """What a task of ``cls`` names by its scope: its unit, layer and micro-batch."""
+    return {"layer_micro_batch": {"unit": "layer", "layer": 0, "micro_batch": 0},
+            "embed_micro_batch": {"unit": "embed", "micro_batch": 0},
+            "head_micro_batch": {"unit": "head", "micro_batch": 0},
+            "unit": {"unit": "layer", "layer": 0}, "step": {}}[cls.scope]
 
 
 def test_a_phase_that_means_nothing_is_refused_on_decode():
@@ -71,10 +80,21 @@ def test_a_phase_that_means_nothing_is_refused_on_decode():
         msgspec.json.decode(b'{"kind": "forward", "layer": 0, "micro_batch": 0, "phase": "later"}', type=AnyTask)
 
 
+def test_each_kind_requires_what_it_names_and_types_it():
+    assert Forward(layer=0, micro_batch=1).unit == "layer" and Loss(micro_batch=0).unit == "head"
+    for make in (lambda: Forward(unit="layer", micro_batch=0), lambda: Forward(unit="layer", layer=1),
+                 lambda: Embed(), lambda: CpuAdam(layer=1)):  # type: ignore[call-arg]
+        with pytest.raises(TypeError, match="Missing required argument"):
+            make()
+    for bad in ({"kind": "forward", "layer": 0}, {"kind": "forward", "layer": 0, "micro_batch": 0, "unit": "head"},
+                {"kind": "forward", "layer": "0", "micro_batch": 0}, {"kind": "cpu_adam", "unit": "lm_head"}):
+        with pytest.raises(msgspec.ValidationError):
+            msgspec.json.decode(msgspec.json.encode(bad), type=AnyTask)
+        with pytest.raises(msgspec.ValidationError):
+            task_from_dict(bad)
+
+
 @pytest.mark.parametrize("task, why", [
-    (Forward(layer=0, micro_batch=0), "unit None (its unit is 'layer')"),
-    (Forward(unit="layer", micro_batch=0), "layer None (missing)"),
-    (Forward(unit="layer", layer=1), "no micro_batch"),
     (CpuAdam(unit="embed", layer=3), "layer 3 (only a decoder layer's tasks name one)"),
     (CpuAdam(unit="layer", layer=3, micro_batch=1), "micro_batch 1 (its kind names none)"),
     (OffloadGrad(unit="layer", layer=1, chunk=0), None),

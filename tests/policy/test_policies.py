@@ -93,7 +93,7 @@ def test_natural_order_stays_close_to_insertion_order_otherwise():
 
         z -> x        y -> w
     """
-    x, y, z, w = (Forward(layer=i) for i in range(4))
+    x, y, z, w = (Forward(layer=i, micro_batch=0) for i in range(4))
     g = nx.DiGraph()
     g.add_nodes_from([x, y, z, w])
     g.add_edges_from([(z, x), (y, w)])

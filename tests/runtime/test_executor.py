@@ -192,7 +192,7 @@ async def test_a_failure_cancels_queued_work_that_does_not_depend_on_it():
     engine has seen the failure; the second copy, queued behind it and independent of the
     failing task, must then be skipped. The engine returns only after the held copy finished.
     """
-    f0, f1 = Forward(unit="layer", layer=0), Forward(unit="layer", layer=1)
+    f0, f1 = Forward(unit="layer", layer=0, micro_batch=0), Forward(unit="layer", layer=1, micro_batch=0)
     y, x = OffloadGrad(unit="layer", layer=0), OffloadGrad(unit="layer", layer=1)
     graph = nx.DiGraph()
     graph.add_nodes_from([f0, f1, y, x])
@@ -210,7 +210,7 @@ async def test_a_failure_cancels_queued_work_that_does_not_depend_on_it():
         seen.wait(HANG_GUARD_S)
 
     rec = Recorder({f0: boom, y: hold})
-    with pytest.raises(StepFailed, match="forward L0 failed: RuntimeError: nan loss"):
+    with pytest.raises(StepFailed, match="forward L0 m0 failed: RuntimeError: nan loss"):
         await guarded(run_graph(graph, rec, instruments=[events]))
     assert rec.ran == {f0, y} and set(rec.end) == {f0, y}
     assert not lane_threads()
@@ -242,8 +242,8 @@ async def test_a_user_policy_with_a_bad_plan_is_refused_before_anything_runs(pro
         # micro-batch-major: every unit accumulates until the last micro-batch
         (compile_step(StepSpec(layers=2, micro_batches=2, order="micro")), {WEIGHTS: 2, GRADS: 1}),
         # fetch L0 ==> forward L0 m0 <== fetch L1: one task reads two weight slots
-        (nx.DiGraph([(Fetch(layer=0), Forward(layer=0), {"reads": True}),
-                     (Fetch(layer=1), Forward(layer=0), {"reads": True})]), {WEIGHTS: 1}),
+        (nx.DiGraph([(Fetch(unit="layer", layer=0), Forward(layer=0, micro_batch=0), {"reads": True}),
+                     (Fetch(unit="layer", layer=1), Forward(layer=0, micro_batch=0), {"reads": True})]), {WEIGHTS: 1}),
     ],
     ids=["micro-one-accumulator", "two-slot-reader"],
 )
@@ -310,8 +310,8 @@ async def test_budgets_may_not_change_between_graphs():
 
 
 async def test_task_context_read_wants_exactly_one_slot():
-    graph = nx.DiGraph([(Fetch(layer=0), Forward(layer=0), {"reads": True}),
-                        (Fetch(layer=1), Forward(layer=0), {"reads": True})])
+    graph = nx.DiGraph([(Fetch(unit="layer", layer=0), Forward(layer=0, micro_batch=0), {"reads": True}),
+                        (Fetch(unit="layer", layer=1), Forward(layer=0, micro_batch=0), {"reads": True})])
 
     def program(task, ctx):
         if isinstance(task, Forward):

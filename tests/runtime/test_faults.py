@@ -94,8 +94,8 @@ def test_matching_is_by_kind_string_and_fields():
     [archive] = FaultSpec.parse("archive@layer=3:raise").faults
     assert archive.matches(Archive(unit="layer", layer=3))
     [anything] = FaultSpec.parse("*@layer=3:raise").faults
-    assert anything.matches(Archive(unit="layer", layer=3)) and anything.matches(Forward(layer=3))
-    assert not anything.matches(Forward(layer=4))
+    assert anything.matches(Archive(unit="layer", layer=3)) and anything.matches(Forward(layer=3, micro_batch=0))
+    assert not anything.matches(Forward(layer=4, micro_batch=0))
 
 
 # ---- the modes ---------------------------------------------------------------------------------
@@ -104,14 +104,14 @@ def test_matching_is_by_kind_string_and_fields():
 def test_raise_fires_once_by_default_before_the_program_runs():
     ran: list = []
     inj = FaultInjector(lambda task, ctx: ran.append(task), "forward:raise")
-    f0, f1 = Forward(layer=0), Forward(layer=1)
-    inj(Fetch(layer=0), None)
-    with pytest.raises(InjectedFault, match=r"injected fault in forward L0 \(forward:raise\)") as err:
+    f0, f1 = Forward(layer=0, micro_batch=0), Forward(layer=1, micro_batch=0)
+    inj(Fetch(unit="layer", layer=0), None)
+    with pytest.raises(InjectedFault, match=r"injected fault in forward L0 m0 \(forward:raise\)") as err:
         inj(f0, None)
     assert isinstance(err.value, RuntimeError)
     inj(f1, None)
     inj(f0, None)
-    assert ran == [Fetch(layer=0), f1, f0]
+    assert ran == [Fetch(unit="layer", layer=0), f1, f0]
     assert inj.fired == [(f0, inj.spec.faults[0])]
 
 
@@ -121,7 +121,7 @@ def test_count_and_always(option, raises):
     outcomes = []
     for i in range(5):
         try:
-            outcomes.append(inj(Forward(layer=i), None))
+            outcomes.append(inj(Forward(layer=i, micro_batch=0), None))
         except InjectedFault:
             outcomes.append("raised")
     assert outcomes == ["raised"] * raises + [7] * (5 - raises)
@@ -134,7 +134,7 @@ def test_delay_sleeps_a_seeded_random_time_up_to_the_bound(monkeypatch):
     def pauses(spec):
         slept.clear()
         inj = FaultInjector(noop, spec)
-        assert [inj(Forward(layer=i), None) for i in range(20)] == [7] * 20
+        assert [inj(Forward(layer=i, micro_batch=0), None) for i in range(20)] == [7] * 20
         return list(slept)
 
     a, b, c = pauses("*:delay=0.5;seed=3"), pauses("*:delay=0.5;seed=3"), pauses("*:delay=0.5")
@@ -145,11 +145,11 @@ def test_delay_sleeps_a_seeded_random_time_up_to_the_bound(monkeypatch):
 def test_hang_blocks_until_released_and_only_the_first_match():
     inj = FaultInjector(noop, "forward@layer=1:hang")
     result: list = []
-    t = threading.Thread(target=lambda: result.append(inj(Forward(layer=1), None)))
+    t = threading.Thread(target=lambda: result.append(inj(Forward(layer=1, micro_batch=0), None)))
     t.start()
     t.join(0.05)
     assert t.is_alive() and not result  # blocked (it would be for ever)
-    assert inj(Forward(layer=1), None) == 7  # fired once: the next match runs
+    assert inj(Forward(layer=1, micro_batch=0), None) == 7  # fired once: the next match runs
     inj.release()
     t.join(60)  # a hang guard: the thread ends at once
     assert result == [7]

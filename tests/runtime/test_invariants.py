@@ -38,7 +38,10 @@ def random_dags(draw, max_tasks: int = 14) -> nx.DiGraph:
     """Tasks of random kinds (hence lanes and pools), inserted in a random order; edges only go
     from a lower to a higher task number; ``reads`` edges only from slot-taking tasks."""
     n = draw(st.integers(1, max_tasks))
-    tasks = [KINDS[draw(st.sampled_from(KIND_CHOICES))](layer=i) for i in range(n)]
+    kinds = [KINDS[draw(st.sampled_from(KIND_CHOICES))] for _ in range(n)]
+    # distinct by layer; each kind given what it requires (a unit, a micro-batch)
+    tasks = [cls(layer=i, micro_batch=0, **({"unit": "layer"} if cls.scope == "unit" else {}))
+             for i, cls in enumerate(kinds)]
     graph = nx.DiGraph()
     graph.add_nodes_from(tasks[i] for i in draw(st.permutations(range(n))))
     density = draw(st.sampled_from([0.1, 0.25, 0.5]))
