@@ -21,7 +21,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from viz_helpers import engine_trace_file, lane_counts
+from viz_helpers import engine_trace_file, lane_counts, simulated_records
 
 from flowtrain.graph import StepSpec, compile_steps
 from flowtrain.viz.html import write_report
@@ -306,8 +306,15 @@ window.addEventListener("load", function () {
 """
 
 
-def test_a_gap_pattern_row_zooms_to_its_gaps_in_turn(chromium, tmp_path, cpu_traces):
-    page = write_report(tmp_path / "report.html", [load_input(cpu_traces[0])])
+def test_a_gap_pattern_row_zooms_to_its_gaps_in_turn(chromium, tmp_path):
+    """On a trace whose timings are fixed (the sequential policy on ideal lanes: compute waits
+    for every fetch), so the window's commonest gap pattern recurs whatever the machine's load."""
+    from flowtrain.runtime.trace import write_chrome_trace
+
+    trace = tmp_path / "sequential.json"
+    write_chrome_trace(trace, simulated_records(layers=4, micro_batches=2, steps=4, policy="sequential"),
+                       meta={"policy": "sequential"})
+    page = write_report(tmp_path / "report.html", [load_input(trace)])
     got = run_script(chromium, tmp_path, page, PATTERN_JS)
     assert got["marked"] and len(got["gaps"]) == got["rows"][0][1] >= 2  # the row counts the window's gaps
     for view, (s, e) in zip((got["first"], got["second"]), got["gaps"]):
