@@ -76,6 +76,7 @@ for job in "$@"; do
       python3 -c "import pstats; pstats.Stats('/tmp/prof').sort_stats('cumulative').print_stats(22)" | tail -26 | cut -c1-160 | tee -a "$OUT/log.txt" ;;
     moe) bench moe --model qwen3-moe-12l --seq-len 4096 --batch-size 16 --micro-batch-size ${MBM:-4} --steps 3 --warmup 1 --host-mem 118 --trace "$OUT/moe-trace.json" ;;  # Qwen3-30B-A3B's layer, 12 layers
     moe10) bench moe10 --model qwen3-moe-12l --seq-len 4096 --batch-size 16 --micro-batch-size ${MB10:-2} --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 ;;
+    moeprof) log moeprof; timeout 200 python3 docs/bench/moe_layer.py 2>&1 | tail -25 | tee -a "$OUT/log.txt" ;;  # one expert layer's forward and backward, its backward's kernels
     ligermoe) LIGER=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True anchor gpu 16 3 moe12l 1 ;;  # its all-on-GPU run: checkpointing, micro-batch 1
     gpumoe) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True anchor gpu 16 3 moe12l 1 ;;
     8b10) bench 8b10 --model llama-8b --seq-len 4096 --batch-size 2 --micro-batch-size 1 --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 ;;
