@@ -347,7 +347,7 @@ class StepProgram:
             case ReduceGrad():
                 unit = self._unit(task)
                 if unit.resident:  # its own accumulator (a tied head's matrix part is the embedding's)
-                    all_reduce_sum(unit.grad[: unit.layout.numel])  # type: ignore[index]
+                    all_reduce_sum(unit.grad[: unit.layout.numel])
                 else:
                     all_reduce_sum(self.grad_slots[ctx.read(GRADS)][: unit.layout.numel + self._tied_extra(task)])
                 return None
@@ -389,7 +389,7 @@ class StepProgram:
 
     def _grads(self, unit: UnitState, ctx: TaskContext) -> torch.Tensor:
         """The flat fp32 gradient accumulator a task adds into (own if resident, else its slot)."""
-        return unit.grad if unit.resident else self.grad_slots[ctx.read(GRADS)]  # type: ignore[return-value]
+        return unit.grad if unit.resident else self.grad_slots[ctx.read(GRADS)]
 
     def _tied_matrix(self, buf: torch.Tensor) -> torch.Tensor:
         e = self.state.embed.layout.entries[0]
@@ -428,14 +428,14 @@ class StepProgram:
         s, m = task.step, task.micro_batch
         evaluating = task.phase == "eval"
         data = self.evals[s] if evaluating else self.steps[s]
-        ids = data.ids[m].to(self.device, non_blocking=self._non_blocking)  # type: ignore[index]
+        ids = data.ids[m].to(self.device, non_blocking=self._non_blocking)
         if not evaluating:
-            self.dev_ids[(s, m)] = ids  # type: ignore[index]
-        self._place_documents("eval" if evaluating else "train", s, m, data.docs[m])  # type: ignore[arg-type, index]
+            self.dev_ids[(s, m)] = ids
+        self._place_documents("eval" if evaluating else "train", s, m, data.docs[m])
         embed_state = self.state.embed
         w = bind(self._weights(embed_state, ctx), embed_state.layout)["embed_tokens"]
         inputs = self.store.eval_inputs if evaluating else self.store.inputs
-        inputs.put((s, 0, m), embed(ids, w, self.embed_multiplier))  # type: ignore[arg-type]
+        inputs.put((s, 0, m), embed(ids, w, self.embed_multiplier))
 
     def _place_documents(self, phase: str, s: int, m: int, docs: Documents | None) -> None:
         """Move a packed micro-batch's documents to the device with its rotary tables gathered
@@ -451,8 +451,8 @@ class StepProgram:
         docs, rope = self.dev_docs.get((phase, s, m), (None, self.rope))
         cos, sin = rope[self.cfg.layer_rope_local(i)]
         if router is not None:
-            return self.layer_fn(x, w, cos, sin, self.cfg, docs, self.cfg.layer_window(i), router)  # type: ignore[operator]
-        return self.layer_fn(x, w, cos, sin, self.cfg, docs, self.cfg.layer_window(i))  # type: ignore[operator]
+            return self.layer_fn(x, w, cos, sin, self.cfg, docs, self.cfg.layer_window(i), router)
+        return self.layer_fn(x, w, cos, sin, self.cfg, docs, self.cfg.layer_window(i))
 
     def _counting(self, s: int, i: int, m: int) -> RouterTap | None:
         """The router tap of layer ``i``'s forward in training (None: no load-balancing loss)."""
@@ -467,10 +467,10 @@ class StepProgram:
         """An offloaded checkpoint to its pinned host buffer, on the d2h lane (after the layer's
         forward has read it); the device copy is freed once the copy has run."""
         key = (task.step, task.layer, task.micro_batch)
-        x = self.store.inputs.take(key)  # type: ignore[arg-type]
-        buf = self.act_host.get(key[1:])  # type: ignore[arg-type]
+        x = self.store.inputs.take(key)
+        buf = self.act_host.get(key[1:])
         if buf is None or buf.shape != x.shape or buf.dtype != x.dtype:  # not reserved ahead
-            buf = self.act_host[key[1:]] = self._checkpoint_buffer(x.shape, x.dtype)  # type: ignore[index]
+            buf = self.act_host[key[1:]] = self._checkpoint_buffer(x.shape, x.dtype)
         buf.copy_(x, non_blocking=self._non_blocking)
         if self.device.type == "cuda":
             x.record_stream(torch.cuda.current_stream(self.device))
@@ -499,12 +499,12 @@ class StepProgram:
         before this copy has run: it follows that step's forward of the layer, which follows
         (through the layer's Adam) this step's backward of it, which waits for this copy."""
         key = (task.step, task.layer, task.micro_batch)
-        buf = self.act_host[key[1:]]  # type: ignore[index]
+        buf = self.act_host[key[1:]]
         x = self.act_slots.get(slot)
         if x is None or x.shape != buf.shape:
             x = self.act_slots[slot] = torch.empty(buf.shape, dtype=buf.dtype, device=self.device)
         x.copy_(buf, non_blocking=self._non_blocking)
-        self.store.inputs.put(key, x)  # type: ignore[arg-type]
+        self.store.inputs.put(key, x)
         return buf.numel() * buf.element_size()
 
     @torch.no_grad()
@@ -514,27 +514,27 @@ class StepProgram:
         unit = self.state.unit("layer", i)
         w = bind(self._weights(unit, ctx), unit.layout)
         if task.phase == "eval":  # nothing is kept for a backward
-            x = self.store.eval_inputs.take((s, i, m))  # type: ignore[arg-type]
-            self.store.eval_inputs.put((s, i + 1, m), self._layer("eval", s, i, m, x, w))  # type: ignore[arg-type, operator]
+            x = self.store.eval_inputs.take((s, i, m))
+            self.store.eval_inputs.put((s, i + 1, m), self._layer("eval", s, i, m, x, w))
             return
         if task.phase == "keep":  # the graph stays for the backward: see flowtrain.train.kept
-            x = self.store.inputs.take((s, i, m))  # type: ignore[arg-type]
-            tap = self._counting(s, i, m)  # type: ignore[arg-type]
+            x = self.store.inputs.take((s, i, m))
+            tap = self._counting(s, i, m)
             y, kept = forward_kept(
-                lambda x, w: self._layer("train", s, i, m, x, w, tap),  # type: ignore[arg-type]
+                lambda x, w: self._layer("train", s, i, m, x, w, tap),
                 x, self._weights(unit, ctx)[: unit.layout.numel], unit.layout)
-            self.store.kept.put((s, i, m), kept)  # type: ignore[arg-type]
-            self.store.inputs.put((s, i + 1, m), y)  # type: ignore[arg-type, operator]
+            self.store.kept.put((s, i, m), kept)
+            self.store.inputs.put((s, i + 1, m), y)
             return
         keep = isinstance(task, Recompute) or i in self.checkpointed  # a checkpoint stays for the backward
-        x = self._layer_input(s, i, m, keep=keep)  # type: ignore[arg-type]
+        x = self._layer_input(s, i, m, keep=keep)
         record = None
         if task.phase == "attn":  # its attention output waits for the rebuild: saved_attention
             record = AttentionRecord()
-            self.store.attention.put((s, i, m), record)  # type: ignore[arg-type]
-        tap = None if isinstance(task, Recompute) else self._counting(s, i, m)  # type: ignore[arg-type]
+            self.store.attention.put((s, i, m), record)
+        tap = None if isinstance(task, Recompute) else self._counting(s, i, m)
         with recording(record):
-            self.store.inputs.put((s, i + 1, m), self._layer("train", s, i, m, x, w, tap))  # type: ignore[arg-type, operator]
+            self.store.inputs.put((s, i + 1, m), self._layer("train", s, i, m, x, w, tap))
 
     def _head_tensors(self, ctx: TaskContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(norm_w, head_w, norm_grad, head_grad)`` views the loss reads and adds into."""
@@ -547,37 +547,37 @@ class StepProgram:
             emb = self.state.embed
             e = emb.layout.entries[0]
             return (w["norm"], bind(emb.compute, emb.layout)[e.key], g["norm"],  # type: ignore[arg-type]
-                    bind(emb.grad, emb.layout)[e.key])  # type: ignore[arg-type]
+                    bind(emb.grad, emb.layout)[e.key])
         return w["norm"], self._tied_matrix(wbuf), g["norm"], self._tied_matrix(gbuf)
 
     def _loss(self, task: Loss, ctx: TaskContext) -> None:
         s, m = task.step, task.micro_batch
         data = self.steps[s]
         L = self.cfg.num_layers
-        h = self.store.inputs.take((s, L, m))  # type: ignore[arg-type]
-        targets = data.targets[m].to(self.device, non_blocking=self._non_blocking)  # type: ignore[index]
+        h = self.store.inputs.take((s, L, m))
+        targets = data.targets[m].to(self.device, non_blocking=self._non_blocking)
         norm_w, head_w, norm_g, head_g = self._head_tensors(ctx)
         loss_sum, d_h, d_norm, d_head = head_loss_and_grads(
             h, norm_w, head_w, targets, self.cfg.rms_norm_eps, 1.0 / data.n_targets, self.chunk_tokens,
             plus_one=self.cfg.family.gemma,
         )
-        loss_sum = self._poison(loss_sum, s, "loss", m)  # type: ignore[arg-type]
-        norm_g.add_(self._poison(d_norm, s, "head", m))  # type: ignore[arg-type]
+        loss_sum = self._poison(loss_sum, s, "loss", m)
+        norm_g.add_(self._poison(d_norm, s, "head", m))
         head_g.add_(d_head)
-        aux = self.balance.loss(s, m) if self.balance is not None else None  # type: ignore[arg-type]
+        aux = self.balance.loss(s, m) if self.balance is not None else None
         with self._lock:
             data.loss = loss_sum if data.loss is None else data.loss + loss_sum
             data.check.loss_host = self._host_copy(data.loss)  # read by cpu_adam, on the host
             if aux is not None:
                 data.aux_loss = aux if data.aux_loss is None else data.aux_loss + aux
-        self.store.grads.put((s, L - 1, m), d_h)  # type: ignore[arg-type]
+        self.store.grads.put((s, L - 1, m), d_h)
 
     def _eval_loss(self, task: EvalLoss, ctx: TaskContext) -> None:
         """Forward only: final norm, head and the summed CE of one held-out micro-batch (fp32)."""
         s, m = task.step, task.micro_batch
         data = self.evals[s]
-        h = self.store.eval_inputs.take((s, self.cfg.num_layers, m))  # type: ignore[arg-type]
-        targets = data.targets[m].to(self.device, non_blocking=self._non_blocking)  # type: ignore[index]
+        h = self.store.eval_inputs.take((s, self.cfg.num_layers, m))
+        targets = data.targets[m].to(self.device, non_blocking=self._non_blocking)
         head = self.state.head
         wbuf = self._weights(head, ctx)
         norm_w = bind(wbuf, head.layout)["norm"]
@@ -592,37 +592,37 @@ class StepProgram:
                              plus_one=self.cfg.family.gemma)
         self.dev_docs.pop(("eval", s, m), None)
         with self._lock:
-            data.sums[m] = loss_sum  # type: ignore[index]
+            data.sums[m] = loss_sum
 
     def _backward(self, task: Backward, ctx: TaskContext) -> None:
         s, i, m = task.step, task.layer, task.micro_batch
         unit = self.state.unit("layer", i)
         n = unit.layout.numel
-        dy = self.store.grads.take((s, i, m))  # type: ignore[arg-type]
-        balanced = self.balance is not None and self.cfg.layer_sparse(i)
+        dy = self.store.grads.take((s, i, m))
+        balance = self.balance if self.cfg.layer_sparse(i) else None  # the load-balancing loss, if any
         grads = self._grads(unit, ctx)
         first = functools.partial(self._poison, step=s, where=f"layer.{i}", micro_batch=m)
         if task.phase == "keep":
-            extra = self.balance.kept_term(s, i, m) if balanced else None  # type: ignore[union-attr, arg-type]
-            dx = backward_kept(self.store.kept.take((s, i, m)), self._weights(unit, ctx)[:n], dy, grads,  # type: ignore[arg-type]
+            extra = balance.kept_term(s, i, m) if balance is not None else None
+            dx = backward_kept(self.store.kept.take((s, i, m)), self._weights(unit, ctx)[:n], dy, grads,
                                extra, first)
         else:
-            x = self.store.inputs.take((s, i, m))  # type: ignore[arg-type]
-            record = self.store.attention.take((s, i, m)) if task.phase == "attn" else None  # type: ignore[arg-type]
+            x = self.store.inputs.take((s, i, m))
+            record = self.store.attention.take((s, i, m)) if task.phase == "attn" else None
             terms: list[torch.Tensor] = []  # the load-balancing loss's share of this layer
-            tap = self.balance.gradient(s, m, terms) if balanced else None  # type: ignore[union-attr, arg-type]
+            tap = balance.gradient(s, m, terms) if balance is not None else None
             with torch.enable_grad(), replaying(record):
                 x = x.detach().requires_grad_(True)
                 leaves = weight_leaves(self._weights(unit, ctx)[:n], unit.layout)
-                y = self._layer("train", s, i, m, x, leaves, tap)  # type: ignore[arg-type]
+                y = self._layer("train", s, i, m, x, leaves, tap)
                 outputs, grad_outputs = ((y, terms[0]), (dy, torch.ones_like(terms[0]))) if terms else (y, dy)
                 dx = backward_into(outputs, grad_outputs, x, leaves, unit.layout, grads, first)
-        self.store.grads.put((s, i - 1, m), dx)  # type: ignore[arg-type, operator]
+        self.store.grads.put((s, i - 1, m), dx)
 
     def _embed_backward(self, task: EmbedBackward, ctx: TaskContext) -> None:
         s, m = task.step, task.micro_batch
-        dx = self.store.grads.take((s, -1, m))  # type: ignore[arg-type]
-        ids = self.dev_ids.pop((s, m))  # type: ignore[arg-type]
+        dx = self.store.grads.take((s, -1, m))
+        ids = self.dev_ids.pop((s, m))
         self.dev_docs.pop(("train", s, m), None)
         emb = self.state.embed
         g = bind(self._grads(emb, ctx), emb.layout)["embed_tokens"]
@@ -633,7 +633,7 @@ class StepProgram:
             # token's row adds nothing to its gradient (a tied head's part still does).
             dx = dx.masked_fill((ids == self.cfg.pad_token_id)[..., None], 0)
         g.index_add_(0, ids.reshape(-1), dx.reshape(-1, dx.shape[-1]).float())
-        self._poison(g, s, "embed", m)  # type: ignore[arg-type]
+        self._poison(g, s, "embed", m)
 
     def _poison(self, t: torch.Tensor, step: int, where: str, micro_batch: int) -> torch.Tensor:
         """``t`` with the injected value in its first element where the test hook says so."""
@@ -665,7 +665,7 @@ class StepProgram:
         lo, hi = chunk_range(unit.layout.numel, self.stage_n, task.chunk)
         dst = unit.grad if task.chunk is None else self.staging[ctx.slot][: hi - lo]  # type: ignore[index]
         self._flag_pieces(task, unit, src, lo, hi)
-        dst.copy_(src[lo:hi], non_blocking=nb)  # type: ignore[union-attr]
+        dst.copy_(src[lo:hi], non_blocking=nb)
         return moved + 4 * (hi - lo)
 
     def _flag_pieces(self, task: OffloadGrad, unit: UnitState, src: torch.Tensor, lo: int, hi: int) -> None:
@@ -739,8 +739,8 @@ class StepProgram:
             if isinstance(verdict, torch.Tensor):  # not verified yet: keep what it was first
                 data.check.keep(Saved(unit, lo, hi, task.chunk or 0, verdict))
             if data.clip is not None:
-                grad.mul_(data.clip)  # type: ignore[union-attr]
-            adamw_step(unit.master[lo:hi], grad, unit.exp_avg[lo:hi], unit.exp_avg_sq[lo:hi],  # type: ignore[arg-type]
+                grad.mul_(data.clip)
+            adamw_step(unit.master[lo:hi], grad, unit.exp_avg[lo:hi], unit.exp_avg_sq[lo:hi],
                        unit.steps[task.chunk or 0], self.adamw, data.lr, segments=self._segments(unit, lo, hi))
             unit.refresh_copies(lo, hi)
         finally:
@@ -753,7 +753,7 @@ class StepProgram:
 
     def _resident_sq_norm(self, data: _StepData, unit: UnitState) -> None:
         """Squared norm and non-finite flag (on the device) of a resident unit's gradient."""
-        grad = unit.grad[: unit.layout.numel]  # type: ignore[index]
+        grad = unit.grad[: unit.layout.numel]
         sq = data.sq_norms[(unit.layout.key, None)] = torch.dot(grad, grad)
         data.check.resident.append((unit.layout.key, nonfinite(grad, sq)))
 
@@ -778,12 +778,12 @@ class StepProgram:
         grad = unit.grad
         if not data.check.skipped:  # known on the host already: with clipping, or a bad loss
             if data.clip is not None:
-                grad.mul_(data.clip.to(grad.device))  # type: ignore[union-attr]
-            adamw_step(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.steps[0], self.adamw, data.lr,  # type: ignore[arg-type]
+                grad.mul_(data.clip.to(grad.device))
+            adamw_step(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.steps[0], self.adamw, data.lr,
                        found_inf=data.check.found_inf, segments=self._segments(unit, 0, unit.master.numel()))
             data.check.gpu_updated.append(unit.layout.key)
             unit.refresh_copies()
-        grad.zero_()  # type: ignore[union-attr]
+        grad.zero_()
 
     def _save(self, task: SaveUnit) -> int:
         """Write one unit into its step's checkpoint (after this step's Adam of the unit, before
