@@ -171,6 +171,8 @@ class Lineage:
     def of(cls, trainer_state: dict) -> "Lineage":
         """The line a checkpoint's trainer state records; run None for one without lineage."""
         d = trainer_state.get("lineage") if isinstance(trainer_state, dict) else None
+        if not isinstance(d, dict):
+            return cls(None)
         try:
             ancestors = tuple((None if r is None else str(r), int(s)) for r, s in d["ancestors"])
             return cls(str(d["run"]), ancestors, d.get("parent"))

@@ -343,7 +343,7 @@ def checkpoint_dtype(model_dir: str | os.PathLike[str]) -> torch.dtype | None:
         return None
     elements: dict[torch.dtype, int] = {}
     for info in header.values() if isinstance(header, dict) else ():
-        dt = _DTYPE_BY_ST_NAME.get(info.get("dtype")) if isinstance(info, dict) else None
+        dt = _DTYPE_BY_ST_NAME.get(str(info.get("dtype"))) if isinstance(info, dict) else None
         if dt is not None and isinstance(info.get("shape"), list):
             elements[dt] = elements.get(dt, 0) + math.prod(info["shape"])
     return max(elements, key=elements.__getitem__) if elements else None

@@ -131,7 +131,9 @@ def _one_line(exc: BaseException, flag_of: Callable[[str], str | None] | None = 
         return "interrupted"
     if isinstance(exc, ConfigError):
         if flag_of is None:  # a command without its own: train's spelling, where it has one
-            from .train import flag_of
+            from .train import flag_of as train_flag_of
+
+            flag_of = train_flag_of
         text = exc.spelled(flag_of)
     elif isinstance(exc, FlowtrainError):
         text = str(exc)

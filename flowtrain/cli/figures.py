@@ -50,7 +50,7 @@ def simulate(model: str, machine: str, seq: int, batch: int, mbs: int, host: flo
     s = predict(cfg, plan, req, m, args.policy).summary
     lanes = {k: v for k, v in s.critical_by_lane.items() if k != "wait"}
     return {"fits": True, "tokens_per_s": s.tokens_per_s, "model_tflops": s.model_tflops, "step_seconds": s.step_seconds,
-            "busy": s.busy_fraction, "bound_by": max(lanes, key=lanes.get), "resident": len(plan.spec.resident),
+            "busy": s.busy_fraction, "bound_by": max(lanes, key=lambda k: lanes[k]), "resident": len(plan.spec.resident),
             "budgets": plan.budgets, "gpu_gib": plan.gpu_total / 2**30, "host_gib": plan.host_total / 2**30}
 
 
@@ -85,7 +85,9 @@ def scaling_plot(out: Path) -> list[str]:
     for model, b in sizes:
         r = simulate(model, "h200", 4096, 16, 2, 1536)
         if r["fits"]:
-            xs.append(b), ys.append(r["step_seconds"]), tf.append(r["model_tflops"])
+            xs.append(b)
+            ys.append(r["step_seconds"])
+            tf.append(r["model_tflops"])
             lines.append(f"| size | {model}, 16 x 4096, mbs 2 | {r['step_seconds']:.2f} | {r['model_tflops']:.0f} | {r['bound_by']} |")
     ax = axes[0]
     ax.loglog(xs, ys, "o-")
@@ -97,7 +99,8 @@ def scaling_plot(out: Path) -> list[str]:
         for batch in (2, 4, 8, 16, 32, 64):
             r = simulate(model, "h200", 4096, batch, min(batch, 2), 1536)
             if r["fits"]:
-                bx.append(batch), by.append(r["step_seconds"])
+                bx.append(batch)
+                by.append(r["step_seconds"])
                 lines.append(f"| batch | {model}, {batch} x 4096, mbs {min(batch, 2)} | {r['step_seconds']:.2f} | "
                              f"{r['model_tflops']:.0f} | {r['bound_by']} |")
         axes[1].loglog(bx, by, "o-", color=color, label=model)
@@ -106,7 +109,8 @@ def scaling_plot(out: Path) -> list[str]:
             batch = max(1, 65536 // seq)  # 64K tokens per step throughout
             r = simulate(model, "h200", seq, batch, 1, 1536)
             if r["fits"]:
-                sx.append(seq), sy.append(r["step_seconds"])
+                sx.append(seq)
+                sy.append(r["step_seconds"])
                 lines.append(f"| sequence | {model}, {batch} x {seq}, mbs 1 | {r['step_seconds']:.2f} | "
                              f"{r['model_tflops']:.0f} | {r['bound_by']} |")
         axes[2].semilogx(sx, sy, "o-", color=color, label=model)

@@ -48,10 +48,10 @@ from __future__ import annotations
 
 import codecs
 import json
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Literal, NamedTuple, cast
 
 import numpy as np
 
@@ -228,7 +228,7 @@ def holds_conversations(path: Path) -> bool:
     return first is not None and first[2] == "messages"
 
 
-def _lines(path: Path, form: tuple[str, int] | None = None) -> Iterator[tuple[int, dict, str]]:
+def _lines(path: Path, form: tuple[str, int] | None = None) -> Generator[tuple[int, dict, str], None, None]:
     """(line number, row, form) for each non-blank line; with ``form`` (the file's form and the
     line that set it), a row of another form is refused."""
     with path.open("rb") as f:
@@ -393,7 +393,7 @@ def _messages(where: str, value: object) -> list[dict]:
             f"and a \"content\", such as [{{\"role\": \"user\", \"content\": \"Hi\"}}], not "
             f"{_preview(value)}"
         )
-    return value
+    return cast(list[dict], value)  # checked just above: a list of dicts
 
 
 def _is_prefix(part: np.ndarray, whole: np.ndarray) -> bool:
@@ -523,6 +523,7 @@ def _int_list(path: Path, line_no: int, key: str, value: object) -> np.ndarray:
 def _preview(value: object, limit: int = 60) -> str:
     """The start of ``value`` as JSON, for an error line: never the whole of a large value, and
     never a RecursionError from a deeply nested one."""
+    head: object
     if isinstance(value, (list, str)):
         head = value[:limit]
     elif isinstance(value, dict):

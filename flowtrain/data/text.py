@@ -337,7 +337,7 @@ class ChatTemplate:
             output, counted as transformers' ``AssistantTracker`` counts it (the characters
             the rendering has yielded so far)."""
 
-            tags = frozenset({"generation"})
+            tags = {"generation"}
 
             def parse(self, parser):
                 lineno = next(parser.stream).lineno
@@ -473,13 +473,13 @@ def assistant_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndar
         k = np.searchsorted(ends, starts, side="right")  # spans that end at or before each start
         inside = k < len(spans)
         return inside & (stops > begins[np.minimum(k, len(spans) - 1)])
-    mask, k = np.zeros(n, dtype=bool), 0
+    mask, j = np.zeros(n, dtype=bool), 0
     for t in range(n):
-        while k < len(spans) and starts[t] >= ends[k]:
-            k += 1
-        if k == len(spans):
+        while j < len(spans) and starts[t] >= ends[j]:
+            j += 1
+        if j == len(spans):
             break
-        mask[t] = stops[t] > begins[k]
+        mask[t] = stops[t] > begins[j]
     return mask
 
 

@@ -35,7 +35,7 @@ import contextlib
 import inspect
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import torch
 import torch.nn.functional as F
@@ -304,6 +304,6 @@ def _varlen(q: Tensor, k: Tensor, v: Tensor, docs: Documents, window: int | None
     def tokens(t: Tensor) -> Tensor:  # (batch, h, seq, hd) -> (batch * seq, h, hd)
         return t.transpose(1, 2).reshape(batch * seq, t.shape[1], hd)
 
-    out = varlen_attn(tokens(q), tokens(k), tokens(v), docs.cu_seqlens, docs.cu_seqlens,
-                      docs.max_len, docs.max_len, **kwargs)
+    out = cast(Tensor, varlen_attn(tokens(q), tokens(k), tokens(v), docs.cu_seqlens, docs.cu_seqlens,
+                                   docs.max_len, docs.max_len, **kwargs))  # the output alone: no lse asked for
     return out.view(batch, seq, heads, hd).transpose(1, 2)

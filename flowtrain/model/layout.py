@@ -172,7 +172,7 @@ def model_layouts(cfg: ModelConfig) -> list[UnitLayout]:
     h, v = cfg.hidden_size, cfg.vocab_size
     layouts = [_pack("embed", None, [("embed_tokens", "model.embed_tokens.weight", (v, h))])]
     layouts += [_pack("layer", i, _layer_specs(cfg, i)) for i in range(cfg.num_layers)]
-    head = [("norm", "model.norm.weight", (h,))]
+    head: list[_Spec] = [("norm", "model.norm.weight", (h,))]
     if not cfg.tie_word_embeddings:
         head.append(("lm_head", "lm_head.weight", (v, h)))
     layouts.append(_pack("head", None, head))
