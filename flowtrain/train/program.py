@@ -221,8 +221,8 @@ class StepProgram:
         #: so norms, rotary and SwiGLU fuse; forward, recompute and backward share it.
         self.layer_fn = decoder_layer
         if compile_backend is not None:
-            # Dynamo inspects .grad of the weight views (non-leaf: the flat slot is the leaf) while
-            # tracing; torch warns about that access, harmlessly.
+            # Dynamo inspects .grad of the weights while tracing; where a weight is a view that is
+            # not a leaf, torch warns about that access, harmlessly.
             warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
             self.layer_fn = torch.compile(decoder_layer, backend=compile_backend, dynamic=False)
         #: host bytes the undo records of not yet verified steps may hold (see nonfinite.py)
@@ -328,17 +328,23 @@ class StepProgram:
             case Fetch():
                 return self._fetch(task, ctx.slot)  # type: ignore[arg-type]
             case Embed():
-                return self._embed(task, ctx)
+                self._embed(task, ctx)
+                return None
             case Forward() | Recompute():
-                return self._forward(task, ctx)
+                self._forward(task, ctx)
+                return None
             case Loss():
-                return self._loss(task, ctx)
+                self._loss(task, ctx)
+                return None
             case EvalLoss():
-                return self._eval_loss(task, ctx)
+                self._eval_loss(task, ctx)
+                return None
             case Backward():
-                return self._backward(task, ctx)
+                self._backward(task, ctx)
+                return None
             case EmbedBackward():
-                return self._embed_backward(task, ctx)
+                self._embed_backward(task, ctx)
+                return None
             case ZeroGrad():
                 self.grad_slots[ctx.slot][: self._unit(task).layout.numel + self._tied_extra(task)].zero_()  # type: ignore[index]
                 return None
@@ -359,15 +365,20 @@ class StepProgram:
                 self._resident_sq_norm(self.steps[task.step], self._unit(task))
                 return None
             case GradNorm():
-                return self._grad_norm(task)
+                self._grad_norm(task)
+                return None
             case CpuAdam():
-                return self._cpu_adam(task, ctx)
+                self._cpu_adam(task, ctx)
+                return None
             case FoundInf():
-                return self._found_inf(task)
+                self._found_inf(task)
+                return None
             case GpuAdam():
-                return self._gpu_adam(task)
+                self._gpu_adam(task)
+                return None
             case VerifyStep():
-                return self._settle(self.steps[task.step])
+                self._settle(self.steps[task.step])
+                return None
             case SaveUnit():
                 return self._save(task)
             case SyncStep():
@@ -442,7 +453,7 @@ class StepProgram:
         at each token's position; every layer of the micro-batch reads them (:meth:`_layer`)."""
         if docs is not None:
             dev = docs.to(self.device, non_blocking=self._non_blocking)
-            self.dev_docs[(phase, s, m)] = (dev, {k: rotary_for(*t, dev) for k, t in self.rope.items()})
+            self.dev_docs[(phase, s, m)] = (dev, {k: rotary_for(cos, sin, dev) for k, (cos, sin) in self.rope.items()})
 
     def _layer(self, phase: str, s: int, i: int, m: int, x: torch.Tensor, w,  # noqa: ANN001
                router: RouterTap | None = None) -> torch.Tensor:
