@@ -112,6 +112,11 @@ def main(argv: list[str] | None = None) -> int:
         if os.environ.get("FLOWTRAIN_DEBUG") == "1":
             raise
         print(f"flowtrain: {_one_line(exc, getattr(args, '_flag_of', None))}", file=sys.stderr)
+        if isinstance(exc, ConnectionError):  # a lost data-parallel peer: no teardown that could abort
+            from ..train.distributed import PeerLost, exit_after_peer_lost
+
+            if isinstance(exc, PeerLost):
+                exit_after_peer_lost(_exit_status(exc))
         return _exit_status(exc)
 
 

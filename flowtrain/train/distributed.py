@@ -63,6 +63,26 @@ class PeerLost(ConnectionError, FlowtrainError):
         super().__init__(text)
 
 
+#: whether this process joined a process group (:func:`join`), even if it has left it since
+_JOINED = False
+
+
+def exit_after_peer_lost(status: int) -> None:
+    """End this process at once with ``status`` (its output flushed) if it joined a process
+    group, which a lost peer has left broken. Left to the interpreter's exit, the backend's
+    threads are torn down by destructors that sometimes abort the process instead ("terminate
+    called without an active exception", status 134), after the one line that said why.
+    Everything the run keeps is written by then: the error has passed every ``finally`` on its
+    way up. A process that never joined one returns."""
+    if not _JOINED:
+        return
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
+
+
 def _gist(exc: BaseException) -> str:
     """The first line of a backend's error without its source location and advice:
     ``[.../pair.cc:537] Read error [127.0.0.1]:16263: Connection reset by peer. This is ...``
@@ -158,7 +178,8 @@ def join(world: World, device_type: str, timeout_s: float = DEFAULT_TIMEOUT_S) -
     """Join the process group (NCCL on CUDA, gloo on the CPU); a no-op for one process. Every
     collective of every group gives up after ``timeout_s`` seconds (:class:`PeerLost`), and so
     does waiting here for the other processes to join."""
-    global _METRICS_GROUP, _NODE_GROUP, _TIMEOUT_S
+    global _METRICS_GROUP, _NODE_GROUP, _TIMEOUT_S, _JOINED
+    _JOINED = True
     if not world.parallel:
         return
     import torch.distributed as dist

@@ -60,6 +60,8 @@ try:
     shared_state.SharedArena.open(world, {"pinned": 1 << 20, "plain": 1 << 20}, pin=False)
 except Exception as e:
     print(f"{type(e).__name__}: {e}", file=sys.stderr)
+    from flowtrain.train.distributed import exit_after_peer_lost
+    exit_after_peer_lost(1)  # as the command line ends on a lost peer
     sys.exit(1)
 print("opened")
 """
