@@ -44,8 +44,8 @@ def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1, world: int = 
     params = cfg.active_parameters() if cfg.moe else sum(e.numel for lay in layouts for e in lay.entries)
     compute_bytes = 2 if plan.device == "cuda" else 4
     # a sparse layer's experts cost about a dense MLP as wide as the k experts a token runs through
-    intermediate = (cfg.num_experts_per_tok * cfg.moe_intermediate_size if cfg.moe and cfg.sparse_layers()
-                    else cfg.intermediate_size)
+    sparse = bool(cfg.moe and cfg.sparse_layers())
+    intermediate = cfg.num_experts_per_tok * cfg.moe_intermediate_size if sparse else cfg.intermediate_size
     return Shape(hidden=cfg.hidden_size, intermediate=intermediate, layers=cfg.num_layers,
                  heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, vocab=cfg.vocab_size,
                  seq_len=req.seq_len, micro_batch_size=req.micro_batch_size, layer_numel=layer_numel, numel=numel,
@@ -54,8 +54,7 @@ def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1, world: int = 
                  refresh=plan.layout == "stream-bf16", grad_chunks=dict(plan.spec.grad_chunks),
                  adam_workers=adam_workers, world=world, nodes=nodes,
                  attention_backend=getattr(req, "attention_backend", "auto"),
-                 experts=cfg.num_experts if cfg.moe and cfg.sparse_layers() else 0,
-                 experts_per_token=cfg.num_experts_per_tok if cfg.moe and cfg.sparse_layers() else 0,
+                 experts=cfg.num_experts if sparse else 0, experts_per_token=cfg.num_experts_per_tok if sparse else 0,
                  owned=plan.spec.owned_by(0))  # the simulated process is the node's first
 
 

@@ -52,13 +52,12 @@ def backward_into(
 
     ``first``: applied to the gradient of the weight at offset 0 before it is added (the
     non-finite test hook writes into it, as it wrote into the first element of the unit's)."""
-    places = {e.key: e for e in layout.entries}
+    targets = bind(grads, layout)  # each weight's place in the fp32 gradient
+    at_zero = next(e.key for e in layout.entries if e.offset == 0)
     handles = []
     for key, leaf in leaves.items():
-        entry = places[key]
-        target = grads[entry.offset : entry.offset + entry.numel].view(entry.shape)
-        change = first if first is not None and entry.offset == 0 else None
-        handles.append(leaf.register_post_accumulate_grad_hook(_adder(target, change)))
+        change = first if key == at_zero else None
+        handles.append(leaf.register_post_accumulate_grad_hook(_adder(targets[key], change)))
     try:
         torch.autograd.backward(outputs, grad_outputs, inputs=[x, *leaves.values()])
     finally:
