@@ -36,9 +36,9 @@ fi
 for job in "$@"; do
   case $job in
     info) nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee -a "$OUT/log.txt"; free -g | tee -a "$OUT/log.txt" ;;
-    tests) log tests; timeout 300 python3 -m pytest -q -p no:cacheprovider tests/train/test_gpu.py tests/model/test_model_gpu.py tests/model/test_attention.py tests/train/test_saved_attention.py 2>&1 | tail -15 | tee -a "$OUT/log.txt" | tee /tmp/tests.txt
+    tests) log tests; timeout 300 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/train/test_gpu.py tests/model/test_model_gpu.py tests/model/test_attention.py tests/train/test_saved_attention.py 2>&1 | tail -15 | tee -a "$OUT/log.txt" | tee /tmp/tests.txt
       python3 -c "import json, re, sys; t = open('/tmp/tests.txt').read(); n = lambda w: sum(int(x) for x in re.findall(r'(\d+) ' + w, t)); print(json.dumps({'job': 'tests', 'passed': n('passed'), 'failures': n('failed') + n('error')}))" >>"$RES" ;;
-    attntests) log attntests; timeout 200 python3 -m pytest -q -x -p no:cacheprovider tests/train/test_saved_attention.py 2>&1 | tail -8 | tee -a "$OUT/log.txt" ;;
+    attntests) log attntests; timeout 200 python3 -m pytest -q -x -o addopts= -p no:cacheprovider tests/train/test_saved_attention.py 2>&1 | tail -8 | tee -a "$OUT/log.txt" ;;
     w1) bench w1 $W --batch-size 4 --steps 7 --trace "$OUT/w1-trace.json" ;;
     w1tr) FT="python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m flowtrain" bench w1tr $W --batch-size 4 --steps 7 ;;  # W1 under torchrun, one process
     w1s) bench w1s $W --batch-size 4 --steps 7 --layout stream-bf16 ;;  # half the fetch bytes, a CPU refresh per update
@@ -76,8 +76,9 @@ for job in "$@"; do
       python3 -c "import pstats; pstats.Stats('/tmp/prof').sort_stats('cumulative').print_stats(22)" | tail -26 | cut -c1-160 | tee -a "$OUT/log.txt" ;;
     moe) bench moe --model qwen3-moe-12l --seq-len 4096 --batch-size 16 --micro-batch-size ${MBM:-4} --steps 3 --warmup 1 --host-mem 118 --trace "$OUT/moe-trace.json" ;;  # Qwen3-30B-A3B's layer, 12 layers
     moe10) bench moe10 --model qwen3-moe-12l --seq-len 4096 --batch-size 16 --micro-batch-size ${MB10:-2} --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 ;;
-    moeprof) log moeprof; timeout 200 python3 docs/bench/moe_layer.py 2>&1 | tail -25 | tee -a "$OUT/log.txt" ;;  # one expert layer's forward and backward, its backward's kernels
+    moeprof) log moeprof; timeout 200 python3 docs/bench/moe_layer.py ${MOEPROF:-} 2>&1 | tail -25 | tee -a "$OUT/log.txt" ;;  # one expert layer's forward and backward, its backward's kernels
     ligermoe) LIGER=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True anchor gpu 16 3 moe12l 1 ;;  # its all-on-GPU run: checkpointing, micro-batch 1
+    ligermoe2) LIGER=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True anchor gpu 8 3 moe12l 2 ;;  # the same at micro-batch 2
     gpumoe) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True anchor gpu 16 3 moe12l 1 ;;
     8b10) bench 8b10 --model llama-8b --seq-len 4096 --batch-size 2 --micro-batch-size 1 --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 ;;
     14b) bench 14b --model qwen-14b --seq-len 4096 --batch-size 8 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 ${EXTRA8:-} ;;

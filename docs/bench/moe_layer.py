@@ -6,6 +6,7 @@ then the CUDA kernels that took the most time in the backward::
 
     python docs/bench/moe_layer.py                       # 4 x 4096 tokens, the grouped experts
     python docs/bench/moe_layer.py --batch 1 --top 25    # one sequence
+    python docs/bench/moe_layer.py --compile --ops       # compiled as training runs it; ops and shapes
 
 On a machine without CUDA it runs one tiny step on the CPU (the experts' loop), to show that it
 runs; the numbers mean nothing there.
@@ -31,6 +32,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--top", type=int, default=15, help="kernels listed from the profiled backward")
+    ap.add_argument("--compile", action="store_true", help="the layer compiled by inductor, as training runs it on CUDA")
+    ap.add_argument("--ops", action="store_true", help="list torch ops with their input shapes instead of kernels")
     args = ap.parse_args()
     cuda = torch.cuda.is_available()
     cfg = preset(args.model)
@@ -53,16 +56,17 @@ def main() -> None:
     dy = torch.randn_like(x)
 
     views = bind(flat, lay)
+    layer = torch.compile(decoder_layer, dynamic=False) if args.compile else decoder_layer
 
     def forward() -> None:
         with torch.no_grad():
-            decoder_layer(x, views, cos, sin, cfg)
+            layer(x, views, cos, sin, cfg)
 
     def backward() -> None:  # the forward rebuilt under autograd, then its backward, as training runs it
         with torch.enable_grad():
             xl = x.detach().requires_grad_(True)
             leaves = weight_leaves(flat, lay)
-            backward_into(decoder_layer(xl, leaves, cos, sin, cfg), dy, xl, leaves, lay, grads)
+            backward_into(layer(xl, leaves, cos, sin, cfg), dy, xl, leaves, lay, grads)
 
     fwd_s = timed(forward, args.reps, cuda)
     bwd_s = timed(backward, args.reps, cuda) - fwd_s  # the backward without the forward it rebuilds
@@ -70,14 +74,18 @@ def main() -> None:
     active = lay.numel - (cfg.mlp_parameters(i) - cfg.mlp_parameters(i, active=True))  # the layer's, per token
     # a forward's model FLOPs: 2 per active parameter per token, and causal attention's 2 S q per token
     flops = 2 * active * tokens + 2 * tokens * args.seq_len * cfg.num_heads * cfg.head_dim
-    print(json.dumps({"model": args.model, "tokens": tokens, "forward_ms": round(fwd_s * 1e3, 2),
+    print(json.dumps({"model": args.model, "tokens": tokens, "compiled": args.compile, "forward_ms": round(fwd_s * 1e3, 2),
                       "backward_ms": round(bwd_s * 1e3, 2), "forward_tflops": round(flops / fwd_s / 1e12, 1),
                       "backward_tflops": round(2 * flops / bwd_s / 1e12, 1), "device": device}))
     if cuda:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        kinds = [torch.profiler.ProfilerActivity.CUDA] + ([torch.profiler.ProfilerActivity.CPU] if args.ops else [])
+        with torch.profiler.profile(activities=kinds, record_shapes=args.ops) as prof:
             backward()
             torch.cuda.synchronize()
-        print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=args.top, max_name_column_width=70))
+        table = prof.key_averages(group_by_input_shape=args.ops).table(
+            sort_by="self_device_time_total" if args.ops else "cuda_time_total", row_limit=args.top,
+            max_name_column_width=50, max_shapes_column_width=90)
+        print(table)
 
 
 def timed(run, reps: int, cuda: bool) -> float:

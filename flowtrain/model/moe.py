@@ -18,8 +18,8 @@ Two ways to run the experts, the same sums:
   them, run the expert, scale by the routing weight and add back (``index_add``). One small
   GEMM per expert and one host sync (which experts are hit); what runs on the CPU.
 * :func:`experts_grouped`: the tokens sorted by expert once per layer, then one grouped GEMM
-  per projection (``torch._grouped_mm``: one kernel over every expert's rows), then scattered
-  back. Chosen on CUDA in bf16 on Hopper or newer where torch has it (:func:`grouped_available`).
+  per projection (``torch._grouped_mm``: one kernel over every expert's rows), then gathered
+  back and summed with their weights. Chosen on CUDA in bf16 on Hopper or newer where torch has it (:func:`grouped_available`).
 
 A layer's forward may also hand its routing to a :data:`RouterTap`, a callable the training
 program passes in to collect what the load-balancing loss needs (see
@@ -101,24 +101,53 @@ def grouped_available(x: Tensor) -> bool:
             and torch.cuda.get_device_capability(x.device) >= (9, 0))
 
 
+class _Gather(torch.autograd.Function):
+    """``src[index]`` along dim 0 where every row of the result is a different (token, expert)
+    pair, whose backward is a gather too, never an atomic scatter-add.
+
+    ``inverse[p]`` is where pair ``p`` (= token ``p // k``, its ``p % k``-th expert) sits in the
+    result. The backward reads each pair's gradient back in pair order and, where a source row
+    was gathered ``k`` times (the dispatch: ``index = order // k``), sums its ``k`` rows in fp32
+    (one rounding) instead of adding them one by one into a bf16 buffer."""
+
+    @staticmethod
+    def forward(ctx, src: Tensor, index: Tensor, inverse: Tensor, k: int) -> Tensor:  # type: ignore[override]
+        ctx.save_for_backward(inverse)
+        ctx.k = k
+        return src.index_select(0, index)
+
+    @staticmethod
+    def backward(ctx, grad: Tensor) -> tuple[Tensor, None, None, None]:  # type: ignore[override]
+        (inverse,) = ctx.saved_tensors
+        pairs = grad.index_select(0, inverse)
+        if ctx.k == 1:
+            return pairs, None, None, None
+        return pairs.view(-1, ctx.k, grad.shape[-1]).sum(dim=1), None, None, None
+
+
 def experts_grouped(x: Tensor, r: Routing, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
     """The same sums as :func:`experts_loop`, with three grouped GEMMs instead of 3 E small ones.
 
     The T k (token, expert) pairs are sorted by expert once (a stable sort: tokens keep their
-    order within an expert); ``offsets[e]`` is where expert e's rows end. Each projection is one
-    ``torch._grouped_mm`` over every expert's rows, then the rows are weighted and added back to
-    their tokens. Buffers: T k rows of hidden and of 3 x inter, whatever the routing."""
-    k = r.experts.shape[1]
+    order within an expert); ``offsets[e]`` is where expert e's rows end. The tokens are gathered
+    into that order, each projection is one ``torch._grouped_mm`` over every expert's rows, and
+    the rows are gathered back into pair order, where each token's k rows are summed with their
+    routing weights by one batched product ((1, k) by (k, hidden) per token, fp32 accumulation).
+    Both gathers differentiate into gathers (:class:`_Gather`), so neither direction adds rows
+    with atomics. Buffers: T k rows of hidden and of 3 x inter, whatever the routing; every
+    shape is fixed by T, k and E, so a compiled layer traces it whole."""
+    tokens, k = r.experts.shape
     flat = r.experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
-    token = order // k
-    offsets = torch.cumsum(torch.bincount(flat, minlength=gate.shape[0]), 0).to(torch.int32)
-    rows = x[token]
+    position = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel(), device=order.device))
+    counts = torch.zeros(gate.shape[0], dtype=torch.int32, device=flat.device)
+    offsets = torch.cumsum(counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)), 0, dtype=torch.int32)
+    rows = _Gather.apply(x, order // k, position, k)
     h = (F.silu(torch._grouped_mm(rows, gate.transpose(-2, -1), offs=offsets))
          * torch._grouped_mm(rows, up.transpose(-2, -1), offs=offsets))
     y = torch._grouped_mm(h, down.transpose(-2, -1), offs=offsets)
-    y = y * r.weights.reshape(-1)[order, None]
-    return torch.zeros_like(x).index_add_(0, token, y.to(x.dtype))
+    pairs = _Gather.apply(y, position, order, 1).view(tokens, k, -1)
+    return torch.bmm(r.weights.to(y.dtype).unsqueeze(1), pairs).view(tokens, -1).to(x.dtype)
 
 
 def run_experts(x: Tensor, r: Routing, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
