@@ -55,7 +55,7 @@ from ..graph.tasks import ACTS, GRADS, HOST_GRADS, WEIGHTS
 from ..model.config import MLP_CHUNK_TOKENS, ModelConfig, default_chunk_tokens
 from ..model.layout import model_layouts
 from .attention import attention_pays, forward_flops_saved, plan_saved_attention
-from .experts import dense_mlp_layers, expert_bytes_per_token
+from .experts import dense_mlp_layers, expert_bytes_per_token, expert_kept_bytes_per_token
 from .host_layout import LANDING_NUMEL, LAYOUTS, grad_chunks, slot_numel, staging_numel, undo_arena_bytes
 
 if TYPE_CHECKING:
@@ -671,7 +671,7 @@ def kept_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, compiled: bool = 
         if cfg.family.gemma:
             units += h
         if cfg.moe and cfg.sparse_layers():  # routing and expert rows in place of the MLP's 3 f
-            mlp = max(expert_bytes_per_token(cfg, c), c * 3 * f if dense_mlp_layers(cfg) else 0)
+            mlp = max(expert_kept_bytes_per_token(cfg, c, True), c * 3 * f if dense_mlp_layers(cfg) else 0)
             return int(c * (units - 3 * f)) + mlp + 4 * cfg.num_heads + 8
         return int(c * units) + 4 * cfg.num_heads + 8
     units = 8 * h + 3 * q + 2.5 * kv + 4 * f
@@ -680,7 +680,7 @@ def kept_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, compiled: bool = 
     if cfg.family.gemma:
         units += 12 * h
     if cfg.moe and cfg.sparse_layers():  # a sparse layer keeps its routing and expert rows instead
-        mlp = max(expert_bytes_per_token(cfg, c), c * 4 * f if dense_mlp_layers(cfg) else 0)
+        mlp = max(expert_kept_bytes_per_token(cfg, c, False), c * 4 * f if dense_mlp_layers(cfg) else 0)
         return int(c * (units - 4 * f)) + mlp + 4 * cfg.num_heads
     return int(c * units) + 4 * cfg.num_heads
 
