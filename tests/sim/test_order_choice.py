@@ -111,7 +111,8 @@ def test_the_rules_plan_stands_where_no_alternative_is_predicted_faster():
 
 
 def test_a_slow_link_takes_the_layout_that_halves_the_fetch_bytes():
-    plan = _w1_plan(_slow_link())
+    """With the rules' resident units given (more of them is the other way round a slow link)."""
+    plan = _w1_plan(_slow_link(), resident=",".join(_w1_plan(None).spec.resident))
     assert plan.layout == "stream-bf16" and plan.fits
     assert "--layout stream-bf16" in plan.placement_choice and "slow-link" in plan.placement_choice
     assert "placement" in format_plan("llama-3b", plan)
@@ -129,3 +130,49 @@ def test_the_alternatives_are_the_auto_settings_explicit_values():
     assert everything == [("activations", "recompute"), ("activations", "keep"), ("layout", "stream-bf16")]
     spaced = alternatives(RunRequest(seq_len=8, batch_size=1, micro_batch_size=1, checkpoint_every=2, grad_clip=True))
     assert spaced == [("activations", "recompute")]
+
+
+def test_more_resident_layers_are_tried_by_doubling_up_to_the_most_that_fit():
+    from flowtrain.sim.placement_choice import more_resident
+
+    cfg = preset("llama-3b")  # 28 layers
+    plan = plan_run(cfg, request(order="layer"), device=CUDA, dtype=torch.bfloat16)
+    rules = list(plan.spec.resident)
+    layers = [u for u in rules if u.startswith("layer.")]
+    tried = []
+
+    def fits(value):
+        tried.append(value)
+        return len(value.split(",")) - len(rules) <= 9  # room for nine more layers
+
+    values = more_resident(cfg, request(order="layer"), plan, fits)
+    added = [len(v.split(",")) - len(rules) for v in values]
+    assert added == [1, 2, 4, 8, 9]
+    for v in values:  # the rules' units first, then the next layers bottom-up
+        units = v.split(",")
+        assert units[:len(rules)] == rules
+        assert units[len(rules):] == [f"layer.{i}" for i in range(len(layers), len(layers) + len(units) - len(rules))]
+    assert len(tried) <= 6  # bisection over the 18 layers left, not one plan per layer
+    assert more_resident(cfg, request(order="layer", resident="none"), plan, fits) == []
+
+
+def test_a_mixture_of_experts_waiting_on_cpu_adam_keeps_more_layers_resident():
+    """Qwen3-30B-A3B's layer, 12 of them, on the H200: each layer holds 0.6 B parameters for
+    little compute, so the rules' third of the layers leaves the step waiting for CPU Adam.
+    More layers are taken, the fewest predicted within the margin of the fastest."""
+    from flowtrain.sim.placement_choice import MARGIN
+
+    cfg = preset("qwen3-moe-12l")
+    kw = dict(order="layer", host_mem=118.0)
+    rules = plan_run(cfg, request(**kw), device=CUDA, dtype=torch.bfloat16)
+    plan = planned("qwen3-moe-12l", **kw)
+    assert plan.fits and "--resident" in (plan.placement_choice or "")
+    n_rules, n_plan = (sum(u.startswith("layer.") for u in p.spec.resident) for p in (rules, plan))
+    assert n_plan > n_rules
+    speed = {}
+    for n in (n_plan - 1, n_plan, cfg.num_layers):
+        req = request(**kw, resident=",".join(["embed", "head"] + [f"layer.{i}" for i in range(n)]))
+        p = plan_run(cfg, req, device=CUDA, dtype=torch.bfloat16)
+        speed[n] = predict(cfg, p, req, H200).summary.tokens_per_s if p.fits else 0.0
+    assert speed[n_plan] >= MARGIN * predict(cfg, rules, request(**kw), H200).summary.tokens_per_s
+    assert MARGIN * speed[n_plan] >= speed[cfg.num_layers]  # all that fit would gain less than the margin
