@@ -44,9 +44,9 @@ _SAVED_8B256K = {**_AUTO, "save_attention": tuple(range(11, 32)), "offload": tup
 #: 1.75 GiB of room above its peak, 8.7 s with 0.86, 9.3-9.9 s with 0.37 (docs/benchmarks.md),
 #: every backward slower by about 6 ms; the simulator has no allocator
 _AT_CAP = "the allocator at its cap (not modelled)"
-#: the mixture of experts' layer backward measured about twice what the model gives it (27.7 ms
-#: against 13.0 in docs/bench/2026-12-04/moe-trace.json, unit-sized weight-gradient copies still
-#: in it): not modelled until a trace of the layer as it runs now says what is left
+#: the first mixture-of-experts run's layer backward measured about twice what the model gives it
+#: (27.7 ms against 13.0 in docs/bench/2026-12-04/moe-trace.json): the expert rows added back with
+#: bf16 atomics and unit-sized weight-gradient copies, both since removed (the rows after it)
 _MOE_BACKWARD = "the expert layer's backward (not modelled)"
 #: (name in docs/benchmarks.md, result file, how to pick its line, extra planner arguments; of
 #: those, ``attention_backend``, ``save_attention`` and ``offload`` go to the simulator, not the planner)
@@ -89,6 +89,12 @@ RUNS = (
     ("qwen3-moe-12l, 16 seq/step, micro-batch 4", "2026-12-04/moe-results.jsonl", {"job": "moe"},
      {**_AUTO, "not_modelled": _MOE_BACKWARD}),
     ("qwen3-moe-12l, 16 seq/step on a 10 GB card", "2026-12-04/moe10-results.jsonl", {"job": "moe10"},
+     {**_AUTO, "gpu_mem": 10.0}),
+    # the experts' rows gathered back instead of added with atomics; then more layers resident
+    ("qwen3-moe-12l, 16 seq/step, experts gathered", "2026-12-04/moe-gather-results.jsonl", {"job": "moe"}, _AUTO),
+    ("qwen3-moe-12l, 16 seq/step, ten layers resident", "2026-12-04/moe-resident-results.jsonl", {"job": "moe"},
+     _AUTO),
+    ("qwen3-moe-12l on a 10 GB card, experts gathered", "2026-12-04/resident-check-results.jsonl", {"job": "moe10"},
      {**_AUTO, "gpu_mem": 10.0}),
 )
 #: the keys of a run's extra arguments that are the simulator's (or the table's), not the planner's

@@ -22,6 +22,8 @@ def test_predicted_tokens_per_s_within_15_percent(name, row, extra):
         assert r["error"] > 0.15, r
         return
     assert abs(r["error"]) < 0.15, r
-    # and the lane that bounds it is the one the run's busy fractions point at
-    busiest = max(row["busy_fraction"], key=row["busy_fraction"].get)
-    assert r["bound_by"] == busiest, (r, row["busy_fraction"])
+    # and the lane that bounds it is the one the run's busy fractions point at, or one nearly as
+    # busy (a step that waits on CPU Adam while the GPU computes 0.68 of it: either may be on
+    # the chain more)
+    busy = row["busy_fraction"]
+    assert busy.get(r["bound_by"], 0.0) >= max(busy.values()) - 0.1, (r, busy)
