@@ -31,7 +31,7 @@ anchor() {  # MODE GA STEPS [SIZE MICRO]: the baseline trainer (default llama-3b
 W="--model llama-3b --seq-len 4096 --micro-batch-size 4 --host-mem 110"
 GATE=0
 if [[ "${1:-}" == gate ]]; then  # the GPU gate: docs/benchmarks.md, "The GPU gate"
-  GATE=1; set -- info tests w1 w2 8b 8b10o long
+  GATE=1; set -- info tests w1 w2 8b 8b10o long moe
 fi
 for job in "$@"; do
   case $job in

@@ -118,6 +118,25 @@ def test_grouped_experts_gradients_match_the_loop():
         assert rel_err(a, b) < 1e-6
 
 
+# dynamo instantiates a custom autograd.Function while tracing it, which torch itself deprecates
+@pytest.mark.filterwarnings("ignore:.*should not be instantiated:DeprecationWarning")
+def test_grouped_experts_trace_as_one_graph():
+    """Routing and the grouped experts compile whole (inductor then fuses their elementwise work
+    and differentiates them as one graph): no data-dependent shape, no graph break. bf16, the
+    dtype the grouped GEMM takes."""
+    cfg = PRESETS["qwen3-moe-12l"]
+    bf16 = torch.bfloat16
+    x, router_w = torch.randn(24, 32, dtype=bf16), torch.randn(cfg.num_experts, 32, dtype=bf16)
+    ws = [torch.randn(cfg.num_experts, 16, 32, dtype=bf16), torch.randn(cfg.num_experts, 16, 32, dtype=bf16),
+          torch.randn(cfg.num_experts, 32, 16, dtype=bf16)]
+
+    def layer(x, router_w, gate, up, down):
+        return experts_grouped(x, route(x, router_w, cfg), gate, up, down)
+
+    explained = torch._dynamo.explain(layer)(x, router_w, *ws)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
 # ---------------------------------------------------------------------- whole models, checkpoints
 
 

@@ -1,0 +1,61 @@
+"""The GPU gate's verdict (docs/bench/gate.py), on result lines written here: what passes, what
+fails and why, and that the gate runs every job its baseline names."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[1]
+BENCH = ROOT / "docs" / "bench"
+
+
+def _gate():
+    spec = importlib.util.spec_from_file_location("gate", BENCH / "gate.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _row(job, **kw):
+    return {"job": job, "tokens_per_s": 1000.0, "gpu_peak_gib": 9.5, "planned_gpu_gib": 10.0,
+            "gpu_process_peak_gib": 11.0, "model_tflops": 100.0, **kw}
+
+
+def _verdict(tmp_path, rows, jobs):
+    (tmp_path / "results.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "baseline.json").write_text(json.dumps({"commit": "test", "jobs": jobs}))
+    return _gate().main([str(tmp_path / "results.jsonl"), str(tmp_path / "baseline.json")])
+
+
+def test_a_gate_whose_jobs_hold_passes(tmp_path, capsys):
+    rows = [{"job": "tests", "passed": 5, "failures": 0}, _row("w1", tokens_per_s=940.0)]
+    assert _verdict(tmp_path, rows, {"tests": {}, "w1": {"tokens_per_s": 1000}}) == 0
+    assert "gate: 2 passed, 0 failed" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("row, base, why", [
+    (_row("w1", tokens_per_s=920.0), {"tokens_per_s": 1000}, "below the baseline"),
+    (_row("w1", gpu_peak_gib=10.5), {"tokens_per_s": 1000}, "more than the 10.0 GiB planned"),
+    (_row("w1", gpu_peak_gib=8.0), {"tokens_per_s": 1000}, "above the 8.0 GiB measured"),
+    (_row("w1", gpu_process_peak_gib=9.8), {"tokens_per_s": 1000, "process_gib_max": 9.5}, "over its bound"),
+    ({"job": "w1", "failed": True, "error": "CUDA out of memory"}, {"tokens_per_s": 1000}, "out of memory"),
+    (_row("w2"), {"tokens_per_s": 1000}, "did not run"),
+], ids=["slower", "over its plan", "planned too high", "process too large", "failed", "missing"])
+def test_each_way_a_job_fails(tmp_path, capsys, row, base, why):
+    assert _verdict(tmp_path, [row], {"w1": base}) == 1
+    out = capsys.readouterr().out
+    assert "FAIL w1" in out and why in out
+
+
+def test_the_gate_runs_every_job_its_baseline_names():
+    script = (BENCH / "h200.sh").read_text()
+    ran = re.search(r"GATE=1; set -- (.*)", script).group(1).split()
+    baseline = json.loads((BENCH / "gate-baseline.json").read_text())["jobs"]
+    assert [j for j in ran if j != "info"] == list(baseline)
+    for job in baseline:  # each is a job the script knows
+        assert re.search(rf"^\s+{re.escape(job)}\)", script, re.M), job
