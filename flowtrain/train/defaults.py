@@ -19,6 +19,8 @@ fields are ``None`` in ``TrainConfig`` until the run decides.
 
 from __future__ import annotations
 
+from typing import Literal
+
 
 class SeqLenDefault(int):
     """The ``--seq-len`` of a run that gives none: an ``int`` equal to :data:`SEQ_LEN` (so that
@@ -48,7 +50,7 @@ SEQ_LEN_MULTIPLE = 64
 #: dropped one is data the user meant to train on: the user chooses, --long-examples drop or
 #: truncate, knowing how many), and cuts every other row, keeping its start, as text is cut into
 #: windows; the start-up block counts what was cut or dropped either way
-LONG_EXAMPLES = "auto"
+LONG_EXAMPLES: Literal["auto", "error", "drop", "truncate"] = "auto"
 BETAS = (0.9, 0.999)
 EPS = 1e-8
 SEED = 0

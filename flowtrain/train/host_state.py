@@ -115,6 +115,7 @@ class UnitState:
         self.resident = resident
         self.stream: torch.Tensor | None = None
         self.compute: torch.Tensor | None = None
+        self.grad: torch.Tensor | None  # the full layout's gradient; staged gradients pass through a ring
         if resident:
             z = lambda dt=torch.float32: torch.zeros(n, dtype=dt, device=device)  # noqa: E731
             self.master, self.exp_avg, self.exp_avg_sq, self.grad = z(), z(), z(), z()
@@ -135,6 +136,13 @@ class UnitState:
             self.exp_avg_sq = arena.take("plain", n, torch.float32)
             self.steps = [arena.take("plain", 1, torch.float32).view(()) for _ in range(chunks)]
         self.grad = pinned_zeros(n, pin) if layout_name == "full" else None
+
+    def own_grad(self) -> torch.Tensor:
+        """The unit's own fp32 gradient: a resident unit's on the device, the full layout's on
+        the host. A staged unit has none (its gradient passes through the pinned ring)."""
+        if self.grad is None:
+            raise RuntimeError(f"{self.layout.key} has no gradient buffer of its own (staged layout, streamed)")
+        return self.grad
 
     def refresh_copies(self, lo: int = 0, hi: int | None = None) -> None:
         """Bring the compute / streaming copy of ``master[lo:hi]`` up to date."""

@@ -64,12 +64,12 @@ class Kept:
 
     def _pack(self, flat: Tensor) -> Callable[[Tensor], object]:
         storage = flat.untyped_storage().data_ptr()
-        base = flat.storage_offset()
+        base = int(flat.storage_offset())
 
         def pack(t: Tensor) -> object:
             ptr = t.untyped_storage().data_ptr()
             if ptr == storage and t.device == flat.device:
-                return _WeightRef(t.storage_offset() - base, tuple(t.size()), tuple(t.stride()))
+                return _WeightRef(int(t.storage_offset()) - base, tuple(t.size()), tuple(t.stride()))
             if self._seen is not None and ptr not in self._seen:
                 self._seen.add(ptr)
                 self.bytes += t.untyped_storage().nbytes()

@@ -353,7 +353,7 @@ class StepProgram:
             case ReduceGrad():
                 unit = self._unit(task)
                 if unit.resident:  # its own accumulator (a tied head's matrix part is the embedding's)
-                    all_reduce_sum(unit.grad[: unit.layout.numel])
+                    all_reduce_sum(unit.own_grad()[: unit.layout.numel])
                 else:
                     all_reduce_sum(self.grad_slots[ctx.read(GRADS)][: unit.layout.numel + self._tied_extra(task)])
                 return None
@@ -400,7 +400,7 @@ class StepProgram:
 
     def _grads(self, unit: UnitState, ctx: TaskContext) -> torch.Tensor:
         """The flat fp32 gradient accumulator a task adds into (own if resident, else its slot)."""
-        return unit.grad if unit.resident else self.grad_slots[ctx.read(GRADS)]
+        return unit.own_grad() if unit.resident else self.grad_slots[ctx.read(GRADS)]
 
     def _tied_matrix(self, buf: torch.Tensor) -> torch.Tensor:
         e = self.state.embed.layout.entries[0]
@@ -558,7 +558,7 @@ class StepProgram:
             emb = self.state.embed
             e = emb.layout.entries[0]
             return (w["norm"], bind(emb.compute, emb.layout)[e.key], g["norm"],  # type: ignore[arg-type]
-                    bind(emb.grad, emb.layout)[e.key])
+                    bind(emb.own_grad(), emb.layout)[e.key])
         return w["norm"], self._tied_matrix(wbuf), g["norm"], self._tied_matrix(gbuf)
 
     def _loss(self, task: Loss, ctx: TaskContext) -> None:
@@ -674,7 +674,7 @@ class StepProgram:
             self.tied_grad.copy_(src[n : n + m], non_blocking=nb)
             moved += 4 * m
         lo, hi = chunk_range(unit.layout.numel, self.stage_n, task.chunk)
-        dst = unit.grad if task.chunk is None else self.staging[ctx.slot][: hi - lo]  # type: ignore[index]
+        dst = unit.own_grad() if task.chunk is None else self.staging[ctx.slot][: hi - lo]  # type: ignore[index]
         self._flag_pieces(task, unit, src, lo, hi)
         dst.copy_(src[lo:hi], non_blocking=nb)
         return moved + 4 * (hi - lo)
@@ -733,7 +733,7 @@ class StepProgram:
         if task.chunk is None:  # full layout: the unit's own host gradient
             if task.unit == "embed":
                 self._sum_tied(data)
-            grad = unit.grad
+            grad = unit.own_grad()
         else:
             grad = self.staging[ctx.read(HOST_GRADS)][: hi - lo]
             if self.tied and task.unit == "embed":
@@ -764,7 +764,7 @@ class StepProgram:
 
     def _resident_sq_norm(self, data: _StepData, unit: UnitState) -> None:
         """Squared norm and non-finite flag (on the device) of a resident unit's gradient."""
-        grad = unit.grad[: unit.layout.numel]
+        grad = unit.own_grad()[: unit.layout.numel]
         sq = data.sq_norms[(unit.layout.key, None)] = torch.dot(grad, grad)
         data.check.resident.append((unit.layout.key, nonfinite(grad, sq)))
 
@@ -786,7 +786,7 @@ class StepProgram:
         unit as it was where the step's ``found_inf`` flag is set (no host sync)."""
         data = self.steps[task.step]
         unit = self._unit(task)
-        grad = unit.grad
+        grad = unit.own_grad()
         if not data.check.skipped:  # known on the host already: with clipping, or a bad loss
             if data.clip is not None:
                 grad.mul_(data.clip.to(grad.device))

@@ -34,14 +34,14 @@ if TYPE_CHECKING:
 
 def _spans(numbers: list[int] | tuple[int, ...]) -> list[str]:
     """``["0-7", "9"]`` for 0..7 and 9."""
-    out, start, prev = [], None, None
-    for i in sorted(numbers) + [None]:  # type: ignore[list-item]
-        if start is not None and (i is None or i != prev + 1):
-            out.append(f"{start}" if start == prev else f"{start}-{prev}")
-            start = None
-        if i is not None and start is None:
-            start = i
-        prev = i
+    out: list[str] = []
+    ordered = sorted(numbers)
+    start = 0
+    for k in range(1, len(ordered) + 1):
+        if k == len(ordered) or ordered[k] != ordered[k - 1] + 1:  # a span ends at k - 1
+            first, last = ordered[start], ordered[k - 1]
+            out.append(f"{first}" if first == last else f"{first}-{last}")
+            start = k
     return out
 
 
@@ -136,9 +136,10 @@ def summary_lines(run: "Run") -> list[str]:
     epochs = cfg.steps * cfg.batch_size / max(n, 1)
     lines.append(f"data       {cfg.data or 'the bundled corpus'}: {data_description(run.seqs)}; "
                  f"{_count(cfg.steps, 'step')} cover{'s' if cfg.steps == 1 else ''} {epochs:.1f} epochs")
-    if getattr(run, "eval_seqs", None) is not None:
-        lines.append(f"eval       {cfg.eval_data}: {_count(len(run.eval_seqs), 'sequence')}, "
-                     f"{run.eval_seqs.num_targets():,} target tokens, every {cfg.eval_every} steps "
+    eval_seqs = getattr(run, "eval_seqs", None)
+    if eval_seqs is not None:
+        lines.append(f"eval       {cfg.eval_data}: {_count(len(eval_seqs), 'sequence')}, "
+                     f"{eval_seqs.num_targets():,} target tokens, every {cfg.eval_every} steps "
                      "and after the last")
     sched = f"{cfg.lr_schedule}" + (f" after {cfg.warmup_steps} warm-up steps" if cfg.warmup_steps else "")
     micro_batches = cfg.batch_size // cfg.micro_batch_size

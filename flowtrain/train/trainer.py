@@ -133,6 +133,7 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.precision, device)
     adamw_config(cfg).validate()
+    assert cfg.lr is not None and cfg.warmup_steps is not None and cfg.lr_schedule is not None  # resolve_defaults'
     schedule = ContinuedSchedule(LRSchedule(lr=cfg.lr, warmup_steps=cfg.warmup_steps, schedule=cfg.lr_schedule,
                                             total_steps=cfg.steps, min_lr=cfg.min_lr).validate())
     resolve_policy(cfg.policy)
@@ -425,6 +426,7 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
 
 
 def _write_trace(run: Run, recorder: TraceRecorder) -> None:
+    assert run.cfg.trace is not None  # a recorder runs only where --trace names a file
     write_chrome_trace(run.cfg.trace, recorder.records, meta=trace_meta(run.cfg, run.plan, run.device, run.dtype,
                                                                        recorder.records))
 
