@@ -43,6 +43,7 @@ from torch import Tensor
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from flowtrain.model import saved_attention
+from flowtrain.model.lora import project
 
 if TYPE_CHECKING:
     from flowtrain.model.config import ModelConfig
@@ -180,9 +181,9 @@ def self_attention(
     assert cfg.head_dim is not None
     batch, seq, _ = h.shape
     heads, kv_heads, hd = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    q = F.linear(h, w["q_proj"], w.get("q_bias")).view(batch, seq, heads, hd)
-    k = F.linear(h, w["k_proj"], w.get("k_bias")).view(batch, seq, kv_heads, hd)
-    v = F.linear(h, w["v_proj"], w.get("v_bias")).view(batch, seq, kv_heads, hd).transpose(1, 2)
+    q = project(h, w, "q_proj", w.get("q_bias")).view(batch, seq, heads, hd)
+    k = project(h, w, "k_proj", w.get("k_bias")).view(batch, seq, kv_heads, hd)
+    v = project(h, w, "v_proj", w.get("v_bias")).view(batch, seq, kv_heads, hd).transpose(1, 2)
     if cfg.qk_norm:
         q, k = norm(q, w["q_norm"], cfg.rms_norm_eps), norm(k, w["k_norm"], cfg.rms_norm_eps)
     q, k = q.transpose(1, 2), k.transpose(1, 2)
@@ -190,7 +191,7 @@ def self_attention(
     scalar = cfg.query_pre_attn_scalar
     attn = attend(q, k, v, docs, window, scale=None if scalar is None else scalar**-0.5)
     attn = attn.transpose(1, 2).reshape(batch, seq, heads * hd)
-    return F.linear(attn, w["o_proj"], w.get("o_bias"))
+    return project(attn, w, "o_proj", w.get("o_bias"))
 
 
 def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

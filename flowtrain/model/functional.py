@@ -34,7 +34,7 @@ from torch import Tensor
 from flowtrain.model.attention import Documents, self_attention
 from flowtrain.model.config import ModelConfig, default_chunk_tokens  # noqa: F401 - re-exported
 from flowtrain.model.gemma import gemma_layer, gemma_rms_norm
-from flowtrain.model.mlp import gated_mlp
+from flowtrain.model.mlp import layer_mlp
 from flowtrain.model.moe import RouterTap, moe_decoder_layer
 
 __all__ = [
@@ -151,7 +151,7 @@ def decoder_layer(
     x = x + self_attention(h, w, cos, sin, cfg, docs, window, rms_norm)
 
     h = rms_norm(x, w["post_attention_layernorm"], cfg.rms_norm_eps)
-    return x + gated_mlp(h, w["gate_proj"], w["up_proj"], w["down_proj"], F.silu)
+    return x + layer_mlp(h, w, F.silu)
 
 
 # ---------------------------------------------------------------------- head and loss

@@ -27,7 +27,7 @@ import torch
 from torch import Tensor
 
 from flowtrain.model.attention import Documents, self_attention
-from flowtrain.model.mlp import gated_mlp, gelu_tanh
+from flowtrain.model.mlp import gelu_tanh, layer_mlp
 
 if TYPE_CHECKING:
     from flowtrain.model.config import ModelConfig
@@ -62,5 +62,5 @@ def gemma_layer(
     attn = self_attention(h, w, cos, sin, cfg, docs, window, gemma_rms_norm)
     x = x + gemma_rms_norm(attn, w["post_attention_layernorm"], eps)
     h = gemma_rms_norm(x, w["pre_feedforward_layernorm"], eps)
-    mlp = gated_mlp(h, w["gate_proj"], w["up_proj"], w["down_proj"], gelu_tanh)
+    mlp = layer_mlp(h, w, gelu_tanh)
     return x + gemma_rms_norm(mlp, w["post_feedforward_layernorm"], eps)

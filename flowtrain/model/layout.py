@@ -70,8 +70,9 @@ class UnitLayout(msgspec.Struct, frozen=True):
 
     @property
     def key(self) -> str:
-        """``"embed"``, ``"layer.{i}"`` or ``"head"``: a stable name for this unit."""
-        return f"layer.{self.layer}" if self.unit == "layer" else self.unit
+        """``"embed"``, ``"layer.{i}"``, ``"head"`` (or a layer's adapters, ``"adapter.{i}"``): a
+        stable name for this unit."""
+        return self.unit if self.layer is None else f"{self.unit}.{self.layer}"
 
     def entry(self, key: str) -> Entry:
         """The entry called ``key``; ``KeyError`` listing the valid keys otherwise."""

@@ -13,10 +13,15 @@ run outside ``torch.compile`` (a graph break in the layer, only at these lengths
 
     out = gated_mlp(h, gate_w, up_w, down_w, F.silu)       # Llama, Qwen, Mistral
     out = gated_mlp(h, gate_w, up_w, down_w, gelu_tanh)    # Gemma 3
+    out = layer_mlp(h, w, F.silu)                          # from a layer's weights, adapters included
+
+A layer whose MLP carries LoRA adapters (:mod:`flowtrain.model.lora`) takes the plain path at
+any length: the pieces do not run adapters yet.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Callable
 
 import torch
@@ -24,11 +29,20 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flowtrain.model.config import MLP_CHUNK_TOKENS  # the planner counts with it too
+from flowtrain.model.lora import has_adapter, project
 
 
 def gelu_tanh(x: Tensor) -> Tensor:
     """Gemma's activation: GELU with the tanh approximation."""
     return F.gelu(x, approximate="tanh")
+
+
+def layer_mlp(h: Tensor, w: Mapping[str, Tensor], act: Callable[[Tensor], Tensor]) -> Tensor:
+    """The gated MLP of a layer's weights ``w`` (``gate_proj``, ``up_proj``, ``down_proj``), each
+    map with its LoRA adapter where ``w`` holds one."""
+    if not has_adapter(w, "gate_proj", "up_proj", "down_proj"):
+        return gated_mlp(h, w["gate_proj"], w["up_proj"], w["down_proj"], act)
+    return project(act(project(h, w, "gate_proj")) * project(h, w, "up_proj"), w, "down_proj")
 
 
 def gated_mlp(h: Tensor, gate_w: Tensor, up_w: Tensor, down_w: Tensor, act: Callable[[Tensor], Tensor]) -> Tensor:

@@ -37,7 +37,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flowtrain.model.attention import Documents, self_attention
-from flowtrain.model.mlp import gated_mlp
+from flowtrain.model.mlp import layer_mlp
 
 if TYPE_CHECKING:
     from flowtrain.model.config import ModelConfig
@@ -187,5 +187,5 @@ def moe_decoder_layer(
     x = x + self_attention(h, w, cos, sin, cfg, docs, window, norm)
     h = norm(x, w["post_attention_layernorm"], cfg.rms_norm_eps)
     if "router" not in w:  # Qwen3-MoE's mlp_only_layers and off-step layers
-        return x + gated_mlp(h, w["gate_proj"], w["up_proj"], w["down_proj"], F.silu)
+        return x + layer_mlp(h, w, F.silu)
     return x + sparse_mlp(h, w, cfg, router)

@@ -1,0 +1,66 @@
+"""LoRA's math: a linear map with its adapter, and an adapter's initial values.
+
+A layer's weights reach the layer math as one mapping (:func:`flowtrain.model.layout.bind`).
+With adapters, the mapping also holds the adapter layout's entries (``q_proj.lora_A``, ...,
+:mod:`flowtrain.model.adapters`) and ``lora_scale``, a 0-d tensor holding ``alpha / r``;
+:func:`adapted` builds it. Every linear map of the layer goes through :func:`project`, which adds
+the low-rank update where the mapping holds one, so the same layer functions run a base model
+and an adapted one::
+
+    w = adapted(bind(base_flat, layer_layout), bind(adapter_flat, adapter_layout), spec.scale)
+    y = decoder_layer(x, w, cos, sin, cfg)
+
+The base weights take no gradient (they are not leaves that require one); the backward then
+computes only the input gradients through them, and the adapters' own gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from flowtrain.model.layout import UnitLayout, bind
+
+__all__ = ["adapted", "has_adapter", "init_adapter", "project"]
+
+
+def project(x: Tensor, w: Mapping[str, Tensor], key: str, bias: Tensor | None = None) -> Tensor:
+    """``x W^T + b`` for ``W = w[key]``, plus ``scale * (x A^T) B^T`` where ``w`` holds the
+    adapter ``key.lora_A`` / ``key.lora_B`` (PEFT's unmerged form: the low-rank product is never
+    formed as a full matrix). The update is computed in the adapter's dtype (fp32 adapters
+    over a bf16 base, as PEFT runs them) and added in the base's."""
+    y = F.linear(x, w[key], bias)
+    a = w.get(f"{key}.lora_A")
+    if a is None:
+        return y
+    update = F.linear(F.linear(x.to(a.dtype), a), w[f"{key}.lora_B"]) * w["lora_scale"]
+    return y + update.to(y.dtype)
+
+
+def has_adapter(w: Mapping[str, Tensor], *keys: str) -> bool:
+    """Whether any of the linear maps ``keys`` carries an adapter in ``w``."""
+    return any(f"{k}.lora_A" in w for k in keys)
+
+
+def adapted(base: Mapping[str, Tensor], adapter: Mapping[str, Tensor], scale: float) -> dict[str, Tensor]:
+    """One mapping of a layer's base weights and its adapters, with their scale."""
+    some = next(iter(adapter.values()), None)
+    device = some.device if some is not None else None
+    dtype = some.dtype if some is not None else None
+    return {**base, **adapter, "lora_scale": torch.tensor(scale, device=device, dtype=dtype)}
+
+
+def init_adapter(flat: Tensor, layout: UnitLayout, seed: int) -> None:
+    """PEFT's initial adapter, in place: each ``A`` uniform in ``±1 / sqrt(in)`` (Kaiming's
+    uniform with ``a = sqrt(5)``, as ``nn.Linear`` and PEFT draw it), each ``B`` zero, so the
+    adapted model starts as the base. Seeded per layer: the same seed gives the same adapters."""
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + (layout.layer or 0))
+    flat.zero_()
+    for key, view in bind(flat, layout).items():
+        if key.endswith(".lora_A"):
+            bound = 1.0 / math.sqrt(view.shape[1])
+            view.copy_(torch.rand(view.shape, generator=gen) * (2 * bound) - bound)

@@ -1,0 +1,139 @@
+"""LoRA adapters in the layer math against PEFT over transformers, fp32 on the CPU: the same
+logits and the same adapter gradients from the same weights, and the adapters' layouts named as
+PEFT names its tensors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+peft = pytest.importorskip("peft")
+
+from model_helpers import flats_from_hf, hf_model, rel_err, small_cfg  # noqa: E402
+
+from flowtrain.model import bind, model_layouts, preset  # noqa: E402
+from flowtrain.model.adapters import DEFAULT_TARGETS, LoraSpec, adapter_layouts  # noqa: E402
+from flowtrain.model.functional import decoder_layer, embed, rms_norm, rope_tables  # noqa: E402
+from flowtrain.model.lora import adapted, init_adapter  # noqa: E402
+
+#: PEFT asks transformers for a property that transformers 5 renamed
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+
+CASES = {
+    "llama": dict(),
+    "qwen2 (q, k, v biases)": dict(architecture="Qwen2ForCausalLM", qkv_bias=True),
+}
+
+
+def _cfg(name):
+    return small_cfg(num_layers=2, **CASES[name])
+
+
+def _peft_model(cfg, spec: LoraSpec, seed: int):
+    """flowtrain buffers of a random transformers model, and the model with PEFT's adapters on
+    ``spec.targets``, every adapter weight random (``init_lora_weights=False``: B is not zero,
+    so the update shows)."""
+    base = hf_model(cfg, seed=seed)
+    flats = flats_from_hf(base, cfg)  # before PEFT wraps the linear maps (and renames their weights)
+    config = peft.LoraConfig(r=spec.rank, lora_alpha=spec.alpha, target_modules=list(spec.targets),
+                             lora_dropout=0.0, init_lora_weights=False)
+    torch.manual_seed(seed + 1)
+    return flats, peft.get_peft_model(base, config)
+
+
+def _adapter_flats(model, cfg, spec):
+    """flowtrain adapter buffers holding ``model``'s adapters, copied by PEFT's saved names."""
+    state = {k.replace(".default.", "."): v for k, v in model.state_dict().items() if "lora_" in k}
+    flats = []
+    for lay in adapter_layouts(cfg, spec):
+        flat = torch.zeros(lay.numel)
+        views = bind(flat, lay)
+        for e in lay.entries:
+            views[e.key].copy_(state.pop(e.name))
+        flats.append(flat)
+    assert not state, f"PEFT tensors flowtrain has no place for: {sorted(state)[:3]}"
+    return flats
+
+
+def _logits(cfg, spec, base_flats, adapter_flats, ids):
+    layouts = model_layouts(cfg)
+    cos, sin = rope_tables(cfg, ids.shape[1])
+    x = embed(ids, bind(base_flats[0], layouts[0])["embed_tokens"])
+    for lay, flat, a_lay, a_flat in zip(layouts[1:-1], base_flats[1:-1], adapter_layouts(cfg, spec), adapter_flats):
+        x = decoder_layer(x, adapted(bind(flat, lay), bind(a_flat, a_lay), spec.scale), cos, sin, cfg)
+    head = bind(base_flats[-1], layouts[-1])
+    return rms_norm(x, head["norm"], cfg.rms_norm_eps) @ head["lm_head"].T
+
+
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("targets", [DEFAULT_TARGETS, ("q_proj", "v_proj")], ids=["all linear", "q and v"])
+def test_logits_and_adapter_gradients_match_peft(name, targets):
+    cfg, spec = _cfg(name), LoraSpec(rank=4, alpha=8.0, targets=targets)
+    base_flats, model = _peft_model(cfg, spec, seed=3)
+    adapters = [f.requires_grad_(True) for f in _adapter_flats(model, cfg, spec)]
+    ids = torch.randint(0, cfg.vocab_size, (2, 12), generator=torch.Generator().manual_seed(4))
+    probe = torch.randn(2, 12, cfg.vocab_size, generator=torch.Generator().manual_seed(5))
+
+    want = model(input_ids=ids).logits
+    (want * probe).sum().backward()
+    got = _logits(cfg, spec, base_flats, adapters, ids)
+    (got * probe).sum().backward()
+
+    assert rel_err(got.detach(), want.detach()) < 1e-5
+    params = dict(model.named_parameters())
+    for lay, flat in zip(adapter_layouts(cfg, spec), adapters):
+        grads = bind(flat.grad, lay)
+        for e in lay.entries:
+            peft_name = e.name.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")
+            assert rel_err(grads[e.key], params[peft_name].grad) < 1e-5, e.name
+    assert all(not f.requires_grad for f in base_flats)  # the base takes no gradient
+
+
+def test_a_fresh_adapter_leaves_the_base_model_as_it_was():
+    cfg, spec = _cfg("llama"), LoraSpec(rank=8, alpha=16.0)
+    base_flats = flats_from_hf(hf_model(cfg, seed=1), cfg)
+    adapters = []
+    for lay in adapter_layouts(cfg, spec):
+        flat = torch.full((lay.numel,), 7.0)  # init overwrites everything, padding included
+        init_adapter(flat, lay, seed=0)
+        views = bind(flat, lay)
+        for key, v in views.items():
+            if key.endswith(".lora_B"):
+                assert not v.any()
+            else:  # Kaiming's uniform bound for a = sqrt(5): 1 / sqrt(fan_in)
+                assert v.abs().max() <= v.shape[1] ** -0.5 and v.std() > 0.25 * v.shape[1] ** -0.5
+        assert flat.sum() == sum(v.sum() for v in views.values())
+        adapters.append(flat)
+    ids = torch.randint(0, cfg.vocab_size, (1, 10), generator=torch.Generator().manual_seed(2))
+    no_update = _logits(cfg, spec, base_flats, adapters, ids)
+    layouts = model_layouts(cfg)
+    cos, sin = rope_tables(cfg, 10)
+    x = embed(ids, bind(base_flats[0], layouts[0])["embed_tokens"])
+    for lay, flat in zip(layouts[1:-1], base_flats[1:-1]):
+        x = decoder_layer(x, bind(flat, lay), cos, sin, cfg)
+    head = bind(base_flats[-1], layouts[-1])
+    assert torch.equal(no_update, rms_norm(x, head["norm"], cfg.rms_norm_eps) @ head["lm_head"].T)
+    again = torch.empty(adapter_layouts(cfg, spec)[1].numel)
+    init_adapter(again, adapter_layouts(cfg, spec)[1], seed=0)
+    assert torch.equal(again, adapters[1])  # the same seed, the same adapter
+
+
+def test_adapter_layouts_name_what_peft_saves_and_skip_experts():
+    cfg = preset("qwen3-moe-12l")
+    spec = LoraSpec(rank=16, alpha=32.0)
+    lay = adapter_layouts(cfg, spec)[0]
+    assert lay.key == "adapter.0"
+    assert lay.entry("q_proj.lora_A").name == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
+    assert lay.entry("o_proj.lora_B").shape == (cfg.hidden_size, 16)
+    assert not any(e.key.startswith(("gate_proj", "experts")) for e in lay.entries)  # experts are not linear maps
+    dense = adapter_layouts(preset("llama-3b"), spec)[0]
+    assert [e.key.split(".")[0] for e in dense.entries][::2] == list(DEFAULT_TARGETS)
+
+
+@pytest.mark.parametrize("bad, why", [
+    (dict(rank=0), "rank"), (dict(targets=()), "target"), (dict(targets=("lm_head",)), "unknown LoRA target lm_head"),
+    (dict(dropout=1.0), "dropout"),
+])
+def test_a_bad_spec_is_refused_naming_what(bad, why):
+    with pytest.raises(ValueError, match=why):
+        adapter_layouts(preset("tiny"), LoraSpec(**{"rank": 4, "alpha": 8.0, **bad}))
