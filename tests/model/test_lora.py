@@ -4,6 +4,8 @@ PEFT names its tensors."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -137,3 +139,76 @@ def test_adapter_layouts_name_what_peft_saves_and_skip_experts():
 def test_a_bad_spec_is_refused_naming_what(bad, why):
     with pytest.raises(ValueError, match=why):
         adapter_layouts(preset("tiny"), LoraSpec(**{"rank": 4, "alpha": 8.0, **bad}))
+
+
+# ---------------------------------------------------------------------- PEFT's files
+
+
+def test_an_adapter_flowtrain_saves_loads_in_peft_and_back(tmp_path):
+    from flowtrain.ckpt.adapter_files import read_adapter, save_adapter
+
+    cfg, spec = _cfg("llama"), LoraSpec(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))
+    base = hf_model(cfg, seed=6)
+    base_flats = flats_from_hf(base, cfg)
+    layouts = adapter_layouts(cfg, spec)
+    gen = torch.Generator().manual_seed(7)
+    adapters = [torch.randn(lay.numel, generator=gen) for lay in layouts]
+    save_adapter(tmp_path / "adapter", spec, layouts, adapters, base_model="tests/tiny-llama")
+    ids = torch.randint(0, cfg.vocab_size, (2, 9), generator=gen)
+    ours = _logits(cfg, spec, base_flats, adapters, ids)
+
+    loaded = peft.PeftModel.from_pretrained(base, str(tmp_path / "adapter"))
+    assert loaded.peft_config["default"].r == 4 and loaded.peft_config["default"].lora_alpha == 8.0
+    assert rel_err(loaded(input_ids=ids).logits.detach(), ours.detach()) < 1e-5
+
+    spec_back, layouts_back, flats_back = read_adapter(tmp_path / "adapter", cfg)
+    assert spec_back == LoraSpec(rank=4, alpha=8.0, targets=("down_proj", "q_proj", "v_proj"))
+    for lay, a, b in zip(layouts, adapters, flats_back):  # the entries, not the padding between them
+        for key in bind(a, lay):
+            assert torch.equal(bind(a, lay)[key], bind(b, lay)[key])
+
+
+def test_an_adapter_peft_saves_reads_into_flowtrain(tmp_path):
+    from flowtrain.ckpt.adapter_files import read_adapter
+
+    cfg = _cfg("qwen2 (q, k, v biases)")
+    base_flats, model = _peft_model(cfg, LoraSpec(rank=2, alpha=6.0), seed=8)
+    model.save_pretrained(tmp_path / "peft")
+    spec, _, flats = read_adapter(tmp_path / "peft", cfg)
+    assert (spec.rank, spec.alpha, set(spec.targets)) == (2, 6.0, set(DEFAULT_TARGETS))
+    ids = torch.randint(0, cfg.vocab_size, (1, 11), generator=torch.Generator().manual_seed(9))
+    assert rel_err(_logits(cfg, spec, base_flats, flats, ids).detach(), model(input_ids=ids).logits.detach()) < 1e-5
+
+
+@pytest.mark.parametrize("change, why", [
+    (dict(use_dora=True), "use_dora = True is a PEFT setting flowtrain does not run"),
+    (dict(rank_pattern={"q_proj": 8}), "rank_pattern"),
+    (dict(peft_type="IA3"), "not a LoRA adapter"),
+    (dict(target_modules="q_proj|v_proj"), "give the maps as a list"),
+    (dict(target_modules=["q_proj", "lm_head"]), "unknown LoRA target lm_head"),
+    (dict(r=0), "rank must be at least 1"),
+])
+def test_an_adapter_flowtrain_cannot_run_is_refused_naming_the_setting(tmp_path, change, why):
+    from flowtrain.ckpt.adapter_files import ADAPTER_CONFIG, read_adapter, save_adapter
+    from flowtrain.errors import CheckpointError
+
+    cfg, spec = _cfg("llama"), LoraSpec(rank=4, alpha=8.0)
+    layouts = adapter_layouts(cfg, spec)
+    save_adapter(tmp_path, spec, layouts, [torch.zeros(lay.numel) for lay in layouts])
+    config = json.loads((tmp_path / ADAPTER_CONFIG).read_text())
+    (tmp_path / ADAPTER_CONFIG).write_text(json.dumps({**config, **change}))
+    with pytest.raises(CheckpointError, match=why):
+        read_adapter(tmp_path, cfg)
+
+
+def test_an_adapter_of_another_model_is_refused(tmp_path):
+    from flowtrain.ckpt.adapter_files import read_adapter, save_adapter
+    from flowtrain.errors import CheckpointError
+
+    spec = LoraSpec(rank=4, alpha=8.0)
+    small, other = _cfg("llama"), small_cfg(num_layers=3)
+    save_adapter(tmp_path, spec, adapter_layouts(small, spec), [torch.zeros(lay.numel) for lay in adapter_layouts(small, spec)])
+    with pytest.raises(CheckpointError, match="tensors missing, the first base_model.model.model.layers.2"):
+        read_adapter(tmp_path, other)
+    with pytest.raises(CheckpointError, match="holds no adapter_config.json"):
+        read_adapter(tmp_path / "nowhere", small)
