@@ -20,8 +20,9 @@ on a dense model, a resident layer saves less than its GPU bytes buy as slots an
 activations), but where CPU Adam is what the step waits for (a mixture of experts, whose layers
 hold many parameters for little compute) each further resident layer takes its update off the
 CPU. So more layers are tried, 1, 2, 4, ... beyond the rules' count and the most that fit;
-where the fastest is one of them, the fewest layers predicted within the margin of it are
-taken (the rest of the GPU stays with kept activations and slots). Without a GPU, with several processes, or on a GPU no shipped machine
+where the fastest is one of them, the fewest layers predicted within the margin of it (and
+still the margin faster than the rules' plan) are taken: the rest of the GPU stays with kept
+activations and slots. Without a GPU, with several processes, or on a GPU no shipped machine
 describes, the rules' plan stands and nothing is simulated.
 """
 
@@ -130,8 +131,10 @@ def choose_placement(cfg: Any, req: Any, plan: Any, plan_one: Callable[[Any], An
                 residencies.append((t, r, p, f"--{setting} {value}"))
             if t > best[0]:
                 best = (t, r, p, f"--{setting} {value}")
-    if best[3].startswith("--resident"):  # the fewest layers within the margin of the fastest
-        best = next(c for c in residencies if c[0] * MARGIN >= best[0])
+    if best[3].startswith("--resident") and best[0] >= MARGIN * base:
+        # the fewest layers within the margin of the fastest that still clear the rules' plan by it
+        floor = max(best[0] / MARGIN, MARGIN * base)
+        best = next(c for c in residencies if c[0] >= floor)
     t, r, p, change = best
     if t < MARGIN * base:
         return req, plan, None

@@ -176,3 +176,34 @@ def test_a_mixture_of_experts_waiting_on_cpu_adam_keeps_more_layers_resident():
         speed[n] = predict(cfg, p, req, H200).summary.tokens_per_s if p.fits else 0.0
     assert speed[n_plan] >= MARGIN * predict(cfg, rules, request(**kw), H200).summary.tokens_per_s
     assert MARGIN * speed[n_plan] >= speed[cfg.num_layers]  # all that fit would gain less than the margin
+
+
+def test_of_more_resident_layers_the_fewest_that_clear_both_margins_are_taken():
+    """Stub plans and predictions: +1 layer 101.1 tok/s, +2 101.5, +4 102.0, +8 103.0 against the
+    rules' 100. The fewest within 2% of the fastest (+1) would not be 2% faster than the rules'
+    plan; the fewest that is both (+4) is taken."""
+    from types import SimpleNamespace
+
+    from flowtrain.sim.placement_choice import choose_placement
+
+    speed = {0: 100.0, 1: 101.1, 2: 101.5, 4: 102.0, 8: 103.0}
+
+    def stub(resident):
+        spec = SimpleNamespace(resident=tuple(resident))
+        return SimpleNamespace(fits=len(resident) <= 10, device="cuda", spec=spec, layout="staged", budgets={},
+                               chunk_tokens=1)
+
+    def predictions(req, plan, machine):
+        more = len(plan.spec.resident) - 2
+        return SimpleNamespace(tokens_per_s=speed[more], critical_by_lane={"compute": 0.5, "cpu": 0.5})
+
+    cfg = SimpleNamespace(num_layers=8)
+    req = RunRequest(seq_len=8, batch_size=1, micro_batch_size=1, activations="keep", layout="staged")
+    rules = stub(("embed", "head"))
+    r, plan, why = choose_placement(cfg, req, rules, lambda q: stub(q.resident.split(",")), policy=None,
+                                    machine=SimpleNamespace(name="stub"), predictions=predictions)
+    assert plan.spec.resident == ("embed", "head", "layer.0", "layer.1", "layer.2", "layer.3")
+    assert r.resident == ",".join(plan.spec.resident) and "102 tok/s against 100" in why
+    speed.update({4: 101.9, 8: 101.9})  # nothing clears the rules' plan by 2%: it stands
+    assert choose_placement(cfg, req, rules, lambda q: stub(q.resident.split(",")), policy=None,
+                            machine=SimpleNamespace(name="stub"), predictions=predictions)[2] is None
