@@ -18,12 +18,15 @@ What a row costs depends on the phase:
 * a layer's backward (:func:`expert_bytes_per_token`): the row's input, the output of ``down``
   and the gradient flowing back through them (3 h), and gate, up, their activation and product
   or their gradients (4 I);
-* a kept layer's saved tensors (:func:`expert_kept_bytes_per_token`): the row's input (for the
-  gate and up weight gradients) and its output gathered back into token order (for the routing
-  weights' gradient), 2 h; and gate, up, their activation and product (4 I) under eager
-  autograd, where inductor's partitioner keeps only gate and up and recomputes the rest (2 I).
-  On the H200, 4 kept Qwen3-30B-A3B layers at 16,384 tokens per micro-batch measured within
-  a few percent of the compiled count.
+* a kept layer's saved tensors (:func:`expert_kept_bytes_per_token`). The grouped experts
+  (bf16 on a GPU of compute capability 9.0 or newer) keep the row's input (for the gate and up
+  weight gradients) and its output gathered back into token order (for the routing weights'
+  gradient), 2 h; and gate, up, their activation and product (4 I) under eager autograd, where
+  inductor's partitioner keeps only gate and up and recomputes the rest (2 I). On the H200, 4
+  kept Qwen3-30B-A3B layers at 16,384 tokens per micro-batch measured within a few percent of
+  the compiled count. The loop (every other device and dtype, never compiled) keeps what a
+  backward works on, 3 h + 4 I; so does a plan made without the GPU at hand
+  (:func:`grouped_experts`).
 
 The planner uses them where a dense layer counts its MLP's intermediates per token
 (:func:`flowtrain.plan.memory.layer_work_bytes`, :func:`flowtrain.plan.memory.kept_bytes_per_token`)::
@@ -38,7 +41,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from ..model.config import ModelConfig
 
-__all__ = ["dense_mlp_layers", "expert_bytes_per_token", "expert_kept_bytes_per_token"]
+__all__ = ["dense_mlp_layers", "expert_bytes_per_token", "expert_kept_bytes_per_token", "grouped_experts"]
 
 
 #: Per (token, expert) row: its place in expert order and back (two int64 permutations).
@@ -52,11 +55,27 @@ def expert_bytes_per_token(cfg: ModelConfig, cbytes: int) -> int:
     return _routing_bytes(cfg, cbytes) + k * (cbytes * (3 * h + 4 * inter) + _ORDER_BYTES)
 
 
-def expert_kept_bytes_per_token(cfg: ModelConfig, cbytes: int, compiled: bool) -> int:
+def expert_kept_bytes_per_token(cfg: ModelConfig, cbytes: int, compiled: bool, grouped: bool = True) -> int:
     """Device bytes a kept sparse layer saves per token for its backward: routing and expert
-    rows (see the module docstring); ``compiled``: the layer runs through inductor."""
+    rows (see the module docstring); ``compiled``: the layer runs through inductor;
+    ``grouped``: the experts run as grouped GEMMs (else the loop's count)."""
+    if not grouped:
+        return expert_bytes_per_token(cfg, cbytes)
     h, k, inter = cfg.hidden_size, cfg.num_experts_per_tok, cfg.moe_intermediate_size
     return _routing_bytes(cfg, cbytes) + k * (cbytes * (2 * h + (2 if compiled else 4) * inter) + _ORDER_BYTES)
+
+
+def grouped_experts(device_type: str, dtype_name: str) -> bool:
+    """Whether a run will take the grouped experts (:func:`flowtrain.model.moe.grouped_available`):
+    bf16 on this computer's CUDA GPU, of compute capability 9.0 or newer, with torch's grouped
+    GEMM. False where no such GPU is here to ask (a plan for another machine counts the loop's
+    larger bytes)."""
+    if device_type != "cuda" or dtype_name != "bfloat16":
+        return False
+    import torch
+
+    return (hasattr(torch, "_grouped_mm") and torch.cuda.is_available()
+            and torch.cuda.get_device_capability() >= (9, 0))
 
 
 def _routing_bytes(cfg: ModelConfig, cbytes: int) -> int:

@@ -55,7 +55,7 @@ from ..graph.tasks import ACTS, GRADS, HOST_GRADS, WEIGHTS
 from ..model.config import MLP_CHUNK_TOKENS, ModelConfig, default_chunk_tokens
 from ..model.layout import model_layouts
 from .attention import attention_pays, forward_flops_saved, plan_saved_attention
-from .experts import dense_mlp_layers, expert_bytes_per_token, expert_kept_bytes_per_token
+from .experts import dense_mlp_layers, expert_bytes_per_token, expert_kept_bytes_per_token, grouped_experts
 from .host_layout import LANDING_NUMEL, LAYOUTS, grad_chunks, slot_numel, staging_numel, undo_arena_bytes
 
 if TYPE_CHECKING:
@@ -648,7 +648,7 @@ def _live_micro_batches(req: RunRequest) -> int:
     return req.batch_size // req.micro_batch_size if req.order == "layer" else 1
 
 
-def kept_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, compiled: bool = False) -> int:
+def kept_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, compiled: bool = False, grouped: bool = False) -> int:
     """Device bytes one token's kept activations take in one decoder layer: the saved tensors
     of the layer's forward under autograd (norm statistics in fp32, q, k and v before and after
     rotary, the attention output and its log-sum-exp, the MLP's gate, up and product), fitted
@@ -659,7 +659,10 @@ def kept_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, compiled: bool = 
     cheap elementwise work in the backward instead (the layer input and both normed inputs, the
     rotated q and k, v, the attention output in both layouts, the residual, the MLP's gate, up
     and activation): about two thirds of the eager bytes. On the H200 a compiled kept llama-3b
-    layer took 1.38 GiB at 16,384 tokens (docs/benchmarks.md), this formula 1.48."""
+    layer took 1.38 GiB at 16,384 tokens (docs/benchmarks.md), this formula 1.48.
+
+    ``grouped``: a mixture of experts' layers run the grouped experts, which keep less than the
+    loop (:func:`~flowtrain.plan.experts.expert_kept_bytes_per_token`)."""
     c = dtype.itemsize
     h, f = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_size, cfg.num_kv_heads * cfg.head_size
@@ -671,7 +674,7 @@ def kept_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, compiled: bool = 
         if cfg.family.gemma:
             units += h
         if cfg.moe and cfg.sparse_layers():  # routing and expert rows in place of the MLP's 3 f
-            mlp = max(expert_kept_bytes_per_token(cfg, c, True), c * 3 * f if dense_mlp_layers(cfg) else 0)
+            mlp = max(expert_kept_bytes_per_token(cfg, c, True, grouped), c * 3 * f if dense_mlp_layers(cfg) else 0)
             return int(c * (units - 3 * f)) + mlp + 4 * cfg.num_heads + 8
         return int(c * units) + 4 * cfg.num_heads + 8
     units = 8 * h + 3 * q + 2.5 * kv + 4 * f
@@ -680,7 +683,7 @@ def kept_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, compiled: bool = 
     if cfg.family.gemma:
         units += 12 * h
     if cfg.moe and cfg.sparse_layers():  # a sparse layer keeps its routing and expert rows instead
-        mlp = max(expert_kept_bytes_per_token(cfg, c, False), c * 4 * f if dense_mlp_layers(cfg) else 0)
+        mlp = max(expert_kept_bytes_per_token(cfg, c, False, grouped), c * 4 * f if dense_mlp_layers(cfg) else 0)
         return int(c * (units - 4 * f)) + mlp + 4 * cfg.num_heads
     return int(c * units) + 4 * cfg.num_heads
 
@@ -701,7 +704,8 @@ def place_activations(plan: Plan, cfg: ModelConfig, req: RunRequest, dtype: torc
     mode = req.activations
     _check_activations(req)
     compiled = compile_backend(req.compile, plan.device) == "inductor"
-    per_layer = (kept_bytes_per_token(cfg, dtype, compiled) * req.micro_batch_size * req.seq_len
+    grouped = cfg.moe and grouped_experts(plan.device, str(dtype).removeprefix("torch."))
+    per_layer = (kept_bytes_per_token(cfg, dtype, compiled, grouped) * req.micro_batch_size * req.seq_len
                  * _live_micro_batches(req))
     L = cfg.num_layers
     if mode == "keep":
