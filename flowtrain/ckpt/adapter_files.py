@@ -38,9 +38,20 @@ __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "read_adapter", "read_spec", "sa
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
-#: PEFT settings flowtrain does not run, and the value that means "off"
+#: PEFT settings flowtrain does not run, and the value that means "off" (as written)
 _UNSUPPORTED = {"use_dora": False, "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {}, "bias": "none",
-                "modules_to_save": None, "layers_to_transform": None, "fan_in_fan_out": False}
+                "modules_to_save": None, "layers_to_transform": None, "fan_in_fan_out": False, "lora_bias": False,
+                "target_parameters": None, "exclude_modules": None, "alora_invocation_tokens": None}
+
+
+def _is_off(value: Any, off: Any) -> bool:
+    """Whether a PEFT setting's value leaves it off: absent, None, false, empty, or the off value
+    itself. A number is a choice (``layers_to_transform: 0`` names layer 0)."""
+    if value is None or isinstance(value, bool):
+        return not value
+    if isinstance(value, (dict, list, str)):
+        return not value or value == off
+    return False
 
 
 def _config(spec: LoraSpec, base_model: str | None) -> dict[str, Any]:
@@ -62,7 +73,10 @@ def save_adapter(out_dir: str | os.PathLike[str], spec: LoraSpec, layouts: Seque
     write_safetensors(tmp, tensors, dtype, metadata={"format": "pt"})
     os.replace(tmp, out / ADAPTER_WEIGHTS)
     tmp = out / f".{ADAPTER_CONFIG}.tmp"
-    tmp.write_text(json.dumps(_config(spec, base_model), indent=2) + "\n")
+    with open(tmp, "w") as f:
+        f.write(json.dumps(_config(spec, base_model), indent=2) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
     os.replace(tmp, out / ADAPTER_CONFIG)
     fsync_dir(out)
 
@@ -81,7 +95,7 @@ def read_spec(adapter_dir: str | os.PathLike[str]) -> LoraSpec:
         raise CheckpointError(f"{path} is not a LoRA adapter (peft_type {config.get('peft_type')!r})"
                               if isinstance(config, dict) else f"{path} is not a PEFT adapter config")
     for key, off in _UNSUPPORTED.items():
-        if config.get(key, off) not in (off, None, {}, False, "none"):
+        if not _is_off(config.get(key), off):
             raise CheckpointError(f"{path}: {key} = {config[key]!r} is a PEFT setting flowtrain does not run")
     targets = config.get("target_modules")
     if targets == "all-linear":

@@ -12,6 +12,10 @@ and an adapted one::
 
 The base weights take no gradient (they are not leaves that require one); the backward then
 computes only the input gradients through them, and the adapters' own gradients.
+
+Dropout on the adapters' input (``LoraSpec.dropout``, PEFT's ``lora_dropout``) is not applied
+here: it needs a mask the recompute before a backward draws again identically, which is the
+training step's to give. What runs here is the adapted model as PEFT runs it in eval mode.
 """
 
 from __future__ import annotations

@@ -122,7 +122,7 @@ class _Gather(torch.autograd.Function):
         pairs = grad.index_select(0, inverse)
         if ctx.k == 1:
             return pairs, None, None, None
-        return pairs.view(-1, ctx.k, grad.shape[-1]).sum(dim=1), None, None, None
+        return pairs.view(pairs.shape[0] // ctx.k, ctx.k, grad.shape[-1]).sum(dim=1), None, None, None
 
 
 def experts_grouped(x: Tensor, r: Routing, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
@@ -146,8 +146,8 @@ def experts_grouped(x: Tensor, r: Routing, gate: Tensor, up: Tensor, down: Tenso
     h = (F.silu(torch._grouped_mm(rows, gate.transpose(-2, -1), offs=offsets))
          * torch._grouped_mm(rows, up.transpose(-2, -1), offs=offsets))
     y = torch._grouped_mm(h, down.transpose(-2, -1), offs=offsets)
-    pairs = _Gather.apply(y, position, order, 1).view(tokens, k, -1)
-    return torch.bmm(r.weights.to(y.dtype).unsqueeze(1), pairs).view(tokens, -1).to(x.dtype)
+    pairs = _Gather.apply(y, position, order, 1).view(tokens, k, y.shape[-1])
+    return torch.bmm(r.weights.to(y.dtype).unsqueeze(1), pairs).view(tokens, y.shape[-1]).to(x.dtype)
 
 
 def run_experts(x: Tensor, r: Routing, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:

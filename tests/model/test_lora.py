@@ -187,6 +187,10 @@ def test_an_adapter_peft_saves_reads_into_flowtrain(tmp_path):
     (dict(target_modules="q_proj|v_proj"), "give the maps as a list"),
     (dict(target_modules=["q_proj", "lm_head"]), "unknown LoRA target lm_head"),
     (dict(r=0), "rank must be at least 1"),
+    (dict(layers_to_transform=0), "layers_to_transform = 0"),
+    (dict(lora_bias=True), "lora_bias"),
+    (dict(alora_invocation_tokens=[5, 6]), "alora_invocation_tokens"),
+    (dict(bias="all"), "bias = 'all'"),
 ])
 def test_an_adapter_flowtrain_cannot_run_is_refused_naming_the_setting(tmp_path, change, why):
     from flowtrain.ckpt.adapter_files import ADAPTER_CONFIG, read_adapter, save_adapter
