@@ -19,7 +19,8 @@ Two ways to run the experts, the same sums:
   GEMM per expert and one host sync (which experts are hit); what runs on the CPU.
 * :func:`experts_grouped`: the tokens sorted by expert once per layer, then one grouped GEMM
   per projection (``torch._grouped_mm``: one kernel over every expert's rows), then gathered
-  back and summed with their weights. Chosen on CUDA in bf16 on Hopper or newer where torch has it (:func:`grouped_available`).
+  back and summed with their weights. Chosen on CUDA in bf16 on Hopper or newer where torch
+  has it (:func:`grouped_available`).
 
 A layer's forward may also hand its routing to a :data:`RouterTap`, a callable the training
 program passes in to collect what the load-balancing loss needs (see
@@ -42,7 +43,7 @@ from flowtrain.model.mlp import layer_mlp
 if TYPE_CHECKING:
     from flowtrain.model.config import ModelConfig
 
-__all__ = ["RouterTap", "Routing", "experts_grouped", "experts_loop", "grouped_available", "moe_decoder_layer",
+__all__ = ["RouterTap", "Routing", "experts_grouped", "experts_loop", "grouped_available", "grouped_supported", "moe_decoder_layer",
            "route", "run_experts"]
 
 #: Called by a sparse layer's forward with its routing probabilities (tokens, experts) fp32
@@ -95,10 +96,16 @@ def experts_loop(x: Tensor, r: Routing, gate: Tensor, up: Tensor, down: Tensor) 
 
 
 def grouped_available(x: Tensor) -> bool:
-    """Whether :func:`experts_grouped` may run on ``x``: torch has ``_grouped_mm``, and ``x`` is
-    bf16 on a CUDA device of compute capability 9.0 or newer (what its kernel supports)."""
-    return (hasattr(torch, "_grouped_mm") and x.is_cuda and x.dtype == torch.bfloat16
-            and torch.cuda.get_device_capability(x.device) >= (9, 0))
+    """Whether :func:`experts_grouped` may run on ``x`` (:func:`grouped_supported` for its
+    device and dtype)."""
+    return grouped_supported(x.device, x.dtype)
+
+
+def grouped_supported(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether torch has ``_grouped_mm`` for ``dtype`` on ``device``: bf16 on a CUDA device of
+    compute capability 9.0 or newer (what its kernel supports)."""
+    return (hasattr(torch, "_grouped_mm") and device.type == "cuda" and dtype == torch.bfloat16
+            and torch.cuda.get_device_capability(device) >= (9, 0))
 
 
 class _Gather(torch.autograd.Function):

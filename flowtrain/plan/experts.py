@@ -39,6 +39,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
+    import torch
+
     from ..model.config import ModelConfig
 
 __all__ = ["dense_mlp_layers", "expert_bytes_per_token", "expert_kept_bytes_per_token", "grouped_experts"]
@@ -65,17 +67,15 @@ def expert_kept_bytes_per_token(cfg: ModelConfig, cbytes: int, compiled: bool, g
     return _routing_bytes(cfg, cbytes) + k * (cbytes * (2 * h + (2 if compiled else 4) * inter) + _ORDER_BYTES)
 
 
-def grouped_experts(device_type: str, dtype_name: str) -> bool:
-    """Whether a run will take the grouped experts (:func:`flowtrain.model.moe.grouped_available`):
-    bf16 on this computer's CUDA GPU, of compute capability 9.0 or newer, with torch's grouped
-    GEMM. False where no such GPU is here to ask (a plan for another machine counts the loop's
-    larger bytes)."""
-    if device_type != "cuda" or dtype_name != "bfloat16":
-        return False
+def grouped_experts(device_type: str, dtype: torch.dtype) -> bool:
+    """Whether a run in ``dtype`` on this computer's ``device_type`` will take the grouped experts
+    (:func:`flowtrain.model.moe.grouped_supported`). False where no GPU is here to ask (a plan
+    for another machine counts the loop's larger bytes)."""
     import torch
 
-    return (hasattr(torch, "_grouped_mm") and torch.cuda.is_available()
-            and torch.cuda.get_device_capability() >= (9, 0))
+    from ..model.moe import grouped_supported
+
+    return device_type == "cuda" and torch.cuda.is_available() and grouped_supported(torch.device("cuda"), dtype)
 
 
 def _routing_bytes(cfg: ModelConfig, cbytes: int) -> int:

@@ -704,7 +704,7 @@ def place_activations(plan: Plan, cfg: ModelConfig, req: RunRequest, dtype: torc
     mode = req.activations
     _check_activations(req)
     compiled = compile_backend(req.compile, plan.device) == "inductor"
-    grouped = cfg.moe and grouped_experts(plan.device, str(dtype).removeprefix("torch."))
+    grouped = cfg.moe and grouped_experts(plan.device, dtype)
     per_layer = (kept_bytes_per_token(cfg, dtype, compiled, grouped) * req.micro_batch_size * req.seq_len
                  * _live_micro_batches(req))
     L = cfg.num_layers

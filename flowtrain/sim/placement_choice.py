@@ -107,7 +107,6 @@ def choose_placement(cfg: Any, req: Any, plan: Any, plan_one: Callable[[Any], An
             plans[key] = plan_one(r)
         return plans[key]
 
-
     def same(p: Any) -> bool:  # an alternative the rules' plan already is
         return (p.layout, p.spec, p.budgets, p.chunk_tokens) == (plan.layout, plan.spec, plan.budgets, plan.chunk_tokens)
 

@@ -70,8 +70,8 @@ def test_kept_count_holds_what_the_experts_save(name, grouped):
 
 def test_the_grouped_count_only_where_this_computer_runs_the_grouped_experts():
     has_hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
-    assert grouped_experts("cuda", "bfloat16") == has_hopper
-    assert not grouped_experts("cuda", "float32") and not grouped_experts("cpu", "bfloat16")
+    assert grouped_experts("cuda", torch.bfloat16) == has_hopper
+    assert not grouped_experts("cuda", torch.float32) and not grouped_experts("cpu", torch.bfloat16)
 
 
 def test_layer_work_counts_routing_and_every_gathered_expert_row():
