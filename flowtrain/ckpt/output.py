@@ -133,6 +133,8 @@ def save_final_model(
     source_dir: "str | Path | None | object" = "same",
     save_dtype: str = "auto",
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    merge: bool = False,
+    base_model: str | None = None,
 ) -> Path:
     """Write the model in Hugging Face format (+ the tokenizer's files) and put it at ``out``.
 
@@ -140,7 +142,8 @@ def save_final_model(
     folder; ``None``: none): its ``config.json`` is kept but for the dtype, its
     ``generation_config.json`` copied and, for ``save_dtype="auto"``, its dtype used. Without one
     (presets, random init) the config is flowtrain's own and ``auto`` means fp32. A bad ``save_dtype`` or ``max_shard_bytes``
-    raises :class:`ConfigError` before anything is written.
+    raises :class:`ConfigError` before anything is written. With LoRA the folder holds the PEFT
+    adapter (over ``base_model``) and the tokenizer's files, or with ``merge`` the merged model.
     """
     out = Path(out)
     if source_dir == "same":
@@ -153,7 +156,8 @@ def save_final_model(
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(out), dir=out.parent))
     try:
-        state.save(tmp, dtype, max_shard_bytes=max_shard_bytes, source_config=source_config)
+        state.save(tmp, dtype, max_shard_bytes=max_shard_bytes, source_config=source_config, merge=merge,
+                   base_model=base_model)
         extra = tokenizer_files(tokenizer_dir)
         if source is not None and (source / GENERATION_CONFIG).is_file():
             extra.append(source / GENERATION_CONFIG)  # last: the source's wins over the tokenizer dir's

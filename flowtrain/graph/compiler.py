@@ -34,6 +34,13 @@ memory. It has no ``fetch``, ``zero_grad`` or ``offload_grad``: its tasks read t
 device buffers, and a ``gpu_adam`` on the compute lane updates it; the next step's tasks that
 read the unit wait for that ``gpu_adam``, fenced on the device.
 
+LoRA (``lora``): the base model is frozen and each decoder layer's adapters (unit
+``adapter.i``) are resident on the device. The base's units are fetched and computed as ever,
+but have no ``zero_grad``, ``offload_grad`` or Adam, and nothing runs ``embed_backward`` (no
+gradient reaches the embedding). Each layer's backward adds into its adapters' own gradient,
+and a ``gpu_adam`` of ``adapter.i`` follows the step's ``found_inf`` like any resident unit's;
+the next step's tasks that run layer i wait for it.
+
 Non-finite steps (see ``flowtrain.train.nonfinite``): a step whose loss or any gradient is not
 finite must not change any weight. Every ``loss`` precedes every Adam task (all gradients flow
 from the losses), so the loss is always checked first. A ``cpu_adam`` checks what is known when
@@ -140,6 +147,9 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: each streamed unit's ``cpu_adam`` updates it only in its owner process (:meth:`owner`),
     #: and a ``sync_step`` barrier ends the step. 1: every process keeps its own copy.
     share: int = 1
+    #: LoRA: the base model is frozen; only each decoder layer's adapters (``adapter.i``,
+    #: resident) are trained (see the module docstring).
+    lora: bool = False
 
     @property
     def offload_lag(self) -> int:
@@ -152,10 +162,14 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
         return 1 if self.order == "layer" and self.micro_batches > 1 else 2
 
     def unit_key(self, unit: str, layer: int | None) -> str:
-        return f"layer.{layer}" if unit == "layer" else unit
+        return f"{unit}.{layer}" if layer is not None else unit
 
     def is_resident(self, unit: str, layer: int | None) -> bool:
-        return self.unit_key(unit, layer) in self.resident
+        return unit == "adapter" or self.unit_key(unit, layer) in self.resident
+
+    def is_frozen(self, unit: str) -> bool:
+        """Whether a unit takes no gradient: with LoRA, every unit of the base model."""
+        return self.lora and unit != "adapter"
 
     def chunks(self, unit: str, layer: int | None) -> int:
         return self.grad_chunks.get(self.unit_key(unit, layer), 1)
@@ -174,7 +188,7 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
         return frozenset(self.unit_key(*u) for i, u in enumerate(self._streamed()) if i % self.share == local_rank)
 
     def _streamed(self) -> list[tuple[str, int | None]]:
-        return [u for u in units(self) if not self.is_resident(*u)]
+        return [u for u in trained_units(self) if not self.is_resident(*u)]
 
     def validate(self) -> "StepSpec":
         """Refuse a spec that cannot be compiled. Errors name fields in braces (see
@@ -230,6 +244,14 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
 def units(spec: StepSpec) -> list[tuple[Unit, int | None]]:
     """The parameter units of the model, bottom to top: embed, layers, head."""
     return [("embed", None), *(("layer", i) for i in range(spec.layers)), ("head", None)]
+
+
+def trained_units(spec: StepSpec) -> list[tuple[Unit, int | None]]:
+    """The units an optimizer updates, bottom to top: the model's, or with LoRA the layers'
+    adapters."""
+    if spec.lora:
+        return [("adapter", i) for i in range(spec.layers)]
+    return units(spec)
 
 
 class _Builder:
@@ -318,7 +340,7 @@ class _StepBuilder(_Builder):
     def zero_grad(self, unit: str, layer: int | None) -> Task | None:
         """The gradient slot of a streamed unit, zeroed once a step and added to by every
         micro-batch; ``None`` for a resident one (it has its own)."""
-        if self.spec.is_resident(unit, layer):
+        if self.spec.is_resident(unit, layer) or self.spec.is_frozen(unit):
             return None
         key = (unit, layer)
         if key not in self.grad_slot:
@@ -452,7 +474,10 @@ class _StepBuilder(_Builder):
             self.grad_out[(i - 1, m)] = t
 
     def embed_backward(self, mbs: Iterable[int]) -> None:
-        """``embed_backward``: the gradient of layer 0's input, added to the embedding's slot."""
+        """``embed_backward``: the gradient of layer 0's input, added to the embedding's slot
+        (none for a frozen embedding)."""
+        if self.spec.is_frozen("embed"):
+            return
         z = self.zero_grad("embed", None)
         for m in mbs:
             t = self.node(EmbedBackward, unit="embed", micro_batch=m)
@@ -463,19 +488,26 @@ class _StepBuilder(_Builder):
     # ---- gradient hand-off ---------------------------------------------------------------
     def hand_off_head(self) -> None:
         """Hand the head's gradient (written by every ``loss``) to its optimizer. A tied head's
-        Adam is queued later, by :meth:`hand_off_embed`: the matrix is the embedding's."""
+        Adam is queued later, by :meth:`hand_off_embed`: the matrix is the embedding's. A frozen
+        head has none."""
+        if self.spec.is_frozen("head"):
+            return
         self.head_offload = self.offload("head", None, list(self.losses.values()))
         if not self.spec.tied:
             self.adam(self.head_offload, "head", None)
 
     def hand_off_layer(self, i: int) -> None:
         """Hand layer i's gradient (written by its ``backward`` of every micro-batch) to its
-        optimizer."""
+        optimizer (with LoRA, its adapters' gradient)."""
         writers = [self.grad_out[(i - 1, m)] for m in range(self.spec.micro_batches)]
-        self.adam(self.offload("layer", i, writers), "layer", i)
+        unit = "adapter" if self.spec.lora else "layer"
+        self.adam(self.offload(unit, i, writers), unit, i)
 
     def hand_off_embed(self) -> None:
-        """Hand the embedding's gradient to its optimizer, then, when tied, the head's."""
+        """Hand the embedding's gradient to its optimizer, then, when tied, the head's (neither
+        when frozen)."""
+        if self.spec.is_frozen("embed"):
+            return
         self.adam(self.offload("embed", None, self.embed_grads), "embed", None)
         if self.spec.tied:
             self.adam(self.head_offload, "head", None)
@@ -530,7 +562,7 @@ class _StepBuilder(_Builder):
             gate = self.after_all(GradNorm, self.offloads)
         elif self.held_back:
             gate = self.after_all(FoundInf, self.offloads + self.resident_done)
-        order = {"embed": -1, "layer": 0, "head": self.spec.layers}
+        order = {"embed": -1, "layer": 0, "adapter": 0, "head": self.spec.layers}
         for offs, unit, layer in sorted(self.held_back, key=lambda a: order[a[1]] + (a[2] or 0)):
             self.adam_tasks(offs, unit, layer, norm=gate)
         if not self.spec.grad_clip:
@@ -604,7 +636,8 @@ def cross_step_edges(earlier: Iterable[Task], later: Iterable[Task], spec: StepS
     also reads the embedding matrix, so it waits for both. Every ``fetch`` also waits for the
     step's ``verify_step``, which may put streamed units back, and its ``sync_step`` where the
     processes share the state (another process may have updated the unit). Executors that
-    receive steps one at a time add these themselves."""
+    receive steps one at a time add these themselves. With LoRA, every task that runs layer i
+    also reads its adapters: it waits for their ``gpu_adam``."""
     adams: dict[tuple[str | None, int | None], list[Task]] = {}
     verify = []
     for t in earlier:
@@ -615,10 +648,12 @@ def cross_step_edges(earlier: Iterable[Task], later: Iterable[Task], spec: StepS
     edges = []
     for t in later:
         reads_resident = isinstance(t, WEIGHT_READERS) and t.unit is not None and spec.is_resident(t.unit, t.layer)
-        if isinstance(t, Fetch) or reads_resident:
-            edges += [(a, t) for a in adams[(t.unit, t.layer)]]
+        if isinstance(t, Fetch) or reads_resident:  # a frozen unit has no Adam
+            edges += [(a, t) for a in adams.get((t.unit, t.layer), [])]
             if spec.tied and t.unit == "head":
-                edges += [(a, t) for a in adams[("embed", None)]]
+                edges += [(a, t) for a in adams.get(("embed", None), [])]
+        if spec.lora and isinstance(t, WEIGHT_READERS) and t.unit == "layer":
+            edges += [(a, t) for a in adams[("adapter", t.layer)]]
         if isinstance(t, Fetch):
             edges += [(v, t) for v in verify]
     return edges

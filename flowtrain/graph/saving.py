@@ -35,14 +35,14 @@ from typing import Iterable
 
 import networkx as nx
 
-from .compiler import StepSpec, units
+from .compiler import StepSpec, trained_units
 from .tasks import CpuAdam, GpuAdam, ReduceGrad, SaveUnit, SyncStep, Task, check_shape
 
 ADAM_KINDS = (CpuAdam, GpuAdam)
 
 
 def add_saves(graph: nx.DiGraph, spec: StepSpec, step: int | None = None) -> list[Task]:
-    """Add a ``save`` task per unit to one step's graph, after every Adam task of that unit
+    """Add a ``save`` task per trained unit (with LoRA, per adapter) to one step's graph, after every Adam task of that unit
     (all of its gradient chunks); returns them, bottom unit first. ``step`` defaults to the
     graph's; into an empty graph (a step already finished) the saves go with no edges."""
     step = next(iter(graph)).step if step is None else step
@@ -52,7 +52,7 @@ def add_saves(graph: nx.DiGraph, spec: StepSpec, step: int | None = None) -> lis
         if isinstance(t, ADAM_KINDS):
             adams.setdefault((t.unit, t.layer), []).append(t)
     saves: list[Task] = []
-    for unit, layer in units(spec):
+    for unit, layer in trained_units(spec):
         save = SaveUnit(step=step, unit=unit, layer=layer)
         check_shape(save)
         graph.add_node(save)

@@ -16,7 +16,8 @@ its ``layer`` is an ``int``; its ``unit`` is ``"layer"`` by default and can be n
 
 - ``step``: which optimizer step the task belongs to (steps may overlap).
 - ``unit``: which parameter unit it touches: ``"embed"``, ``"layer"`` or ``"head"`` (final norm
-  and output projection).
+  and output projection), or with LoRA a layer's ``"adapter"`` (its gradient's reduction and
+  its ``gpu_adam``).
 - ``layer``: the decoder layer for per-layer tasks, ``None`` otherwise.
 - ``micro_batch``: for per-micro-batch tasks, ``None`` otherwise.
 - ``phase``: for ``fetch``, which pass the weights are fetched for; ``"eval"`` on the
@@ -44,7 +45,8 @@ from typing import Any, ClassVar, Literal, cast
 import msgspec
 
 Lane = Literal["h2d", "compute", "d2h", "cpu", "io", "net", "sync"]
-Unit = Literal["embed", "layer", "head"]
+#: ``"adapter"``: a decoder layer's LoRA adapters (``StepSpec.lora``), resident on the device
+Unit = Literal["embed", "layer", "head", "adapter"]
 #: ``phase`` has three meanings, each a set of values of its own and each allowed on its kinds
 #: only (``Task.phases``; a task with another is refused when it is made or decoded):
 #: which pass a ``fetch`` serves ...
@@ -119,7 +121,7 @@ class Task(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
     def label(self) -> str:
         """A short human name such as ``forward L3 m1`` or ``fetch head (backward)``."""
         parts = [self.kind]
-        if self.unit in ("embed", "head") and self.unit != self.kind:
+        if self.unit in ("embed", "head", "adapter") and self.unit != self.kind:
             parts.append(self.unit)
         if self.layer is not None:
             parts.append(f"L{self.layer}")
@@ -430,6 +432,8 @@ _SCOPE_FIELDS: dict[str, tuple[str, ...]] = {
 }
 #: kinds whose tasks may name one chunk of a unit's gradient (the staged layout)
 _CHUNKED = frozenset(("offload_grad", "cpu_adam"))
+#: the kinds that name a LoRA adapter unit: it is resident and only trained
+_ADAPTER_KINDS = frozenset(("reduce_grad", "grad_sq_norm", "gpu_adam", "save"))
 
 
 def check_shape(task: Task) -> None:
@@ -444,11 +448,13 @@ def check_shape(task: Task) -> None:
     wrong = []
     if unit is not None and task.unit != unit:
         wrong.append(f"unit {task.unit!r} (its unit is {unit!r})")
-    if scope == "unit" and task.unit not in ("embed", "layer", "head"):
-        wrong.append(f"unit {task.unit!r} (a unit: 'embed', 'layer' or 'head')")
+    if scope == "unit" and task.unit not in ("embed", "layer", "head", "adapter"):
+        wrong.append(f"unit {task.unit!r} (a unit: 'embed', 'layer', 'head' or 'adapter')")
+    if task.unit == "adapter" and kind not in _ADAPTER_KINDS:
+        wrong.append("unit 'adapter' (an adapter is resident: only its reduce_grad, grad_sq_norm and gpu_adam name it)")
     if scope == "step" and task.unit is not None:
         wrong.append(f"unit {task.unit!r} (a step-wide task names none)")
-    needs_layer = task.unit == "layer" and scope != "step"
+    needs_layer = task.unit in ("layer", "adapter") and scope != "step"
     if (task.layer is not None) != needs_layer:
         wrong.append(f"layer {task.layer!r}" + (" (missing)" if needs_layer else " (only a decoder layer's tasks name one)"))
     may_mb = scope.endswith("micro_batch") or kind == "fetch"

@@ -210,12 +210,14 @@ def head_loss_and_grads(
     scale: float,
     chunk_tokens: int | None = None,
     plus_one: bool = False,
-) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    weight_grads: bool = True,
+) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
     """Final norm + head + cross-entropy, forward and backward, one token chunk at a time.
 
     Returns ``(loss_sum, d_hidden, d_norm_w, d_head_w)``: ``loss_sum`` is the unscaled CE
     sum (fp32 scalar); the gradients are of ``loss_sum * scale`` and have their inputs'
     shapes and dtypes. Ignored positions get zero gradient. No host synchronisation.
+    Without ``weight_grads`` (a frozen head) the last two are None and not computed.
 
     Per chunk of rows ``x`` (c, hidden), with ``r = rsqrt(mean(x^2) + eps)``,
     ``xh = x * r`` and ``n = norm_w * xh``, ``logits = n @ head_w.T``:
@@ -233,8 +235,8 @@ def head_loss_and_grads(
     step = _step(chunk_tokens, head_w.shape[0])
     loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
     d_x = torch.empty_like(x)
-    d_head = torch.zeros_like(head_w)
-    d_norm = torch.zeros(norm_w.shape, dtype=torch.float32, device=norm_w.device)
+    d_head = torch.zeros_like(head_w) if weight_grads else None
+    d_norm = torch.zeros(norm_w.shape, dtype=torch.float32, device=norm_w.device) if weight_grads else None
     for start in range(0, x.shape[0], step):
         xc, tc = x[start : start + step], t[start : start + step]
         xf = xc.float()
@@ -258,11 +260,13 @@ def head_loss_and_grads(
         g = probs.to(dt)
         del logits, probs
 
-        d_head.addmm_(g.t(), n)
+        if d_head is not None and d_norm is not None:
+            d_head.addmm_(g.t(), n)
         d_n = g @ head_w
         del g
-        d_norm += (d_n.float() * xh.float()).sum(0)
+        if d_norm is not None:
+            d_norm += (d_n.float() * xh.float()).sum(0)
         d_xh = d_n.float() * w_f if plus_one else (d_n * norm_w).float()
         d_xf = r * (d_xh - xh_f * (d_xh * xh_f).mean(-1, keepdim=True))
         d_x[start : start + step] = d_xf.to(dt)
-    return loss, d_x.view_as(hidden), d_norm.to(norm_w.dtype), d_head
+    return loss, d_x.view_as(hidden), (d_norm.to(norm_w.dtype) if d_norm is not None else None), d_head

@@ -29,7 +29,7 @@ from torch import Tensor
 
 from flowtrain.model.layout import UnitLayout, bind
 
-__all__ = ["adapted", "has_adapter", "init_adapter", "project"]
+__all__ = ["adapted", "has_adapter", "init_adapter", "merge_adapter", "project"]
 
 
 def project(x: Tensor, w: Mapping[str, Tensor], key: str, bias: Tensor | None = None) -> Tensor:
@@ -56,6 +56,18 @@ def adapted(base: Mapping[str, Tensor], adapter: Mapping[str, Tensor], scale: fl
     device = some.device if some is not None else None
     dtype = some.dtype if some is not None else None
     return {**base, **adapter, "lora_scale": torch.tensor(scale, device=device, dtype=dtype)}
+
+
+def merge_adapter(base: Tensor, base_layout: UnitLayout, adapter: Tensor, adapter_layout: UnitLayout,
+                  scale: float) -> None:
+    """``W += scale * B A`` for every adapted map of one layer, in place in ``base`` (whatever
+    its dtype): the product and the sum in fp32, rounded once to the base's dtype, as PEFT's
+    ``merge_and_unload`` does."""
+    w, a = bind(base, base_layout), bind(adapter, adapter_layout)
+    for key in w:
+        if f"{key}.lora_A" in a:
+            delta = a[f"{key}.lora_B"].float() @ a[f"{key}.lora_A"].float()
+            w[key].copy_(w[key].float() + scale * delta)
 
 
 def init_adapter(flat: Tensor, layout: UnitLayout, seed: int) -> None:

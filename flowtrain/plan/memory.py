@@ -53,6 +53,7 @@ from ..errors import ConfigError
 from ..graph.compiler import StepSpec, compile_step
 from ..graph.tasks import ACTS, GRADS, HOST_GRADS, WEIGHTS
 from ..model.config import MLP_CHUNK_TOKENS, ModelConfig, default_chunk_tokens
+from ..model.adapters import DEFAULT_TARGETS, LoraSpec, adapter_layouts
 from ..model.layout import model_layouts
 from .attention import attention_pays, forward_flops_saved, plan_saved_attention
 from .experts import dense_mlp_layers, expert_bytes_per_token, expert_kept_bytes_per_token, grouped_experts
@@ -137,6 +138,16 @@ class RunRequest(msgspec.Struct, kw_only=True):
     #: ``--attention-backend`` (auto: cuDNN's fused attention on CUDA; flash): the kernel whose
     #: rate the simulator predicts attention at (flowtrain.sim.costs)
     attention_backend: str = "auto"
+    #: LoRA: the adapters' rank (0: the whole model trains) and the linear maps they adapt
+    lora_rank: int = 0
+    lora_targets: tuple[str, ...] = DEFAULT_TARGETS
+
+
+def adapter_numel(cfg: ModelConfig, req: RunRequest) -> int:
+    """Parameters of every layer's LoRA adapters (0 without LoRA)."""
+    if not req.lora_rank:
+        return 0
+    return sum(lay.numel for lay in adapter_layouts(cfg, LoraSpec(req.lora_rank, 1.0, req.lora_targets)))
 
 
 def checkpoint_read_bytes(model_dir: str | os.PathLike[str] | None) -> int:
@@ -167,7 +178,9 @@ def run_request(cfg: Any, model_dir: str | os.PathLike[str] | None = None, proce
                       chunk_tokens=cfg.chunk_tokens, load_bytes=checkpoint_read_bytes(model_dir),
                       undo_mem=getattr(cfg, "undo_mem", 1.0), processes=processes, share=share,
                       compile=getattr(cfg, "compile", "auto"),
-                      attention_backend=getattr(cfg, "attention_backend", "auto"))
+                      attention_backend=getattr(cfg, "attention_backend", "auto"),
+                      lora_rank=getattr(cfg, "lora_rank", None) or 0,
+                      lora_targets=tuple(getattr(cfg, "lora_targets", None) or DEFAULT_TARGETS))
 
 
 class Plan(msgspec.Struct, kw_only=True):
@@ -355,20 +368,24 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
     slot_n = slot_numel(list(layouts), resident, cfg.tie_word_embeddings)
     stage_n = staging_numel(layouts, resident)
 
-    host = {"master": 4 * streamed_n, "adam": 8 * streamed_n}
-    if layout == "full":
-        host["gradients"] = 4 * streamed_n
+    lora = req.lora_rank > 0  # a frozen base: its weights in the compute dtype, nothing else
+    if lora:
+        host = {"base": cbytes * streamed_n}
     else:
-        host["staging"] = budgets.get(HOST_GRADS, 0) * stage_n * 4
-    if layout == "stream-bf16" and cbytes != 4:
-        host["streaming_copy"] = cbytes * streamed_n
-    if tied_streamed:
-        host["tied_gradient"] = 4 * embed_n
+        host = {"master": 4 * streamed_n, "adam": 8 * streamed_n}
+        if layout == "full":
+            host["gradients"] = 4 * streamed_n
+        else:
+            host["staging"] = budgets.get(HOST_GRADS, 0) * stage_n * 4
+        if layout == "stream-bf16" and cbytes != 4:
+            host["streaming_copy"] = cbytes * streamed_n
+        if tied_streamed:
+            host["tied_gradient"] = 4 * embed_n
     host["runtime"] = RUNTIME_HOST["cuda" if device.type == "cuda" else "cpu"]
     host["data"] = data_host_bytes(req)
     if req.load_bytes:
         host["checkpoint_load"] = req.load_bytes
-    if not req.grad_clip and streamed:
+    if not req.grad_clip and streamed and not lora:
         chunks = grad_chunks(layouts, resident, stage_n) if layout != "full" else {}
         units = [(lay.numel, chunks.get(lay.key, 1)) for lay in streamed]
         # --undo-mem is the node's: processes sharing the state record only the units they own
@@ -381,8 +398,8 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
     compiled = device.type == "cuda" and compile_backend(req.compile, device.type) == "inductor"
     layer_work = layer_work_bytes(cfg, tokens, cbytes, compiled)
     chunk = min(chunk_tokens, tokens)
-    casting = cbytes != 4 and layout != "stream-bf16" and slot_n > 0
-    resident_per = 16 + (cbytes if cbytes != 4 else 0)
+    casting = cbytes != 4 and layout != "stream-bf16" and slot_n > 0 and not lora
+    resident_per = cbytes if lora else 16 + (cbytes if cbytes != 4 else 0)
     gpu = {
         "weight_slots": budgets[WEIGHTS] * slot_n * cbytes,
         "landing": 4 * min(slot_n, LANDING_NUMEL) if casting else 0,
@@ -394,8 +411,10 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
         # fp32 logits and their softmax in place, the bf16 gradient, the head's gradient
         # before accumulation, and the micro-batch's hidden-state gradient.
         "loss_chunks": chunk * cfg.vocab_size * (4 + 4 + cbytes) + 2 * hidden
-        + cbytes * cfg.vocab_size * cfg.hidden_size,
+        + (0 if lora else cbytes * cfg.vocab_size * cfg.hidden_size),
     }
+    if lora:  # fp32 adapters, their gradient and Adam moments, all on the device
+        gpu["adapters"] = 16 * adapter_numel(cfg, req)
     if req.activations == "offload":  # all offloaded here; _bring_back returns what fits (auto)
         host["offloaded_activations"] = gpu["checkpoints"]
         gpu.update(_offloading_gpu(req, hidden))
@@ -499,6 +518,8 @@ def _make(cfg, req, device, dtype, policy, layout, resident, chunk_tokens, shrin
     for pool, cap in shrink.items():
         if pool in budgets:
             budgets[pool] = max(floor.get(pool, 1), min(budgets[pool], cap))
+    if spec.lora:  # no gradient of the base leaves the device or waits in a slot
+        budgets.update({pool: 0 for pool in (GRADS, HOST_GRADS) if pool in budgets})
     host, gpu = _bytes(cfg, req, device, dtype, layout, resident, budgets, chunk_tokens)
     params = sum(lay.numel for lay in _layouts(cfg))
     return Plan(device=device.type, params=params, layout=layout, spec=spec, budgets=budgets,
@@ -558,7 +579,7 @@ def _spec(cfg: ModelConfig, req: RunRequest, layout: str, resident: tuple[str, .
     return StepSpec(layers=cfg.num_layers, micro_batches=req.batch_size // req.micro_batch_size,
                     checkpoint_every=req.checkpoint_every, order=req.order, tied=cfg.tie_word_embeddings,
                     grad_clip=req.grad_clip, resident=resident, staged=staged, grad_chunks=chunks,
-                    reduce=req.processes > 1, share=req.share).validate()
+                    reduce=req.processes > 1, share=req.share, lora=req.lora_rank > 0).validate()
 
 
 def _backlog(cfg: ModelConfig, resident: tuple[str, ...], weights: bool = True) -> dict[str, int]:

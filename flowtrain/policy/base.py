@@ -185,4 +185,6 @@ class WithBudgets:
 
     def propose(self, graph: nx.DiGraph) -> Proposal:
         inner = self.policy.propose(graph)
-        return Proposal(inner.order, {**inner.budgets, **self.budgets}, inner.urgency)
+        # a pool the plan gives no slot (LoRA's gradients: no task takes one) is no pool at all
+        budgets = {pool: n for pool, n in {**inner.budgets, **self.budgets}.items() if self.budgets.get(pool) != 0}
+        return Proposal(inner.order, budgets, inner.urgency)

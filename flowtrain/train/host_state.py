@@ -17,6 +17,11 @@ state lives in host memory and its weights cross PCIe to the GPU for every pass)
 - ``compute``: a resident unit's compute-dtype copy (the master itself when computing in fp32).
 - ``steps``: Adam's step count, one per gradient chunk (chunks are updated independently).
 
+With LoRA (:mod:`flowtrain.model.lora`) the model's units are **frozen**: ``master`` holds the
+weights in the compute dtype (what ``fetch`` copies as it is: 2 bytes per parameter in bf16),
+with no moments, gradient or step count. The trained units are each decoder layer's adapters
+(``adapters``, unit key ``adapter.i``): resident, fp32, with their Adam state on the device.
+
 Host bytes per streamed parameter by layout:
 
 =============== ============================================== =====
@@ -25,6 +30,7 @@ layout          host state                                     bytes
 ``staged``      master, m, v (+ the shared staging ring)       12
 ``full``        master, m, v, gradient                         16
 ``stream-bf16`` master, m, v, bf16 copy (+ the staging ring)   14
+LoRA's base     the weights in the compute dtype                2 (bf16)
 =============== ============================================== =====
 
 A state is built unit by unit, either from a seeded random initialisation or from a Hugging
@@ -46,6 +52,9 @@ from ..ckpt.checkpoints import all_finite
 from ..ckpt.hf import load_into, save_hf, unit_tensors
 from ..errors import CheckpointError, ConfigError
 from ..model import ModelConfig, UnitLayout, init_unit, model_layouts
+from ..model.adapters import LoraSpec, adapter_layouts
+from ..model.lora import init_adapter, merge_adapter
+from ..ckpt.adapter_files import save_adapter
 from ..plan.host_layout import LAYOUTS, chunk_range, grad_chunks, slot_numel, staging_numel  # noqa: F401 - re-exported
 from .distributed import World
 from .pinning import pin as pin_in_place
@@ -106,16 +115,26 @@ def shared_sizes(layouts: list[UnitLayout], layout: str, resident: set[str], dty
 class UnitState:
     """The flat tensors of one unit; see the module docstring for each field."""
 
-    __slots__ = ("layout", "master", "exp_avg", "exp_avg_sq", "grad", "stream", "compute", "steps", "resident")
+    __slots__ = ("layout", "master", "exp_avg", "exp_avg_sq", "grad", "stream", "compute", "steps", "resident",
+                 "frozen")
 
     def __init__(self, layout: UnitLayout, *, pin: bool, layout_name: str, resident: bool,
-                 device: torch.device, dtype: torch.dtype, chunks: int, arena: SharedArena | None = None) -> None:
+                 device: torch.device, dtype: torch.dtype, chunks: int, arena: SharedArena | None = None,
+                 frozen: bool = False) -> None:
         n = layout.numel
         self.layout = layout
         self.resident = resident
+        #: a LoRA base unit: its weights in the compute dtype, nothing else (see the module docstring)
+        self.frozen = frozen
         self.stream: torch.Tensor | None = None
         self.compute: torch.Tensor | None = None
         self.grad: torch.Tensor | None  # the full layout's gradient; staged gradients pass through a ring
+        if frozen:
+            self.master = torch.zeros(n, dtype=dtype, device=device) if resident else pinned_zeros(n, pin, dtype)
+            self.compute = self.master if resident else None
+            self.exp_avg = self.exp_avg_sq = torch.empty(0)
+            self.grad, self.steps = None, []
+            return
         if resident:
             z = lambda dt=torch.float32: torch.zeros(n, dtype=dt, device=device)  # noqa: E731
             self.master, self.exp_avg, self.exp_avg_sq, self.grad = z(), z(), z(), z()
@@ -155,34 +174,44 @@ class HostState:
     """All units' state, indexed like :func:`model_layouts` (embed, layers, head)."""
 
     def __init__(self, cfg: ModelConfig, units: list[UnitState], layout: str = "full",
-                 arena: SharedArena | None = None) -> None:
+                 arena: SharedArena | None = None, lora: LoraSpec | None = None,
+                 adapters: list[UnitState] | None = None) -> None:
         self.cfg = cfg
         self.units = units
         self.layout = layout
         #: the node's shared state files, where the processes of a node share the state
         self.arena = arena
+        #: LoRA: what the adapters are, and each decoder layer's (resident, fp32)
+        self.lora = lora
+        self.adapters = adapters or []
 
     @classmethod
     def create(cls, cfg: ModelConfig, *, pin: bool, layout: str = "full", resident: Iterable[str] = (),
                device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
-               chunks: dict[str, int] | None = None, world: World | None = None) -> "HostState":
+               chunks: dict[str, int] | None = None, world: World | None = None,
+               lora: LoraSpec | None = None) -> "HostState":
         """Allocate every unit's state (zeros): ``resident`` unit keys on ``device``, the rest in
         host memory in ``layout``; ``chunks`` gives the staging chunks of large units. With a
         ``world`` of several processes on this node, the streamed units' state is the node's
         one shared copy (:mod:`flowtrain.train.shared_state`); every process of the node calls
-        this at the same point."""
+        this at the same point. With ``lora`` the model's units are frozen, in ``dtype``, and
+        each layer has its adapters on ``device``."""
         if layout not in LAYOUTS:
             raise ConfigError(f"{{layout}} must be one of {', '.join(LAYOUTS)} (got {layout!r})", named=True)
         res = set(resident)
         chunks = chunks or {}
         layouts = model_layouts(cfg)
         arena = None
-        if world is not None and world.local_size > 1:
+        if world is not None and world.local_size > 1 and lora is None:
             sizes = shared_sizes(layouts, layout, res, dtype, chunks)
             arena = SharedArena.open(world, sizes, pin=pin)
-        units = [UnitState(lay, pin=pin, layout_name=layout, resident=lay.key in res, device=torch.device(device),
-                           dtype=dtype, chunks=chunks.get(lay.key, 1), arena=arena) for lay in layouts]
-        return cls(cfg, units, layout, arena)
+        dev = torch.device(device)
+        units = [UnitState(lay, pin=pin, layout_name=layout, resident=lay.key in res, device=dev,
+                           dtype=dtype, chunks=chunks.get(lay.key, 1), arena=arena, frozen=lora is not None)
+                 for lay in layouts]
+        adapters = [UnitState(lay, pin=False, layout_name=layout, resident=True, device=dev, dtype=torch.float32,
+                              chunks=1) for lay in adapter_layouts(cfg, lora)] if lora is not None else []
+        return cls(cfg, units, layout, arena, lora, adapters)
 
     @property
     def layouts(self) -> list[UnitLayout]:
@@ -200,8 +229,16 @@ class HostState:
     def resident(self) -> tuple[str, ...]:
         return tuple(u.layout.key for u in self.units if u.resident)
 
+    @property
+    def trained(self) -> list[UnitState]:
+        """The units the optimizer updates: the model's, or with LoRA the adapters."""
+        return self.adapters if self.lora is not None else self.units
+
     def unit(self, unit: str, layer: int | None) -> UnitState:
-        """The state of ``("embed", None)``, ``("layer", i)`` or ``("head", None)``."""
+        """The state of ``("embed", None)``, ``("layer", i)``, ``("head", None)`` or, with
+        LoRA, ``("adapter", i)``."""
+        if unit == "adapter":
+            return self.adapters[layer]  # type: ignore[index]
         if unit == "embed":
             return self.units[0]
         if unit == "head":
@@ -211,7 +248,27 @@ class HostState:
     def init_random(self, seed: int) -> None:
         for u in self.units:
             init_unit(u.master, u.layout, self.cfg, seed)
+        self.init_adapters(seed)
         self.refresh_copies()
+
+    def merge_adapters(self) -> None:
+        """Add each layer's adapters into its base weights, in place (the base is then no
+        longer the one the adapters were trained over: for the end of a run)."""
+        assert self.lora is not None
+        for i, a in enumerate(self.adapters):
+            base = self.units[1 + i]
+            merge_adapter(base.master, base.layout, a.master.cpu(), a.layout, self.lora.scale)
+            base.refresh_copies()
+
+    def load_adapters(self, flats: list[torch.Tensor]) -> None:
+        """Each layer's adapters from ``flats`` (one buffer per layer, as :func:`read_adapter` gives)."""
+        for a, flat in zip(self.adapters, flats, strict=True):
+            a.master.copy_(flat)
+
+    def init_adapters(self, seed: int) -> None:
+        """Fresh adapters as PEFT makes them (``B`` zero: the adapted model is the base)."""
+        for a in self.adapters:
+            init_adapter(a.master, a.layout, seed)
 
     def load_checkpoint(self, model_dir: str | Path) -> None:
         """Fill the masters from a Hugging Face model directory; weights that hold NaN or inf are
@@ -228,7 +285,15 @@ class HostState:
             u.refresh_copies()
 
     def save(self, out_dir: str | Path, dtype: torch.dtype = torch.float32, *, max_shard_bytes: int | None = None,
-             source_config: dict | None = None) -> None:
-        """The masters as a Hugging Face checkpoint in ``dtype`` (see :func:`save_hf`)."""
+             source_config: dict | None = None, merge: bool = False, base_model: str | None = None) -> None:
+        """The masters as a Hugging Face checkpoint in ``dtype`` (see :func:`save_hf`). With LoRA,
+        the adapters as a PEFT adapter folder (fp32; ``base_model`` named in its config), or with
+        ``merge`` the base with the adapters merged into it (:meth:`merge_adapters`) as a model."""
+        if self.lora is not None and not merge:
+            save_adapter(out_dir, self.lora, [a.layout for a in self.adapters], [a.master.cpu() for a in self.adapters],
+                         base_model=base_model)
+            return
+        if self.lora is not None:
+            self.merge_adapters()
         save_hf(out_dir, self.cfg, self.layouts, [u.master for u in self.units], dtype,
                 max_shard_bytes=max_shard_bytes, source_config=source_config)

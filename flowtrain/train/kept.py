@@ -86,15 +86,18 @@ class Kept:
 
 
 def forward_kept(layer: Callable[[Tensor, dict[str, Tensor]], Tensor], x: Tensor, flat: Tensor,
-                 layout: UnitLayout, count: bool = False) -> tuple[Tensor, Kept]:
+                 layout: UnitLayout, count: bool = False,
+                 trained: tuple[Tensor, UnitLayout] | None = None) -> tuple[Tensor, Kept]:
     """Run ``layer(x_leaf, weight_leaves)`` under autograd, keeping its graph; ``flat`` is the
     unit's weights in their slot, ``layout`` where each weight sits in it. Returns the detached
     output and the :class:`Kept` record (with ``count``, its :attr:`Kept.bytes` adds up the
-    activations kept)."""
-    kept = Kept(layout, count)
+    activations kept). ``trained``: the flat buffer and layout of what takes the gradient
+    instead of ``flat`` (LoRA's adapters, whose leaves ``layer`` then receives; it reads the
+    frozen weights of ``flat`` itself, and those are kept by place all the same)."""
+    kept = Kept(trained[1] if trained is not None else layout, count)
     with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(kept._pack(flat), kept._unpack):
         kept.x = x.detach().requires_grad_(True)
-        kept.leaves = weight_leaves(flat, layout)
+        kept.leaves = weight_leaves(*(trained if trained is not None else (flat, layout)))
         kept.y = layer(kept.x, kept.leaves)
     return kept.y.detach(), kept
 

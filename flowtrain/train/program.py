@@ -42,6 +42,13 @@ final norm followed by the embedding matrix, and its gradient slot likewise; the
 Adam adds the head's part of the tied gradient before stepping. (Resident and tied, the head
 reads the embedding's own copy and adds into the embedding's own gradient.)
 
+With LoRA (``state.lora``) the model's units are frozen: they are fetched as they are (in the
+compute dtype), read, and never written. Each layer's adapters (``state.adapters``) are
+resident, fp32, and bound with the layer's weights (:func:`~flowtrain.model.lora.adapted`); a
+layer's backward takes the gradient with respect to its input and its adapters only, into the
+adapters' own accumulator, and ``gpu_adam`` updates them. The loss computes the gradient of the
+last hidden state only, and layer 0's backward hands its input gradient to nobody.
+
 A held-out loss (``--eval-data``) is a forward-only graph of its own
 (:mod:`flowtrain.graph.evaluation`): :meth:`StepProgram.begin_eval` hands over its micro-batches,
 its ``fetch``, ``embed`` and ``forward`` tasks (phase ``"eval"``) run as in training but keep
@@ -98,6 +105,7 @@ from ..graph.tasks import (
 from ..model import bind, decoder_layer, embed, head_loss, head_loss_and_grads, rope_tables
 from ..model.attention import Documents, rotary_for
 from ..model.gemma import embed_multiplier
+from ..model.lora import adapted
 from ..model.moe import RouterTap
 from ..model.saved_attention import AttentionRecord, recording, replaying
 from ..plan.host_layout import LANDING_NUMEL, chunk_range, slot_numel, staging_numel
@@ -179,16 +187,18 @@ class StepProgram:
         self.adamw = adamw
         #: per unit, the element ranges that get no weight decay (``--weight-decay-skip``)
         self.no_decay = {u.layout.key: no_decay_ranges(u.layout.entries, adamw.weight_decay_skip)
-                         for u in state.units}
+                         for u in state.trained}
+        #: LoRA's adapters (None: the whole model trains)
+        self.lora = state.lora
         self.chunk_tokens = chunk_tokens
         self.tied = self.cfg.tie_word_embeddings
         self.head_n = state.head.layout.numel
         embed_n = state.embed.layout.numel
         slot_n = slot_numel(state.layouts, state.resident, self.tied)
-        if self.tied and not state.head.resident:
+        if self.tied and not state.head.resident and self.lora is None:
             self.tied_grad = pinned_zeros(embed_n, self._pin)
         self.weight_c = [torch.empty(slot_n, dtype=dtype, device=self.device) for _ in range(budgets[WEIGHTS])]
-        needs_landing = dtype != torch.float32 and any(u.stream is None for u in state.units if not u.resident)
+        needs_landing = any(u.stream is None and u.master.dtype != dtype for u in state.units if not u.resident)
         self.landing = torch.empty(min(slot_n, LANDING_NUMEL) if needs_landing else 0, dtype=torch.float32,
                                    device=self.device)
         self.grad_slots = [torch.empty(slot_n, dtype=torch.float32, device=self.device) for _ in range(budgets[GRADS])]
@@ -226,7 +236,7 @@ class StepProgram:
             warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
             self.layer_fn = torch.compile(decoder_layer, backend=compile_backend, dynamic=False)
         #: host bytes the undo records of not yet verified steps may hold (see nonfinite.py)
-        streamed = [(u.layout.numel, len(u.steps)) for u in state.units if not u.resident]
+        streamed = [(u.layout.numel, len(u.steps)) for u in state.trained if not u.resident]
         self.undo = UndoBudget(undo_bytes, most=undo_arena_bytes(streamed, self.stage_n, undo_bytes))
         #: a value written into one gradient or loss, for tests (else $FLOWTRAIN_INJECT_NAN)
         self.inject = inject_nonfinite or injection_from_env(self.cfg.num_layers)
@@ -243,9 +253,9 @@ class StepProgram:
         """Host checks that verify a step: a flag per offloaded gradient piece (one per staging
         chunk), one for the head's part of a tied embedding, and, tied, one per embedding chunk
         once the two parts are summed on the host."""
-        streamed = [u for u in self.state.units if not u.resident]
+        streamed = [u for u in self.state.trained if not u.resident]
         n = sum(len(u.steps) for u in streamed)
-        if self.tied and not self.state.embed.resident:
+        if self.tied and not self.state.embed.resident and self.lora is None:
             n += 1 + len(self.state.embed.steps)
         return n
 
@@ -424,8 +434,9 @@ class StepProgram:
         if unit.stream is not None:
             dst.copy_(unit.stream, non_blocking=nb)
             return unit.stream.numel() * unit.stream.element_size()
-        if dst.dtype == torch.float32:
+        if dst.dtype == unit.master.dtype:  # an fp32 run's master, or a frozen LoRA base
             dst.copy_(unit.master, non_blocking=nb)
+            return dst.numel() * dst.element_size()
         else:  # fp32 pieces through the landing buffer, cast on the device, all on this lane
             piece = self.landing.numel()
             for lo in range(0, dst.numel(), piece):
@@ -464,6 +475,16 @@ class StepProgram:
         if router is not None:
             return self.layer_fn(x, w, cos, sin, self.cfg, docs, self.cfg.layer_window(i), router)
         return self.layer_fn(x, w, cos, sin, self.cfg, docs, self.cfg.layer_window(i))
+
+    def _layer_weights(self, i: int, ctx: TaskContext, adapters: dict[str, torch.Tensor] | None = None) -> dict:
+        """Layer ``i``'s weights as its math reads them: bound from its slot (or its own copy),
+        with LoRA joined by its adapters (``adapters``: the leaves a backward differentiates)."""
+        unit = self.state.unit("layer", i)
+        w = bind(self._weights(unit, ctx)[: unit.layout.numel], unit.layout)
+        if self.lora is None:
+            return w
+        a = self.state.adapters[i]
+        return adapted(w, adapters if adapters is not None else bind(a.master, a.layout), self.lora.scale)
 
     def _counting(self, s: int, i: int, m: int) -> RouterTap | None:
         """The router tap of layer ``i``'s forward in training (None: no load-balancing loss)."""
@@ -523,7 +544,7 @@ class StepProgram:
         """A layer's forward pass; as ``recompute`` (in backward) its input is always kept."""
         s, i, m = task.step, task.layer, task.micro_batch
         unit = self.state.unit("layer", i)
-        w = bind(self._weights(unit, ctx), unit.layout)
+        w = self._layer_weights(i, ctx)
         if task.phase == "eval":  # nothing is kept for a backward
             x = self.store.eval_inputs.take((s, i, m))
             self.store.eval_inputs.put((s, i + 1, m), self._layer("eval", s, i, m, x, w))
@@ -531,9 +552,14 @@ class StepProgram:
         if task.phase == "keep":  # the graph stays for the backward: see flowtrain.train.kept
             x = self.store.inputs.take((s, i, m))
             tap = self._counting(s, i, m)
-            y, kept = forward_kept(
-                lambda x, w: self._layer("train", s, i, m, x, w, tap),
-                x, self._weights(unit, ctx)[: unit.layout.numel], unit.layout)
+            flat = self._weights(unit, ctx)[: unit.layout.numel]
+            if self.lora is None:
+                y, kept = forward_kept(lambda x, w: self._layer("train", s, i, m, x, w, tap), x, flat, unit.layout)
+            else:  # the adapters are the leaves; the base's views are kept by place
+                a = self.state.adapters[i]
+                y, kept = forward_kept(
+                    lambda x, leaves: self._layer("train", s, i, m, x, self._layer_weights(i, ctx, leaves), tap),
+                    x, flat, unit.layout, trained=(a.master, a.layout))
             self.store.kept.put((s, i, m), kept)
             self.store.inputs.put((s, i + 1, m), y)
             return
@@ -561,20 +587,36 @@ class StepProgram:
                     bind(emb.own_grad(), emb.layout)[e.key])
         return w["norm"], self._tied_matrix(wbuf), g["norm"], self._tied_matrix(gbuf)
 
+    def _head_weights(self, ctx: TaskContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm_w, head_w)``: the final norm and output matrix a loss reads."""
+        head = self.state.head
+        wbuf = self._weights(head, ctx)
+        norm_w = bind(wbuf, head.layout)["norm"]
+        if not self.tied:
+            return norm_w, bind(wbuf, head.layout)["lm_head"]
+        if head.resident:  # the embedding is resident too: its own copy
+            emb = self.state.embed
+            return norm_w, bind(emb.compute, emb.layout)[emb.layout.entries[0].key]  # type: ignore[arg-type]
+        return norm_w, self._tied_matrix(wbuf)
+
     def _loss(self, task: Loss, ctx: TaskContext) -> None:
         s, m = task.step, task.micro_batch
         data = self.steps[s]
         L = self.cfg.num_layers
         h = self.store.inputs.take((s, L, m))
         targets = data.targets[m].to(self.device, non_blocking=self._non_blocking)
-        norm_w, head_w, norm_g, head_g = self._head_tensors(ctx)
+        frozen = self.lora is not None  # the head takes no gradient: only the hidden state's
+        norm_w, head_w = self._head_weights(ctx)
         loss_sum, d_h, d_norm, d_head = head_loss_and_grads(
             h, norm_w, head_w, targets, self.cfg.rms_norm_eps, 1.0 / data.n_targets, self.chunk_tokens,
-            plus_one=self.cfg.family.gemma,
+            plus_one=self.cfg.family.gemma, weight_grads=not frozen,
         )
         loss_sum = self._poison(loss_sum, s, "loss", m)
-        norm_g.add_(self._poison(d_norm, s, "head", m))
-        head_g.add_(d_head)
+        if not frozen:
+            assert d_norm is not None and d_head is not None
+            _, _, norm_g, head_g = self._head_tensors(ctx)
+            norm_g.add_(self._poison(d_norm, s, "head", m))
+            head_g.add_(d_head)
         aux = self.balance.loss(s, m) if self.balance is not None else None
         with self._lock:
             data.loss = loss_sum if data.loss is None else data.loss + loss_sum
@@ -589,16 +631,7 @@ class StepProgram:
         data = self.evals[s]
         h = self.store.eval_inputs.take((s, self.cfg.num_layers, m))
         targets = data.targets[m].to(self.device, non_blocking=self._non_blocking)
-        head = self.state.head
-        wbuf = self._weights(head, ctx)
-        norm_w = bind(wbuf, head.layout)["norm"]
-        if not self.tied:
-            head_w = bind(wbuf, head.layout)["lm_head"]
-        elif head.resident:  # the embedding is resident too: its own copy
-            emb = self.state.embed
-            head_w = bind(emb.compute, emb.layout)[emb.layout.entries[0].key]  # type: ignore[arg-type]
-        else:
-            head_w = self._tied_matrix(wbuf)
+        norm_w, head_w = self._head_weights(ctx)
         loss_sum = head_loss(h, norm_w, head_w, targets, self.cfg.rms_norm_eps, self.chunk_tokens,
                              plus_one=self.cfg.family.gemma)
         self.dev_docs.pop(("eval", s, m), None)
@@ -611,7 +644,8 @@ class StepProgram:
         n = unit.layout.numel
         dy = self.store.grads.take((s, i, m))
         balance = self.balance if self.cfg.layer_sparse(i) else None  # the load-balancing loss, if any
-        grads = self._grads(unit, ctx)
+        trained = unit if self.lora is None else self.state.adapters[i]  # whose gradient this is
+        grads = self._grads(trained, ctx)
         first = functools.partial(self._poison, step=s, where=f"layer.{i}", micro_batch=m)
         if task.phase == "keep":
             extra = balance.kept_term(s, i, m) if balance is not None else None
@@ -624,11 +658,17 @@ class StepProgram:
             tap = balance.gradient(s, m, terms) if balance is not None else None
             with torch.enable_grad(), replaying(record):
                 x = x.detach().requires_grad_(True)
-                leaves = weight_leaves(self._weights(unit, ctx)[:n], unit.layout)
-                y = self._layer("train", s, i, m, x, leaves, tap)
+                if self.lora is None:
+                    leaves = weight_leaves(self._weights(unit, ctx)[:n], unit.layout)
+                    w = leaves
+                else:  # the adapters are the leaves; the base's weights take no gradient
+                    leaves = weight_leaves(trained.master, trained.layout)
+                    w = self._layer_weights(i, ctx, leaves)
+                y = self._layer("train", s, i, m, x, w, tap)
                 outputs, grad_outputs = ((y, terms[0]), (dy, torch.ones_like(terms[0]))) if terms else (y, dy)
-                dx = backward_into(outputs, grad_outputs, x, leaves, unit.layout, grads, first)
-        self.store.grads.put((s, i - 1, m), dx)
+                dx = backward_into(outputs, grad_outputs, x, leaves, trained.layout, grads, first)
+        if i > 0 or self.lora is None:  # a frozen embedding has no backward to take it
+            self.store.grads.put((s, i - 1, m), dx)
 
     def _embed_backward(self, task: EmbedBackward, ctx: TaskContext) -> None:
         s, m = task.step, task.micro_batch
@@ -772,7 +812,7 @@ class StepProgram:
         """Once every gradient of the step is in: 1.0 on the device if the loss or any of them is
         not finite, else 0.0, for every ``gpu_adam`` (and a host copy for ``verify_step``)."""
         data = self.steps[task.step]
-        for unit in self.state.units:
+        for unit in self.state.trained:
             if unit.resident:
                 self._resident_sq_norm(data, unit)
         check = data.check
@@ -800,7 +840,7 @@ class StepProgram:
         """Write one unit into its step's checkpoint (after this step's Adam of the unit, before
         the next step's); returns the bytes written."""
         unit = self._unit(task)
-        self.checkpoints[task.step].write_unit(self.state.units.index(unit), unit)
+        self.checkpoints[task.step].write_unit(self.state.trained.index(unit), unit)
         return 12 * unit.layout.numel
 
 

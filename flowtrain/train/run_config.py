@@ -11,6 +11,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from ..errors import CheckpointError, ConfigError
+from ..model.adapters import DEFAULT_TARGETS, LoraSpec
 from ..model.config import PRESETS, ModelConfig, preset, read_config
 from ..plan.memory import compile_backend  # noqa: F401 - re-exported: what --compile runs
 from . import defaults
@@ -19,9 +20,9 @@ from .settings import Setting
 
 
 #: the groups of ``flowtrain train --help``, in the order shown (None: the first, untitled)
-DATA, OPTIMIZER, SCHEDULE, MEMORY, KERNELS, OUTPUT, SAFETY, EVAL = (
+DATA, OPTIMIZER, SCHEDULE, MEMORY, KERNELS, OUTPUT, SAFETY, EVAL, LORA = (
     "data and batches", "optimizer", "run and schedule", "memory and placement", "kernels",
-    "output", "checkpoints and safety", "held-out loss")
+    "output", "checkpoints and safety", "held-out loss", "LoRA adapters")
 _BOTH = "default: {} for a model folder, {} for a preset (random weights); a resumed run keeps its own"
 _SCRATCH, _TUNE = defaults.FROM_SCRATCH, defaults.FINE_TUNE
 
@@ -33,6 +34,11 @@ def _betas(text: str) -> tuple[float, float]:
     except ValueError:
         raise ValueError(f"--betas takes two numbers like 0.9,0.95 (got {text!r})") from None
     return b1, b2
+
+
+def _targets(text: str) -> tuple[str, ...]:
+    """``--lora-targets q_proj,v_proj`` -> ``("q_proj", "v_proj")``."""
+    return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
 class TrainConfig(msgspec.Struct, kw_only=True):
@@ -217,6 +223,32 @@ class TrainConfig(msgspec.Struct, kw_only=True):
         "evaluate on --eval-data after every N optimizer steps (a forward pass over the whole set)", ge=1,
         metavar="N", group=EVAL)] = None
 
+    lora_rank: Annotated[int | None, Setting(
+        "train LoRA adapters of rank R over a frozen base instead of the whole model: the base stays in host memory "
+        "in the compute dtype (2 bytes per parameter in bf16; no master copy, Adam state or gradient) and streams "
+        "through the GPU, the adapters and their AdamW (fp32) live on the GPU; --out then holds a PEFT adapter",
+        ge=1, metavar="R", group=LORA)] = None
+    lora_alpha: Annotated[float | None, Setting(
+        "the adapters' update is scaled by ALPHA / R (default: 2 R, a scale of 2)", gt=0.0, metavar="ALPHA",
+        group=LORA)] = None
+    lora_targets: Annotated[tuple[str, ...] | None, Setting(
+        f"the linear maps that get adapters, comma-separated (default: all of them, {','.join(DEFAULT_TARGETS)}; a "
+        "mixture of experts' experts are not linear maps and get none)", parse=_targets, metavar="MAPS",
+        group=LORA)] = None
+    lora_dropout: Annotated[float, Setting(
+        "dropout on the adapters' input in training (default 0)", ge=0.0, metavar="P", group=LORA)] = 0.0
+    adapter: Annotated[str | None, Setting(
+        "start from this PEFT adapter folder (adapter_config.json + adapter_model.safetensors): its rank, alpha, "
+        "targets and dropout are the run's", metavar="DIR", group=LORA)] = None
+    merge: Annotated[bool, Setting(
+        "with LoRA: write the merged model (base + adapters, in --save-dtype) to --out instead of the adapter",
+        group=LORA)] = False
+
+    @property
+    def lora(self) -> bool:
+        """Whether the run trains LoRA adapters (``--lora-rank`` or ``--adapter``)."""
+        return self.lora_rank is not None or self.adapter is not None
+
 
 def precision_bytes(precision: str | None, device_type: str) -> int:
     """Bytes per element of the compute dtype ``--precision`` gives on a device of this type
@@ -241,11 +273,48 @@ def load_model_config(model: str) -> tuple[ModelConfig, Path | None]:
     return read_config(path), path
 
 
+def lora_spec(cfg: TrainConfig) -> LoraSpec | None:
+    """The adapters of a LoRA run from its flags (None: the whole model trains); a run started
+    from ``--adapter`` has its spec from that folder (:func:`flowtrain.ckpt.adapter_files.read_spec`)."""
+    if cfg.lora_rank is None:
+        return None
+    alpha = cfg.lora_alpha if cfg.lora_alpha is not None else 2.0 * cfg.lora_rank
+    spec = LoraSpec(cfg.lora_rank, alpha, cfg.lora_targets or DEFAULT_TARGETS, cfg.lora_dropout)
+    try:
+        spec.validate()
+    except ValueError as e:
+        raise ConfigError(str(e).replace("LoRA target", "{lora_targets}"), named=True) from None
+    return spec
+
+
+def _validate_lora(cfg: TrainConfig) -> None:
+    """How the LoRA flags go together, and what a LoRA run does not do yet."""
+    given = [f for f, off in (("lora_alpha", None), ("lora_targets", None), ("lora_dropout", 0.0), ("merge", False))
+             if getattr(cfg, f) != off]
+    if not cfg.lora:
+        if given:
+            raise ConfigError(f"{{{given[0]}}} is for LoRA: give {{lora_rank}} R (or {{adapter}} DIR) with it",
+                              named=True)
+        return
+    if cfg.adapter is not None and (cfg.lora_rank is not None or [g for g in given if g != "merge"]):
+        raise ConfigError("{adapter} brings its own rank, alpha, targets and dropout: leave out {lora_rank}, "
+                          "{lora_alpha}, {lora_targets} and {lora_dropout}", named=True)
+    lora_spec(cfg)
+    if cfg.merge and not cfg.out:
+        raise ConfigError("{merge} writes the merged model to {out}: give {out} DIR", named=True)
+    if cfg.save_every is not None or cfg.resume is not None:
+        raise ConfigError("checkpoints of a LoRA run are not written or resumed yet: leave out {save_every} and "
+                          "{resume} (the final adapter goes to {out})", named=True)
+    if cfg.lora_dropout:
+        raise ConfigError("{lora_dropout} is not run yet: train without it (PEFT's default, 0)", named=True)
+
+
 def validate(cfg: TrainConfig, mcfg: ModelConfig) -> None:
     """What the fields' own declarations cannot say (those are checked first, by
     :func:`flowtrain.train.checks.check_fields`): how fields go together, and with the model."""
     if defaults.seq_len_given(cfg.seq_len):  # else the data decides, within the model's positions
         mcfg.check_seq_len(cfg.seq_len)
+    _validate_lora(cfg)
     if cfg.progress not in (None, True, False, "lines"):
         raise ConfigError(f"{{progress}} must be None, True, False or 'lines' (got {cfg.progress!r})", named=True)
     if (cfg.eval_data is None) != (cfg.eval_every is None):

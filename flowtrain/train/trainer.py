@@ -33,6 +33,7 @@ import msgspec
 import torch
 
 from ..ckpt import checkpoints
+from ..ckpt.adapter_files import read_adapter, read_spec
 from ..ckpt.out_lock import OutLock, check_free
 from ..ckpt.output import remove_stale_temp, resolve_out, resolve_save_dtype, save_final_model
 from ..ckpt.resume import ContinuedSchedule, check_compatible, restore_rng, resumed_schedule, steps_done
@@ -58,7 +59,7 @@ from .optimizer import AdamWConfig, LRSchedule
 from .pinning import unpin_all
 from .program import StepProgram
 from .reporting import Reporter, StepMetrics
-from .run_config import TrainConfig, compile_backend, load_model_config, precision_bytes, validate  # noqa: F401 - re-exported
+from .run_config import TrainConfig, compile_backend, load_model_config, lora_spec, precision_bytes, validate  # noqa: F401 - re-exported
 from .shared_state import remove_stale, shared_dir
 from .shutdown import Shutdown
 from .summary import summary_lines
@@ -130,6 +131,7 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
     elif model_dir is not None:  # a folder without weights, or with a tensor missing: refused before allocating
         check_weight_headers(model_dir, mcfg, require=True)
     validate(cfg, mcfg)
+    cfg = _with_adapter_spec(cfg)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.precision, device)
     adamw_config(cfg).validate()
@@ -157,10 +159,25 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
                world=world)
 
 
+def _with_adapter_spec(cfg: TrainConfig) -> TrainConfig:
+    """A run from ``--adapter`` takes that adapter's rank, alpha, targets and dropout (a folder
+    that is not a PEFT LoRA adapter flowtrain runs is refused here, naming the setting)."""
+    if cfg.adapter is None:
+        return cfg
+    spec = read_spec(cfg.adapter)
+    if spec.dropout:
+        raise ConfigError(f"{{adapter}} {cfg.adapter}: its lora_dropout {spec.dropout:g} is not run yet (dropout on "
+                          f"the adapters' input); set it to 0 in its adapter_config.json to train it so", named=True)
+    return msgspec.structs.replace(cfg, lora_rank=spec.rank, lora_alpha=spec.alpha, lora_targets=spec.targets,
+                                   lora_dropout=spec.dropout)
+
+
 def _data_parallel(cfg: TrainConfig, world: World, device: torch.device) -> tuple[torch.device, TrainConfig]:
     """This process's device (its own GPU under torchrun) and the run one process plans for
     (:func:`~flowtrain.train.distributed.local_share`)."""
     local = local_share(cfg, world.size)
+    if world.parallel and cfg.lora:
+        raise ConfigError("a LoRA run trains in one process for now: run it without torchrun")
     if world.parallel and device.type == "cuda":
         device = torch.device("cuda", world.local_rank)
         torch.cuda.set_device(device)
@@ -323,7 +340,7 @@ def build_state(run: Run) -> tuple[HostState, StepProgram]:
     torch.manual_seed(cfg.seed)
     state = HostState.create(run.mcfg, pin=run.device.type == "cuda", layout=plan.layout, resident=spec.resident,
                              device=run.device, dtype=run.dtype, chunks=spec.grad_chunks,
-                             world=run.world if spec.share > 1 else None)
+                             world=run.world if spec.share > 1 else None, lora=lora_spec(cfg))
     if run.resume_from is not None:
         checkpoints.load_training_state(run.resume_from, state)
         restore_rng(run.resume_state)
@@ -331,6 +348,9 @@ def build_state(run: Run) -> tuple[HostState, StepProgram]:
         state.init_random(cfg.seed)
     else:
         state.load_checkpoint(run.model_dir)
+        state.init_adapters(cfg.seed)
+    if cfg.adapter is not None:  # the adapters it starts from
+        state.load_adapters(read_adapter(cfg.adapter, run.mcfg)[2])
     if spec.share > 1:
         node_barrier()  # the node's processes filled the shared state alike; none trains before all are done
     program = StepProgram(state, device=run.device, dtype=run.dtype, seq_len=cfg.seq_len,
@@ -421,7 +441,8 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
         if cfg.out:
             shutdown.phase = (f"while writing the final model; --out {cfg.out} holds what it held before"
                               + (f" and {loop.last_saved.name}" if loop.last_saved is not None else ""))
-            save_final_model(state, cfg.out, run.tokenizer_dir, source_dir=run.source_dir, save_dtype=cfg.save_dtype)
+            save_final_model(state, cfg.out, run.tokenizer_dir, source_dir=run.source_dir, save_dtype=cfg.save_dtype,
+                             merge=cfg.merge, base_model=cfg.model)
         return metrics
 
 
