@@ -9,7 +9,8 @@ reports the steps after ``--warmup`` (excluded: compilation, allocator growth, f
 Model FLOPs per token are ``6 N + 6 L h S`` (weights, and causal attention at half of
 ``12 L h S``), recompute not counted, the same definition as the all-on-GPU and DeepSpeed baseline trainers use;
 for a mixture of experts N is the active parameters (the router and the top-k experts of each
-sparse layer, not every expert: :func:`flowtrain.model.config.model_flops_per_token`).
+sparse layer, not every expert: :func:`flowtrain.model.config.model_flops_per_token`); with
+``--lora-rank`` the frozen base counts ``4 N`` and the adapters ``6 N_adapter``.
 Busy fractions come from the executed trace: for each lane, the union of its tasks' intervals
 over the measured window, so they say where the time went. Beside the measured peaks (host RSS,
 GPU ``max_memory_allocated``, and the whole process's device memory as ``nvidia-smi`` would
@@ -41,7 +42,7 @@ if TYPE_CHECKING:
 #: the fields of ``TrainConfig`` that ``bench --model`` takes, with train's flags and checks
 #: (its defaults below: a benchmark measures long sequences, a few steps)
 BENCH_FIELDS = ("data", "packing", "seq_len", "batch_size", "micro_batch_size", "steps", "precision", "device",
-                "adam_workers", "order", *MEMORY_FIELDS, *KERNEL_FIELDS)
+                "adam_workers", "order", *MEMORY_FIELDS, *KERNEL_FIELDS, "lora_rank", "lora_alpha", "lora_targets")
 
 
 def add_model_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
@@ -58,18 +59,19 @@ def add_model_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) ->
     a("--trace", default=None, help="also write the executed trace (Chrome JSON)")
 
 
-def model_flops_per_token(model: str, seq_len: int) -> float:
+def model_flops_per_token(model: str, seq_len: int, adapter_params: int | None = None) -> float:
     from ..model.config import model_flops_per_token as per_token
     from ..train.trainer import load_model_config
 
     cfg, _ = load_model_config(model)
-    return per_token(cfg, seq_len)
+    return per_token(cfg, seq_len, adapter_params)
 
 
 def run_model(args: argparse.Namespace) -> dict:
     import numpy as np
     import torch
 
+    from ..plan.memory import adapter_numel, run_request
     from ..train.trainer import TrainConfig, load_model_config, prefer_expandable_segments, train
 
     policy = args.policy[0] if isinstance(args.policy, list) else (args.policy or "double_buffer")
@@ -91,6 +93,7 @@ def run_model(args: argparse.Namespace) -> dict:
             torch.cuda.reset_peak_memory_stats()
         plans: list = []
         metrics = train(cfg, instruments=[recorder], on_plan=plans.append)
+    adapters = adapter_numel(cfg_m, run_request(cfg)) if cfg.lora else None
     measured = metrics[args.warmup:]
     seconds = sum(m.seconds for m in measured)
     tok = sum(m.tokens for m in measured)
@@ -105,7 +108,7 @@ def run_model(args: argparse.Namespace) -> dict:
         "micro_batch_size": args.micro_batch_size, "policy": args.policy,
         "order": plans[-1].spec.order if plans else args.order, "steps_measured": len(measured),
         "tokens_per_s": round(tok_s, 1),
-        "model_tflops": round(tok_s * model_flops_per_token(args.model, args.seq_len) / 1e12, 1),
+        "model_tflops": round(tok_s * model_flops_per_token(args.model, args.seq_len, adapters) / 1e12, 1),
         "step_seconds": [round(m.seconds, 4) for m in measured],
         "loss": [round(m.loss, 4) for m in metrics],
         "host_peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
@@ -115,6 +118,8 @@ def run_model(args: argparse.Namespace) -> dict:
         "data": args.data,
         "packing": args.packing,
     }
+    if adapters is not None:
+        result.update(lora_rank=cfg.lora_rank, adapter_params=adapters)
     if plans:
         p = plans[0]
         result.update(layout=p.layout, resident=list(p.spec.resident), budgets=p.budgets,

@@ -29,6 +29,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="comma-separated layers whose attention output stays for the rebuild before backward, e.g. 0,1")
     p.add_argument("--processes", type=int, default=1, metavar="N",
                    help="data parallel: N processes of a node sharing the host state (reduce_grad, sync_step)")
+    p.add_argument("--lora", action="store_true",
+                   help="LoRA: the model frozen, each layer's adapters resident and trained (gpu_adam adapter)")
     p.add_argument("--steps", type=int, default=1, help="consecutive steps, linked by cpu_adam -> next fetch")
     p.add_argument("--out", required=True, help="output JSON file")
 
@@ -78,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
         save_attention=_layers(args.save_attention, "--save-attention"),
         reduce=args.processes > 1,
         share=args.processes,
+        lora=args.lora,
     ).validate()
     graph = compile_steps(spec, args.steps)
     write_graph(args.out, graph)

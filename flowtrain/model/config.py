@@ -924,6 +924,13 @@ PRESETS: dict[str, ModelConfig] = {
         max_position_embeddings=32768, bos_token_id=151643, eos_token_id=151643,
         architecture="Qwen2ForCausalLM",
     ),
+    # Qwen2.5-32B's shape (64 GB in bf16: a LoRA base, --lora-rank).
+    "qwen2.5-32b": ModelConfig(
+        vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_layers=64,
+        num_heads=40, num_kv_heads=8, qkv_bias=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=32768, bos_token_id=151643, eos_token_id=151643,
+        architecture="Qwen2ForCausalLM",
+    ),
     # Qwen3-8B's shape: per-head q/k norms, untied.
     "qwen3-8b": ModelConfig(
         vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
@@ -992,7 +999,7 @@ def preset(name: str) -> ModelConfig:
         ) from None
 
 
-def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
+def model_flops_per_token(cfg: ModelConfig, seq_len: int, adapter_params: int | None = None) -> float:
     """Model FLOPs per trained token, the benchmarks' convention: ``6 N + 6 L h S``.
 
     ``6 N``: a forward and a backward multiply-add per weight (2 + 4 FLOPs), N counting the
@@ -1000,9 +1007,16 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     products, half of ``12 L h S``. Recompute is not counted. For a mixture of experts, N is
     the *active* parameters (:meth:`ModelConfig.active_parameters`: attention, norms, each
     sparse layer's router and the num_experts_per_tok experts a token runs through, the dense
-    layers, the embeddings), since a token's forward multiplies by those weights only."""
+    layers, the embeddings), since a token's forward multiplies by those weights only.
+
+    LoRA (``adapter_params``: the adapters' parameters): ``4 N + 6 N_adapter + 6 L h S``. The
+    frozen base costs a forward and the backward's input gradients (2 + 2 FLOPs per weight, no
+    weight gradient), the adapters a full 6 each; the same count as the all-on-GPU PEFT run's."""
     n = cfg.active_parameters() if cfg.moe else cfg.num_parameters()
-    return 6.0 * n + 6.0 * cfg.num_layers * cfg.hidden_size * seq_len
+    attention = 6.0 * cfg.num_layers * cfg.hidden_size * seq_len
+    if adapter_params is not None:
+        return 4.0 * n + 6.0 * adapter_params + attention
+    return 6.0 * n + attention
 
 
 #: Tokens per micro-batch above which a layer's MLP runs in pieces of this many

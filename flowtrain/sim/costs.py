@@ -108,6 +108,10 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
     #: (``intermediate`` is then ``experts_per_token`` x each expert's width)
     experts: int = 0
     experts_per_token: int = 0
+    #: LoRA: the adapters' parameters (0: the whole model trains). The base's units then take
+    #: no weight gradient: a layer's backward runs its input gradients only, the loss no head
+    #: gradient, and each ``gpu_adam`` updates one layer's adapters (``numel["adapter.i"]``).
+    adapter_params: int = 0
 
     @property
     def per_node(self) -> int:
@@ -122,7 +126,7 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
 
     @staticmethod
     def unit_key(task: Task) -> str:
-        return f"layer.{task.layer}" if task.unit == "layer" else (task.unit or "layer")
+        return f"{task.unit}.{task.layer}" if task.layer is not None else (task.unit or "layer")
 
     def unit_numel(self, task: Task) -> int:
         key = self.unit_key(task)
@@ -132,8 +136,12 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
 
     def model_flops_per_token(self) -> float:
         """flowtrain's and the benchmarks' convention: 6 N + 6 L h S (recompute not counted; N
-        a mixture of experts' active parameters: :func:`flowtrain.model.config.model_flops_per_token`)."""
-        return 6.0 * self.params + 6.0 * self.layers * self.hidden * self.seq_len
+        a mixture of experts' active parameters; LoRA: 4 N + 6 N_adapter + 6 L h S:
+        :func:`flowtrain.model.config.model_flops_per_token`)."""
+        attention = 6.0 * self.layers * self.hidden * self.seq_len
+        if self.adapter_params:
+            return 4.0 * self.params + 6.0 * self.adapter_params + attention
+        return 6.0 * self.params + attention
 
 
 def _eff(dim: float, half: float) -> float:
@@ -200,8 +208,11 @@ class CostModel:
         routed = sw["ew_routed"] * s.experts_per_token * h if s.experts else 0.0
         ew = self.hbm_seconds(T * s.compute_bytes * (sw["ew_hidden"] * h + sw["ew_intermediate"] * i + routed))
         forward = gemms + attn_fwd + ew
-        accumulate = self.hbm_seconds(s.layer_numel * (s.compute_bytes + 8))
-        backward = forward + 2 * gemms + attn_bwd + 2 * ew + accumulate
+        if s.adapter_params:  # a frozen base: input gradients only (the adapters' GEMMs are thin)
+            backward = forward + gemms + attn_bwd + 2 * ew
+        else:
+            accumulate = self.hbm_seconds(s.layer_numel * (s.compute_bytes + 8))
+            backward = forward + 2 * gemms + attn_bwd + 2 * ew + accumulate
         return {"forward": forward, "backward": backward, "gemms": gemms, "attention": attn_fwd + attn_bwd,
                 "attention_forward": attn_fwd}
 
@@ -222,7 +233,8 @@ class CostModel:
     def _loss_seconds(self, backward: bool) -> float:
         s = self.s
         T, chunk = s.tokens, min(s.chunk_tokens, s.tokens)
-        gemms = (3 if backward else 1) * self.gemm_seconds(chunk, s.vocab, s.hidden, count=T / chunk)
+        products = 1 if not backward else 2 if s.adapter_params else 3  # a frozen head: no weight gradient
+        gemms = products * self.gemm_seconds(chunk, s.vocab, s.hidden, count=T / chunk)
         passes = self.sw["loss_logit_passes"] if backward else 3.0
         return gemms + self.hbm_seconds(passes * T * s.vocab * 4)
 

@@ -37,8 +37,13 @@ def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1, world: int = 
     """The :class:`Shape` of model ``cfg`` (a ``ModelConfig``) run under ``plan`` for ``req``."""
     from ..model import model_layouts
 
+    from ..plan.memory import adapter_numel
+
     layouts = model_layouts(cfg)
     numel = {lay.key: lay.numel for lay in layouts}
+    adapters = adapter_numel(cfg, req) if getattr(req, "lora_rank", 0) else 0
+    if adapters:  # every layer's adapters alike: the gpu_adam of each updates its share
+        numel.update({f"adapter.{i}": adapters // cfg.num_layers for i in range(cfg.num_layers)})
     layer_numel = max((lay.numel for lay in layouts if lay.unit == "layer"), default=0)
     # model FLOPs count the weights a token multiplies by: a mixture of experts' active ones
     params = cfg.active_parameters() if cfg.moe else sum(e.numel for lay in layouts for e in lay.entries)
@@ -50,12 +55,13 @@ def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1, world: int = 
                  heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, vocab=cfg.vocab_size,
                  seq_len=req.seq_len, micro_batch_size=req.micro_batch_size, layer_numel=layer_numel, numel=numel,
                  params=params, tied=cfg.tie_word_embeddings, chunk_tokens=plan.chunk_tokens,
-                 compute_bytes=compute_bytes, fetch_bytes=2 if plan.layout == "stream-bf16" else 4,
+                 compute_bytes=compute_bytes,
+                 fetch_bytes=compute_bytes if adapters else 2 if plan.layout == "stream-bf16" else 4,
                  refresh=plan.layout == "stream-bf16", grad_chunks=dict(plan.spec.grad_chunks),
                  adam_workers=adam_workers, world=world, nodes=nodes,
                  attention_backend=getattr(req, "attention_backend", "auto"),
                  experts=cfg.num_experts if sparse else 0, experts_per_token=cfg.num_experts_per_tok if sparse else 0,
-                 owned=plan.spec.owned_by(0))  # the simulated process is the node's first
+                 owned=plan.spec.owned_by(0), adapter_params=adapters)  # the simulated process is the node's first
 
 
 def predict_shape(shape: Shape, plan: Any, machine: Machine, policy: Any = "double_buffer", *,

@@ -64,13 +64,16 @@ FROM_SCRATCH = {"lr": 3e-3, "lr_schedule": "constant", "warmup_steps": 0, "weigh
 #: a pretrained model folder: a careful fine-tune (warm-up: 3% of the steps, at least 1)
 FINE_TUNE = {"lr": 2e-5, "lr_schedule": "cosine", "warmup_steps": None, "weight_decay": 0.01,
              "weight_decay_skip": "norms-biases"}
+#: LoRA adapters over a pretrained model: the common PEFT recipes' rate, ten times a full
+#: fine-tune's (the update is low-rank and starts at zero)
+LORA = {**FINE_TUNE, "lr": 2e-4, "weight_decay_skip": "none"}
 WARMUP_FRACTION = 0.03
 
 
-def optimizer_defaults(pretrained: bool, steps: int) -> dict:
+def optimizer_defaults(pretrained: bool, steps: int, lora: bool = False) -> dict:
     """The optimizer settings a run gets for what it does not set itself."""
     if not pretrained:
         return dict(FROM_SCRATCH)
-    out = dict(FINE_TUNE)
+    out = dict(LORA if lora else FINE_TUNE)
     out["warmup_steps"] = max(1, round(WARMUP_FRACTION * steps))
     return out

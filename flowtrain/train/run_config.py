@@ -90,7 +90,8 @@ class TrainConfig(msgspec.Struct, kw_only=True):
 
     steps: Annotated[int, Setting("optimizer steps", ge=1, group=SCHEDULE)] = defaults.STEPS
     lr: Annotated[float | None, Setting(
-        "peak learning rate; " + _BOTH.format(_TUNE["lr"], _SCRATCH["lr"]), ge=0.0, group=SCHEDULE)] = None
+        "peak learning rate; " + _BOTH.format(_TUNE["lr"], _SCRATCH["lr"])
+        + f"; LoRA over a model folder: {defaults.LORA['lr']:g}", ge=0.0, group=SCHEDULE)] = None
     warmup_steps: Annotated[int | None, Setting(
         "linear warm-up steps; " + _BOTH.format(f"{defaults.WARMUP_FRACTION * 100:.0f}%% of --steps",
                                                 _SCRATCH["warmup_steps"]), ge=0, group=SCHEDULE)] = None

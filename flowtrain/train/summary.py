@@ -27,6 +27,8 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from ..model.adapters import DEFAULT_TARGETS
+
 if TYPE_CHECKING:
     from ..data.source import Sequences
     from .trainer import Run
@@ -107,6 +109,13 @@ def data_description(seqs: "Sequences") -> str:
     return "; ".join(parts)
 
 
+def lora_params(run: "Run") -> int:
+    """The parameters a LoRA run trains: every layer's adapters."""
+    from ..plan.memory import adapter_numel, run_request
+
+    return adapter_numel(run.mcfg, run_request(run.cfg))
+
+
 def summary_lines(run: "Run") -> list[str]:
     cfg, m, plan = run.cfg, run.mcfg, run.plan
     gib = 1 << 30
@@ -118,14 +127,19 @@ def summary_lines(run: "Run") -> list[str]:
         f"model      {cfg.model or ('tiny' if run.model_dir is None else run.model_dir)}: {m.architecture}, "
         f"{size} parameters, {source}" + (", tied embeddings" if m.tie_word_embeddings else ""),
         f"device     {run.device} ({'fp32' if run.dtype == torch.float32 else 'bf16'} compute, "
-        "fp32 master weights and Adam state)",
-        f"memory     layout {plan.layout}; " + (
+        + ("the base frozen in it; fp32 adapters and their Adam state on the device)" if cfg.lora else
+           "fp32 master weights and Adam state)"),
+        "memory     " + ("the frozen base in the compute dtype; " if cfg.lora else f"layout {plan.layout}; ") + (
             f"resident on the GPU: {_ranges(plan.spec.resident)}; planned host {plan.host_total / gib:.1f} GiB, "
             f"GPU {plan.gpu_total / gib:.1f} GiB" if plan.device == "cuda"
             else f"everything in host memory; planned {plan.host_total / gib:.1f} GiB")
         + (f" ({plan.placement_choice})" if plan.placement_choice else ""),
         f"activations {activation_placement(plan.spec)}",
     ]
+    if cfg.lora:
+        lines.append(f"lora       rank {cfg.lora_rank}, alpha {cfg.lora_alpha:g} on "
+                     f"{','.join(cfg.lora_targets or DEFAULT_TARGETS)}: {lora_params(run):,} trained parameters, "
+                     + (f"from {cfg.adapter}" if cfg.adapter else "fresh (B zero: the base's outputs)"))
     world = getattr(run, "world", None)
     if world is not None and world.parallel:
         shared = (f"; the node's {plan.spec.share} processes share one host copy of the state, planned "
@@ -152,7 +166,8 @@ def summary_lines(run: "Run") -> list[str]:
                  f"lr {cfg.lr:g} {sched}, weight decay {cfg.weight_decay:g}"
                  + (" (none on norms and biases)" if cfg.weight_decay_skip == "norms-biases" else ""))
     if cfg.out:
-        out = f"model to {cfg.out}"
+        what = ("the merged model" if cfg.merge else "the PEFT adapter") if cfg.lora else "model"
+        out = f"{what} to {cfg.out}"
         if cfg.save_every:
             out += (f"; checkpoints every {cfg.save_every} steps to {cfg.out}/checkpoint-STEP"
                     + (f" (keep {cfg.save_total_limit})" if cfg.save_total_limit else ""))

@@ -131,7 +131,7 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
     elif model_dir is not None:  # a folder without weights, or with a tensor missing: refused before allocating
         check_weight_headers(model_dir, mcfg, require=True)
     validate(cfg, mcfg)
-    cfg = _with_adapter_spec(cfg)
+    cfg = _with_lora_spec(cfg)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.precision, device)
     adamw_config(cfg).validate()
@@ -159,12 +159,14 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
                world=world)
 
 
-def _with_adapter_spec(cfg: TrainConfig) -> TrainConfig:
-    """A run from ``--adapter`` takes that adapter's rank, alpha, targets and dropout (a folder
-    that is not a PEFT LoRA adapter flowtrain runs is refused here, naming the setting)."""
-    if cfg.adapter is None:
+def _with_lora_spec(cfg: TrainConfig) -> TrainConfig:
+    """A LoRA run with every adapter setting filled in: from ``--adapter`` that adapter's rank,
+    alpha, targets and dropout (a folder that is not a PEFT LoRA adapter flowtrain runs is
+    refused here, naming the setting), else the flags' with their defaults."""
+    if not cfg.lora:
         return cfg
-    spec = read_spec(cfg.adapter)
+    spec = read_spec(cfg.adapter) if cfg.adapter is not None else lora_spec(cfg)
+    assert spec is not None
     if spec.dropout:
         raise ConfigError(f"{{adapter}} {cfg.adapter}: its lora_dropout {spec.dropout:g} is not run yet (dropout on "
                           f"the adapters' input); set it to 0 in its adapter_config.json to train it so", named=True)
@@ -285,7 +287,7 @@ def _source_dir(model_dir: Path | None, resume_state: dict) -> Path | None:
 def resolve_defaults(cfg: TrainConfig, *, pretrained: bool, saved: dict | None) -> TrainConfig:
     """``cfg`` with its unset optimizer fields filled: from the resumed checkpoint's settings,
     else by where the weights come from (:func:`~flowtrain.train.defaults.optimizer_defaults`)."""
-    fallback = defaults.optimizer_defaults(pretrained, cfg.steps)
+    fallback = defaults.optimizer_defaults(pretrained, cfg.steps, cfg.lora)
     fill = {}
     for name, value in fallback.items():
         if getattr(cfg, name) is None:
