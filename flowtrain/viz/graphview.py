@@ -64,9 +64,9 @@ def color(kind: str) -> str:
 
 
 def short_label(t: Task) -> str:
-    """``fwd L3 m1``, ``fetch L2 b``, ``adam head s1``: fits in a node box."""
+    """``fwd L3 m1``, ``fetch L2 b``, ``adam head s1``, ``gadam adapter L3``: fits in a node box."""
     parts = [_SHORT.get(t.kind, t.kind)]
-    if t.unit in ("embed", "head") and t.unit != t.kind and t.kind != "embed_backward":
+    if t.unit in ("embed", "head", "adapter") and t.unit != t.kind and t.kind != "embed_backward":
         parts.append(t.unit)
     if t.layer is not None:
         parts.append(f"L{t.layer}")

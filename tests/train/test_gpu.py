@@ -122,3 +122,27 @@ def test_probe_measures_attention_by_length_for_each_kernel(tmp_path):
         assert [seq for seq, _ in points] == [2048, 8192] and all(rate > 0 for _, rate in points)
     machine = load_machine(out)
     assert machine.attention_rate("flash", 4096) is not None
+
+
+def _adapter(tmp_path, device, precision, compile="none", **kw):
+    from safetensors.torch import load_file
+
+    out = tmp_path / f"lora-{device}-{precision}-{compile}"
+    cfg = TrainConfig(model="tiny", steps=4, batch_size=8, micro_batch_size=4, seq_len=64, device=device,
+                      precision=precision, out=str(out), progress=False, compile=compile, lora_rank=4, **kw)
+    metrics = train(cfg)
+    return load_file(out / "adapter_model.safetensors"), metrics
+
+
+@pytest.mark.filterwarnings("ignore")  # inductor and its dependencies warn while compiling; numbers matter here
+@pytest.mark.parametrize("placement", [{}, {"activations": "keep"}, {"activations": "offload"}])
+def test_cuda_lora_matches_cpu(tmp_path, placement):
+    """LoRA on the GPU: fp32 and compiled trains the CPU's adapters; bf16 (a bf16 base streamed
+    as it is, fp32 adapters) trains them within bf16's rounding, and its loss falls."""
+    cpu, _ = _adapter(tmp_path, "cpu", "fp32", **placement)
+    gpu, _ = _adapter(tmp_path, "cuda", "fp32", compile="inductor", **placement)
+    bf16, metrics = _adapter(tmp_path, "cuda", "bf16", compile="inductor", **placement)
+    assert metrics[-1].loss < metrics[0].loss
+    for name, ref in cpu.items():
+        assert float((gpu[name] - ref).norm() / ref.norm()) < 1e-3, name
+        assert float((bf16[name] - ref).norm() / ref.norm()) < 5e-2, name

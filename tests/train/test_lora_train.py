@@ -10,6 +10,7 @@ and the frozen base must be untouched.
 from __future__ import annotations
 
 import json
+import shutil
 
 import pytest
 import torch
@@ -141,11 +142,65 @@ def test_fresh_adapter_and_merge(setup, tmp_path):
     torch.testing.assert_close(merged(input_ids=ids).logits, expect(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
 
-def test_base_is_not_trained(setup, tmp_path):
-    """The adapter's PEFT model over the untouched base gives the loss flowtrain reported, and
-    ``--out`` holds an adapter only (no model weights)."""
+def test_held_out_loss_reads_the_adapters(setup, tmp_path):
+    """``--eval-data`` with LoRA: the last held-out loss is that of the base with the trained
+    adapters, which ``--merge`` writes as a model for transformers to compute it from."""
+    from test_eval import hf_eval_loss, make_eval_rows, read_metrics
+
+    d, _, _ = setup
+    rows = make_eval_rows(tmp_path / "eval.jsonl")
+    run_lora(d / "model", d / "data.jsonl", tmp_path / "merged", "--adapter", str(d / "adapter"), "--merge",
+             "--eval-data", str(tmp_path / "eval.jsonl"), "--eval-every", str(STEPS),
+             "--metrics", str(tmp_path / "m.jsonl"))
+    _, evals = read_metrics(tmp_path / "m.jsonl")
+    want, n = hf_eval_loss(tmp_path / "merged", rows)
+    assert evals[-1]["eval_tokens"] == n
+    assert evals[-1]["eval_loss"] == pytest.approx(want, rel=1e-5)
+
+
+def test_out_holds_the_adapter_only(setup, tmp_path):
+    """``--out`` of a LoRA run is a PEFT adapter folder: no model weights beside it."""
     d, _, _ = setup
     run_lora(d / "model", d / "data.jsonl", tmp_path / "out", "--adapter", str(d / "adapter"))
     names = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert "adapter_model.safetensors" in names and "adapter_config.json" in names
-    assert not any(n.startswith("model") and n.endswith(".safetensors") for n in names)
+    assert not any(n.startswith("model") and n.endswith(".safetensors") for n in names), names
+
+
+@pytest.mark.parametrize("flags, says", [
+    (("--lora-alpha", "8"), "--lora-alpha is for LoRA"),
+    (("--merge",), "--merge is for LoRA"),
+    (("--lora-rank", "4", "--lora-targets", "q_proj,wq"), "unknown --lora-targets wq"),
+    (("--lora-rank", "4", "--lora-dropout", "0.1"), "--lora-dropout is not run yet"),
+    (("--lora-rank", "4", "--save-every", "1"), "checkpoints of a LoRA run"),
+    (("--lora-rank", "0",), "--lora-rank"),
+])
+def test_bad_lora_flags_are_refused_in_one_line(setup, tmp_path, capsys, flags, says):
+    d, _, _ = setup
+    args = ["train", "--model", str(d / "model"), "--data", str(d / "data.jsonl"), "--steps", "1",
+            "--batch-size", "4", "--micro-batch-size", "2", "--seq-len", str(SEQ), "--device", "cpu",
+            "--out", str(tmp_path / "out"), *flags]
+    assert main(args) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_adapter_folders_flowtrain_cannot_run_are_refused(setup, tmp_path, capsys):
+    """``--adapter`` with its own rank given again, an adapter with dropout, or a folder that is
+    no adapter: one line each, nothing written."""
+    d, _, _ = setup
+    base = ["train", "--model", str(d / "model"), "--data", str(d / "data.jsonl"), "--steps", "1",
+            "--batch-size", "4", "--micro-batch-size", "2", "--seq-len", str(SEQ), "--device", "cpu",
+            "--out", str(tmp_path / "out")]
+    dropout = tmp_path / "dropout"
+    shutil.copytree(d / "adapter", dropout)
+    config = json.loads((dropout / "adapter_config.json").read_text())
+    (dropout / "adapter_config.json").write_text(json.dumps({**config, "lora_dropout": 0.05}))
+    for extra, says in [(("--adapter", str(d / "adapter"), "--lora-rank", "4"), "--adapter brings its own rank"),
+                        (("--adapter", str(dropout)), "lora_dropout 0.05 is not run yet"),
+                        (("--adapter", str(d / "model")), "not a PEFT adapter folder")]:
+        assert main([*base, *extra]) != 0
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+        assert not (tmp_path / "out").exists()
