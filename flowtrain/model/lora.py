@@ -35,14 +35,16 @@ __all__ = ["adapted", "has_adapter", "init_adapter", "merge_adapter", "project"]
 def project(x: Tensor, w: Mapping[str, Tensor], key: str, bias: Tensor | None = None) -> Tensor:
     """``x W^T + b`` for ``W = w[key]``, plus ``scale * (x A^T) B^T`` where ``w`` holds the
     adapter ``key.lora_A`` / ``key.lora_B`` (PEFT's unmerged form: the low-rank product is never
-    formed as a full matrix). The update is computed in the adapter's dtype (fp32 adapters
-    over a bf16 base, as PEFT runs them) and added in the base's."""
+    formed as a full matrix). The update runs in the input's dtype, the fp32 adapters cast to it
+    (bf16 on a GPU, as PEFT's adapters run under autocast; their gradients reach the fp32
+    adapters): casting the input up instead would copy a layer's widest activation, the MLP's
+    intermediate, to fp32 for the down projection's adapter."""
     y = F.linear(x, w[key], bias)
     a = w.get(f"{key}.lora_A")
     if a is None:
         return y
-    update = F.linear(F.linear(x.to(a.dtype), a), w[f"{key}.lora_B"]) * w["lora_scale"]
-    return y + update.to(y.dtype)
+    dt = x.dtype
+    return y + F.linear(F.linear(x, a.to(dt)), w[f"{key}.lora_B"].to(dt)) * w["lora_scale"].to(dt)
 
 
 def has_adapter(w: Mapping[str, Tensor], *keys: str) -> bool:

@@ -415,6 +415,8 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
     }
     if lora:  # fp32 adapters, their gradient and Adam moments, all on the device
         gpu["adapters"] = 16 * adapter_numel(cfg, req)
+        # a map's low-rank update beside its output, then scaled: two more of the widest output
+        gpu["lora_work"] = 2 * cbytes * tokens * max(cfg.intermediate_size, cfg.hidden_size)
     if req.activations == "offload":  # all offloaded here; _bring_back returns what fits (auto)
         host["offloaded_activations"] = gpu["checkpoints"]
         gpu.update(_offloading_gpu(req, hidden))
