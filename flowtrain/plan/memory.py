@@ -415,8 +415,12 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
     }
     if lora:  # fp32 adapters, their gradient and Adam moments, all on the device
         gpu["adapters"] = 16 * adapter_numel(cfg, req)
-        # a map's low-rank update beside its output, then scaled: two more of the widest output
-        gpu["lora_work"] = 2 * cbytes * tokens * max(cfg.intermediate_size, cfg.hidden_size)
+        # beside a map's own work: in the forward its low-rank update and the sum (two of its
+        # output); in the backward the update's output gradient and the adapter's input gradient
+        # added to the base's (one of its output, two of its input). The MLP's intermediate is
+        # the widest of both, and all three may be live at once: llama-8b at 16,384 tokens under
+        # --gpu-mem 10 ran out of memory in its second step's backward with two counted.
+        gpu["lora_work"] = 3 * cbytes * tokens * max(cfg.intermediate_size, cfg.hidden_size)
     if req.activations == "offload":  # all offloaded here; _bring_back returns what fits (auto)
         host["offloaded_activations"] = gpu["checkpoints"]
         gpu.update(_offloading_gpu(req, hidden))
