@@ -33,7 +33,7 @@ from flowtrain.model.layout import UnitLayout, bind
 
 from .hf import fsync_dir, write_safetensors
 
-__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "read_adapter", "read_spec", "save_adapter"]
+__all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "adapter_config_text", "read_adapter", "read_spec", "save_adapter"]
 
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
@@ -61,6 +61,11 @@ def _config(spec: LoraSpec, base_model: str | None) -> dict[str, Any]:
             **_UNSUPPORTED}
 
 
+def adapter_config_text(spec: LoraSpec, base_model: str | None = None) -> str:
+    """The ``adapter_config.json`` PEFT reads for adapters of ``spec`` over ``base_model``."""
+    return json.dumps(_config(spec, base_model), indent=2) + "\n"
+
+
 def save_adapter(out_dir: str | os.PathLike[str], spec: LoraSpec, layouts: Sequence[UnitLayout],
                  flats: Sequence[Tensor], base_model: str | None = None, dtype: torch.dtype = torch.float32) -> None:
     """Write ``flats`` (one buffer per adapter layout) as a PEFT adapter in ``out_dir``: the
@@ -74,7 +79,7 @@ def save_adapter(out_dir: str | os.PathLike[str], spec: LoraSpec, layouts: Seque
     os.replace(tmp, out / ADAPTER_WEIGHTS)
     tmp = out / f".{ADAPTER_CONFIG}.tmp"
     with open(tmp, "w") as f:
-        f.write(json.dumps(_config(spec, base_model), indent=2) + "\n")
+        f.write(adapter_config_text(spec, base_model))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, out / ADAPTER_CONFIG)

@@ -81,7 +81,8 @@ from safetensors import SafetensorError, safe_open
 from ..errors import CheckpointError
 from ..model import ModelConfig, UnitLayout
 from ..model.layout import hub_tensors
-from .hf import CONFIG_NAME, INDEX_NAME, fsync_dir, hf_config_text, unit_tensors, write_safetensors
+from .adapter_files import ADAPTER_CONFIG
+from .hf import CONFIG_NAME, INDEX_NAME, fsync_dir, hf_config_text, load_into, unit_tensors, write_safetensors
 
 if TYPE_CHECKING:  # the state is training's; a checkpoint only reads and fills it
     from ..train.host_state import HostState, UnitState
@@ -220,10 +221,13 @@ class CheckpointWriter:
     """
 
     def __init__(self, root: str | os.PathLike[str], step: int, cfg: ModelConfig,
-                 layouts: Sequence[UnitLayout], source_config: dict | None = None) -> None:
+                 layouts: Sequence[UnitLayout], source_config: dict | None = None,
+                 adapter_config: str | None = None) -> None:
         """``source_config``: the ``config.json`` of the model the run started from, which the
         checkpoint's ``config.json`` keeps key for key but for the dtype (fp32); without one,
-        flowtrain writes its own (:func:`~flowtrain.ckpt.hf.hf_config_text`)."""
+        flowtrain writes its own (:func:`~flowtrain.ckpt.hf.hf_config_text`). With LoRA the
+        layouts are the adapters' and ``adapter_config`` the text of their PEFT
+        ``adapter_config.json``, which the checkpoint keeps beside the base's ``config.json``."""
         if step < 0:
             raise ValueError(f"CheckpointWriter: step must not be negative (got {step})")
         self.root = Path(root)
@@ -231,6 +235,7 @@ class CheckpointWriter:
         self.cfg = cfg
         self.layouts = list(layouts)
         self.source_config = source_config
+        self.adapter_config = adapter_config
         self.final = self.root / f"checkpoint-{step}"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -333,6 +338,8 @@ class CheckpointWriter:
             CONFIG_NAME: hf_config_text(self.cfg, torch.float32, self.source_config),
             TRAINER_STATE_NAME: json.dumps(trainer_state, indent=2) + "\n",
         }
+        if self.adapter_config is not None:
+            small[ADAPTER_CONFIG] = self.adapter_config
         try:
             for name, text in small.items():
                 self._files[name] = _write_file(self.tmp / name, text.encode())
@@ -553,15 +560,18 @@ def _short(value: object, most: int = 120) -> str:
 
 
 def load_training_state(path: str | os.PathLike[str], state: HostState) -> Path:
-    """Fill every unit of ``state`` from a checkpoint: masters (through :func:`load_into`),
-    Adam moments and step counts, in place (resident units on their device); then refresh
-    the compute / streaming copies. Returns the checkpoint's path.
+    """Fill every trained unit of ``state`` from a checkpoint: masters (through
+    :func:`load_into`), Adam moments and step counts, in place (resident units on their device);
+    then refresh the compute / streaming copies. Returns the checkpoint's path. With LoRA the
+    trained units are the adapters: a LoRA checkpoint holds them, and the base comes from the
+    model the run started from (loaded into ``state`` before this).
 
     Refuses, naming the file and tensor, a checkpoint whose units or shapes differ from the
     model's or that holds NaN or inf. Call :func:`read_checkpoint` first to check the files.
     """
     ckpt = latest_checkpoint(path)
-    n = len(state.units)
+    units = state.trained
+    n = len(units)
     found = sorted(ckpt.glob("optimizer-*-of-*.safetensors"))
     expected = [optimizer_file(i, n) for i in range(n)]
     if [f.name for f in found] != expected:
@@ -569,10 +579,16 @@ def load_training_state(path: str | os.PathLike[str], state: HostState) -> Path:
             f"{ckpt.name} holds {len(found)} optimizer shard(s) ({found[0].name if found else 'none'}, ...), "
             f"but the model has {n} units ({expected[0]}, ...); it was saved for another model"
         )
-    for i, unit in enumerate(state.units):  # check every header before touching the state
+    for i, unit in enumerate(units):  # check every header before touching the state
         _check_header(ckpt / expected[i], unit.layout)
-    state.load_checkpoint(ckpt)  # masters, refused if not finite
-    for i, unit in enumerate(state.units):
+    if state.lora is None:
+        state.load_checkpoint(ckpt)  # masters, refused if not finite
+    else:
+        load_into(ckpt, state.cfg, [u.layout for u in units], [u.master for u in units])
+        for unit in units:
+            if not all_finite(unit.master):
+                raise CheckpointError(f"{ckpt.name}: the adapters of {unit.layout.key} hold NaN or inf")
+    for i, unit in enumerate(units):
         _load_moments(ckpt / expected[i], unit)
     state.refresh_copies()
     return ckpt

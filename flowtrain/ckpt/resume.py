@@ -42,7 +42,8 @@ FORMAT = 1
 #: TrainConfig fields that decide what the remaining steps compute (an error names the field;
 #: the command line spells it as its flag)
 MUST_MATCH = ("batch_size", "seq_len", "lr", "weight_decay", "betas", "eps", "grad_clip", "warmup_steps",
-              "lr_schedule", "min_lr", "seed", "shuffle", "packing", "weight_decay_skip")
+              "lr_schedule", "min_lr", "seed", "shuffle", "packing", "weight_decay_skip", "lora_rank", "lora_alpha",
+              "lora_targets", "lora_dropout")
 #: Learning-rate schedules whose rates depend on ``--steps``: they decay until the last step.
 DECAYING = ("cosine", "linear")
 

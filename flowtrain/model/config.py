@@ -1045,13 +1045,15 @@ _MAX_HEADER_BYTES = 100_000_000
 _FLOAT_DTYPES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}
 
 
-def read_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
+def read_config(model_dir: str | os.PathLike[str], *, weights: bool = True) -> ModelConfig:
     """The :class:`ModelConfig` of a Hugging Face model directory.
 
     Where the directory holds weights, their safetensors headers are checked against the config
     too (:func:`check_weight_headers`): a few kilobytes read, so a wrong or damaged checkpoint
     is refused before the host state it would be loaded into is allocated. A directory with
-    ``config.json`` alone is accepted (``flowtrain plan`` and ``simulate`` need no weights)."""
+    ``config.json`` alone is accepted (``flowtrain plan`` and ``simulate`` need no weights).
+    Without ``weights`` the headers are not checked: a LoRA checkpoint keeps its base's
+    ``config.json`` beside the adapters' weights."""
     path = Path(model_dir)
     if not path.is_dir():
         raise CheckpointError(f"model directory {str(path)!r} does not exist or is not a directory")
@@ -1061,7 +1063,8 @@ def read_config(model_dir: str | os.PathLike[str]) -> ModelConfig:
             f"{str(path)!r} has no {CONFIG_NAME}; point at a Hugging Face model directory"
         )
     cfg = ModelConfig.from_hf(_read_json(cfg_path))
-    check_weight_headers(path, cfg)
+    if weights:
+        check_weight_headers(path, cfg)
     return cfg
 
 

@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING
 import networkx as nx
 
 from ..ckpt import checkpoints
+from ..ckpt.adapter_files import adapter_config_text
 from ..ckpt.output import read_source_config
 from ..ckpt.resume import trainer_state
 from ..data.source import step_batches, tokenizer_files
@@ -230,8 +231,10 @@ class TrainingLoop:
 
     # ---- checkpoints -----------------------------------------------------------------------
     def _open_checkpoint(self, s: int) -> None:
-        writer = checkpoints.CheckpointWriter(self.cfg.out, s + 1, self.state.cfg, self.state.layouts,  # type: ignore[arg-type]
-                                              source_config=self.source_config)
+        lora = self.state.lora  # a LoRA checkpoint holds the adapters (the base is the model's own)
+        writer = checkpoints.CheckpointWriter(self.cfg.out, s + 1, self.state.cfg,  # type: ignore[arg-type]
+                                              [u.layout for u in self.state.trained], source_config=self.source_config,
+                                              adapter_config=adapter_config_text(lora, self.cfg.model) if lora else None)
         self.writers[s] = writer
         self.program.checkpoints[s] = writer
 

@@ -303,9 +303,8 @@ def _validate_lora(cfg: TrainConfig) -> None:
     lora_spec(cfg)
     if cfg.merge and not cfg.out:
         raise ConfigError("{merge} writes the merged model to {out}: give {out} DIR", named=True)
-    if cfg.save_every is not None or cfg.resume is not None:
-        raise ConfigError("checkpoints of a LoRA run are not written or resumed yet: leave out {save_every} and "
-                          "{resume} (the final adapter goes to {out})", named=True)
+    if cfg.adapter is not None and cfg.resume is not None:
+        raise ConfigError("{resume} continues the checkpoint's own adapters: leave out {adapter}", named=True)
     if cfg.lora_dropout:
         raise ConfigError("{lora_dropout} is not run yet: train without it (PEFT's default, 0)", named=True)
 

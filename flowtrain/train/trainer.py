@@ -42,7 +42,7 @@ from ..errors import CheckpointError, ConfigError, PlanError
 from ..graph.tasks import GRADS, HOST_GRADS, WEIGHTS
 from ..model import ModelConfig, read_config
 from ..model.attention import attention_backends
-from ..model.config import MLP_CHUNK_TOKENS, check_weight_headers
+from ..model.config import MLP_CHUNK_TOKENS, PRESETS, check_weight_headers
 from ..plan.host_layout import check_units_fit
 from ..plan.memory import Plan, cap_gpu_memory, run_request
 from ..policy import resolve_policy
@@ -98,6 +98,9 @@ class Run:
     resume_state: dict = field(default_factory=dict)
     tokenizer_dir: Path | None = None  # whose tokenizer files go with every saved model
     source_dir: Path | None = None  # the pretrained folder whose config.json the final model keeps
+    #: LoRA: the base's weights (a model folder; None for a preset's seeded ones), which no
+    #: checkpoint of the run holds
+    base_dir: Path | None = None
     eval_seqs: Sequences | None = None  # the held-out set of --eval-data
     world: World = field(default_factory=World)  # the data-parallel processes (torchrun)
 
@@ -114,20 +117,24 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
     if cfg.out:
         check_free(cfg.out)  # another run writing there: refuse before reading or checking it
     resume_from, resume_state = _find_resume(cfg)
+    cfg = _resumed_lora(cfg, resume_state, resume_from)
     check_output_paths(cfg.out, cfg.overwrite, cfg.trace, cfg.metrics, resume=resume_from)
     _check_nothing_replaced(cfg, resume_from, resume_state)
     model = cfg.model or (str(resume_from) if resume_from else "tiny")
     mcfg, model_dir = load_model_config(model)
+    base_dir = model_dir
     cfg = resolve_defaults(cfg, pretrained=model_dir is not None, saved=resume_state.get("settings"))
     check_fields(cfg)
     mcfg.validate()
     check_units_fit(mcfg, cfg.host_mem, None if cfg.gpu_mem is None else int(cfg.gpu_mem * 2**30))  # before sizing anything
     if resume_from is not None:
-        saved_cfg = read_config(resume_from)
+        saved_cfg = read_config(resume_from, weights=not cfg.lora)  # a LoRA checkpoint: the adapters' weights
         if saved_cfg != mcfg:
             raise ConfigError(f"{{resume}} {resume_from}: it holds a different model than {{model}} {cfg.model} "
                               f"(config.json differs); leave out {{model}} to continue the checkpoint's model", named=True)
         model_dir = resume_from  # its tokenizer files travel with every checkpoint
+        if cfg.lora and base_dir is not None:  # the base, which the checkpoint does not hold
+            check_weight_headers(base_dir, mcfg, require=True)
     elif model_dir is not None:  # a folder without weights, or with a tensor missing: refused before allocating
         check_weight_headers(model_dir, mcfg, require=True)
     validate(cfg, mcfg)
@@ -156,7 +163,27 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
         raise PlanError(plan.refusal())
     return Run(cfg, mcfg, model_dir, device, dtype, plan, schedule, seqs, data_fp, resume_from, resume_state,
                tokenizer_dir=tokenizer_dir, source_dir=_source_dir(model_dir, resume_state), eval_seqs=eval_seqs,
-               world=world)
+               world=world, base_dir=base_dir)
+
+
+def _resumed_lora(cfg: TrainConfig, resume_state: dict, resume_from: Path | None) -> TrainConfig:
+    """Resuming a LoRA run: its adapters' settings and its base model from the checkpoint's
+    settings where not given (the base's weights are not in the checkpoint: the base is the
+    model the run started from, ``--model`` to name it where it moved)."""
+    saved = resume_state.get("settings", {})
+    if resume_from is None or saved.get("lora_rank") is None:
+        return cfg
+    if cfg.adapter is not None:
+        raise ConfigError("{resume} continues the checkpoint's own adapters: leave out {adapter}", named=True)
+    fill = {k: saved[k] for k in ("lora_rank", "lora_alpha", "lora_targets") if getattr(cfg, k) is None}
+    if "lora_targets" in fill:
+        fill["lora_targets"] = tuple(fill["lora_targets"])
+    if cfg.model is None:
+        fill["model"] = saved.get("model")
+        if fill["model"] is None or not (fill["model"] in PRESETS or Path(fill["model"]).is_dir()):
+            raise ConfigError(f"{{resume}} {resume_from} holds LoRA adapters, not their base model, which was "
+                              f"{fill['model']!r} and is not there: name the base with {{model}}", named=True)
+    return msgspec.structs.replace(cfg, **fill)
 
 
 def _with_lora_spec(cfg: TrainConfig) -> TrainConfig:
@@ -344,6 +371,11 @@ def build_state(run: Run) -> tuple[HostState, StepProgram]:
                              device=run.device, dtype=run.dtype, chunks=spec.grad_chunks,
                              world=run.world if spec.share > 1 else None, lora=lora_spec(cfg))
     if run.resume_from is not None:
+        if state.lora is not None:  # the base first: the checkpoint holds the adapters
+            if run.base_dir is None:
+                state.init_random(cfg.seed)
+            else:
+                state.load_checkpoint(run.base_dir)
         checkpoints.load_training_state(run.resume_from, state)
         restore_rng(run.resume_state)
     elif run.model_dir is None:

@@ -58,13 +58,16 @@ def adapter_tensors(model):
     return {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" in n}
 
 
-def run_lora(base_dir, data, out, *extra):
-    args = ["train", "--model", str(base_dir), "--data", str(data), "--steps", str(STEPS),
+def lora_args(data, out, *extra):
+    return ["train", "--data", str(data), "--steps", str(STEPS),
             "--batch-size", str(ROWS), "--micro-batch-size", "2", "--seq-len", str(SEQ), "--no-shuffle",
             "--lr", "0.01", "--weight-decay", "0.1", "--betas", "0.9,0.95", "--eps", "1e-6",
             "--device", "cpu", "--precision", "fp32", "--out", str(out), "--no-progress",
             "--lr-schedule", "constant", "--warmup-steps", "0", "--weight-decay-skip", "none", "--no-packing", *extra]
-    assert main(args) == 0
+
+
+def run_lora(base_dir, data, out, *extra):
+    assert main(lora_args(data, out, "--model", str(base_dir), *extra)) == 0
 
 
 def assert_same_adapter(base_dir, out, ref):
@@ -172,7 +175,6 @@ def test_out_holds_the_adapter_only(setup, tmp_path):
     (("--merge",), "--merge is for LoRA"),
     (("--lora-rank", "4", "--lora-targets", "q_proj,wq"), "unknown --lora-targets wq"),
     (("--lora-rank", "4", "--lora-dropout", "0.1"), "--lora-dropout is not run yet"),
-    (("--lora-rank", "4", "--save-every", "1"), "checkpoints of a LoRA run"),
     (("--lora-rank", "0",), "--lora-rank"),
 ])
 def test_bad_lora_flags_are_refused_in_one_line(setup, tmp_path, capsys, flags, says):
@@ -204,3 +206,42 @@ def test_adapter_folders_flowtrain_cannot_run_are_refused(setup, tmp_path, capsy
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0], err
         assert not (tmp_path / "out").exists()
+
+
+def test_checkpoint_and_resume_continue_exactly(setup, tmp_path):
+    """A LoRA run saved after two steps and resumed (from the checkpoint alone: the base's path
+    and the adapters' settings come from it) ends with the adapters of the uninterrupted run, bit
+    for bit; the checkpoint holds the adapters, their Adam state and a PEFT adapter_config.json,
+    not the base."""
+    d, _, _ = setup
+    run_lora(d / "model", d / "data.jsonl", tmp_path / "straight", "--adapter", str(d / "adapter"))
+    run_lora(d / "model", d / "data.jsonl", tmp_path / "saved", "--adapter", str(d / "adapter"), "--save-every", "2")
+    ckpt = tmp_path / "saved" / "checkpoint-2"
+    config = json.loads((ckpt / "adapter_config.json").read_text())
+    assert config["r"] == 4 and config["base_model_name_or_path"] == str(d / "model")
+    from safetensors import safe_open
+
+    names = set()
+    for f in ckpt.glob("model-*.safetensors"):
+        with safe_open(str(f), framework="pt") as st:
+            names |= set(st.keys())
+    assert names and all("lora_" in n for n in names), sorted(names)[:3]
+
+    assert main(lora_args(d / "data.jsonl", tmp_path / "resumed", "--resume", str(ckpt))) == 0
+    straight = adapter_tensors(peft_model(d / "model", tmp_path / "straight"))
+    resumed = adapter_tensors(peft_model(d / "model", tmp_path / "resumed"))
+    assert straight.keys() == resumed.keys()
+    for name, t in straight.items():
+        assert torch.equal(t, resumed[name]), name
+
+
+def test_resume_refuses_another_adapter_or_rank(setup, tmp_path, capsys):
+    d, _, _ = setup
+    run_lora(d / "model", d / "data.jsonl", tmp_path / "saved", "--lora-rank", "4", "--save-every", "3")
+    ckpt = tmp_path / "saved" / "checkpoint-3"
+    for extra, says in [(("--adapter", str(d / "adapter")), "leave out --adapter"),
+                        (("--lora-rank", "8"), "lora_rank=4")]:
+        assert main(lora_args(d / "data.jsonl", tmp_path / "o", "--resume", str(ckpt), "--steps", "4", *extra)) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and says in err[0], err
+        assert not (tmp_path / "o").exists()
