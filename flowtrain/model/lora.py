@@ -13,9 +13,11 @@ and an adapted one::
 The base weights take no gradient (they are not leaves that require one); the backward then
 computes only the input gradients through them, and the adapters' own gradients.
 
-Dropout on the adapters' input (``LoraSpec.dropout``, PEFT's ``lora_dropout``) is not applied
-here: it needs a mask the recompute before a backward draws again identically, which is the
-training step's to give. What runs here is the adapted model as PEFT runs it in eval mode.
+Dropout on the adapters' input (``LoraSpec.dropout``, PEFT's ``lora_dropout``): the mapping
+may hold, per adapted map, a keep mask ``{key}.lora_keep`` (1 where the input element is kept)
+and ``lora_rescale`` (``1 / (1 - p)``); :func:`dropout_masks` draws them from a seed, so the
+recompute before a backward draws the same ones as the forward did. Without them (held-out loss,
+or ``p`` 0) the adapted model runs as PEFT runs it in eval mode.
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from torch import Tensor
 
 from flowtrain.model.layout import UnitLayout, bind
 
-__all__ = ["adapted", "has_adapter", "init_adapter", "merge_adapter", "project"]
+__all__ = ["adapted", "dropout_masks", "has_adapter", "init_adapter", "merge_adapter", "project"]
 
 
 def project(x: Tensor, w: Mapping[str, Tensor], key: str, bias: Tensor | None = None) -> Tensor:
@@ -44,6 +46,9 @@ def project(x: Tensor, w: Mapping[str, Tensor], key: str, bias: Tensor | None = 
     if a is None:
         return y
     dt = x.dtype
+    keep = w.get(f"{key}.lora_keep")
+    if keep is not None:  # dropout on the adapter's input only, as PEFT's lora_dropout
+        x = x * keep * w["lora_rescale"].to(dt)
     return y + F.linear(F.linear(x, a.to(dt)), w[f"{key}.lora_B"].to(dt)) * w["lora_scale"].to(dt)
 
 
@@ -58,6 +63,21 @@ def adapted(base: Mapping[str, Tensor], adapter: Mapping[str, Tensor], scale: fl
     device = some.device if some is not None else None
     dtype = some.dtype if some is not None else None
     return {**base, **adapter, "lora_scale": torch.tensor(scale, device=device, dtype=dtype)}
+
+
+def dropout_masks(adapter: Mapping[str, Tensor], rows: tuple[int, ...], p: float, seed: int,
+                  device: torch.device) -> dict[str, Tensor]:
+    """Keep masks of dropout ``p`` on the input of every adapted map of one layer (input
+    ``rows + (in_features,)``, read from each ``A``), and ``lora_rescale``, to join the layer's
+    mapping. Each map's mask comes from its own generator, seeded by ``seed`` and the map's place,
+    so the same seed draws the same masks (the forward's, again for the recompute)."""
+    out: dict[str, Tensor] = {}
+    for n, key in enumerate(sorted(k.removesuffix(".lora_A") for k in adapter if k.endswith(".lora_A"))):
+        gen = torch.Generator(device=device).manual_seed((seed * 1_000_003 + n) & ((1 << 63) - 1))
+        shape = (*rows, adapter[f"{key}.lora_A"].shape[1])
+        out[f"{key}.lora_keep"] = torch.empty(shape, dtype=torch.uint8, device=device).bernoulli_(1.0 - p, generator=gen)
+    out["lora_rescale"] = torch.tensor(1.0 / (1.0 - p), device=device)
+    return out
 
 
 def merge_adapter(base: Tensor, base_layout: UnitLayout, adapter: Tensor, adapter_layout: UnitLayout,

@@ -141,6 +141,7 @@ class RunRequest(msgspec.Struct, kw_only=True):
     #: LoRA: the adapters' rank (0: the whole model trains) and the linear maps they adapt
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = DEFAULT_TARGETS
+    lora_dropout: float = 0.0
 
 
 def adapter_numel(cfg: ModelConfig, req: RunRequest) -> int:
@@ -148,6 +149,12 @@ def adapter_numel(cfg: ModelConfig, req: RunRequest) -> int:
     if not req.lora_rank:
         return 0
     return sum(lay.numel for lay in adapter_layouts(cfg, LoraSpec(req.lora_rank, 1.0, req.lora_targets)))
+
+
+def _adapter_inputs(cfg: ModelConfig, req: RunRequest) -> int:
+    """The input features of a layer's adapted maps, added up (the widest layer's)."""
+    lays = adapter_layouts(cfg, LoraSpec(req.lora_rank, 1.0, req.lora_targets))
+    return max((sum(e.shape[1] for e in lay.entries if e.key.endswith(".lora_A")) for lay in lays), default=0)
 
 
 def checkpoint_read_bytes(model_dir: str | os.PathLike[str] | None) -> int:
@@ -180,7 +187,8 @@ def run_request(cfg: Any, model_dir: str | os.PathLike[str] | None = None, proce
                       compile=getattr(cfg, "compile", "auto"),
                       attention_backend=getattr(cfg, "attention_backend", "auto"),
                       lora_rank=getattr(cfg, "lora_rank", None) or 0,
-                      lora_targets=tuple(getattr(cfg, "lora_targets", None) or DEFAULT_TARGETS))
+                      lora_targets=tuple(getattr(cfg, "lora_targets", None) or DEFAULT_TARGETS),
+                      lora_dropout=getattr(cfg, "lora_dropout", 0.0) or 0.0)
 
 
 class Plan(msgspec.Struct, kw_only=True):
@@ -421,6 +429,8 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
         # the widest of both, and all three may be live at once: llama-8b at 16,384 tokens under
         # --gpu-mem 10 ran out of memory in its second step's backward with two counted.
         gpu["lora_work"] = 3 * cbytes * tokens * max(cfg.intermediate_size, cfg.hidden_size)
+        if req.lora_dropout > 0:  # a byte per input element of every adapted map: the layer's keep masks
+            gpu["lora_work"] += tokens * _adapter_inputs(cfg, req)
     if req.activations == "offload":  # all offloaded here; _bring_back returns what fits (auto)
         host["offloaded_activations"] = gpu["checkpoints"]
         gpu.update(_offloading_gpu(req, hidden))

@@ -105,7 +105,7 @@ from ..graph.tasks import (
 from ..model import bind, decoder_layer, embed, head_loss, head_loss_and_grads, rope_tables
 from ..model.attention import Documents, rotary_for
 from ..model.gemma import embed_multiplier
-from ..model.lora import adapted
+from ..model.lora import adapted, dropout_masks
 from ..model.moe import RouterTap
 from ..model.saved_attention import AttentionRecord, recording, replaying
 from ..plan.host_layout import LANDING_NUMEL, chunk_range, slot_numel, staging_numel
@@ -171,6 +171,7 @@ class StepProgram:
         inject_nonfinite: Injection | None = None,
         world: World | None = None,
         owned: frozenset[str] | None = None,
+        seed: int = 0,
     ) -> None:
         self.state = state
         #: the streamed units whose ``cpu_adam`` updates them in this process, where the
@@ -188,8 +189,10 @@ class StepProgram:
         #: per unit, the element ranges that get no weight decay (``--weight-decay-skip``)
         self.no_decay = {u.layout.key: no_decay_ranges(u.layout.entries, adamw.weight_decay_skip)
                          for u in state.trained}
-        #: LoRA's adapters (None: the whole model trains)
+        #: LoRA's adapters (None: the whole model trains), and the run's seed, which with the step,
+        #: layer and micro-batch seeds the adapters' dropout masks
         self.lora = state.lora
+        self.seed = seed
         self.chunk_tokens = chunk_tokens
         self.tied = self.cfg.tie_word_embeddings
         self.head_n = state.head.layout.numel
@@ -476,15 +479,23 @@ class StepProgram:
             return self.layer_fn(x, w, cos, sin, self.cfg, docs, self.cfg.layer_window(i), router)
         return self.layer_fn(x, w, cos, sin, self.cfg, docs, self.cfg.layer_window(i))
 
-    def _layer_weights(self, i: int, ctx: TaskContext, adapters: dict[str, torch.Tensor] | None = None) -> dict:
+    def _layer_weights(self, i: int, ctx: TaskContext, adapters: dict[str, torch.Tensor] | None = None,
+                       dropout: tuple[int, int, tuple[int, ...]] | None = None) -> dict:
         """Layer ``i``'s weights as its math reads them: bound from its slot (or its own copy),
-        with LoRA joined by its adapters (``adapters``: the leaves a backward differentiates)."""
+        with LoRA joined by its adapters (``adapters``: the leaves a backward differentiates) and,
+        in training (``dropout``: the step, the micro-batch and its rows' shape), the keep masks
+        of the adapters' dropout, drawn alike by the forward and the recompute."""
         unit = self.state.unit("layer", i)
         w = bind(self._weights(unit, ctx)[: unit.layout.numel], unit.layout)
         if self.lora is None:
             return w
         a = self.state.adapters[i]
-        return adapted(w, adapters if adapters is not None else bind(a.master, a.layout), self.lora.scale)
+        out = adapted(w, adapters if adapters is not None else bind(a.master, a.layout), self.lora.scale)
+        if dropout is not None and self.lora.dropout > 0:
+            s, m, rows = dropout
+            seed = hash((self.seed, s, i, m))  # ints hash to themselves: the same in every process
+            out.update(dropout_masks(out, rows, self.lora.dropout, seed, self.device))
+        return out
 
     def _counting(self, s: int, i: int, m: int) -> RouterTap | None:
         """The router tap of layer ``i``'s forward in training (None: no load-balancing loss)."""
@@ -544,8 +555,8 @@ class StepProgram:
         """A layer's forward pass; as ``recompute`` (in backward) its input is always kept."""
         s, i, m = task.step, task.layer, task.micro_batch
         unit = self.state.unit("layer", i)
-        w = self._layer_weights(i, ctx)
-        if task.phase == "eval":  # nothing is kept for a backward
+        if task.phase == "eval":  # nothing is kept for a backward, and no dropout
+            w = self._layer_weights(i, ctx)
             x = self.store.eval_inputs.take((s, i, m))
             self.store.eval_inputs.put((s, i + 1, m), self._layer("eval", s, i, m, x, w))
             return
@@ -558,7 +569,8 @@ class StepProgram:
             else:  # the adapters are the leaves; the base's views are kept by place
                 a = self.state.adapters[i]
                 y, kept = forward_kept(
-                    lambda x, leaves: self._layer("train", s, i, m, x, self._layer_weights(i, ctx, leaves), tap),
+                    lambda x, leaves: self._layer("train", s, i, m, x,
+                                                  self._layer_weights(i, ctx, leaves, (s, m, tuple(x.shape[:-1]))), tap),
                     x, flat, unit.layout, trained=(a.master, a.layout))
             self.store.kept.put((s, i, m), kept)
             self.store.inputs.put((s, i + 1, m), y)
@@ -570,6 +582,7 @@ class StepProgram:
             record = AttentionRecord()
             self.store.attention.put((s, i, m), record)
         tap = None if isinstance(task, Recompute) else self._counting(s, i, m)
+        w = self._layer_weights(i, ctx, dropout=(s, m, tuple(x.shape[:-1])))
         with recording(record):
             self.store.inputs.put((s, i + 1, m), self._layer("train", s, i, m, x, w, tap))
 
@@ -663,7 +676,7 @@ class StepProgram:
                     w = leaves
                 else:  # the adapters are the leaves; the base's weights take no gradient
                     leaves = weight_leaves(trained.master, trained.layout)
-                    w = self._layer_weights(i, ctx, leaves)
+                    w = self._layer_weights(i, ctx, leaves, (s, m, tuple(x.shape[:-1])))
                 y = self._layer("train", s, i, m, x, w, tap)
                 outputs, grad_outputs = ((y, terms[0]), (dy, torch.ones_like(terms[0]))) if terms else (y, dy)
                 dx = backward_into(outputs, grad_outputs, x, leaves, trained.layout, grads, first)

@@ -236,8 +236,8 @@ class TrainConfig(msgspec.Struct, kw_only=True):
         f"the linear maps that get adapters, comma-separated (default: all of them, {','.join(DEFAULT_TARGETS)}; a "
         "mixture of experts' experts are not linear maps and get none)", parse=_targets, metavar="MAPS",
         group=LORA)] = None
-    lora_dropout: Annotated[float, Setting(
-        "dropout on the adapters' input in training (default 0)", ge=0.0, metavar="P", group=LORA)] = 0.0
+    lora_dropout: Annotated[float | None, Setting(
+        "dropout on the adapters' input in training (default 0)", ge=0.0, metavar="P", group=LORA)] = None
     adapter: Annotated[str | None, Setting(
         "start from this PEFT adapter folder (adapter_config.json + adapter_model.safetensors): its rank, alpha, "
         "targets and dropout are the run's", metavar="DIR", group=LORA)] = None
@@ -280,7 +280,7 @@ def lora_spec(cfg: TrainConfig) -> LoraSpec | None:
     if cfg.lora_rank is None:
         return None
     alpha = cfg.lora_alpha if cfg.lora_alpha is not None else 2.0 * cfg.lora_rank
-    spec = LoraSpec(cfg.lora_rank, alpha, cfg.lora_targets or DEFAULT_TARGETS, cfg.lora_dropout)
+    spec = LoraSpec(cfg.lora_rank, alpha, cfg.lora_targets or DEFAULT_TARGETS, cfg.lora_dropout or 0.0)
     try:
         spec.validate()
     except ValueError as e:
@@ -290,7 +290,7 @@ def lora_spec(cfg: TrainConfig) -> LoraSpec | None:
 
 def _validate_lora(cfg: TrainConfig) -> None:
     """How the LoRA flags go together, and what a LoRA run does not do yet."""
-    given = [f for f, off in (("lora_alpha", None), ("lora_targets", None), ("lora_dropout", 0.0), ("merge", False))
+    given = [f for f, off in (("lora_alpha", None), ("lora_targets", None), ("lora_dropout", None), ("merge", False))
              if getattr(cfg, f) != off]
     if not cfg.lora:
         if given:
@@ -305,8 +305,6 @@ def _validate_lora(cfg: TrainConfig) -> None:
         raise ConfigError("{merge} writes the merged model to {out}: give {out} DIR", named=True)
     if cfg.adapter is not None and cfg.resume is not None:
         raise ConfigError("{resume} continues the checkpoint's own adapters: leave out {adapter}", named=True)
-    if cfg.lora_dropout:
-        raise ConfigError("{lora_dropout} is not run yet: train without it (PEFT's default, 0)", named=True)
 
 
 def validate(cfg: TrainConfig, mcfg: ModelConfig) -> None:

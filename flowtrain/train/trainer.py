@@ -175,7 +175,7 @@ def _resumed_lora(cfg: TrainConfig, resume_state: dict, resume_from: Path | None
         return cfg
     if cfg.adapter is not None:
         raise ConfigError("{resume} continues the checkpoint's own adapters: leave out {adapter}", named=True)
-    fill = {k: saved[k] for k in ("lora_rank", "lora_alpha", "lora_targets") if getattr(cfg, k) is None}
+    fill = {k: saved[k] for k in ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout") if getattr(cfg, k) is None}
     if "lora_targets" in fill:
         fill["lora_targets"] = tuple(fill["lora_targets"])
     if cfg.model is None:
@@ -194,9 +194,6 @@ def _with_lora_spec(cfg: TrainConfig) -> TrainConfig:
         return cfg
     spec = read_spec(cfg.adapter) if cfg.adapter is not None else lora_spec(cfg)
     assert spec is not None
-    if spec.dropout:
-        raise ConfigError(f"{{adapter}} {cfg.adapter}: its lora_dropout {spec.dropout:g} is not run yet (dropout on "
-                          f"the adapters' input); set it to 0 in its adapter_config.json to train it so", named=True)
     return msgspec.structs.replace(cfg, lora_rank=spec.rank, lora_alpha=spec.alpha, lora_targets=spec.targets,
                                    lora_dropout=spec.dropout)
 
@@ -391,7 +388,7 @@ def build_state(run: Run) -> tuple[HostState, StepProgram]:
                           checkpoint_every=cfg.checkpoint_every, budgets=plan.budgets, adamw=adamw_config(cfg),
                           chunk_tokens=plan.chunk_tokens, compile_backend=compile_backend(cfg.compile, run.device.type),
                           undo_bytes=int(cfg.undo_mem * 2**30) // spec.share, world=run.world,
-                          owned=spec.owned_by(run.world.local_rank))
+                          owned=spec.owned_by(run.world.local_rank), seed=cfg.seed)
     program.reserve_offloaded(spec.offload, spec.micro_batches, cfg.micro_batch_size)
     return state, program
 

@@ -174,7 +174,7 @@ def test_out_holds_the_adapter_only(setup, tmp_path):
     (("--lora-alpha", "8"), "--lora-alpha is for LoRA"),
     (("--merge",), "--merge is for LoRA"),
     (("--lora-rank", "4", "--lora-targets", "q_proj,wq"), "unknown --lora-targets wq"),
-    (("--lora-rank", "4", "--lora-dropout", "0.1"), "--lora-dropout is not run yet"),
+    (("--lora-rank", "4", "--lora-dropout", "1"), "dropout must be in [0, 1)"),
     (("--lora-rank", "0",), "--lora-rank"),
 ])
 def test_bad_lora_flags_are_refused_in_one_line(setup, tmp_path, capsys, flags, says):
@@ -189,18 +189,18 @@ def test_bad_lora_flags_are_refused_in_one_line(setup, tmp_path, capsys, flags, 
 
 
 def test_adapter_folders_flowtrain_cannot_run_are_refused(setup, tmp_path, capsys):
-    """``--adapter`` with its own rank given again, an adapter with dropout, or a folder that is
-    no adapter: one line each, nothing written."""
+    """``--adapter`` with its own rank given again, a DoRA adapter, or a folder that is no
+    adapter: one line each, nothing written."""
     d, _, _ = setup
     base = ["train", "--model", str(d / "model"), "--data", str(d / "data.jsonl"), "--steps", "1",
             "--batch-size", "4", "--micro-batch-size", "2", "--seq-len", str(SEQ), "--device", "cpu",
             "--out", str(tmp_path / "out")]
-    dropout = tmp_path / "dropout"
-    shutil.copytree(d / "adapter", dropout)
-    config = json.loads((dropout / "adapter_config.json").read_text())
-    (dropout / "adapter_config.json").write_text(json.dumps({**config, "lora_dropout": 0.05}))
+    dora = tmp_path / "dora"
+    shutil.copytree(d / "adapter", dora)
+    config = json.loads((dora / "adapter_config.json").read_text())
+    (dora / "adapter_config.json").write_text(json.dumps({**config, "use_dora": True}))
     for extra, says in [(("--adapter", str(d / "adapter"), "--lora-rank", "4"), "--adapter brings its own rank"),
-                        (("--adapter", str(dropout)), "lora_dropout 0.05 is not run yet"),
+                        (("--adapter", str(dora)), "use_dora = True is a PEFT setting flowtrain does not run"),
                         (("--adapter", str(d / "model")), "not a PEFT adapter folder")]:
         assert main([*base, *extra]) != 0
         err = capsys.readouterr().err.strip().splitlines()
@@ -245,3 +245,41 @@ def test_resume_refuses_another_adapter_or_rank(setup, tmp_path, capsys):
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0], err
         assert not (tmp_path / "o").exists()
+
+
+def _dropout_run(d, out, *extra):
+    from safetensors.torch import load_file
+
+    run_lora(d / "model", d / "data.jsonl", out, "--lora-rank", "4", *extra)
+    return load_file(out / "adapter_model.safetensors")
+
+
+def _rel(a, b):
+    return max(float((a[k] - b[k]).norm() / b[k].norm()) for k in b if float(b[k].norm()) > 0)
+
+
+def test_dropout_masks_are_drawn_alike_by_the_forward_and_the_recompute(setup, tmp_path):
+    """``--lora-dropout``: the forward and the recompute before a backward draw the same masks,
+    so every activation placement and order trains the same adapters (a backward with other
+    masks than its forward's would not); the masks depend on the seed, and dropout changes
+    what is trained."""
+    d, _, _ = setup
+    drop = ("--lora-dropout", "0.3")
+    ref = _dropout_run(d, tmp_path / "ref", *drop)
+    for n, placement in enumerate([("--activations", "keep"), ("--checkpoint-every", "2"),
+                                   ("--activations", "offload"), ("--order", "micro")]):
+        assert _rel(_dropout_run(d, tmp_path / f"p{n}", *drop, *placement), ref) < 1e-6, placement
+    assert _rel(_dropout_run(d, tmp_path / "seed1", *drop, "--seed", "1"), ref) > 1e-3
+    assert _rel(_dropout_run(d, tmp_path / "none"), ref) > 1e-3
+
+
+def test_dropout_resumes_exactly(setup, tmp_path):
+    d, _, _ = setup
+    drop = ("--lora-rank", "4", "--lora-dropout", "0.2")
+    run_lora(d / "model", d / "data.jsonl", tmp_path / "straight", *drop)
+    run_lora(d / "model", d / "data.jsonl", tmp_path / "saved", *drop, "--save-every", "2")
+    assert main(lora_args(d / "data.jsonl", tmp_path / "resumed", "--resume", str(tmp_path / "saved" / "checkpoint-2"))) == 0
+    from safetensors.torch import load_file
+
+    a, b = (load_file(tmp_path / n / "adapter_model.safetensors") for n in ("straight", "resumed"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
