@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,19 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 _UNSUPPORTED = {"use_dora": False, "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {}, "bias": "none",
                 "modules_to_save": None, "layers_to_transform": None, "fan_in_fan_out": False, "lora_bias": False,
                 "target_parameters": None, "exclude_modules": None, "alora_invocation_tokens": None}
+
+
+def _reaches_no_target(patterns: dict) -> bool:
+    """Whether none of a ``rank_pattern`` / ``alpha_pattern``'s keys names a map flowtrain adapts
+    (PEFT matches a key against a module's name as ``(.*[.])?(key)$``). PEFT writes some for a
+    mixture of experts' stacked expert weights, which it then ignores itself."""
+    names = [f"model.layers.{i}.{part}.{t}" for i in range(1024) for part in ("self_attn", "mlp")
+             for t in DEFAULT_TARGETS]
+    try:
+        keys = [re.compile(rf"(.*\.)?({k})$") for k in patterns]
+    except re.error:
+        return False
+    return not any(k.match(n) for k in keys for n in names)
 
 
 def _is_off(value: Any, off: Any) -> bool:
@@ -100,7 +114,10 @@ def read_spec(adapter_dir: str | os.PathLike[str]) -> LoraSpec:
         raise CheckpointError(f"{path} is not a LoRA adapter (peft_type {config.get('peft_type')!r})"
                               if isinstance(config, dict) else f"{path} is not a PEFT adapter config")
     for key, off in _UNSUPPORTED.items():
-        if not _is_off(config.get(key), off):
+        value = config.get(key)
+        if key in ("rank_pattern", "alpha_pattern") and isinstance(value, dict) and _reaches_no_target(value):
+            continue
+        if not _is_off(value, off):
             raise CheckpointError(f"{path}: {key} = {config[key]!r} is a PEFT setting flowtrain does not run")
     targets = config.get("target_modules")
     if targets == "all-linear":

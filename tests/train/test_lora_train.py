@@ -23,7 +23,9 @@ from flowtrain.cli import main  # noqa: E402
 from test_train_vs_hf import ROWS, SEQ, STEPS, make_checkpoint, make_data, reference_train  # noqa: E402
 
 # PEFT 0.21 asks transformers 5 a deprecated question when it wraps a model
-pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+pytestmark = [pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
+              # PEFT names a mixture of experts' stacked experts in its rank and alpha patterns, then ignores them
+              pytest.mark.filterwarnings("ignore:The following .*_pattern keys did not match:RuntimeWarning")]
 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -117,12 +119,22 @@ def test_training_moved_the_adapter(setup):
         assert float((p - start[name]).norm() / p.norm()) > 1e-3, name
 
 
-@pytest.mark.parametrize("model_type, tied", [("qwen3", True), ("mistral", False)])
-def test_other_families_and_targets(tmp_path, model_type, tied):
-    """Another family, tied embeddings, and adapters on some of the maps only."""
-    make_checkpoint(tmp_path / "model", tied=tied, layers=2, seed=3, model_type=model_type)
+MOE = dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)
+
+
+@pytest.mark.parametrize("model_type, tied, extra, targets", [
+    ("qwen3", True, {}, ["q_proj", "v_proj", "down_proj"]),
+    ("mistral", False, {}, ["q_proj", "v_proj", "down_proj"]),
+    # a mixture of experts with a dense layer, its attention adapted (named MLP maps would make
+    # PEFT adapt the stacked experts' weights too, target_parameters, which flowtrain refuses)
+    ("qwen3_moe", False, dict(MOE, mlp_only_layers=[1]), ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    ("mixtral", True, dict(num_local_experts=4, num_experts_per_tok=2), TARGETS),
+])
+def test_other_families_and_targets(tmp_path, model_type, tied, extra, targets):
+    """Other families, tied embeddings, adapters on some of the maps only, and mixtures of experts."""
+    make_checkpoint(tmp_path / "model", tied=tied, layers=2, seed=3, model_type=model_type, **extra)
     rows = make_data(tmp_path / "data.jsonl", seed=4)
-    make_adapter(tmp_path / "model", tmp_path / "adapter", rank=2, alpha=6.0, targets=["q_proj", "v_proj", "down_proj"])
+    make_adapter(tmp_path / "model", tmp_path / "adapter", rank=2, alpha=6.0, targets=targets)
     ref = reference(tmp_path / "model", tmp_path / "adapter", rows)
     run_lora(tmp_path / "model", tmp_path / "data.jsonl", tmp_path / "out", "--adapter", str(tmp_path / "adapter"))
     assert_same_adapter(tmp_path / "model", tmp_path / "out", ref)
