@@ -147,8 +147,11 @@ def test_fresh_adapter_and_merge(setup, tmp_path):
     run_lora(d / "model", d / "data.jsonl", tmp_path / "adapter", "--lora-rank", "4", "--lora-alpha", "8")
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert (config["r"], config["lora_alpha"], sorted(config["target_modules"])) == (4, 8.0, sorted(TARGETS))
-    trained = adapter_tensors(peft_model(d / "model", tmp_path / "adapter"))
+    loaded = peft_model(d / "model", tmp_path / "adapter")
+    trained = adapter_tensors(loaded)
     assert any(float(t.norm()) > 0 for n, t in trained.items() if "lora_B" in n), "B should have moved from zero"
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    assert loaded.generate(input_ids=prompt, max_new_tokens=3, do_sample=False).shape == (1, 7)  # PEFT generates
 
     run_lora(d / "model", d / "data.jsonl", tmp_path / "merged", "--lora-rank", "4", "--lora-alpha", "8", "--merge")
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
