@@ -161,16 +161,20 @@ def format_plan(model: str, plan) -> str:  # noqa: ANN001 - a Plan
     from ..train.summary import activation_placement
 
     count = f"{plan.params / 1e9:.2f} B" if plan.params >= 1e8 else f"{plan.params / 1e6:.2f} M"
-    lines = [f"{model}: {count} parameters, layout {plan.layout} "
+    what = "LoRA over the frozen base" if plan.spec.lora else f"layout {plan.layout}"
+    lines = [f"{model}: {count} parameters, {what} "
              f"({plan.host_state_bytes_per_param:.2f} host bytes of state per parameter), device {plan.device}"]
     res = plan.spec.resident
-    lines.append(f"resident on the GPU (Adam there): {', '.join(res) if res else 'none'}")
+    where = ("base units resident on the GPU (the adapters always are, with their Adam)" if plan.spec.lora
+             else "resident on the GPU (Adam there)")
+    lines.append(f"{where}: {', '.join(res) if res else 'none'}")
     lines.append(f"micro-batch order: {plan.spec.order}" + (f" ({plan.order_choice})" if plan.order_choice else ""))
     lines.append(f"activations: {activation_placement(plan.spec)}")
     if plan.placement_choice:
         lines.append(f"placement: {plan.placement_choice}")
     lines.append(f"slots: {plan.budgets}; loss chunk {plan.chunk_tokens} tokens"
-                 + (f"; staged gradient chunks {plan.spec.grad_chunks}" if plan.spec.grad_chunks else ""))
+                 + (f"; staged gradient chunks {plan.spec.grad_chunks}" if plan.spec.grad_chunks and not plan.spec.lora
+                    else ""))
     for title, part, total, limit, ok in (("host", plan.host, plan.host_total, plan.host_limit, plan.host_fits),
                                           ("GPU", plan.gpu, plan.gpu_total, plan.gpu_limit, plan.gpu_fits)):
         lines.append(f"{title} memory:")
