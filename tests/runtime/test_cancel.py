@@ -236,9 +236,13 @@ def test_sigint_under_asyncio_run_ends_the_process_within_the_grace_period(tmp_p
     task, the engine gives the hung job its grace period, and the process exits."""
     script = tmp_path / "hang.py"
     script.write_text(textwrap.dedent("""
-        import asyncio, sys
+        import asyncio, signal, sys
         from flowtrain.graph import StepSpec, compile_step
         from flowtrain.runtime import Engine, FaultInjector
+
+        # started from a background job, the test runner may ignore SIGINT, and its children
+        # inherit that: this process answers it as any Python process started from a terminal
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
         faults = FaultInjector(lambda task, ctx: None, "backward@layer=1,micro_batch=0:hang")
 
