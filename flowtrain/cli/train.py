@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import math
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .flags import add_config_flags, config_values
@@ -62,5 +63,12 @@ def run(args: argparse.Namespace) -> int:
     skipped = sum(m.skipped for m in metrics)
     print(f"done: {len(metrics)} steps, loss {first.loss:.4f} -> {last.loss:.4f} (last-10% mean {mean_tail:.4f})"
           + (f", {skipped} skipped as not finite" if skipped else "")
-          + (f", model saved to {cfg.out}" if cfg.out else ""))
+          + (f", {_saved(cfg.out)} saved to {cfg.out}" if cfg.out else ""))
     return 0
+
+
+def _saved(out: str) -> str:
+    """What a run left in ``out``: a LoRA run's PEFT adapter (resumed or not), else a model."""
+    folder = Path(out)
+    adapter = (folder / "adapter_model.safetensors").is_file() and not any(folder.glob("model*.safetensors"))
+    return "adapter" if adapter else "model"

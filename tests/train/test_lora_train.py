@@ -176,10 +176,12 @@ def test_held_out_loss_reads_the_adapters(setup, tmp_path):
     assert evals[-1]["eval_loss"] == pytest.approx(want, rel=1e-5)
 
 
-def test_out_holds_the_adapter_only(setup, tmp_path):
-    """``--out`` of a LoRA run is a PEFT adapter folder: no model weights beside it."""
+def test_out_holds_the_adapter_only(setup, tmp_path, capsys):
+    """``--out`` of a LoRA run is a PEFT adapter folder: no model weights beside it, and the last
+    line says so."""
     d, _, _ = setup
     run_lora(d / "model", d / "data.jsonl", tmp_path / "out", "--adapter", str(d / "adapter"))
+    assert f"adapter saved to {tmp_path / 'out'}" in capsys.readouterr().out.splitlines()[-1]
     names = sorted(p.name for p in (tmp_path / "out").iterdir())
     assert "adapter_model.safetensors" in names and "adapter_config.json" in names
     assert not any(n.startswith("model") and n.endswith(".safetensors") for n in names), names
