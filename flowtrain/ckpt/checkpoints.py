@@ -82,7 +82,7 @@ from ..errors import CheckpointError
 from ..model import ModelConfig, UnitLayout
 from ..model.layout import hub_tensors
 from .adapter_files import ADAPTER_CONFIG
-from .hf import CONFIG_NAME, INDEX_NAME, fsync_dir, hf_config_text, load_into, unit_tensors, write_safetensors
+from .hf import CONFIG_NAME, INDEX_NAME, fsync_dir, hf_config_text, unit_tensors, write_safetensors
 
 if TYPE_CHECKING:  # the state is training's; a checkpoint only reads and fills it
     from ..train.host_state import HostState, UnitState
@@ -581,13 +581,7 @@ def load_training_state(path: str | os.PathLike[str], state: HostState) -> Path:
         )
     for i, unit in enumerate(units):  # check every header before touching the state
         _check_header(ckpt / expected[i], unit.layout)
-    if state.lora is None:
-        state.load_checkpoint(ckpt)  # masters, refused if not finite
-    else:
-        load_into(ckpt, state.cfg, [u.layout for u in units], [u.master for u in units])
-        for unit in units:
-            if not all_finite(unit.master):
-                raise CheckpointError(f"{ckpt.name}: the adapters of {unit.layout.key} hold NaN or inf")
+    state.load_checkpoint(ckpt, units)  # masters, refused if not finite
     for i, unit in enumerate(units):
         _load_moments(ckpt / expected[i], unit)
     state.refresh_copies()

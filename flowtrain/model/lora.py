@@ -15,8 +15,8 @@ computes only the input gradients through them, and the adapters' own gradients.
 
 Dropout on the adapters' input (``LoraSpec.dropout``, PEFT's ``lora_dropout``): the mapping
 may hold, per adapted map, a keep mask ``{key}.lora_keep`` (1 where the input element is kept)
-and ``lora_rescale`` (``1 / (1 - p)``); :func:`dropout_masks` draws them from a seed, so the
-recompute before a backward draws the same ones as the forward did. Without them (held-out loss,
+and ``lora_rescale`` (a 0-d tensor holding ``1 / (1 - p)``); :func:`dropout_masks` draws the
+masks from a seed, so the recompute before a backward draws the same ones as the forward did. Without them (held-out loss,
 or ``p`` 0) the adapted model runs as PEFT runs it in eval mode.
 """
 
@@ -57,26 +57,28 @@ def has_adapter(w: Mapping[str, Tensor], *keys: str) -> bool:
     return any(f"{k}.lora_A" in w for k in keys)
 
 
-def adapted(base: Mapping[str, Tensor], adapter: Mapping[str, Tensor], scale: float) -> dict[str, Tensor]:
-    """One mapping of a layer's base weights and its adapters, with their scale."""
-    some = next(iter(adapter.values()), None)
-    device = some.device if some is not None else None
-    dtype = some.dtype if some is not None else None
-    return {**base, **adapter, "lora_scale": torch.tensor(scale, device=device, dtype=dtype)}
+def adapted(base: Mapping[str, Tensor], adapter: Mapping[str, Tensor], scale: float | Tensor) -> dict[str, Tensor]:
+    """One mapping of a layer's base weights and its adapters, with their scale: a number, or a
+    0-d tensor on the adapters' device made once (making one from a number on a GPU copies it
+    there and waits for the copy, at every call)."""
+    if not isinstance(scale, Tensor):
+        some = next(iter(adapter.values()), None)
+        scale = torch.tensor(scale, device=some.device if some is not None else None,
+                             dtype=some.dtype if some is not None else None)
+    return {**base, **adapter, "lora_scale": scale}
 
 
 def dropout_masks(adapter: Mapping[str, Tensor], rows: tuple[int, ...], p: float, seed: int,
                   device: torch.device) -> dict[str, Tensor]:
     """Keep masks of dropout ``p`` on the input of every adapted map of one layer (input
-    ``rows + (in_features,)``, read from each ``A``), and ``lora_rescale``, to join the layer's
-    mapping. Each map's mask comes from its own generator, seeded by ``seed`` and the map's place,
-    so the same seed draws the same masks (the forward's, again for the recompute)."""
+    ``rows + (in_features,)``, read from each ``A``), to join the layer's mapping with
+    ``lora_rescale``. Each map's mask comes from its own generator, seeded by ``seed`` and the
+    map's place, so the same seed draws the same masks (the forward's, again for the recompute)."""
     out: dict[str, Tensor] = {}
     for n, key in enumerate(sorted(k.removesuffix(".lora_A") for k in adapter if k.endswith(".lora_A"))):
         gen = torch.Generator(device=device).manual_seed((seed * 1_000_003 + n) & ((1 << 63) - 1))
         shape = (*rows, adapter[f"{key}.lora_A"].shape[1])
         out[f"{key}.lora_keep"] = torch.empty(shape, dtype=torch.uint8, device=device).bernoulli_(1.0 - p, generator=gen)
-    out["lora_rescale"] = torch.tensor(1.0 / (1.0 - p), device=device)
     return out
 
 

@@ -146,15 +146,28 @@ class RunRequest(msgspec.Struct, kw_only=True):
 
 def adapter_numel(cfg: ModelConfig, req: RunRequest) -> int:
     """Parameters of every layer's LoRA adapters (0 without LoRA)."""
-    if not req.lora_rank:
-        return 0
-    return sum(lay.numel for lay in adapter_layouts(cfg, LoraSpec(req.lora_rank, 1.0, req.lora_targets)))
+    return _adapter_sizes(cfg, req)[0] if req.lora_rank else 0
 
 
 def _adapter_inputs(cfg: ModelConfig, req: RunRequest) -> int:
     """The input features of a layer's adapted maps, added up (the widest layer's)."""
-    lays = adapter_layouts(cfg, LoraSpec(req.lora_rank, 1.0, req.lora_targets))
-    return max((sum(e.shape[1] for e in lay.entries if e.key.endswith(".lora_A")) for lay in lays), default=0)
+    return _adapter_sizes(cfg, req)[1]
+
+
+def _adapter_sizes(cfg: ModelConfig, req: RunRequest) -> tuple[int, int]:
+    """``(adapters' parameters, widest layer's adapted inputs)``, from the adapter layouts built
+    once per model and adapter shape: every candidate plan asks (as :func:`_layouts`)."""
+    key = (msgspec.json.encode(cfg), req.lora_rank, req.lora_targets)
+    if key not in _ADAPTER_SIZES:
+        if len(_ADAPTER_SIZES) >= 8:
+            _ADAPTER_SIZES.clear()
+        lays = adapter_layouts(cfg, LoraSpec(req.lora_rank, 1.0, req.lora_targets))
+        inputs = max((sum(e.shape[1] for e in lay.entries if e.key.endswith(".lora_A")) for lay in lays), default=0)
+        _ADAPTER_SIZES[key] = (sum(lay.numel for lay in lays), inputs)
+    return _ADAPTER_SIZES[key]
+
+
+_ADAPTER_SIZES: dict[tuple, tuple[int, int]] = {}
 
 
 def checkpoint_read_bytes(model_dir: str | os.PathLike[str] | None) -> int:

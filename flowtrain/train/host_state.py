@@ -276,11 +276,13 @@ class HostState:
         for a in self.adapters:
             init_adapter(a.master, a.layout, seed)
 
-    def load_checkpoint(self, model_dir: str | Path) -> None:
-        """Fill the masters from a Hugging Face model directory; weights that hold NaN or inf are
-        refused (training from them would only spread it)."""
-        load_into(model_dir, self.cfg, self.layouts, [u.master for u in self.units])
-        for u in self.units:
+    def load_checkpoint(self, model_dir: str | Path, units: list[UnitState] | None = None) -> None:
+        """Fill the masters of ``units`` (by default the model's) from a Hugging Face model
+        directory, or from a checkpoint of this run (:attr:`trained`, the adapters with LoRA);
+        weights that hold NaN or inf are refused (training from them would only spread it)."""
+        units = self.units if units is None else units
+        load_into(model_dir, self.cfg, [u.layout for u in units], [u.master for u in units])
+        for u in units:
             for name, view in unit_tensors(u.master, u.layout):
                 if not all_finite(view):
                     raise CheckpointError(f"{model_dir}: the weight {name} ({u.layout.key}) holds NaN or inf")

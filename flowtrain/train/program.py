@@ -193,6 +193,10 @@ class StepProgram:
         #: layer and micro-batch seeds the adapters' dropout masks
         self.lora = state.lora
         self.seed = seed
+        #: LoRA's scale and dropout rescale, made on the device once (see flowtrain.model.lora.adapted)
+        self.lora_consts = {} if state.lora is None else {
+            "lora_scale": torch.tensor(state.lora.scale, device=self.device),
+            "lora_rescale": torch.tensor(1.0 / (1.0 - state.lora.dropout), device=self.device)}
         self.chunk_tokens = chunk_tokens
         self.tied = self.cfg.tie_word_embeddings
         self.head_n = state.head.layout.numel
@@ -490,11 +494,12 @@ class StepProgram:
         if self.lora is None:
             return w
         a = self.state.adapters[i]
-        out = adapted(w, adapters if adapters is not None else bind(a.master, a.layout), self.lora.scale)
+        out = adapted(w, adapters if adapters is not None else bind(a.master, a.layout), self.lora_consts["lora_scale"])
         if dropout is not None and self.lora.dropout > 0:
             s, m, rows = dropout
             seed = hash((self.seed, s, i, m))  # ints hash to themselves: the same in every process
-            out.update(dropout_masks(out, rows, self.lora.dropout, seed, self.device))
+            out.update(dropout_masks(out, rows, self.lora.dropout, seed, self.device),
+                       lora_rescale=self.lora_consts["lora_rescale"])
         return out
 
     def _counting(self, s: int, i: int, m: int) -> RouterTap | None:
@@ -586,19 +591,18 @@ class StepProgram:
         with recording(record):
             self.store.inputs.put((s, i + 1, m), self._layer("train", s, i, m, x, w, tap))
 
-    def _head_tensors(self, ctx: TaskContext) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """``(norm_w, head_w, norm_grad, head_grad)`` views the loss reads and adds into."""
+    def _head_grads(self, ctx: TaskContext) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(norm_grad, head_grad)``: the views a loss adds the head's gradient into, laid out
+        as :meth:`_head_weights` reads the weights."""
         head = self.state.head
-        wbuf, gbuf = self._weights(head, ctx), self._grads(head, ctx)
-        w, g = bind(wbuf, head.layout), bind(gbuf, head.layout)
+        gbuf = self._grads(head, ctx)
+        norm_g = bind(gbuf, head.layout)["norm"]
         if not self.tied:
-            return w["norm"], w["lm_head"], g["norm"], g["lm_head"]
-        if head.resident:  # the embedding is resident too: its own copy and gradient
+            return norm_g, bind(gbuf, head.layout)["lm_head"]
+        if head.resident:  # the embedding is resident too: its own gradient
             emb = self.state.embed
-            e = emb.layout.entries[0]
-            return (w["norm"], bind(emb.compute, emb.layout)[e.key], g["norm"],  # type: ignore[arg-type]
-                    bind(emb.own_grad(), emb.layout)[e.key])
-        return w["norm"], self._tied_matrix(wbuf), g["norm"], self._tied_matrix(gbuf)
+            return norm_g, bind(emb.own_grad(), emb.layout)[emb.layout.entries[0].key]
+        return norm_g, self._tied_matrix(gbuf)
 
     def _head_weights(self, ctx: TaskContext) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm_w, head_w)``: the final norm and output matrix a loss reads."""
@@ -627,7 +631,7 @@ class StepProgram:
         loss_sum = self._poison(loss_sum, s, "loss", m)
         if not frozen:
             assert d_norm is not None and d_head is not None
-            _, _, norm_g, head_g = self._head_tensors(ctx)
+            norm_g, head_g = self._head_grads(ctx)
             norm_g.add_(self._poison(d_norm, s, "head", m))
             head_g.add_(d_head)
         aux = self.balance.loss(s, m) if self.balance is not None else None

@@ -289,7 +289,7 @@ def lora_spec(cfg: TrainConfig) -> LoraSpec | None:
 
 
 def _validate_lora(cfg: TrainConfig) -> None:
-    """How the LoRA flags go together, and what a LoRA run does not do yet."""
+    """How the LoRA flags go together."""
     given = [f for f, off in (("lora_alpha", None), ("lora_targets", None), ("lora_dropout", None), ("merge", False))
              if getattr(cfg, f) != off]
     if not cfg.lora:
@@ -297,14 +297,14 @@ def _validate_lora(cfg: TrainConfig) -> None:
             raise ConfigError(f"{{{given[0]}}} is for LoRA: give {{lora_rank}} R (or {{adapter}} DIR) with it",
                               named=True)
         return
+    if cfg.adapter is not None and cfg.resume is not None:  # (a resumed run's settings are filled in by now)
+        raise ConfigError("{resume} continues the checkpoint's own adapters: leave out {adapter}", named=True)
     if cfg.adapter is not None and (cfg.lora_rank is not None or [g for g in given if g != "merge"]):
         raise ConfigError("{adapter} brings its own rank, alpha, targets and dropout: leave out {lora_rank}, "
                           "{lora_alpha}, {lora_targets} and {lora_dropout}", named=True)
     lora_spec(cfg)
     if cfg.merge and not cfg.out:
         raise ConfigError("{merge} writes the merged model to {out}: give {out} DIR", named=True)
-    if cfg.adapter is not None and cfg.resume is not None:
-        raise ConfigError("{resume} continues the checkpoint's own adapters: leave out {adapter}", named=True)
 
 
 def validate(cfg: TrainConfig, mcfg: ModelConfig) -> None:

@@ -173,8 +173,6 @@ def _resumed_lora(cfg: TrainConfig, resume_state: dict, resume_from: Path | None
     saved = resume_state.get("settings", {})
     if resume_from is None or saved.get("lora_rank") is None:
         return cfg
-    if cfg.adapter is not None:
-        raise ConfigError("{resume} continues the checkpoint's own adapters: leave out {adapter}", named=True)
     fill = {k: saved[k] for k in ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout") if getattr(cfg, k) is None}
     if "lora_targets" in fill:
         fill["lora_targets"] = tuple(fill["lora_targets"])
