@@ -31,6 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="data parallel: N processes of a node sharing the host state (reduce_grad, sync_step)")
     p.add_argument("--lora", action="store_true",
                    help="LoRA: the model frozen, each layer's adapters resident and trained (gpu_adam adapter)")
+    p.add_argument("--routed", default="", metavar="LAYERS",
+                   help="sparse layers that skip idle experts: their recompute and backward fetches follow their "
+                        "forwards' routing (train's --skip-idle-experts)")
     p.add_argument("--steps", type=int, default=1, help="consecutive steps, linked by cpu_adam -> next fetch")
     p.add_argument("--out", required=True, help="output JSON file")
 
@@ -81,6 +84,7 @@ def run(args: argparse.Namespace) -> int:
         reduce=args.processes > 1,
         share=args.processes,
         lora=args.lora,
+        routed=_layers(args.routed, "--routed"),
     ).validate()
     graph = compile_steps(spec, args.steps)
     write_graph(args.out, graph)

@@ -58,6 +58,12 @@ per-unit host gradient exists. A unit larger than one staging slot (the embeddin
 is offloaded and updated in ``grad_chunks[key]`` pieces, each a pair ``offload_grad c<k>`` ->
 ``cpu_adam c<k>``.
 
+Idle experts (``routed``): a sparse layer named there leaves alone the experts that no token of
+the step was routed to, as ``torch.optim.AdamW`` skips a parameter without a gradient. Which
+experts those are is known once its forwards have run, so the layer's ``recompute`` and
+``backward`` fetches follow its ``forward`` of every micro-batch they serve (an edge from each)
+and copy only the experts that routing reached; nothing else of the graph changes.
+
 Micro-batch order: ``"layer"`` (layer-major) runs every micro-batch through a layer before the
 next layer, so each unit is fetched once per pass; ``"micro"`` (micro-batch-major) runs each
 micro-batch through the whole model and fetches weights per micro-batch.
@@ -150,6 +156,11 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: LoRA: the base model is frozen; only each decoder layer's adapters (``adapter.i``,
     #: resident) are trained (see the module docstring).
     lora: bool = False
+    #: sparse layers whose idle experts (those no token of the step was routed to) are left
+    #: alone: the fetch before such a layer's recompute or backward follows its forwards (of
+    #: the micro-batches it serves), whose routing says which experts to copy; the layer's
+    #: gradient and Adam skip the idle ones. See the module docstring.
+    routed: tuple[int, ...] = ()
 
     @property
     def offload_lag(self) -> int:
@@ -238,7 +249,21 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
                               named=True)
         if any(c < 1 for c in self.grad_chunks.values()):
             raise ConfigError(f"{{grad_chunks}} must be at least 1 (got {self.grad_chunks})", named=True)
+        self._validate_routed()
         return self
+
+    def _validate_routed(self) -> None:
+        bad = sorted(i for i in self.routed if not 0 <= i < self.layers)
+        if bad or len(set(self.routed)) != len(self.routed):
+            raise ConfigError(f"layers skipping idle experts ({{routed}}) {bad or list(self.routed)} must be distinct "
+                              f"layers of 0..{self.layers - 1}", named=True)
+        resident = [f"layer.{i}" for i in self.routed if f"layer.{i}" in self.resident]
+        if resident:
+            raise ConfigError(f"layers skipping idle experts ({{routed}}) are streamed: leave {', '.join(resident)} "
+                              f"out of {{resident}}", named=True)
+        if self.routed and (self.lora or self.reduce):
+            raise ConfigError("skipping idle experts ({routed}) needs the whole model trained in one process "
+                              "(not with LoRA, nor data parallel)", named=True)
 
 
 def units(spec: StepSpec) -> list[tuple[Unit, int | None]]:
@@ -442,12 +467,20 @@ class _StepBuilder(_Builder):
         """``recompute`` of layer j: its forward once more (its weights fetched once more) to
         rebuild the input of layer j+1 inside a segment."""
         f = self.fetch("layer", j, "recompute", fetch_mb)
+        self.after_routing(f, j, mbs)
         for m in mbs:
             self.fetch_back(j, m)
             t = self.node(Recompute, unit="layer", layer=j, micro_batch=m)
             self.reads(f, t)
             self.dep(self.bwd_input[(j, m)], t, reads=(j, m) in self.act_fetched)
             self.bwd_input[(j + 1, m)] = t
+
+    def after_routing(self, f: Task | None, i: int, mbs: Iterable[int]) -> None:
+        """Where layer i skips idle experts (``routed``), its backward-side fetch ``f`` follows
+        the forwards of the micro-batches it serves: their routing says which experts to copy."""
+        if f is not None and i in self.spec.routed:
+            for m in mbs:
+                self.dep(self.fwd_input[(i + 1, m)], f)
 
     def fetch_back(self, i: int, m: int) -> None:
         """Where layer i's input was offloaded, the ``fetch_act`` that brings it back, placed
@@ -463,6 +496,7 @@ class _StepBuilder(_Builder):
         """``backward`` of layer i: from its weights, its input and the gradient of its output,
         the gradient of its input (for layer i-1), added to layer i's gradient slot."""
         f = self.fetch("layer", i, "backward", fetch_mb)
+        self.after_routing(f, i, mbs)
         z = self.zero_grad("layer", i)
         for m in mbs:
             self.fetch_back(i, m)

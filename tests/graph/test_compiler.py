@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import itertools
+import re
 
+import msgspec
 import networkx as nx
 import pytest
 
@@ -356,3 +358,35 @@ def test_the_next_step_waits_for_verify_step_only_where_it_fetches():
     assert all(isinstance(v, Fetch) for v in g.successors(verify))
     assert {v for v in g.successors(verify)} == set(of(g, Fetch, step=1))
     assert not nx.has_path(g, verify, one(g, Forward, layer=0, micro_batch=1, step=1))
+
+
+@pytest.mark.parametrize("order, micro_batches, every", [("layer", 3, 1), ("layer", 2, 3), ("micro", 3, 2)])
+def test_a_routed_layers_backward_side_fetches_follow_its_forwards(order, micro_batches, every):
+    """Skipping idle experts: the recompute and backward fetches of a routed layer wait for the
+    forwards (of the micro-batches they serve) whose routing says what to copy; other layers'
+    fetches and the rest of the graph are as without it."""
+    spec = StepSpec(layers=4, micro_batches=micro_batches, checkpoint_every=every, order=order, routed=(1, 3))
+    g, plain = compile_step(spec), compile_step(msgspec.structs.replace(spec, routed=()))
+    assert nx.is_directed_acyclic_graph(g) and set(g) == set(plain)
+    extra = set(g.edges) - set(plain.edges)
+    assert set(plain.edges) <= set(g.edges)
+    for f in g:
+        if type(f) is not Fetch or f.unit != "layer" or f.phase == "forward":
+            continue
+        served = range(micro_batches) if f.micro_batch is None else [f.micro_batch]
+        want = {(one(g, Forward, layer=f.layer, micro_batch=m), f) for m in served} if f.layer in spec.routed else set()
+        assert {e for e in extra if e[1] == f} == want
+        assert all(not g.edges[e]["reads"] for e in want)
+    assert extra and all(type(v) is Fetch for _, v in extra)
+
+
+@pytest.mark.parametrize("fields, words", [
+    (dict(routed=(4,)), "distinct layers of 0..3"),
+    (dict(routed=(1, 1)), "distinct layers"),
+    (dict(routed=(1,), resident=("layer.1",)), "leave layer.1 out of resident"),
+    (dict(routed=(1,), lora=True), "not with LoRA"),
+    (dict(routed=(1,), reduce=True), "nor data parallel"),
+])
+def test_routed_layers_are_checked(fields, words):
+    with pytest.raises(ConfigError, match=re.escape(words)):
+        StepSpec(layers=4, **fields).validate()
