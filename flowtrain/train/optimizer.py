@@ -151,3 +151,39 @@ def adamw_step(
         )
     if found_inf is not None:
         step -= found_inf
+
+
+def adamw_pieces(
+    master: torch.Tensor,  # (n,) fp32, the whole unit, updated in place where ``pieces`` say
+    grad: torch.Tensor,  # fp32 gradient whose element 0 is the unit's element ``grad_lo``
+    exp_avg: torch.Tensor,  # (n,) fp32
+    exp_avg_sq: torch.Tensor,  # (n,) fp32
+    pieces: list[tuple[int, int, torch.Tensor]],  # (lo, hi, step count) in the unit's elements
+    cfg: AdamWConfig,
+    lr: float,
+    *,
+    grad_lo: int = 0,
+    no_decay: list[tuple[int, int]] | None = None,  # the unit's ranges without weight decay
+) -> None:
+    """AdamW of some pieces of one flat unit, each piece counting its own steps: what
+    ``torch.optim.AdamW`` does for several parameters of which some have no gradient this step
+    (those are skipped: weights, moments and step count stay). Pieces that share a step count
+    (one parameter cut in several) pass the same count, a tensor or a view of the same element,
+    which is incremented once."""
+    for step in {s.data_ptr(): s for _, _, s in pieces}.values():
+        step += 1
+    b1, b2 = cfg.betas
+    groups: dict[bool, tuple[list[torch.Tensor], ...]] = {}
+    for lo, hi, step in pieces:
+        for a, b, decays in decay_segments(lo, hi, no_decay or []):
+            a, b = lo + a, lo + b
+            ps, gs, ms, vs, ss = groups.setdefault(decays, ([], [], [], [], []))
+            ps.append(master[a:b])
+            gs.append(grad[a - grad_lo : b - grad_lo])
+            ms.append(exp_avg[a:b])
+            vs.append(exp_avg_sq[a:b])
+            ss.append(step)
+    for decays, (ps, gs, ms, vs, ss) in groups.items():
+        torch._fused_adamw_(ps, gs, ms, vs, [], ss, lr=lr, beta1=b1, beta2=b2,
+                            weight_decay=cfg.weight_decay if decays else 0.0, eps=cfg.eps,
+                            amsgrad=False, maximize=False)
