@@ -42,7 +42,8 @@ if TYPE_CHECKING:
 #: the fields of ``TrainConfig`` that ``bench --model`` takes, with train's flags and checks
 #: (its defaults below: a benchmark measures long sequences, a few steps)
 BENCH_FIELDS = ("data", "packing", "seq_len", "batch_size", "micro_batch_size", "steps", "precision", "device",
-                "adam_workers", "order", *MEMORY_FIELDS, *KERNEL_FIELDS, "lora_rank", "lora_alpha", "lora_targets")
+                "adam_workers", "order", *MEMORY_FIELDS, *KERNEL_FIELDS, "lora_rank", "lora_alpha", "lora_targets",
+                "skip_idle_experts")
 
 
 def add_model_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:

@@ -8,7 +8,8 @@ like a Hugging Face Trainer checkpoint, so ``AutoModelForCausalLM.from_pretraine
       model-00001-of-00004.safetensors         unit 1 (embed): fp32 masters, HF names
       ...                                      one shard per unit: embed, layers, head
       model.safetensors.index.json             HF's sharded index (total_size, weight_map)
-      optimizer-00001-of-00004.safetensors     unit 1: exp_avg, exp_avg_sq (flat), step
+      optimizer-00001-of-00004.safetensors     unit 1: exp_avg, exp_avg_sq (flat), step (and a
+                                               sparse layer that skips idle experts: expert_steps)
       ...
       trainer_state.json                       the caller's dict (data position, rng, ...)
       manifest.json                            size and sha256 of every other file; last
@@ -276,6 +277,8 @@ class CheckpointWriter:
             moments = [("exp_avg", unit.exp_avg[: layout.numel]),
                        ("exp_avg_sq", unit.exp_avg_sq[: layout.numel]),
                        ("step", torch.tensor(float(step)))]
+            if unit.expert_steps is not None:  # a layer that skips idle experts: each expert's count
+                moments.append(("expert_steps", unit.expert_steps.clone()))
             written = {}
             for name, tensors in ((model_file(index, n), weights), (optimizer_file(index, n), moments)):
                 try:
@@ -629,3 +632,30 @@ def _load_moments(file: Path, unit: UnitState) -> None:
         raise CheckpointError(f"{where}: step of {key} is {step}, not a step count")
     for s in unit.steps:
         s.fill_(step)
+    _load_expert_steps(file, unit, step)
+
+
+def _load_expert_steps(file: Path, unit: UnitState, step: float) -> None:
+    """A sparse layer's per-expert step counts, where the run that saved it skipped idle
+    experts; a run that does not skip them can resume only where every expert kept up."""
+    where, key = f"{file.parent.name}/{file.name}", unit.layout.key
+    try:
+        with safe_open(str(file), framework="pt") as f:
+            saved = f.get_tensor("expert_steps").float() if "expert_steps" in f.keys() else None
+    except (SafetensorError, OSError) as e:
+        raise CheckpointError(f"cannot read {where}: corrupt or truncated ({e})") from e
+    if saved is not None and (saved.dim() != 1 or not all_finite(saved) or bool((saved < 0).any())
+                              or bool((saved != saved.round()).any()) or bool((saved > step).any())):
+        raise CheckpointError(f"{where}: expert_steps of {key} are not step counts of its experts")
+    if unit.expert_steps is None:
+        if saved is not None and bool((saved != step).any()):
+            raise CheckpointError(f"{where}: some experts of {key} took fewer steps than the layer (the run skipped "
+                                  f"idle experts); resume it with --skip-idle-experts")
+        return
+    if saved is None:
+        unit.expert_steps.fill_(step)
+    elif saved.numel() != unit.expert_steps.numel():
+        raise CheckpointError(f"{where}: expert_steps of {key} count {saved.numel()} experts, the model has "
+                              f"{unit.expert_steps.numel()}")
+    else:
+        unit.expert_steps.copy_(saved)

@@ -32,7 +32,7 @@ __all__ = ["PLAN_FIELDS", "add_arguments", "checked_request", "flag_of", "format
 #: defaults and checks
 PLAN_FIELDS = ("model", "data", "tokenizer", "byte_tokenizer", "seq_len", "batch_size",
                "micro_batch_size", "order", "grad_clip", "precision", "device", "policy", "attention_backend",
-               *MEMORY_FIELDS, "lora_rank", "lora_targets")
+               *MEMORY_FIELDS, "lora_rank", "lora_targets", "skip_idle_experts")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -29,7 +29,8 @@ KERNEL_FIELDS = ("compile", "attention_backend")
 #: ``train`` spells what leads to them
 _BELOW = {"staged": "--layout staged", "full_layout": "--layout full", "keep": "--activations keep", "offload": "--activations offload",
           "save_attention": "--activations attention", "layers": "the model's num_hidden_layers",
-          "micro_batches": "--batch-size / --micro-batch-size", "share": "--nproc-per-node"}
+          "micro_batches": "--batch-size / --micro-batch-size", "share": "--nproc-per-node",
+          "routed": "--skip-idle-experts"}
 
 
 def flag_of(field: str) -> str | None:

@@ -142,6 +142,9 @@ class RunRequest(msgspec.Struct, kw_only=True):
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = DEFAULT_TARGETS
     lora_dropout: float = 0.0
+    #: ``--skip-idle-experts``: a mixture of experts' sparse layers stay streamed, and their
+    #: backward-side fetches follow the routing (``StepSpec.routed``)
+    skip_idle_experts: bool = False
 
 
 def adapter_numel(cfg: ModelConfig, req: RunRequest) -> int:
@@ -201,7 +204,8 @@ def run_request(cfg: Any, model_dir: str | os.PathLike[str] | None = None, proce
                       attention_backend=getattr(cfg, "attention_backend", "auto"),
                       lora_rank=getattr(cfg, "lora_rank", None) or 0,
                       lora_targets=tuple(getattr(cfg, "lora_targets", None) or DEFAULT_TARGETS),
-                      lora_dropout=getattr(cfg, "lora_dropout", 0.0) or 0.0)
+                      lora_dropout=getattr(cfg, "lora_dropout", 0.0) or 0.0,
+                      skip_idle_experts=bool(getattr(cfg, "skip_idle_experts", False)))
 
 
 class Plan(msgspec.Struct, kw_only=True):
@@ -608,7 +612,13 @@ def _spec(cfg: ModelConfig, req: RunRequest, layout: str, resident: tuple[str, .
     return StepSpec(layers=cfg.num_layers, micro_batches=req.batch_size // req.micro_batch_size,
                     checkpoint_every=req.checkpoint_every, order=req.order, tied=cfg.tie_word_embeddings,
                     grad_clip=req.grad_clip, resident=resident, staged=staged, grad_chunks=chunks,
-                    reduce=req.processes > 1, share=req.share, lora=req.lora_rank > 0).validate()
+                    reduce=req.processes > 1, share=req.share, lora=req.lora_rank > 0,
+                    routed=_routed(cfg, req)).validate()
+
+
+def _routed(cfg: ModelConfig, req: RunRequest) -> tuple[int, ...]:
+    """The layers whose idle experts are skipped: every sparse layer, with ``--skip-idle-experts``."""
+    return tuple(cfg.sparse_layers()) if req.skip_idle_experts else ()
 
 
 def _backlog(cfg: ModelConfig, resident: tuple[str, ...], weights: bool = True) -> dict[str, int]:
@@ -856,10 +866,11 @@ def _plan_state(cfg, req, device, dtype, policy, host_limit, gpu_limit, speed: b
 
     if explicit is not None or device.type != "cuda":
         return build(explicit or ())
-    return _choose_resident(cfg, build, policy, speed)
+    return _choose_resident(cfg, build, policy, speed, never=frozenset(f"layer.{i}" for i in _routed(cfg, req)))
 
 
-def _choose_resident(cfg: ModelConfig, build, policy: Any, speed: bool = True) -> Plan:  # noqa: ANN001 - build(resident) -> Plan
+def _choose_resident(cfg: ModelConfig, build, policy: Any, speed: bool = True,  # noqa: ANN001 - build(resident) -> Plan
+                     never: frozenset[str] = frozenset()) -> Plan:
     """The resident units: embedding and head if they fit, then layers bottom-up, as many as
     the GPU holds up to the speed set (a third of the layers: past it, one more resident layer
     saves less than it costs in slots) without shrinking the weight and gradient slots (a
@@ -869,8 +880,7 @@ def _choose_resident(cfg: ModelConfig, build, policy: Any, speed: bool = True) -
 
     GPU bytes grow and host bytes shrink with every resident layer, so the count is found by
     bisection: about 2 log2(layers) plans instead of one per layer (a 100-layer plan compiles
-    a step graph per candidate, ~30 ms each)."""
-    L = cfg.num_layers
+    a step graph per candidate, ~30 ms each). The layers in ``never`` stay streamed."""
     plan = build(())
     head = ("embed", "head")
     base: tuple[str, ...] = ()
@@ -879,7 +889,8 @@ def _choose_resident(cfg: ModelConfig, build, policy: Any, speed: bool = True) -
         base = head if trial.gpu_fits and not _squeezed(trial, policy) else ()
         if base:
             plan = trial
-    layers = [f"layer.{i}" for i in range(L)]
+    layers = [f"layer.{i}" for i in range(cfg.num_layers) if f"layer.{i}" not in never]
+    L = len(layers)
     tried: dict[int, Plan] = {0: plan}
 
     def at(k: int) -> Plan:

@@ -16,6 +16,9 @@ state lives in host memory and its weights cross PCIe to the GPU for every pass)
   ``fetch`` copies (half the PCIe bytes of fp32) and ``cpu_adam`` refreshes after each update.
 - ``compute``: a resident unit's compute-dtype copy (the master itself when computing in fp32).
 - ``steps``: Adam's step count, one per gradient chunk (chunks are updated independently).
+- ``expert_steps``: only in a sparse layer that skips idle experts (``StepSpec.routed``), each
+  expert's own Adam step count, (experts,) fp32: an expert that no token reached in a step is
+  not updated, so its count falls behind the layer's (``steps``, which counts the rest).
 
 With LoRA (:mod:`flowtrain.model.lora`) the model's units are **frozen**: ``master`` holds the
 weights in the compute dtype (what ``fetch`` copies as it is: 2 bytes per parameter in bf16),
@@ -118,13 +121,14 @@ class UnitState:
     """The flat tensors of one unit; see the module docstring for each field."""
 
     __slots__ = ("layout", "master", "exp_avg", "exp_avg_sq", "grad", "stream", "compute", "steps", "resident",
-                 "frozen")
+                 "frozen", "expert_steps")
 
     def __init__(self, layout: UnitLayout, *, pin: bool, layout_name: str, resident: bool,
                  device: torch.device, dtype: torch.dtype, chunks: int, arena: SharedArena | None = None,
-                 frozen: bool = False) -> None:
+                 frozen: bool = False, experts: int = 0) -> None:
         n = layout.numel
         self.layout = layout
+        self.expert_steps = torch.zeros(experts, dtype=torch.float32) if experts else None
         self.resident = resident
         #: a LoRA base unit: its weights in the compute dtype, nothing else (see the module docstring)
         self.frozen = frozen
@@ -191,13 +195,14 @@ class HostState:
     def create(cls, cfg: ModelConfig, *, pin: bool, layout: str = "full", resident: Iterable[str] = (),
                device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                chunks: dict[str, int] | None = None, world: World | None = None,
-               lora: LoraSpec | None = None) -> "HostState":
+               lora: LoraSpec | None = None, skip_idle: Iterable[int] = ()) -> "HostState":
         """Allocate every unit's state (zeros): ``resident`` unit keys on ``device``, the rest in
         host memory in ``layout``; ``chunks`` gives the staging chunks of large units. With a
         ``world`` of several processes on this node, the streamed units' state is the node's
         one shared copy (:mod:`flowtrain.train.shared_state`); every process of the node calls
         this at the same point. With ``lora`` the model's units are frozen, in ``dtype``, and
-        each layer has its adapters on ``device``."""
+        each layer has its adapters on ``device``. The decoder layers in ``skip_idle`` (streamed,
+        sparse) count each expert's Adam steps apart (``expert_steps``)."""
         if layout not in LAYOUTS:
             raise ConfigError(f"{{layout}} must be one of {', '.join(LAYOUTS)} (got {layout!r})", named=True)
         res = set(resident)
@@ -208,8 +213,12 @@ class HostState:
             sizes = shared_sizes(layouts, layout, res, dtype, chunks)
             arena = SharedArena.open(world, sizes, pin=pin)
         dev = torch.device(device)
+        skipping = {f"layer.{i}" for i in skip_idle}
+        if skipping & res or (skipping and (arena is not None or lora is not None)):
+            raise ConfigError("layers that skip idle experts are streamed, in a run that trains the whole model alone")
         units = [UnitState(lay, pin=pin, layout_name=layout, resident=lay.key in res, device=dev,
-                           dtype=dtype, chunks=chunks.get(lay.key, 1), arena=arena, frozen=lora is not None)
+                           dtype=dtype, chunks=chunks.get(lay.key, 1), arena=arena, frozen=lora is not None,
+                           experts=cfg.num_experts if lay.key in skipping else 0)
                  for lay in layouts]
         adapters = [UnitState(lay, pin=False, layout_name=layout, resident=True, device=dev, dtype=torch.float32,
                               chunks=1) for lay in adapter_layouts(cfg, lora)] if lora is not None else []

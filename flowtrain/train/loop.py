@@ -194,7 +194,7 @@ class TrainingLoop:
         seconds, self.t_last = now - self.t_last, now
         m = StepMetrics(step=s + 1, loss=loss, tokens=tokens, seconds=seconds,
                         tokens_per_s=tokens / seconds if seconds > 0 else 0.0, lr=self.run.schedule(s),
-                        grad_norm=grad_norm, skipped=skipped)
+                        grad_norm=grad_norm, skipped=skipped, experts_unfetched=self.program.unfetched.pop(s, None))
         self.metrics.append(m)
         self._count_skipped(m)
         if s in self.writers:

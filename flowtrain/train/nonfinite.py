@@ -154,12 +154,14 @@ class UndoBudget:
 
 class Saved:
     """``[lo, hi)`` of one unit's master, m and v and the step count of its chunk, as they were
-    before this step's update, copied into ``buf`` (``numel(hi - lo)`` fp32 elements)."""
+    before this step's update, copied into ``buf`` (``numel(hi - lo)`` fp32 elements); and a
+    sparse layer's per-expert step counts, where it keeps them (a few floats, copied aside)."""
 
-    __slots__ = ("unit", "lo", "hi", "chunk", "buf")
+    __slots__ = ("unit", "lo", "hi", "chunk", "buf", "expert_steps")
 
     def __init__(self, unit, lo: int, hi: int, chunk: int, buf: torch.Tensor) -> None:  # unit: host_state.UnitState
         self.unit, self.lo, self.hi, self.chunk, self.buf = unit, lo, hi, chunk, buf
+        self.expert_steps = None if unit.expert_steps is None else unit.expert_steps.clone()
         n = hi - lo
         for i, src in enumerate((unit.master, unit.exp_avg, unit.exp_avg_sq)):
             buf[i * n : (i + 1) * n].copy_(src[lo:hi])
@@ -175,6 +177,8 @@ class Saved:
         for i, dst in enumerate((u.master, u.exp_avg, u.exp_avg_sq)):
             dst[lo:hi].copy_(buf[i * n : (i + 1) * n])
         u.steps[self.chunk].view(1).copy_(buf[3 * n :])
+        if self.expert_steps is not None:
+            u.expert_steps.copy_(self.expert_steps)
         u.refresh_copies(lo, hi)
 
 

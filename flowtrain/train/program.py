@@ -114,10 +114,11 @@ from .distributed import World, all_reduce_sum, node_barrier
 from .host_state import HostState, UnitState, pinned_zeros
 from .activations import ActivationStore
 from .kept import backward_kept, forward_kept
+from .idle_experts import IdleExperts
 from .load_balance import LoadBalance
 from .nonfinite import SKIP, Injection, Saved, StepCheck, UndoBudget, injection_from_env, nonfinite, undo_arena_bytes
 from .weight_grads import backward_into, weight_leaves
-from .optimizer import AdamWConfig, adamw_step, clip_coefficient, decay_segments, no_decay_ranges
+from .optimizer import AdamWConfig, adamw_pieces, adamw_step, clip_coefficient, decay_segments, no_decay_ranges
 
 
 class _StepData:
@@ -251,6 +252,14 @@ class StepProgram:
         #: a mixture of experts trained with its load-balancing loss (output_router_logits)
         self.balance = (LoadBalance(self.cfg) if self.cfg.moe and self.cfg.output_router_logits
                         and self.cfg.sparse_layers() else None)
+        #: the sparse layers that skip idle experts, and what each step's routing tells them
+        self.idle = IdleExperts(state, self.device)
+        if self.idle:  # an idle expert's part of a slot is never copied: never uninitialised memory
+            for w in self.weight_c:
+                w.zero_()
+        #: per finished step, the fraction of those layers' expert weights its fetches left in
+        #: host memory (the caller pops it: flowtrain.train.loop)
+        self.unfetched: dict[int, float] = {}
 
     @property
     def _pin(self) -> bool:
@@ -304,6 +313,9 @@ class StepProgram:
             self.balance.end(step)
         norm = data.total_norm if data.total_norm is not None else self._total_norm(data)
         self._settle(data)  # a no-op where verify_step or grad_norm has settled the step
+        unfetched = self.idle.end_step(step)
+        if unfetched is not None:
+            self.unfetched[step] = unfetched
         self.store.check_empty(step)  # every hand-off of the step taken: no device memory left behind
         if data.check.error is not None:
             raise NonFiniteError(data.check.error)
@@ -425,33 +437,45 @@ class StepProgram:
 
     # ---- task bodies ----------------------------------------------------------------------
     def _fetch(self, task: Fetch, slot: int) -> int:
-        units = [self._unit(task)] + ([self.state.embed] if self.tied and task.unit == "head" else [])
         dst = self.weight_c[slot]
+        if task.unit == "layer" and task.layer in self.idle and task.phase != "eval":
+            # a layer that skips idle experts: before its recompute and backward, only the experts
+            # the forwards of the micro-batches this fetch serves routed to (the rest of the slot
+            # keeps what it held: no token reads it)
+            i = task.layer
+            assert i is not None
+            mbs = range(len(self.steps[task.step].ids)) if task.micro_batch is None else [task.micro_batch]
+            unit = self.state.unit("layer", i)
+            return self._stream_in(unit, dst, self.idle.fetch_ranges(task.step, i, task.phase, mbs))
+        units = [self._unit(task)] + ([self.state.embed] if self.tied and task.unit == "head" else [])
         moved = off = 0
         for unit in units:
             n = unit.layout.numel
-            moved += self._stream_in(unit, dst[off : off + n])
+            moved += self._stream_in(unit, dst[off : off + n], [(0, n)])
             off += n
         return moved
 
-    def _stream_in(self, unit: UnitState, dst: torch.Tensor) -> int:
-        """Copy a streamed unit's weights from host memory into ``dst`` (compute dtype, on the
-        device); returns the bytes that crossed PCIe."""
+    def _stream_in(self, unit: UnitState, dst: torch.Tensor, ranges: list[tuple[int, int]]) -> int:
+        """Copy ``ranges`` of a streamed unit's weights from host memory into the same places of
+        ``dst`` (compute dtype, on the device); returns the bytes that crossed PCIe."""
         nb = self._non_blocking
-        if unit.stream is not None:
-            dst.copy_(unit.stream, non_blocking=nb)
-            return unit.stream.numel() * unit.stream.element_size()
-        if dst.dtype == unit.master.dtype:  # an fp32 run's master, or a frozen LoRA base
-            dst.copy_(unit.master, non_blocking=nb)
-            return dst.numel() * dst.element_size()
-        else:  # fp32 pieces through the landing buffer, cast on the device, all on this lane
-            piece = self.landing.numel()
-            for lo in range(0, dst.numel(), piece):
-                hi = min(dst.numel(), lo + piece)
-                land = self.landing[: hi - lo]
-                land.copy_(unit.master[lo:hi], non_blocking=nb)
-                dst[lo:hi].copy_(land)
-        return 4 * dst.numel()
+        moved = 0
+        for lo, hi in ranges:
+            if unit.stream is not None:
+                dst[lo:hi].copy_(unit.stream[lo:hi], non_blocking=nb)
+                moved += (hi - lo) * unit.stream.element_size()
+            elif dst.dtype == unit.master.dtype:  # an fp32 run's master, or a frozen LoRA base
+                dst[lo:hi].copy_(unit.master[lo:hi], non_blocking=nb)
+                moved += (hi - lo) * dst.element_size()
+            else:  # fp32 pieces through the landing buffer, cast on the device, all on this lane
+                piece = self.landing.numel()
+                for a in range(lo, hi, piece):
+                    b = min(hi, a + piece)
+                    land = self.landing[: b - a]
+                    land.copy_(unit.master[a:b], non_blocking=nb)
+                    dst[a:b].copy_(land)
+                moved += 4 * (hi - lo)
+        return moved
 
     def _embed(self, task: Embed, ctx: TaskContext) -> None:
         s, m = task.step, task.micro_batch
@@ -503,10 +527,21 @@ class StepProgram:
         return out
 
     def _counting(self, s: int, i: int, m: int) -> RouterTap | None:
-        """The router tap of layer ``i``'s forward in training (None: no load-balancing loss)."""
-        if self.balance is None or not self.cfg.layer_sparse(i):
-            return None
-        return self.balance.counting(s, i, m)
+        """The router tap of layer ``i``'s forward in training: what the load-balancing loss
+        counts, and where the layer skips idle experts, its real tokens per expert (None:
+        neither)."""
+        taps = []
+        if self.balance is not None and self.cfg.layer_sparse(i):
+            taps.append(self.balance.counting(s, i, m))
+        if i in self.idle:
+            taps.append(self.idle.tap(s, i, m, self.steps[s].targets[m]))
+        if len(taps) < 2:
+            return taps[0] if taps else None
+
+        def both(probs: torch.Tensor, experts: torch.Tensor) -> None:
+            for tap in taps:
+                tap(probs, experts)
+        return both
 
     def _layer_input(self, s: int, i: int, m: int, keep: bool) -> torch.Tensor:
         return self.store.inputs.peek((s, i, m)) if keep else self.store.inputs.take((s, i, m))
@@ -733,8 +768,13 @@ class StepProgram:
         lo, hi = chunk_range(unit.layout.numel, self.stage_n, task.chunk)
         dst = unit.own_grad() if task.chunk is None else self.staging[ctx.slot][: hi - lo]  # type: ignore[index]
         self._flag_pieces(task, unit, src, lo, hi)
-        dst.copy_(src[lo:hi], non_blocking=nb)
-        return moved + 4 * (hi - lo)
+        ranges, i = [(lo, hi)], task.layer
+        if task.unit == "layer" and i is not None and i in self.idle:  # an idle expert's gradient stays behind
+            ranges = self.idle.trained_ranges(task.step, i, len(self.steps[task.step].ids), lo, hi)
+        for a, b in ranges:
+            dst[a - lo : b - lo].copy_(src[a:b], non_blocking=nb)
+            moved += 4 * (b - a)
+        return moved
 
     def _flag_pieces(self, task: OffloadGrad, unit: UnitState, src: torch.Tensor, lo: int, hi: int) -> None:
         """Squared norm and non-finite flag of the piece ``src[lo:hi]`` an offload copies (a tied
@@ -808,8 +848,14 @@ class StepProgram:
                 data.check.keep(Saved(unit, lo, hi, task.chunk or 0, verdict))
             if data.clip is not None:
                 grad.mul_(data.clip)
-            adamw_step(unit.master[lo:hi], grad, unit.exp_avg[lo:hi], unit.exp_avg_sq[lo:hi],
-                       unit.steps[task.chunk or 0], self.adamw, data.lr, segments=self._segments(unit, lo, hi))
+            if task.unit == "layer" and task.layer in self.idle:  # each expert on its own step count
+                assert (lo, hi) == (0, unit.layout.numel), "a layer that skips idle experts is one staging chunk"
+                pieces = self.idle.adam_pieces(task.step, task.layer, len(data.ids), unit, task.chunk)  # type: ignore[arg-type]
+                adamw_pieces(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, pieces, self.adamw, data.lr,
+                             no_decay=self.no_decay[unit.layout.key])
+            else:
+                adamw_step(unit.master[lo:hi], grad, unit.exp_avg[lo:hi], unit.exp_avg_sq[lo:hi],
+                           unit.steps[task.chunk or 0], self.adamw, data.lr, segments=self._segments(unit, lo, hi))
             unit.refresh_copies(lo, hi)
         finally:
             data.check.updated()

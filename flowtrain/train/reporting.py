@@ -48,6 +48,10 @@ class StepMetrics(msgspec.Struct):
     #: token of ``--eval-data``) and how many tokens it covers; None for a step not evaluated
     eval_loss: float | None = None
     eval_tokens: int | None = None
+    #: with ``--skip-idle-experts``: the fraction of the sparse layers' expert weights that the
+    #: step's fetches (forward, recompute, backward) left in host memory, the idle experts'
+    #: before the recompute and backward; None (and not on the ``--metrics`` line) otherwise
+    experts_unfetched: float | None = None
 
 
 #: fields of :class:`StepMetrics` that ``--metrics`` writes on a line of their own (:meth:`Reporter.eval`)
@@ -58,7 +62,8 @@ def metrics_json(m: StepMetrics) -> str:
     """One JSON line; non-finite numbers become ``null``. The held-out loss is not on it: it
     has a line of its own, written when the evaluation is done."""
     data = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-            for k, v in msgspec.to_builtins(m).items() if k not in _EVAL_FIELDS}
+            for k, v in msgspec.to_builtins(m).items()
+            if k not in _EVAL_FIELDS and not (k == "experts_unfetched" and v is None)}
     return json.dumps(data, allow_nan=False)
 
 

@@ -114,6 +114,11 @@ class TrainConfig(msgspec.Struct, kw_only=True):
     eps: Annotated[float, Setting("AdamW eps", ge=0.0, group=OPTIMIZER)] = defaults.EPS  # torch accepts 0
     grad_clip: Annotated[float | None, Setting(
         "clip the global gradient norm to this value (exact)", gt=0.0, group=OPTIMIZER)] = None
+    skip_idle_experts: Annotated[bool, Setting(
+        "mixture of experts: an expert no token of a step is routed to gets no gradient and no update, as torch AdamW "
+        "skips a parameter without one (its step count stays too), and is not copied to the GPU again for the "
+        "backward; default: every expert is updated every step, an idle one with a zero gradient, as transformers' "
+        "stacked experts are", group=OPTIMIZER)] = False
     adam_workers: Annotated[int, Setting(
         "CPU threads running AdamW tasks concurrently", ge=1, group=OPTIMIZER)] = 1
 
@@ -313,6 +318,12 @@ def validate(cfg: TrainConfig, mcfg: ModelConfig) -> None:
     if defaults.seq_len_given(cfg.seq_len):  # else the data decides, within the model's positions
         mcfg.check_seq_len(cfg.seq_len)
     _validate_lora(cfg)
+    if cfg.skip_idle_experts and not mcfg.sparse_layers():
+        raise ConfigError("{skip_idle_experts} is for a mixture of experts: the model has no layer with experts",
+                          named=True)
+    if cfg.skip_idle_experts and cfg.lora:
+        raise ConfigError("{skip_idle_experts} is for training the whole model: LoRA leaves every expert frozen",
+                          named=True)
     if cfg.progress not in (None, True, False, "lines"):
         raise ConfigError(f"{{progress}} must be None, True, False or 'lines' (got {cfg.progress!r})", named=True)
     if (cfg.eval_data is None) != (cfg.eval_every is None):

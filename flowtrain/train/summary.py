@@ -164,7 +164,8 @@ def summary_lines(run: "Run") -> list[str]:
     lines.append(f"steps      {cfg.steps} of {sequences} ({cfg.batch_size * seq:,} tokens, "
                  f"{pieces} of {cfg.micro_batch_size}{order}); "
                  f"lr {cfg.lr:g} {sched}, weight decay {cfg.weight_decay:g}"
-                 + (" (none on norms and biases)" if cfg.weight_decay_skip == "norms-biases" else ""))
+                 + (" (none on norms and biases)" if cfg.weight_decay_skip == "norms-biases" else "")
+                 + ("; experts no token is routed to are not updated" if cfg.skip_idle_experts else ""))
     if cfg.out:
         what = ("the merged model" if cfg.merge else "the PEFT adapter") if cfg.lora else "model"
         out = f"{what} to {cfg.out}"

@@ -167,6 +167,19 @@ def occupancy(trace: Trace, uses: Sequence[SlotUse] | None = None) -> dict[str, 
 # ---- waiting --------------------------------------------------------------------------------
 
 
+def partial_fetches(trace: Trace) -> dict[int, float]:
+    """Fetches that copied only part of their unit, by task index: the fraction of the most any
+    fetch of the same unit copied. A layer that skips idle experts (``train
+    --skip-idle-experts``) copies every expert for its forward but, before its recompute and
+    backward, only those its routing reached."""
+    most: dict[tuple, int] = {}
+    fetches = [t for t in trace.tasks if t.kind == "fetch" and t.bytes > 0]
+    for t in fetches:
+        key = (t.unit, t.layer)
+        most[key] = max(most.get(key, 0), t.bytes)
+    return {t.index: t.bytes / most[(t.unit, t.layer)] for t in fetches if t.bytes < most[(t.unit, t.layer)]}
+
+
 class Wait(msgspec.Struct, frozen=True):
     """What a task waited for: ``cause`` is ``"dep"`` (a dependency), ``"lane"`` (the task
     before it on its lane) or ``"slot"`` (the last reader of the slot it took, under its

@@ -32,6 +32,7 @@ from .analysis import (
     inferred_budgets,
     mean_durations,
     occupancy,
+    partial_fetches,
     pool_budgets,
     slot_uses,
 )
@@ -94,7 +95,8 @@ def _task_columns(view: TraceView, kinds: list[str]) -> dict[str, list]:
     tr = view.trace
     lane_index = {lane: i for i, lane in enumerate(tr.lanes)}
     cols: dict[str, list] = {k: [] for k in ("s", "e", "k", "l", "name", "layer", "mb", "step", "bytes",
-                                             "slot", "reads", "deps", "why")}
+                                             "slot", "reads", "deps", "why", "part")}
+    part = partial_fetches(tr)
     for t in tr.tasks:
         cols["s"].append(_us(t.start))
         cols["e"].append(_us(t.end))
@@ -109,6 +111,7 @@ def _task_columns(view: TraceView, kinds: list[str]) -> dict[str, list]:
         cols["reads"].append(", ".join(f"{p} #{s}" for p, ss in t.reads.items() for s in ss) or None)
         cols["deps"].append(list(tr.dep_indices[t.index]))
         cols["why"].append(_why(view, t.index))
+        cols["part"].append(round(part[t.index], 4) if t.index in part else None)
     return cols
 
 

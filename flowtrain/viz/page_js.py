@@ -436,6 +436,8 @@ GANTT_JS = r"""
     var gbs = rate(T.bytes[i], dur);
     parts.push("bytes " + fmtBytes(T.bytes[i]) + (gbs ? " at " + gbs : "") + (T.slot[i] ? " \u00b7 slot " + esc(T.slot[i]) : "") +
                (T.reads[i] ? " \u00b7 reads " + esc(T.reads[i]) : ""));
+    if (T.part && T.part[i] !== null && T.part[i] !== undefined)
+      parts.push("copied " + (100 * T.part[i]).toFixed(0) + "% of the unit's fullest fetch: experts no token was routed to stayed in host memory");
     if (T.why[i]) parts.push("waited for " + esc(T.why[i]));
     if (full) {
       var deps = T.deps[i].map(function (d) { return esc(T.name[d]); });

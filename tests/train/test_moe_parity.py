@@ -46,27 +46,36 @@ def _batch(rows, s):
     return ids, labels, mask
 
 
+def step_backward(model, rows, s, micro, before=None):
+    """Step ``s``'s gradients: per micro-batch, CE (summed, over the step's target count) plus
+    coef * aux_loss / micro-batch count, each backward on its own; ``before(mask)`` is told each
+    micro-batch's attention mask first. Returns the step's loss."""
+    ids, labels, mask = _batch(rows, s)
+    targets = torch.cat([labels[:, 1:], torch.full((ROWS, 1), -100)], dim=1)
+    n = int((targets != -100).sum())
+    total = 0.0
+    for m in range(0, ROWS, micro):
+        if before is not None:
+            before(mask[m:m + micro])
+        out = model(input_ids=ids[m:m + micro], attention_mask=mask[m:m + micro], labels=labels[m:m + micro])
+        ce = F.cross_entropy(out.logits.flatten(0, 1), targets[m:m + micro].flatten(), reduction="sum",
+                             ignore_index=-100) / n
+        loss = ce + model.config.router_aux_loss_coef * out.aux_loss * micro / ROWS
+        if micro == ROWS:  # one forward per step: transformers' own loss is the step's
+            torch.testing.assert_close(loss, out.loss, rtol=1e-6, atol=0)
+        loss.backward()
+        total += float(loss.detach())
+    return total
+
+
 def reference_train(model, rows, micro):
     """AdamW on CE (mean over the step's targets) plus coef * aux_loss per micro-batch / count."""
     opt = torch.optim.AdamW(model.parameters(), lr=0.01, weight_decay=0.1, betas=(0.9, 0.95), eps=1e-6)
     losses = []
     for s in range(STEPS):
-        ids, labels, mask = _batch(rows, s)
-        targets = torch.cat([labels[:, 1:], torch.full((ROWS, 1), -100)], dim=1)
-        n = int((targets != -100).sum())
         opt.zero_grad()
-        total = 0.0
-        for m in range(0, ROWS, micro):
-            out = model(input_ids=ids[m:m + micro], attention_mask=mask[m:m + micro], labels=labels[m:m + micro])
-            ce = F.cross_entropy(out.logits.flatten(0, 1), targets[m:m + micro].flatten(), reduction="sum",
-                                 ignore_index=-100) / n
-            loss = ce + model.config.router_aux_loss_coef * out.aux_loss * micro / ROWS
-            if micro == ROWS:  # one forward per step: transformers' own loss is the step's
-                torch.testing.assert_close(loss, out.loss, rtol=1e-6, atol=0)
-            loss.backward()
-            total += float(loss.detach())
+        losses.append(step_backward(model, rows, s, micro))
         opt.step()
-        losses.append(total)
     return model, losses
 
 
@@ -124,13 +133,22 @@ def test_moe_resume_is_bit_identical(tmp_path):
     (the checkpoint's per-expert tensors and Adam state read back exactly)."""
     from safetensors.torch import load_file
 
-    from flowtrain.train.trainer import TrainConfig, train
-
     spec = {**MOE["qwen3-moe-dense-layer"], "output_router_logits": True, "router_aux_loss_coef": COEF}
     make_checkpoint(tmp_path / "model", layers=3, seed=11, **spec)
     make_data(tmp_path / "data.jsonl", seed=12)
+    straight_and_resumed(tmp_path)
+    assert "model.layers.0.mlp.experts.3.down_proj.weight" in load_file(tmp_path / "a" / "model.safetensors")
+
+
+def straight_and_resumed(tmp_path, **settings):
+    """Four steps of tmp_path/model on tmp_path/data.jsonl into tmp_path/a; two, a checkpoint,
+    and two more from it into tmp_path/b; every file of the two the same, bit for bit."""
+    from safetensors.torch import load_file
+
+    from flowtrain.train.trainer import TrainConfig, train
+
     base = dict(model=str(tmp_path / "model"), data=str(tmp_path / "data.jsonl"), batch_size=ROWS, micro_batch_size=2,
-                seq_len=SEQ, steps=4, device="cpu", precision="fp32", progress=False, save_every=2)
+                seq_len=SEQ, steps=4, device="cpu", precision="fp32", progress=False, save_every=2, **settings)
 
     class Stop(Exception):
         pass
@@ -149,4 +167,3 @@ def test_moe_resume_is_bit_identical(tmp_path):
         for f in files:
             a, b = load_file(f), load_file(tmp_path / "b" / sub / f.name)
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f.name
-    assert "model.layers.0.mlp.experts.3.down_proj.weight" in load_file(tmp_path / "a" / "model.safetensors")
