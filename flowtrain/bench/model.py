@@ -121,6 +121,8 @@ def run_model(args: argparse.Namespace) -> dict:
     }
     if adapters is not None:
         result.update(lora_rank=cfg.lora_rank, adapter_params=adapters)
+    if cfg.skip_idle_experts:  # per step, the share of expert weights left in host memory
+        result["experts_unfetched"] = [m.experts_unfetched for m in metrics]
     if plans:
         p = plans[0]
         result.update(layout=p.layout, resident=list(p.spec.resident), budgets=p.budgets,

@@ -245,3 +245,13 @@ def test_the_trace_shows_what_routing_left_unfetched(tmp_path):
         assert (("forward", t.layer) in forwards) == (t.layer != 1 and t.phase == "backward")
     assert main(["viz", str(tmp_path / "trace.json"), "--out", str(tmp_path / "page.html")]) == 0
     assert "stayed in host memory" in (tmp_path / "page.html").read_text()
+
+
+def test_bench_reports_the_unfetched_share_per_step(tmp_path):
+    _setup(tmp_path, "qwen3-moe")
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "data.jsonl"), "--seq-len", "12",
+                 "--batch-size", "4", "--micro-batch-size", "2", "--steps", "2", "--warmup", "1", "--device", "cpu",
+                 "--skip-idle-experts", "--json", str(out)]) == 0
+    shares = json.loads(out.read_text())["experts_unfetched"]
+    assert len(shares) == 2 and all(0 < f < 1 for f in shares)
