@@ -31,6 +31,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="data parallel: N processes of a node sharing the host state (reduce_grad, sync_step)")
     p.add_argument("--lora", action="store_true",
                    help="LoRA: the model frozen, each layer's adapters resident and trained (gpu_adam adapter)")
+    p.add_argument("--host-adapters", action="store_true",
+                   help="with --lora: the adapters in host memory, fetched with their layer, updated by cpu_adam")
     p.add_argument("--routed", default="", metavar="LAYERS",
                    help="sparse layers that skip idle experts: their recompute and backward fetches follow their "
                         "forwards' routing (train's --skip-idle-experts)")
@@ -84,6 +86,7 @@ def run(args: argparse.Namespace) -> int:
         reduce=args.processes > 1,
         share=args.processes,
         lora=args.lora,
+        host_adapters=args.host_adapters,
         routed=_layers(args.routed, "--routed"),
     ).validate()
     graph = compile_steps(spec, args.steps)

@@ -32,7 +32,7 @@ __all__ = ["PLAN_FIELDS", "add_arguments", "checked_request", "flag_of", "format
 #: defaults and checks
 PLAN_FIELDS = ("model", "data", "tokenizer", "byte_tokenizer", "seq_len", "batch_size",
                "micro_batch_size", "order", "grad_clip", "precision", "device", "policy", "attention_backend",
-               *MEMORY_FIELDS, "lora_rank", "lora_targets", "skip_idle_experts")
+               *MEMORY_FIELDS, "lora_rank", "lora_targets", "lora_state", "skip_idle_experts")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -165,8 +165,9 @@ def format_plan(model: str, plan) -> str:  # noqa: ANN001 - a Plan
     lines = [f"{model}: {count} parameters, {what} "
              f"({plan.host_state_bytes_per_param:.2f} host bytes of state per parameter), device {plan.device}"]
     res = plan.spec.resident
-    where = ("base units resident on the GPU (the adapters always are, with their Adam)" if plan.spec.lora
-             else "resident on the GPU (Adam there)")
+    adapters = ("the adapters are in host memory, fetched with their layer, CPU AdamW" if plan.spec.host_adapters
+                else "the adapters are, with their Adam")
+    where = f"base units resident on the GPU ({adapters})" if plan.spec.lora else "resident on the GPU (Adam there)"
     lines.append(f"{where}: {', '.join(res) if res else 'none'}")
     lines.append(f"micro-batch order: {plan.spec.order}" + (f" ({plan.order_choice})" if plan.order_choice else ""))
     lines.append(f"activations: {activation_placement(plan.spec)}")

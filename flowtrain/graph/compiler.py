@@ -39,7 +39,10 @@ LoRA (``lora``): the base model is frozen and each decoder layer's adapters (uni
 but have no ``zero_grad``, ``offload_grad`` or Adam, and nothing runs ``embed_backward`` (no
 gradient reaches the embedding). Each layer's backward adds into its adapters' own gradient,
 and a ``gpu_adam`` of ``adapter.i`` follows the step's ``found_inf`` like any resident unit's;
-the next step's tasks that run layer i wait for it.
+the next step's tasks that run layer i wait for it. With ``host_adapters`` the adapters are
+streamed instead: layer i's ``fetch`` brings them with its weights, its backward adds into a
+gradient slot of ``adapter.i`` (its own ``zero_grad``), and an ``offload_grad`` (whole: no
+staging chunks) and a ``cpu_adam`` follow, which the next step's fetches of layer i wait for.
 
 Non-finite steps (see ``flowtrain.train.nonfinite``): a step whose loss or any gradient is not
 finite must not change any weight. Every ``loss`` precedes every Adam task (all gradients flow
@@ -156,6 +159,10 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: LoRA: the base model is frozen; only each decoder layer's adapters (``adapter.i``,
     #: resident) are trained (see the module docstring).
     lora: bool = False
+    #: with ``lora``: the adapters live in host memory instead, streamed: each layer's
+    #: ``fetch`` brings its adapters with its weights, and their gradient has its own
+    #: ``zero_grad``, ``offload_grad`` (whole, never staged) and ``cpu_adam``.
+    host_adapters: bool = False
     #: sparse layers whose idle experts (those no token of the step was routed to) are left
     #: alone: the fetch before such a layer's recompute or backward follows its forwards (of
     #: the micro-batches it serves), whose routing says which experts to copy; the layer's
@@ -176,7 +183,7 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
         return f"{unit}.{layer}" if layer is not None else unit
 
     def is_resident(self, unit: str, layer: int | None) -> bool:
-        return unit == "adapter" or self.unit_key(unit, layer) in self.resident
+        return (unit == "adapter" and not self.host_adapters) or self.unit_key(unit, layer) in self.resident
 
     def is_frozen(self, unit: str) -> bool:
         """Whether a unit takes no gradient: with LoRA, every unit of the base model."""
@@ -250,6 +257,8 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
         if any(c < 1 for c in self.grad_chunks.values()):
             raise ConfigError(f"{{grad_chunks}} must be at least 1 (got {self.grad_chunks})", named=True)
         self._validate_routed()
+        if self.host_adapters and not self.lora:
+            raise ConfigError("adapters in host memory ({host_adapters}) are LoRA's: give {lora} with them", named=True)
         return self
 
     def _validate_routed(self) -> None:
@@ -497,7 +506,7 @@ class _StepBuilder(_Builder):
         the gradient of its input (for layer i-1), added to layer i's gradient slot."""
         f = self.fetch("layer", i, "backward", fetch_mb)
         self.after_routing(f, i, mbs)
-        z = self.zero_grad("layer", i)
+        z = self.zero_grad("adapter" if self.spec.lora else "layer", i)
         for m in mbs:
             self.fetch_back(i, m)
             t = self.node(Backward, unit="layer", layer=i, micro_batch=m, phase=self.layer_phase(i))
@@ -566,7 +575,9 @@ class _StepBuilder(_Builder):
                 self.offloads.append(t)
             return list(readers)
         slot = self.grad_slot[(unit, layer)]
-        chunks = [None] if not self.spec.staged else list(range(self.spec.chunks(unit, layer)))
+        # adapters in host memory keep a whole host gradient of their own (a few MB a layer)
+        staged = self.spec.staged and unit != "adapter"
+        chunks = [None] if not staged else list(range(self.spec.chunks(unit, layer)))
         out = []
         for c in chunks:
             t = self.node(OffloadGrad, unit=unit, layer=layer, chunk=c)
@@ -686,8 +697,8 @@ def cross_step_edges(earlier: Iterable[Task], later: Iterable[Task], spec: StepS
             edges += [(a, t) for a in adams.get((t.unit, t.layer), [])]
             if spec.tied and t.unit == "head":
                 edges += [(a, t) for a in adams.get(("embed", None), [])]
-        if spec.lora and isinstance(t, WEIGHT_READERS) and t.unit == "layer":
-            edges += [(a, t) for a in adams[("adapter", t.layer)]]
+        if spec.lora and isinstance(t, WEIGHT_READERS + (Fetch,)) and t.unit == "layer":  # its adapters too
+            edges += [(a, t) for a in adams.get(("adapter", t.layer), [])]
         if isinstance(t, Fetch):
             edges += [(v, t) for v in verify]
     return edges

@@ -433,7 +433,9 @@ _SCOPE_FIELDS: dict[str, tuple[str, ...]] = {
 #: kinds whose tasks may name one chunk of a unit's gradient (the staged layout)
 _CHUNKED = frozenset(("offload_grad", "cpu_adam"))
 #: the kinds that name a LoRA adapter unit: it is resident and only trained
-_ADAPTER_KINDS = frozenset(("reduce_grad", "grad_sq_norm", "gpu_adam", "save"))
+#: what names an adapter: a resident one's reduction, norm, Adam and save; streamed (in host
+#: memory), also its gradient slot, offload and CPU Adam (its weights come with its layer's fetch)
+_ADAPTER_KINDS = frozenset(("reduce_grad", "grad_sq_norm", "gpu_adam", "save", "zero_grad", "offload_grad", "cpu_adam"))
 
 
 def check_shape(task: Task) -> None:
@@ -451,7 +453,8 @@ def check_shape(task: Task) -> None:
     if scope == "unit" and task.unit not in ("embed", "layer", "head", "adapter"):
         wrong.append(f"unit {task.unit!r} (a unit: 'embed', 'layer', 'head' or 'adapter')")
     if task.unit == "adapter" and kind not in _ADAPTER_KINDS:
-        wrong.append("unit 'adapter' (an adapter is resident: only its reduce_grad, grad_sq_norm and gpu_adam name it)")
+        wrong.append("unit 'adapter' (an adapter's weights come with its layer: only its gradient's and "
+                     "optimizer's tasks name it)")
     if scope == "step" and task.unit is not None:
         wrong.append(f"unit {task.unit!r} (a step-wide task names none)")
     needs_layer = task.unit in ("layer", "adapter") and scope != "step"

@@ -142,6 +142,9 @@ class RunRequest(msgspec.Struct, kw_only=True):
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = DEFAULT_TARGETS
     lora_dropout: float = 0.0
+    #: ``--lora-state``: where the adapters' fp32 weights and AdamW live: "gpu", "host"
+    #: (streamed with their layers, updated by CPU AdamW) or "auto" (the GPU where that fits)
+    lora_state: str = "auto"
     #: ``--skip-idle-experts``: a mixture of experts' sparse layers stay streamed, and their
     #: backward-side fetches follow the routing (``StepSpec.routed``)
     skip_idle_experts: bool = False
@@ -157,20 +160,26 @@ def _adapter_inputs(cfg: ModelConfig, req: RunRequest) -> int:
     return _adapter_sizes(cfg, req)[1]
 
 
-def _adapter_sizes(cfg: ModelConfig, req: RunRequest) -> tuple[int, int]:
-    """``(adapters' parameters, widest layer's adapted inputs)``, from the adapter layouts built
-    once per model and adapter shape: every candidate plan asks (as :func:`_layouts`)."""
+def _adapter_layer_numels(cfg: ModelConfig, req: RunRequest) -> tuple[int, ...]:
+    """Each decoder layer's adapter parameters."""
+    return _adapter_sizes(cfg, req)[2]
+
+
+def _adapter_sizes(cfg: ModelConfig, req: RunRequest) -> tuple[int, int, tuple[int, ...]]:
+    """``(adapters' parameters, widest layer's adapted inputs, each layer's parameters)``, from
+    the adapter layouts built once per model and adapter shape: every candidate plan asks (as
+    :func:`_layouts`)."""
     key = (msgspec.json.encode(cfg), req.lora_rank, req.lora_targets)
     if key not in _ADAPTER_SIZES:
         if len(_ADAPTER_SIZES) >= 8:
             _ADAPTER_SIZES.clear()
         lays = adapter_layouts(cfg, LoraSpec(req.lora_rank, 1.0, req.lora_targets))
         inputs = max((sum(e.shape[1] for e in lay.entries if e.key.endswith(".lora_A")) for lay in lays), default=0)
-        _ADAPTER_SIZES[key] = (sum(lay.numel for lay in lays), inputs)
+        _ADAPTER_SIZES[key] = (sum(lay.numel for lay in lays), inputs, tuple(lay.numel for lay in lays))
     return _ADAPTER_SIZES[key]
 
 
-_ADAPTER_SIZES: dict[tuple, tuple[int, int]] = {}
+_ADAPTER_SIZES: dict[tuple, tuple[int, int, tuple[int, ...]]] = {}
 
 
 def checkpoint_read_bytes(model_dir: str | os.PathLike[str] | None) -> int:
@@ -205,6 +214,7 @@ def run_request(cfg: Any, model_dir: str | os.PathLike[str] | None = None, proce
                       lora_rank=getattr(cfg, "lora_rank", None) or 0,
                       lora_targets=tuple(getattr(cfg, "lora_targets", None) or DEFAULT_TARGETS),
                       lora_dropout=getattr(cfg, "lora_dropout", 0.0) or 0.0,
+                      lora_state=getattr(cfg, "lora_state", "auto"),
                       skip_idle_experts=bool(getattr(cfg, "skip_idle_experts", False)))
 
 
@@ -294,6 +304,7 @@ class Plan(msgspec.Struct, kw_only=True):
             "max_micro_batch": self.max_micro_batch, "suggestions": self.suggestions,
             "order": self.spec.order, "order_choice": self.order_choice,
             "placement_choice": self.placement_choice, "save_attention": list(self.spec.save_attention),
+            "host_adapters": self.spec.host_adapters,
         }
 
 
@@ -394,8 +405,15 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
     stage_n = staging_numel(layouts, resident)
 
     lora = req.lora_rank > 0  # a frozen base: its weights in the compute dtype, nothing else
+    host_adapters = lora and req.lora_state == "host"
+    adapter_slot_n = max(_adapter_layer_numels(cfg, req), default=0) if host_adapters else 0
     if lora:
         host = {"base": cbytes * streamed_n}
+        if host_adapters:  # fp32 master, Adam moments and a whole gradient each, pinned
+            host["adapters"] = 16 * adapter_numel(cfg, req)
+            if not req.grad_clip:
+                host["undo_record"] = undo_arena_bytes([(n, 1) for n in _adapter_layer_numels(cfg, req)], 0,
+                                                       int(req.undo_mem * GiB), touched=True)
     else:
         host = {"master": 4 * streamed_n, "adam": 8 * streamed_n}
         if layout == "full":
@@ -423,12 +441,12 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
     compiled = device.type == "cuda" and compile_backend(req.compile, device.type) == "inductor"
     layer_work = layer_work_bytes(cfg, tokens, cbytes, compiled)
     chunk = min(chunk_tokens, tokens)
-    casting = cbytes != 4 and layout != "stream-bf16" and slot_n > 0 and not lora
+    casting = cbytes != 4 and slot_n > 0 and (host_adapters if lora else layout != "stream-bf16")
     resident_per = cbytes if lora else 16 + (cbytes if cbytes != 4 else 0)
     gpu = {
-        "weight_slots": budgets[WEIGHTS] * slot_n * cbytes,
+        "weight_slots": budgets[WEIGHTS] * (slot_n + adapter_slot_n) * cbytes,  # host adapters come with their layer
         "landing": 4 * min(slot_n, LANDING_NUMEL) if casting else 0,
-        "grad_slots": budgets[GRADS] * slot_n * 4,
+        "grad_slots": budgets[GRADS] * (adapter_slot_n if lora else slot_n) * 4,
         "resident": resident_per * resident_n,
         "checkpoints": math.ceil(cfg.num_layers / k) * live_mbs * hidden,
         "recompute": (k - 1) * live_mbs * hidden,
@@ -438,8 +456,8 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
         "loss_chunks": chunk * cfg.vocab_size * (4 + 4 + cbytes) + 2 * hidden
         + (0 if lora else cbytes * cfg.vocab_size * cfg.hidden_size),
     }
-    if lora:  # fp32 adapters, their gradient and Adam moments, all on the device
-        gpu["adapters"] = 16 * adapter_numel(cfg, req)
+    if lora:  # fp32 adapters, their gradient and Adam moments, all on the device (unless in host memory)
+        gpu["adapters"] = 0 if host_adapters else 16 * adapter_numel(cfg, req)
         # beside a map's own work: in the forward its low-rank update and the sum (two of its
         # output); in the backward the update's output gradient and the adapter's input gradient
         # added to the base's (one of its output, two of its input). The MLP's intermediate is
@@ -551,8 +569,9 @@ def _make(cfg, req, device, dtype, policy, layout, resident, chunk_tokens, shrin
     for pool, cap in shrink.items():
         if pool in budgets:
             budgets[pool] = max(floor.get(pool, 1), min(budgets[pool], cap))
-    if spec.lora:  # no gradient of the base leaves the device or waits in a slot
-        budgets.update({pool: 0 for pool in (GRADS, HOST_GRADS) if pool in budgets})
+    if spec.lora:  # no gradient of the base leaves the device or waits in a slot (host adapters' do)
+        budgets.update({pool: 0 for pool in ((HOST_GRADS,) if spec.host_adapters else (GRADS, HOST_GRADS))
+                        if pool in budgets})
     host, gpu = _bytes(cfg, req, device, dtype, layout, resident, budgets, chunk_tokens)
     params = sum(lay.numel for lay in _layouts(cfg))
     return Plan(device=device.type, params=params, layout=layout, spec=spec, budgets=budgets,
@@ -613,7 +632,7 @@ def _spec(cfg: ModelConfig, req: RunRequest, layout: str, resident: tuple[str, .
                     checkpoint_every=req.checkpoint_every, order=req.order, tied=cfg.tie_word_embeddings,
                     grad_clip=req.grad_clip, resident=resident, staged=staged, grad_chunks=chunks,
                     reduce=req.processes > 1, share=req.share, lora=req.lora_rank > 0,
-                    routed=_routed(cfg, req)).validate()
+                    host_adapters=req.lora_rank > 0 and req.lora_state == "host", routed=_routed(cfg, req)).validate()
 
 
 def _routed(cfg: ModelConfig, req: RunRequest) -> tuple[int, ...]:
@@ -642,6 +661,21 @@ def _backlog(cfg: ModelConfig, resident: tuple[str, ...], weights: bool = True) 
 
 
 def _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
+    """The plan for one micro-batch size (:func:`_plan_placed`). With LoRA and ``lora_state``
+    auto, the adapters stay on the GPU where that plan fits, else go to host memory where that
+    one fits (or, fitting neither, where the GPU's budget holds: host memory is then short)."""
+    if req.lora_rank <= 0 or req.lora_state != "auto":
+        return _plan_placed(cfg, req, device, dtype, policy, host_limit, gpu_limit)
+    on_gpu = _plan_placed(cfg, msgspec.structs.replace(req, lora_state="gpu"), device, dtype, policy, host_limit,
+                          gpu_limit)
+    if on_gpu.fits or device.type != "cuda":
+        return on_gpu
+    on_host = _plan_placed(cfg, msgspec.structs.replace(req, lora_state="host"), device, dtype, policy, host_limit,
+                           gpu_limit)
+    return on_host if on_host.fits or (on_host.gpu_fits and not on_gpu.gpu_fits) else on_gpu
+
+
+def _plan_placed(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
     """The plan for one micro-batch size: state placement first, then activations.
 
     The state is placed with every checkpoint on the GPU, as recompute keeps them. Where

@@ -23,7 +23,9 @@ state lives in host memory and its weights cross PCIe to the GPU for every pass)
 With LoRA (:mod:`flowtrain.model.lora`) the model's units are **frozen**: ``master`` holds the
 weights in the compute dtype (what ``fetch`` copies as it is: 2 bytes per parameter in bf16),
 with no moments, gradient or step count. The trained units are each decoder layer's adapters
-(``adapters``, unit key ``adapter.i``): resident, fp32, with their Adam state on the device.
+(``adapters``, unit key ``adapter.i``): resident, fp32, with their Adam state on the device; or,
+where the GPU cannot hold them (``host_adapters``), streamed like a unit of full training in the
+``full`` layout (each layer's fetch brings its adapters along, CPU Adam updates them).
 
 Host bytes per streamed parameter by layout:
 
@@ -187,7 +189,7 @@ class HostState:
         self.layout = layout
         #: the node's shared state files, where the processes of a node share the state
         self.arena = arena
-        #: LoRA: what the adapters are, and each decoder layer's (resident, fp32)
+        #: LoRA: what the adapters are, and each decoder layer's (fp32; resident, or streamed)
         self.lora = lora
         self.adapters = adapters or []
 
@@ -195,14 +197,16 @@ class HostState:
     def create(cls, cfg: ModelConfig, *, pin: bool, layout: str = "full", resident: Iterable[str] = (),
                device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                chunks: dict[str, int] | None = None, world: World | None = None,
-               lora: LoraSpec | None = None, skip_idle: Iterable[int] = ()) -> "HostState":
+               lora: LoraSpec | None = None, skip_idle: Iterable[int] = (),
+               host_adapters: bool = False) -> "HostState":
         """Allocate every unit's state (zeros): ``resident`` unit keys on ``device``, the rest in
         host memory in ``layout``; ``chunks`` gives the staging chunks of large units. With a
         ``world`` of several processes on this node, the streamed units' state is the node's
         one shared copy (:mod:`flowtrain.train.shared_state`); every process of the node calls
         this at the same point. With ``lora`` the model's units are frozen, in ``dtype``, and
-        each layer has its adapters on ``device``. The decoder layers in ``skip_idle`` (streamed,
-        sparse) count each expert's Adam steps apart (``expert_steps``)."""
+        each layer has its adapters on ``device`` (with ``host_adapters``, in host memory). The
+        decoder layers in ``skip_idle`` (streamed, sparse) count each expert's Adam steps apart
+        (``expert_steps``)."""
         if layout not in LAYOUTS:
             raise ConfigError(f"{{layout}} must be one of {', '.join(LAYOUTS)} (got {layout!r})", named=True)
         res = set(resident)
@@ -220,8 +224,11 @@ class HostState:
                            dtype=dtype, chunks=chunks.get(lay.key, 1), arena=arena, frozen=lora is not None,
                            experts=cfg.num_experts if lay.key in skipping else 0)
                  for lay in layouts]
-        adapters = [UnitState(lay, pin=False, layout_name=layout, resident=True, device=dev, dtype=torch.float32,
-                              chunks=1) for lay in adapter_layouts(cfg, lora)] if lora is not None else []
+        # the adapters on the device, or with ``host_adapters`` streamed: in (pinned) host
+        # memory with a whole gradient of their own (the full layout: a few MB a layer)
+        adapters = [UnitState(lay, pin=pin and host_adapters, layout_name="full", resident=not host_adapters,
+                              device=dev, dtype=torch.float32, chunks=1)
+                    for lay in adapter_layouts(cfg, lora)] if lora is not None else []
         return cls(cfg, units, layout, arena, lora, adapters)
 
     @property

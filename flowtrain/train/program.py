@@ -202,14 +202,19 @@ class StepProgram:
         self.tied = self.cfg.tie_word_embeddings
         self.head_n = state.head.layout.numel
         embed_n = state.embed.layout.numel
-        slot_n = slot_numel(state.layouts, state.resident, self.tied)
+        #: LoRA with the adapters in host memory: each layer's slot holds its adapters after its
+        #: weights (in the compute dtype), and the gradient slots are the adapters' only
+        adapter_n = max((a.layout.numel for a in state.adapters if not a.resident), default=0)
+        slot_n = slot_numel(state.layouts, state.resident, self.tied) + adapter_n
+        grad_n = adapter_n if self.lora is not None else slot_n
         if self.tied and not state.head.resident and self.lora is None:
             self.tied_grad = pinned_zeros(embed_n, self._pin)
         self.weight_c = [torch.empty(slot_n, dtype=dtype, device=self.device) for _ in range(budgets[WEIGHTS])]
-        needs_landing = any(u.stream is None and u.master.dtype != dtype for u in state.units if not u.resident)
+        needs_landing = any(u.stream is None and u.master.dtype != dtype
+                            for u in state.units + state.adapters if not u.resident)
         self.landing = torch.empty(min(slot_n, LANDING_NUMEL) if needs_landing else 0, dtype=torch.float32,
                                    device=self.device)
-        self.grad_slots = [torch.empty(slot_n, dtype=torch.float32, device=self.device) for _ in range(budgets[GRADS])]
+        self.grad_slots = [torch.empty(grad_n, dtype=torch.float32, device=self.device) for _ in range(budgets[GRADS])]
         self.stage_n = staging_numel(state.layouts, state.resident)
         self.staging = [pinned_zeros(self.stage_n, self._pin) for _ in range(budgets.get(HOST_GRADS, 0))]
         #: rotary (cos, sin) tables by "is this a Gemma 3 sliding layer" (its own base)
@@ -448,6 +453,8 @@ class StepProgram:
             unit = self.state.unit("layer", i)
             return self._stream_in(unit, dst, self.idle.fetch_ranges(task.step, i, task.phase, mbs))
         units = [self._unit(task)] + ([self.state.embed] if self.tied and task.unit == "head" else [])
+        if task.unit == "layer" and self.lora is not None and not self.state.adapters[task.layer].resident:  # type: ignore[index]
+            units.append(self.state.adapters[task.layer])  # type: ignore[index]  # its adapters, from host memory
         moved = off = 0
         for unit in units:
             n = unit.layout.numel
@@ -518,13 +525,23 @@ class StepProgram:
         if self.lora is None:
             return w
         a = self.state.adapters[i]
-        out = adapted(w, adapters if adapters is not None else bind(a.master, a.layout), self.lora_consts["lora_scale"])
+        out = adapted(w, adapters if adapters is not None else bind(self._adapters(i, ctx), a.layout),
+                      self.lora_consts["lora_scale"])
         if dropout is not None and self.lora.dropout > 0:
             s, m, rows = dropout
             seed = hash((self.seed, s, i, m))  # ints hash to themselves: the same in every process
             out.update(dropout_masks(out, rows, self.lora.dropout, seed, self.device),
                        lora_rescale=self.lora_consts["lora_rescale"])
         return out
+
+    def _adapters(self, i: int, ctx: TaskContext) -> torch.Tensor:
+        """Layer ``i``'s flat adapters as its math reads them: their own fp32 masters where
+        resident, else their copy in the compute dtype that came with the layer into its slot."""
+        a = self.state.adapters[i]
+        if a.resident:
+            return a.master
+        n = self.state.unit("layer", i).layout.numel
+        return self.weight_c[ctx.read(WEIGHTS)][n : n + a.layout.numel]
 
     def _counting(self, s: int, i: int, m: int) -> RouterTap | None:
         """The router tap of layer ``i``'s forward in training: what the load-balancing loss
@@ -611,7 +628,7 @@ class StepProgram:
                 y, kept = forward_kept(
                     lambda x, leaves: self._layer("train", s, i, m, x,
                                                   self._layer_weights(i, ctx, leaves, (s, m, tuple(x.shape[:-1]))), tap),
-                    x, flat, unit.layout, trained=(a.master, a.layout))
+                    x, flat, unit.layout, trained=(self._adapters(i, ctx), a.layout))
             self.store.kept.put((s, i, m), kept)
             self.store.inputs.put((s, i + 1, m), y)
             return
@@ -714,7 +731,7 @@ class StepProgram:
                     leaves = weight_leaves(self._weights(unit, ctx)[:n], unit.layout)
                     w = leaves
                 else:  # the adapters are the leaves; the base's weights take no gradient
-                    leaves = weight_leaves(trained.master, trained.layout)
+                    leaves = weight_leaves(self._adapters(i, ctx), trained.layout)
                     w = self._layer_weights(i, ctx, leaves, (s, m, tuple(x.shape[:-1])))
                 y = self._layer("train", s, i, m, x, w, tap)
                 outputs, grad_outputs = ((y, terms[0]), (dy, torch.ones_like(terms[0]))) if terms else (y, dy)

@@ -246,6 +246,11 @@ class TrainConfig(msgspec.Struct, kw_only=True):
     adapter: Annotated[str | None, Setting(
         "start from this PEFT adapter folder (adapter_config.json + adapter_model.safetensors): its rank, alpha, "
         "targets and dropout are the run's", metavar="DIR", group=LORA)] = None
+    lora_state: Annotated[Literal["auto", "gpu", "host"], Setting(
+        "where the adapters' fp32 weights and AdamW state live: gpu (beside the work, with a GPU AdamW), or host "
+        "(in host memory, copied to the GPU with their layer and updated by CPU AdamW, like the layers of full "
+        "training: 16 bytes per adapter parameter the GPU need not hold); auto: gpu where the plan fits, else host",
+        group=LORA)] = "auto"
     merge: Annotated[bool, Setting(
         "with LoRA: write the merged model (base + adapters, in --save-dtype) to --out instead of the adapter",
         group=LORA)] = False
@@ -295,7 +300,8 @@ def lora_spec(cfg: TrainConfig) -> LoraSpec | None:
 
 def _validate_lora(cfg: TrainConfig) -> None:
     """How the LoRA flags go together."""
-    given = [f for f, off in (("lora_alpha", None), ("lora_targets", None), ("lora_dropout", None), ("merge", False))
+    given = [f for f, off in (("lora_alpha", None), ("lora_targets", None), ("lora_dropout", None), ("merge", False),
+                              ("lora_state", "auto"))
              if getattr(cfg, f) != off]
     if not cfg.lora:
         if given:
@@ -304,7 +310,7 @@ def _validate_lora(cfg: TrainConfig) -> None:
         return
     if cfg.adapter is not None and cfg.resume is not None:  # (a resumed run's settings are filled in by now)
         raise ConfigError("{resume} continues the checkpoint's own adapters: leave out {adapter}", named=True)
-    if cfg.adapter is not None and (cfg.lora_rank is not None or [g for g in given if g != "merge"]):
+    if cfg.adapter is not None and (cfg.lora_rank is not None or [g for g in given if g not in ("merge", "lora_state")]):
         raise ConfigError("{adapter} brings its own rank, alpha, targets and dropout: leave out {lora_rank}, "
                           "{lora_alpha}, {lora_targets} and {lora_dropout}", named=True)
     lora_spec(cfg)

@@ -127,8 +127,9 @@ def summary_lines(run: "Run") -> list[str]:
         f"model      {cfg.model or ('tiny' if run.model_dir is None else run.model_dir)}: {m.architecture}, "
         f"{size} parameters, {source}" + (", tied embeddings" if m.tie_word_embeddings else ""),
         f"device     {run.device} ({'fp32' if run.dtype == torch.float32 else 'bf16'} compute, "
-        + ("the base frozen in it; fp32 adapters and their Adam state on the device)" if cfg.lora else
-           "fp32 master weights and Adam state)"),
+        + (("the base frozen in it; fp32 adapters and their Adam state in host memory, fetched with their layer)"
+            if plan.spec.host_adapters else "the base frozen in it; fp32 adapters and their Adam state on the device)")
+           if cfg.lora else "fp32 master weights and Adam state)"),
         "memory     " + ("the frozen base in the compute dtype; " if cfg.lora else f"layout {plan.layout}; ") + (
             f"resident on the GPU: {_ranges(plan.spec.resident)}; planned host {plan.host_total / gib:.1f} GiB, "
             f"GPU {plan.gpu_total / gib:.1f} GiB" if plan.device == "cuda"

@@ -390,3 +390,27 @@ def test_a_routed_layers_backward_side_fetches_follow_its_forwards(order, micro_
 def test_routed_layers_are_checked(fields, words):
     with pytest.raises(ConfigError, match=re.escape(words)):
         StepSpec(layers=4, **fields).validate()
+
+
+@pytest.mark.parametrize("order", ["layer", "micro"])
+def test_lora_adapters_in_host_memory_are_streamed_units(order):
+    """Each layer's adapters: a gradient slot its backward adds into, one whole offload (staged
+    or not) and a cpu_adam; no gpu_adam or found_inf; the next step's fetches of the layer
+    wait for that cpu_adam. The base stays frozen: nothing else has a gradient."""
+    spec = StepSpec(layers=3, micro_batches=2, order=order, lora=True, host_adapters=True, staged=True)
+    g = compile_steps(spec, 2)
+    assert nx.is_directed_acyclic_graph(g)
+    assert not of(g, GpuAdam) and not of(g, FoundInf)
+    for s in (0, 1):
+        for i in range(3):
+            z = one(g, ZeroGrad, step=s, unit="adapter", layer=i)
+            off = one(g, OffloadGrad, step=s, unit="adapter", layer=i)
+            adam = one(g, CpuAdam, step=s, unit="adapter", layer=i)
+            assert off.chunk is None and adam.chunk is None
+            assert all(g.has_edge(z, b) for b in of(g, Backward, step=s, layer=i))
+            assert g.has_edge(off, adam) and all(nx.has_path(g, b, off) for b in of(g, Backward, step=s, layer=i))
+        assert {t.unit for t in of(g, ZeroGrad, step=s)} == {"adapter"}
+    for f in of(g, Fetch, step=1, unit="layer"):
+        assert g.has_edge(one(g, CpuAdam, step=0, unit="adapter", layer=f.layer), f)
+    with pytest.raises(ConfigError, match="LoRA's"):
+        StepSpec(layers=2, host_adapters=True).validate()

@@ -61,3 +61,45 @@ def test_lora_host_state_allocates_what_the_plan_counts():
     assert all(u.grad is None and not u.steps for u in state.units)
     req = run_request(TrainConfig(seq_len=16, lora_rank=4))
     assert sum(a.layout.numel for a in state.adapters) == adapter_numel(cfg, req)
+
+
+def test_adapters_go_to_host_memory_where_the_gpu_cannot_hold_them(capsys):
+    """A 70B base's rank-16 adapters with their Adam state (3.3 GB) do not fit a 10 GB card
+    beside the work: ``--lora-state auto`` plans them in host memory (16 bytes per parameter),
+    the GPU then holding only each layer's copy in its weight slot and a gradient slot of the
+    largest layer's adapters; on a large card they stay on the GPU. ``gpu`` asks for the GPU
+    whatever fits, and ``host`` for host memory."""
+    base = ["plan", "--model", "docs/simulate/llama-70b", "--seq-len", "4096", "--batch-size", "4",
+            "--micro-batch-size", "1", "--lora-rank", "16", "--host-mem", "192", "--activations", "offload",
+            "--device", "cuda", "--json"]
+    plans = {}
+    for extra in (("--gpu-mem", "10"), ("--gpu-mem", "10", "--lora-state", "gpu"), ("--gpu-mem", "80"),
+                  ("--gpu-mem", "80", "--lora-state", "host")):
+        main([*base, *extra])
+        plans[extra] = json.loads(capsys.readouterr().out)
+    small, forced, large, hosted = plans.values()
+    from flowtrain.model.config import read_config
+
+    cfg = read_config("docs/simulate/llama-70b", weights=False)
+    n = adapter_numel(cfg, RunRequest(seq_len=4096, batch_size=4, micro_batch_size=1, lora_rank=16))
+    per_layer = n // cfg.num_layers
+    assert small["fits"] and small["host_adapters"] and small["gpu"]["adapters"] == 0
+    assert small["host"]["adapters"] == 16 * n
+    assert small["gpu"]["grad_slots"] == small["budgets"]["grads"] * per_layer * 4 > 0
+    assert not forced["fits"] and not forced["host_adapters"] and forced["gpu"]["adapters"] == 16 * n
+    assert large["fits"] and not large["host_adapters"] and "adapters" not in large["host"]
+    assert hosted["host_adapters"] and hosted["gpu"]["adapters"] == 0 and hosted["host"]["adapters"] == 16 * n
+    # the weight slots hold a layer's adapters after its weights
+    slot = {name: p["gpu"]["weight_slots"] // p["budgets"]["weights"] for name, p in (("small", small), ("forced", forced))}
+    assert slot["small"] - slot["forced"] == per_layer * 2
+
+
+def test_host_adapters_allocate_what_the_plan_counts():
+    cfg = preset("tiny")
+    req = RunRequest(seq_len=64, batch_size=2, micro_batch_size=2, resident="none", lora_rank=4, lora_state="host")
+    plan = plan_run(cfg, req, device=torch.device("cuda"), dtype=torch.bfloat16)
+    state = HostState.create(cfg, pin=False, dtype=torch.bfloat16, lora=LoraSpec(4, 8.0), host_adapters=True)
+    adapters = sum(t.numel() * t.element_size() for a in state.adapters
+                   for t in (a.master, a.exp_avg, a.exp_avg_sq, a.own_grad()))
+    assert plan.spec.host_adapters and adapters == plan.host["adapters"]
+    assert all(not a.resident and a.master.device.type == "cpu" for a in state.adapters)

@@ -99,6 +99,12 @@ def setup(tmp_path_factory):
     ("--order", "micro", "--policy", "lookahead"),
     ("--resident", "embed,head,layer.1"),
     ("--grad-clip", "0.5"),
+    # the adapters in host memory: fetched with their layer, updated by CPU AdamW
+    ("--lora-state", "host"),
+    ("--lora-state", "host", "--activations", "keep"),
+    ("--lora-state", "host", "--checkpoint-every", "2", "--order", "micro"),
+    ("--lora-state", "host", "--activations", "offload", "--layout", "full"),
+    ("--lora-state", "host", "--grad-clip", "0.5"),
 ])
 def test_adapter_matches_peft_adamw(setup, tmp_path, placement):
     d, _, ref = setup
@@ -193,6 +199,7 @@ def test_out_holds_the_adapter_only(setup, tmp_path, capsys):
     (("--lora-rank", "4", "--lora-targets", "q_proj,wq"), "unknown --lora-targets wq"),
     (("--lora-rank", "4", "--lora-dropout", "1"), "dropout must be in [0, 1)"),
     (("--lora-rank", "0",), "--lora-rank"),
+    (("--lora-state", "host"), "--lora-state is for LoRA"),
 ])
 def test_bad_lora_flags_are_refused_in_one_line(setup, tmp_path, capsys, flags, says):
     d, _, _ = setup
@@ -300,3 +307,30 @@ def test_dropout_resumes_exactly(setup, tmp_path):
 
     a, b = (load_file(tmp_path / n / "adapter_model.safetensors") for n in ("straight", "resumed"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_adapters_in_host_memory_resume_and_skip_as_on_the_gpu(setup, tmp_path, monkeypatch):
+    """Adapters in host memory give the GPU-resident adapters' result bit for bit: a checkpoint
+    of one resumes as the other (the files are the same), and a step whose gradient turns out
+    not finite after some CPU AdamW has run is put back as the device's skips it."""
+    d, _, _ = setup
+    run_lora(d / "model", d / "data.jsonl", tmp_path / "gpu", "--adapter", str(d / "adapter"), "--lora-state", "gpu")
+    run_lora(d / "model", d / "data.jsonl", tmp_path / "saved", "--adapter", str(d / "adapter"), "--save-every", "2",
+             "--lora-state", "host")
+    assert main(lora_args(d / "data.jsonl", tmp_path / "resumed", "--resume", str(tmp_path / "saved" / "checkpoint-2"),
+                          "--lora-state", "gpu")) == 0
+    on_gpu = adapter_tensors(peft_model(d / "model", tmp_path / "gpu"))
+    for out in ("saved", "resumed"):
+        other = adapter_tensors(peft_model(d / "model", tmp_path / out))
+        assert other.keys() == on_gpu.keys() and all(torch.equal(t, other[k]) for k, t in on_gpu.items()), out
+
+    monkeypatch.setenv("FLOWTRAIN_INJECT_NAN", "step=1,where=layer.0")
+    for state in ("gpu", "host"):
+        run_lora(d / "model", d / "data.jsonl", tmp_path / f"nan-{state}", "--adapter", str(d / "adapter"),
+                 "--lora-state", state, "--metrics", str(tmp_path / f"{state}.jsonl"))
+        skipped = [json.loads(line)["skipped"] for line in (tmp_path / f"{state}.jsonl").read_text().splitlines()]
+        assert skipped == [False, True, False], state
+    a = adapter_tensors(peft_model(d / "model", tmp_path / "nan-gpu"))
+    b = adapter_tensors(peft_model(d / "model", tmp_path / "nan-host"))
+    assert all(torch.equal(t, b[k]) for k, t in a.items())
+    assert not all(torch.equal(t, on_gpu[k]) for k, t in a.items())  # the skipped step mattered
