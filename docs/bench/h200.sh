@@ -84,6 +84,7 @@ for job in "$@"; do
     ligermoe2) LIGER=1 PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True anchor gpu 8 3 moe12l 2 ;;  # the same at micro-batch 2
     gpumoe) PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True anchor gpu 16 3 moe12l 1 ;;
     lora32) BT=520 bench lora32 --model qwen2.5-32b --seq-len 4096 --batch-size 16 --micro-batch-size ${MB32:-2} --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 --lora-rank 16 ;;  # LoRA over a 32B base on a 10 GB card
+    lora32h) BT=520 bench lora32h --model qwen2.5-32b --seq-len 4096 --batch-size 16 --micro-batch-size ${MB32:-1} --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 --lora-rank 16 --lora-state host ;;  # the same, the adapters in host memory
     lorag32) log "anchor gpu qwen32b LoRA 16 mb${MBA:-4} ga$((16 / ${MBA:-4})) (built on the GPU in bf16)"  # its all-on-GPU PEFT run
       (cd .anchors && LORA=16 OUT=$OUT PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 400 python3 ../docs/bench/anchor_bf16.py gpu qwen32b 4096 ${MBA:-4} 3 $((16 / ${MBA:-4})) 2>&1 | grep -v Warning | tail -3) | tee -a "$OUT/log.txt" ;;
     lora8) bench lora8 --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size ${MB8L:-4} --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 --lora-rank 16 ;;
