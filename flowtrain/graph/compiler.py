@@ -259,6 +259,10 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
         self._validate_routed()
         if self.host_adapters and not self.lora:
             raise ConfigError("adapters in host memory ({host_adapters}) are LoRA's: give {lora} with them", named=True)
+        resident_layers = [u for u in self.resident if u.startswith("layer.")]
+        if self.host_adapters and resident_layers:  # a layer's fetch is what brings its adapters
+            raise ConfigError(f"adapters in host memory ({{host_adapters}}) come with their layer's fetch: leave "
+                              f"{', '.join(resident_layers)} out of {{resident}}", named=True)
         return self
 
     def _validate_routed(self) -> None:

@@ -668,8 +668,9 @@ def _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
         return _plan_placed(cfg, req, device, dtype, policy, host_limit, gpu_limit)
     on_gpu = _plan_placed(cfg, msgspec.structs.replace(req, lora_state="gpu"), device, dtype, policy, host_limit,
                           gpu_limit)
-    if on_gpu.fits or device.type != "cuda":
-        return on_gpu
+    explicit = _explicit_resident(req) or ()
+    if on_gpu.fits or device.type != "cuda" or any(u.startswith("layer.") for u in explicit):
+        return on_gpu  # (a resident layer has no fetch to bring its adapters from host memory)
     on_host = _plan_placed(cfg, msgspec.structs.replace(req, lora_state="host"), device, dtype, policy, host_limit,
                            gpu_limit)
     return on_host if on_host.fits or (on_host.gpu_fits and not on_gpu.gpu_fits) else on_gpu
@@ -900,7 +901,8 @@ def _plan_state(cfg, req, device, dtype, policy, host_limit, gpu_limit, speed: b
 
     if explicit is not None or device.type != "cuda":
         return build(explicit or ())
-    return _choose_resident(cfg, build, policy, speed, never=frozenset(f"layer.{i}" for i in _routed(cfg, req)))
+    streamed = range(cfg.num_layers) if req.lora_rank > 0 and req.lora_state == "host" else _routed(cfg, req)
+    return _choose_resident(cfg, build, policy, speed, never=frozenset(f"layer.{i}" for i in streamed))
 
 
 def _choose_resident(cfg: ModelConfig, build, policy: Any, speed: bool = True,  # noqa: ANN001 - build(resident) -> Plan

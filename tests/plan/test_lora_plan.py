@@ -103,3 +103,18 @@ def test_host_adapters_allocate_what_the_plan_counts():
                    for t in (a.master, a.exp_avg, a.exp_avg_sq, a.own_grad()))
     assert plan.spec.host_adapters and adapters == plan.host["adapters"]
     assert all(not a.resident and a.master.device.type == "cpu" for a in state.adapters)
+
+
+def test_host_adapters_keep_every_layer_streamed(capsys):
+    """A layer's fetch brings its adapters: with them in host memory no base layer is resident
+    (the planner keeps them streamed; naming one is refused in one line, and ``auto`` then
+    keeps the adapters on the GPU)."""
+    base = ["plan", "--model", "llama-3b", "--seq-len", "4096", "--batch-size", "4", "--micro-batch-size", "1",
+            "--lora-rank", "16", "--host-mem", "118", "--device", "cuda", "--json"]
+    assert main([*base, "--gpu-mem", "80", "--lora-state", "host"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["host_adapters"] and not [u for u in data["resident"] if u.startswith("layer.")]
+    assert main([*base, "--gpu-mem", "80", "--lora-state", "host", "--resident", "layer.0"]) == 2
+    assert "leave layer.0 out of --resident" in capsys.readouterr().err
+    assert main([*base, "--gpu-mem", "4", "--resident", "embed,head,layer.0"]) == 1  # fits neither way
+    assert not json.loads(capsys.readouterr().out)["host_adapters"]
