@@ -176,9 +176,9 @@ def _resumed_lora(cfg: TrainConfig, resume_state: dict, resume_from: Path | None
     fill = {k: saved[k] for k in ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout") if getattr(cfg, k) is None}
     if "lora_targets" in fill:
         fill["lora_targets"] = tuple(fill["lora_targets"])
-    if cfg.model is None:
-        fill["model"] = saved.get("model")
-        if fill["model"] is None or not (fill["model"] in PRESETS or Path(fill["model"]).is_dir()):
+    if cfg.model is None:  # (a run given no model trained the default preset)
+        fill["model"] = saved.get("model") or "tiny"
+        if not (fill["model"] in PRESETS or Path(fill["model"]).is_dir()):
             raise ConfigError(f"{{resume}} {resume_from} holds LoRA adapters, not their base model, which was "
                               f"{fill['model']!r} and is not there: name the base with {{model}}", named=True)
     return msgspec.structs.replace(cfg, **fill)

@@ -334,3 +334,21 @@ def test_adapters_in_host_memory_resume_and_skip_as_on_the_gpu(setup, tmp_path, 
     b = adapter_tensors(peft_model(d / "model", tmp_path / "nan-host"))
     assert all(torch.equal(t, b[k]) for k, t in a.items())
     assert not all(torch.equal(t, on_gpu[k]) for k, t in a.items())  # the skipped step mattered
+
+
+def test_a_preset_bases_lora_run_resumes_from_its_checkpoint_alone(tmp_path):
+    """A run given no model trains the default preset's seeded weights; its checkpoint resumes
+    without ``--model`` (the base is made again from the preset and the seed) and ends where the
+    uninterrupted run ends, the adapters in host memory as on the device."""
+    common = ["--steps", "4", "--device", "cpu", "--precision", "fp32", "--lora-rank", "4", "--no-progress",
+              "--batch-size", "4", "--micro-batch-size", "2", "--seq-len", "32"]
+    assert main(["train", *common, "--lora-state", "host", "--out", str(tmp_path / "straight")]) == 0
+    assert main(["train", *common, "--lora-state", "host", "--out", str(tmp_path / "saved"), "--save-every", "2",
+                 "--steps", "2"]) == 0
+    assert main(["train", "--resume", str(tmp_path / "saved" / "checkpoint-2"), *common, "--lora-state", "gpu",
+                 "--out", str(tmp_path / "resumed")]) == 0
+    from safetensors.torch import load_file
+
+    a = load_file(tmp_path / "straight" / "adapter_model.safetensors")
+    b = load_file(tmp_path / "resumed" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
