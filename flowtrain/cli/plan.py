@@ -188,6 +188,10 @@ def format_plan(model: str, plan) -> str:  # noqa: ANN001 - a Plan
             lines.append(f"  {'one process':<16}{total / GiB:8.2f} GiB (master and adam shared by the node's "
                          f"{plan.spec.share} processes)")
             total = plan.host_node_total
+        elif title == "host" and plan.node_processes > 1:
+            lines.append(f"  {'one process':<16}{total / GiB:8.2f} GiB (each of the node's {plan.node_processes} "
+                         f"processes keeps its own)")
+            total = plan.host_node_total
         lines.append(f"  {'total':<16}{total / GiB:8.2f} GiB of {_gib(limit).strip()} usable: "
                      + ("fits" if ok else "DOES NOT FIT"))
     mb = plan.max_micro_batch

@@ -229,6 +229,9 @@ class Plan(msgspec.Struct, kw_only=True):
     gpu: dict[str, int]
     host_limit: int | None
     gpu_limit: int | None
+    #: processes on the node (``--nproc-per-node``): they share one host copy of the state
+    #: (``spec.share``), or, with LoRA, each keeps its own base and adapters
+    node_processes: int = 1
     max_micro_batch: int | None = None
     suggestions: list[str] = msgspec.field(default_factory=list)
     #: how ``--order auto`` was decided, where it was by prediction (:mod:`.order_choice`)
@@ -248,9 +251,9 @@ class Plan(msgspec.Struct, kw_only=True):
     @property
     def host_node_total(self) -> int:
         """Peak host bytes of the node: the shared state once, every process's own part (its
-        buffers, runtime, data) once per process."""
-        shared = sum(self.host.get(k, 0) for k in SHARED_HOST)
-        return shared + self.spec.share * (self.host_total - shared)
+        buffers, runtime, data; with LoRA also its base and adapters) once per process."""
+        shared = sum(self.host.get(k, 0) for k in SHARED_HOST) if self.spec.share > 1 else 0
+        return shared + max(self.spec.share, self.node_processes) * (self.host_total - shared)
 
     @property
     def gpu_total(self) -> int:
@@ -284,7 +287,8 @@ class Plan(msgspec.Struct, kw_only=True):
         """One line: what does not fit, by how much, and what would make it fit."""
         parts = []
         if self.host_limit is not None and not self.host_fits:  # a limit is what it does not fit
-            who = f" for {self.spec.share} processes" if self.spec.share > 1 else ""
+            n = max(self.spec.share, self.node_processes)
+            who = f" for {n} processes" if n > 1 else ""
             parts.append(f"host memory: needs {self.host_node_total / GiB:.1f} GiB{who}, {self.host_limit / GiB:.1f} GiB usable")
         if self.gpu_limit is not None and not self.gpu_fits:
             parts.append(f"GPU memory: needs {self.gpu_total / GiB:.1f} GiB, {self.gpu_limit / GiB:.1f} GiB usable")
@@ -574,7 +578,7 @@ def _make(cfg, req, device, dtype, policy, layout, resident, chunk_tokens, shrin
                         if pool in budgets})
     host, gpu = _bytes(cfg, req, device, dtype, layout, resident, budgets, chunk_tokens)
     params = sum(lay.numel for lay in _layouts(cfg))
-    return Plan(device=device.type, params=params, layout=layout, spec=spec, budgets=budgets,
+    return Plan(device=device.type, params=params, layout=layout, spec=spec, budgets=budgets, node_processes=req.share,
                 chunk_tokens=chunk_tokens, host=host, gpu=gpu, host_limit=None, gpu_limit=None)
 
 
@@ -631,7 +635,8 @@ def _spec(cfg: ModelConfig, req: RunRequest, layout: str, resident: tuple[str, .
     return StepSpec(layers=cfg.num_layers, micro_batches=req.batch_size // req.micro_batch_size,
                     checkpoint_every=req.checkpoint_every, order=req.order, tied=cfg.tie_word_embeddings,
                     grad_clip=req.grad_clip, resident=resident, staged=staged, grad_chunks=chunks,
-                    reduce=req.processes > 1, share=req.share, lora=req.lora_rank > 0,
+                    # LoRA's processes each keep their own base and adapters: nothing to share
+                    reduce=req.processes > 1, share=1 if req.lora_rank > 0 else req.share, lora=req.lora_rank > 0,
                     host_adapters=req.lora_rank > 0 and req.lora_state == "host", routed=_routed(cfg, req)).validate()
 
 
@@ -1047,11 +1052,14 @@ def _largest_model(plan: Plan) -> str:
     (master weights, Adam, gradient buffers, streaming copy) scaled, the rest (the process,
     staging, activations) as planned."""
     assert plan.host_limit is not None
-    per_param = sum(plan.host.get(k, 0) for k in ("master", "adam", "gradients", "streaming_copy")) / plan.params
+    scaled = ("master", "adam", "gradients", "streaming_copy", "base", "adapters")  # LoRA: its base and adapters
+    copies = max(plan.node_processes, 1) if plan.spec.share == 1 else 1  # LoRA's processes each keep their own
+    per_param = copies * sum(plan.host.get(k, 0) for k in scaled) / plan.params
     fixed = plan.host_node_total - per_param * plan.params
     most = max(0.0, (plan.host_limit - fixed) / per_param)
+    what = "for LoRA's frozen base and adapters" if plan.spec.lora else f"in the {plan.layout} layout"
     return (f"or a model of at most about {most / 1e9:.1f} B parameters ({plan.host_limit / GiB:.0f} GiB usable, "
-            f"{per_param:.0f} host bytes per parameter in the {plan.layout} layout)")
+            f"{per_param:.0f} host bytes per parameter {what})")
 
 
 def _suggest(plan: Plan, cfg: ModelConfig, req: RunRequest, device, dtype, policy, host_limit, gpu_limit) -> list[str]:

@@ -200,8 +200,6 @@ def _data_parallel(cfg: TrainConfig, world: World, device: torch.device) -> tupl
     """This process's device (its own GPU under torchrun) and the run one process plans for
     (:func:`~flowtrain.train.distributed.local_share`)."""
     local = local_share(cfg, world.size)
-    if world.parallel and cfg.lora:
-        raise ConfigError("a LoRA run trains in one process for now: run it without torchrun")
     if world.parallel and device.type == "cuda":
         device = torch.device("cuda", world.local_rank)
         torch.cuda.set_device(device)

@@ -118,3 +118,19 @@ def test_host_adapters_keep_every_layer_streamed(capsys):
     assert "leave layer.0 out of --resident" in capsys.readouterr().err
     assert main([*base, "--gpu-mem", "4", "--resident", "embed,head,layer.0"]) == 1  # fits neither way
     assert not json.loads(capsys.readouterr().out)["host_adapters"]
+
+
+def test_lora_processes_of_a_node_each_count_their_own_base(capsys):
+    argv = ["plan", "--model", "llama-8b", "--seq-len", "4096", "--batch-size", "16", "--micro-batch-size", "2",
+            "--lora-rank", "16", "--host-mem", "118", "--gpu-mem", "80", "--device", "cuda", "--json"]
+    assert main([*argv, "--nproc-per-node", "2"]) == 0
+    two = json.loads(capsys.readouterr().out)
+    assert two["processes_sharing_host"] == 1 and two["host_node_total"] == 2 * two["host_total"]
+    assert two["host"]["base"] == 2 * preset("llama-8b").num_parameters()
+    argv[argv.index("--host-mem") + 1] = "25"  # one base fits, two do not
+    argv += ["--resident", "none"]
+    assert main([*argv, "--nproc-per-node", "1"]) == 0
+    assert json.loads(capsys.readouterr().out)["host_fits"]
+    assert main([*argv, "--nproc-per-node", "2"]) == 1  # the two bases do not fit
+    two = json.loads(capsys.readouterr().out)
+    assert not two["host_fits"] and "host bytes per parameter for LoRA's frozen base" in " ".join(two["suggestions"])

@@ -312,3 +312,23 @@ def test_two_processes_on_a_node_take_about_the_host_memory_of_one(tmp_path):
     assert added <= 0.75 * state_bytes, (added, state_bytes, peaks[1], peaks[2])
     if Path("/dev/shm").is_dir():  # the files were unlinked once mapped: nothing is left behind
         assert set(Path("/dev/shm").glob("flowtrain-*")) == shm_before
+
+
+@pytest.mark.parametrize("extra", [[], pytest.param(["--lora-state", "host", "--grad-clip", "0.5"], marks=SLOW)],
+                         ids=["adapters-on-device", "adapters-in-host-memory-clip"])
+def test_two_processes_train_the_adapters_of_one(tmp_path, extra):
+    """LoRA under torchrun: each process keeps its own frozen base and adapters, the adapters'
+    gradient is summed over the processes (``reduce_grad``) before their AdamW, and the adapters
+    end as one process's on the same global batch."""
+    lora = ["--lora-rank", "4", *extra]
+    assert main(["train", *RUN, "--out", str(tmp_path / "one"), *lora]) == 0
+    proc = _torchrun(tmp_path, "two", *lora, "--trace", str(tmp_path / "trace.json"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one = load_file(tmp_path / "one" / "adapter_model.safetensors")
+    two = load_file(tmp_path / "two" / "adapter_model.safetensors")
+    assert one.keys() == two.keys()
+    for name, ref in one.items():
+        err = float((two[name] - ref).norm() / ref.norm())
+        assert err <= 1e-5, f"{name}: relative error {err:.2e}"
+    assert proc.stdout.count("done: 3 steps") == 1 and "share one host copy" not in proc.stdout
+    assert "reduce_grad adapter L1" in (tmp_path / "trace.json").read_text()
