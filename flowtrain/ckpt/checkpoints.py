@@ -278,7 +278,7 @@ class CheckpointWriter:
                        ("exp_avg_sq", unit.exp_avg_sq[: layout.numel]),
                        ("step", torch.tensor(float(step)))]
             if unit.expert_steps is not None:  # a layer that skips idle experts: each expert's count
-                moments.append(("expert_steps", unit.expert_steps.clone()))
+                moments.append(("expert_steps", unit.expert_steps.cpu().clone()))
             written = {}
             for name, tensors in ((model_file(index, n), weights), (optimizer_file(index, n), moments)):
                 try:

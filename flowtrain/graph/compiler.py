@@ -65,7 +65,8 @@ Idle experts (``routed``): a sparse layer named there leaves alone the experts t
 the step was routed to, as ``torch.optim.AdamW`` skips a parameter without a gradient. Which
 experts those are is known once its forwards have run, so the layer's ``recompute`` and
 ``backward`` fetches follow its ``forward`` of every micro-batch they serve (an edge from each)
-and copy only the experts that routing reached; nothing else of the graph changes.
+and copy only the experts that routing reached; nothing else of the graph changes. (A resident
+layer has no fetch: its ``gpu_adam`` leaves the idle experts alone on the device.)
 
 Micro-batch order: ``"layer"`` (layer-major) runs every micro-batch through a layer before the
 next layer, so each unit is fetched once per pass; ``"micro"`` (micro-batch-major) runs each
@@ -270,10 +271,6 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
         if bad or len(set(self.routed)) != len(self.routed):
             raise ConfigError(f"layers skipping idle experts ({{routed}}) {bad or list(self.routed)} must be distinct "
                               f"layers of 0..{self.layers - 1}", named=True)
-        resident = [f"layer.{i}" for i in self.routed if f"layer.{i}" in self.resident]
-        if resident:
-            raise ConfigError(f"layers skipping idle experts ({{routed}}) are streamed: leave {', '.join(resident)} "
-                              f"out of {{resident}}", named=True)
         if self.routed and (self.lora or self.reduce):
             raise ConfigError("skipping idle experts ({routed}) needs the whole model trained in one process "
                               "(not with LoRA, nor data parallel)", named=True)

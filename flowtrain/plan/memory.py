@@ -145,8 +145,8 @@ class RunRequest(msgspec.Struct, kw_only=True):
     #: ``--lora-state``: where the adapters' fp32 weights and AdamW live: "gpu", "host"
     #: (streamed with their layers, updated by CPU AdamW) or "auto" (the GPU where that fits)
     lora_state: str = "auto"
-    #: ``--skip-idle-experts``: a mixture of experts' sparse layers stay streamed, and their
-    #: backward-side fetches follow the routing (``StepSpec.routed``)
+    #: ``--skip-idle-experts``: a mixture of experts' sparse layers leave the experts no token
+    #: reached alone, their backward-side fetches following the routing (``StepSpec.routed``)
     skip_idle_experts: bool = False
 
 
@@ -906,7 +906,7 @@ def _plan_state(cfg, req, device, dtype, policy, host_limit, gpu_limit, speed: b
 
     if explicit is not None or device.type != "cuda":
         return build(explicit or ())
-    streamed = range(cfg.num_layers) if req.lora_rank > 0 and req.lora_state == "host" else _routed(cfg, req)
+    streamed = range(cfg.num_layers) if req.lora_rank > 0 and req.lora_state == "host" else ()
     return _choose_resident(cfg, build, policy, speed, never=frozenset(f"layer.{i}" for i in streamed))
 
 

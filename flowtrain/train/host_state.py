@@ -17,8 +17,9 @@ state lives in host memory and its weights cross PCIe to the GPU for every pass)
 - ``compute``: a resident unit's compute-dtype copy (the master itself when computing in fp32).
 - ``steps``: Adam's step count, one per gradient chunk (chunks are updated independently).
 - ``expert_steps``: only in a sparse layer that skips idle experts (``StepSpec.routed``), each
-  expert's own Adam step count, (experts,) fp32: an expert that no token reached in a step is
-  not updated, so its count falls behind the layer's (``steps``, which counts the rest).
+  expert's own Adam step count, (experts,) fp32 (on the device where the layer is resident): an
+  expert that no token reached in a step is not updated, so its count falls behind the layer's
+  (``steps``, which counts the rest).
 
 With LoRA (:mod:`flowtrain.model.lora`) the model's units are **frozen**: ``master`` holds the
 weights in the compute dtype (what ``fetch`` copies as it is: 2 bytes per parameter in bf16),
@@ -130,7 +131,8 @@ class UnitState:
                  frozen: bool = False, experts: int = 0) -> None:
         n = layout.numel
         self.layout = layout
-        self.expert_steps = torch.zeros(experts, dtype=torch.float32) if experts else None
+        self.expert_steps = torch.zeros(experts, dtype=torch.float32, device=device if resident else "cpu") \
+            if experts else None
         self.resident = resident
         #: a LoRA base unit: its weights in the compute dtype, nothing else (see the module docstring)
         self.frozen = frozen
@@ -218,8 +220,8 @@ class HostState:
             arena = SharedArena.open(world, sizes, pin=pin)
         dev = torch.device(device)
         skipping = {f"layer.{i}" for i in skip_idle}
-        if skipping & res or (skipping and (arena is not None or lora is not None)):
-            raise ConfigError("layers that skip idle experts are streamed, in a run that trains the whole model alone")
+        if skipping and (arena is not None or lora is not None):
+            raise ConfigError("layers that skip idle experts are in a run that trains the whole model alone")
         units = [UnitState(lay, pin=pin, layout_name=layout, resident=lay.key in res, device=dev,
                            dtype=dtype, chunks=chunks.get(lay.key, 1), arena=arena, frozen=lora is not None,
                            experts=cfg.num_experts if lay.key in skipping else 0)

@@ -8,7 +8,8 @@ An expert that no real token of a step is routed to gets no gradient and no upda
     tap = idle.tap(step, layer, mb, targets)     # a forward's router tap: real tokens per expert
     idle.fetch_ranges(step, layer, phase, mbs)   # what a fetch copies (all of it in the forward)
     idle.trained_ranges(step, layer, lo, hi)     # what an offload copies back
-    idle.adam_pieces(step, layer, unit, chunk)   # what Adam updates, and on which step count
+    idle.adam_pieces(step, layer, unit, chunk)   # what CPU Adam updates, and on which step count
+    idle.idle_on_device(step, layer, mbs)        # a resident layer's idle experts, for its gpu_adam
     idle.end_step(step)                          # the fraction of expert weights left unfetched
 
 Routing is counted on the device by each forward (the recompute's and the backward's rebuilds
@@ -113,6 +114,14 @@ class IdleExperts:
         used = self.step_used(s, i, micro_batches)
         pieces = [(a, b, unit.steps[chunk or 0]) for a, b in sl.shared]
         return pieces + [(a, b, unit.expert_steps[e]) for e, on in enumerate(used) if on for a, b in sl.experts[e]]
+
+    def idle_on_device(self, s: int, i: int, micro_batches: int) -> torch.Tensor:
+        """(experts,) fp32 on the device, 1.0 for each expert of layer ``i`` that none of the
+        step's ``micro_batches`` routed a real token to: for a resident layer's Adam, which
+        reads it where it runs, with no host sync."""
+        with self._lock:
+            parts = [self._counts[(s, i, m)] for m in range(micro_batches)]
+        return (sum(parts) == 0).float()  # type: ignore[union-attr]
 
     def end_step(self, s: int) -> float | None:
         """Forget step ``s``; the fraction of the routed layers' expert weights its fetches left

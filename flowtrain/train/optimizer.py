@@ -172,6 +172,46 @@ def adamw_pieces(
     which is incremented once."""
     for step in {s.data_ptr(): s for _, _, s in pieces}.values():
         step += 1
+    _fused(master, grad, exp_avg, exp_avg_sq, pieces, cfg, lr, grad_lo, no_decay)
+
+
+def adamw_experts(
+    master: torch.Tensor,  # (n,) fp32: a sparse layer's weights, updated in place
+    grad: torch.Tensor,  # (n,) fp32
+    exp_avg: torch.Tensor,  # (n,) fp32
+    exp_avg_sq: torch.Tensor,  # (n,) fp32
+    shared: list[tuple[int, int]],  # what every token uses, on the layer's step count ``step``
+    step: torch.Tensor,
+    experts: list[list[tuple[int, int]]],  # each expert's pieces, on its count in ``expert_steps``
+    expert_steps: torch.Tensor,  # (experts,) fp32
+    idle: torch.Tensor,  # (experts,) fp32 on the device: 1.0 where no token reached the expert
+    cfg: AdamWConfig,
+    lr: float,
+    *,
+    found_inf: torch.Tensor | None = None,  # () fp32: 1.0 leaves everything as it was
+    no_decay: list[tuple[int, int]] | None = None,
+) -> None:
+    """:func:`adamw_pieces` for a sparse layer whose idle experts are known on the device only:
+    each expert is updated by the fused kernel under its own ``found_inf`` (idle, or the step
+    not finite), and its step count is taken back down where it was skipped, as
+    :func:`adamw_step` does for a whole unit: no host sync."""
+    step += 1
+    _fused(master, grad, exp_avg, exp_avg_sq, [(lo, hi, step) for lo, hi in shared], cfg, lr, 0, no_decay, found_inf)
+    if found_inf is not None:
+        step -= found_inf
+    skip = idle if found_inf is None else torch.maximum(idle, found_inf)
+    expert_steps += 1
+    for e, pieces in enumerate(experts):
+        _fused(master, grad, exp_avg, exp_avg_sq, [(lo, hi, expert_steps[e]) for lo, hi in pieces], cfg, lr, 0,
+               no_decay, skip[e])
+    expert_steps -= skip
+
+
+def _fused(master: torch.Tensor, grad: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor,
+           pieces: list[tuple[int, int, torch.Tensor]], cfg: AdamWConfig, lr: float, grad_lo: int,
+           no_decay: list[tuple[int, int]] | None, found_inf: torch.Tensor | None = None) -> None:
+    """torch's fused AdamW kernel over ``pieces`` (their step counts already incremented), one
+    call per weight-decay group."""
     b1, b2 = cfg.betas
     groups: dict[bool, tuple[list[torch.Tensor], ...]] = {}
     for lo, hi, step in pieces:
@@ -186,4 +226,4 @@ def adamw_pieces(
     for decays, (ps, gs, ms, vs, ss) in groups.items():
         torch._fused_adamw_(ps, gs, ms, vs, [], ss, lr=lr, beta1=b1, beta2=b2,
                             weight_decay=cfg.weight_decay if decays else 0.0, eps=cfg.eps,
-                            amsgrad=False, maximize=False)
+                            amsgrad=False, maximize=False, found_inf=found_inf)

@@ -118,7 +118,8 @@ from .idle_experts import IdleExperts
 from .load_balance import LoadBalance
 from .nonfinite import SKIP, Injection, Saved, StepCheck, UndoBudget, injection_from_env, nonfinite, undo_arena_bytes
 from .weight_grads import backward_into, weight_leaves
-from .optimizer import AdamWConfig, adamw_pieces, adamw_step, clip_coefficient, decay_segments, no_decay_ranges
+from .optimizer import (AdamWConfig, adamw_experts, adamw_pieces, adamw_step, clip_coefficient, decay_segments,
+                        no_decay_ranges)
 
 
 class _StepData:
@@ -910,8 +911,17 @@ class StepProgram:
         if not data.check.skipped:  # known on the host already: with clipping, or a bad loss
             if data.clip is not None:
                 grad.mul_(data.clip.to(grad.device))
-            adamw_step(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.steps[0], self.adamw, data.lr,
-                       found_inf=data.check.found_inf, segments=self._segments(unit, 0, unit.master.numel()))
+            i = task.layer
+            if task.unit == "layer" and i is not None and i in self.idle:  # idle experts skipped on the device
+                sl = self.idle.slices[i]
+                assert unit.expert_steps is not None
+                adamw_experts(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, list(sl.shared), unit.steps[0],
+                              [list(p) for p in sl.experts], unit.expert_steps,
+                              self.idle.idle_on_device(task.step, i, len(data.ids)), self.adamw, data.lr,
+                              found_inf=data.check.found_inf, no_decay=self.no_decay[unit.layout.key])
+            else:
+                adamw_step(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.steps[0], self.adamw, data.lr,
+                           found_inf=data.check.found_inf, segments=self._segments(unit, 0, unit.master.numel()))
             data.check.gpu_updated.append(unit.layout.key)
             unit.refresh_copies()
         grad.zero_()

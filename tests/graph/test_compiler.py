@@ -383,7 +383,6 @@ def test_a_routed_layers_backward_side_fetches_follow_its_forwards(order, micro_
 @pytest.mark.parametrize("fields, words", [
     (dict(routed=(4,)), "distinct layers of 0..3"),
     (dict(routed=(1, 1)), "distinct layers"),
-    (dict(routed=(1,), resident=("layer.1",)), "leave layer.1 out of resident"),
     (dict(routed=(1,), lora=True), "not with LoRA"),
     (dict(routed=(1,), reduce=True), "nor data parallel"),
 ])

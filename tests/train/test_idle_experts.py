@@ -161,11 +161,15 @@ def test_skipping_resumes_bit_identically_with_each_experts_step_count(tmp_path,
 
 @pytest.mark.parametrize("placement", [("--order", "micro"), ("--activations", "keep"),
                                        ("--activations", "offload", "--checkpoint-every", "3"),
-                                       ("--layout", "full"), ("--layout", "stream-bf16")])
+                                       ("--layout", "full"), ("--layout", "stream-bf16"),
+                                       ("--resident", "embed,head,layer.0,layer.1"),
+                                       ("--resident", "layer.2", "--grad-clip", "1e6")])
 def test_skipping_in_every_order_placement_and_layout(tmp_path, placement):
     """Micro-batch order (each micro-batch's backward fetch follows its own routing, the update
     every micro-batch's), kept forwards, a recompute segment over three layers (the rebuilt
-    layers' fetches follow the routing too), and the other host layouts."""
+    layers' fetches follow the routing too), the other host layouts, and sparse layers resident
+    on the device (no fetch: their AdamW skips the idle experts where it runs, under the step's
+    own found_inf, or after the clipping norm)."""
     spec, rows = _setup(tmp_path, "qwen3-moe")
     ref, _ = reference_skipping(_reference_model(tmp_path), rows, micro=2)
     run_flowtrain(tmp_path / "model", tmp_path / "data.jsonl", tmp_path / "out", "--skip-idle-experts", *placement)
@@ -174,9 +178,11 @@ def test_skipping_in_every_order_placement_and_layout(tmp_path, placement):
         assert float((mine[key] - r).norm() / r.norm()) < 1e-4, key
 
 
-def test_a_step_found_not_finite_leaves_each_experts_step_count(tmp_path, monkeypatch):
+@pytest.mark.parametrize("resident", ["auto", "layer.2"])
+def test_a_step_found_not_finite_leaves_each_experts_step_count(tmp_path, monkeypatch, resident):
     """Step 2's gradient of layer 0 is NaN, found after layer 2's Adam may have run: the step is
-    undone, the experts' own step counts with it (as the checkpoints around it show)."""
+    undone, the experts' own step counts with it (as the checkpoints around it show); resident,
+    layer 2's AdamW on the device skips it under the step's found_inf."""
     from safetensors import safe_open
 
     from flowtrain.train.trainer import TrainConfig, train
@@ -185,7 +191,8 @@ def test_a_step_found_not_finite_leaves_each_experts_step_count(tmp_path, monkey
     monkeypatch.setenv("FLOWTRAIN_INJECT_NAN", "step=1,where=layer.0")
     metrics = train(TrainConfig(model=str(tmp_path / "model"), data=str(tmp_path / "data.jsonl"), batch_size=ROWS,
                                 micro_batch_size=2, seq_len=12, steps=3, device="cpu", precision="fp32",
-                                progress=False, save_every=1, out=str(tmp_path / "out"), skip_idle_experts=True))
+                                progress=False, save_every=1, out=str(tmp_path / "out"), skip_idle_experts=True,
+                                resident=resident))
     assert [m.skipped for m in metrics] == [False, True, False]
 
     def counts(step):
@@ -201,13 +208,12 @@ def test_a_step_found_not_finite_leaves_each_experts_step_count(tmp_path, monkey
 
 
 def test_refusals_end_in_one_line(tmp_path, capsys):
-    """A dense model, LoRA, and a sparse layer named resident are refused before anything trains."""
+    """A dense model and LoRA are refused before anything trains."""
     _setup(tmp_path, "qwen3-moe")
     common = ["--data", str(tmp_path / "data.jsonl"), "--steps", "1", "--batch-size", "4", "--micro-batch-size", "2",
               "--seq-len", "12", "--device", "cpu", "--no-progress", "--skip-idle-experts"]
     cases = [(["--model", "tiny"], "no layer with experts"),
-             (["--model", str(tmp_path / "model"), "--lora-rank", "4"], "LoRA leaves every expert frozen"),
-             (["--model", str(tmp_path / "model"), "--resident", "layer.2"], "leave layer.2 out of --resident")]
+             (["--model", str(tmp_path / "model"), "--lora-rank", "4"], "LoRA leaves every expert frozen")]
     for extra, words in cases:
         capsys.readouterr()
         assert main(["train", *extra, *common]) == 2
