@@ -480,6 +480,14 @@ def _write_trace(run: Run, recorder: TraceRecorder) -> None:
                                                                        recorder.records))
 
 
+def run_mode(cfg: TrainConfig, plan: Plan) -> str:
+    """What a run trains, in a few words (the visualizer heads a trace's panel with it)."""
+    if cfg.lora:
+        where = "streamed from host memory, CPU AdamW" if plan.spec.host_adapters else "resident with their AdamW"
+        return f"LoRA rank {cfg.lora_rank} over a frozen base, the adapters {where}"
+    return "every parameter" + ("; experts no token reached are not updated" if cfg.skip_idle_experts else "")
+
+
 def trace_meta(cfg: TrainConfig, plan: Plan, device: torch.device, dtype: torch.dtype, records: Sequence) -> dict:
     """What a trace file records about its run (``flowtrain train --trace`` and ``flowtrain bench
     --trace`` alike): the settings, the plan's slot budgets, the bytes of a slot of each pool
@@ -487,6 +495,7 @@ def trace_meta(cfg: TrainConfig, plan: Plan, device: torch.device, dtype: torch.
     the peaks measured so far (``measured``), which the visualizer draws memory against."""
     meta = {
         "policy": cfg.policy, "budgets": plan.budgets, "model": cfg.model or "", "device": str(device),
+        "mode": run_mode(cfg, plan),
         "precision": "fp32" if dtype == torch.float32 else "bf16", "steps": cfg.steps,
         "busy_seconds": lane_busy(records), "layout": plan.layout,
         "resident": list(plan.spec.resident), "kept_layers": list(plan.spec.keep),

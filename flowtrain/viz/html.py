@@ -173,6 +173,7 @@ def _panel(n: int, v: TraceView) -> str:
     label = _esc(v.trace.label)
     return (f'<section class=panel id="panel-{n}" data-trace="{label}" data-tasks="{len(v.trace.tasks)}">'
             f'<h2>Trace: {label}</h2>'
+            + (f'<div class=mode>trains {_esc(v.trace.mode)}</div>' if v.trace.mode else '') +
             f'<canvas class=gantt aria-label="Gantt chart of {label}"></canvas>'
             '<div class=info>click a task for details; wheel zooms, drag pans, double-click resets</div>'
             '<div class=summary></div></section>')

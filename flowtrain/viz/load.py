@@ -105,6 +105,12 @@ class Trace:
         return str(policy) if policy is not None else None
 
     @property
+    def mode(self) -> str | None:
+        """What the traced run trained (``flowtrain train --trace`` records it)."""
+        mode = self.meta.get("mode")
+        return str(mode) if mode else None
+
+    @property
     def label(self) -> str:
         return f"{self.policy} ({self.name})" if self.policy else self.name
 

@@ -352,3 +352,12 @@ def test_a_preset_bases_lora_run_resumes_from_its_checkpoint_alone(tmp_path):
     a = load_file(tmp_path / "straight" / "adapter_model.safetensors")
     b = load_file(tmp_path / "resumed" / "adapter_model.safetensors")
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_visualizer_says_what_a_lora_run_trains(tmp_path):
+    common = ["--steps", "2", "--device", "cpu", "--lora-rank", "4", "--no-progress", "--seq-len", "32",
+              "--batch-size", "2", "--micro-batch-size", "1"]
+    for state, where in (("host", "streamed from host memory, CPU AdamW"), ("gpu", "resident with their AdamW")):
+        assert main(["train", *common, "--lora-state", state, "--trace", str(tmp_path / f"{state}.json")]) == 0
+        assert main(["viz", str(tmp_path / f"{state}.json"), "--out", str(tmp_path / f"{state}.html")]) == 0
+        assert f"trains LoRA rank 4 over a frozen base, the adapters {where}" in (tmp_path / f"{state}.html").read_text()
