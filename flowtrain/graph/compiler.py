@@ -271,9 +271,8 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
         if bad or len(set(self.routed)) != len(self.routed):
             raise ConfigError(f"layers skipping idle experts ({{routed}}) {bad or list(self.routed)} must be distinct "
                               f"layers of 0..{self.layers - 1}", named=True)
-        if self.routed and (self.lora or self.reduce):
-            raise ConfigError("skipping idle experts ({routed}) needs the whole model trained in one process "
-                              "(not with LoRA, nor data parallel)", named=True)
+        if self.routed and self.lora:
+            raise ConfigError("skipping idle experts ({routed}) is for training the whole model, not LoRA", named=True)
 
 
 def units(spec: StepSpec) -> list[tuple[Unit, int | None]]:

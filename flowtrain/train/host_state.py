@@ -103,10 +103,11 @@ _RETURN_SET = False
 
 
 def shared_sizes(layouts: list[UnitLayout], layout: str, resident: set[str], dtype: torch.dtype,
-                 chunks: dict[str, int]) -> dict[str, int]:
+                 chunks: dict[str, int], experts: dict[str, int] | None = None) -> dict[str, int]:
     """Bytes of the two shared files :class:`UnitState` takes its streamed tensors from: the
     ``pinned`` one (what ``fetch`` copies: the fp32 master, or the ``stream-bf16`` copy) and
-    the ``plain`` one (Adam's moments and step counts, and a streamed copy's master)."""
+    the ``plain`` one (Adam's moments and step counts, a streamed copy's master, and the
+    per-expert step counts of the layers ``experts`` names, by unit key)."""
     streams_copy = layout == "stream-bf16" and dtype != torch.float32
     item = dtype.itemsize
     sizes = {"pinned": 0, "plain": 0}
@@ -117,6 +118,8 @@ def shared_sizes(layouts: list[UnitLayout], layout: str, resident: set[str], dty
         sizes["pinned"] += aligned(n * (item if streams_copy else 4))
         sizes["plain"] += 2 * aligned(4 * n) + (aligned(4 * n) if streams_copy else 0)
         sizes["plain"] += chunks.get(lay.key, 1) * aligned(4)
+        if (experts or {}).get(lay.key):
+            sizes["plain"] += aligned(4 * experts[lay.key])  # type: ignore[index]
     return sizes
 
 
@@ -131,8 +134,10 @@ class UnitState:
                  frozen: bool = False, experts: int = 0) -> None:
         n = layout.numel
         self.layout = layout
-        self.expert_steps = torch.zeros(experts, dtype=torch.float32, device=device if resident else "cpu") \
-            if experts else None
+        self.expert_steps = None
+        if experts:  # on the device where resident; in the node's shared file where the state is
+            self.expert_steps = (arena.take("plain", experts, torch.float32) if arena is not None and not resident
+                                 else torch.zeros(experts, dtype=torch.float32, device=device if resident else "cpu"))
         self.resident = resident
         #: a LoRA base unit: its weights in the compute dtype, nothing else (see the module docstring)
         self.frozen = frozen
@@ -215,13 +220,13 @@ class HostState:
         chunks = chunks or {}
         layouts = model_layouts(cfg)
         arena = None
+        skipping = {f"layer.{i}" for i in skip_idle}
         if world is not None and world.local_size > 1 and lora is None:
-            sizes = shared_sizes(layouts, layout, res, dtype, chunks)
+            sizes = shared_sizes(layouts, layout, res, dtype, chunks, {k: cfg.num_experts for k in skipping})
             arena = SharedArena.open(world, sizes, pin=pin)
         dev = torch.device(device)
-        skipping = {f"layer.{i}" for i in skip_idle}
-        if skipping and (arena is not None or lora is not None):
-            raise ConfigError("layers that skip idle experts are in a run that trains the whole model alone")
+        if skipping and lora is not None:
+            raise ConfigError("layers that skip idle experts are in a run that trains the whole model")
         units = [UnitState(lay, pin=pin, layout_name=layout, resident=lay.key in res, device=dev,
                            dtype=dtype, chunks=chunks.get(lay.key, 1), arena=arena, frozen=lora is not None,
                            experts=cfg.num_experts if lay.key in skipping else 0)

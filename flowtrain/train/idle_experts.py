@@ -54,6 +54,8 @@ class IdleExperts:
         self._counts: dict[tuple[int, int, int], torch.Tensor] = {}  # (step, layer, mb) -> (experts,) fp32
         self._real: dict[tuple[int, int], torch.Tensor] = {}  # (step, mb) -> (tokens,) 1.0 / 0.0
         self._used: dict[tuple[int, int], list[bool]] = {}  # (step, layer) -> the step's union
+        #: (step, layer) -> real tokens per expert over every process's micro-batches (data parallel)
+        self._summed: dict[tuple[int, int], torch.Tensor] = {}
         self._fetched: dict[int, list[int]] = {}  # step -> [expert elements copied, and in all]
         self._lock = threading.Lock()
 
@@ -89,12 +91,27 @@ class IdleExperts:
             tally[1] += sl.num_experts * sl.expert_numel
         return sl.ranges(used)
 
+    def step_counts(self, s: int, i: int, micro_batches: int) -> torch.Tensor:
+        """Real tokens per expert of layer ``i`` over the step's ``micro_batches`` (this
+        process's), on the device: what data parallel sums over the processes
+        (:meth:`set_summed`), as it sums the gradient."""
+        with self._lock:
+            parts = [self._counts[(s, i, m)] for m in range(micro_batches)]
+        return sum(parts)  # type: ignore[return-value]
+
+    def set_summed(self, s: int, i: int, counts: torch.Tensor) -> None:
+        """Layer ``i``'s counts summed over every process: which experts the step leaves idle is
+        then decided by the whole global batch, as one process trained on it would."""
+        with self._lock:
+            self._summed[(s, i)] = counts
+
     def step_used(self, s: int, i: int, micro_batches: int) -> list[bool]:
-        """The experts of layer ``i`` that any of the step's ``micro_batches`` routed to."""
+        """The experts of layer ``i`` that any of the step's micro-batches routed to (every
+        process's, where they were summed; else this process's ``micro_batches``)."""
         with self._lock:
             used = self._used.get((s, i))
         if used is None:  # read outside the lock: on a GPU the read waits for the device
-            used = self._routed_to(s, i, range(micro_batches))
+            used = (self._step_total(s, i, micro_batches) > 0).tolist()
             with self._lock:
                 used = self._used.setdefault((s, i), used)
         return used
@@ -119,9 +136,12 @@ class IdleExperts:
         """(experts,) fp32 on the device, 1.0 for each expert of layer ``i`` that none of the
         step's ``micro_batches`` routed a real token to: for a resident layer's Adam, which
         reads it where it runs, with no host sync."""
+        return (self._step_total(s, i, micro_batches) == 0).float()
+
+    def _step_total(self, s: int, i: int, micro_batches: int) -> torch.Tensor:
         with self._lock:
-            parts = [self._counts[(s, i, m)] for m in range(micro_batches)]
-        return (sum(parts) == 0).float()  # type: ignore[union-attr]
+            summed = self._summed.get((s, i))
+        return summed if summed is not None else self.step_counts(s, i, micro_batches)
 
     def end_step(self, s: int) -> float | None:
         """Forget step ``s``; the fraction of the routed layers' expert weights its fetches left
@@ -133,6 +153,8 @@ class IdleExperts:
                 del self._real[pair]
             for pair in [k for k in self._used if k[0] == s]:
                 del self._used[pair]
+            for pair in [k for k in self._summed if k[0] == s]:
+                del self._summed[pair]
             copied, total = self._fetched.pop(s, (0, 0))
         return 1.0 - copied / total if total else None
 

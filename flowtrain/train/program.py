@@ -387,6 +387,12 @@ class StepProgram:
                 return self._offload(task, ctx)
             case ReduceGrad():
                 unit = self._unit(task)
+                if task.unit == "layer" and task.layer is not None and task.layer in self.idle:
+                    # the experts each process's routing reached, summed as the gradient is: an
+                    # expert is idle only where no process's micro-batch reached it
+                    counts = self.idle.step_counts(task.step, task.layer, len(self.steps[task.step].ids)).clone()
+                    all_reduce_sum(counts)
+                    self.idle.set_summed(task.step, task.layer, counts)
                 if unit.resident:  # its own accumulator (a tied head's matrix part is the embedding's)
                     all_reduce_sum(unit.own_grad()[: unit.layout.numel])
                 else:

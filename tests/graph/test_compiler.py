@@ -383,8 +383,7 @@ def test_a_routed_layers_backward_side_fetches_follow_its_forwards(order, micro_
 @pytest.mark.parametrize("fields, words", [
     (dict(routed=(4,)), "distinct layers of 0..3"),
     (dict(routed=(1, 1)), "distinct layers"),
-    (dict(routed=(1,), lora=True), "not with LoRA"),
-    (dict(routed=(1,), reduce=True), "nor data parallel"),
+    (dict(routed=(1,), lora=True), "not LoRA"),
 ])
 def test_routed_layers_are_checked(fields, words):
     with pytest.raises(ConfigError, match=re.escape(words)):

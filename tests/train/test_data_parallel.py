@@ -332,3 +332,29 @@ def test_two_processes_train_the_adapters_of_one(tmp_path, extra):
         assert err <= 1e-5, f"{name}: relative error {err:.2e}"
     assert proc.stdout.count("done: 3 steps") == 1 and "share one host copy" not in proc.stdout
     assert "reduce_grad adapter L1" in (tmp_path / "trace.json").read_text()
+
+
+@pytest.mark.parametrize("resident", [[], pytest.param(["--resident", "layer.2"], marks=SLOW)],
+                         ids=["streamed", "resident"])
+def test_two_processes_skip_the_experts_idle_in_the_whole_batch(tmp_path, resident):
+    """``--skip-idle-experts`` under torchrun: an expert is idle only where no process's
+    micro-batch reached it (the counts are summed with the gradient), each expert's step count
+    lives in the node's shared state, and the weights end as one process's on the same batch."""
+    from test_idle_experts import _setup
+
+    _setup(tmp_path, "qwen3-moe")
+    moe = ["--model", str(tmp_path / "model"), "--data", str(tmp_path / "data.jsonl"), "--steps", "3",
+           "--batch-size", "4", "--micro-batch-size", "1", "--seq-len", "12", "--device", "cpu", "--precision", "fp32",
+           "--no-progress", "--no-packing", "--skip-idle-experts", "--save-every", "3", *resident]
+    assert main(["train", *moe, "--out", str(tmp_path / "one")]) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "flowtrain", "train", *moe, "--out", str(tmp_path / "two")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
+    for name, ref in one.items():
+        err = float((two[name] - ref).norm() / ref.norm())
+        assert err <= 1e-5, f"{name}: relative error {err:.2e}"
+    layer0 = "checkpoint-3/optimizer-00002-of-00005.safetensors"
+    a, b = load_file(tmp_path / "one" / layer0), load_file(tmp_path / "two" / layer0)
+    assert torch.equal(a["expert_steps"], b["expert_steps"]) and float(a["expert_steps"].min()) < 3
