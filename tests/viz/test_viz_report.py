@@ -129,12 +129,29 @@ def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch, args, message):
 
 
 def test_cli_says_which_window_its_numbers_cover(tmp_path, capsys):
-    trace = engine_trace_file(tmp_path / "t.json", layers=2, steps=3)
+    """Step times set by hand (an engine's would decide by the machine's load which steps are
+    warm-up): step 0 fifty times the others, so the default window leaves it out."""
+    trace = tmp_path / "t.json"
+    trace.write_text(json.dumps(doc(ev("a0", "compute", 0, 1000, step=0), ev("a1", "compute", 1000, 1020, step=1),
+                                    ev("a2", "compute", 1020, 1040, step=2))))
     assert main(["viz", str(trace), "--out", str(tmp_path / "r.html"), "--steps", "1:2"]) == 0
     out = capsys.readouterr().out
-    assert "step 1 (1 of 3 steps, " in out and "step time" in out and "compute busy" in out
+    assert "step 1 (1 of 3 steps, 20 \u00b5s)" in out and "step time" in out and "compute busy" in out
     assert main(["viz", str(trace), "--out", str(tmp_path / "r.html")]) == 0
-    assert "steps 1\u20132 (2 of 3 steps, " in capsys.readouterr().out  # by default: all but the first
+    assert "steps 1\u20132 (2 of 3 steps, 40 \u00b5s)" in capsys.readouterr().out  # by default: all but the first
+
+
+def test_cli_window_of_an_engine_trace_is_the_one_its_steps_give(tmp_path, capsys):
+    """On a real engine trace the CLI reports the window the step rule picks from its times."""
+    from flowtrain.viz.analysis import compute_gaps, slot_uses
+    from flowtrain.viz.load import load_input
+    from flowtrain.viz.steps import default_window, step_stats
+
+    trace = engine_trace_file(tmp_path / "t.json", layers=2, steps=3)
+    tr = load_input(trace)
+    window = default_window(step_stats(tr, compute_gaps(tr), slot_uses(tr)))
+    assert main(["viz", str(trace), "--out", str(tmp_path / "r.html")]) == 0
+    assert window.label in capsys.readouterr().out and window.first >= 1
 
 
 def test_png_spans_the_window():
