@@ -137,7 +137,7 @@ def _adapter(tmp_path, device, precision, compile="none", **kw):
 
 @pytest.mark.filterwarnings("ignore")  # inductor and its dependencies warn while compiling; numbers matter here
 @pytest.mark.parametrize("placement", [{}, {"activations": "keep"}, {"activations": "offload"},
-                                       {"lora_state": "host"}, {"lora_state": "host", "activations": "keep"}])
+                                       {"lora_state": "host", "activations": "keep"}])
 def test_cuda_lora_matches_cpu(tmp_path, placement):
     """LoRA on the GPU, from an adapter whose B is not zero (two CPU steps from a fresh one):
     fp32 and compiled trains the CPU's adapters; bf16 (a bf16 base streamed as it is, the
