@@ -626,24 +626,21 @@ def _load_moments(file: Path, unit: UnitState) -> None:
                         raise CheckpointError(f"{where}: {name} of {key} holds NaN or inf")
                     dst[lo:hi].copy_(piece)
             step = float(f.get_tensor("step").reshape(-1)[0])
+            experts = f.get_tensor("expert_steps").float() if "expert_steps" in f.keys() else None
     except (SafetensorError, OSError) as e:
         raise CheckpointError(f"cannot read {where}: corrupt or truncated ({e})") from e
     if not math.isfinite(step) or step < 0 or step != round(step):
         raise CheckpointError(f"{where}: step of {key} is {step}, not a step count")
     for s in unit.steps:
         s.fill_(step)
-    _load_expert_steps(file, unit, step)
+    _load_expert_steps(where, unit, step, experts)
 
 
-def _load_expert_steps(file: Path, unit: UnitState, step: float) -> None:
-    """A sparse layer's per-expert step counts, where the run that saved it skipped idle
-    experts; a run that does not skip them can resume only where every expert kept up."""
-    where, key = f"{file.parent.name}/{file.name}", unit.layout.key
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            saved = f.get_tensor("expert_steps").float() if "expert_steps" in f.keys() else None
-    except (SafetensorError, OSError) as e:
-        raise CheckpointError(f"cannot read {where}: corrupt or truncated ({e})") from e
+def _load_expert_steps(where: str, unit: UnitState, step: float, saved: torch.Tensor | None) -> None:
+    """A sparse layer's per-expert step counts (``saved``, read from ``where``), where the run
+    that saved it skipped idle experts; a run that does not skip them can resume only where
+    every expert kept up."""
+    key = unit.layout.key
     if saved is not None and (saved.dim() != 1 or not all_finite(saved) or bool((saved < 0).any())
                               or bool((saved != saved.round()).any()) or bool((saved > step).any())):
         raise CheckpointError(f"{where}: expert_steps of {key} are not step counts of its experts")

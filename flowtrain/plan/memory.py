@@ -252,8 +252,8 @@ class Plan(msgspec.Struct, kw_only=True):
     def host_node_total(self) -> int:
         """Peak host bytes of the node: the shared state once, every process's own part (its
         buffers, runtime, data; with LoRA also its base and adapters) once per process."""
-        shared = sum(self.host.get(k, 0) for k in SHARED_HOST) if self.spec.share > 1 else 0
-        return shared + max(self.spec.share, self.node_processes) * (self.host_total - shared)
+        shared = sum(self.host.get(k, 0) for k in SHARED_HOST)  # (none with LoRA)
+        return shared + self.node_processes * (self.host_total - shared)
 
     @property
     def gpu_total(self) -> int:
@@ -287,8 +287,7 @@ class Plan(msgspec.Struct, kw_only=True):
         """One line: what does not fit, by how much, and what would make it fit."""
         parts = []
         if self.host_limit is not None and not self.host_fits:  # a limit is what it does not fit
-            n = max(self.spec.share, self.node_processes)
-            who = f" for {n} processes" if n > 1 else ""
+            who = f" for {self.node_processes} processes" if self.node_processes > 1 else ""
             parts.append(f"host memory: needs {self.host_node_total / GiB:.1f} GiB{who}, {self.host_limit / GiB:.1f} GiB usable")
         if self.gpu_limit is not None and not self.gpu_fits:
             parts.append(f"GPU memory: needs {self.gpu_total / GiB:.1f} GiB, {self.gpu_limit / GiB:.1f} GiB usable")
@@ -409,7 +408,7 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
     stage_n = staging_numel(layouts, resident)
 
     lora = req.lora_rank > 0  # a frozen base: its weights in the compute dtype, nothing else
-    host_adapters = lora and req.lora_state == "host"
+    host_adapters = _host_adapters(req)
     adapter_slot_n = max(_adapter_layer_numels(cfg, req), default=0) if host_adapters else 0
     if lora:
         host = {"base": cbytes * streamed_n}
@@ -637,7 +636,13 @@ def _spec(cfg: ModelConfig, req: RunRequest, layout: str, resident: tuple[str, .
                     grad_clip=req.grad_clip, resident=resident, staged=staged, grad_chunks=chunks,
                     # LoRA's processes each keep their own base and adapters: nothing to share
                     reduce=req.processes > 1, share=1 if req.lora_rank > 0 else req.share, lora=req.lora_rank > 0,
-                    host_adapters=req.lora_rank > 0 and req.lora_state == "host", routed=_routed(cfg, req)).validate()
+                    host_adapters=_host_adapters(req), routed=_routed(cfg, req)).validate()
+
+
+def _host_adapters(req: RunRequest) -> bool:
+    """Whether LoRA's adapters live in host memory (``--lora-state host``, as ``auto`` resolves
+    it in :func:`_plan_once`)."""
+    return req.lora_rank > 0 and req.lora_state == "host"
 
 
 def _routed(cfg: ModelConfig, req: RunRequest) -> tuple[int, ...]:
@@ -906,7 +911,7 @@ def _plan_state(cfg, req, device, dtype, policy, host_limit, gpu_limit, speed: b
 
     if explicit is not None or device.type != "cuda":
         return build(explicit or ())
-    streamed = range(cfg.num_layers) if req.lora_rank > 0 and req.lora_state == "host" else ()
+    streamed = range(cfg.num_layers) if _host_adapters(req) else ()  # their fetch brings the adapters
     return _choose_resident(cfg, build, policy, speed, never=frozenset(f"layer.{i}" for i in streamed))
 
 
@@ -1053,7 +1058,7 @@ def _largest_model(plan: Plan) -> str:
     staging, activations) as planned."""
     assert plan.host_limit is not None
     scaled = ("master", "adam", "gradients", "streaming_copy", "base", "adapters")  # LoRA: its base and adapters
-    copies = max(plan.node_processes, 1) if plan.spec.share == 1 else 1  # LoRA's processes each keep their own
+    copies = plan.node_processes if plan.spec.lora else 1  # LoRA's processes each keep their own
     per_param = copies * sum(plan.host.get(k, 0) for k in scaled) / plan.params
     fixed = plan.host_node_total - per_param * plan.params
     most = max(0.0, (plan.host_limit - fixed) / per_param)

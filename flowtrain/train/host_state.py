@@ -118,8 +118,7 @@ def shared_sizes(layouts: list[UnitLayout], layout: str, resident: set[str], dty
         sizes["pinned"] += aligned(n * (item if streams_copy else 4))
         sizes["plain"] += 2 * aligned(4 * n) + (aligned(4 * n) if streams_copy else 0)
         sizes["plain"] += chunks.get(lay.key, 1) * aligned(4)
-        if (experts or {}).get(lay.key):
-            sizes["plain"] += aligned(4 * experts[lay.key])  # type: ignore[index]
+        sizes["plain"] += aligned(4 * (experts or {}).get(lay.key, 0))
     return sizes
 
 

@@ -4,13 +4,14 @@ An expert that no real token of a step is routed to gets no gradient and no upda
 ``torch.optim.AdamW`` skips a parameter whose gradient is None. The training program asks
 :class:`IdleExperts` at each point of the step where that matters::
 
-    idle = IdleExperts(state, device)            # the layers whose state counts expert steps
-    tap = idle.tap(step, layer, mb, targets)     # a forward's router tap: real tokens per expert
-    idle.fetch_ranges(step, layer, phase, mbs)   # what a fetch copies (all of it in the forward)
-    idle.trained_ranges(step, layer, lo, hi)     # what an offload copies back
-    idle.adam_pieces(step, layer, unit, chunk)   # what CPU Adam updates, and on which step count
-    idle.idle_on_device(step, layer, mbs)        # a resident layer's idle experts, for its gpu_adam
-    idle.end_step(step)                          # the fraction of expert weights left unfetched
+    idle = IdleExperts(state, device)             # the layers whose state counts expert steps
+    tap = idle.tap(step, layer, mb, targets)      # a forward's router tap: real tokens per expert
+    idle.fetch_ranges(step, layer, phase, mbs)    # what a fetch copies (all of it in the forward)
+    idle.trained_ranges(step, layer, n, lo, hi)   # what an offload copies back (n micro-batches)
+    idle.adam_pieces(step, layer, n, unit, chunk) # what CPU Adam updates, and on which step count
+    idle.idle_on_device(step, layer, n)           # a resident layer's idle experts, for its gpu_adam
+    idle.set_summed(step, layer, counts)          # data parallel: every process's counts
+    idle.end_step(step)                           # the fraction of expert weights left unfetched
 
 Routing is counted on the device by each forward (the recompute's and the backward's rebuilds
 route alike and are not counted again) and read on the host by the first task that needs it:
@@ -84,19 +85,20 @@ class IdleExperts:
         known yet), before the recompute and backward the shared part and the experts that the
         micro-batches ``mbs`` (those the fetch serves) routed a real token to."""
         sl = self.slices[i]
-        used = [True] * sl.num_experts if phase == "forward" else self._routed_to(s, i, mbs)
+        used = [True] * sl.num_experts if phase == "forward" else (self.step_counts(s, i, mbs) > 0).tolist()
         with self._lock:
             tally = self._fetched.setdefault(s, [0, 0])
             tally[0] += sum(used) * sl.expert_numel
             tally[1] += sl.num_experts * sl.expert_numel
         return sl.ranges(used)
 
-    def step_counts(self, s: int, i: int, micro_batches: int) -> torch.Tensor:
-        """Real tokens per expert of layer ``i`` over the step's ``micro_batches`` (this
-        process's), on the device: what data parallel sums over the processes
+    def step_counts(self, s: int, i: int, mbs: Iterable[int]) -> torch.Tensor:
+        """Real tokens per expert of layer ``i`` over micro-batches ``mbs`` of step ``s`` (this
+        process's), on the device: what a fetch reads on the host (on a GPU this waits for those
+        forwards, long queued), and what data parallel sums over the processes
         (:meth:`set_summed`), as it sums the gradient."""
         with self._lock:
-            parts = [self._counts[(s, i, m)] for m in range(micro_batches)]
+            parts = [self._counts[(s, i, m)] for m in mbs]
         return sum(parts)  # type: ignore[return-value]
 
     def set_summed(self, s: int, i: int, counts: torch.Tensor) -> None:
@@ -141,26 +143,19 @@ class IdleExperts:
     def _step_total(self, s: int, i: int, micro_batches: int) -> torch.Tensor:
         with self._lock:
             summed = self._summed.get((s, i))
-        return summed if summed is not None else self.step_counts(s, i, micro_batches)
+        return summed if summed is not None else self.step_counts(s, i, range(micro_batches))
 
     def end_step(self, s: int) -> float | None:
         """Forget step ``s``; the fraction of the routed layers' expert weights its fetches left
         in host memory (None where it fetched none)."""
         with self._lock:
-            for key in [k for k in self._counts if k[0] == s]:
-                del self._counts[key]
-            for pair in [k for k in self._real if k[0] == s]:
-                del self._real[pair]
-            for pair in [k for k in self._used if k[0] == s]:
-                del self._used[pair]
-            for pair in [k for k in self._summed if k[0] == s]:
-                del self._summed[pair]
+            for table in (self._counts, self._real, self._used, self._summed):
+                _forget(table, s)
             copied, total = self._fetched.pop(s, (0, 0))
         return 1.0 - copied / total if total else None
 
-    def _routed_to(self, s: int, i: int, mbs: Iterable[int]) -> list[bool]:
-        """Which experts the forwards of micro-batches ``mbs`` sent a real token to: the device's
-        counts read on the host (on a GPU this waits for those forwards, long queued)."""
-        with self._lock:
-            parts = [self._counts[(s, i, m)] for m in mbs]
-        return (sum(parts) > 0).tolist()  # type: ignore[union-attr]
+
+def _forget(table: dict, s: int) -> None:
+    """Drop the entries of step ``s`` (keys that start with it) from ``table``, in place."""
+    for key in [k for k in table if k[0] == s]:
+        del table[key]

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Sequence
 
 import msgspec
 import torch
@@ -180,9 +181,9 @@ def adamw_experts(
     grad: torch.Tensor,  # (n,) fp32
     exp_avg: torch.Tensor,  # (n,) fp32
     exp_avg_sq: torch.Tensor,  # (n,) fp32
-    shared: list[tuple[int, int]],  # what every token uses, on the layer's step count ``step``
+    shared: Sequence[tuple[int, int]],  # what every token uses, on the layer's step count ``step``
     step: torch.Tensor,
-    experts: list[list[tuple[int, int]]],  # each expert's pieces, on its count in ``expert_steps``
+    experts: Sequence[Sequence[tuple[int, int]]],  # each expert's pieces, on its count in ``expert_steps``
     expert_steps: torch.Tensor,  # (experts,) fp32
     idle: torch.Tensor,  # (experts,) fp32 on the device: 1.0 where no token reached the expert
     cfg: AdamWConfig,

@@ -387,12 +387,12 @@ class StepProgram:
                 return self._offload(task, ctx)
             case ReduceGrad():
                 unit = self._unit(task)
-                if task.unit == "layer" and task.layer is not None and task.layer in self.idle:
+                if (i := self._skipping(task)) is not None:
                     # the experts each process's routing reached, summed as the gradient is: an
                     # expert is idle only where no process's micro-batch reached it
-                    counts = self.idle.step_counts(task.step, task.layer, len(self.steps[task.step].ids)).clone()
+                    counts = self.idle.step_counts(task.step, i, range(len(self.steps[task.step].ids)))
                     all_reduce_sum(counts)
-                    self.idle.set_summed(task.step, task.layer, counts)
+                    self.idle.set_summed(task.step, i, counts)
                 if unit.resident:  # its own accumulator (a tied head's matrix part is the embedding's)
                     all_reduce_sum(unit.own_grad()[: unit.layout.numel])
                 else:
@@ -431,6 +431,11 @@ class StepProgram:
     def _unit(self, task: Task) -> UnitState:
         return self.state.unit(task.unit, task.layer)  # type: ignore[arg-type]
 
+    def _skipping(self, task: Task) -> int | None:
+        """The layer a task of a sparse layer that skips idle experts works on; None for any other
+        task (another unit's, or a layer's that updates every expert)."""
+        return task.layer if task.unit == "layer" and task.layer in self.idle else None
+
     def _tied_extra(self, task: Task) -> int:
         return self.state.embed.layout.numel if (self.tied and task.unit == "head") else 0
 
@@ -450,12 +455,10 @@ class StepProgram:
     # ---- task bodies ----------------------------------------------------------------------
     def _fetch(self, task: Fetch, slot: int) -> int:
         dst = self.weight_c[slot]
-        if task.unit == "layer" and task.layer in self.idle and task.phase != "eval":
+        if (i := self._skipping(task)) is not None and task.phase != "eval":
             # a layer that skips idle experts: before its recompute and backward, only the experts
             # the forwards of the micro-batches this fetch serves routed to (the rest of the slot
             # keeps what it held: no token reads it)
-            i = task.layer
-            assert i is not None
             mbs = range(len(self.steps[task.step].ids)) if task.micro_batch is None else [task.micro_batch]
             unit = self.state.unit("layer", i)
             return self._stream_in(unit, dst, self.idle.fetch_ranges(task.step, i, task.phase, mbs))
@@ -792,8 +795,8 @@ class StepProgram:
         lo, hi = chunk_range(unit.layout.numel, self.stage_n, task.chunk)
         dst = unit.own_grad() if task.chunk is None else self.staging[ctx.slot][: hi - lo]  # type: ignore[index]
         self._flag_pieces(task, unit, src, lo, hi)
-        ranges, i = [(lo, hi)], task.layer
-        if task.unit == "layer" and i is not None and i in self.idle:  # an idle expert's gradient stays behind
+        ranges = [(lo, hi)]
+        if (i := self._skipping(task)) is not None:  # an idle expert's gradient stays behind
             ranges = self.idle.trained_ranges(task.step, i, len(self.steps[task.step].ids), lo, hi)
         for a, b in ranges:
             dst[a - lo : b - lo].copy_(src[a:b], non_blocking=nb)
@@ -872,9 +875,9 @@ class StepProgram:
                 data.check.keep(Saved(unit, lo, hi, task.chunk or 0, verdict))
             if data.clip is not None:
                 grad.mul_(data.clip)
-            if task.unit == "layer" and task.layer in self.idle:  # each expert on its own step count
+            if (i := self._skipping(task)) is not None:  # each expert on its own step count
                 assert (lo, hi) == (0, unit.layout.numel), "a layer that skips idle experts is one staging chunk"
-                pieces = self.idle.adam_pieces(task.step, task.layer, len(data.ids), unit, task.chunk)  # type: ignore[arg-type]
+                pieces = self.idle.adam_pieces(task.step, i, len(data.ids), unit, task.chunk)
                 adamw_pieces(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, pieces, self.adamw, data.lr,
                              no_decay=self.no_decay[unit.layout.key])
             else:
@@ -917,12 +920,11 @@ class StepProgram:
         if not data.check.skipped:  # known on the host already: with clipping, or a bad loss
             if data.clip is not None:
                 grad.mul_(data.clip.to(grad.device))
-            i = task.layer
-            if task.unit == "layer" and i is not None and i in self.idle:  # idle experts skipped on the device
+            if (i := self._skipping(task)) is not None:  # idle experts skipped on the device
                 sl = self.idle.slices[i]
                 assert unit.expert_steps is not None
-                adamw_experts(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, list(sl.shared), unit.steps[0],
-                              [list(p) for p in sl.experts], unit.expert_steps,
+                adamw_experts(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, sl.shared, unit.steps[0],
+                              sl.experts, unit.expert_steps,
                               self.idle.idle_on_device(task.step, i, len(data.ids)), self.adamw, data.lr,
                               found_inf=data.check.found_inf, no_decay=self.no_decay[unit.layout.key])
             else:
