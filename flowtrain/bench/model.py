@@ -60,7 +60,7 @@ def add_model_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) ->
     a("--trace", default=None, help="also write the executed trace (Chrome JSON)")
 
 
-def model_flops_per_token(model: str, seq_len: int, adapter_params: int | None = None) -> float:
+def model_flops_per_token(model: str, seq_len: int, adapter_params: float | None = None) -> float:
     from ..model.config import model_flops_per_token as per_token
     from ..train.trainer import load_model_config
 
@@ -72,7 +72,7 @@ def run_model(args: argparse.Namespace) -> dict:
     import numpy as np
     import torch
 
-    from ..plan.memory import adapter_numel, run_request
+    from ..plan.memory import adapter_active_numel, adapter_numel, run_request
     from ..train.trainer import TrainConfig, load_model_config, prefer_expandable_segments, train
 
     policy = args.policy[0] if isinstance(args.policy, list) else (args.policy or "double_buffer")
@@ -95,6 +95,7 @@ def run_model(args: argparse.Namespace) -> dict:
         plans: list = []
         metrics = train(cfg, instruments=[recorder], on_plan=plans.append)
     adapters = adapter_numel(cfg_m, run_request(cfg)) if cfg.lora else None
+    active = adapter_active_numel(cfg_m, run_request(cfg)) if cfg.lora else None
     measured = metrics[args.warmup:]
     seconds = sum(m.seconds for m in measured)
     tok = sum(m.tokens for m in measured)
@@ -109,7 +110,7 @@ def run_model(args: argparse.Namespace) -> dict:
         "micro_batch_size": args.micro_batch_size, "policy": args.policy,
         "order": plans[-1].spec.order if plans else args.order, "steps_measured": len(measured),
         "tokens_per_s": round(tok_s, 1),
-        "model_tflops": round(tok_s * model_flops_per_token(args.model, args.seq_len, adapters) / 1e12, 1),
+        "model_tflops": round(tok_s * model_flops_per_token(args.model, args.seq_len, active) / 1e12, 1),
         "step_seconds": [round(m.seconds, 4) for m in measured],
         "loss": [round(m.loss, 4) for m in metrics],
         "host_peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),

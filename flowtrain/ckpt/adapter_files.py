@@ -12,6 +12,12 @@ lora_A.weight``: :func:`flowtrain.model.adapters.adapter_layouts`). What PEFT ca
 flowtrain does not run (DoRA, rsLoRA's scaling, per-layer ranks or alphas, trained biases,
 extra trained modules, a subset of layers) is refused in one line naming the setting, rather
 than read as something else.
+
+A mixture of experts' router and stacked experts are adapted as PEFT adapts them over
+transformers 5: named in ``target_parameters`` (``gate.weight``, ``gate_up_proj``, ``down_proj``),
+the gate-and-up adapter's rank and alpha in ``rank_pattern`` / ``alpha_pattern`` where they are
+not ``r`` and ``lora_alpha``. A config naming the experts' maps as PEFT did before (``gate_proj``,
+``up_proj``, ``down_proj``, ``gate``; Mixtral's ``w1``, ``w3``, ``w2``) is read as PEFT converts it.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import msgspec
 import torch
 from safetensors import SafetensorError, safe_open
 from torch import Tensor
@@ -39,23 +46,55 @@ __all__ = ["ADAPTER_CONFIG", "ADAPTER_WEIGHTS", "adapter_config_text", "read_ada
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
-#: PEFT settings flowtrain does not run, and the value that means "off" (as written)
-_UNSUPPORTED = {"use_dora": False, "use_rslora": False, "rank_pattern": {}, "alpha_pattern": {}, "bias": "none",
+#: PEFT settings flowtrain does not run, and the value that means "off" (as written);
+#: ``rank_pattern`` and ``alpha_pattern`` are read where they name the experts' gate_up_proj only
+_UNSUPPORTED = {"use_dora": False, "use_rslora": False, "bias": "none",
                 "modules_to_save": None, "layers_to_transform": None, "fan_in_fan_out": False, "lora_bias": False,
-                "target_parameters": None, "exclude_modules": None, "alora_invocation_tokens": None}
+                "exclude_modules": None, "alora_invocation_tokens": None}
+
+#: a mixture of experts' parameters as PEFT names them in target_parameters, and flowtrain's targets
+_PARAMETERS = {"gate.weight": ("router",), "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+#: the names PEFT converts from target_modules into target_parameters, per family of experts
+_CONVERTED = {"qwen3": {"gate": "router", "gate_proj": "gate_proj", "up_proj": "up_proj", "down_proj": "down_proj"},
+              "mixtral": {"gate": "router", "w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}}
+_GATE_UP = "model.layers.0.mlp.experts.gate_up_proj"
 
 
-def _reaches_no_target(patterns: dict) -> bool:
-    """Whether none of a ``rank_pattern`` / ``alpha_pattern``'s keys names a map flowtrain adapts
-    (PEFT matches a key against a module's name as ``(.*[.])?(key)$``). PEFT writes some for a
-    mixture of experts' stacked expert weights, which it then ignores itself."""
-    names = [f"model.layers.{i}.{part}.{t}" for i in range(1024) for part in ("self_attn", "mlp")
-             for t in DEFAULT_TARGETS]
+def _pattern_hits(key: str, names: list[str]) -> list[str]:
+    """The names a ``rank_pattern`` / ``alpha_pattern`` key reaches, matched as PEFT matches them
+    (``(.*[.])?(key)$``); a key that is no regular expression reaches all of them."""
     try:
-        keys = [re.compile(rf"(.*\.)?({k})$") for k in patterns]
+        pattern = re.compile(rf"(.*\.)?({key})$")
     except re.error:
-        return False
-    return not any(k.match(n) for k in keys for n in names)
+        return names
+    return [n for n in names if pattern.match(n)]
+
+
+def _fused_rank(config: dict[str, Any], path: Path, gate_up: bool) -> int | None:
+    """The experts' gate-and-up rank a config's ``rank_pattern`` sets (None: none), after
+    checking that its patterns reach that weight only and keep the scale ``lora_alpha / r``.
+    PEFT also writes patterns naming experts the adapter does not adapt, which it ignores."""
+    adapted = [f"model.layers.{i}.{part}.{t}" for i in range(1024) for part in ("self_attn", "mlp")
+               for t in DEFAULT_TARGETS] + [f"model.layers.{i}.mlp.{p}" for i in range(1024)
+                                            for p in ("gate.weight", "experts.down_proj")]
+    ranks: dict[str, float] = {}
+    for field in ("rank_pattern", "alpha_pattern"):
+        patterns = config.get(field) or {}
+        if not isinstance(patterns, dict):
+            raise CheckpointError(f"{path}: {field} = {patterns!r} is a PEFT setting flowtrain does not run")
+        for key, value in patterns.items():
+            if _pattern_hits(key, adapted):
+                raise CheckpointError(f"{path}: {field} {key!r}: per-map ranks and alphas are a PEFT setting flowtrain "
+                                      "runs only for the experts' gate_up_proj")
+            if gate_up and _pattern_hits(key, [_GATE_UP]):
+                ranks[field] = value
+    if not ranks:
+        return None
+    rank, alpha = ranks.get("rank_pattern", config["r"]), ranks.get("alpha_pattern", config["lora_alpha"])
+    if abs(alpha / rank - config["lora_alpha"] / config["r"]) > 1e-9 * abs(config["lora_alpha"] / config["r"]):
+        raise CheckpointError(f"{path}: the experts' gate_up_proj has rank {rank} and alpha {alpha}, a scale other "
+                              f"than lora_alpha / r; flowtrain runs one scale for every adapter")
+    return int(rank)
 
 
 def _is_off(value: Any, off: Any) -> bool:
@@ -68,16 +107,29 @@ def _is_off(value: Any, off: Any) -> bool:
     return False
 
 
-def _config(spec: LoraSpec, base_model: str | None) -> dict[str, Any]:
+def _config(spec: LoraSpec, layouts: Sequence[UnitLayout], base_model: str | None) -> dict[str, Any]:
+    """What PEFT reads: the linear maps the layouts adapt in ``target_modules``, a mixture of
+    experts' router and stacked weights in ``target_parameters`` (the gate-and-up adapter's rank in
+    ``rank_pattern`` where it is not ``r``)."""
+    keys = {e.key.removesuffix(".lora_A") for lay in layouts for e in lay.entries if e.key.endswith(".lora_A")}
+    names = {"router": "gate.weight", "experts_gate_up": "gate_up_proj", "experts_down": "down_proj"}
+    parameters = sorted(names[k] for k in keys if k in names)
+    ranks: dict[str, Any] = {}
+    alphas: dict[str, Any] = {}
+    if "experts_gate_up" in keys and spec.gate_up_rank != spec.rank:
+        ranks[r".*\.gate_up_proj"] = spec.gate_up_rank
+        alphas[r".*\.gate_up_proj"] = spec.alpha * spec.gate_up_rank / spec.rank
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
-            "lora_dropout": spec.dropout, "target_modules": sorted(spec.targets), "base_model_name_or_path": base_model,
-            "inference_mode": True, "init_lora_weights": True, "layers_pattern": None, "revision": None,
-            **_UNSUPPORTED}
+            "lora_dropout": spec.dropout, "target_modules": sorted(keys - set(names)),
+            "target_parameters": parameters or None, "rank_pattern": ranks, "alpha_pattern": alphas,
+            "base_model_name_or_path": base_model, "inference_mode": True, "init_lora_weights": True,
+            "layers_pattern": None, "revision": None, **_UNSUPPORTED}
 
 
-def adapter_config_text(spec: LoraSpec, base_model: str | None = None) -> str:
-    """The ``adapter_config.json`` PEFT reads for adapters of ``spec`` over ``base_model``."""
-    return json.dumps(_config(spec, base_model), indent=2) + "\n"
+def adapter_config_text(spec: LoraSpec, layouts: Sequence[UnitLayout], base_model: str | None = None) -> str:
+    """The ``adapter_config.json`` PEFT reads for the adapters of ``layouts`` (of ``spec``) over
+    ``base_model``."""
+    return json.dumps(_config(spec, layouts, base_model), indent=2) + "\n"
 
 
 def save_adapter(out_dir: str | os.PathLike[str], spec: LoraSpec, layouts: Sequence[UnitLayout],
@@ -93,16 +145,17 @@ def save_adapter(out_dir: str | os.PathLike[str], spec: LoraSpec, layouts: Seque
     os.replace(tmp, out / ADAPTER_WEIGHTS)
     tmp = out / f".{ADAPTER_CONFIG}.tmp"
     with open(tmp, "w") as f:
-        f.write(adapter_config_text(spec, base_model))
+        f.write(adapter_config_text(spec, layouts, base_model))
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, out / ADAPTER_CONFIG)
     fsync_dir(out)
 
 
-def read_spec(adapter_dir: str | os.PathLike[str]) -> LoraSpec:
-    """The adapter's rank, alpha, targets and dropout from its ``adapter_config.json``;
-    ``CheckpointError`` naming the file and the setting where flowtrain cannot run it."""
+def read_spec(adapter_dir: str | os.PathLike[str], cfg: ModelConfig | None = None) -> LoraSpec:
+    """The adapter's rank, alpha, targets and dropout from its ``adapter_config.json``, its
+    names read as PEFT reads them over the model ``cfg`` (None: a dense one); ``CheckpointError``
+    naming the file and the setting where flowtrain cannot run it."""
     path = Path(adapter_dir) / ADAPTER_CONFIG
     try:
         config = json.loads(path.read_text())
@@ -114,31 +167,65 @@ def read_spec(adapter_dir: str | os.PathLike[str]) -> LoraSpec:
         raise CheckpointError(f"{path} is not a LoRA adapter (peft_type {config.get('peft_type')!r})"
                               if isinstance(config, dict) else f"{path} is not a PEFT adapter config")
     for key, off in _UNSUPPORTED.items():
-        value = config.get(key)
-        if key in ("rank_pattern", "alpha_pattern") and isinstance(value, dict) and _reaches_no_target(value):
-            continue
-        if not _is_off(value, off):
+        if not _is_off(config.get(key), off):
             raise CheckpointError(f"{path}: {key} = {config[key]!r} is a PEFT setting flowtrain does not run")
-    targets = config.get("target_modules")
-    if targets == "all-linear":
-        targets = DEFAULT_TARGETS
-    elif isinstance(targets, str) or not isinstance(targets, list):
-        raise CheckpointError(f"{path}: target_modules {targets!r}: give the maps as a list "
-                              f"(of {', '.join(DEFAULT_TARGETS)})")
     try:
-        spec = LoraSpec(rank=int(config["r"]), alpha=float(config["lora_alpha"]), targets=tuple(targets),
+        targets, direct = _targets(config, path, cfg)
+        spec = LoraSpec(rank=int(config["r"]), alpha=float(config["lora_alpha"]), targets=targets,
                         dropout=float(config.get("lora_dropout") or 0.0))
+        fused = _fused_rank(config, path, "gate_proj" in targets)
+        if fused is None and direct:  # named as gate_up_proj, with no pattern: the rank r
+            fused = spec.rank
+        spec = msgspec.structs.replace(spec, fused_rank=fused)
         spec.validate()
-    except (KeyError, TypeError, ValueError) as e:
+        if cfg is not None:
+            spec.check_model(cfg)
+    except (KeyError, TypeError, ValueError, ZeroDivisionError) as e:
         raise CheckpointError(f"{path}: {e}") from None
     return spec
+
+
+def _targets(config: dict[str, Any], path: Path, cfg: ModelConfig | None) -> tuple[tuple[str, ...], bool]:
+    """flowtrain's targets for a config's ``target_modules`` and ``target_parameters``, and
+    whether the experts' gate_up_proj was named as itself (then its rank is ``r`` unless a
+    pattern says otherwise; PEFT gives ``gate_proj`` and ``up_proj`` converted into it twice ``r``)."""
+    modules = config.get("target_modules")
+    if modules == "all-linear":  # every linear map, and a mixture of experts' router and experts
+        modules, cfg = list(DEFAULT_TARGETS), None
+    elif modules is None:
+        modules = []
+    elif isinstance(modules, str) or not isinstance(modules, list):
+        raise CheckpointError(f"{path}: target_modules {modules!r}: give the maps as a list "
+                              f"(of {', '.join(DEFAULT_TARGETS)})")
+    converted = _CONVERTED.get(cfg.family.moe or "", {}) if cfg is not None and cfg.sparse_layers() else {}
+    targets: list[str] = []
+    for name in modules:
+        if name in converted:
+            targets.append(converted[name])
+        elif converted and name in ("gate_proj", "up_proj", "down_proj"):
+            continue  # Mixtral has no such maps: PEFT adapts nothing by these names
+        else:
+            targets.append(name)
+    parameters = config.get("target_parameters") or []
+    if not isinstance(parameters, list):
+        raise CheckpointError(f"{path}: target_parameters {parameters!r}: give them as a list")
+    direct = False
+    for name in parameters:
+        found = [p for p in _PARAMETERS if name == p or name.endswith("." + p)]
+        if not found:
+            raise CheckpointError(f"{path}: target_parameters {name!r}: flowtrain adapts a mixture of experts' "
+                                  f"{', '.join(_PARAMETERS)}")
+        targets += _PARAMETERS[found[0]]
+        direct = direct or found[0] == "gate_up_proj"
+    known = [t for t in DEFAULT_TARGETS if t in targets]  # in one order, whatever order the file lists them in
+    return tuple(known + [t for t in dict.fromkeys(targets) if t not in known]), direct
 
 
 def read_adapter(adapter_dir: str | os.PathLike[str], cfg: ModelConfig
                  ) -> tuple[LoraSpec, list[UnitLayout], list[Tensor]]:
     """A PEFT adapter for the model ``cfg``: its spec, its layouts and one fp32 buffer per
     layer. Every tensor the layouts name must be there with its shape, and no other."""
-    spec = read_spec(adapter_dir)
+    spec = read_spec(adapter_dir, cfg)
     layouts = adapter_layouts(cfg, spec)
     path = Path(adapter_dir) / ADAPTER_WEIGHTS
     flats = [torch.zeros(lay.numel) for lay in layouts]

@@ -15,9 +15,17 @@ writes with those names::
     lays[0].entry("q_proj.lora_A").name          # "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 
 The targets are the layer's linear maps by their short names (``DEFAULT_TARGETS``: every linear
-map of attention and of a dense MLP, PEFT's ``all-linear`` for these families). A
-mixture-of-experts layer's experts are stacked weights, not linear maps, so they are not
-targets; its attention is.
+map of attention and of the MLP, and a mixture of experts' router: PEFT's ``all-linear``).
+
+In a mixture of experts the MLP's names mean the experts' stacked weights, as PEFT reads them
+over transformers 5 (its ``target_parameters``): ``gate_proj`` and ``up_proj`` together adapt the
+stacked ``gate_up_proj`` (both or neither), ``down_proj`` the stacked ``down_proj``, ``router`` the
+router (PEFT's ``gate``). A stacked weight of E experts has one adapter per expert, kept as PEFT
+keeps them: ``A`` (E r, in), expert by expert, and ``B`` (out, r E), its columns rank-major, so
+expert e's pair is ``A.view(E, r, in)[e]`` and ``B.view(out, r, E)[:, :, e]``. The gate-and-up
+adapter has rank ``LoraSpec.fused_rank`` (PEFT: twice the rank, with twice the alpha, the same
+scale). Such a model's dense layers get no MLP adapters, since PEFT reads those names as the
+experts' only: what flowtrain trains is what PEFT loads.
 """
 
 from __future__ import annotations
@@ -27,10 +35,13 @@ import msgspec
 from flowtrain.model.config import ModelConfig
 from flowtrain.model.layout import UnitLayout, _pack, model_layouts
 
-__all__ = ["DEFAULT_TARGETS", "LoraSpec", "adapter_layouts"]
+__all__ = ["DEFAULT_TARGETS", "SPARSE_TARGETS", "LoraSpec", "adapter_layouts", "expert_adapter_keys"]
 
-#: every linear map of attention and of a dense MLP
-DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+#: every linear map of attention and of the MLP, and a mixture of experts' router
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "router")
+
+#: targets that, in a layer with experts, adapt its router and stacked experts (PEFT's target_parameters)
+SPARSE_TARGETS = ("gate_proj", "up_proj", "down_proj", "router")
 
 
 class LoraSpec(msgspec.Struct, frozen=True):
@@ -41,10 +52,17 @@ class LoraSpec(msgspec.Struct, frozen=True):
     alpha: float
     targets: tuple[str, ...] = DEFAULT_TARGETS
     dropout: float = 0.0
+    #: rank of a mixture of experts' gate-and-up adapter (None: twice ``rank``, as PEFT makes it
+    #: from ``gate_proj`` and ``up_proj``; its alpha scales with it, so the scale is the same)
+    fused_rank: int | None = None
 
     @property
     def scale(self) -> float:
         return self.alpha / self.rank
+
+    @property
+    def gate_up_rank(self) -> int:
+        return self.fused_rank if self.fused_rank is not None else 2 * self.rank
 
     def validate(self) -> None:
         """Raise ``ValueError`` naming what is wrong."""
@@ -57,21 +75,71 @@ class LoraSpec(msgspec.Struct, frozen=True):
             raise ValueError(f"unknown LoRA target {', '.join(unknown)}; choose from {', '.join(DEFAULT_TARGETS)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"LoRA dropout must be in [0, 1) (got {self.dropout})")
+        if self.fused_rank is not None and self.fused_rank < 1:
+            raise ValueError(f"LoRA rank of the experts' gate_up_proj must be at least 1 (got {self.fused_rank})")
+
+    def check_model(self, cfg: ModelConfig) -> None:
+        """Raise ``ValueError`` where the targets cannot adapt ``cfg`` as PEFT would: a mixture of
+        experts' stacked gate-and-up weight needs both ``gate_proj`` and ``up_proj``, and PEFT
+        runs no dropout on a router or stacked experts."""
+        if not cfg.sparse_layers():
+            return
+        if ("gate_proj" in self.targets) != ("up_proj" in self.targets):
+            raise ValueError("LoRA targets gate_proj and up_proj are one stacked weight in a mixture of experts "
+                             "(gate_up_proj): adapt both or neither")
+        if self.dropout and set(self.targets) & set(SPARSE_TARGETS):
+            raise ValueError("LoRA dropout does not apply to a mixture of experts' router and stacked experts "
+                             "(PEFT refuses it too): leave out router, gate_proj, up_proj and down_proj, or the dropout")
 
 
 def adapter_layouts(cfg: ModelConfig, spec: LoraSpec) -> list[UnitLayout]:
     """One adapter layout per decoder layer (unit ``"adapter"``, ``layer`` i): for each target
     the layer has, ``{target}.lora_A`` (rank, in) then ``{target}.lora_B`` (out, rank), each
-    aligned as a unit's entries are, named as PEFT names them."""
+    aligned as a unit's entries are, named as PEFT names them. A layer with experts has
+    ``router``, ``experts_gate_up`` and ``experts_down`` adapters instead of the MLP's
+    (:func:`_sparse_specs`)."""
     spec.validate()
+    sparse_model = bool(cfg.sparse_layers())
     out = []
     for lay in model_layouts(cfg)[1:-1]:
+        assert lay.layer is not None
         specs: list[tuple[str, str, tuple[int, ...]]] = []
         for base in lay.entries:
-            if base.key in spec.targets:
+            if base.key in spec.targets and base.key != "router" and not (sparse_model and base.key in SPARSE_TARGETS):
                 stem = "base_model.model." + base.name.removesuffix(".weight")
                 n_out, n_in = base.shape
                 specs += [(f"{base.key}.lora_A", f"{stem}.lora_A.weight", (spec.rank, n_in)),
                           (f"{base.key}.lora_B", f"{stem}.lora_B.weight", (n_out, spec.rank))]
+        if cfg.layer_sparse(lay.layer):
+            specs += _sparse_specs(cfg, spec, lay.layer)
         out.append(_pack("adapter", lay.layer, specs))
     return out
+
+
+def _sparse_specs(cfg: ModelConfig, spec: LoraSpec, layer: int) -> list[tuple[str, str, tuple[int, ...]]]:
+    """A sparse layer's router and stacked-expert adapters, named as PEFT saves them over
+    transformers 5: the router's as a linear map's (``mlp.gate``); each stacked weight's wrapped
+    around the module holding it (``mlp.experts``), ``gate_up_proj`` first, so where both are
+    adapted the gate-and-up adapter sits one ``base_layer`` deeper."""
+    h, inter, n = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    mlp = f"base_model.model.model.layers.{layer}.mlp"
+    out: list[tuple[str, str, tuple[int, ...]]] = []
+    if "router" in spec.targets:
+        out += [("router.lora_A", f"{mlp}.gate.lora_A.weight", (spec.rank, h)),
+                ("router.lora_B", f"{mlp}.gate.lora_B.weight", (n, spec.rank))]
+    down = "down_proj" in spec.targets
+    if "gate_proj" in spec.targets and "up_proj" in spec.targets:
+        stem, r = f"{mlp}.experts" + (".base_layer" if down else ""), spec.gate_up_rank
+        out += [("experts_gate_up.lora_A", f"{stem}.lora_A.weight", (n * r, h)),
+                ("experts_gate_up.lora_B", f"{stem}.lora_B.weight", (2 * inter, n * r))]
+    if down:
+        out += [("experts_down.lora_A", f"{mlp}.experts.lora_A.weight", (n * spec.rank, inter)),
+                ("experts_down.lora_B", f"{mlp}.experts.lora_B.weight", (h, n * spec.rank))]
+    return out
+
+
+def expert_adapter_keys(layout: UnitLayout) -> list[str]:
+    """The stacked experts' adapted weights in an adapter layout (``experts_gate_up``,
+    ``experts_down``): each expert's pair is used only by the tokens routed to it."""
+    return [e.key.removesuffix(".lora_A") for e in layout.entries
+            if e.key.startswith("experts_") and e.key.endswith(".lora_A")]

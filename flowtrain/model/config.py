@@ -999,7 +999,7 @@ def preset(name: str) -> ModelConfig:
         ) from None
 
 
-def model_flops_per_token(cfg: ModelConfig, seq_len: int, adapter_params: int | None = None) -> float:
+def model_flops_per_token(cfg: ModelConfig, seq_len: int, adapter_params: float | None = None) -> float:
     """Model FLOPs per trained token, the benchmarks' convention: ``6 N + 6 L h S``.
 
     ``6 N``: a forward and a backward multiply-add per weight (2 + 4 FLOPs), N counting the
@@ -1011,7 +1011,10 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int, adapter_params: int | 
 
     LoRA (``adapter_params``: the adapters' parameters): ``4 N + 6 N_adapter + 6 L h S``. The
     frozen base costs a forward and the backward's input gradients (2 + 2 FLOPs per weight, no
-    weight gradient), the adapters a full 6 each; the same count as the all-on-GPU PEFT run's."""
+    weight gradient), the adapters a full 6 each; the same count as the all-on-GPU PEFT run's.
+    Over a mixture of experts N_adapter too counts the active ones: of a stacked weight's
+    per-expert adapters, the num_experts_per_tok a token reaches
+    (:func:`flowtrain.plan.memory.adapter_active_numel`)."""
     n = cfg.active_parameters() if cfg.moe else cfg.num_parameters()
     attention = 6.0 * cfg.num_layers * cfg.hidden_size * seq_len
     if adapter_params is not None:

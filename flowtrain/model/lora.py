@@ -89,9 +89,28 @@ def merge_adapter(base: Tensor, base_layout: UnitLayout, adapter: Tensor, adapte
     ``merge_and_unload`` does."""
     w, a = bind(base, base_layout), bind(adapter, adapter_layout)
     for key in w:
-        if f"{key}.lora_A" in a:
+        if f"{key}.lora_A" in a and w[key].dim() == 2:  # a linear map's; stacked experts' below
             delta = a[f"{key}.lora_B"].float() @ a[f"{key}.lora_A"].float()
             w[key].copy_(w[key].float() + scale * delta)
+    for key, targets in (("experts_gate_up", ("experts_gate", "experts_up")), ("experts_down", ("experts_down",))):
+        if f"{key}.lora_A" in a:
+            _merge_experts(a[f"{key}.lora_A"], a[f"{key}.lora_B"], [w[t] for t in targets], scale)
+
+
+def _merge_experts(lora_a: Tensor, lora_b: Tensor, stacks: list[Tensor], scale: float) -> None:
+    """``W_e += scale * B_e A_e`` for each expert e of stacked weights, PEFT's layout of the
+    pairs (:mod:`flowtrain.model.adapters`); a fused gate-and-up update's rows split over
+    ``stacks`` in order. One expert at a time, so the update never spans the whole stack."""
+    experts = stacks[0].shape[0]
+    a = lora_a.float().view(experts, -1, lora_a.shape[-1])
+    b = lora_b.float().view(lora_b.shape[0], -1, experts)
+    for e in range(experts):
+        delta = scale * (b[:, :, e] @ a[e])
+        row = 0
+        for w in stacks:
+            rows = w.shape[1]
+            w[e].copy_(w[e].float() + delta[row:row + rows])
+            row += rows
 
 
 def init_adapter(flat: Tensor, layout: UnitLayout, seed: int) -> None:

@@ -22,6 +22,12 @@ Two ways to run the experts, the same sums:
   back and summed with their weights. Chosen on CUDA in bf16 on Hopper or newer where torch
   has it (:func:`grouped_available`).
 
+LoRA (:mod:`flowtrain.model.lora`): where the layer's mapping holds adapters of the router or of
+the stacked experts (:func:`flowtrain.model.adapters.adapter_layouts`), the router's runs as a
+linear map's, and each expert's weights get their own low-rank update, unmerged as everywhere:
+``x W_e^T + s (x A_e^T) B_e^T`` (:class:`ExpertAdapters`). Both ways above run them, the grouped one
+with two more grouped GEMMs per adapted projection.
+
 A layer's forward may also hand its routing to a :data:`RouterTap`, a callable the training
 program passes in to collect what the load-balancing loss needs (see
 :mod:`flowtrain.train.load_balance`); the layer math itself never adds that loss.
@@ -38,12 +44,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flowtrain.model.attention import Documents, self_attention
+from flowtrain.model.lora import project
 from flowtrain.model.mlp import layer_mlp
 
 if TYPE_CHECKING:
     from flowtrain.model.config import ModelConfig
 
-__all__ = ["RouterTap", "Routing", "experts_grouped", "experts_loop", "grouped_available", "grouped_supported", "moe_decoder_layer",
+__all__ = ["ExpertAdapters", "RouterTap", "Routing",
+           "experts_grouped", "experts_loop", "grouped_available", "grouped_supported", "moe_decoder_layer",
            "route", "run_experts"]
 
 #: Called by a sparse layer's forward with its routing probabilities (tokens, experts) fp32
@@ -62,9 +70,11 @@ class Routing:
     weights: Tensor  # (T, k) each chosen expert's weight: logits' dtype (Qwen3-MoE) or fp32 (Mixtral)
 
 
-def route(h: Tensor, router_w: Tensor, cfg: ModelConfig) -> Routing:
-    """Route the tokens of ``h`` (..., hidden) with ``router_w`` (experts, hidden)."""
-    logits = F.linear(h.reshape(-1, h.shape[-1]), router_w)
+def route(h: Tensor, router_w: Tensor | Mapping[str, Tensor], cfg: ModelConfig) -> Routing:
+    """Route the tokens of ``h`` (..., hidden) with ``router_w`` (experts, hidden), or with a
+    layer's mapping: its ``router``, and the router's LoRA adapter where it holds one."""
+    flat = h.reshape(-1, h.shape[-1])
+    logits = F.linear(flat, router_w) if isinstance(router_w, Tensor) else project(flat, router_w, "router")
     probs = torch.softmax(logits.float(), dim=-1)
     top, experts = torch.topk(probs, cfg.num_experts_per_tok, dim=-1)
     if cfg.norm_topk_prob:
@@ -74,13 +84,58 @@ def route(h: Tensor, router_w: Tensor, cfg: ModelConfig) -> Routing:
     return Routing(logits=logits, probs=probs, experts=experts, weights=top)
 
 
-def _expert(x: Tensor, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
-    """One expert's SwiGLU on its tokens x (n, hidden)."""
-    return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+@dataclass(frozen=True)
+class ExpertAdapters:
+    """A sparse layer's LoRA adapters of its stacked experts, each expert's pair along the first
+    dimension, in the compute dtype: ``gate_up`` (A (E, r', hidden), B (E, 2 inter, r')), its
+    update's first ``inter`` outputs the gate's and the rest the up projection's (transformers'
+    ``gate_up_proj``); ``down`` (A (E, r, inter), B (E, hidden, r)); either may be None. ``scale``
+    is the 0-d ``alpha / r``."""
+
+    gate_up: tuple[Tensor, Tensor] | None
+    down: tuple[Tensor, Tensor] | None
+    scale: Tensor
+
+    @classmethod
+    def of(cls, w: Mapping[str, Tensor], experts: int, dtype: torch.dtype) -> ExpertAdapters | None:
+        """The adapters a layer's mapping holds (None: none), from PEFT's layout of each pair:
+        ``A`` (E r, in) expert-major, ``B`` (out, r E) with the expert as its fastest index."""
+        def pair(key: str) -> tuple[Tensor, Tensor] | None:
+            a = w.get(f"{key}.lora_A")
+            if a is None:
+                return None
+            b = w[f"{key}.lora_B"]
+            return (a.to(dtype).view(experts, -1, a.shape[-1]),
+                    b.to(dtype).view(b.shape[0], -1, experts).permute(2, 0, 1).contiguous())
+
+        gate_up, down = pair("experts_gate_up"), pair("experts_down")
+        if gate_up is None and down is None:
+            return None
+        return cls(gate_up, down, w["lora_scale"].to(dtype))
+
+    def ranks(self) -> list[int]:
+        return [p[0].shape[1] for p in (self.gate_up, self.down) if p is not None]
+
+
+def _expert(x: Tensor, gate: Tensor, up: Tensor, down: Tensor, lora: ExpertAdapters | None = None,
+            e: int = 0) -> Tensor:
+    """Expert ``e``'s SwiGLU on its tokens x (n, hidden), with its adapters where ``lora`` has them."""
+    if lora is None:
+        return F.linear(F.silu(F.linear(x, gate)) * F.linear(x, up), down)
+    g, u = F.linear(x, gate), F.linear(x, up)
+    if lora.gate_up is not None:
+        d = F.linear(F.linear(x, lora.gate_up[0][e]), lora.gate_up[1][e]) * lora.scale
+        g, u = g + d[:, :g.shape[1]], u + d[:, g.shape[1]:]
+    h = F.silu(g) * u
+    y = F.linear(h, down)
+    if lora.down is not None:
+        y = y + F.linear(F.linear(h, lora.down[0][e]), lora.down[1][e]) * lora.scale
+    return y
 
 
 @torch.compiler.disable  # data-dependent: which experts, how many rows each (a compiled layer runs it eagerly)
-def experts_loop(x: Tensor, r: Routing, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+def experts_loop(x: Tensor, r: Routing, gate: Tensor, up: Tensor, down: Tensor,
+                 lora: ExpertAdapters | None = None) -> Tensor:
     """The reference: each expert that received tokens runs on them, one after another.
 
     ``x`` (T, hidden); ``gate``, ``up`` (E, inter, hidden), ``down`` (E, hidden, inter).
@@ -90,15 +145,17 @@ def experts_loop(x: Tensor, r: Routing, gate: Tensor, up: Tensor, down: Tensor) 
     hit = torch.bincount(r.experts.reshape(-1), minlength=gate.shape[0]).nonzero().flatten().tolist()
     for e in hit:
         token, slot = torch.where(r.experts == e)
-        y = _expert(x[token], gate[e], up[e], down[e]) * r.weights[token, slot, None]
+        y = _expert(x[token], gate[e], up[e], down[e], lora, e) * r.weights[token, slot, None]
         out.index_add_(0, token, y.to(out.dtype))
     return out
 
 
-def grouped_available(x: Tensor) -> bool:
+def grouped_available(x: Tensor, lora: ExpertAdapters | None = None) -> bool:
     """Whether :func:`experts_grouped` may run on ``x`` (:func:`grouped_supported` for its
-    device and dtype)."""
-    return grouped_supported(x.device, x.dtype)
+    device and dtype) with ``lora``: the grouped GEMM needs each adapter's rank rows to span a
+    multiple of 16 bytes (rank 8, 16, 32, ... in bf16)."""
+    aligned = lora is None or all(r * x.element_size() % 16 == 0 for r in lora.ranks())
+    return aligned and grouped_supported(x.device, x.dtype)
 
 
 def grouped_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -132,7 +189,8 @@ class _Gather(torch.autograd.Function):
         return pairs.view(pairs.shape[0] // ctx.k, ctx.k, grad.shape[-1]).sum(dim=1), None, None, None
 
 
-def experts_grouped(x: Tensor, r: Routing, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+def experts_grouped(x: Tensor, r: Routing, gate: Tensor, up: Tensor, down: Tensor,
+                    lora: ExpertAdapters | None = None) -> Tensor:
     """The same sums as :func:`experts_loop`, with three grouped GEMMs instead of 3 E small ones.
 
     The T k (token, expert) pairs are sorted by expert once (a stable sort: tokens keep their
@@ -142,7 +200,8 @@ def experts_grouped(x: Tensor, r: Routing, gate: Tensor, up: Tensor, down: Tenso
     routing weights by one batched product ((1, k) by (k, hidden) per token, fp32 accumulation).
     Both gathers differentiate into gathers (:class:`_Gather`), so neither direction adds rows
     with atomics. Buffers: T k rows of hidden and of 3 x inter, whatever the routing; every
-    shape is fixed by T, k and E, so a compiled layer traces it whole."""
+    shape is fixed by T, k and E, so a compiled layer traces it whole. An adapted projection
+    adds two grouped GEMMs through its rank (:func:`_grouped_update`)."""
     tokens, k = r.experts.shape
     flat = r.experts.reshape(-1)
     order = torch.argsort(flat, stable=True)
@@ -150,17 +209,31 @@ def experts_grouped(x: Tensor, r: Routing, gate: Tensor, up: Tensor, down: Tenso
     counts = torch.zeros(gate.shape[0], dtype=torch.int32, device=flat.device)
     offsets = torch.cumsum(counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32)), 0, dtype=torch.int32)
     rows = _Gather.apply(x, order // k, position, k)
-    h = (F.silu(torch._grouped_mm(rows, gate.transpose(-2, -1), offs=offsets))
-         * torch._grouped_mm(rows, up.transpose(-2, -1), offs=offsets))
+    g = torch._grouped_mm(rows, gate.transpose(-2, -1), offs=offsets)
+    u = torch._grouped_mm(rows, up.transpose(-2, -1), offs=offsets)
+    if lora is not None and lora.gate_up is not None:
+        d = _grouped_update(rows, lora.gate_up, lora.scale, offsets)
+        g, u = g + d[:, :g.shape[1]], u + d[:, g.shape[1]:]
+    h = F.silu(g) * u
     y = torch._grouped_mm(h, down.transpose(-2, -1), offs=offsets)
+    if lora is not None and lora.down is not None:
+        y = y + _grouped_update(h, lora.down, lora.scale, offsets)
     pairs = _Gather.apply(y, position, order, 1).view(tokens, k, y.shape[-1])
     return torch.bmm(r.weights.to(y.dtype).unsqueeze(1), pairs).view(tokens, y.shape[-1]).to(x.dtype)
 
 
-def run_experts(x: Tensor, r: Routing, gate: Tensor, up: Tensor, down: Tensor) -> Tensor:
+def _grouped_update(rows: Tensor, pair: tuple[Tensor, Tensor], scale: Tensor, offsets: Tensor) -> Tensor:
+    """``s (x A_e^T) B_e^T`` for rows sorted by expert (``offsets`` as the base's)."""
+    a, b = pair
+    low = torch._grouped_mm(rows, a.transpose(-2, -1), offs=offsets)
+    return torch._grouped_mm(low, b.transpose(-2, -1), offs=offsets) * scale
+
+
+def run_experts(x: Tensor, r: Routing, gate: Tensor, up: Tensor, down: Tensor,
+                lora: ExpertAdapters | None = None) -> Tensor:
     """:func:`experts_grouped` where :func:`grouped_available`, else :func:`experts_loop`."""
-    run = experts_grouped if grouped_available(x) else experts_loop
-    return run(x, r, gate, up, down)
+    run = experts_grouped if grouped_available(x, lora) else experts_loop
+    return run(x, r, gate, up, down, lora)
 
 
 @torch.compiler.disable  # a compiled layer calls the tap as it is, without tracing (and guarding on) its state
@@ -170,10 +243,11 @@ def _hand_over(router: RouterTap, probs: Tensor, experts: Tensor) -> None:
 
 def sparse_mlp(h: Tensor, w: Mapping[str, Tensor], cfg: ModelConfig, router: RouterTap | None = None) -> Tensor:
     """A sparse layer's MLP on ``h`` (batch, seq, hidden): route, then run the experts."""
-    r = route(h, w["router"], cfg)
+    r = route(h, w, cfg)
     if router is not None:
         _hand_over(router, r.probs, r.experts)
-    out = run_experts(h.reshape(-1, h.shape[-1]), r, w["experts_gate"], w["experts_up"], w["experts_down"])
+    lora = ExpertAdapters.of(w, cfg.num_experts, h.dtype) if "lora_scale" in w else None
+    out = run_experts(h.reshape(-1, h.shape[-1]), r, w["experts_gate"], w["experts_up"], w["experts_down"], lora)
     return out.view_as(h)
 
 

@@ -141,6 +141,7 @@ class RunRequest(msgspec.Struct, kw_only=True):
     #: LoRA: the adapters' rank (0: the whole model trains) and the linear maps they adapt
     lora_rank: int = 0
     lora_targets: tuple[str, ...] = DEFAULT_TARGETS
+    lora_gate_up_rank: int | None = None
     lora_dropout: float = 0.0
     #: ``--lora-state``: where the adapters' fp32 weights and AdamW live: "gpu", "host"
     #: (streamed with their layers, updated by CPU AdamW) or "auto" (the GPU where that fits)
@@ -153,6 +154,22 @@ class RunRequest(msgspec.Struct, kw_only=True):
 def adapter_numel(cfg: ModelConfig, req: RunRequest) -> int:
     """Parameters of every layer's LoRA adapters (0 without LoRA)."""
     return _adapter_sizes(cfg, req)[0] if req.lora_rank else 0
+
+
+def adapter_active_numel(cfg: ModelConfig, req: RunRequest) -> float:
+    """The adapter parameters one token multiplies by (0 without LoRA): every adapter but a
+    stacked expert weight's, of which a token reaches ``num_experts_per_tok`` of ``num_experts``
+    experts' pairs. Model FLOPs count these (:func:`flowtrain.model.config.model_flops_per_token`)."""
+    if not req.lora_rank:
+        return 0
+    share = cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 1.0
+    lays = adapter_layouts(cfg, LoraSpec(req.lora_rank, 1.0, req.lora_targets, fused_rank=req.lora_gate_up_rank))
+    return sum(e.numel * (share if e.key.startswith("experts_") else 1.0) for lay in lays for e in lay.entries)
+
+
+def layer_adapter_numels(cfg: ModelConfig, req: RunRequest) -> tuple[int, ...]:
+    """Each decoder layer's adapter parameters (a mixture of experts' dense layers have fewer)."""
+    return _adapter_layer_numels(cfg, req) if req.lora_rank else ()
 
 
 def _adapter_inputs(cfg: ModelConfig, req: RunRequest) -> int:
@@ -169,11 +186,11 @@ def _adapter_sizes(cfg: ModelConfig, req: RunRequest) -> tuple[int, int, tuple[i
     """``(adapters' parameters, widest layer's adapted inputs, each layer's parameters)``, from
     the adapter layouts built once per model and adapter shape: every candidate plan asks (as
     :func:`_layouts`)."""
-    key = (msgspec.json.encode(cfg), req.lora_rank, req.lora_targets)
+    key = (msgspec.json.encode(cfg), req.lora_rank, req.lora_targets, req.lora_gate_up_rank)
     if key not in _ADAPTER_SIZES:
         if len(_ADAPTER_SIZES) >= 8:
             _ADAPTER_SIZES.clear()
-        lays = adapter_layouts(cfg, LoraSpec(req.lora_rank, 1.0, req.lora_targets))
+        lays = adapter_layouts(cfg, LoraSpec(req.lora_rank, 1.0, req.lora_targets, fused_rank=req.lora_gate_up_rank))
         inputs = max((sum(e.shape[1] for e in lay.entries if e.key.endswith(".lora_A")) for lay in lays), default=0)
         _ADAPTER_SIZES[key] = (sum(lay.numel for lay in lays), inputs, tuple(lay.numel for lay in lays))
     return _ADAPTER_SIZES[key]
@@ -213,6 +230,7 @@ def run_request(cfg: Any, model_dir: str | os.PathLike[str] | None = None, proce
                       attention_backend=getattr(cfg, "attention_backend", "auto"),
                       lora_rank=getattr(cfg, "lora_rank", None) or 0,
                       lora_targets=tuple(getattr(cfg, "lora_targets", None) or DEFAULT_TARGETS),
+                      lora_gate_up_rank=getattr(cfg, "lora_gate_up_rank", None),
                       lora_dropout=getattr(cfg, "lora_dropout", 0.0) or 0.0,
                       lora_state=getattr(cfg, "lora_state", "auto"),
                       skip_idle_experts=bool(getattr(cfg, "skip_idle_experts", False)))
@@ -469,6 +487,11 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
         gpu["lora_work"] = 3 * cbytes * tokens * max(cfg.intermediate_size, cfg.hidden_size)
         if req.lora_dropout > 0:  # a byte per input element of every adapted map: the layer's keep masks
             gpu["lora_work"] += tokens * _adapter_inputs(cfg, req)
+        if cfg.sparse_layers() and set(req.lora_targets) & {"gate_proj", "up_proj", "down_proj"}:
+            # the experts' updates, beside their own work: per (token, expert) pair the
+            # gate-and-up update (2 inter) and the down one (hidden), and their thin inputs
+            gpu["lora_work"] += cbytes * tokens * cfg.num_experts_per_tok * (2 * cfg.moe_intermediate_size
+                                                                             + cfg.hidden_size)
     if req.activations == "offload":  # all offloaded here; _bring_back returns what fits (auto)
         host["offloaded_activations"] = gpu["checkpoints"]
         gpu.update(_offloading_gpu(req, hidden))

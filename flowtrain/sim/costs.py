@@ -108,10 +108,10 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
     #: (``intermediate`` is then ``experts_per_token`` x each expert's width)
     experts: int = 0
     experts_per_token: int = 0
-    #: LoRA: the adapters' parameters (0: the whole model trains). The base's units then take
+    #: LoRA: the adapter parameters a token multiplies by (0: the whole model trains). The base's units then take
     #: no weight gradient: a layer's backward runs its input gradients only, the loss no head
     #: gradient, and each ``gpu_adam`` updates one layer's adapters (``numel["adapter.i"]``).
-    adapter_params: int = 0
+    adapter_params: float = 0
 
     @property
     def per_node(self) -> int:

@@ -37,13 +37,12 @@ def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1, world: int = 
     """The :class:`Shape` of model ``cfg`` (a ``ModelConfig``) run under ``plan`` for ``req``."""
     from ..model import model_layouts
 
-    from ..plan.memory import adapter_numel
+    from ..plan.memory import adapter_active_numel, layer_adapter_numels
 
     layouts = model_layouts(cfg)
     numel = {lay.key: lay.numel for lay in layouts}
-    adapters = adapter_numel(cfg, req) if getattr(req, "lora_rank", 0) else 0
-    if adapters:  # every layer's adapters alike: the gpu_adam of each updates its share
-        numel.update({f"adapter.{i}": adapters // cfg.num_layers for i in range(cfg.num_layers)})
+    numel.update({f"adapter.{i}": n for i, n in enumerate(layer_adapter_numels(cfg, req))})  # with LoRA
+    adapters = adapter_active_numel(cfg, req) if getattr(req, "lora_rank", 0) else 0
     layer_numel = max((lay.numel for lay in layouts if lay.unit == "layer"), default=0)
     # model FLOPs count the weights a token multiplies by: a mixture of experts' active ones
     params = cfg.active_parameters() if cfg.moe else sum(e.numel for lay in layouts for e in lay.entries)

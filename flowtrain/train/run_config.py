@@ -238,9 +238,12 @@ class TrainConfig(msgspec.Struct, kw_only=True):
         "the adapters' update is scaled by ALPHA / R (default: 2 R, a scale of 2)", gt=0.0, metavar="ALPHA",
         group=LORA)] = None
     lora_targets: Annotated[tuple[str, ...] | None, Setting(
-        f"the linear maps that get adapters, comma-separated (default: all of them, {','.join(DEFAULT_TARGETS)}; a "
-        "mixture of experts' experts are not linear maps and get none)", parse=_targets, metavar="MAPS",
-        group=LORA)] = None
+        f"the linear maps that get adapters, comma-separated (default: all of them, {','.join(DEFAULT_TARGETS)}); in "
+        "a mixture of experts gate_proj,up_proj and down_proj adapt each expert's weights, and router its router",
+        parse=_targets, metavar="MAPS", group=LORA)] = None
+    lora_gate_up_rank: Annotated[int | None, Setting(
+        "rank of a mixture of experts' stacked gate-and-up adapters, one per expert (default 2 R with alpha 2 ALPHA, "
+        "the same scale, as PEFT makes it from gate_proj and up_proj)", ge=1, metavar="R", group=LORA)] = None
     lora_dropout: Annotated[float | None, Setting(
         "dropout on the adapters' input in training (default 0)", ge=0.0, metavar="P", group=LORA)] = None
     adapter: Annotated[str | None, Setting(
@@ -290,7 +293,8 @@ def lora_spec(cfg: TrainConfig) -> LoraSpec | None:
     if cfg.lora_rank is None:
         return None
     alpha = cfg.lora_alpha if cfg.lora_alpha is not None else 2.0 * cfg.lora_rank
-    spec = LoraSpec(cfg.lora_rank, alpha, cfg.lora_targets or DEFAULT_TARGETS, cfg.lora_dropout or 0.0)
+    spec = LoraSpec(cfg.lora_rank, alpha, cfg.lora_targets or DEFAULT_TARGETS, cfg.lora_dropout or 0.0,
+                    cfg.lora_gate_up_rank)
     try:
         spec.validate()
     except ValueError as e:
@@ -300,7 +304,8 @@ def lora_spec(cfg: TrainConfig) -> LoraSpec | None:
 
 def _validate_lora(cfg: TrainConfig) -> None:
     """How the LoRA flags go together."""
-    given = [f for f, off in (("lora_alpha", None), ("lora_targets", None), ("lora_dropout", None), ("merge", False),
+    given = [f for f, off in (("lora_alpha", None), ("lora_targets", None), ("lora_dropout", None),
+                              ("lora_gate_up_rank", None), ("merge", False),
                               ("lora_state", "auto"))
              if getattr(cfg, f) != off]
     if not cfg.lora:
@@ -312,7 +317,7 @@ def _validate_lora(cfg: TrainConfig) -> None:
         raise ConfigError("{resume} continues the checkpoint's own adapters: leave out {adapter}", named=True)
     if cfg.adapter is not None and (cfg.lora_rank is not None or [g for g in given if g not in ("merge", "lora_state")]):
         raise ConfigError("{adapter} brings its own rank, alpha, targets and dropout: leave out {lora_rank}, "
-                          "{lora_alpha}, {lora_targets} and {lora_dropout}", named=True)
+                          "{lora_alpha}, {lora_targets}, {lora_gate_up_rank} and {lora_dropout}", named=True)
     lora_spec(cfg)
     if cfg.merge and not cfg.out:
         raise ConfigError("{merge} writes the merged model to {out}: give {out} DIR", named=True)
@@ -324,6 +329,12 @@ def validate(cfg: TrainConfig, mcfg: ModelConfig) -> None:
     if defaults.seq_len_given(cfg.seq_len):  # else the data decides, within the model's positions
         mcfg.check_seq_len(cfg.seq_len)
     _validate_lora(cfg)
+    spec = lora_spec(cfg)
+    if spec is not None:
+        try:
+            spec.check_model(mcfg)
+        except ValueError as e:
+            raise ConfigError(str(e), named=True) from None
     if cfg.skip_idle_experts and not mcfg.sparse_layers():
         raise ConfigError("{skip_idle_experts} is for a mixture of experts: the model has no layer with experts",
                           named=True)

@@ -138,7 +138,7 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
     elif model_dir is not None:  # a folder without weights, or with a tensor missing: refused before allocating
         check_weight_headers(model_dir, mcfg, require=True)
     validate(cfg, mcfg)
-    cfg = _with_lora_spec(cfg)
+    cfg = _with_lora_spec(cfg, mcfg)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.precision, device)
     adamw_config(cfg).validate()
@@ -173,7 +173,8 @@ def _resumed_lora(cfg: TrainConfig, resume_state: dict, resume_from: Path | None
     saved = resume_state.get("settings", {})
     if resume_from is None or saved.get("lora_rank") is None:
         return cfg
-    fill = {k: saved[k] for k in ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout") if getattr(cfg, k) is None}
+    fill = {k: saved[k] for k in ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "lora_gate_up_rank")
+            if k in saved and getattr(cfg, k) is None}
     if "lora_targets" in fill:
         fill["lora_targets"] = tuple(fill["lora_targets"])
     if cfg.model is None:  # (a run given no model trained the default preset)
@@ -184,16 +185,16 @@ def _resumed_lora(cfg: TrainConfig, resume_state: dict, resume_from: Path | None
     return msgspec.structs.replace(cfg, **fill)
 
 
-def _with_lora_spec(cfg: TrainConfig) -> TrainConfig:
+def _with_lora_spec(cfg: TrainConfig, mcfg: ModelConfig) -> TrainConfig:
     """A LoRA run with every adapter setting filled in: from ``--adapter`` that adapter's rank,
     alpha, targets and dropout (a folder that is not a PEFT LoRA adapter flowtrain runs is
     refused here, naming the setting), else the flags' with their defaults."""
     if not cfg.lora:
         return cfg
-    spec = read_spec(cfg.adapter) if cfg.adapter is not None else lora_spec(cfg)
+    spec = read_spec(cfg.adapter, mcfg) if cfg.adapter is not None else lora_spec(cfg)
     assert spec is not None
     return msgspec.structs.replace(cfg, lora_rank=spec.rank, lora_alpha=spec.alpha, lora_targets=spec.targets,
-                                   lora_dropout=spec.dropout)
+                                   lora_dropout=spec.dropout, lora_gate_up_rank=spec.gate_up_rank)
 
 
 def _data_parallel(cfg: TrainConfig, world: World, device: torch.device) -> tuple[torch.device, TrainConfig]:

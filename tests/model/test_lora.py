@@ -64,7 +64,8 @@ def _logits(cfg, spec, base_flats, adapter_flats, ids):
     for lay, flat, a_lay, a_flat in zip(layouts[1:-1], base_flats[1:-1], adapter_layouts(cfg, spec), adapter_flats):
         x = decoder_layer(x, adapted(bind(flat, lay), bind(a_flat, a_lay), spec.scale), cos, sin, cfg)
     head = bind(base_flats[-1], layouts[-1])
-    return rms_norm(x, head["norm"], cfg.rms_norm_eps) @ head["lm_head"].T
+    w = head["lm_head"] if "lm_head" in head else bind(base_flats[0], layouts[0])["embed_tokens"]  # tied
+    return rms_norm(x, head["norm"], cfg.rms_norm_eps) @ w.T
 
 
 @pytest.mark.parametrize("name", list(CASES))
@@ -120,16 +121,30 @@ def test_a_fresh_adapter_leaves_the_base_model_as_it_was():
     assert torch.equal(again, adapters[1])  # the same seed, the same adapter
 
 
-def test_adapter_layouts_name_what_peft_saves_and_skip_experts():
+def test_adapter_layouts_name_what_peft_saves():
+    """Attention's adapters as linear maps'; in a layer with experts the router's (``mlp.gate``) and
+    one adapter per expert of each stacked weight, PEFT's ``target_parameters`` layout, the
+    gate-and-up adapter at twice the rank one ``base_layer`` deeper where ``down_proj`` wraps it."""
     cfg = preset("qwen3-moe-12l")
+    e, h, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     spec = LoraSpec(rank=16, alpha=32.0)
     lay = adapter_layouts(cfg, spec)[0]
     assert lay.key == "adapter.0"
     assert lay.entry("q_proj.lora_A").name == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     assert lay.entry("o_proj.lora_B").shape == (cfg.hidden_size, 16)
-    assert not any(e.key.startswith(("gate_proj", "experts")) for e in lay.entries)  # experts are not linear maps
+    stem = "base_model.model.model.layers.0.mlp"
+    assert [(x.key, x.name, x.shape) for x in lay.entries[8:]] == [
+        ("router.lora_A", f"{stem}.gate.lora_A.weight", (16, h)),
+        ("router.lora_B", f"{stem}.gate.lora_B.weight", (e, 16)),
+        ("experts_gate_up.lora_A", f"{stem}.experts.base_layer.lora_A.weight", (e * 32, h)),
+        ("experts_gate_up.lora_B", f"{stem}.experts.base_layer.lora_B.weight", (2 * inter, e * 32)),
+        ("experts_down.lora_A", f"{stem}.experts.lora_A.weight", (e * 16, inter)),
+        ("experts_down.lora_B", f"{stem}.experts.lora_B.weight", (h, e * 16))]
+    alone = adapter_layouts(cfg, LoraSpec(rank=4, alpha=8.0, targets=("gate_proj", "up_proj"), fused_rank=4))[0]
+    assert [(x.name, x.shape) for x in alone.entries] == [(f"{stem}.experts.lora_A.weight", (e * 4, h)),
+                                                          (f"{stem}.experts.lora_B.weight", (2 * inter, e * 4))]
     dense = adapter_layouts(preset("llama-3b"), spec)[0]
-    assert [e.key.split(".")[0] for e in dense.entries][::2] == list(DEFAULT_TARGETS)
+    assert [x.key.split(".")[0] for x in dense.entries][::2] == [t for t in DEFAULT_TARGETS if t != "router"]
 
 
 @pytest.mark.parametrize("bad, why", [
@@ -162,7 +177,7 @@ def test_an_adapter_flowtrain_saves_loads_in_peft_and_back(tmp_path):
     assert rel_err(loaded(input_ids=ids).logits.detach(), ours.detach()) < 1e-5
 
     spec_back, layouts_back, flats_back = read_adapter(tmp_path / "adapter", cfg)
-    assert spec_back == LoraSpec(rank=4, alpha=8.0, targets=("down_proj", "q_proj", "v_proj"))
+    assert spec_back == LoraSpec(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))
     for lay, a, b in zip(layouts, adapters, flats_back):  # the entries, not the padding between them
         for key in bind(a, lay):
             assert torch.equal(bind(a, lay)[key], bind(b, lay)[key])

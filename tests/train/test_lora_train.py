@@ -30,11 +30,13 @@ pytestmark = [pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_adapter(base_dir, out, *, rank=4, alpha=8.0, targets=TARGETS, seed=7):
+def make_adapter(base_dir, out, *, rank=4, alpha=8.0, targets=TARGETS, seed=7, parameters=None):
     """A PEFT adapter over the model in ``base_dir`` with every A and B random (a fresh adapter's
-    B is zero, which would leave A's gradient zero in the first step)."""
+    B is zero, which would leave A's gradient zero in the first step). ``targets`` a list of
+    names or PEFT's "all-linear"; ``parameters`` PEFT's target_parameters."""
     model = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
-    config = peft.LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets), lora_dropout=0.0)
+    config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_parameters=parameters,
+                             target_modules=targets if isinstance(targets, str) else list(targets))
     wrapped = peft.get_peft_model(model, config)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -128,19 +130,27 @@ def test_training_moved_the_adapter(setup):
 MOE = dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, norm_topk_prob=True)
 
 
-@pytest.mark.parametrize("model_type, tied, extra, targets", [
-    ("qwen3", True, {}, ["q_proj", "v_proj", "down_proj"]),
-    ("mistral", False, {}, ["q_proj", "v_proj", "down_proj"]),
-    # a mixture of experts with a dense layer, its attention adapted (named MLP maps would make
-    # PEFT adapt the stacked experts' weights too, target_parameters, which flowtrain refuses)
-    ("qwen3_moe", False, dict(MOE, mlp_only_layers=[1]), ["q_proj", "k_proj", "v_proj", "o_proj"]),
-    ("mixtral", True, dict(num_local_experts=4, num_experts_per_tok=2), TARGETS),
+MIXTRAL = dict(num_local_experts=4, num_experts_per_tok=2)
+
+
+@pytest.mark.parametrize("model_type, tied, extra, targets, parameters", [
+    ("qwen3", True, {}, ["q_proj", "v_proj", "down_proj"], None),
+    ("mistral", False, {}, ["q_proj", "v_proj", "down_proj"], None),
+    # mixtures of experts: PEFT's all-linear adapts the router and each expert's stacked weights
+    # (the gate-and-up adapter at twice the rank), and a dense layer's attention only
+    ("qwen3_moe", False, dict(MOE, mlp_only_layers=[1]), "all-linear", None),
+    ("qwen3_moe", True, MOE, ["q_proj", "gate_proj", "up_proj", "down_proj"], None),
+    ("qwen3_moe", False, MOE, ["k_proj", "down_proj"], None),
+    # named as transformers 5 names them: the gate-and-up adapter at the rank itself
+    ("qwen3_moe", False, MOE, ["o_proj"], ["gate_up_proj", "down_proj", "gate.weight"]),
+    ("mixtral", True, MIXTRAL, TARGETS, None),  # Mixtral has no maps of those MLP names: attention only
+    ("mixtral", False, MIXTRAL, ["v_proj", "w1", "w3", "w2", "gate"], None),
 ])
-def test_other_families_and_targets(tmp_path, model_type, tied, extra, targets):
+def test_other_families_and_targets(tmp_path, model_type, tied, extra, targets, parameters):
     """Other families, tied embeddings, adapters on some of the maps only, and mixtures of experts."""
     make_checkpoint(tmp_path / "model", tied=tied, layers=2, seed=3, model_type=model_type, **extra)
     rows = make_data(tmp_path / "data.jsonl", seed=4)
-    make_adapter(tmp_path / "model", tmp_path / "adapter", rank=2, alpha=6.0, targets=targets)
+    make_adapter(tmp_path / "model", tmp_path / "adapter", rank=2, alpha=6.0, targets=targets, parameters=parameters)
     ref = reference(tmp_path / "model", tmp_path / "adapter", rows)
     run_lora(tmp_path / "model", tmp_path / "data.jsonl", tmp_path / "out", "--adapter", str(tmp_path / "adapter"))
     assert_same_adapter(tmp_path / "model", tmp_path / "out", ref)
@@ -361,3 +371,91 @@ def test_the_visualizer_says_what_a_lora_run_trains(tmp_path):
         assert main(["train", *common, "--lora-state", state, "--trace", str(tmp_path / f"{state}.json")]) == 0
         assert main(["viz", str(tmp_path / f"{state}.json"), "--out", str(tmp_path / f"{state}.html")]) == 0
         assert f"trains LoRA rank 4 over a frozen base, the adapters {where}" in (tmp_path / f"{state}.html").read_text()
+
+
+# ---------------------------------------------------------------------- a mixture of experts' router and experts
+
+
+@pytest.fixture(scope="module")
+def moe_setup(tmp_path_factory):
+    """Qwen3-MoE with a dense layer and PEFT's all-linear adapter (router, stacked experts at
+    twice the rank, attention), every adapter tensor random, and its reference training."""
+    d = tmp_path_factory.mktemp("lora_moe")
+    make_checkpoint(d / "model", tied=False, layers=3, seed=5, model_type="qwen3_moe", **dict(MOE, mlp_only_layers=[1]))
+    rows = make_data(d / "data.jsonl", seed=6)
+    make_adapter(d / "model", d / "adapter", rank=2, alpha=6.0, targets="all-linear")
+    return d, rows, reference(d / "model", d / "adapter", rows)
+
+
+@pytest.mark.parametrize("placement", [
+    ("--lora-state", "host"),
+    ("--lora-state", "host", "--checkpoint-every", "2", "--order", "micro"),
+    ("--activations", "offload", "--layout", "full"),
+    ("--resident", "embed,head,layer.2", "--grad-clip", "0.5"),
+    ("--activations", "keep", "--lora-state", "host", "--grad-clip", "0.5"),
+])
+def test_experts_adapters_train_as_peft_in_every_placement(moe_setup, tmp_path, placement):
+    """The router's and the stacked experts' adapters against PEFT + AdamW, with the adapters in
+    host memory, recomputed or offloaded activations, micro order, a resident layer, clipping."""
+    d, _, ref = moe_setup
+    if "--grad-clip" in placement:
+        rows = make_data(d / "data.jsonl", seed=6)
+        ref = reference_train(peft_model(d / "model", d / "adapter"), rows, lr=0.01, wd=0.1, betas=(0.9, 0.95),
+                              eps=1e-6, clip=0.5, groups=lambda m: [p for p in m.parameters() if p.requires_grad])
+    run_lora(d / "model", d / "data.jsonl", tmp_path / "out", "--adapter", str(d / "adapter"), *placement)
+    assert_same_adapter(d / "model", tmp_path / "out", ref)
+
+
+def test_experts_adapters_moved_and_merge_as_peft_merges(moe_setup, tmp_path):
+    """Training moved the experts' and the router's adapters (the comparison is not vacuous);
+    ``--merge`` writes the base with them merged in, as PEFT's ``merge_and_unload``."""
+    d, _, ref = moe_setup
+    start = adapter_tensors(peft_model(d / "model", d / "adapter"))
+    moved = {n: float((p - start[n]).norm() / p.norm()) for n, p in adapter_tensors(ref).items()}
+    assert any("experts.base_layer" in n for n in moved) and any("mlp.gate." in n for n in moved)
+    assert min(moved.values()) > 1e-3, min(moved.items(), key=lambda kv: kv[1])
+    run_lora(d / "model", d / "data.jsonl", tmp_path / "adapter", "--adapter", str(d / "adapter"))
+    run_lora(d / "model", d / "data.jsonl", tmp_path / "merged", "--adapter", str(d / "adapter"), "--merge")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    expect = peft_model(d / "model", tmp_path / "adapter").merge_and_unload()
+    ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(merged(input_ids=ids).logits, expect(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_experts_adapters_resume_exactly(moe_setup, tmp_path):
+    """A fresh adapter (``--lora-rank``) over the experts, saved after two steps and resumed from the
+    checkpoint alone, ends bit for bit as the run that went straight through; PEFT loads it."""
+    d, _, _ = moe_setup
+    flags = ("--lora-rank", "2", "--lora-gate-up-rank", "3", "--lora-state", "host")
+    run_lora(d / "model", d / "data.jsonl", tmp_path / "straight", *flags)
+    run_lora(d / "model", d / "data.jsonl", tmp_path / "saved", *flags, "--save-every", "2")
+    assert main(lora_args(d / "data.jsonl", tmp_path / "resumed", "--resume", str(tmp_path / "saved" / "checkpoint-2"))) == 0
+    config = json.loads((tmp_path / "straight" / "adapter_config.json").read_text())
+    assert config["rank_pattern"] == {r".*\.gate_up_proj": 3} and config["alpha_pattern"] == {r".*\.gate_up_proj": 6.0}
+    straight = adapter_tensors(peft_model(d / "model", tmp_path / "straight"))
+    resumed = adapter_tensors(peft_model(d / "model", tmp_path / "resumed"))
+    assert straight.keys() == resumed.keys() and any(".experts." in n for n in straight)
+    for name, t in straight.items():
+        assert torch.equal(t, resumed[name]), name
+
+
+@pytest.mark.parametrize("flags, says", [
+    (("--lora-rank", "2", "--lora-targets", "q_proj,gate_proj"), "gate_proj and up_proj are one stacked weight"),
+    (("--lora-rank", "2", "--lora-dropout", "0.1"), "LoRA dropout does not apply to a mixture of experts"),
+    (("--lora-gate-up-rank", "4",), "--lora-gate-up-rank is for LoRA"),
+])
+def test_experts_adapter_flags_are_refused_in_one_line(moe_setup, tmp_path, capsys, flags, says):
+    d, _, _ = moe_setup
+    assert main(lora_args(d / "data.jsonl", tmp_path / "out", "--model", str(d / "model"), *flags)) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0], err
+    assert not (tmp_path / "out").exists()
+
+
+def test_attention_only_adapters_with_dropout_run_on_a_mixture_of_experts(moe_setup, tmp_path):
+    """Dropout is refused only where it would reach the router or the experts."""
+    d, _, _ = moe_setup
+    run_lora(d / "model", d / "data.jsonl", tmp_path / "out", "--lora-rank", "2", "--lora-dropout", "0.1",
+             "--lora-targets", "q_proj,v_proj")
+    config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert config["target_modules"] == ["q_proj", "v_proj"] and config["target_parameters"] is None
