@@ -334,7 +334,8 @@ def validate(cfg: TrainConfig, mcfg: ModelConfig) -> None:
         try:
             spec.check_model(mcfg)
         except ValueError as e:
-            raise ConfigError(str(e), named=True) from None
+            flags = str(e).replace("LoRA targets", "{lora_targets}").replace("LoRA dropout", "{lora_dropout}")
+            raise ConfigError(flags, named=True) from None
     if cfg.skip_idle_experts and not mcfg.sparse_layers():
         raise ConfigError("{skip_idle_experts} is for a mixture of experts: the model has no layer with experts",
                           named=True)

@@ -138,8 +138,11 @@ def summary_lines(run: "Run") -> list[str]:
         f"activations {activation_placement(plan.spec)}",
     ]
     if cfg.lora:
-        lines.append(f"lora       rank {cfg.lora_rank}, alpha {cfg.lora_alpha:g} on "
-                     f"{','.join(cfg.lora_targets or DEFAULT_TARGETS)}: {lora_params(run):,} trained parameters, "
+        targets = cfg.lora_targets or DEFAULT_TARGETS
+        experts = (f" (each expert's gate_up_proj at rank {cfg.lora_gate_up_rank})"
+                   if m.sparse_layers() and "gate_proj" in targets and "up_proj" in targets else "")
+        lines.append(f"lora       rank {cfg.lora_rank}, alpha {cfg.lora_alpha:g} on {','.join(targets)}{experts}: "
+                     f"{lora_params(run):,} trained parameters, "
                      + (f"from {cfg.adapter}" if cfg.adapter else "fresh (B zero: the base's outputs)"))
     world = getattr(run, "world", None)
     if world is not None and world.parallel:

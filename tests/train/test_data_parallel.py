@@ -358,3 +358,26 @@ def test_two_processes_skip_the_experts_idle_in_the_whole_batch(tmp_path, reside
     layer0 = "checkpoint-3/optimizer-00002-of-00005.safetensors"
     a, b = load_file(tmp_path / "one" / layer0), load_file(tmp_path / "two" / layer0)
     assert torch.equal(a["expert_steps"], b["expert_steps"]) and float(a["expert_steps"].min()) < 3
+
+
+@SLOW
+def test_two_processes_train_the_experts_adapters_of_one(tmp_path):
+    """LoRA over a mixture of experts' router and experts under torchrun: every expert's adapter
+    gradient summed over the processes, the adapters as one process's on the same batch."""
+    from test_idle_experts import _setup
+
+    _setup(tmp_path, "qwen3-moe")
+    moe = ["--model", str(tmp_path / "model"), "--data", str(tmp_path / "data.jsonl"), "--steps", "3",
+           "--batch-size", "4", "--micro-batch-size", "1", "--seq-len", "12", "--device", "cpu", "--precision", "fp32",
+           "--no-progress", "--no-packing", "--lora-rank", "2", "--lora-state", "host"]
+    assert main(["train", *moe, "--out", str(tmp_path / "one")]) == 0
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+           "-m", "flowtrain", "train", *moe, "--out", str(tmp_path / "two")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one = load_file(tmp_path / "one" / "adapter_model.safetensors")
+    two = load_file(tmp_path / "two" / "adapter_model.safetensors")
+    assert one.keys() == two.keys() and any(".experts." in k for k in one)
+    for name, ref in one.items():
+        err = float((two[name] - ref).norm() / ref.norm())
+        assert err <= 1e-5, f"{name}: relative error {err:.2e}"

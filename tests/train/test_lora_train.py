@@ -440,8 +440,8 @@ def test_experts_adapters_resume_exactly(moe_setup, tmp_path):
 
 
 @pytest.mark.parametrize("flags, says", [
-    (("--lora-rank", "2", "--lora-targets", "q_proj,gate_proj"), "gate_proj and up_proj are one stacked weight"),
-    (("--lora-rank", "2", "--lora-dropout", "0.1"), "LoRA dropout does not apply to a mixture of experts"),
+    (("--lora-rank", "2", "--lora-targets", "q_proj,gate_proj"), "--lora-targets gate_proj and up_proj are one stacked weight"),
+    (("--lora-rank", "2", "--lora-dropout", "0.1"), "--lora-dropout does not apply to a mixture of experts"),
     (("--lora-gate-up-rank", "4",), "--lora-gate-up-rank is for LoRA"),
 ])
 def test_experts_adapter_flags_are_refused_in_one_line(moe_setup, tmp_path, capsys, flags, says):
