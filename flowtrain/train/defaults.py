@@ -37,9 +37,24 @@ def seq_len_given(seq_len: int) -> bool:
     return not isinstance(seq_len, SeqLenDefault)
 
 
+class MicroBatchDefault(int):
+    """The ``--micro-batch-size`` of a run that gives none: an ``int`` equal to 8 whose type says
+    it may shrink. Where it does not divide ``--batch-size`` (a batch of 4, or 12), the run takes
+    the largest micro-batch up to 8 that does (:func:`micro_batch_for`) rather than refusing a
+    flag the user never typed; one the user types is used as given."""
+
+
+def micro_batch_for(batch_size: int, micro_batch_size: int) -> int:
+    """``micro_batch_size``, or where it is the default and does not divide ``batch_size`` the
+    largest divisor of ``batch_size`` below it."""
+    if not isinstance(micro_batch_size, MicroBatchDefault) or batch_size % micro_batch_size == 0:
+        return micro_batch_size
+    return max(d for d in range(1, micro_batch_size + 1) if batch_size % d == 0)
+
+
 STEPS = 200
 BATCH_SIZE = 16  # sequences per optimizer step
-MICRO_BATCH_SIZE = 8
+MICRO_BATCH_SIZE = MicroBatchDefault(8)  # at most; a batch it does not divide takes a divisor
 SEQ_LEN = SeqLenDefault(128)  # token streams; examples: from the data (SeqLenDefault)
 #: a seq_len from the data is rounded up to a multiple of this: attention kernels and tensor cores
 #: work in tiles of 64 (or 128) tokens, so a row of 1,000 tokens costs what one of 1,024 does, and

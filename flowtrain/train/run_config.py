@@ -83,7 +83,8 @@ class TrainConfig(msgspec.Struct, kw_only=True):
         ge=2, group=DATA)] = defaults.SEQ_LEN
     batch_size: Annotated[int, Setting("sequences per optimizer step", ge=1, group=DATA)] = defaults.BATCH_SIZE
     micro_batch_size: Annotated[int, Setting(
-        "sequences per micro-batch", ge=1, group=DATA)] = defaults.MICRO_BATCH_SIZE
+        f"sequences per micro-batch (default {defaults.MICRO_BATCH_SIZE}, or the largest number below it that "
+        "divides --batch-size)", ge=1, group=DATA)] = defaults.MICRO_BATCH_SIZE
     shuffle: Annotated[bool, Setting(
         "sequences in file order", flag="--no-shuffle", const=False, group=DATA)] = True
     seed: Annotated[int, Setting("seed for initialisation and shuffling", group=DATA)] = defaults.SEED
@@ -257,6 +258,11 @@ class TrainConfig(msgspec.Struct, kw_only=True):
     merge: Annotated[bool, Setting(
         "with LoRA: write the merged model (base + adapters, in --save-dtype) to --out instead of the adapter",
         group=LORA)] = False
+
+    def __post_init__(self) -> None:
+        """The default micro-batch resolved against the batch, as a plain ``int`` from here on."""
+        if isinstance(self.batch_size, int) and isinstance(self.micro_batch_size, int) and self.batch_size > 0:
+            self.micro_batch_size = int(defaults.micro_batch_for(self.batch_size, self.micro_batch_size))
 
     @property
     def lora(self) -> bool:

@@ -86,6 +86,16 @@ def test_a_bad_number_is_refused_naming_its_flag(changes, message):
     assert str(info.value).startswith(field + " "), str(info.value)
 
 
+@pytest.mark.parametrize("batch, micro", [(4, 4), (12, 6), (7, 7), (16, 8), (24, 8), (1, 1), (10, 5)])
+def test_the_default_micro_batch_shrinks_to_divide_the_batch(batch, micro):
+    """A batch the default micro-batch (8) does not divide takes the largest divisor below 8; a
+    micro-batch the user gives is kept as given, and refused where it does not divide."""
+    made = TrainConfig(batch_size=batch)
+    assert made.micro_batch_size == micro and made.batch_size % made.micro_batch_size == 0
+    check_fields(made)
+    assert TrainConfig(batch_size=batch, micro_batch_size=8).micro_batch_size == 8
+
+
 @pytest.mark.parametrize("changes", [
     {"eps": 0.0}, {"lr": 0.0}, {"weight_decay": 0}, {"grad_clip": None}, {"grad_clip": 1},
     {"betas": (0.0, 0.0)}, {"seed": -1}, {"seed": 2**64 - 1}, {"chunk_tokens": None},
