@@ -35,7 +35,7 @@ import msgspec
 from flowtrain.model.config import ModelConfig
 from flowtrain.model.layout import UnitLayout, _pack, model_layouts
 
-__all__ = ["DEFAULT_TARGETS", "SPARSE_TARGETS", "LoraSpec", "adapter_layouts", "expert_adapter_keys"]
+__all__ = ["DEFAULT_TARGETS", "SPARSE_TARGETS", "LoraSpec", "adapter_layouts"]
 
 #: every linear map of attention and of the MLP, and a mixture of experts' router
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "router")
@@ -137,9 +137,3 @@ def _sparse_specs(cfg: ModelConfig, spec: LoraSpec, layer: int) -> list[tuple[st
                 ("experts_down.lora_B", f"{mlp}.experts.lora_B.weight", (h, n * spec.rank))]
     return out
 
-
-def expert_adapter_keys(layout: UnitLayout) -> list[str]:
-    """The stacked experts' adapted weights in an adapter layout (``experts_gate_up``,
-    ``experts_down``): each expert's pair is used only by the tokens routed to it."""
-    return [e.key.removesuffix(".lora_A") for e in layout.entries
-            if e.key.startswith("experts_") and e.key.endswith(".lora_A")]

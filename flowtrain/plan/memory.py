@@ -160,11 +160,7 @@ def adapter_active_numel(cfg: ModelConfig, req: RunRequest) -> float:
     """The adapter parameters one token multiplies by (0 without LoRA): every adapter but a
     stacked expert weight's, of which a token reaches ``num_experts_per_tok`` of ``num_experts``
     experts' pairs. Model FLOPs count these (:func:`flowtrain.model.config.model_flops_per_token`)."""
-    if not req.lora_rank:
-        return 0
-    share = cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 1.0
-    lays = adapter_layouts(cfg, LoraSpec(req.lora_rank, 1.0, req.lora_targets, fused_rank=req.lora_gate_up_rank))
-    return sum(e.numel * (share if e.key.startswith("experts_") else 1.0) for lay in lays for e in lay.entries)
+    return _adapter_sizes(cfg, req)[3] if req.lora_rank else 0
 
 
 def layer_adapter_numels(cfg: ModelConfig, req: RunRequest) -> tuple[int, ...]:
@@ -182,21 +178,23 @@ def _adapter_layer_numels(cfg: ModelConfig, req: RunRequest) -> tuple[int, ...]:
     return _adapter_sizes(cfg, req)[2]
 
 
-def _adapter_sizes(cfg: ModelConfig, req: RunRequest) -> tuple[int, int, tuple[int, ...]]:
-    """``(adapters' parameters, widest layer's adapted inputs, each layer's parameters)``, from
-    the adapter layouts built once per model and adapter shape: every candidate plan asks (as
-    :func:`_layouts`)."""
+def _adapter_sizes(cfg: ModelConfig, req: RunRequest) -> tuple[int, int, tuple[int, ...], float]:
+    """``(adapters' parameters, widest layer's adapted inputs, each layer's parameters, those a
+    token multiplies by)``, from the adapter layouts built once per model and adapter shape:
+    every candidate plan asks (as :func:`_layouts`)."""
     key = (msgspec.json.encode(cfg), req.lora_rank, req.lora_targets, req.lora_gate_up_rank)
     if key not in _ADAPTER_SIZES:
         if len(_ADAPTER_SIZES) >= 8:
             _ADAPTER_SIZES.clear()
         lays = adapter_layouts(cfg, LoraSpec(req.lora_rank, 1.0, req.lora_targets, fused_rank=req.lora_gate_up_rank))
         inputs = max((sum(e.shape[1] for e in lay.entries if e.key.endswith(".lora_A")) for lay in lays), default=0)
-        _ADAPTER_SIZES[key] = (sum(lay.numel for lay in lays), inputs, tuple(lay.numel for lay in lays))
+        share = cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 1.0
+        active = sum(e.numel * (share if e.key.startswith("experts_") else 1.0) for lay in lays for e in lay.entries)
+        _ADAPTER_SIZES[key] = (sum(lay.numel for lay in lays), inputs, tuple(lay.numel for lay in lays), active)
     return _ADAPTER_SIZES[key]
 
 
-_ADAPTER_SIZES: dict[tuple, tuple[int, int, tuple[int, ...]]] = {}
+_ADAPTER_SIZES: dict[tuple, tuple[int, int, tuple[int, ...], float]] = {}
 
 
 def checkpoint_read_bytes(model_dir: str | os.PathLike[str] | None) -> int:

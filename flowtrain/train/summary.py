@@ -110,10 +110,13 @@ def data_description(seqs: "Sequences") -> str:
 
 
 def lora_params(run: "Run") -> int:
-    """The parameters a LoRA run trains: every layer's adapters."""
-    from ..plan.memory import adapter_numel, run_request
+    """The parameters a LoRA run trains: every layer's adapters (not the padding between them)."""
+    from ..model.adapters import adapter_layouts
+    from .run_config import lora_spec
 
-    return adapter_numel(run.mcfg, run_request(run.cfg))
+    spec = lora_spec(run.cfg)
+    assert spec is not None
+    return sum(e.numel for lay in adapter_layouts(run.mcfg, spec) for e in lay.entries)
 
 
 def summary_lines(run: "Run") -> list[str]:

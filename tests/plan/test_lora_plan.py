@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flowtrain.cli import main
-from flowtrain.model.adapters import LoraSpec
+from flowtrain.model.adapters import LoraSpec, adapter_layouts
 from flowtrain.model.config import preset
 from flowtrain.plan.memory import GiB, RunRequest, adapter_numel, plan_run, run_request
 from flowtrain.train.host_state import HostState
@@ -32,6 +32,35 @@ def test_adapter_count_is_pefts(targets):
     cfg = ModelConfig.from_hf(config.to_dict())
     req = run_request(TrainConfig(seq_len=16, lora_rank=4, lora_targets=targets))
     assert adapter_numel(cfg, req) == theirs
+
+
+@pytest.mark.parametrize("family", ["qwen3_moe", "mixtral"])
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+@pytest.mark.filterwarnings("ignore:The following .*_pattern keys did not match:RuntimeWarning")  # PEFT applies them
+def test_experts_adapter_count_is_pefts_and_flops_count_those_a_token_reaches(family):
+    """Over a mixture of experts PEFT's all-linear adapts the router and every expert's stacked
+    weights (gate-and-up at twice the rank): the planner counts what PEFT trains; model FLOPs
+    count the router's and attention's adapters whole, the experts' at k of E."""
+    transformers = pytest.importorskip("transformers")
+    peft = pytest.importorskip("peft")
+    from flowtrain.model.config import ModelConfig
+    from flowtrain.plan.memory import adapter_active_numel
+
+    shape = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+                 num_key_value_heads=2, num_experts_per_tok=2)
+    shape.update(dict(num_experts=6, moe_intermediate_size=16, head_dim=8) if family == "qwen3_moe"
+                 else dict(num_local_experts=6))
+    config = transformers.AutoConfig.for_model(family, **shape)
+    model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(config),
+                                peft.LoraConfig(r=4, target_modules="all-linear"))
+    trained = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
+    cfg = ModelConfig.from_hf(config.to_dict() | {"architectures": [type(model.base_model.model).__name__]})
+    req = run_request(TrainConfig(seq_len=16, lora_rank=4))
+    ours = sum(e.numel for lay in adapter_layouts(cfg, LoraSpec(4, 8.0)) for e in lay.entries)
+    assert ours == sum(trained.values()) <= adapter_numel(cfg, req)  # the plan's count holds the padding too
+    experts = sum(n for name, n in trained.items() if ".experts." in name)
+    assert experts > 0
+    assert adapter_active_numel(cfg, req) == pytest.approx(sum(trained.values()) - experts + experts * 2 / 6)
 
 
 def test_lora_plan_counts_a_frozen_base_and_resident_adapters(capsys):
