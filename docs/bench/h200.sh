@@ -90,6 +90,9 @@ for job in "$@"; do
     lora8) bench lora8 --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size ${MB8L:-4} --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 --lora-rank 16 ;;
     lorag8) log "anchor gpu 8b LoRA 16 mb${MBA:-4} ga$((16 / ${MBA:-4})) (built on the GPU in bf16)"  # llama-8b's all-on-GPU PEFT run
       (cd .anchors && LORA=16 OUT=$OUT PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 400 python3 ../docs/bench/anchor_bf16.py gpu 8b 4096 ${MBA:-4} 3 $((16 / ${MBA:-4})) 2>&1 | grep -v Warning | tail -3) | tee -a "$OUT/log.txt" ;;
+    loramoe) BT=520 bench loramoe --model qwen3-moe-12l --seq-len 4096 --batch-size 16 --micro-batch-size ${MBM:-1} --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 --lora-rank 16 --lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj ;;  # LoRA over the experts on a 10 GB card, the anchor's targets (no router)
+    loragmoe) log "anchor gpu moe12l LoRA 16 mb${MBA:-2} ga$((16 / ${MBA:-2})) (built on the GPU in bf16)"  # its all-on-GPU PEFT run
+      (cd .anchors && LORA=16 OUT=$OUT PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True timeout 400 python3 ../docs/bench/anchor_bf16.py gpu moe12l 4096 ${MBA:-2} 3 $((16 / ${MBA:-2})) 2>&1 | grep -v Warning | tail -3) | tee -a "$OUT/log.txt" ;;
     8b10) bench 8b10 --model llama-8b --seq-len 4096 --batch-size 2 --micro-batch-size 1 --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 ;;
     14b) bench 14b --model qwen-14b --seq-len 4096 --batch-size 8 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 ${EXTRA8:-} ;;
     attn) log attn; timeout 200 python3 docs/bench/attention_kernels.py 2>&1 | grep -v Warn | tail -12 | tee -a "$OUT/log.txt" ;;
