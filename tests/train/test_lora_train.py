@@ -407,8 +407,9 @@ def test_experts_adapters_train_as_peft_in_every_placement(moe_setup, tmp_path, 
 
 
 def test_experts_adapters_moved_and_merge_as_peft_merges(moe_setup, tmp_path):
-    """Training moved the experts' and the router's adapters (the comparison is not vacuous);
-    ``--merge`` writes the base with them merged in, as PEFT's ``merge_and_unload``."""
+    """Training moved the experts' and the router's adapters (the comparison is not vacuous); PEFT
+    loads the adapter and generates; ``--merge`` writes the base with it merged in, as PEFT's
+    ``merge_and_unload``."""
     d, _, ref = moe_setup
     start = adapter_tensors(peft_model(d / "model", d / "adapter"))
     moved = {n: float((p - start[n]).norm() / p.norm()) for n, p in adapter_tensors(ref).items()}
@@ -417,7 +418,10 @@ def test_experts_adapters_moved_and_merge_as_peft_merges(moe_setup, tmp_path):
     run_lora(d / "model", d / "data.jsonl", tmp_path / "adapter", "--adapter", str(d / "adapter"))
     run_lora(d / "model", d / "data.jsonl", tmp_path / "merged", "--adapter", str(d / "adapter"), "--merge")
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
-    expect = peft_model(d / "model", tmp_path / "adapter").merge_and_unload()
+    loaded = peft_model(d / "model", tmp_path / "adapter")
+    prompt = torch.tensor([[1, 2, 3, 4]])
+    assert loaded.generate(input_ids=prompt, max_new_tokens=3, do_sample=False).shape == (1, 7)  # PEFT generates
+    expect = loaded.merge_and_unload()
     ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(0))
     torch.testing.assert_close(merged(input_ids=ids).logits, expect(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
