@@ -79,17 +79,21 @@ class LoraSpec(msgspec.Struct, frozen=True):
             raise ValueError(f"LoRA rank of the experts' gate_up_proj must be at least 1 (got {self.fused_rank})")
 
     def check_model(self, cfg: ModelConfig) -> None:
-        """Raise ``ValueError`` where the targets cannot adapt ``cfg`` as PEFT would: a mixture of
-        experts' stacked gate-and-up weight needs both ``gate_proj`` and ``up_proj``, and PEFT
-        runs no dropout on a router or stacked experts."""
-        if not cfg.sparse_layers():
-            return
-        if ("gate_proj" in self.targets) != ("up_proj" in self.targets):
-            raise ValueError("LoRA targets gate_proj and up_proj are one stacked weight in a mixture of experts "
-                             "(gate_up_proj): adapt both or neither")
-        if self.dropout and set(self.targets) & set(SPARSE_TARGETS):
-            raise ValueError("LoRA dropout does not apply to a mixture of experts' router and stacked experts "
-                             "(PEFT refuses it too): leave out router, gate_proj, up_proj and down_proj, or the dropout")
+        """Raise ``ValueError`` where the targets cannot adapt ``cfg`` as PEFT would: half of a
+        mixture of experts' stacked gate-and-up weight (``gate_proj`` and ``up_proj`` go
+        together), dropout on a router or stacked experts (PEFT does not run it), and targets
+        that reach no weight of the model (a dense model's router alone)."""
+        if cfg.sparse_layers():
+            if ("gate_proj" in self.targets) != ("up_proj" in self.targets):
+                raise ValueError("LoRA targets gate_proj and up_proj are one stacked weight in a mixture of experts "
+                                 "(gate_up_proj): adapt both or neither")
+            if self.dropout and set(self.targets) & set(SPARSE_TARGETS):
+                raise ValueError("LoRA dropout does not apply to a mixture of experts' router and stacked experts "
+                                 "(PEFT refuses it too): leave out router, gate_proj, up_proj and down_proj, or the "
+                                 "dropout")
+        if not any(lay.entries for lay in adapter_layouts(cfg, self)):
+            raise ValueError(f"LoRA targets {','.join(self.targets)}: nothing in this model to adapt (a router "
+                             "needs layers with experts)")
 
 
 def adapter_layouts(cfg: ModelConfig, spec: LoraSpec) -> list[UnitLayout]:

@@ -210,6 +210,7 @@ def test_out_holds_the_adapter_only(setup, tmp_path, capsys):
     (("--lora-rank", "4", "--lora-dropout", "1"), "dropout must be in [0, 1)"),
     (("--lora-rank", "0",), "--lora-rank"),
     (("--lora-state", "host"), "--lora-state is for LoRA"),
+    (("--lora-rank", "4", "--lora-targets", "router"), "--lora-targets router: nothing in this model to adapt"),
 ])
 def test_bad_lora_flags_are_refused_in_one_line(setup, tmp_path, capsys, flags, says):
     d, _, _ = setup
