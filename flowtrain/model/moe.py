@@ -97,16 +97,23 @@ class ExpertAdapters:
     scale: Tensor
 
     @classmethod
-    def of(cls, w: Mapping[str, Tensor], experts: int, dtype: torch.dtype) -> ExpertAdapters | None:
+    def of(cls, w: Mapping[str, Tensor], experts: int, dtype: torch.dtype, align: int = 1) -> ExpertAdapters | None:
         """The adapters a layer's mapping holds (None: none), from PEFT's layout of each pair:
-        ``A`` (E r, in) expert-major, ``B`` (out, r E) with the expert as its fastest index."""
+        ``A`` (E r, in) expert-major, ``B`` (out, r E) with the expert as its fastest index.
+        ``align``: each rank padded with zeros to a multiple of it (the grouped GEMM's rows
+        must span a multiple of 16 bytes), which adds exact zeros to every product; the
+        padding is made from the adapters, so their gradients are the unpadded ones."""
         def pair(key: str) -> tuple[Tensor, Tensor] | None:
             a = w.get(f"{key}.lora_A")
             if a is None:
                 return None
             b = w[f"{key}.lora_B"]
-            return (a.to(dtype).view(experts, -1, a.shape[-1]),
-                    b.to(dtype).view(b.shape[0], -1, experts).permute(2, 0, 1).contiguous())
+            a3 = a.to(dtype).view(experts, -1, a.shape[-1])
+            b3 = b.to(dtype).view(b.shape[0], -1, experts).permute(2, 0, 1)
+            pad = -a3.shape[1] % align
+            if pad:
+                a3, b3 = F.pad(a3, (0, 0, 0, pad)), F.pad(b3, (0, pad))
+            return a3, b3.contiguous()
 
         gate_up, down = pair("experts_gate_up"), pair("experts_down")
         if gate_up is None and down is None:
@@ -246,7 +253,8 @@ def sparse_mlp(h: Tensor, w: Mapping[str, Tensor], cfg: ModelConfig, router: Rou
     r = route(h, w, cfg)
     if router is not None:
         _hand_over(router, r.probs, r.experts)
-    lora = ExpertAdapters.of(w, cfg.num_experts, h.dtype) if "lora_scale" in w else None
+    align = 16 // h.element_size() if grouped_supported(h.device, h.dtype) else 1  # pad ranks for the grouped GEMM
+    lora = ExpertAdapters.of(w, cfg.num_experts, h.dtype, align) if "lora_scale" in w else None
     out = run_experts(h.reshape(-1, h.shape[-1]), r, w["experts_gate"], w["experts_up"], w["experts_down"], lora)
     return out.view_as(h)
 

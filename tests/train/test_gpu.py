@@ -188,19 +188,19 @@ def test_cuda_skips_idle_experts_as_the_cpu(tmp_path):
 
 
 @pytest.mark.filterwarnings("ignore")  # inductor, PEFT and transformers warn while loading and compiling
-@pytest.mark.parametrize("lora_state", ["gpu", "host"])
-def test_cuda_lora_experts_match_cpu(tmp_path, lora_state):
-    """LoRA over a mixture of experts' router and experts (PEFT's all-linear, rank 8: the gate-and-up
-    adapters at 16) on the GPU: fp32 (the experts one by one) trains the CPU's adapters; bf16 with the
-    compiled layer (grouped experts, two grouped GEMMs per adapted projection) lowers the loss and
-    moves every adapter the CPU's way (the grouped GEMMs against the loop, input by input:
-    ``tests/model/test_lora_experts.py``)."""
+@pytest.mark.parametrize("lora_state, rank", [("gpu", 8), ("host", 3)])
+def test_cuda_lora_experts_match_cpu(tmp_path, lora_state, rank):
+    """LoRA over a mixture of experts' router and experts (PEFT's all-linear: the gate-and-up
+    adapters at twice the rank) on the GPU: fp32 (the experts one by one) trains the CPU's
+    adapters; bf16 with the compiled layer (grouped experts, two grouped GEMMs per adapted
+    projection, rank 3 padded to 8) lowers the loss and moves every adapter the CPU's way (the
+    grouped GEMMs against the loop, input by input: ``tests/model/test_lora_experts.py``)."""
     from safetensors.torch import load_file
     from test_lora_train import MOE, make_adapter, make_checkpoint, make_data
 
     make_checkpoint(tmp_path / "model", tied=False, layers=2, seed=5, model_type="qwen3_moe", **MOE)
     make_data(tmp_path / "data.jsonl", seed=6)
-    make_adapter(tmp_path / "model", tmp_path / "adapter", rank=8, alpha=16.0, targets="all-linear")
+    make_adapter(tmp_path / "model", tmp_path / "adapter", rank=rank, alpha=2.0 * rank, targets="all-linear")
 
     def run(name, device, precision, compile="none"):
         out = tmp_path / name
