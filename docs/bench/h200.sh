@@ -36,7 +36,7 @@ fi
 for job in "$@"; do
   case $job in
     info) nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee -a "$OUT/log.txt"; free -g | tee -a "$OUT/log.txt" ;;
-    tests) log tests; timeout 360 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/train/test_gpu.py tests/model/test_model_gpu.py tests/model/test_attention.py tests/train/test_saved_attention.py 2>&1 | tail -15 | tee -a "$OUT/log.txt" | tee /tmp/tests.txt
+    tests) log tests; timeout 360 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/train/test_gpu.py tests/model/test_model_gpu.py tests/model/test_attention.py tests/train/test_saved_attention.py tests/model/test_lora_experts.py 2>&1 | tail -15 | tee -a "$OUT/log.txt" | tee /tmp/tests.txt
       python3 -c "import json, re, sys; t = open('/tmp/tests.txt').read(); n = lambda w: sum(int(x) for x in re.findall(r'(\d+) ' + w, t)); print(json.dumps({'job': 'tests', 'passed': n('passed'), 'failures': n('failed') + n('error')}))" >>"$RES" ;;
     loratests) log loratests; timeout 200 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/train/test_gpu.py tests/model/test_lora_experts.py -k lora --tb=short 2>&1 | tail -30 | tee -a "$OUT/log.txt" ;;
     attntests) log attntests; timeout 200 python3 -m pytest -q -x -o addopts= -p no:cacheprovider tests/train/test_saved_attention.py 2>&1 | tail -8 | tee -a "$OUT/log.txt" ;;
