@@ -141,7 +141,7 @@ def summary_lines(run: "Run") -> list[str]:
         f"activations {activation_placement(plan.spec)}",
     ]
     if cfg.lora:
-        targets = cfg.lora_targets or DEFAULT_TARGETS
+        targets = [t for t in cfg.lora_targets or DEFAULT_TARGETS if t != "router" or m.sparse_layers()]  # as adapted
         experts = (f" (each expert's gate_up_proj at rank {cfg.lora_gate_up_rank})"
                    if m.sparse_layers() and "gate_proj" in targets and "up_proj" in targets else "")
         lines.append(f"lora       rank {cfg.lora_rank}, alpha {cfg.lora_alpha:g} on {','.join(targets)}{experts}: "
