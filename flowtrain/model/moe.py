@@ -97,31 +97,32 @@ class ExpertAdapters:
     scale: Tensor
 
     @classmethod
-    def of(cls, w: Mapping[str, Tensor], experts: int, dtype: torch.dtype, align: int = 1) -> ExpertAdapters | None:
+    def of(cls, w: Mapping[str, Tensor], experts: int, dtype: torch.dtype) -> ExpertAdapters | None:
         """The adapters a layer's mapping holds (None: none), from PEFT's layout of each pair:
-        ``A`` (E r, in) expert-major, ``B`` (out, r E) with the expert as its fastest index.
-        ``align``: each rank padded with zeros to a multiple of it (the grouped GEMM's rows
-        must span a multiple of 16 bytes), which adds exact zeros to every product; the
-        padding is made from the adapters, so their gradients are the unpadded ones."""
+        ``A`` (E r, in) expert-major, ``B`` (out, r E) with the expert as its fastest index."""
         def pair(key: str) -> tuple[Tensor, Tensor] | None:
             a = w.get(f"{key}.lora_A")
             if a is None:
                 return None
             b = w[f"{key}.lora_B"]
-            a3 = a.to(dtype).view(experts, -1, a.shape[-1])
-            b3 = b.to(dtype).view(b.shape[0], -1, experts).permute(2, 0, 1)
-            pad = -a3.shape[1] % align
-            if pad:
-                a3, b3 = F.pad(a3, (0, 0, 0, pad)), F.pad(b3, (0, pad))
-            return a3, b3.contiguous()
+            return (a.to(dtype).view(experts, -1, a.shape[-1]),
+                    b.to(dtype).view(b.shape[0], -1, experts).permute(2, 0, 1).contiguous())
 
         gate_up, down = pair("experts_gate_up"), pair("experts_down")
         if gate_up is None and down is None:
             return None
         return cls(gate_up, down, w["lora_scale"].to(dtype))
 
-    def ranks(self) -> list[int]:
-        return [p[0].shape[1] for p in (self.gate_up, self.down) if p is not None]
+    def padded(self, align: int) -> ExpertAdapters:
+        """These adapters with each rank padded with zeros to a multiple of ``align`` (the
+        grouped GEMM's rows must span a multiple of 16 bytes): the zeros add exact zeros to every
+        product, and the padding is made from the adapters, so their gradients are the unpadded
+        ones."""
+        def pad(p: tuple[Tensor, Tensor] | None) -> tuple[Tensor, Tensor] | None:
+            n = -p[0].shape[1] % align if p is not None else 0
+            return p if p is None or not n else (F.pad(p[0], (0, 0, 0, n)), F.pad(p[1], (0, n)))
+
+        return ExpertAdapters(pad(self.gate_up), pad(self.down), self.scale)
 
 
 def _expert(x: Tensor, gate: Tensor, up: Tensor, down: Tensor, lora: ExpertAdapters | None = None,
@@ -157,12 +158,10 @@ def experts_loop(x: Tensor, r: Routing, gate: Tensor, up: Tensor, down: Tensor,
     return out
 
 
-def grouped_available(x: Tensor, lora: ExpertAdapters | None = None) -> bool:
+def grouped_available(x: Tensor) -> bool:
     """Whether :func:`experts_grouped` may run on ``x`` (:func:`grouped_supported` for its
-    device and dtype) with ``lora``: the grouped GEMM needs each adapter's rank rows to span a
-    multiple of 16 bytes (rank 8, 16, 32, ... in bf16)."""
-    aligned = lora is None or all(r * x.element_size() % 16 == 0 for r in lora.ranks())
-    return aligned and grouped_supported(x.device, x.dtype)
+    device and dtype)."""
+    return grouped_supported(x.device, x.dtype)
 
 
 def grouped_supported(device: torch.device, dtype: torch.dtype) -> bool:
@@ -238,9 +237,11 @@ def _grouped_update(rows: Tensor, pair: tuple[Tensor, Tensor], scale: Tensor, of
 
 def run_experts(x: Tensor, r: Routing, gate: Tensor, up: Tensor, down: Tensor,
                 lora: ExpertAdapters | None = None) -> Tensor:
-    """:func:`experts_grouped` where :func:`grouped_available`, else :func:`experts_loop`."""
-    run = experts_grouped if grouped_available(x, lora) else experts_loop
-    return run(x, r, gate, up, down, lora)
+    """:func:`experts_grouped` where :func:`grouped_available` (the adapters' ranks padded to its
+    16-byte rows), else :func:`experts_loop`."""
+    if not grouped_available(x):
+        return experts_loop(x, r, gate, up, down, lora)
+    return experts_grouped(x, r, gate, up, down, lora.padded(16 // x.element_size()) if lora is not None else None)
 
 
 @torch.compiler.disable  # a compiled layer calls the tap as it is, without tracing (and guarding on) its state
@@ -253,8 +254,7 @@ def sparse_mlp(h: Tensor, w: Mapping[str, Tensor], cfg: ModelConfig, router: Rou
     r = route(h, w, cfg)
     if router is not None:
         _hand_over(router, r.probs, r.experts)
-    align = 16 // h.element_size() if grouped_supported(h.device, h.dtype) else 1  # pad ranks for the grouped GEMM
-    lora = ExpertAdapters.of(w, cfg.num_experts, h.dtype, align) if "lora_scale" in w else None
+    lora = ExpertAdapters.of(w, cfg.num_experts, h.dtype) if "lora_scale" in w else None
     out = run_experts(h.reshape(-1, h.shape[-1]), r, w["experts_gate"], w["experts_up"], w["experts_down"], lora)
     return out.view_as(h)
 

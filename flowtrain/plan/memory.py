@@ -165,17 +165,12 @@ def adapter_active_numel(cfg: ModelConfig, req: RunRequest) -> float:
 
 def layer_adapter_numels(cfg: ModelConfig, req: RunRequest) -> tuple[int, ...]:
     """Each decoder layer's adapter parameters (a mixture of experts' dense layers have fewer)."""
-    return _adapter_layer_numels(cfg, req) if req.lora_rank else ()
+    return _adapter_sizes(cfg, req)[2] if req.lora_rank else ()
 
 
 def _adapter_inputs(cfg: ModelConfig, req: RunRequest) -> int:
     """The input features of a layer's adapted maps, added up (the widest layer's)."""
     return _adapter_sizes(cfg, req)[1]
-
-
-def _adapter_layer_numels(cfg: ModelConfig, req: RunRequest) -> tuple[int, ...]:
-    """Each decoder layer's adapter parameters."""
-    return _adapter_sizes(cfg, req)[2]
 
 
 def _adapter_sizes(cfg: ModelConfig, req: RunRequest) -> tuple[int, int, tuple[int, ...], float]:
@@ -425,13 +420,13 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
 
     lora = req.lora_rank > 0  # a frozen base: its weights in the compute dtype, nothing else
     host_adapters = _host_adapters(req)
-    adapter_slot_n = max(_adapter_layer_numels(cfg, req), default=0) if host_adapters else 0
+    adapter_slot_n = max(layer_adapter_numels(cfg, req), default=0) if host_adapters else 0
     if lora:
         host = {"base": cbytes * streamed_n}
         if host_adapters:  # fp32 master, Adam moments and a whole gradient each, pinned
             host["adapters"] = 16 * adapter_numel(cfg, req)
             if not req.grad_clip:
-                host["undo_record"] = undo_arena_bytes([(n, 1) for n in _adapter_layer_numels(cfg, req)], 0,
+                host["undo_record"] = undo_arena_bytes([(n, 1) for n in layer_adapter_numels(cfg, req)], 0,
                                                        int(req.undo_mem * GiB), touched=True)
     else:
         host = {"master": 4 * streamed_n, "adam": 8 * streamed_n}

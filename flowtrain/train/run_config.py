@@ -308,8 +308,8 @@ def lora_spec(cfg: TrainConfig) -> LoraSpec | None:
     return spec
 
 
-def _validate_lora(cfg: TrainConfig) -> None:
-    """How the LoRA flags go together."""
+def _validate_lora(cfg: TrainConfig, mcfg: ModelConfig) -> None:
+    """How the LoRA flags go together, and with the model (:meth:`LoraSpec.check_model`)."""
     given = [f for f, off in (("lora_alpha", None), ("lora_targets", None), ("lora_dropout", None),
                               ("lora_gate_up_rank", None), ("merge", False),
                               ("lora_state", "auto"))
@@ -324,7 +324,13 @@ def _validate_lora(cfg: TrainConfig) -> None:
     if cfg.adapter is not None and (cfg.lora_rank is not None or [g for g in given if g not in ("merge", "lora_state")]):
         raise ConfigError("{adapter} brings its own rank, alpha, targets and dropout: leave out {lora_rank}, "
                           "{lora_alpha}, {lora_targets}, {lora_gate_up_rank} and {lora_dropout}", named=True)
-    lora_spec(cfg)
+    spec = lora_spec(cfg)
+    if spec is not None:
+        try:
+            spec.check_model(mcfg)
+        except ValueError as e:
+            flags = str(e).replace("LoRA targets", "{lora_targets}").replace("LoRA dropout", "{lora_dropout}")
+            raise ConfigError(flags, named=True) from None
     if cfg.merge and not cfg.out:
         raise ConfigError("{merge} writes the merged model to {out}: give {out} DIR", named=True)
 
@@ -334,14 +340,7 @@ def validate(cfg: TrainConfig, mcfg: ModelConfig) -> None:
     :func:`flowtrain.train.checks.check_fields`): how fields go together, and with the model."""
     if defaults.seq_len_given(cfg.seq_len):  # else the data decides, within the model's positions
         mcfg.check_seq_len(cfg.seq_len)
-    _validate_lora(cfg)
-    spec = lora_spec(cfg)
-    if spec is not None:
-        try:
-            spec.check_model(mcfg)
-        except ValueError as e:
-            flags = str(e).replace("LoRA targets", "{lora_targets}").replace("LoRA dropout", "{lora_dropout}")
-            raise ConfigError(flags, named=True) from None
+    _validate_lora(cfg, mcfg)
     if cfg.skip_idle_experts and not mcfg.sparse_layers():
         raise ConfigError("{skip_idle_experts} is for a mixture of experts: the model has no layer with experts",
                           named=True)
