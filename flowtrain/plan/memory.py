@@ -927,8 +927,13 @@ def _plan_state(cfg, req, device, dtype, policy, host_limit, gpu_limit, speed: b
 
     if explicit is not None or device.type != "cuda":
         return build(explicit or ())
-    streamed = range(cfg.num_layers) if _host_adapters(req) else ()  # their fetch brings the adapters
-    return _choose_resident(cfg, build, policy, speed, never=frozenset(f"layer.{i}" for i in streamed))
+    return _choose_resident(cfg, build, policy, speed, never=never_resident(cfg, req))
+
+
+def never_resident(cfg: ModelConfig, req: RunRequest) -> frozenset[str]:
+    """The layers no ``--resident auto`` choice may keep on the GPU: with adapters in host
+    memory, every layer (a layer's fetch is what brings its adapters)."""
+    return frozenset(f"layer.{i}" for i in range(cfg.num_layers)) if _host_adapters(req) else frozenset()
 
 
 def _choose_resident(cfg: ModelConfig, build, policy: Any, speed: bool = True,  # noqa: ANN001 - build(resident) -> Plan

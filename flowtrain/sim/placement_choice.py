@@ -32,6 +32,7 @@ from typing import Any, Callable
 
 import msgspec
 
+from ..plan.memory import never_resident
 from .order_choice import MARGIN, Predictions, this_gpu_machine
 
 __all__ = ["alternatives", "choose_placement", "more_resident"]
@@ -57,11 +58,12 @@ def more_resident(cfg: Any, req: Any, plan: Any, fits: Callable[[str], bool]) ->
     """``--resident`` values to compare with the rules' plan where the request leaves it on
     ``auto``: the plan's resident units with 1, 2, 4, ... more layers, bottom-up (the order the
     rules add them), and with the most layers that fit (found by bisection; ``fits(value)``
-    says whether that residency's plan fits)."""
+    says whether that residency's plan fits). Never a layer the run must stream
+    (:func:`~flowtrain.plan.memory.never_resident`: adapters in host memory)."""
     if req.resident != "auto":
         return []
-    resident = tuple(plan.spec.resident)
-    layers = [f"layer.{i}" for i in range(cfg.num_layers) if f"layer.{i}" not in resident]
+    resident, never = tuple(plan.spec.resident), never_resident(cfg, req)
+    layers = [f"layer.{i}" for i in range(cfg.num_layers) if f"layer.{i}" not in (*resident, *never)]
 
     def value(more: int) -> str:
         return ",".join(resident + tuple(layers[:more]))

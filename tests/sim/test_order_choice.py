@@ -178,6 +178,23 @@ def test_a_mixture_of_experts_waiting_on_cpu_adam_keeps_more_layers_resident():
     assert MARGIN * speed[n_plan] >= speed[cfg.num_layers]  # all that fit would gain less than the margin
 
 
+def test_adapters_in_host_memory_keep_every_layer_streamed_whatever_is_predicted():
+    """A layer's fetch is what brings its adapters from host memory, so no residency choice
+    (the rules' or the prediction's more layers) keeps a layer on the GPU. A tiny model on the
+    H200, where every layer would fit and be tried otherwise."""
+    from flowtrain.sim.placement_choice import more_resident
+
+    cfg = preset("tiny")
+    kw = dict(seq_len=64, batch_size=8, micro_batch_size=4, lora_rank=4)
+    on_gpu = planned("tiny", **kw, lora_state="gpu")
+    assert any(u.startswith("layer.") for v in more_resident(cfg, request(**kw), on_gpu, lambda v: True)
+               for u in v.split(","))  # otherwise the layers are candidates
+    plan = planned("tiny", **kw, lora_state="host")
+    assert plan.fits and plan.spec.host_adapters
+    assert not any(u.startswith("layer.") for u in plan.spec.resident)
+    assert more_resident(cfg, request(**kw, lora_state="host"), plan, lambda v: True) == []
+
+
 def test_of_more_resident_layers_the_fewest_that_clear_both_margins_are_taken():
     """Stub plans and predictions: +1 layer 101.1 tok/s, +2 101.5, +4 102.0, +8 103.0 against the
     rules' 100. The fewest within 2% of the fastest (+1) would not be 2% faster than the rules'
