@@ -88,13 +88,16 @@ def merge_adapter(base: Tensor, base_layout: UnitLayout, adapter: Tensor, adapte
     its dtype): the product and the sum in fp32, rounded once to the base's dtype, as PEFT's
     ``merge_and_unload`` does."""
     w, a = bind(base, base_layout), bind(adapter, adapter_layout)
-    for key in w:
-        if f"{key}.lora_A" in a and w[key].dim() == 2:  # a linear map's; stacked experts' below
+    for key in (k.removesuffix(".lora_A") for k in a if k.endswith(".lora_A")):
+        if key in _EXPERT_STACKS:
+            _merge_experts(a[f"{key}.lora_A"], a[f"{key}.lora_B"], [w[t] for t in _EXPERT_STACKS[key]], scale)
+        else:
             delta = a[f"{key}.lora_B"].float() @ a[f"{key}.lora_A"].float()
             w[key].copy_(w[key].float() + scale * delta)
-    for key, targets in (("experts_gate_up", ("experts_gate", "experts_up")), ("experts_down", ("experts_down",))):
-        if f"{key}.lora_A" in a:
-            _merge_experts(a[f"{key}.lora_A"], a[f"{key}.lora_B"], [w[t] for t in targets], scale)
+
+
+_EXPERT_STACKS = {"experts_gate_up": ("experts_gate", "experts_up"), "experts_down": ("experts_down",)}
+"""The stacked experts' adapters, each with the stacked weights its update spans, in row order."""
 
 
 def _merge_experts(lora_a: Tensor, lora_b: Tensor, stacks: list[Tensor], scale: float) -> None:

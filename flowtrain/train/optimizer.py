@@ -134,22 +134,16 @@ def adamw_step(
     cfg: AdamWConfig,
     lr: float,
     found_inf: torch.Tensor | None = None,  # () fp32 on master's device: 1.0 leaves everything as it was
-    segments: list[tuple[int, int, bool]] | None = None,  # (start, end, decays) pieces; None: all decay
+    no_decay: list[tuple[int, int]] | None = None,  # ranges of ``master`` without weight decay
 ) -> None:
     """One AdamW update of one flat unit with torch's fused kernel (CPU or CUDA).
 
     With ``found_inf`` set to 1.0 the kernel returns before touching master, m or v, and the
     step count is taken back down, as ``torch.optim.AdamW`` does under a gradient scaler: the
-    decision stays on the device, with no host sync. ``segments`` (:func:`decay_segments`)
-    updates each piece with or without weight decay, as two torch parameter groups would."""
+    decision stays on the device, with no host sync. The ``no_decay`` ranges are updated without
+    weight decay, as a second torch parameter group would be (one kernel call per group)."""
     step += 1
-    b1, b2 = cfg.betas
-    for a, b, decays in segments or [(0, master.numel(), True)]:
-        torch._fused_adamw_(
-            [master[a:b]], [grad[a:b]], [exp_avg[a:b]], [exp_avg_sq[a:b]], [], [step],
-            lr=lr, beta1=b1, beta2=b2, weight_decay=cfg.weight_decay if decays else 0.0, eps=cfg.eps,
-            amsgrad=False, maximize=False, found_inf=found_inf,
-        )
+    _fused(master, grad, exp_avg, exp_avg_sq, [(0, master.numel(), step)], cfg, lr, 0, no_decay, found_inf)
     if found_inf is not None:
         step -= found_inf
 

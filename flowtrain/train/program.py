@@ -118,8 +118,7 @@ from .idle_experts import IdleExperts
 from .load_balance import LoadBalance
 from .nonfinite import SKIP, Injection, Saved, StepCheck, UndoBudget, injection_from_env, nonfinite, undo_arena_bytes
 from .weight_grads import backward_into, weight_leaves
-from .optimizer import (AdamWConfig, adamw_experts, adamw_pieces, adamw_step, clip_coefficient, decay_segments,
-                        no_decay_ranges)
+from .optimizer import AdamWConfig, adamw_experts, adamw_pieces, adamw_step, clip_coefficient, no_decay_ranges
 
 
 class _StepData:
@@ -882,15 +881,11 @@ class StepProgram:
                              no_decay=self.no_decay[unit.layout.key])
             else:
                 adamw_step(unit.master[lo:hi], grad, unit.exp_avg[lo:hi], unit.exp_avg_sq[lo:hi],
-                           unit.steps[task.chunk or 0], self.adamw, data.lr, segments=self._segments(unit, lo, hi))
+                           unit.steps[task.chunk or 0], self.adamw, data.lr,
+                           no_decay=[(a - lo, b - lo) for a, b in self.no_decay[unit.layout.key]])
             unit.refresh_copies(lo, hi)
         finally:
             data.check.updated()
-
-    def _segments(self, unit: UnitState, lo: int, hi: int) -> list[tuple[int, int, bool]] | None:
-        """Pieces of ``[lo, hi)`` with and without weight decay (None: all of it decays)."""
-        skip = self.no_decay[unit.layout.key]
-        return decay_segments(lo, hi, skip) if skip else None
 
     def _resident_sq_norm(self, data: _StepData, unit: UnitState) -> None:
         """Squared norm and non-finite flag (on the device) of a resident unit's gradient."""
@@ -929,7 +924,7 @@ class StepProgram:
                               found_inf=data.check.found_inf, no_decay=self.no_decay[unit.layout.key])
             else:
                 adamw_step(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.steps[0], self.adamw, data.lr,
-                           found_inf=data.check.found_inf, segments=self._segments(unit, 0, unit.master.numel()))
+                           found_inf=data.check.found_inf, no_decay=self.no_decay[unit.layout.key])
             data.check.gpu_updated.append(unit.layout.key)
             unit.refresh_copies()
         grad.zero_()
