@@ -215,9 +215,13 @@ def attend(q: Tensor, k: Tensor, v: Tensor, docs: Documents | None, window: int 
         return _causal_sdpa(q, k, v, k.shape[1] < q.shape[1], scale)
     if docs is None:
         docs = _whole_rows(q.shape[0], q.shape[2], q.device)
-    if q.is_cuda and _varlen_kwargs(window) is not None:
+    if q.is_cuda and q.dtype in _FLASH_DTYPES and _varlen_kwargs(window) is not None:
         return _varlen(q, k, v, docs, window, scale)  # traced into a compiled layer
     return _attend_masked(q, k, v, docs, window, scale)
+
+
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+"""What the variable-length flash kernel runs; fp32 on a GPU takes the masked reference."""
 
 
 def _attend_masked(q: Tensor, k: Tensor, v: Tensor, docs: Documents, window: int | None,
