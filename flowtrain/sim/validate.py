@@ -48,6 +48,10 @@ _AT_CAP = "the allocator at its cap (not modelled)"
 #: (27.7 ms against 13.0 in docs/bench/2026-12-04/moe-trace.json): the expert rows added back with
 #: bf16 atomics and unit-sized weight-gradient copies, both since removed (the rows after it)
 _MOE_BACKWARD = "the expert layer's backward (not modelled)"
+#: LoRA: the simulator times a layer's base GEMMs, attention and elementwise passes, and leaves
+#: out the adapters' own thin GEMMs and the elementwise work around them (seven adapted maps a
+#: layer, each a product of rank 16 added to the output)
+_ADAPTERS = "the adapters' own GEMMs and elementwise work (not modelled)"
 #: (name in docs/benchmarks.md, result file, how to pick its line, extra planner arguments; of
 #: those, ``attention_backend``, ``save_attention`` and ``offload`` go to the simulator, not the planner)
 RUNS = (
@@ -96,6 +100,12 @@ RUNS = (
      _AUTO),
     ("qwen3-moe-12l on a 10 GB card, experts gathered", "2026-12-04/resident-check-results.jsonl", {"job": "moe10"},
      {**_AUTO, "gpu_mem": 10.0}),
+    # LoRA over a Qwen2.5-32B-shaped base on a 10 GB card, rank 16 on every linear map, the
+    # adapters on the GPU (the result lines do not record where; their empty gradient pools say so)
+    ("LoRA, qwen2.5-32b on a 10 GB card, micro-batch 2", "2026-12-04/lora-b-results.jsonl", {"job": "lora32"},
+     {**_AUTO, "gpu_mem": 10.0, "lora_state": "gpu"}),
+    ("LoRA, qwen2.5-32b on a 10 GB card, micro-batch 1", "2026-12-05/gate-b-results.jsonl", {"job": "lora32"},
+     {**_AUTO, "gpu_mem": 10.0, "lora_state": "gpu", "not_modelled": _ADAPTERS}),
 )
 #: the keys of a run's extra arguments that are the simulator's (or the table's), not the planner's
 _SIM_ONLY = ("attention_backend", "save_attention", "offload", "not_modelled")
@@ -137,7 +147,8 @@ def predict_run(row: dict, extra: dict, machine: str = "h200") -> dict:
                 "gpu_mem": round(card_for(int(GPU_FILL * m.gpu_mem_gib * GiB)), 2),
                 **{k: v for k, v in extra.items() if k not in _SIM_ONLY}}
     req = RunRequest(seq_len=row["seq_len"], batch_size=row["batch_size"], micro_batch_size=row["micro_batch_size"],
-                     resident=resident, layout=row.get("layout", "auto"), host_mem=118.0, **settings)
+                     resident=resident, layout=row.get("layout", "auto"), host_mem=118.0,
+                     lora_rank=row.get("lora_rank") or 0, **settings)  # LoRA's default targets, as the runs took
     plan = plan_run(cfg, req, device=torch.device("cuda"), dtype=torch.bfloat16, policy=row["policy"], local_gpu=False)
     plan.budgets = dict(row["budgets"])  # as the engine enforced them in that run
     placed = {k: tuple(extra[k]) for k in ("save_attention", "offload") if k in extra}
