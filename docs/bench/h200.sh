@@ -36,9 +36,9 @@ fi
 for job in "$@"; do
   case $job in
     info) nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee -a "$OUT/log.txt"; free -g | tee -a "$OUT/log.txt" ;;
-    tests) log tests; timeout 360 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/train/test_gpu.py tests/model/test_model_gpu.py tests/model/test_attention.py tests/train/test_saved_attention.py tests/model/test_lora_experts.py 2>&1 | tail -15 | tee -a "$OUT/log.txt" | tee /tmp/tests.txt
+    tests) log tests; timeout 360 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/train/test_gpu.py tests/model/test_model_gpu.py tests/model/test_attention.py tests/train/test_saved_attention.py tests/model/test_lora_experts.py --tb=short 2>&1 | tee "$OUT/tests-full.txt" | tail -15 | tee -a "$OUT/log.txt" | tee /tmp/tests.txt  # the whole output kept: a failure's cause, not only its name
       python3 -c "import json, re, sys; t = open('/tmp/tests.txt').read(); n = lambda w: sum(int(x) for x in re.findall(r'(\d+) ' + w, t)); print(json.dumps({'job': 'tests', 'passed': n('passed'), 'failures': n('failed') + n('error')}))" >>"$RES" ;;
-    loratests) log loratests; timeout 200 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/train/test_gpu.py tests/model/test_lora_experts.py -k lora --tb=short 2>&1 | tail -30 | tee -a "$OUT/log.txt" ;;
+    loratests) log loratests; timeout 200 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/train/test_gpu.py tests/model/test_lora_experts.py -k lora --tb=short 2>&1 | tee "$OUT/loratests-full.txt" | tail -30 | tee -a "$OUT/log.txt" ;;
     attntests) log attntests; timeout 200 python3 -m pytest -q -x -o addopts= -p no:cacheprovider tests/train/test_saved_attention.py 2>&1 | tail -8 | tee -a "$OUT/log.txt" ;;
     w1) bench w1 $W --batch-size 4 --steps 7 --trace "$OUT/w1-trace.json" ;;
     w1tr) FT="python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m flowtrain" bench w1tr $W --batch-size 4 --steps 7 ;;  # W1 under torchrun, one process
