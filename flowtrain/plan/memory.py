@@ -168,15 +168,24 @@ def layer_adapter_numels(cfg: ModelConfig, req: RunRequest) -> tuple[int, ...]:
     return _adapter_sizes(cfg, req)[2] if req.lora_rank else ()
 
 
+def adapter_active_outputs(cfg: ModelConfig, req: RunRequest) -> float:
+    """The output features of the adapted maps one token passes through in one layer, averaged
+    over the layers (0 without LoRA): each adapter's product is that wide before it is added to
+    its map's output; of a stacked expert weight's, the ``num_experts_per_tok`` experts' a
+    token reaches. The simulator's elementwise cost of the adapters."""
+    return _adapter_sizes(cfg, req)[4] if req.lora_rank else 0.0
+
+
 def _adapter_inputs(cfg: ModelConfig, req: RunRequest) -> int:
     """The input features of a layer's adapted maps, added up (the widest layer's)."""
     return _adapter_sizes(cfg, req)[1]
 
 
-def _adapter_sizes(cfg: ModelConfig, req: RunRequest) -> tuple[int, int, tuple[int, ...], float]:
+def _adapter_sizes(cfg: ModelConfig, req: RunRequest) -> tuple[int, int, tuple[int, ...], float, float]:
     """``(adapters' parameters, widest layer's adapted inputs, each layer's parameters, those a
-    token multiplies by)``, from the adapter layouts built once per model and adapter shape:
-    every candidate plan asks (as :func:`_layouts`)."""
+    token multiplies by, the adapted outputs a token passes through per layer)``, from the
+    adapter layouts built once per model and adapter shape: every candidate plan asks (as
+    :func:`_layouts`)."""
     key = (msgspec.json.encode(cfg), req.lora_rank, req.lora_targets, req.lora_gate_up_rank)
     if key not in _ADAPTER_SIZES:
         if len(_ADAPTER_SIZES) >= 8:
@@ -185,11 +194,15 @@ def _adapter_sizes(cfg: ModelConfig, req: RunRequest) -> tuple[int, int, tuple[i
         inputs = max((sum(e.shape[1] for e in lay.entries if e.key.endswith(".lora_A")) for lay in lays), default=0)
         share = cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 1.0
         active = sum(e.numel * (share if e.key.startswith("experts_") else 1.0) for lay in lays for e in lay.entries)
-        _ADAPTER_SIZES[key] = (sum(lay.numel for lay in lays), inputs, tuple(lay.numel for lay in lays), active)
+        reach = cfg.num_experts_per_tok if cfg.num_experts else 1
+        outputs = sum(e.shape[0] * (reach if e.key.startswith("experts_") else 1)
+                      for lay in lays for e in lay.entries if e.key.endswith(".lora_B")) / max(len(lays), 1)
+        _ADAPTER_SIZES[key] = (sum(lay.numel for lay in lays), inputs, tuple(lay.numel for lay in lays), active,
+                               outputs)
     return _ADAPTER_SIZES[key]
 
 
-_ADAPTER_SIZES: dict[tuple, tuple[int, int, tuple[int, ...], float]] = {}
+_ADAPTER_SIZES: dict[tuple, tuple[int, int, tuple[int, ...], float, float]] = {}
 
 
 def checkpoint_read_bytes(model_dir: str | os.PathLike[str] | None) -> int:

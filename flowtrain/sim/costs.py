@@ -17,6 +17,10 @@ it (:class:`~flowtrain.sim.machine.Machine`)::
   and the fp32 accumulation of the weight gradient. A layer whose forward kept its activations
   (phase ``keep``, ``--activations``) runs no forward again in its backward; one that kept its
   attention output (phase ``attn``) runs no attention forward again.
+- LoRA (``Shape.adapter_params``): the frozen base's backward has input gradients only (one
+  GEMM pass, no accumulation), and every layer adds its adapters' work: thin GEMMs (2 FLOPs per
+  adapter parameter and token, one of the sizes the rank) and ``SOFTWARE["ew_adapter"]`` passes
+  over each product, which is as wide as its map's output; the backward runs twice that.
 - the attention rates: the run's kernel (:func:`attention_kernel`: ``Shape.attention_backend``
   ``auto`` runs cuDNN's fused attention on CUDA, ``flash`` flash attention) at the run's
   sequence length, from the machine's ``attention_tflops`` table (forward+backward TFLOP/s by
@@ -64,6 +68,9 @@ SOFTWARE = {
     # a mixture of experts' routed rows: hidden elements moved per (token, expert) pair in the
     # forward (gathered by expert, weighted, added back to their token), not fitted
     "ew_routed": 6.0,
+    # LoRA: output-sized elements moved per adapted map and token in the forward (the adapter's
+    # product written, read back with the map's own output, their sum written), counted, not fitted
+    "ew_adapter": 4.0,
 }
 
 
@@ -112,6 +119,10 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
     #: no weight gradient: a layer's backward runs its input gradients only, the loss no head
     #: gradient, and each ``gpu_adam`` updates one layer's adapters (``numel["adapter.i"]``).
     adapter_params: float = 0
+    #: LoRA: the adapters' rank, and the adapted maps' output features a token passes through in
+    #: a layer (:func:`~flowtrain.plan.memory.adapter_active_outputs`)
+    lora_rank: int = 0
+    adapter_outputs: float = 0
 
     @property
     def per_node(self) -> int:
@@ -208,13 +219,26 @@ class CostModel:
         routed = sw["ew_routed"] * s.experts_per_token * h if s.experts else 0.0
         ew = self.hbm_seconds(T * s.compute_bytes * (sw["ew_hidden"] * h + sw["ew_intermediate"] * i + routed))
         forward = gemms + attn_fwd + ew
-        if s.adapter_params:  # a frozen base: input gradients only (the adapters' GEMMs are thin)
-            backward = forward + gemms + attn_bwd + 2 * ew
+        if s.adapter_params:  # a frozen base: input gradients only, and the adapters' own work
+            adapters = self._adapter_seconds()
+            forward += adapters
+            backward = forward + gemms + attn_bwd + 2 * ew + 2 * adapters
         else:
             accumulate = self.hbm_seconds(s.layer_numel * (s.compute_bytes + 8))
             backward = forward + 2 * gemms + attn_bwd + 2 * ew + accumulate
         return {"forward": forward, "backward": backward, "gemms": gemms, "attention": attn_fwd + attn_bwd,
                 "attention_forward": attn_fwd}
+
+    def _adapter_seconds(self) -> float:
+        """A LoRA layer's adapters in its forward: their thin GEMMs (``x A^T``, then ``B``: 2
+        FLOPs per adapter parameter and token, at the rate of a GEMM one of whose sizes is the
+        rank), and the elementwise passes over each product as wide as its map's output. Their
+        backward runs twice as much: input and adapter gradients (two GEMMs each per map)."""
+        s = self.s
+        per_layer = s.adapter_params / s.layers
+        rank = max(s.lora_rank, 1)
+        gemm = self.gemm_seconds(s.tokens, rank, max(round(per_layer / rank), 1))
+        return gemm + self.hbm_seconds(s.tokens * s.compute_bytes * self.sw["ew_adapter"] * s.adapter_outputs)
 
     def _mlp_gemm_seconds(self) -> float:
         """The MLP's GEMMs in a layer's forward. Dense: gate and up (T x h by h x i), down. A

@@ -37,7 +37,7 @@ def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1, world: int = 
     """The :class:`Shape` of model ``cfg`` (a ``ModelConfig``) run under ``plan`` for ``req``."""
     from ..model import model_layouts
 
-    from ..plan.memory import adapter_active_numel, layer_adapter_numels
+    from ..plan.memory import adapter_active_numel, adapter_active_outputs, layer_adapter_numels
 
     layouts = model_layouts(cfg)
     numel = {lay.key: lay.numel for lay in layouts}
@@ -60,7 +60,9 @@ def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1, world: int = 
                  adam_workers=adam_workers, world=world, nodes=nodes,
                  attention_backend=getattr(req, "attention_backend", "auto"),
                  experts=cfg.num_experts if sparse else 0, experts_per_token=cfg.num_experts_per_tok if sparse else 0,
-                 owned=plan.spec.owned_by(0), adapter_params=adapters)  # the simulated process is the node's first
+                 owned=plan.spec.owned_by(0), adapter_params=adapters,  # the simulated process is the node's first
+                 lora_rank=getattr(req, "lora_rank", 0) or 0,
+                 adapter_outputs=adapter_active_outputs(cfg, req) if adapters else 0.0)
 
 
 def predict_shape(shape: Shape, plan: Any, machine: Machine, policy: Any = "double_buffer", *,

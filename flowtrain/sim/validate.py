@@ -48,10 +48,6 @@ _AT_CAP = "the allocator at its cap (not modelled)"
 #: (27.7 ms against 13.0 in docs/bench/2026-12-04/moe-trace.json): the expert rows added back with
 #: bf16 atomics and unit-sized weight-gradient copies, both since removed (the rows after it)
 _MOE_BACKWARD = "the expert layer's backward (not modelled)"
-#: LoRA: the simulator times a layer's base GEMMs, attention and elementwise passes, and leaves
-#: out the adapters' own thin GEMMs and the elementwise work around them (seven adapted maps a
-#: layer, each a product of rank 16 added to the output)
-_ADAPTERS = "the adapters' own GEMMs and elementwise work (not modelled)"
 #: (name in docs/benchmarks.md, result file, how to pick its line, extra planner arguments; of
 #: those, ``attention_backend``, ``save_attention`` and ``offload`` go to the simulator, not the planner)
 RUNS = (
@@ -105,7 +101,7 @@ RUNS = (
     ("LoRA, qwen2.5-32b on a 10 GB card, micro-batch 2", "2026-12-04/lora-b-results.jsonl", {"job": "lora32"},
      {**_AUTO, "gpu_mem": 10.0, "lora_state": "gpu"}),
     ("LoRA, qwen2.5-32b on a 10 GB card, micro-batch 1", "2026-12-05/gate-b-results.jsonl", {"job": "lora32"},
-     {**_AUTO, "gpu_mem": 10.0, "lora_state": "gpu", "not_modelled": _ADAPTERS}),
+     {**_AUTO, "gpu_mem": 10.0, "lora_state": "gpu"}),
 )
 #: the keys of a run's extra arguments that are the simulator's (or the table's), not the planner's
 _SIM_ONLY = ("attention_backend", "save_attention", "offload", "not_modelled")

@@ -122,3 +122,27 @@ def test_experts_cost_more_than_a_dense_mlp_of_their_flops_the_fewer_rows_each_g
         ratios.append(sparse_s / dense_s)
     assert ratios[0] > ratios[1] > ratios[2] > 1.0
     assert ratios[2] < 1.1  # 65,536 rows per expert: as fast as dense, the router aside
+
+
+def test_lora_adapters_add_their_gemms_and_passes_to_the_frozen_layer():
+    """A LoRA layer: the base's forward and input gradients (no weight gradients), plus the
+    adapters' own work, whose backward runs twice its forward's. The adapters' GEMMs are thin
+    (one size is the rank), so they run below the base's rate per FLOP; their passes grow with
+    the adapted outputs."""
+    m = load_machine("h200")
+    per_layer = 16 * (3072 * 4 + 2 * 1024 + 3 * 8192 + 3072 + 2 * 8192)  # rank 16 on every map of a layer
+    lora = {**_fields(W1), "adapter_params": 28 * per_layer, "lora_rank": 16,
+            "adapter_outputs": 3072 * 2 + 2 * 1024 + 3 * 8192}
+    c, full = CostModel(m, Shape(**lora)), CostModel(m, W1)
+    adapters = c._adapter_seconds()
+    fwd = Forward(layer=3, micro_batch=0)
+    kept = Backward(layer=3, micro_batch=0, phase="keep")
+    assert adapters > 0
+    assert c.seconds(fwd) == pytest.approx(full.seconds(fwd) + adapters)
+    launch = m.launch_us * 1e-6
+    assert c.seconds(Backward(layer=3, micro_batch=0)) == pytest.approx(c.seconds(fwd) + c.seconds(kept) - launch)
+    assert c.seconds(kept) - 2 * adapters < 0.8 * full.seconds(kept)  # the frozen base: input gradients only
+    flops = 2 * W1.tokens * per_layer
+    assert c.gemm_seconds(W1.tokens, 16, per_layer // 16) > 2 * flops / (m.matmul_tflops * 1e12)  # thin: under half rate
+    wider = CostModel(m, Shape(**{**lora, "adapter_outputs": 2 * lora["adapter_outputs"]}))._adapter_seconds()
+    assert wider > adapters
