@@ -11,7 +11,10 @@ The tensors are named as PEFT saves them (``base_model.model.model.layers.0.self
 lora_A.weight``: :func:`flowtrain.model.adapters.adapter_layouts`). What PEFT can express and
 flowtrain does not run (DoRA, rsLoRA's scaling, per-layer ranks or alphas, trained biases,
 extra trained modules, a subset of layers) is refused in one line naming the setting, rather
-than read as something else.
+than read as something else. ``target_modules`` is read as PEFT matches it against the model's
+module names: a map's own name (``q_proj``), its full name (``model.layers.3.self_attn.q_proj``,
+as PEFT saves ``all-linear`` over a model of fewer than 20 maps) or a regular expression; the
+maps it reaches must be the same in every layer.
 
 A mixture of experts' router and stacked experts are adapted as PEFT adapts them over
 transformers 5: named in ``target_parameters`` (``gate.weight``, ``gate_up_proj``, ``down_proj``),
@@ -190,13 +193,17 @@ def _targets(config: dict[str, Any], path: Path, cfg: ModelConfig | None) -> tup
     whether the experts' gate_up_proj was named as itself (then its rank is ``r`` unless a
     pattern says otherwise; PEFT gives ``gate_proj`` and ``up_proj`` converted into it twice ``r``)."""
     modules = config.get("target_modules")
-    if modules == "all-linear":  # every linear map, and a mixture of experts' router and experts
+    if isinstance(modules, str) and modules.lower() == "all-linear":  # every linear map, a router and experts
         modules, cfg = list(DEFAULT_TARGETS), None
     elif modules is None:
         modules = []
+    elif isinstance(modules, str) and cfg is not None and not cfg.moe:
+        modules = _by_path(_matched(modules, cfg, path), cfg, path)
     elif isinstance(modules, str) or not isinstance(modules, list):
         raise CheckpointError(f"{path}: target_modules {modules!r}: give the maps as a list "
                               f"(of {', '.join(DEFAULT_TARGETS)})")
+    elif any("." in str(name) for name in modules):  # as PEFT saves all-linear over a model of few maps
+        modules = _by_path(modules, cfg, path)
     converted = _CONVERTED.get(cfg.family.moe or "", {}) if cfg is not None and cfg.sparse_layers() else {}
     targets: list[str] = []
     for name in modules:
@@ -219,6 +226,55 @@ def _targets(config: dict[str, Any], path: Path, cfg: ModelConfig | None) -> tup
         direct = direct or found[0] == "gate_up_proj"
     known = [t for t in DEFAULT_TARGETS if t in targets]  # in one order, whatever order the file lists them in
     return tuple(known + [t for t in dict.fromkeys(targets) if t not in known]), direct
+
+
+_ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")
+_MLP = ("gate_proj", "up_proj", "down_proj")
+_MAP_PATH = re.compile(r"(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)")
+
+
+def _matched(pattern: str, cfg: ModelConfig, path: Path) -> list[str]:
+    """The module names of a dense model that a ``target_modules`` regular expression reaches, as
+    PEFT matches them (the whole name); one reaching the head, or nothing, is refused."""
+    try:
+        regex = re.compile(pattern)
+    except re.error as e:
+        raise CheckpointError(f"{path}: target_modules {pattern!r} is no regular expression: {e}") from None
+    names = [f"model.layers.{i}.{part}.{t}" for i in range(cfg.num_layers)
+             for part, maps in (("self_attn", _ATTENTION), ("mlp", _MLP)) for t in maps]
+    if regex.fullmatch("lm_head"):
+        raise CheckpointError(f"{path}: target_modules {pattern!r} reaches lm_head; flowtrain adapts the maps of "
+                              f"attention and the MLP ({', '.join(_ATTENTION + _MLP)})")
+    hits = [n for n in names if regex.fullmatch(n)]
+    if not hits:
+        raise CheckpointError(f"{path}: target_modules {pattern!r} reaches none of the model's maps "
+                              f"({', '.join(_ATTENTION + _MLP)} of its layers)")
+    return hits
+
+
+def _by_path(modules: list[Any], cfg: ModelConfig | None, path: Path) -> list[str]:
+    """A ``target_modules`` list whose maps are named by their full module names
+    (``model.layers.3.self_attn.q_proj``), beside or instead of their own names, as the names
+    flowtrain adapts in every layer. A map adapted in some layers only is refused, as is a dense
+    MLP of a mixture of experts (PEFT adapts it by its full name; flowtrain does not)."""
+    layers: dict[str, set[int]] = {}
+    short = [name for name in modules if "." not in str(name)]  # a map's own name: every layer's
+    for name in (name for name in modules if "." in str(name)):
+        m = _MAP_PATH.fullmatch(str(name))
+        if m is None or m[3] not in (_ATTENTION if m[2] == "self_attn" else _MLP):
+            raise CheckpointError(f"{path}: target_modules {name!r}: flowtrain adapts "
+                                  f"{', '.join(_ATTENTION)} (self_attn) and {', '.join(_MLP)} (mlp) of every layer")
+        layers.setdefault(m[3], set()).add(int(m[1]))
+    if cfg is not None:
+        for target, got in layers.items():
+            if target in _MLP and cfg.moe:
+                raise CheckpointError(f"{path}: target_modules adapt {target} of a dense layer by its full name; "
+                                      "flowtrain gives a mixture of experts' dense layers no MLP adapters")
+            if got != set(range(cfg.num_layers)):
+                some = ", ".join(str(i) for i in sorted(got))
+                raise CheckpointError(f"{path}: target_modules adapt {target} in layers {some} of the model's "
+                                      f"{cfg.num_layers}; flowtrain adapts a map in every layer")
+    return short + [t for t in layers if t not in short]
 
 
 def read_adapter(adapter_dir: str | os.PathLike[str], cfg: ModelConfig

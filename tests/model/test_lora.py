@@ -199,7 +199,15 @@ def test_an_adapter_peft_saves_reads_into_flowtrain(tmp_path):
     (dict(use_dora=True), "use_dora = True is a PEFT setting flowtrain does not run"),
     (dict(rank_pattern={"q_proj": 8}), "rank_pattern"),
     (dict(peft_type="IA3"), "not a LoRA adapter"),
-    (dict(target_modules="q_proj|v_proj"), "give the maps as a list"),
+    # a string is a regular expression PEFT matches against a module's whole name
+    (dict(target_modules="q_proj|v_proj"), "reaches none of the model's maps"),
+    (dict(target_modules=r".*\.q_proj|lm_head"), "reaches lm_head"),
+    (dict(target_modules="(q_proj"), "is no regular expression"),
+    # full module names, as PEFT saves all-linear over a model of fewer than 20 maps
+    (dict(target_modules=["model.layers.0.self_attn.q_proj"]), "adapt q_proj in layers 0 of the model's 2"),
+    (dict(target_modules=["model.layers.0.self_attn.gate_proj", "model.layers.1.self_attn.gate_proj"]),
+     "flowtrain adapts q_proj"),
+    (dict(target_modules=["q_proj", "model.norm"]), "target_modules 'model.norm'"),
     (dict(target_modules=["q_proj", "lm_head"]), "unknown LoRA target lm_head"),
     (dict(r=0), "rank must be at least 1"),
     (dict(layers_to_transform=0), "layers_to_transform = 0"),
@@ -218,6 +226,27 @@ def test_an_adapter_flowtrain_cannot_run_is_refused_naming_the_setting(tmp_path,
     (tmp_path / ADAPTER_CONFIG).write_text(json.dumps({**config, **change}))
     with pytest.raises(CheckpointError, match=why):
         read_adapter(tmp_path, cfg)
+
+
+@pytest.mark.parametrize("modules, targets", [
+    ([f"model.layers.{i}.{m}" for i in (1, 0) for m in ("mlp.down_proj", "self_attn.q_proj")], ("q_proj", "down_proj")),
+    (r".*\.(q_proj|v_proj)", ("q_proj", "v_proj")),
+    (r"model\.layers\.\d+\.mlp\..*", ("gate_proj", "up_proj", "down_proj")),
+    (["o_proj", "model.layers.0.mlp.up_proj", "model.layers.1.mlp.up_proj"], ("o_proj", "up_proj")),
+    ("ALL-LINEAR", DEFAULT_TARGETS),
+])
+def test_target_modules_by_full_name_or_pattern_read_as_peft_matches_them(tmp_path, modules, targets):
+    """PEFT saves ``all-linear`` over a model of fewer than 20 maps as their full names, and a
+    config may give a regular expression; where the maps reached are the same in every layer,
+    they are flowtrain's targets."""
+    from flowtrain.ckpt.adapter_files import ADAPTER_CONFIG, read_spec, save_adapter
+
+    cfg, spec = _cfg("llama"), LoraSpec(rank=4, alpha=8.0)
+    layouts = adapter_layouts(cfg, spec)
+    save_adapter(tmp_path, spec, layouts, [torch.zeros(lay.numel) for lay in layouts])
+    config = json.loads((tmp_path / ADAPTER_CONFIG).read_text())
+    (tmp_path / ADAPTER_CONFIG).write_text(json.dumps({**config, "target_modules": modules}))
+    assert read_spec(tmp_path, cfg).targets == targets
 
 
 def test_an_adapter_of_another_model_is_refused(tmp_path):

@@ -133,9 +133,18 @@ MOE = dict(head_dim=8, num_experts=4, num_experts_per_tok=2, moe_intermediate_si
 MIXTRAL = dict(num_local_experts=4, num_experts_per_tok=2)
 
 
+# Gemma 3: sliding and full attention layers, its own norms and scaled embeddings
+GEMMA3 = dict(head_dim=16, sliding_window=4, query_pre_attn_scalar=16,
+              layer_types=["sliding_attention", "full_attention"])
+
+
 @pytest.mark.parametrize("model_type, tied, extra, targets, parameters", [
     ("qwen3", True, {}, ["q_proj", "v_proj", "down_proj"], None),
     ("mistral", False, {}, ["q_proj", "v_proj", "down_proj"], None),
+    ("qwen2", False, {}, "all-linear", None),  # q, k and v with biases, which stay frozen
+    ("llama", False, {}, r".*\.(k_proj|up_proj)", None),  # a regular expression over the maps' full names
+    ("gemma3_text", True, GEMMA3, "all-linear", None),
+    ("gemma3_text", False, GEMMA3, ["q_proj", "o_proj", "up_proj"], None),
     # mixtures of experts: PEFT's all-linear adapts the router and each expert's stacked weights
     # (the gate-and-up adapter at twice the rank), and a dense layer's attention only
     ("qwen3_moe", False, dict(MOE, mlp_only_layers=[1]), "all-linear", None),
