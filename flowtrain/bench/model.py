@@ -72,7 +72,8 @@ def run_model(args: argparse.Namespace) -> dict:
     import numpy as np
     import torch
 
-    from ..plan.memory import adapter_active_numel, adapter_numel, run_request
+    from ..plan.adapters import adapter_active_numel, adapter_numel
+    from ..plan.memory import run_request
     from ..train.trainer import TrainConfig, load_model_config, prefer_expandable_segments, train
 
     policy = args.policy[0] if isinstance(args.policy, list) else (args.policy or "double_buffer")

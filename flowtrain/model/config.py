@@ -1014,7 +1014,7 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int, adapter_params: float 
     weight gradient), the adapters a full 6 each; the same count as the all-on-GPU PEFT run's.
     Over a mixture of experts N_adapter too counts the active ones: of a stacked weight's
     per-expert adapters, the num_experts_per_tok a token reaches
-    (:func:`flowtrain.plan.memory.adapter_active_numel`)."""
+    (:func:`flowtrain.plan.adapters.adapter_active_numel`)."""
     n = cfg.active_parameters() if cfg.moe else cfg.num_parameters()
     attention = 6.0 * cfg.num_layers * cfg.hidden_size * seq_len
     if adapter_params is not None:

@@ -2,7 +2,8 @@
 
 Owns the host and GPU byte counts of a run (:mod:`.memory`: ``plan_run``, the card and host
 budgets, the slot budgets the engine enforces), which layers save their attention output
-(:mod:`.attention`) and how the host buffers are laid out (:mod:`.host_layout`). It reads the
+(:mod:`.attention`), how the host buffers are laid out (:mod:`.host_layout`), what a mixture of
+experts' routing keeps (:mod:`.experts`) and what LoRA's adapters add (:mod:`.adapters`). It reads the
 model's layouts and compiles the step graph, and imports neither training nor the simulator:
 the choices that need a prediction (micro-batch order, placement) ask the simulator from above
 (:mod:`flowtrain.sim.choose_plan`).

@@ -37,7 +37,8 @@ v, gradient and compute copy: 18 bytes per parameter in bf16), ``checkpoints``, 
 keeps its activations for backward instead of recomputing: :func:`place_activations`),
 ``saved_attention`` (the recomputing layers whose forward keeps its attention output for the
 rebuild: :mod:`.attention`) and ``loss_chunks``. On a CPU-only run the GPU
-categories are host memory too.
+categories are host memory too. A LoRA run's host holds its frozen ``base`` instead of master
+and Adam, and LoRA's own terms (``adapters``, ``lora_work``) are :mod:`.adapters`'.
 """
 
 from __future__ import annotations
@@ -53,8 +54,9 @@ from ..errors import ConfigError
 from ..graph.compiler import StepSpec, compile_step
 from ..graph.tasks import ACTS, GRADS, HOST_GRADS, WEIGHTS
 from ..model.config import MLP_CHUNK_TOKENS, ModelConfig, default_chunk_tokens
-from ..model.adapters import DEFAULT_TARGETS, LoraSpec, adapter_layouts
+from ..model.adapters import DEFAULT_TARGETS
 from ..model.layout import model_layouts
+from .adapters import adapter_slot_numel, host_adapters, lora_gpu_bytes, lora_host_bytes
 from .attention import attention_pays, forward_flops_saved, plan_saved_attention
 from .experts import dense_mlp_layers, expert_bytes_per_token, expert_kept_bytes_per_token, grouped_experts
 from .host_layout import LANDING_NUMEL, LAYOUTS, grad_chunks, slot_numel, staging_numel, undo_arena_bytes
@@ -149,60 +151,6 @@ class RunRequest(msgspec.Struct, kw_only=True):
     #: ``--skip-idle-experts``: a mixture of experts' sparse layers leave the experts no token
     #: reached alone, their backward-side fetches following the routing (``StepSpec.routed``)
     skip_idle_experts: bool = False
-
-
-def adapter_numel(cfg: ModelConfig, req: RunRequest) -> int:
-    """Parameters of every layer's LoRA adapters (0 without LoRA)."""
-    return _adapter_sizes(cfg, req)[0] if req.lora_rank else 0
-
-
-def adapter_active_numel(cfg: ModelConfig, req: RunRequest) -> float:
-    """The adapter parameters one token multiplies by (0 without LoRA): every adapter but a
-    stacked expert weight's, of which a token reaches ``num_experts_per_tok`` of ``num_experts``
-    experts' pairs. Model FLOPs count these (:func:`flowtrain.model.config.model_flops_per_token`)."""
-    return _adapter_sizes(cfg, req)[3] if req.lora_rank else 0
-
-
-def layer_adapter_numels(cfg: ModelConfig, req: RunRequest) -> tuple[int, ...]:
-    """Each decoder layer's adapter parameters (a mixture of experts' dense layers have fewer)."""
-    return _adapter_sizes(cfg, req)[2] if req.lora_rank else ()
-
-
-def adapter_active_outputs(cfg: ModelConfig, req: RunRequest) -> float:
-    """The output features of the adapted maps one token passes through in one layer, averaged
-    over the layers (0 without LoRA): each adapter's product is that wide before it is added to
-    its map's output; of a stacked expert weight's, the ``num_experts_per_tok`` experts' a
-    token reaches. The simulator's elementwise cost of the adapters."""
-    return _adapter_sizes(cfg, req)[4] if req.lora_rank else 0.0
-
-
-def _adapter_inputs(cfg: ModelConfig, req: RunRequest) -> int:
-    """The input features of a layer's adapted maps, added up (the widest layer's)."""
-    return _adapter_sizes(cfg, req)[1]
-
-
-def _adapter_sizes(cfg: ModelConfig, req: RunRequest) -> tuple[int, int, tuple[int, ...], float, float]:
-    """``(adapters' parameters, widest layer's adapted inputs, each layer's parameters, those a
-    token multiplies by, the adapted outputs a token passes through per layer)``, from the
-    adapter layouts built once per model and adapter shape: every candidate plan asks (as
-    :func:`_layouts`)."""
-    key = (msgspec.json.encode(cfg), req.lora_rank, req.lora_targets, req.lora_gate_up_rank)
-    if key not in _ADAPTER_SIZES:
-        if len(_ADAPTER_SIZES) >= 8:
-            _ADAPTER_SIZES.clear()
-        lays = adapter_layouts(cfg, LoraSpec(req.lora_rank, 1.0, req.lora_targets, fused_rank=req.lora_gate_up_rank))
-        inputs = max((sum(e.shape[1] for e in lay.entries if e.key.endswith(".lora_A")) for lay in lays), default=0)
-        share = cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 1.0
-        active = sum(e.numel * (share if e.key.startswith("experts_") else 1.0) for lay in lays for e in lay.entries)
-        reach = cfg.num_experts_per_tok if cfg.num_experts else 1
-        outputs = sum(e.shape[0] * (reach if e.key.startswith("experts_") else 1)
-                      for lay in lays for e in lay.entries if e.key.endswith(".lora_B")) / max(len(lays), 1)
-        _ADAPTER_SIZES[key] = (sum(lay.numel for lay in lays), inputs, tuple(lay.numel for lay in lays), active,
-                               outputs)
-    return _ADAPTER_SIZES[key]
-
-
-_ADAPTER_SIZES: dict[tuple, tuple[int, int, tuple[int, ...], float, float]] = {}
 
 
 def checkpoint_read_bytes(model_dir: str | os.PathLike[str] | None) -> int:
@@ -432,15 +380,10 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
     stage_n = staging_numel(layouts, resident)
 
     lora = req.lora_rank > 0  # a frozen base: its weights in the compute dtype, nothing else
-    host_adapters = _host_adapters(req)
-    adapter_slot_n = max(layer_adapter_numels(cfg, req), default=0) if host_adapters else 0
+    in_host = host_adapters(req)
+    adapter_slot_n = adapter_slot_numel(cfg, req)
     if lora:
-        host = {"base": cbytes * streamed_n}
-        if host_adapters:  # fp32 master, Adam moments and a whole gradient each, pinned
-            host["adapters"] = 16 * adapter_numel(cfg, req)
-            if not req.grad_clip:
-                host["undo_record"] = undo_arena_bytes([(n, 1) for n in layer_adapter_numels(cfg, req)], 0,
-                                                       int(req.undo_mem * GiB), touched=True)
+        host = {"base": cbytes * streamed_n, **lora_host_bytes(cfg, req)}
     else:
         host = {"master": 4 * streamed_n, "adam": 8 * streamed_n}
         if layout == "full":
@@ -468,7 +411,7 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
     compiled = device.type == "cuda" and compile_backend(req.compile, device.type) == "inductor"
     layer_work = layer_work_bytes(cfg, tokens, cbytes, compiled)
     chunk = min(chunk_tokens, tokens)
-    casting = cbytes != 4 and slot_n > 0 and (host_adapters if lora else layout != "stream-bf16")
+    casting = cbytes != 4 and slot_n > 0 and (in_host if lora else layout != "stream-bf16")
     resident_per = cbytes if lora else 16 + (cbytes if cbytes != 4 else 0)
     gpu = {
         "weight_slots": budgets[WEIGHTS] * (slot_n + adapter_slot_n) * cbytes,  # host adapters come with their layer
@@ -483,21 +426,8 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
         "loss_chunks": chunk * cfg.vocab_size * (4 + 4 + cbytes) + 2 * hidden
         + (0 if lora else cbytes * cfg.vocab_size * cfg.hidden_size),
     }
-    if lora:  # fp32 adapters, their gradient and Adam moments, all on the device (unless in host memory)
-        gpu["adapters"] = 0 if host_adapters else 16 * adapter_numel(cfg, req)
-        # beside a map's own work: in the forward its low-rank update and the sum (two of its
-        # output); in the backward the update's output gradient and the adapter's input gradient
-        # added to the base's (one of its output, two of its input). The MLP's intermediate is
-        # the widest of both, and all three may be live at once: llama-8b at 16,384 tokens under
-        # --gpu-mem 10 ran out of memory in its second step's backward with two counted.
-        gpu["lora_work"] = 3 * cbytes * tokens * max(cfg.intermediate_size, cfg.hidden_size)
-        if req.lora_dropout > 0:  # a byte per input element of every adapted map: the layer's keep masks
-            gpu["lora_work"] += tokens * _adapter_inputs(cfg, req)
-        if cfg.sparse_layers() and set(req.lora_targets) & {"gate_proj", "up_proj", "down_proj"}:
-            # the experts' updates, beside their own work: per (token, expert) pair the
-            # gate-and-up update (2 inter) and the down one (hidden), and their thin inputs
-            gpu["lora_work"] += cbytes * tokens * cfg.num_experts_per_tok * (2 * cfg.moe_intermediate_size
-                                                                             + cfg.hidden_size)
+    if lora:
+        gpu.update(lora_gpu_bytes(cfg, req, tokens, cbytes))
     if req.activations == "offload":  # all offloaded here; _bring_back returns what fits (auto)
         host["offloaded_activations"] = gpu["checkpoints"]
         gpu.update(_offloading_gpu(req, hidden))
@@ -665,13 +595,7 @@ def _spec(cfg: ModelConfig, req: RunRequest, layout: str, resident: tuple[str, .
                     grad_clip=req.grad_clip, resident=resident, staged=staged, grad_chunks=chunks,
                     # LoRA's processes each keep their own base and adapters: nothing to share
                     reduce=req.processes > 1, share=1 if req.lora_rank > 0 else req.share, lora=req.lora_rank > 0,
-                    host_adapters=_host_adapters(req), routed=_routed(cfg, req)).validate()
-
-
-def _host_adapters(req: RunRequest) -> bool:
-    """Whether LoRA's adapters live in host memory (``--lora-state host``, as ``auto`` resolves
-    it in :func:`_plan_once`)."""
-    return req.lora_rank > 0 and req.lora_state == "host"
+                    host_adapters=host_adapters(req), routed=_routed(cfg, req)).validate()
 
 
 def _routed(cfg: ModelConfig, req: RunRequest) -> tuple[int, ...]:
@@ -946,7 +870,7 @@ def _plan_state(cfg, req, device, dtype, policy, host_limit, gpu_limit, speed: b
 def never_resident(cfg: ModelConfig, req: RunRequest) -> frozenset[str]:
     """The layers no ``--resident auto`` choice may keep on the GPU: with adapters in host
     memory, every layer (a layer's fetch is what brings its adapters)."""
-    return frozenset(f"layer.{i}" for i in range(cfg.num_layers)) if _host_adapters(req) else frozenset()
+    return frozenset(f"layer.{i}" for i in range(cfg.num_layers)) if host_adapters(req) else frozenset()
 
 
 def _choose_resident(cfg: ModelConfig, build, policy: Any, speed: bool = True,  # noqa: ANN001 - build(resident) -> Plan

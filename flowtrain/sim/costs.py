@@ -120,7 +120,7 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
     #: gradient, and each ``gpu_adam`` updates one layer's adapters (``numel["adapter.i"]``).
     adapter_params: float = 0
     #: LoRA: the adapters' rank, and the adapted maps' output features a token passes through in
-    #: a layer (:func:`~flowtrain.plan.memory.adapter_active_outputs`)
+    #: a layer (:func:`~flowtrain.plan.adapters.adapter_active_outputs`)
     lora_rank: int = 0
     adapter_outputs: float = 0
 

@@ -37,7 +37,7 @@ def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1, world: int = 
     """The :class:`Shape` of model ``cfg`` (a ``ModelConfig``) run under ``plan`` for ``req``."""
     from ..model import model_layouts
 
-    from ..plan.memory import adapter_active_numel, adapter_active_outputs, layer_adapter_numels
+    from ..plan.adapters import adapter_active_numel, adapter_active_outputs, layer_adapter_numels
 
     layouts = model_layouts(cfg)
     numel = {lay.key: lay.numel for lay in layouts}

@@ -12,7 +12,8 @@ import torch
 from flowtrain.cli import main
 from flowtrain.model.adapters import LoraSpec, adapter_layouts
 from flowtrain.model.config import preset
-from flowtrain.plan.memory import GiB, RunRequest, adapter_numel, plan_run, run_request
+from flowtrain.plan.adapters import adapter_numel
+from flowtrain.plan.memory import GiB, RunRequest, plan_run, run_request
 from flowtrain.train.host_state import HostState
 from flowtrain.train.run_config import TrainConfig
 
@@ -44,7 +45,7 @@ def test_experts_adapter_count_is_pefts_and_flops_count_those_a_token_reaches(fa
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
     from flowtrain.model.config import ModelConfig
-    from flowtrain.plan.memory import adapter_active_numel
+    from flowtrain.plan.adapters import adapter_active_numel
 
     shape = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
                  num_key_value_heads=2, num_experts_per_tok=2)
