@@ -37,7 +37,10 @@ def _betas(text: str) -> tuple[float, float]:
 
 
 def _targets(text: str) -> tuple[str, ...]:
-    """``--lora-targets q_proj,v_proj`` -> ``("q_proj", "v_proj")``."""
+    """``--lora-targets q_proj,v_proj`` -> ``("q_proj", "v_proj")``; ``all-linear`` (PEFT's name
+    for it) -> every map, as the default."""
+    if text.strip().lower() == "all-linear":
+        return DEFAULT_TARGETS
     return tuple(t.strip() for t in text.split(",") if t.strip())
 
 
@@ -239,7 +242,8 @@ class TrainConfig(msgspec.Struct, kw_only=True):
         "the adapters' update is scaled by ALPHA / R (default: 2 R, a scale of 2)", gt=0.0, metavar="ALPHA",
         group=LORA)] = None
     lora_targets: Annotated[tuple[str, ...] | None, Setting(
-        f"the linear maps that get adapters, comma-separated (default: all of them, {','.join(DEFAULT_TARGETS)}); in "
+        f"the linear maps that get adapters, comma-separated (default: all of them, {','.join(DEFAULT_TARGETS)}, "
+        "which all-linear, PEFT's name, also says); in "
         "a mixture of experts gate_proj,up_proj and down_proj adapt each expert's weights, and router its router",
         parse=_targets, metavar="MAPS", group=LORA)] = None
     lora_gate_up_rank: Annotated[int | None, Setting(

@@ -178,7 +178,9 @@ def test_fresh_adapter_and_merge(setup, tmp_path):
     prompt = torch.tensor([[1, 2, 3, 4]])
     assert loaded.generate(input_ids=prompt, max_new_tokens=3, do_sample=False).shape == (1, 7)  # PEFT generates
 
-    run_lora(d / "model", d / "data.jsonl", tmp_path / "merged", "--lora-rank", "4", "--lora-alpha", "8", "--merge")
+    # PEFT's name for every map says the default: the merged model is that of the adapter above
+    run_lora(d / "model", d / "data.jsonl", tmp_path / "merged", "--lora-rank", "4", "--lora-alpha", "8", "--merge",
+             "--lora-targets", "all-linear")
     merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     expect = peft_model(d / "model", tmp_path / "adapter").merge_and_unload()
     ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(0))
