@@ -135,6 +135,8 @@ def run_model(args: argparse.Namespace) -> dict:
                       host_bytes_per_param=round(result["host_peak_gib"] * 2**30 / p.params, 3),
                       measured_host_bytes_per_param=round(
                           (result["host_peak_gib"] * 2**30 - p.host.get("runtime", 0)) / p.params, 3))
+        if adapters is not None:  # where the adapters and their AdamW lived (--lora-state auto decides)
+            result["lora_state"] = "host" if p.spec.host_adapters else "gpu"
     if torch.cuda.is_available() and cfg.device != "cpu":
         result.update(gpu_memory(torch))
         result["gpu"] = torch.cuda.get_device_name()

@@ -97,7 +97,8 @@ RUNS = (
     ("qwen3-moe-12l on a 10 GB card, experts gathered", "2026-12-04/resident-check-results.jsonl", {"job": "moe10"},
      {**_AUTO, "gpu_mem": 10.0}),
     # LoRA over a Qwen2.5-32B-shaped base on a 10 GB card, rank 16 on every linear map, the
-    # adapters on the GPU (the result lines do not record where; their empty gradient pools say so)
+    # adapters on the GPU (these result lines predate ``lora_state``; their empty gradient pools
+    # say where the adapters were)
     ("LoRA, qwen2.5-32b on a 10 GB card, micro-batch 2", "2026-12-04/lora-b-results.jsonl", {"job": "lora32"},
      {**_AUTO, "gpu_mem": 10.0, "lora_state": "gpu"}),
     ("LoRA, qwen2.5-32b on a 10 GB card, micro-batch 1", "2026-12-05/gate-b-results.jsonl", {"job": "lora32"},
@@ -141,6 +142,7 @@ def predict_run(row: dict, extra: dict, machine: str = "h200") -> dict:
     # as a card for the planner, card_for that many bytes.
     settings = {"activations": "recompute", "order": row.get("order", "layer"),
                 "gpu_mem": round(card_for(int(GPU_FILL * m.gpu_mem_gib * GiB)), 2),
+                **({"lora_state": row["lora_state"]} if "lora_state" in row else {}),  # as a LoRA run recorded it
                 **{k: v for k, v in extra.items() if k not in _SIM_ONLY}}
     req = RunRequest(seq_len=row["seq_len"], batch_size=row["batch_size"], micro_batch_size=row["micro_batch_size"],
                      resident=resident, layout=row.get("layout", "auto"), host_mem=118.0,

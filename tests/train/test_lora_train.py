@@ -475,3 +475,17 @@ def test_attention_only_adapters_with_dropout_run_on_a_mixture_of_experts(moe_se
              "--lora-targets", "q_proj,v_proj")
     config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
     assert config["target_modules"] == ["q_proj", "v_proj"] and config["target_parameters"] is None
+
+
+@pytest.mark.parametrize("state, where", [("host", "host"), ("auto", "gpu")])
+def test_bench_records_where_the_adapters_lived(setup, tmp_path, state, where):
+    """A LoRA bench line says where the adapters and their AdamW lived (``auto`` decides it), so
+    the simulator's check against measured runs plans each run as it ran."""
+    d, _, _ = setup
+    out = tmp_path / "bench.json"
+    assert main(["bench", "--model", str(d / "model"), "--data", str(d / "data.jsonl"), "--seq-len", str(SEQ),
+                 "--batch-size", "4", "--micro-batch-size", "2", "--steps", "2", "--warmup", "1", "--device", "cpu",
+                 "--lora-rank", "4", "--lora-state", state, "--json", str(out)]) == 0
+    row = json.loads(out.read_text())
+    assert (row["lora_state"], row["lora_rank"]) == (where, 4)
+    assert (row["budgets"]["grads"] > 0) == (where == "host")  # host adapters' gradients leave in slots
