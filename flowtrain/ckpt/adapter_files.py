@@ -235,16 +235,18 @@ _MAP_PATH = re.compile(r"(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)")
 
 def _matched(pattern: str, cfg: ModelConfig, path: Path) -> list[str]:
     """The module names of a dense model that a ``target_modules`` regular expression reaches, as
-    PEFT matches them (the whole name); one reaching the head, or nothing, is refused."""
+    PEFT matches them (the whole name); one reaching the head or the embedding, or nothing, is
+    refused."""
     try:
         regex = re.compile(pattern)
     except re.error as e:
         raise CheckpointError(f"{path}: target_modules {pattern!r} is no regular expression: {e}") from None
     names = [f"model.layers.{i}.{part}.{t}" for i in range(cfg.num_layers)
              for part, maps in (("self_attn", _ATTENTION), ("mlp", _MLP)) for t in maps]
-    if regex.fullmatch("lm_head"):
-        raise CheckpointError(f"{path}: target_modules {pattern!r} reaches lm_head; flowtrain adapts the maps of "
-                              f"attention and the MLP ({', '.join(_ATTENTION + _MLP)})")
+    for other in ("lm_head", "model.embed_tokens"):  # PEFT adapts these too; flowtrain does not
+        if regex.fullmatch(other):
+            raise CheckpointError(f"{path}: target_modules {pattern!r} reaches {other}; flowtrain adapts the maps "
+                                  f"of attention and the MLP ({', '.join(_ATTENTION + _MLP)})")
     hits = [n for n in names if regex.fullmatch(n)]
     if not hits:
         raise CheckpointError(f"{path}: target_modules {pattern!r} reaches none of the model's maps "

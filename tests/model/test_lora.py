@@ -202,6 +202,7 @@ def test_an_adapter_peft_saves_reads_into_flowtrain(tmp_path):
     # a string is a regular expression PEFT matches against a module's whole name
     (dict(target_modules="q_proj|v_proj"), "reaches none of the model's maps"),
     (dict(target_modules=r".*\.q_proj|lm_head"), "reaches lm_head"),
+    (dict(target_modules=r".*(proj|embed_tokens)"), "reaches model.embed_tokens"),
     (dict(target_modules="(q_proj"), "is no regular expression"),
     # full module names, as PEFT saves all-linear over a model of fewer than 20 maps
     (dict(target_modules=["model.layers.0.self_attn.q_proj"]), "adapt q_proj in layers 0 of the model's 2"),
