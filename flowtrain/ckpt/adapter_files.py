@@ -9,12 +9,13 @@ causal LM over the linear maps flowtrain adapts)::
 
 The tensors are named as PEFT saves them (``base_model.model.model.layers.0.self_attn.q_proj.
 lora_A.weight``: :func:`flowtrain.model.adapters.adapter_layouts`). What PEFT can express and
-flowtrain does not run (DoRA, rsLoRA's scaling, per-layer ranks or alphas, trained biases,
+flowtrain does not run (DoRA, per-layer ranks or alphas, trained biases,
 extra trained modules, a subset of layers) is refused in one line naming the setting, rather
 than read as something else. ``target_modules`` is read as PEFT matches it against the model's
 module names: a map's own name (``q_proj``), its full name (``model.layers.3.self_attn.q_proj``,
 as PEFT saves ``all-linear`` over a model of fewer than 20 maps) or a regular expression; the
-maps it reaches must be the same in every layer.
+maps it reaches must be the same in every layer. rsLoRA's scaling (``use_rslora``) is read and
+written.
 
 A mixture of experts' router and stacked experts are adapted as PEFT adapts them over
 transformers 5: named in ``target_parameters`` (``gate.weight``, ``gate_up_proj``, ``down_proj``),
@@ -51,7 +52,7 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 
 #: PEFT settings flowtrain does not run, and the value that means "off" (as written);
 #: ``rank_pattern`` and ``alpha_pattern`` are read where they name the experts' gate_up_proj only
-_UNSUPPORTED = {"use_dora": False, "use_rslora": False, "bias": "none",
+_UNSUPPORTED = {"use_dora": False, "bias": "none",
                 "modules_to_save": None, "layers_to_transform": None, "fan_in_fan_out": False, "lora_bias": False,
                 "exclude_modules": None, "alora_invocation_tokens": None}
 
@@ -73,9 +74,10 @@ def _pattern_hits(key: str, names: list[str]) -> list[str]:
     return [n for n in names if pattern.match(n)]
 
 
-def _fused_rank(config: dict[str, Any], path: Path, gate_up: bool) -> int | None:
+def _fused_rank(config: dict[str, Any], path: Path, gate_up: bool, spec: LoraSpec) -> int | None:
     """The experts' gate-and-up rank a config's ``rank_pattern`` sets (None: none), after
-    checking that its patterns reach that weight only and keep the scale ``lora_alpha / r``.
+    checking that its patterns reach that weight only and keep the scale of ``lora_alpha`` and
+    ``r`` (``spec``'s rule: ``alpha / r``, or ``alpha / sqrt(r)`` with rsLoRA).
     PEFT also writes patterns naming experts the adapter does not adapt, which it ignores."""
     adapted = [f"model.layers.{i}.{part}.{t}" for i in range(1024) for part in ("self_attn", "mlp")
                for t in DEFAULT_TARGETS] + [f"model.layers.{i}.mlp.{p}" for i in range(1024)
@@ -94,9 +96,9 @@ def _fused_rank(config: dict[str, Any], path: Path, gate_up: bool) -> int | None
     if not ranks:
         return None
     rank, alpha = ranks.get("rank_pattern", config["r"]), ranks.get("alpha_pattern", config["lora_alpha"])
-    if abs(alpha / rank - config["lora_alpha"] / config["r"]) > 1e-9 * abs(config["lora_alpha"] / config["r"]):
+    if abs(spec.scale_at(rank, alpha) - spec.scale) > 1e-9 * abs(spec.scale):
         raise CheckpointError(f"{path}: the experts' gate_up_proj has rank {rank} and alpha {alpha}, a scale other "
-                              f"than lora_alpha / r; flowtrain runs one scale for every adapter")
+                              f"than the other adapters'; flowtrain runs one scale for every adapter")
     return int(rank)
 
 
@@ -119,14 +121,14 @@ def _config(spec: LoraSpec, layouts: Sequence[UnitLayout], base_model: str | Non
     parameters = sorted(names[k] for k in keys if k in names)
     ranks: dict[str, Any] = {}
     alphas: dict[str, Any] = {}
-    if "experts_gate_up" in keys and spec.gate_up_rank != spec.rank:
+    if "experts_gate_up" in keys and spec.gate_up_rank != spec.rank:  # (never with rsLoRA: check_model)
         ranks[r".*\.gate_up_proj"] = spec.gate_up_rank
         alphas[r".*\.gate_up_proj"] = spec.alpha * spec.gate_up_rank / spec.rank
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
             "lora_dropout": spec.dropout, "target_modules": sorted(keys - set(names)),
             "target_parameters": parameters or None, "rank_pattern": ranks, "alpha_pattern": alphas,
             "base_model_name_or_path": base_model, "inference_mode": True, "init_lora_weights": True,
-            "layers_pattern": None, "revision": None, **_UNSUPPORTED}
+            "layers_pattern": None, "revision": None, "use_rslora": spec.rslora, **_UNSUPPORTED}
 
 
 def adapter_config_text(spec: LoraSpec, layouts: Sequence[UnitLayout], base_model: str | None = None) -> str:
@@ -175,8 +177,8 @@ def read_spec(adapter_dir: str | os.PathLike[str], cfg: ModelConfig | None = Non
     try:
         targets, direct = _targets(config, path, cfg)
         spec = LoraSpec(rank=int(config["r"]), alpha=float(config["lora_alpha"]), targets=targets,
-                        dropout=float(config.get("lora_dropout") or 0.0))
-        fused = _fused_rank(config, path, "gate_proj" in targets)
+                        dropout=float(config.get("lora_dropout") or 0.0), rslora=bool(config.get("use_rslora")))
+        fused = _fused_rank(config, path, "gate_proj" in targets, spec)
         if fused is None and direct:  # named as gate_up_proj, with no pattern: the rank r
             fused = spec.rank
         spec = msgspec.structs.replace(spec, fused_rank=fused)

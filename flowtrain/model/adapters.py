@@ -30,6 +30,8 @@ experts' only: what flowtrain trains is what PEFT loads.
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 from flowtrain.model.config import ModelConfig
@@ -46,7 +48,8 @@ SPARSE_TARGETS = ("gate_proj", "up_proj", "down_proj", "router")
 
 class LoraSpec(msgspec.Struct, frozen=True):
     """What the adapters are: rank ``r``, ``alpha`` (the update is scaled by ``alpha / r``,
-    PEFT's default scaling), the target maps, and the dropout on their input in training."""
+    PEFT's default scaling, or with ``rslora`` by ``alpha / sqrt(r)``, PEFT's ``use_rslora``),
+    the target maps, and the dropout on their input in training."""
 
     rank: int
     alpha: float
@@ -55,10 +58,16 @@ class LoraSpec(msgspec.Struct, frozen=True):
     #: rank of a mixture of experts' gate-and-up adapter (None: twice ``rank``, as PEFT makes it
     #: from ``gate_proj`` and ``up_proj``; its alpha scales with it, so the scale is the same)
     fused_rank: int | None = None
+    #: rank-stabilised scaling (rsLoRA): the update is scaled by ``alpha / sqrt(r)``
+    rslora: bool = False
 
     @property
     def scale(self) -> float:
-        return self.alpha / self.rank
+        return self.scale_at(self.rank, self.alpha)
+
+    def scale_at(self, rank: int, alpha: float) -> float:
+        """The scale an adapter of ``rank`` and ``alpha`` has under this spec's scaling rule."""
+        return alpha / (math.sqrt(rank) if self.rslora else rank)
 
     @property
     def gate_up_rank(self) -> int:
@@ -87,6 +96,10 @@ class LoraSpec(msgspec.Struct, frozen=True):
             if ("gate_proj" in self.targets) != ("up_proj" in self.targets):
                 raise ValueError("LoRA targets gate_proj and up_proj are one stacked weight in a mixture of experts "
                                  "(gate_up_proj): adapt both or neither")
+            if self.rslora and "gate_proj" in self.targets and self.gate_up_rank != self.rank:
+                raise ValueError(f"rsLoRA scales each adapter by alpha / sqrt(rank), so the experts' gate-and-up "
+                                 f"adapter at rank {self.gate_up_rank} would have a scale of its own; flowtrain "
+                                 f"runs one: give the gate-and-up rank {self.rank}")
             if self.dropout and set(self.targets) & set(SPARSE_TARGETS):
                 raise ValueError("LoRA dropout does not apply to a mixture of experts' router and stacked experts "
                                  "(PEFT refuses it too): leave out router, gate_proj, up_proj and down_proj, or the "

@@ -251,9 +251,12 @@ class TrainConfig(msgspec.Struct, kw_only=True):
         "the same scale, as PEFT makes it from gate_proj and up_proj)", ge=1, metavar="R", group=LORA)] = None
     lora_dropout: Annotated[float | None, Setting(
         "dropout on the adapters' input in training (default 0)", ge=0.0, metavar="P", group=LORA)] = None
+    lora_rslora: Annotated[bool | None, Setting(
+        "scale the adapters' update by ALPHA / sqrt(R) instead of ALPHA / R (rank-stabilised LoRA, PEFT's "
+        "use_rslora)", const=True, group=LORA)] = None
     adapter: Annotated[str | None, Setting(
         "start from this PEFT adapter folder (adapter_config.json + adapter_model.safetensors): its rank, alpha, "
-        "targets and dropout are the run's", metavar="DIR", group=LORA)] = None
+        "scaling, targets and dropout are the run's", metavar="DIR", group=LORA)] = None
     lora_state: Annotated[Literal["auto", "gpu", "host"], Setting(
         "where the adapters' fp32 weights and AdamW state live: gpu (beside the work, with a GPU AdamW), or host "
         "(in host memory, copied to the GPU with their layer and updated by CPU AdamW, like the layers of full "
@@ -304,7 +307,7 @@ def lora_spec(cfg: TrainConfig) -> LoraSpec | None:
         return None
     alpha = cfg.lora_alpha if cfg.lora_alpha is not None else 2.0 * cfg.lora_rank
     spec = LoraSpec(cfg.lora_rank, alpha, cfg.lora_targets or DEFAULT_TARGETS, cfg.lora_dropout or 0.0,
-                    cfg.lora_gate_up_rank)
+                    cfg.lora_gate_up_rank, rslora=bool(cfg.lora_rslora))
     try:
         spec.validate()
     except ValueError as e:
@@ -315,7 +318,7 @@ def lora_spec(cfg: TrainConfig) -> LoraSpec | None:
 def _validate_lora(cfg: TrainConfig, mcfg: ModelConfig) -> None:
     """How the LoRA flags go together, and with the model (:meth:`LoraSpec.check_model`)."""
     given = [f for f, off in (("lora_alpha", None), ("lora_targets", None), ("lora_dropout", None),
-                              ("lora_gate_up_rank", None), ("merge", False),
+                              ("lora_gate_up_rank", None), ("lora_rslora", None), ("merge", False),
                               ("lora_state", "auto"))
              if getattr(cfg, f) != off]
     if not cfg.lora:
@@ -326,8 +329,9 @@ def _validate_lora(cfg: TrainConfig, mcfg: ModelConfig) -> None:
     if cfg.adapter is not None and cfg.resume is not None:  # (a resumed run's settings are filled in by now)
         raise ConfigError("{resume} continues the checkpoint's own adapters: leave out {adapter}", named=True)
     if cfg.adapter is not None and (cfg.lora_rank is not None or [g for g in given if g not in ("merge", "lora_state")]):
-        raise ConfigError("{adapter} brings its own rank, alpha, targets and dropout: leave out {lora_rank}, "
-                          "{lora_alpha}, {lora_targets}, {lora_gate_up_rank} and {lora_dropout}", named=True)
+        raise ConfigError("{adapter} brings its own rank, alpha, scaling, targets and dropout: leave out "
+                          "{lora_rank}, {lora_alpha}, {lora_rslora}, {lora_targets}, {lora_gate_up_rank} and "
+                          "{lora_dropout}", named=True)
     spec = lora_spec(cfg)
     if spec is not None:
         try:

@@ -144,9 +144,11 @@ def summary_lines(run: "Run") -> list[str]:
         targets = [t for t in cfg.lora_targets or DEFAULT_TARGETS if t != "router" or m.sparse_layers()]  # as adapted
         experts = (f" (each expert's gate_up_proj at rank {cfg.lora_gate_up_rank})"
                    if m.sparse_layers() and "gate_proj" in targets and "up_proj" in targets else "")
-        lines.append(f"lora       rank {cfg.lora_rank}, alpha {cfg.lora_alpha:g} on {','.join(targets)}{experts}: "
+        scaling = " (rsLoRA: scale alpha / sqrt(rank))" if cfg.lora_rslora else ""
+        lines.append(f"lora       rank {cfg.lora_rank}, alpha {cfg.lora_alpha:g}{scaling} on {','.join(targets)}{experts}: "
                      f"{lora_params(run):,} trained parameters, "
-                     + (f"from {cfg.adapter}" if cfg.adapter else "fresh (B zero: the base's outputs)"))
+                     + (f"from {cfg.adapter}" if cfg.adapter else f"resumed from {run.resume_from}" if run.resume_from
+                        else "fresh (B zero: the base's outputs)"))
     world = getattr(run, "world", None)
     if world is not None and world.parallel:
         shared = (f"; the node's {plan.spec.share} processes share one host copy of the state, planned "

@@ -173,7 +173,8 @@ def _resumed_lora(cfg: TrainConfig, resume_state: dict, resume_from: Path | None
     saved = resume_state.get("settings", {})
     if resume_from is None or saved.get("lora_rank") is None:
         return cfg
-    fill = {k: saved[k] for k in ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "lora_gate_up_rank")
+    fill = {k: saved[k] for k in ("lora_rank", "lora_alpha", "lora_targets", "lora_dropout", "lora_gate_up_rank",
+                                  "lora_rslora")
             if k in saved and getattr(cfg, k) is None}
     if "lora_targets" in fill:
         fill["lora_targets"] = tuple(fill["lora_targets"])
@@ -194,7 +195,8 @@ def _with_lora_spec(cfg: TrainConfig, mcfg: ModelConfig) -> TrainConfig:
     spec = read_spec(cfg.adapter, mcfg) if cfg.adapter is not None else lora_spec(cfg)
     assert spec is not None
     return msgspec.structs.replace(cfg, lora_rank=spec.rank, lora_alpha=spec.alpha, lora_targets=spec.targets,
-                                   lora_dropout=spec.dropout, lora_gate_up_rank=spec.gate_up_rank)
+                                   lora_dropout=spec.dropout, lora_gate_up_rank=spec.gate_up_rank,
+                                   lora_rslora=spec.rslora)
 
 
 def _data_parallel(cfg: TrainConfig, world: World, device: torch.device) -> tuple[torch.device, TrainConfig]:

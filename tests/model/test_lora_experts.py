@@ -188,7 +188,7 @@ def _write(tmp_path, config):
 
 @pytest.mark.parametrize("config, says", [
     (dict(target_modules=["q_proj"], target_parameters=["gate_up_proj"], rank_pattern={r".*\.gate_up_proj": 4}),
-     "a scale other than lora_alpha / r"),
+     "a scale other than the other adapters'"),
     (dict(target_modules=["q_proj"], rank_pattern={"q_proj": 8}), "per-map ranks and alphas"),
     (dict(target_modules=["q_proj"], target_parameters=["experts.w13"]), "target_parameters 'experts.w13'"),
     (dict(target_modules=["q_proj", "gate_proj"]), "gate_proj and up_proj are one stacked weight"),

@@ -30,13 +30,14 @@ pytestmark = [pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_adapter(base_dir, out, *, rank=4, alpha=8.0, targets=TARGETS, seed=7, parameters=None):
+def make_adapter(base_dir, out, *, rank=4, alpha=8.0, targets=TARGETS, seed=7, parameters=None, rslora=False):
     """A PEFT adapter over the model in ``base_dir`` with every A and B random (a fresh adapter's
     B is zero, which would leave A's gradient zero in the first step). ``targets`` a list of
-    names or PEFT's "all-linear"; ``parameters`` PEFT's target_parameters."""
+    names or PEFT's "all-linear"; ``parameters`` PEFT's target_parameters; ``rslora`` its
+    rank-stabilised scaling."""
     model = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_parameters=parameters,
-                             target_modules=targets if isinstance(targets, str) else list(targets))
+                             target_modules=targets if isinstance(targets, str) else list(targets), use_rslora=rslora)
     wrapped = peft.get_peft_model(model, config)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -187,6 +188,52 @@ def test_fresh_adapter_and_merge(setup, tmp_path):
     torch.testing.assert_close(merged(input_ids=ids).logits, expect(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
 
 
+def test_rslora_trains_merges_and_saves_as_peft(setup, tmp_path):
+    """rsLoRA (PEFT's ``use_rslora``: the update scaled by alpha / sqrt(r)): an adapter PEFT made
+    trains as PEFT trains it, a fresh ``--lora-rslora`` adapter is written with the setting (PEFT
+    loads it at that scale), and its merge is PEFT's."""
+    d, rows, _ = setup
+    make_adapter(d / "model", tmp_path / "rs", rank=4, alpha=2.0, rslora=True)
+    ref = reference(d / "model", tmp_path / "rs", rows)
+    run_lora(d / "model", d / "data.jsonl", tmp_path / "out", "--adapter", str(tmp_path / "rs"))
+    assert json.loads((tmp_path / "out" / "adapter_config.json").read_text())["use_rslora"] is True
+    assert_same_adapter(d / "model", tmp_path / "out", ref)
+
+    flags = ("--lora-rank", "4", "--lora-alpha", "2", "--lora-rslora")
+    run_lora(d / "model", d / "data.jsonl", tmp_path / "fresh", *flags)
+    loaded = peft_model(d / "model", tmp_path / "fresh")
+    assert loaded.peft_config["default"].use_rslora
+    scales = {s for m in loaded.modules() if isinstance(getattr(m, "scaling", None), dict) for s in m.scaling.values()}
+    assert scales == {1.0}  # 2 / sqrt(4)
+    run_lora(d / "model", d / "data.jsonl", tmp_path / "merged", *flags, "--merge")
+    merged = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    expect = peft_model(d / "model", tmp_path / "fresh").merge_and_unload()
+    ids = torch.randint(0, 64, (2, SEQ), generator=torch.Generator().manual_seed(0))
+    torch.testing.assert_close(merged(input_ids=ids).logits, expect(input_ids=ids).logits, rtol=1e-5, atol=1e-5)
+
+
+def test_rslora_over_experts_trains_as_peft_at_one_rank_and_is_refused_at_two(tmp_path, capsys):
+    """rsLoRA over a mixture of experts: the experts' stacked weights named directly (every adapter
+    at rank r, one scale) train as PEFT trains them; PEFT's conversion of gate_proj and up_proj
+    (the gate-and-up adapter at 2 r: a scale of its own) is refused in one line."""
+    make_checkpoint(tmp_path / "model", layers=2, seed=3, model_type="qwen3_moe", **MOE)
+    rows = make_data(tmp_path / "data.jsonl", seed=4)
+    make_adapter(tmp_path / "model", tmp_path / "direct", rank=2, alpha=6.0, targets=["o_proj"],
+                 parameters=["gate_up_proj", "down_proj", "gate.weight"], rslora=True)
+    ref = reference(tmp_path / "model", tmp_path / "direct", rows)
+    run_lora(tmp_path / "model", tmp_path / "data.jsonl", tmp_path / "out", "--adapter", str(tmp_path / "direct"))
+    assert_same_adapter(tmp_path / "model", tmp_path / "out", ref)
+
+    make_adapter(tmp_path / "model", tmp_path / "converted", rank=2, alpha=6.0, targets=["gate_proj", "up_proj"],
+                 rslora=True)
+    capsys.readouterr()
+    assert main(lora_args(tmp_path / "data.jsonl", tmp_path / "out2", "--model", str(tmp_path / "model"),
+                          "--adapter", str(tmp_path / "converted"))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "a scale other than the other adapters'" in err[0], err
+    assert not (tmp_path / "out2").exists()
+
+
 def test_held_out_loss_reads_the_adapters(setup, tmp_path):
     """``--eval-data`` with LoRA: the last held-out loss is that of the base with the trained
     adapters, which ``--merge`` writes as a model for transformers to compute it from."""
@@ -254,7 +301,7 @@ def test_adapter_folders_flowtrain_cannot_run_are_refused(setup, tmp_path, capsy
         assert not (tmp_path / "out").exists()
 
 
-def test_checkpoint_and_resume_continue_exactly(setup, tmp_path):
+def test_checkpoint_and_resume_continue_exactly(setup, tmp_path, capsys):
     """A LoRA run saved after two steps and resumed (from the checkpoint alone: the base's path
     and the adapters' settings come from it) ends with the adapters of the uninterrupted run, bit
     for bit; the checkpoint holds the adapters, their Adam state and a PEFT adapter_config.json,
@@ -273,7 +320,10 @@ def test_checkpoint_and_resume_continue_exactly(setup, tmp_path):
             names |= set(st.keys())
     assert names and all("lora_" in n for n in names), sorted(names)[:3]
 
+    capsys.readouterr()
     assert main(lora_args(d / "data.jsonl", tmp_path / "resumed", "--resume", str(ckpt))) == 0
+    lora_line = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("lora "))
+    assert lora_line.endswith(f"resumed from {ckpt}"), lora_line  # not "fresh"
     straight = adapter_tensors(peft_model(d / "model", tmp_path / "straight"))
     resumed = adapter_tensors(peft_model(d / "model", tmp_path / "resumed"))
     assert straight.keys() == resumed.keys()
@@ -286,7 +336,8 @@ def test_resume_refuses_another_adapter_or_rank(setup, tmp_path, capsys):
     run_lora(d / "model", d / "data.jsonl", tmp_path / "saved", "--lora-rank", "4", "--save-every", "3")
     ckpt = tmp_path / "saved" / "checkpoint-3"
     for extra, says in [(("--adapter", str(d / "adapter")), "leave out --adapter"),
-                        (("--lora-rank", "8"), "lora_rank=4")]:
+                        (("--lora-rank", "8"), "lora_rank=4"),
+                        (("--lora-rslora",), "lora_rslora=False")]:
         assert main(lora_args(d / "data.jsonl", tmp_path / "o", "--resume", str(ckpt), "--steps", "4", *extra)) == 2
         err = capsys.readouterr().err.strip().splitlines()
         assert len(err) == 1 and says in err[0], err
@@ -459,6 +510,7 @@ def test_experts_adapters_resume_exactly(moe_setup, tmp_path):
     (("--lora-rank", "2", "--lora-targets", "q_proj,gate_proj"), "--lora-targets gate_proj and up_proj are one stacked weight"),
     (("--lora-rank", "2", "--lora-dropout", "0.1"), "--lora-dropout does not apply to a mixture of experts"),
     (("--lora-gate-up-rank", "4",), "--lora-gate-up-rank is for LoRA"),
+    (("--lora-rank", "2", "--lora-rslora"), "rsLoRA scales each adapter by alpha / sqrt(rank)"),
 ])
 def test_experts_adapter_flags_are_refused_in_one_line(moe_setup, tmp_path, capsys, flags, says):
     d, _, _ = moe_setup
