@@ -14,8 +14,9 @@ extra trained modules, a subset of layers) is refused in one line naming the set
 than read as something else. ``target_modules`` is read as PEFT matches it against the model's
 module names: a map's own name (``q_proj``), its full name (``model.layers.3.self_attn.q_proj``,
 as PEFT saves ``all-linear`` over a model of fewer than 20 maps) or a regular expression; the
-maps it reaches must be the same in every layer. rsLoRA's scaling (``use_rslora``) is read and
-written.
+maps it reaches, less those ``exclude_modules`` names (a dense model's), must be the same in
+every layer, as must ``layers_to_transform`` name every layer. rsLoRA's scaling
+(``use_rslora``) is read and written.
 
 A mixture of experts' router and stacked experts are adapted as PEFT adapts them over
 transformers 5: named in ``target_parameters`` (``gate.weight``, ``gate_up_proj``, ``down_proj``),
@@ -53,8 +54,8 @@ ADAPTER_WEIGHTS = "adapter_model.safetensors"
 #: PEFT settings flowtrain does not run, and the value that means "off" (as written);
 #: ``rank_pattern`` and ``alpha_pattern`` are read where they name the experts' gate_up_proj only
 _UNSUPPORTED = {"use_dora": False, "bias": "none",
-                "modules_to_save": None, "layers_to_transform": None, "fan_in_fan_out": False, "lora_bias": False,
-                "exclude_modules": None, "alora_invocation_tokens": None}
+                "modules_to_save": None, "fan_in_fan_out": False, "lora_bias": False,
+                "alora_invocation_tokens": None}
 
 #: a mixture of experts' parameters as PEFT names them in target_parameters, and flowtrain's targets
 _PARAMETERS = {"gate.weight": ("router",), "gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
@@ -128,7 +129,8 @@ def _config(spec: LoraSpec, layouts: Sequence[UnitLayout], base_model: str | Non
             "lora_dropout": spec.dropout, "target_modules": sorted(keys - set(names)),
             "target_parameters": parameters or None, "rank_pattern": ranks, "alpha_pattern": alphas,
             "base_model_name_or_path": base_model, "inference_mode": True, "init_lora_weights": True,
-            "layers_pattern": None, "revision": None, "use_rslora": spec.rslora, **_UNSUPPORTED}
+            "layers_pattern": None, "revision": None, "use_rslora": spec.rslora, "layers_to_transform": None,
+            "exclude_modules": None, **_UNSUPPORTED}
 
 
 def adapter_config_text(spec: LoraSpec, layouts: Sequence[UnitLayout], base_model: str | None = None) -> str:
@@ -195,6 +197,8 @@ def _targets(config: dict[str, Any], path: Path, cfg: ModelConfig | None) -> tup
     whether the experts' gate_up_proj was named as itself (then its rank is ``r`` unless a
     pattern says otherwise; PEFT gives ``gate_proj`` and ``up_proj`` converted into it twice ``r``)."""
     modules = config.get("target_modules")
+    _check_layers(config, path, cfg, regex=isinstance(modules, str) and modules.lower() != "all-linear")
+    model = cfg
     if isinstance(modules, str) and modules.lower() == "all-linear":  # every linear map, a router and experts
         modules, cfg = list(DEFAULT_TARGETS), None
     elif modules is None:
@@ -226,8 +230,55 @@ def _targets(config: dict[str, Any], path: Path, cfg: ModelConfig | None) -> tup
                                   f"{', '.join(_PARAMETERS)}")
         targets += _PARAMETERS[found[0]]
         direct = direct or found[0] == "gate_up_proj"
+    if not _is_off(config.get("exclude_modules"), None):
+        targets = _without_excluded(targets, config["exclude_modules"], model, path)
     known = [t for t in DEFAULT_TARGETS if t in targets]  # in one order, whatever order the file lists them in
     return tuple(known + [t for t in dict.fromkeys(targets) if t not in known]), direct
+
+
+def _check_layers(config: dict[str, Any], path: Path, cfg: ModelConfig | None, regex: bool) -> None:
+    """``layers_to_transform`` (PEFT applies it to a list of targets, not to a pattern) naming
+    every layer of the model adapts what it would without it; some layers only are refused."""
+    layers = config.get("layers_to_transform")
+    if regex or _is_off(layers, None):
+        return
+    named = {layers} if isinstance(layers, int) else set(layers) if isinstance(layers, list) else None
+    pattern = config.get("layers_pattern")
+    if named is None or not _is_off(pattern, None) and pattern not in ("layers", ["layers"]):
+        raise CheckpointError(f"{path}: layers_to_transform = {layers!r} (layers_pattern {pattern!r}) is a PEFT "
+                              "setting flowtrain runs only naming every layer")
+    if cfg is not None and named != set(range(cfg.num_layers)):
+        some = ", ".join(str(i) for i in sorted(named))
+        raise CheckpointError(f"{path}: layers_to_transform adapts layers {some} of the model's {cfg.num_layers}; "
+                              "flowtrain adapts a map in every layer")
+
+
+def _without_excluded(targets: list[str], exclude: Any, cfg: ModelConfig | None, path: Path) -> list[str]:
+    """The targets PEFT's ``exclude_modules`` leaves, matched as PEFT matches them (a pattern
+    against the whole module name; a list's names whole or as its last parts), over a dense
+    model; what is left must be the same maps in every layer."""
+    if cfg is None or cfg.moe:
+        raise CheckpointError(f"{path}: exclude_modules = {exclude!r} over a mixture of experts is a PEFT setting "
+                              "flowtrain does not run")
+    if isinstance(exclude, str):
+        try:
+            regex = re.compile(exclude)
+        except re.error as e:
+            raise CheckpointError(f"{path}: exclude_modules {exclude!r} is no regular expression: {e}") from None
+    elif not isinstance(exclude, list):
+        raise CheckpointError(f"{path}: exclude_modules {exclude!r}: give a list of names or a pattern")
+
+    def excluded(name: str) -> bool:
+        if isinstance(exclude, str):
+            return regex.fullmatch(name) is not None
+        return name in exclude or any(name.endswith(f".{e}") for e in exclude)
+
+    names = [f"model.layers.{i}.{part}.{t}" for i in range(cfg.num_layers)
+             for part, maps in (("self_attn", _ATTENTION), ("mlp", _MLP)) for t in maps if t in targets]
+    kept = [n for n in names if not excluded(n)]
+    if not kept:
+        raise CheckpointError(f"{path}: exclude_modules {exclude!r} leaves none of the targets to adapt")
+    return _by_path(kept, cfg, path)
 
 
 _ATTENTION = ("q_proj", "k_proj", "v_proj", "o_proj")

@@ -211,7 +211,11 @@ def test_an_adapter_peft_saves_reads_into_flowtrain(tmp_path):
     (dict(target_modules=["q_proj", "model.norm"]), "target_modules 'model.norm'"),
     (dict(target_modules=["q_proj", "lm_head"]), "unknown LoRA target lm_head"),
     (dict(r=0), "rank must be at least 1"),
-    (dict(layers_to_transform=0), "layers_to_transform = 0"),
+    (dict(layers_to_transform=0), "layers_to_transform adapts layers 0 of the model's 2"),
+    (dict(layers_to_transform=[0, 1], layers_pattern="blocks"), "layers_pattern 'blocks'"),
+    (dict(exclude_modules=r"model\.layers\.0\..*"), "adapt q_proj in layers 1 of the model's 2"),
+    (dict(exclude_modules=list(DEFAULT_TARGETS)), "leaves none of the targets"),
+    (dict(exclude_modules="(q_proj"), "is no regular expression"),
     (dict(lora_bias=True), "lora_bias"),
     (dict(alora_invocation_tokens=[5, 6]), "alora_invocation_tokens"),
     (dict(bias="all"), "bias = 'all'"),
@@ -247,6 +251,26 @@ def test_target_modules_by_full_name_or_pattern_read_as_peft_matches_them(tmp_pa
     save_adapter(tmp_path, spec, layouts, [torch.zeros(lay.numel) for lay in layouts])
     config = json.loads((tmp_path / ADAPTER_CONFIG).read_text())
     (tmp_path / ADAPTER_CONFIG).write_text(json.dumps({**config, "target_modules": modules}))
+    assert read_spec(tmp_path, cfg).targets == targets
+
+
+@pytest.mark.parametrize("change, targets", [
+    (dict(layers_to_transform=[1, 0]), DEFAULT_TARGETS[:-1]),  # every layer: as without it
+    (dict(exclude_modules=["v_proj", "model.layers.0.mlp.up_proj", "model.layers.1.mlp.up_proj"]),
+     ("q_proj", "k_proj", "o_proj", "gate_proj", "down_proj")),
+    (dict(exclude_modules=r".*\.(q|k)_proj", layers_to_transform=None), ("v_proj", "o_proj", "gate_proj", "up_proj",
+                                                                         "down_proj")),
+])
+def test_exclude_modules_and_every_layer_read_as_peft_applies_them(tmp_path, change, targets):
+    """PEFT's ``exclude_modules`` takes maps out of the targets, and ``layers_to_transform``
+    naming every layer leaves them as they are."""
+    from flowtrain.ckpt.adapter_files import ADAPTER_CONFIG, read_spec, save_adapter
+
+    cfg, spec = _cfg("llama"), LoraSpec(rank=4, alpha=8.0, targets=DEFAULT_TARGETS[:-1])
+    layouts = adapter_layouts(cfg, spec)
+    save_adapter(tmp_path, spec, layouts, [torch.zeros(lay.numel) for lay in layouts])
+    config = json.loads((tmp_path / ADAPTER_CONFIG).read_text())
+    (tmp_path / ADAPTER_CONFIG).write_text(json.dumps({**config, **change}))
     assert read_spec(tmp_path, cfg).targets == targets
 
 

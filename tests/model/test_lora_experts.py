@@ -193,6 +193,7 @@ def _write(tmp_path, config):
     (dict(target_modules=["q_proj"], target_parameters=["experts.w13"]), "target_parameters 'experts.w13'"),
     (dict(target_modules=["q_proj", "gate_proj"]), "gate_proj and up_proj are one stacked weight"),
     (dict(target_modules=["q_proj", "down_proj"], lora_dropout=0.1), "LoRA dropout does not apply"),
+    (dict(target_modules=["q_proj"], exclude_modules=["k_proj"]), "over a mixture of experts is a PEFT setting flowtrain does not run"),
 ])
 def test_moe_adapters_flowtrain_cannot_run_are_refused(tmp_path, config, says):
     cfg = read_config_of(tmp_path)

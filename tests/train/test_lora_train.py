@@ -30,14 +30,16 @@ pytestmark = [pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is 
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
-def make_adapter(base_dir, out, *, rank=4, alpha=8.0, targets=TARGETS, seed=7, parameters=None, rslora=False):
+def make_adapter(base_dir, out, *, rank=4, alpha=8.0, targets=TARGETS, seed=7, parameters=None, rslora=False,
+                 **more):
     """A PEFT adapter over the model in ``base_dir`` with every A and B random (a fresh adapter's
     B is zero, which would leave A's gradient zero in the first step). ``targets`` a list of
     names or PEFT's "all-linear"; ``parameters`` PEFT's target_parameters; ``rslora`` its
-    rank-stabilised scaling."""
+    rank-stabilised scaling; ``more`` other LoraConfig settings."""
     model = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
     config = peft.LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=0.0, target_parameters=parameters,
-                             target_modules=targets if isinstance(targets, str) else list(targets), use_rslora=rslora)
+                             target_modules=targets if isinstance(targets, str) else list(targets), use_rslora=rslora,
+                             **more)
     wrapped = peft.get_peft_model(model, config)
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -232,6 +234,16 @@ def test_rslora_over_experts_trains_as_peft_at_one_rank_and_is_refused_at_two(tm
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "a scale other than the other adapters'" in err[0], err
     assert not (tmp_path / "out2").exists()
+
+
+def test_excluded_maps_train_as_peft(setup, tmp_path):
+    """PEFT's all-linear with ``exclude_modules``: the maps it leaves train as PEFT trains them."""
+    d, rows, _ = setup
+    make_adapter(d / "model", tmp_path / "adapter", targets="all-linear", exclude_modules=["k_proj", "up_proj"])
+    ref = reference(d / "model", tmp_path / "adapter", rows)
+    run_lora(d / "model", d / "data.jsonl", tmp_path / "out", "--adapter", str(tmp_path / "adapter"))
+    assert_same_adapter(d / "model", tmp_path / "out", ref)
+    assert not any(".k_proj." in n or ".up_proj." in n for n in adapter_tensors(ref))
 
 
 def test_held_out_loss_reads_the_adapters(setup, tmp_path):
