@@ -260,22 +260,14 @@ def _without_excluded(targets: list[str], exclude: Any, cfg: ModelConfig | None,
     if cfg is None or cfg.moe:
         raise CheckpointError(f"{path}: exclude_modules = {exclude!r} over a mixture of experts is a PEFT setting "
                               "flowtrain does not run")
+    names = _map_names(cfg, targets)
     if isinstance(exclude, str):
-        try:
-            regex = re.compile(exclude)
-        except re.error as e:
-            raise CheckpointError(f"{path}: exclude_modules {exclude!r} is no regular expression: {e}") from None
-    elif not isinstance(exclude, list):
+        regex = _regex("exclude_modules", exclude, path)
+        kept = [n for n in names if not regex.fullmatch(n)]
+    elif isinstance(exclude, list):
+        kept = [n for n in names if n not in exclude and not any(n.endswith(f".{e}") for e in exclude)]
+    else:
         raise CheckpointError(f"{path}: exclude_modules {exclude!r}: give a list of names or a pattern")
-
-    def excluded(name: str) -> bool:
-        if isinstance(exclude, str):
-            return regex.fullmatch(name) is not None
-        return name in exclude or any(name.endswith(f".{e}") for e in exclude)
-
-    names = [f"model.layers.{i}.{part}.{t}" for i in range(cfg.num_layers)
-             for part, maps in (("self_attn", _ATTENTION), ("mlp", _MLP)) for t in maps if t in targets]
-    kept = [n for n in names if not excluded(n)]
     if not kept:
         raise CheckpointError(f"{path}: exclude_modules {exclude!r} leaves none of the targets to adapt")
     return _by_path(kept, cfg, path)
@@ -286,21 +278,31 @@ _MLP = ("gate_proj", "up_proj", "down_proj")
 _MAP_PATH = re.compile(r"(?:.*\.)?layers\.(\d+)\.(self_attn|mlp)\.(\w+)")
 
 
+def _map_names(cfg: ModelConfig, targets: Sequence[str] = _ATTENTION + _MLP) -> list[str]:
+    """The full module names of a dense model's maps among ``targets``, layer by layer, as PEFT
+    matches ``target_modules`` and ``exclude_modules`` against them."""
+    return [f"model.layers.{i}.{part}.{t}" for i in range(cfg.num_layers)
+            for part, maps in (("self_attn", _ATTENTION), ("mlp", _MLP)) for t in maps if t in targets]
+
+
+def _regex(field: str, pattern: str, path: Path) -> re.Pattern[str]:
+    """A config's ``field`` given as a regular expression, compiled; one that is none is refused."""
+    try:
+        return re.compile(pattern)
+    except re.error as e:
+        raise CheckpointError(f"{path}: {field} {pattern!r} is no regular expression: {e}") from None
+
+
 def _matched(pattern: str, cfg: ModelConfig, path: Path) -> list[str]:
     """The module names of a dense model that a ``target_modules`` regular expression reaches, as
     PEFT matches them (the whole name); one reaching the head or the embedding, or nothing, is
     refused."""
-    try:
-        regex = re.compile(pattern)
-    except re.error as e:
-        raise CheckpointError(f"{path}: target_modules {pattern!r} is no regular expression: {e}") from None
-    names = [f"model.layers.{i}.{part}.{t}" for i in range(cfg.num_layers)
-             for part, maps in (("self_attn", _ATTENTION), ("mlp", _MLP)) for t in maps]
+    regex = _regex("target_modules", pattern, path)
     for other in ("lm_head", "model.embed_tokens"):  # PEFT adapts these too; flowtrain does not
         if regex.fullmatch(other):
             raise CheckpointError(f"{path}: target_modules {pattern!r} reaches {other}; flowtrain adapts the maps "
                                   f"of attention and the MLP ({', '.join(_ATTENTION + _MLP)})")
-    hits = [n for n in names if regex.fullmatch(n)]
+    hits = [n for n in _map_names(cfg) if regex.fullmatch(n)]
     if not hits:
         raise CheckpointError(f"{path}: target_modules {pattern!r} reaches none of the model's maps "
                               f"({', '.join(_ATTENTION + _MLP)} of its layers)")
