@@ -47,3 +47,15 @@ def test_bench_needs_a_mode_and_sane_numbers(capsys):
     assert "--scheduler" in capsys.readouterr().err
     assert main(["bench", "--scheduler", "--tasks", "0"]) == 2
     assert capsys.readouterr().err == "flowtrain: error: --tasks must be at least 1 (got 0)\n"
+
+
+def test_bench_refuses_an_output_it_could_not_write_before_it_runs(tmp_path, capsys):
+    missing = tmp_path / "no" / "such"
+    assert main(["bench", "--scheduler", "--tasks", "50", "--json", str(missing / "r.json")]) == 2
+    err = capsys.readouterr().err
+    assert err == f"flowtrain: error: --json {missing / 'r.json'}: its folder {missing} does not exist; create it first\n"
+    argv = ["bench", "--model", "tiny", "--device", "cpu", "--seq-len", "16", "--batch-size", "2", "--micro-batch-size", "2",
+            "--steps", "2", "--warmup", "1"]
+    assert main([*argv, "--trace", str(tmp_path)]) == 2
+    assert "is a folder; give a file name, e.g." in capsys.readouterr().err
+    assert not any(tmp_path.iterdir()), "nothing was written"

@@ -33,6 +33,7 @@ from typing import Any
 
 from ..cli.train import flag_of  # noqa: F401 - how bench's errors spell the settings they name
 from ..errors import ConfigError
+from ..train.checks import check_output_file
 from ..graph import StepSpec, compile_step
 from ..runtime import Engine, use_uvloop
 from .model import add_model_arguments, run_model
@@ -60,6 +61,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.json:  # refused before the benchmark runs, not after it
+        check_output_file("--json", args.json)
     if args.scheduler:
         _import_torch()
         result = scheduler_benchmark(

@@ -39,7 +39,7 @@ from .settings import check_values
 if TYPE_CHECKING:
     from .run_config import TrainConfig
 
-__all__ = ["check_compile_backend", "check_fields", "check_output_paths"]
+__all__ = ["check_compile_backend", "check_fields", "check_output_file", "check_output_paths"]
 
 #: integer fields with an upper bound too: (name -> a function giving the bound, and why)
 _INT_MAXIMA = {
@@ -115,7 +115,7 @@ def check_output_paths(out: str | os.PathLike[str] | None, overwrite: bool,
     if out:
         _check_out(Path(out), overwrite, None if resume is None else Path(resume))
     for flag, path in files:
-        _check_file(flag, path)
+        check_output_file(flag, path)
 
 
 def _real(p: Path) -> Path:
@@ -144,9 +144,16 @@ def _check_out(out: Path, overwrite: bool, resume: Path | None) -> None:
     _check_writable("--out", out, Path(os.path.abspath(out)).parent)  # the model is renamed in beside it
 
 
-def _check_file(flag: str, path: Path) -> None:
+#: a file name to suggest where a flag's path names a folder
+_EXAMPLE_NAMES = {"--trace": "trace.json", "--metrics": "metrics.jsonl"}
+
+
+def check_output_file(flag: str, path: str | os.PathLike[str]) -> None:
+    """Refuse a file that ``flag`` names if the run could not write it at its end: a folder, a
+    missing or read-only folder, a read-only file (the rules of ``--trace``)."""
+    path = Path(path)
     if path.is_dir():
-        example = path / ("trace.json" if flag == "--trace" else "metrics.jsonl")
+        example = path / _EXAMPLE_NAMES.get(flag, "report.json")
         raise ConfigError(f"{flag} {path} is a folder; give a file name, e.g. {example}")
     parent = Path(os.path.abspath(path)).parent
     if not parent.exists():
