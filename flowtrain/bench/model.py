@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import resource
+import sys
 import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -31,6 +32,7 @@ from typing import TYPE_CHECKING
 from ..cli.flags import add_config_flags, config_values
 from ..cli.train import KERNEL_FIELDS, MEMORY_FIELDS
 from ..errors import ConfigError
+from ..train.checks import check_output_file
 from ..runtime.trace import TraceRecorder, lane_busy, write_chrome_trace
 
 # numpy, torch, the model and the trainer are imported where a benchmark runs, so that
@@ -58,6 +60,9 @@ def add_model_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) ->
     a = p.add_argument
     a("--warmup", type=int, default=2, help="first steps excluded from the numbers")
     a("--trace", default=None, help="also write the executed trace (Chrome JSON)")
+    a("--gpu-peak-report", metavar="FILE", default=None,
+      help="record the CUDA allocator's history and write what was alive at the GPU peak, grouped by "
+           "where it was allocated, beside the plan's items (JSON; slows the run: its speed is no measurement)")
 
 
 def model_flops_per_token(model: str, seq_len: int, adapter_params: float | None = None) -> float:
@@ -80,6 +85,11 @@ def run_model(args: argparse.Namespace) -> dict:
     args.policy = policy
     if args.steps <= args.warmup:
         raise ConfigError(f"--steps {args.steps} must exceed --warmup {args.warmup}")
+    if args.trace:  # refused before a minute of training, not after it
+        check_output_file("--trace", args.trace)
+    peak_report = getattr(args, "gpu_peak_report", None)
+    if peak_report is not None:
+        _check_peak_report(peak_report, args.device)
     cfg_m, _ = load_model_config(args.model)
     tokens = args.seq_len * args.batch_size * args.steps
     with tempfile.TemporaryDirectory() as tmp:
@@ -94,7 +104,11 @@ def run_model(args: argparse.Namespace) -> dict:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         plans: list = []
-        metrics = train(cfg, instruments=[recorder], on_plan=plans.append)
+        if peak_report is None:
+            metrics = train(cfg, instruments=[recorder], on_plan=plans.append)
+        else:
+            metrics, peak = _recorded(peak_report, lambda: train(cfg, instruments=[recorder], on_plan=plans.append),
+                                      plans)
     adapters = adapter_numel(cfg_m, run_request(cfg)) if cfg.lora else None
     active = adapter_active_numel(cfg_m, run_request(cfg)) if cfg.lora else None
     measured = metrics[args.warmup:]
@@ -140,9 +154,54 @@ def run_model(args: argparse.Namespace) -> dict:
     if torch.cuda.is_available() and cfg.device != "cpu":
         result.update(gpu_memory(torch))
         result["gpu"] = torch.cuda.get_device_name()
+    if peak_report is not None:
+        result.update(gpu_peak_report=str(peak_report), gpu_peak_replayed_gib=peak["peak_gib"])
     if args.trace:
         write_chrome_trace(args.trace, recorder.records, meta=bench_trace_meta(args, cfg, plans, recorder.records))
     return result
+
+
+def _check_peak_report(path: str, device: str | None) -> None:
+    """``--gpu-peak-report`` needs a CUDA device and a file it can write at the run's end."""
+    import torch
+
+    if device == "cpu" or not torch.cuda.is_available():
+        raise ConfigError("--gpu-peak-report records the CUDA allocator: it needs a run on a CUDA GPU"
+                          + (" (this one runs on the CPU)" if device == "cpu" else " (none is available here)"))
+    check_output_file("--gpu-peak-report", path)
+
+
+def _recorded(path: str, run, plans: list) -> tuple:  # noqa: ANN001 - run() -> train()'s metrics
+    """``run()`` under the allocator's record, then its report written to ``path``, also where
+    ``run`` fails (out of memory above all: what was alive then is what the report is for; a
+    report that cannot be written then does not hide the failure). Returns ``(run()'s result,
+    the report)``."""
+    import torch
+
+    from . import gpu_peak
+
+    base = gpu_peak.start(torch)
+    try:
+        result = run()
+    except BaseException:
+        try:
+            _report_peak(path, base, plans)
+        except Exception as e:  # noqa: BLE001 - the run's own failure is the one to raise
+            print(f"the GPU peak report could not be written: {e}", file=sys.stderr)
+        raise
+    return result, _report_peak(path, base, plans)
+
+
+def _report_peak(path: str, base: int, plans: list) -> dict:
+    import torch
+
+    from . import gpu_peak
+
+    events, counters = gpu_peak.stop(torch)
+    rep = gpu_peak.report(events, base, counters, plans[0].gpu if plans else None)
+    gpu_peak.write_report(path, rep)
+    print(gpu_peak.format_report(rep) + f"\nwrote {path}", file=sys.stderr)
+    return rep
 
 
 def bench_trace_meta(args: argparse.Namespace, cfg: TrainConfig, plans: list, records: list) -> dict:
