@@ -59,3 +59,30 @@ def test_the_gate_runs_every_job_its_baseline_names():
     assert [j for j in ran if j != "info"] == list(baseline)
     for job in baseline:  # each is a job the script knows
         assert re.search(rf"^\s+{re.escape(job)}\)", script, re.M), job
+
+
+def _needs_gpu(source: str) -> tuple[bool, bool]:
+    """``(has a test that runs only with a GPU, every such test is marked gpu)`` of a test file:
+    a test skipped without CUDA is one, by marker or by a skip condition of its own."""
+    only = re.findall(r"skipif\(not (?:torch\.)?cuda\.is_available\(\)", source)
+    marked = re.findall(r"pytest\.mark\.gpu\b", source)
+    return bool(only or marked), len(marked) >= len(only)
+
+
+def test_the_gate_runs_every_test_that_needs_a_gpu():
+    """A GPU test outside the gate's `tests` job never runs: CI has no GPU. Each file with one is
+    in GPU_FILES (run whole) or in GPU_MARKED (its tests marked gpu run), and a file in
+    GPU_MARKED marks every GPU test it has."""
+    script = (BENCH / "h200.sh").read_text()
+    lists = {name: re.search(rf'^{name}="([^"]*)"', script, re.M).group(1).split() for name in ("GPU_FILES", "GPU_MARKED")}
+    assert "$GPU_FILES" in script and "-m gpu $GPU_MARKED" in script
+    for name in (p for files in lists.values() for p in files):
+        assert (ROOT / name).is_file(), f"{name} is named in h200.sh but does not exist"
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        name = str(path.relative_to(ROOT))
+        needs, all_marked = _needs_gpu(path.read_text())
+        if not needs:
+            continue
+        assert name in lists["GPU_FILES"] or name in lists["GPU_MARKED"], f"{name} has GPU tests the gate does not run"
+        if name in lists["GPU_MARKED"]:
+            assert all_marked, f"{name}: a GPU test is not marked gpu, so -m gpu leaves it out"

@@ -28,6 +28,10 @@ anchor() {  # MODE GA STEPS [SIZE MICRO]: the baseline trainer (default llama-3b
   log "anchor $1 ${4:-3b} mb${5:-4} ga$2"
   (cd .anchors && OUT=$OUT timeout 400 python3 llama_train.py "$1" "${4:-3b}" 4096 "${5:-4}" "$3" "$2" 2>&1 | grep -v Warning | tail -3) | tee -a "$OUT/log.txt"
 }
+# The GPU tests: files whose tests need one (or compare it with the CPU), and files of CPU tests
+# with some marked `gpu` (tests/test_gpu_gate.py checks that every GPU test is in one of them).
+GPU_FILES="tests/train/test_gpu.py tests/model/test_model_gpu.py tests/model/test_attention.py tests/train/test_saved_attention.py tests/model/test_lora_experts.py tests/test_gpu_peak.py"
+GPU_MARKED="tests/ckpt/test_checkpoints.py tests/runtime/test_cancel.py tests/train/test_nonfinite.py"
 W="--model llama-3b --seq-len 4096 --micro-batch-size 4 --host-mem 110"
 GATE=0
 if [[ "${1:-}" == gate ]]; then  # the GPU gate: docs/benchmarks.md, "The GPU gate"
@@ -36,8 +40,10 @@ fi
 for job in "$@"; do
   case $job in
     info) nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee -a "$OUT/log.txt"; free -g | tee -a "$OUT/log.txt" ;;
-    tests) log tests; timeout 360 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/train/test_gpu.py tests/model/test_model_gpu.py tests/model/test_attention.py tests/train/test_saved_attention.py tests/model/test_lora_experts.py --tb=short 2>&1 | tee "$OUT/tests-full.txt" | tail -15 | tee -a "$OUT/log.txt" | tee /tmp/tests.txt  # the whole output kept: a failure's cause, not only its name
-      python3 -c "import json, re, sys; t = open('/tmp/tests.txt').read(); n = lambda w: sum(int(x) for x in re.findall(r'(\d+) ' + w, t)); print(json.dumps({'job': 'tests', 'passed': n('passed'), 'failures': n('failed') + n('error')}))" >>"$RES" ;;
+    tests) log tests  # every test that needs a GPU: whole files of them, then the GPU-marked ones among CPU tests
+      { timeout 360 python3 -m pytest -q -o addopts= -p no:cacheprovider $GPU_FILES --tb=short
+        timeout 200 python3 -m pytest -q -o addopts= -p no:cacheprovider -m gpu $GPU_MARKED --tb=short; } 2>&1 | tee "$OUT/tests-full.txt" | tail -25 | tee -a "$OUT/log.txt"  # the whole output kept: a failure's cause, not only its name
+      python3 -c "import json, re, sys; t = open(sys.argv[1]).read(); n = lambda w: sum(int(x) for x in re.findall(r'(\d+) ' + w + r'\b', t)); print(json.dumps({'job': 'tests', 'passed': n('passed'), 'failures': n('failed') + n('errors?')}))" "$OUT/tests-full.txt" >>"$RES" ;;
     loratests) log loratests; timeout 200 python3 -m pytest -q -o addopts= -p no:cacheprovider tests/train/test_gpu.py tests/model/test_lora_experts.py -k lora --tb=short 2>&1 | tee "$OUT/loratests-full.txt" | tail -30 | tee -a "$OUT/log.txt" ;;
     attntests) log attntests; timeout 200 python3 -m pytest -q -x -o addopts= -p no:cacheprovider tests/train/test_saved_attention.py 2>&1 | tail -8 | tee -a "$OUT/log.txt" ;;
     w1) bench w1 $W --batch-size 4 --steps 7 --trace "$OUT/w1-trace.json" ;;
@@ -77,6 +83,9 @@ for job in "$@"; do
       python3 -c "import pstats; pstats.Stats('/tmp/prof').sort_stats('cumulative').print_stats(22)" | tail -26 | cut -c1-160 | tee -a "$OUT/log.txt" ;;
     moe) bench moe --model qwen3-moe-12l --seq-len 4096 --batch-size 16 --micro-batch-size ${MBM:-4} --steps 3 --warmup 1 --host-mem 118 --trace "$OUT/moe-trace.json" ;;  # Qwen3-30B-A3B's layer, 12 layers
     moe10) bench moe10 --model qwen3-moe-12l --seq-len 4096 --batch-size 16 --micro-batch-size ${MB10:-2} --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 ;;
+    moe10peak) bench moe10peak --model qwen3-moe-12l --seq-len 4096 --batch-size 16 --micro-batch-size ${MB10:-2} --steps 2 --warmup 1 --host-mem 118 --gpu-mem 10 --gpu-peak-report "$OUT/moe10-peak.json" ;;  # what is alive at the 10 GB card's peak (its speed is no measurement)
+    8b10opeak) bench 8b10opeak --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size ${MB10:-2} --steps 2 --warmup 1 --host-mem 118 --gpu-mem 10 --gpu-peak-report "$OUT/8b10o-peak.json" ;;
+    lora32peak) BT=520 bench lora32peak --model qwen2.5-32b --seq-len 4096 --batch-size 16 --micro-batch-size ${MB32:-1} --steps 2 --warmup 1 --host-mem 118 --gpu-mem 10 --lora-rank 16 --gpu-peak-report "$OUT/lora32-peak.json" ;;
     moeidle)  # the share of expert bytes --skip-idle-experts leaves in host memory at 1, 4 and 16 sequences a step
       for b in ${MOEIDLE:-1 4 16}; do bench moeidle$b --model qwen3-moe-12l --seq-len 4096 --batch-size $b --micro-batch-size 1 --steps 2 --warmup 1 --host-mem 118 --gpu-mem 10 --skip-idle-experts; done ;;
     moeprof) log moeprof; timeout 200 python3 docs/bench/moe_layer.py ${MOEPROF:-} 2>&1 | tail -25 | tee -a "$OUT/log.txt" ;;  # one expert layer's forward and backward, its backward's kernels
