@@ -36,7 +36,8 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from flowtrain.errors import CheckpointError, FlowtrainError
-from flowtrain.model.config import CONFIG_NAME, ModelConfig, read_config  # noqa: F401 - re-exported
+from flowtrain.model.config import ModelConfig
+from flowtrain.model.model_dir import CONFIG_NAME, read_config  # noqa: F401 - re-exported
 from flowtrain.model.layout import UnitLayout, bind, hub_tensors
 
 __all__ = ["checkpoint_dtype", "hf_config_text", "load_into", "read_config", "save_hf", "shard_tensors",

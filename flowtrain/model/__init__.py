@@ -20,8 +20,10 @@ into views, and :func:`decoder_layer` is a pure function of activations and thos
         x = decoder_layer(x, bind(flat, lay), cos, sin, cfg)
 """
 
-from flowtrain.model.config import PRESETS, ModelConfig, RopeScaling, default_chunk_tokens, preset, read_config
+from flowtrain.model.config import ModelConfig, RopeScaling, default_chunk_tokens
 from flowtrain.model.layout import ALIGN, Entry, UnitLayout, bind, model_layouts, unit_numel_max
+from flowtrain.model.model_dir import read_config
+from flowtrain.model.presets import PRESETS, preset
 
 #: Names whose modules import torch, loaded on first use: the config and the layouts above are
 #: plain data, so ``flowtrain plan`` and ``flowtrain simulate`` read a model without torch.

@@ -1,11 +1,11 @@
-"""The shape of a Llama-family model, and the presets flowtrain knows by name.
+"""The shape of a Llama-family model.
 
 A :class:`ModelConfig` is everything the layer math, the flat-buffer layout and the
 checkpoint code need to know about a model: sizes, rotary settings and which optional
 biases exist. It is a frozen ``msgspec.Struct``, so it hashes, compares by value and
 round-trips through JSON; it converts to and from a Hugging Face ``config.json`` dict::
 
-    cfg = preset("tiny")                        # or ModelConfig.from_hf(json.load(f))
+    cfg = preset("tiny")                        # flowtrain.model.presets; or ModelConfig.from_hf(json.load(f))
     cfg.num_parameters()                        # 123,712
     ModelConfig.from_hf(cfg.to_hf()) == cfg     # True
 
@@ -26,25 +26,21 @@ layer math is :mod:`flowtrain.model.gemma`), and two mixtures of experts,
 
 from __future__ import annotations
 
-import json
 import math
-import os
-from pathlib import Path
 from typing import Any, Literal
 
 import msgspec
 
-from flowtrain.errors import CheckpointError, ConfigError
+from flowtrain.errors import ConfigError
 
 __all__ = [
     "FAMILIES",
-    "PRESETS",
     "SUPPORTED_ARCHITECTURES",
     "Family",
     "ModelConfig",
     "RopeScaling",
     "model_flops_per_token",
-    "preset",
+    "short_repr",
 ]
 
 
@@ -298,7 +294,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise ConfigError(f"model config: {name} must be a positive integer, got {value!r}")
             if value > bound:
-                raise ConfigError(f"model config: {name} {_short(value)} is above the bound {bound:,}; "
+                raise ConfigError(f"model config: {name} {short_repr(value)} is above the bound {bound:,}; "
                                   "no model that size can be trained")
         if self.hidden_size % self.num_heads:
             raise ConfigError(
@@ -666,15 +662,15 @@ def _hf_int(d: dict[str, Any], key: str, default: Any = _REQUIRED, *, minimum: i
     if isinstance(v, bool) or not isinstance(v, int) or (minimum is not None and v < minimum):
         what = ("an integer" if minimum is None else "a positive integer" if minimum == 1
                 else f"an integer >= {minimum}")
-        raise ConfigError(f"config.json: {where}{key} must be {what} (got {_short(v)})")
+        raise ConfigError(f"config.json: {where}{key} must be {what} (got {short_repr(v)})")
     bound = _HF_BOUNDS.get(key)
     if bound is not None and v > bound:
-        raise ConfigError(f"config.json: {key} {_short(v)} is above the bound {bound:,}; "
+        raise ConfigError(f"config.json: {key} {short_repr(v)} is above the bound {bound:,}; "
                           "no model that size can be trained (is config.json corrupt?)")
     return v
 
 
-def _short(v: Any, limit: int = 80) -> str:
+def short_repr(v: Any, limit: int = 80) -> str:
     """``repr(v)`` cut to ``limit`` characters: an error line quotes a value, not a file."""
     if isinstance(v, int) and not isinstance(v, bool) and v.bit_length() > 200:
         return f"an integer of {v.bit_length()} bits"  # str() of a huge int is slow, or refused
@@ -825,7 +821,7 @@ def _moe_fields(d: dict[str, Any], fam: Family, layers: int) -> dict[str, Any]:
         raise ConfigError("config.json sets router_jitter_noise; flowtrain routes without jitter (set it to 0)")
     only = d.get("mlp_only_layers") or []
     if not isinstance(only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in only):
-        raise ConfigError(f"config.json: mlp_only_layers must be a list of layer indices (got {_short(only)})")
+        raise ConfigError(f"config.json: mlp_only_layers must be a list of layer indices (got {short_repr(only)})")
     return dict(
         num_experts=_hf_int({"num_experts": experts}, "num_experts", defaults[0]),
         num_experts_per_tok=_hf_int(d, "num_experts_per_tok", defaults[1]),
@@ -877,128 +873,6 @@ def _gemma_fields(d: dict[str, Any], layers: int) -> dict[str, Any]:
                 query_pre_attn_scalar=_hf_float(d, "query_pre_attn_scalar", 256.0))
 
 
-_LLAMA3_SCALING = RopeScaling(
-    rope_type="llama3",
-    factor=32.0,
-    low_freq_factor=1.0,
-    high_freq_factor=4.0,
-    original_max_position_embeddings=8192,
-)
-
-PRESETS: dict[str, ModelConfig] = {
-    # Byte-level vocabulary, trains on a CPU in seconds; for tests and smoke runs.
-    "tiny": ModelConfig(
-        vocab_size=256, hidden_size=64, intermediate_size=172, num_layers=2,
-        num_heads=4, num_kv_heads=2, max_position_embeddings=1024,
-    ),
-    # Qwen2.5-0.5B's shape (tied): the smallest real-size model, for CPU runs of a real shape.
-    "qwen-0.5b": ModelConfig(
-        vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
-        num_heads=14, num_kv_heads=2, qkv_bias=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        max_position_embeddings=32768, tie_word_embeddings=True, bos_token_id=151643, eos_token_id=151643,
-        architecture="Qwen2ForCausalLM",
-    ),
-    # Llama-3.2-1B's shape.
-    "llama-1b": ModelConfig(
-        vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_layers=16,
-        num_heads=32, num_kv_heads=8, rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING,
-        max_position_embeddings=131072, tie_word_embeddings=True,
-        bos_token_id=128000, eos_token_id=128001,
-    ),
-    # Llama-3.2-3B's shape with an untied head.
-    "llama-3b": ModelConfig(
-        vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_layers=28,
-        num_heads=24, num_kv_heads=8, rope_theta=500000.0, rope_scaling=_LLAMA3_SCALING,
-        max_position_embeddings=131072, bos_token_id=128000, eos_token_id=128001,
-    ),
-    # Llama-3-8B.
-    "llama-8b": ModelConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_layers=32,
-        num_heads=32, num_kv_heads=8, rope_theta=500000.0, max_position_embeddings=8192,
-        bos_token_id=128000, eos_token_id=128001,
-    ),
-    # Qwen2.5-14B's shape.
-    "qwen-14b": ModelConfig(
-        vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_layers=48,
-        num_heads=40, num_kv_heads=8, qkv_bias=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        max_position_embeddings=32768, bos_token_id=151643, eos_token_id=151643,
-        architecture="Qwen2ForCausalLM",
-    ),
-    # Qwen2.5-32B's shape (64 GB in bf16: a LoRA base, --lora-rank).
-    "qwen2.5-32b": ModelConfig(
-        vocab_size=152064, hidden_size=5120, intermediate_size=27648, num_layers=64,
-        num_heads=40, num_kv_heads=8, qkv_bias=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        max_position_embeddings=32768, bos_token_id=151643, eos_token_id=151643,
-        architecture="Qwen2ForCausalLM",
-    ),
-    # Qwen3-8B's shape: per-head q/k norms, untied.
-    "qwen3-8b": ModelConfig(
-        vocab_size=151936, hidden_size=4096, intermediate_size=12288, num_layers=36,
-        num_heads=32, num_kv_heads=8, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645,
-        architecture="Qwen3ForCausalLM",
-    ),
-    # Gemma-3-1B's shape: five sliding layers (window 512) per global one, tied.
-    "gemma3-1b": ModelConfig(
-        vocab_size=262144, hidden_size=1152, intermediate_size=6912, num_layers=26,
-        num_heads=4, num_kv_heads=1, head_dim=256, rope_theta=1000000.0, rms_norm_eps=1e-6,
-        max_position_embeddings=32768, tie_word_embeddings=True, bos_token_id=2, eos_token_id=1,
-        pad_token_id=0, architecture="Gemma3ForCausalLM", sliding_window=512,
-        rope_local_theta=10000.0, query_pre_attn_scalar=256.0,
-    ),
-}
-
-
-#: Qwen3-30B-A3B's shape: 48 layers of 128 experts (768 wide), 8 per token, renormalised.
-PRESETS["qwen3-30b-a3b"] = ModelConfig(
-    vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_layers=48,
-    num_heads=32, num_kv_heads=4, head_dim=128, rope_theta=1000000.0, rms_norm_eps=1e-6,
-    max_position_embeddings=40960, bos_token_id=151643, eos_token_id=151645,
-    architecture="Qwen3MoeForCausalLM", num_experts=128, num_experts_per_tok=8,
-    moe_intermediate_size=768, norm_topk_prob=True, router_aux_loss_coef=0.001,
-)
-#: The same layer, 12 of them: Qwen3-30B-A3B's expert shapes at a quarter of its depth.
-PRESETS["qwen3-moe-12l"] = msgspec.structs.replace(PRESETS["qwen3-30b-a3b"], num_layers=12)
-#: Qwen3-235B-A22B's shape (for plan and simulate: 2.8 TB of host state): 94 layers of 128
-#: experts (1536 wide), 8 per token.
-PRESETS["qwen3-235b-a22b"] = msgspec.structs.replace(
-    PRESETS["qwen3-30b-a3b"], hidden_size=4096, intermediate_size=12288, num_layers=94, num_heads=64,
-    moe_intermediate_size=1536)
-#: Mixtral-8x7B's shape: 32 layers of 8 experts (14336 wide), 2 per token.
-PRESETS["mixtral-8x7b"] = ModelConfig(
-    vocab_size=32000, hidden_size=4096, intermediate_size=14336, num_layers=32,
-    num_heads=32, num_kv_heads=8, rope_theta=1000000.0, rms_norm_eps=1e-5,
-    max_position_embeddings=32768, bos_token_id=1, eos_token_id=2,
-    architecture="MixtralForCausalLM", num_experts=8, num_experts_per_tok=2,
-    moe_intermediate_size=14336, norm_topk_prob=True, router_aux_loss_coef=0.02,
-)
-#: Four of Mixtral-8x7B's layers.
-PRESETS["mixtral-4l"] = msgspec.structs.replace(PRESETS["mixtral-8x7b"], num_layers=4)
-
-
-def _long_context(base: ModelConfig, positions: int) -> ModelConfig:
-    """``base`` with Llama 3.1's rope scaling stretched from 8,192 original positions to
-    ``positions`` (factor positions / 8192): a shape for long-context training."""
-    scaling = RopeScaling(rope_type="llama3", factor=positions / 8192, low_freq_factor=1.0, high_freq_factor=4.0,
-                          original_max_position_embeddings=8192)
-    return msgspec.structs.replace(base, rope_scaling=scaling, max_position_embeddings=positions)
-
-
-#: One sequence of up to 262,144 tokens on Llama-3-8B's shape, 524,288 on llama-3b's.
-PRESETS["llama-8b-256k"] = _long_context(PRESETS["llama-8b"], 262144)
-PRESETS["llama-3b-512k"] = _long_context(PRESETS["llama-3b"], 524288)
-
-
-def preset(name: str) -> ModelConfig:
-    """The preset called ``name``; :class:`ConfigError` listing valid names otherwise."""
-    try:
-        return PRESETS[name]
-    except KeyError:
-        raise ConfigError(
-            f"unknown model preset {name!r}; choose one of {', '.join(PRESETS)}"
-        ) from None
-
-
 def model_flops_per_token(cfg: ModelConfig, seq_len: int, adapter_params: float | None = None) -> float:
     """Model FLOPs per trained token, the benchmarks' convention: ``6 N + 6 L h S``.
 
@@ -1031,160 +905,3 @@ def default_chunk_tokens(vocab_size: int) -> int:
     """Tokens per head chunk: at most ~1 GiB of fp32 logits, between 256 and 4096 tokens."""
     fit = (1 << 30) // (4 * vocab_size)
     return max(256, min(4096, fit // 256 * 256))
-
-
-#: A Hugging Face model directory's configuration file.
-CONFIG_NAME = "config.json"
-
-
-#: The weights of a model directory: one file, or an index naming shards (checkpoint.py's names).
-_WEIGHTS_NAME, _INDEX_NAME = "model.safetensors", "model.safetensors.index.json"
-#: Largest JSON file read whole (config.json, the index) and largest safetensors header; the
-#: safetensors library refuses headers above 100 MB too. Real ones are kilobytes.
-_MAX_JSON_BYTES = 64 << 20
-_MAX_HEADER_BYTES = 100_000_000
-#: safetensors dtypes a weight may have, with their bytes per element: floating point only. An
-#: integer or bool tensor would be cast to float silently (quantized weights without their scales).
-_FLOAT_DTYPES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}
-
-
-def read_config(model_dir: str | os.PathLike[str], *, weights: bool = True) -> ModelConfig:
-    """The :class:`ModelConfig` of a Hugging Face model directory.
-
-    Where the directory holds weights, their safetensors headers are checked against the config
-    too (:func:`check_weight_headers`): a few kilobytes read, so a wrong or damaged checkpoint
-    is refused before the host state it would be loaded into is allocated. A directory with
-    ``config.json`` alone is accepted (``flowtrain plan`` and ``simulate`` need no weights).
-    Without ``weights`` the headers are not checked: a LoRA checkpoint keeps its base's
-    ``config.json`` beside the adapters' weights."""
-    path = Path(model_dir)
-    if not path.is_dir():
-        raise CheckpointError(f"model directory {str(path)!r} does not exist or is not a directory")
-    cfg_path = path / CONFIG_NAME
-    if not cfg_path.is_file():
-        raise CheckpointError(
-            f"{str(path)!r} has no {CONFIG_NAME}; point at a Hugging Face model directory"
-        )
-    cfg = ModelConfig.from_hf(_read_json(cfg_path))
-    if weights:
-        check_weight_headers(path, cfg)
-    return cfg
-
-
-def _read_json(path: Path) -> Any:
-    """A small JSON file, or :class:`CheckpointError` in one line: too large, unreadable, not
-    JSON, or nested too deeply for the parser (which would raise RecursionError)."""
-    try:
-        if path.stat().st_size > _MAX_JSON_BYTES:
-            raise CheckpointError(f"cannot read {path}: {path.stat().st_size:,} bytes, more than the "
-                                  f"{_MAX_JSON_BYTES:,} a JSON file of a model may have")
-        return json.loads(path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise CheckpointError(f"cannot read {path}: {_short(str(e), 200)}") from e
-    except RecursionError:
-        raise CheckpointError(f"cannot read {path}: its JSON is nested too deeply") from None
-
-
-def check_weight_headers(model_dir: str | os.PathLike[str], cfg: ModelConfig, *, require: bool = False) -> None:
-    """Check the safetensors headers of ``model_dir`` against ``cfg`` without reading a weight:
-    every tensor the config implies is present, has its shape and a floating dtype, and its
-    bytes lie inside its file. Raises :class:`CheckpointError` naming the file and tensor, with
-    the same words as loading would. A directory without weight files passes (nothing to
-    check) unless ``require``: a caller about to load weights refuses it before allocating."""
-    from flowtrain.model.layout import hub_tensors, model_layouts  # layout imports this module
-
-    path = Path(model_dir)
-    index = path / _INDEX_NAME
-    if not index.is_file() and not (path / _WEIGHTS_NAME).is_file():
-        if require:
-            raise CheckpointError(f"{str(path)!r} has neither {_WEIGHTS_NAME} nor {_INDEX_NAME}")
-        return
-    expected = {name: shape for lay in model_layouts(cfg) for e in lay.entries for name, shape, _ in hub_tensors(e)}
-    if index.is_file():
-        weight_map = _read_json(index)
-        weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
-        if not isinstance(weight_map, dict):
-            raise CheckpointError(f"{index} is not a valid safetensors index: it has no 'weight_map' object")
-        expected = _fused_experts_expected(cfg, expected, set(weight_map))
-        files: dict[Path, list[str]] = {}
-        for name in expected:
-            if not isinstance(weight_map.get(name), str):
-                raise CheckpointError(f"tensor {name!r} is missing from {index}")
-            files.setdefault(path / weight_map[name], []).append(name)
-    else:
-        header, _ = _safetensors_header(path / _WEIGHTS_NAME)
-        expected = _fused_experts_expected(cfg, expected, set(header))
-        files = {path / _WEIGHTS_NAME: list(expected)}
-    for file, names in files.items():
-        if not file.is_file():
-            raise CheckpointError(f"shard {_short(str(file), 200)} named in {index} does not exist")
-        header, data_bytes = _safetensors_header(file)
-        for name in names:
-            _check_tensor(file, name, header.get(name), expected[name], data_bytes)
-
-
-def _fused_experts_expected(cfg: ModelConfig, expected: dict[str, tuple[int, ...]], present: set[str]
-                            ) -> dict[str, tuple[int, ...]]:
-    """``expected`` with each sparse layer's experts (and router) under the names transformers 5
-    keeps in memory (``mlp.experts.gate_up_proj``, ``mlp.experts.down_proj``, ``mlp.gate.weight``)
-    where the checkpoint holds that form instead of the Hub's one tensor per expert
-    (:func:`flowtrain.ckpt.hf.load_into` reads either)."""
-    from flowtrain.model.layout import model_layouts
-
-    out = dict(expected)
-    for lay in model_layouts(cfg)[1:-1]:
-        if not any(e.stacked for e in lay.entries):
-            continue
-        gate, down, router = lay.entry("experts_gate"), lay.entry("experts_down"), lay.entry("router")
-        prefix = f"model.layers.{lay.layer}.mlp"
-        if gate.name.format(0) in present or f"{prefix}.experts.gate_up_proj" not in present:
-            continue
-        for key in ("experts_gate", "experts_up", "experts_down"):
-            e = lay.entry(key)
-            for i in range(e.shape[0]):
-                del out[e.name.format(i)]
-        out[f"{prefix}.experts.gate_up_proj"] = (gate.shape[0], 2 * gate.shape[1], gate.shape[2])
-        out[f"{prefix}.experts.down_proj"] = down.shape
-        if router.name not in present and f"{prefix}.gate.weight" in present:
-            out[f"{prefix}.gate.weight"] = out.pop(router.name)
-    return out
-
-
-def _safetensors_header(file: Path) -> tuple[dict, int]:
-    """``(header, bytes after it)`` of a safetensors file: an 8-byte little-endian length, then
-    that many bytes of JSON. Only the header is read."""
-    try:
-        size = file.stat().st_size
-        with open(file, "rb") as f:
-            n = int.from_bytes(f.read(8), "little")
-            if size < 8 or n > min(_MAX_HEADER_BYTES, size - 8):
-                raise CheckpointError(f"cannot read {file}: corrupt or truncated (header of {n:,} bytes "
-                                      f"in a file of {size:,})")
-            header = json.loads(f.read(n))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise CheckpointError(f"cannot read {file}: corrupt or truncated ({_short(str(e), 200)})") from e
-    if not isinstance(header, dict):
-        raise CheckpointError(f"cannot read {file}: corrupt or truncated (its header is not a JSON object)")
-    return header, size - 8 - n
-
-
-def _check_tensor(file: Path, name: str, info: Any, shape: tuple[int, ...], data_bytes: int) -> None:
-    """One header entry against the shape the config implies (see :func:`check_weight_headers`)."""
-    if info is None:
-        raise CheckpointError(f"tensor {name!r} is missing from {file}")
-    got = info.get("shape") if isinstance(info, dict) else None
-    offsets = info.get("data_offsets") if isinstance(info, dict) else None
-    if (not isinstance(got, list) or not all(type(x) is int and x >= 0 for x in got)
-            or not isinstance(offsets, list) or len(offsets) != 2 or not all(type(x) is int for x in offsets)):
-        raise CheckpointError(f"cannot read {file}: corrupt or truncated (the entry of {name!r} is malformed)")
-    if tuple(got) != shape:
-        raise CheckpointError(f"tensor {name!r} in {file} has shape {_short(tuple(got))}, but the config "
-                              f"implies {shape}; does config.json belong to these weights?")
-    dtype = info.get("dtype")
-    if dtype not in _FLOAT_DTYPES:
-        raise CheckpointError(f"tensor {name!r} in {file} is {_short(dtype)}, not a floating-point weight; "
-                              f"flowtrain loads {', '.join(_FLOAT_DTYPES)} weights (convert quantized checkpoints)")
-    begin, end = offsets
-    if not 0 <= begin <= end <= data_bytes or end - begin != math.prod(shape) * _FLOAT_DTYPES[dtype]:
-        raise CheckpointError(f"cannot read {file}: corrupt or truncated ({name!r} lies at bytes {begin}-{end} "
-                              f"of {data_bytes:,})")

@@ -12,7 +12,9 @@ import msgspec
 
 from ..errors import CheckpointError, ConfigError
 from ..model.adapters import DEFAULT_TARGETS, LoraSpec
-from ..model.config import PRESETS, ModelConfig, preset, read_config
+from ..model.config import ModelConfig
+from ..model.model_dir import read_config
+from ..model.presets import PRESETS, preset
 from ..plan.memory import compile_backend  # noqa: F401 - re-exported: what --compile runs
 from . import defaults
 from .distributed import DEFAULT_TIMEOUT_S as DIST_TIMEOUT_S

@@ -42,7 +42,9 @@ from ..errors import CheckpointError, ConfigError, PlanError
 from ..graph.tasks import GRADS, HOST_GRADS, WEIGHTS
 from ..model import ModelConfig, read_config
 from ..model.attention import attention_backends
-from ..model.config import MLP_CHUNK_TOKENS, PRESETS, check_weight_headers
+from ..model.config import MLP_CHUNK_TOKENS
+from ..model.model_dir import check_weight_headers
+from ..model.presets import PRESETS
 from ..plan.host_layout import check_units_fit
 from ..plan.memory import Plan, cap_gpu_memory, run_request
 from ..policy import resolve_policy

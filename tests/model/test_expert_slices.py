@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from flowtrain.model import bind, model_layouts
-from flowtrain.model.config import preset
+from flowtrain.model.presets import preset
 from flowtrain.model.expert_slices import ExpertSlices, merge_ranges
 
 

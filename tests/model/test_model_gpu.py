@@ -62,7 +62,7 @@ def _experts_case(seed: int = 0):
     near ties, which is the dtype's, not the experts', difference."""
     import msgspec
 
-    from flowtrain.model.config import PRESETS
+    from flowtrain.model.presets import PRESETS
     from flowtrain.model.moe import route
 
     gen = torch.Generator().manual_seed(seed)

@@ -18,7 +18,8 @@ from safetensors.torch import save_file  # noqa: E402
 
 from flowtrain.ckpt.hf import load_into, save_hf  # noqa: E402
 from flowtrain.model import bind, model_layouts, read_config  # noqa: E402
-from flowtrain.model.config import PRESETS, ModelConfig  # noqa: E402
+from flowtrain.model.config import ModelConfig  # noqa: E402
+from flowtrain.model.presets import PRESETS  # noqa: E402
 from flowtrain.model.functional import decoder_layer, embed, rms_norm, rope_tables  # noqa: E402
 from flowtrain.model.moe import experts_grouped, experts_loop, route  # noqa: E402
 

@@ -11,7 +11,7 @@ import torch
 
 from flowtrain.cli import main
 from flowtrain.model.adapters import LoraSpec, adapter_layouts
-from flowtrain.model.config import preset
+from flowtrain.model.presets import preset
 from flowtrain.plan.adapters import adapter_numel
 from flowtrain.plan.memory import GiB, RunRequest, plan_run, run_request
 from flowtrain.train.host_state import HostState
@@ -108,7 +108,7 @@ def test_adapters_go_to_host_memory_where_the_gpu_cannot_hold_them(capsys):
         main([*base, *extra])
         plans[extra] = json.loads(capsys.readouterr().out)
     small, forced, large, hosted = plans.values()
-    from flowtrain.model.config import read_config
+    from flowtrain.model.model_dir import read_config
 
     cfg = read_config("docs/simulate/llama-70b", weights=False)
     n = adapter_numel(cfg, RunRequest(seq_len=4096, batch_size=4, micro_batch_size=1, lora_rank=16))

@@ -19,7 +19,7 @@ import pytest
 from test_config_bounds import PLAN, model_dir, one_line, run_cli
 
 from flowtrain.errors import ConfigError
-from flowtrain.model.config import preset
+from flowtrain.model.presets import preset
 from flowtrain.plan.host_layout import MAX_GRAD_CHUNKS, check_units_fit, host_memory_total
 
 #: within every bound of config.json; small layers, so the embedding is 1.3 million layers

@@ -24,7 +24,8 @@ import sys
 import pytest
 
 from flowtrain.errors import ConfigError
-from flowtrain.model.config import MAX_PARAMETERS, SIZE_BOUNDS, ModelConfig, preset
+from flowtrain.model.config import MAX_PARAMETERS, SIZE_BOUNDS, ModelConfig
+from flowtrain.model.presets import preset
 
 ADDRESS_SPACE = 3 << 30
 HANG_GUARD_S = 300
@@ -139,7 +140,7 @@ def test_a_huge_integer_is_named_not_printed():
 
 
 def test_every_preset_is_within_the_bounds():
-    from flowtrain.model.config import PRESETS
+    from flowtrain.model.presets import PRESETS
 
     for cfg in PRESETS.values():
         assert cfg.validate().num_parameters() <= MAX_PARAMETERS

@@ -292,7 +292,7 @@ def test_two_processes_on_a_node_take_about_the_host_memory_of_one(tmp_path):
     # made in a process of its own: this one stays small (a child started later would inherit
     # its peak resident size as the start of its own ru_maxrss)
     make = ("import sys, torch; from flowtrain.train.host_state import HostState; "
-            "from flowtrain.model.config import read_config; "
+            "from flowtrain.model.model_dir import read_config; "
             "s = HostState.create(read_config(sys.argv[1]), pin=False); s.init_random(0); "
             "s.save(sys.argv[1], torch.bfloat16); print(sum(u.layout.numel for u in s.units))")
     made = subprocess.run([sys.executable, "-c", make, str(model)], capture_output=True, text=True, timeout=300)

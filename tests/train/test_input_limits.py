@@ -26,7 +26,8 @@ from flowtrain.data.files import read_jsonl
 from flowtrain.data.source import load_sequences
 from flowtrain.data.text import MAX_RENDER_CHARS, ByteEncoder, ChatTemplate, check_encoder
 from flowtrain.errors import CheckpointError, ConfigError, DataError
-from flowtrain.model.config import preset, read_config
+from flowtrain.model.model_dir import read_config
+from flowtrain.model.presets import preset
 from flowtrain.train.checks import check_fields
 from flowtrain.train.run_config import TrainConfig
 

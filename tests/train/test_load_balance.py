@@ -12,7 +12,7 @@ transformers = pytest.importorskip("transformers")
 
 from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func  # noqa: E402
 
-from flowtrain.model.config import PRESETS  # noqa: E402
+from flowtrain.model.presets import PRESETS  # noqa: E402
 from flowtrain.train.load_balance import LoadBalance, real_tokens  # noqa: E402
 
 

@@ -50,7 +50,7 @@ def test_help_and_the_readme_name_every_preset_and_help_shows_defaults(capsys):
 
     import pytest
 
-    from flowtrain.model.config import PRESETS
+    from flowtrain.model.presets import PRESETS
 
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     listed = re.search(r"or a preset \(([^)]*)\)", readme).group(1)
