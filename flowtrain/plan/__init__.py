@@ -1,10 +1,11 @@
 """The memory plan: what a run keeps where, and whether it fits.
 
-Owns the host and GPU byte counts of a run (:mod:`.memory`: ``plan_run``, the card and host
-budgets, the slot budgets the engine enforces), which layers save their attention output
-(:mod:`.attention`), how the host buffers are laid out (:mod:`.host_layout`), what a mixture of
-experts' routing keeps (:mod:`.experts`) and what LoRA's adapters add (:mod:`.adapters`). It reads the
-model's layouts and compiles the step graph, and imports neither training nor the simulator:
-the choices that need a prediction (micro-batch order, placement) ask the simulator from above
-(:mod:`flowtrain.sim.choose_plan`).
+Owns the decision (:mod:`.planner`: ``plan_run``, layout, placement, activations, the slot
+budgets the engine enforces), the host and GPU byte counts of a run and the card and host
+budgets (:mod:`.memory`), what would make a run that does not fit fit (:mod:`.suggest`), which
+layers save their attention output (:mod:`.attention`), how the host buffers are laid out
+(:mod:`.host_layout`), what a mixture of experts' routing keeps (:mod:`.experts`) and what
+LoRA's adapters add (:mod:`.adapters`). It reads the model's layouts and compiles the step
+graph, and imports neither training nor the simulator: the choices that need a prediction
+(micro-batch order, placement) ask the simulator from above (:mod:`flowtrain.sim.choose_plan`).
 """

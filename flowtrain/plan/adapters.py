@@ -35,7 +35,7 @@ GiB = 2**30
 
 def host_adapters(req: RunRequest) -> bool:
     """Whether LoRA's adapters live in host memory (``--lora-state host``, as ``auto`` resolves
-    it in :func:`flowtrain.plan.memory.plan_run`)."""
+    it in :func:`flowtrain.plan.planner.plan_run`)."""
     return req.lora_rank > 0 and req.lora_state == "host"
 
 

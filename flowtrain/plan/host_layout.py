@@ -1,6 +1,6 @@
 """Sizes of the host and device buffers, as plain arithmetic on unit layouts (no torch).
 
-The planner (:mod:`flowtrain.plan.memory`), the simulator and the state itself
+The planner (:mod:`flowtrain.plan.planner`), the simulator and the state itself
 (:mod:`flowtrain.train.host_state`, :mod:`flowtrain.train.program`) size their buffers with
 these functions, so the plan counts exactly what the run allocates; keeping them free of torch
 lets ``flowtrain plan`` and ``flowtrain simulate`` answer without importing it.

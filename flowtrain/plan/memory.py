@@ -1,28 +1,13 @@
-"""The memory plan: where every byte of a training run lives, decided before anything is allocated.
+"""The memory plan's bytes: where every byte of a training run lives, counted before anything
+is allocated.
 
-``flowtrain train`` follows the plan and refuses a run that does not fit; ``flowtrain plan``
-prints it::
+A :class:`Plan` is the planner's answer (:mod:`.planner` decides it: layout, placement,
+activations, slot budgets); this module counts what a candidate costs, the request it
+answers (:class:`RunRequest`) and the budgets it must fit (the card and the host)::
 
     req = RunRequest(seq_len=4096, batch_size=16, micro_batch_size=4, gpu_mem=10)
-    plan = plan_run(preset("llama-8b"), req, device=torch.device("cuda"), dtype=torch.bfloat16)
-    plan.fits, plan.host, plan.gpu, plan.spec.resident, plan.max_micro_batch
-
-The planner itself needs no torch: ``device`` and ``dtype`` are only read for their type and
-element size, and CUDA is asked for its free memory only when planning for this machine's GPU
-(``local_gpu=False`` plans for another machine: ``flowtrain simulate --machine``).
-
-What the plan decides:
-
-- **Layout** of the streamed units' host state (see ``host_state``): ``staged`` (12 bytes per
-  parameter: fp32 master and Adam m, v; gradients pass through a few pinned staging slots) by
-  default, ``full`` (16: a whole host gradient) where ``--grad-clip`` needs every gradient before
-  any update, ``stream-bf16`` (14: a pinned bf16 copy, half the PCIe bytes per fetch) on request.
-- **Placement**: on a GPU, which units are *resident* (state in GPU memory, Adam there). For
-  speed, the embedding and head (whose Adam and fetch sit at the step boundary) and the bottom
-  third of the layers (the first the next step's forward needs, while CPU Adam of the layers
-  above is still running), as far as GPU memory allows;
-  for capacity, further layers while the host cannot hold the streamed state.
-- **Loss chunk** size: the largest (up to the default) whose logits fit the GPU budget.
+    plan = plan_run(preset("llama-8b"), req, device=torch.device("cuda"), dtype=torch.bfloat16)  # .planner
+    plan.host, plan.gpu, plan.gpu_total, plan.fits                # the counts below
 
 Host bytes: ``master`` (4 per streamed parameter), ``adam`` (8), ``gradients`` (4, full
 layout), ``streaming_copy`` (2, stream-bf16), ``staging`` (the ring), ``tied_gradient``,
@@ -34,7 +19,7 @@ finite; see :mod:`flowtrain.train.nonfinite`) and ``data`` (the token batches in
 ``landing`` (the fp32 piece buffer of casting fetches), ``grad_slots``, ``resident`` (master, m,
 v, gradient and compute copy: 18 bytes per parameter in bf16), ``checkpoints``, ``recompute``,
 ``layer_work`` (one layer under autograd), ``kept_activations`` (the layers whose forward
-keeps its activations for backward instead of recomputing: :func:`place_activations`),
+keeps its activations for backward instead of recomputing: :func:`.planner.place_activations`),
 ``saved_attention`` (the recomputing layers whose forward keeps its attention output for the
 rebuild: :mod:`.attention`) and ``loss_chunks``. On a CPU-only run the GPU
 categories are host memory too. A LoRA run's host holds its frozen ``base`` instead of master
@@ -46,23 +31,23 @@ from __future__ import annotations
 import math
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
 from ..errors import ConfigError
-from ..graph.compiler import StepSpec, compile_step
-from ..graph.tasks import ACTS, GRADS, HOST_GRADS, WEIGHTS
-from ..model.config import MLP_CHUNK_TOKENS, ModelConfig, default_chunk_tokens
+from ..graph.compiler import StepSpec
+from ..graph.tasks import GRADS, HOST_GRADS, WEIGHTS
+from ..model.config import MLP_CHUNK_TOKENS, ModelConfig
 from ..model.adapters import DEFAULT_TARGETS
 from ..model.layout import model_layouts
 from .adapters import adapter_slot_numel, host_adapters, lora_gpu_bytes, lora_host_bytes
-from .attention import attention_pays, forward_flops_saved, plan_saved_attention
-from .experts import dense_mlp_layers, expert_bytes_per_token, expert_kept_bytes_per_token, grouped_experts
-from .host_layout import LANDING_NUMEL, LAYOUTS, grad_chunks, slot_numel, staging_numel, undo_arena_bytes
+from .experts import dense_mlp_layers, expert_bytes_per_token, expert_kept_bytes_per_token
+from .host_layout import LANDING_NUMEL, grad_chunks, slot_numel, staging_numel, undo_arena_bytes
 
 if TYPE_CHECKING:
     import torch
+
 
 GiB = 2**30
 #: ``--activations``: where each layer's activations wait for its backward (see TrainConfig)
@@ -299,7 +284,7 @@ def host_available() -> int | None:
         return None
 
 
-def _limits(req: RunRequest, device: torch.device, local_gpu: bool) -> tuple[int | None, int | None]:
+def budget_limits(req: RunRequest, device: torch.device, local_gpu: bool) -> tuple[int | None, int | None]:
     """The usable host and GPU bytes: what the request says, else what is free here; the GPU
     never more than is free on this machine's GPU now, unless the plan is for another machine
     (``local_gpu=False``)."""
@@ -355,7 +340,7 @@ def cap_gpu_memory(device: torch.device, gib: float) -> None:
 _LAYOUTS: dict[bytes, tuple] = {}
 
 
-def _layouts(cfg: ModelConfig) -> tuple:
+def unit_layouts(cfg: ModelConfig) -> tuple:
     """``model_layouts(cfg)``, built once per model: every candidate plan reads them, and for
     100 layers they take ~2 ms to build, three times per candidate, ~50 candidates."""
     key = msgspec.json.encode(cfg)
@@ -366,9 +351,9 @@ def _layouts(cfg: ModelConfig) -> tuple:
     return _LAYOUTS[key]
 
 
-def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch.dtype, layout: str,
+def count_bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch.dtype, layout: str,
            resident: tuple[str, ...], budgets: dict[str, int], chunk_tokens: int) -> tuple[dict, dict]:
-    layouts = _layouts(cfg)
+    layouts = unit_layouts(cfg)
     res = set(resident)
     streamed = [lay for lay in layouts if lay.key not in res]
     streamed_n = sum(lay.numel for lay in streamed)
@@ -406,7 +391,7 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
 
     tokens = req.micro_batch_size * req.seq_len
     hidden = tokens * cfg.hidden_size * cbytes
-    live_mbs = _live_micro_batches(req)
+    live_mbs = live_micro_batches(req)
     k = req.checkpoint_every
     compiled = device.type == "cuda" and compile_backend(req.compile, device.type) == "inductor"
     layer_work = layer_work_bytes(cfg, tokens, cbytes, compiled)
@@ -430,18 +415,18 @@ def _bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch
         gpu.update(lora_gpu_bytes(cfg, req, tokens, cbytes))
     if req.activations == "offload":  # all offloaded here; _bring_back returns what fits (auto)
         host["offloaded_activations"] = gpu["checkpoints"]
-        gpu.update(_offloading_gpu(req, hidden))
+        gpu.update(offloading_gpu(req, hidden))
     return host, gpu
 
 
-def _offloading_gpu(req: RunRequest, hidden: int) -> dict[str, int]:
+def offloading_gpu(req: RunRequest, hidden: int) -> dict[str, int]:
     """The device items of a step whose checkpoints are offloaded, by phase: the forward's
     checkpoints waiting for their copies (``offload_in_flight``), and in the loss and backward,
     the layer outputs of every live micro-batch before the loss and their gradients between two
     layers' backward (``layer_gradients``) beside the ``acts`` slots the checkpoints come back
     into (``checkpoints``). :attr:`Plan.gpu_total` counts the two phases apart."""
-    live = _live_micro_batches(req)
-    return {"checkpoints": _act_slots(req) * hidden, "offload_in_flight": (2 * live + 2) * hidden,
+    live = live_micro_batches(req)
+    return {"checkpoints": offload_act_slots(req) * hidden, "offload_in_flight": (2 * live + 2) * hidden,
             "layer_gradients": live * hidden}
 
 
@@ -465,7 +450,7 @@ def layer_work_bytes(cfg: ModelConfig, tokens: int, cbytes: int, compiled: bool)
         per_token, mlp_units = 4 * h + 3 * q + 2 * kv + 2 * cfg.head_size, 3 * f
     else:
         per_token, mlp_units = 6 * h + 2 * q + 4 * kv, 4 * f
-    layer_n = max((lay.numel for lay in _layouts(cfg) if lay.unit == "layer"), default=0)
+    layer_n = max((lay.numel for lay in unit_layouts(cfg) if lay.unit == "layer"), default=0)
     work = tokens * cbytes * per_token + cbytes * layer_n
     work += tokens * (4 * q + (2 * cbytes * (q - kv) if kv < q else 0))  # attention backward's buffers
     if cfg.moe:  # the larger of a sparse layer's routing and experts and a dense layer's MLP
@@ -486,221 +471,26 @@ def _moe_mlp_work(cfg: ModelConfig, tokens: int, cbytes: int, mlp_units: int) ->
     return max(dense, tokens * expert_bytes_per_token(cfg, cbytes) if cfg.sparse_layers() else 0)
 
 
-def _offload_in_flight(req: RunRequest, hidden: int) -> int:
+def offload_in_flight(req: RunRequest, hidden: int) -> int:
     """Device bytes of checkpoints with every one offloaded: the inputs of the layer the forward
     is at and its outputs (the inputs of the next), one output being written and one input
     whose copy to the host is still running (the step graph holds each forward until the
     offload ``StepSpec.offload_lag`` layers below it is issued), and in backward the
     checkpoints back from the host ahead of their backward (the ``acts`` slots of
     :func:`flowtrain.policy.base.budgets`)."""
-    return sum(v for k, v in _offloading_gpu(req, hidden).items() if k != "layer_gradients")
+    return sum(v for k, v in offloading_gpu(req, hidden).items() if k != "layer_gradients")
 
 
-def _act_slots(req: RunRequest) -> int:
+def offload_act_slots(req: RunRequest) -> int:
     """The ``acts`` budget the built-in policies give an offloading step."""
     from ..policy.base import act_slots
 
     return act_slots(req.order, req.checkpoint_every, req.batch_size // req.micro_batch_size)
 
 
-# ---- the decision -------------------------------------------------------------------------
-def _layout(req: RunRequest) -> str:
-    if req.layout == "auto":
-        return "full" if req.grad_clip else "staged"
-    if req.layout not in LAYOUTS:
-        raise ConfigError(f"--layout must be auto or one of {', '.join(LAYOUTS)} (got {req.layout!r})")
-    return req.layout
 
 
-def _explicit_resident(req: RunRequest) -> tuple[str, ...] | None:
-    if req.resident == "auto":
-        return None
-    if req.resident in ("none", ""):
-        return ()
-    return tuple(k.strip() for k in req.resident.split(",") if k.strip())  # StepSpec checks the keys
-
-
-def _make(cfg, req, device, dtype, policy, layout, resident, chunk_tokens, shrink: dict[str, int],
-          grow: dict[str, int] | None = None) -> Plan:
-    """One candidate plan; ``grow`` raises and ``shrink`` caps the policy's slot budgets."""
-    spec = _spec(cfg, req, layout, resident)
-    budgets, floor = _policy_budgets(spec, policy)
-    for pool, want in (grow or {}).items():
-        if pool in budgets:
-            budgets[pool] = max(budgets[pool], want)
-    for pool, cap in shrink.items():
-        if pool in budgets:
-            budgets[pool] = max(floor.get(pool, 1), min(budgets[pool], cap))
-    if spec.lora:  # no gradient of the base leaves the device or waits in a slot (host adapters' do)
-        budgets.update({pool: 0 for pool in ((HOST_GRADS,) if spec.host_adapters else (GRADS, HOST_GRADS))
-                        if pool in budgets})
-    host, gpu = _bytes(cfg, req, device, dtype, layout, resident, budgets, chunk_tokens)
-    params = sum(lay.numel for lay in _layouts(cfg))
-    return Plan(device=device.type, params=params, layout=layout, spec=spec, budgets=budgets, node_processes=req.share,
-                chunk_tokens=chunk_tokens, host=host, gpu=gpu, host_limit=None, gpu_limit=None)
-
-
-class _BudgetCache:
-    """The slot budgets a policy proposes for one step shape, and their floor, asked once each.
-
-    Planning tries many candidates (placements, smaller loss chunks and slot caps, every
-    micro-batch size, the simulator's alternatives), and each needs its policy's budgets. A
-    policy proposes from the compiled step graph, which takes ~30 ms to build for 100 layers
-    and 16 micro-batches, while the answer depends only on the policy and the ``StepSpec``: so
-    each pair is compiled and asked once. A policy object is keyed by identity and kept alive by
-    its entries (its id cannot be reused while they exist); a name also by what it is
-    registered as now.
-    """
-
-    def __init__(self, size: int = 512) -> None:
-        self.size = size
-        self._entries: dict[tuple, tuple[Any, dict[str, int], dict[str, int]]] = {}
-
-    def __call__(self, spec: StepSpec, policy: Any) -> tuple[dict[str, int], dict[str, int]]:
-        """(budgets, floor): the policy's proposal over the built-ins' defaults, and the least
-        each pool may be shrunk to."""
-        from ..policy import POLICIES
-
-        who = (policy, POLICIES.get(policy)) if isinstance(policy, str) else id(policy)
-        key = (who, msgspec.json.encode(spec))
-        if key not in self._entries:
-            if len(self._entries) >= self.size:
-                self._entries.pop(next(iter(self._entries)))  # the oldest
-            self._entries[key] = (policy, *self._ask(spec, policy))
-        _, budgets, floor = self._entries[key]
-        return dict(budgets), dict(floor)
-
-    @staticmethod
-    def _ask(spec: StepSpec, policy: Any) -> tuple[dict[str, int], dict[str, int]]:
-        from ..policy import resolve_policy
-        from ..policy.base import budgets as default_budgets
-        from ..policy.base import min_grad_slots
-
-        graph = compile_step(spec)
-        # A pool the graph takes from but the policy did not budget (a user's policy written
-        # for another layout, say) gets the built-ins' default.
-        budgets = {**default_budgets(graph, weights=2, grads=1), **resolve_policy(policy).propose(graph).budgets}
-        return budgets, {WEIGHTS: 1, GRADS: min_grad_slots(graph)}
-
-
-_policy_budgets = _BudgetCache()
-
-
-def _spec(cfg: ModelConfig, req: RunRequest, layout: str, resident: tuple[str, ...]) -> StepSpec:
-    layouts = _layouts(cfg)
-    staged = layout != "full"
-    chunks = grad_chunks(layouts, resident, staging_numel(layouts, resident)) if staged else {}
-    return StepSpec(layers=cfg.num_layers, micro_batches=req.batch_size // req.micro_batch_size,
-                    checkpoint_every=req.checkpoint_every, order=req.order, tied=cfg.tie_word_embeddings,
-                    grad_clip=req.grad_clip, resident=resident, staged=staged, grad_chunks=chunks,
-                    # LoRA's processes each keep their own base and adapters: nothing to share
-                    reduce=req.processes > 1, share=1 if req.lora_rank > 0 else req.share, lora=req.lora_rank > 0,
-                    host_adapters=host_adapters(req), routed=_routed(cfg, req)).validate()
-
-
-def _routed(cfg: ModelConfig, req: RunRequest) -> tuple[int, ...]:
-    """The layers whose idle experts are skipped: every sparse layer, with ``--skip-idle-experts``."""
-    return tuple(cfg.sparse_layers()) if req.skip_idle_experts else ()
-
-
-def _backlog(cfg: ModelConfig, resident: tuple[str, ...], weights: bool = True) -> dict[str, int]:
-    """Extra slots for speed where every layer's gradient is finished by one backward pass (one
-    micro-batch per step, or micro-batch order). Backward then outruns CPU Adam, so finished
-    gradients queue, and the CPU runs Adam in the order the next step needs the units
-    (:func:`~flowtrain.policy.base.optimizer_urgency`), which leaves the top layers' gradients
-    waiting longest. They wait in pinned host staging slots (half the streamed layers can), not
-    on the GPU, so backward never waits for Adam. And the next step's forward through the
-    streamed layers is shorter than their fetches: with weight slots for a third of them
-    (``weights``), their fetches start during the backward of the resident layers below, once
-    each layer's Adam is done. Both measured on W1 in ``flowtrain simulate``: more gained
-    nothing. The plan takes them only where memory holds them, and before kept activations
-    (:func:`_keep` fills what is left), which save less per GPU byte where fetches bound the
-    forward."""
-    streamed_layers = sum(1 for i in range(cfg.num_layers) if f"layer.{i}" not in resident)
-    out = {HOST_GRADS: 3 + math.ceil(streamed_layers / 2)}
-    if weights:
-        out[WEIGHTS] = max(2, math.ceil(streamed_layers / 3))
-    return out
-
-
-def _plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
-    """The plan for one micro-batch size (:func:`_plan_placed`). With LoRA and ``lora_state``
-    auto, the adapters stay on the GPU where that plan fits, else go to host memory where that
-    one fits (or, fitting neither, where the GPU's budget holds: host memory is then short)."""
-    if req.lora_rank <= 0 or req.lora_state != "auto":
-        return _plan_placed(cfg, req, device, dtype, policy, host_limit, gpu_limit)
-    on_gpu = _plan_placed(cfg, msgspec.structs.replace(req, lora_state="gpu"), device, dtype, policy, host_limit,
-                          gpu_limit)
-    explicit = _explicit_resident(req) or ()
-    if on_gpu.fits or device.type != "cuda" or any(u.startswith("layer.") for u in explicit):
-        return on_gpu  # (a resident layer has no fetch to bring its adapters from host memory)
-    on_host = _plan_placed(cfg, msgspec.structs.replace(req, lora_state="host"), device, dtype, policy, host_limit,
-                           gpu_limit)
-    return on_host if on_host.fits or (on_host.gpu_fits and not on_gpu.gpu_fits) else on_gpu
-
-
-def _plan_placed(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
-    """The plan for one micro-batch size: state placement first, then activations.
-
-    The state is placed with every checkpoint on the GPU, as recompute keeps them. Where
-    offloading is allowed (``offload``, or ``auto`` on a GPU) and that plan does not fit or had
-    to give up weight or gradient slots to fit, the state is placed again with every checkpoint
-    on the host, and :func:`_bring_back` returns to the GPU as many as then fit. A checkpoint
-    saves more copying per GPU byte than a resident layer, so residency only gets what the
-    checkpoints leave, as long as they fit. A plan that offloads checkpoints keeps no layers.
-    At long sequences ``auto`` then compares that plan with one that saves attention outputs
-    (:mod:`.attention`)."""
-    if req.activations == "offload":
-        return _bring_back(_plan_state(cfg, req, device, dtype, policy, host_limit, gpu_limit), cfg, req)
-    if req.activations == "attention":
-        _check_activations(req)
-        every = _with_saved_attention(cfg, req, device, dtype, policy, host_limit, gpu_limit, every=True)
-        assert every is not None  # with every layer saving, plan_saved_attention always answers
-        return every
-    plan = _plan_state(cfg, req, device, dtype, policy, host_limit, gpu_limit)
-    if req.activations == "auto" and device.type == "cuda" and (not plan.fits or _squeezed(plan, policy)):
-        offloading = msgspec.structs.replace(req, activations="offload")
-        away = _bring_back(_plan_state(cfg, offloading, device, dtype, policy, host_limit, gpu_limit), cfg, req)
-        # taken only where it fits and fits better: it costs host memory, which may be what is
-        # short (then residency, not offloading, is the way to fit)
-        if away.fits and (not plan.fits or not _squeezed(away, policy, than=plan)):
-            plan = away
-        elif not plan.fits and away.gpu_fits and not plan.gpu_fits:
-            # neither fits, but offloading keeps the GPU in budget: host memory is what is
-            # short, and that plan's refusal says so
-            plan = away
-    if not plan.spec.offload:
-        plan = place_activations(plan, cfg, req, dtype)
-    if (req.activations == "auto" and device.type == "cuda" and req.checkpoint_every == 1
-            and attention_pays(cfg, req.seq_len)):
-        saving = _with_saved_attention(cfg, req, device, dtype, policy, host_limit, gpu_limit, every=False)
-        if saving is not None and saving.fits and (
-                forward_flops_saved(saving, cfg, req.seq_len) > forward_flops_saved(plan, cfg, req.seq_len)):
-            return saving
-    return plan
-
-
-def _with_saved_attention(cfg, req, device, dtype, policy, host_limit, gpu_limit, every: bool) -> Plan | None:
-    """The plan that saves attention outputs (:mod:`.attention`): the state placed (where
-    attention pays, with residency only for capacity: a step is then long enough that fetches
-    and CPU Adam hide), checkpoints offloaded as far as needed, the GPU spent on the outputs."""
-    speed = not attention_pays(cfg, req.seq_len)
-    eager_work = layer_work_bytes(cfg, req.micro_batch_size * req.seq_len, dtype.itemsize, compiled=False)
-    return plan_saved_attention(
-        cfg, req, dtype.itemsize, req.micro_batch_size * req.seq_len * _live_micro_batches(req), eager_work,
-        lambda r: _plan_state(cfg, r, device, dtype, policy, host_limit, gpu_limit, speed=speed),
-        _offload_in_flight(req, req.micro_batch_size * req.seq_len * cfg.hidden_size * dtype.itemsize),
-        _act_slots(req), every)
-
-
-def _squeezed(plan: Plan, policy: Any, than: Plan | None = None) -> bool:
-    """Whether ``plan`` has fewer weight or gradient slots than the policy proposes for its step
-    (or, with ``than``, than that plan has): it gave up prefetch or overlap to fit."""
-    want = than.budgets if than is not None else _policy_budgets(plan.spec, policy)[0]
-    return any(plan.budgets[p] < want[p] for p in (WEIGHTS, GRADS) if p in want)
-
-
-def _live_micro_batches(req: RunRequest) -> int:
+def live_micro_batches(req: RunRequest) -> int:
     """Micro-batches whose activations are alive at once: all of the step's layer-major (each
     layer runs every micro-batch before the next layer), one micro-batch-major."""
     return req.batch_size // req.micro_batch_size if req.order == "layer" else 1
@@ -746,189 +536,6 @@ def kept_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, compiled: bool = 
     return int(c * units) + 4 * cfg.num_heads
 
 
-def place_activations(plan: Plan, cfg: ModelConfig, req: RunRequest, dtype: torch.dtype) -> Plan:
-    """Where each layer's activations wait for its backward (``StepSpec.keep`` and ``.offload``),
-    and their bytes: ``keep`` keeps every layer's on the GPU, ``recompute`` keeps a checkpoint
-    every ``--activation-checkpoint-every`` layers on the GPU and recomputes the rest, ``offload``
-    sends every checkpoint to pinned host memory and brings it back before its backward.
-
-    This places kept layers; offloaded checkpoints are placed before, with the state
-    (:func:`_plan_once`), and a plan that offloads some keeps none. ``auto`` (on a GPU;
-    recompute on the CPU) spends the GPU budget in order of what it saves per byte: first
-    checkpoints on the GPU instead of the host, then, once every checkpoint is on the GPU, kept
-    layers from the top (their backward comes first, so their memory is freed first). Kept
-    layers need a checkpoint at every layer, so ``--activation-checkpoint-every`` above 1 means
-    recompute or offload."""
-    mode = req.activations
-    _check_activations(req)
-    compiled = compile_backend(req.compile, plan.device) == "inductor"
-    grouped = cfg.moe and grouped_experts(plan.device, dtype)
-    per_layer = (kept_bytes_per_token(cfg, dtype, compiled, grouped) * req.micro_batch_size * req.seq_len
-                 * _live_micro_batches(req))
-    L = cfg.num_layers
-    if mode == "keep":
-        n = L
-    elif mode == "recompute" or plan.device != "cuda" or req.checkpoint_every != 1:
-        n = 0
-    elif plan.gpu_limit is None:
-        n = L
-    else:
-        free = plan.gpu_limit - plan.gpu_total
-        n = max(0, min(L, free // per_layer)) if per_layer else L
-    if n == 0:
-        return plan
-    # A kept layer's input is no checkpoint any more: its graph holds what backward needs.
-    checkpoints = plan.gpu.get("checkpoints", 0) * (L - n) // L
-    plan.spec = msgspec.structs.replace(plan.spec, keep=tuple(range(L - n, L)))
-    plan.gpu = {**plan.gpu, "checkpoints": checkpoints, "kept_activations": n * per_layer}
-    return plan
-
-
-def _check_activations(req: RunRequest) -> None:
-    mode = req.activations
-    if mode not in ACTIVATIONS:
-        raise ConfigError(f"--activations must be one of {', '.join(ACTIVATIONS)} (got {mode!r})")
-    if mode in ("keep", "attention") and req.checkpoint_every != 1:
-        raise ConfigError(f"--activations {mode} needs --activation-checkpoint-every 1: a segment of "
-                          "several layers recomputes them all")
-
-
-def _bring_back(plan: Plan, cfg: ModelConfig, req: RunRequest) -> Plan:
-    """From a plan with every checkpoint offloaded (:func:`_bytes`): ``offload`` keeps it so;
-    ``auto`` brings checkpoints back to the GPU from the top while the budget holds them, and
-    offloads the rest, the bottom ones (``StepSpec.offload``): they are away longest, so their
-    copies have the most time to hide behind compute. With none left offloaded, the plan is a
-    plain recompute plan."""
-    starts = list(range(0, cfg.num_layers, req.checkpoint_every))
-    per_ck = plan.host["offloaded_activations"] // len(starts)
-    slots = plan.gpu["checkpoints"]
-    offloading = plan.gpu
-    recomputing = {k: v for k, v in offloading.items() if k not in ("offload_in_flight", "layer_gradients")}
-    recomputing["checkpoints"] = len(starts) * per_ck
-
-    def with_back(n_off: int) -> dict[str, int]:  # the GPU items with all but n_off checkpoints back
-        if n_off == 0:
-            return recomputing
-        return {**offloading, "checkpoints": slots + (len(starts) - n_off) * per_ck}
-
-    if req.activations == "offload":
-        n_off = len(starts)
-    elif plan.gpu_limit is None:
-        n_off = 0
-    else:  # the fewest offloaded (from the bottom) that fit, else all of them
-        limit = plan.gpu_limit
-        n_off = next((n for n in range(len(starts) + 1) if gpu_peak(with_back(n)) <= limit), len(starts))
-    plan.gpu = with_back(n_off)
-    host = {k: v for k, v in plan.host.items() if k != "offloaded_activations"}
-    if n_off == 0:
-        plan.host = host
-        return plan
-    plan.host = {**host, "offloaded_activations": n_off * per_ck}
-    plan.spec = msgspec.structs.replace(plan.spec, offload=tuple(starts[:n_off]))
-    plan.budgets = {**plan.budgets, ACTS: _act_slots(req)}
-    return plan
-
-
-def _plan_state(cfg, req, device, dtype, policy, host_limit, gpu_limit, speed: bool = True) -> Plan:
-    """Layout, resident units, loss chunk and slot budgets for one micro-batch size. Without
-    ``speed``, ``--resident auto`` makes units resident only as host memory needs, and no slots
-    are added for a backlog (:func:`_backlog`)."""
-    layout = _layout(req)
-    explicit = _explicit_resident(req)
-    default_chunk = req.chunk_tokens or default_chunk_tokens(cfg.vocab_size)
-
-    def build(resident: tuple[str, ...]) -> Plan:
-        """The plan for one placement, shrunk to the GPU budget: smaller loss chunks first, then
-        one gradient accumulator instead of two, then one weight slot (no prefetch)."""
-        chunk, shrink = default_chunk, dict[str, int]()
-        if speed and device.type == "cuda" and (req.batch_size == req.micro_batch_size or req.order == "micro"):
-            for weights in (True, False):
-                p = _make(cfg, req, device, dtype, policy, layout, resident, chunk, shrink,
-                          _backlog(cfg, resident, weights))
-                p.host_limit, p.gpu_limit = host_limit, gpu_limit
-                if p.host_fits and p.gpu_fits:
-                    return p
-        p = _make(cfg, req, device, dtype, policy, layout, resident, chunk, shrink)
-        while device.type == "cuda" and gpu_limit is not None and p.gpu_total > gpu_limit:
-            if req.chunk_tokens is None and chunk > 256:
-                chunk = max(256, chunk // 2)
-            elif GRADS not in shrink and p.budgets[GRADS] > 1:
-                shrink = {**shrink, GRADS: 1}
-            elif p.budgets[WEIGHTS] > 1 and WEIGHTS not in shrink:
-                shrink = {**shrink, WEIGHTS: 1}
-            else:
-                break
-            p = _make(cfg, req, device, dtype, policy, layout, resident, chunk, shrink)
-        p.host_limit, p.gpu_limit = host_limit, gpu_limit
-        return p
-
-    if explicit is not None or device.type != "cuda":
-        return build(explicit or ())
-    return _choose_resident(cfg, build, policy, speed, never=never_resident(cfg, req))
-
-
-def never_resident(cfg: ModelConfig, req: RunRequest) -> frozenset[str]:
-    """The layers no ``--resident auto`` choice may keep on the GPU: with adapters in host
-    memory, every layer (a layer's fetch is what brings its adapters)."""
-    return frozenset(f"layer.{i}" for i in range(cfg.num_layers)) if host_adapters(req) else frozenset()
-
-
-def _choose_resident(cfg: ModelConfig, build, policy: Any, speed: bool = True,  # noqa: ANN001 - build(resident) -> Plan
-                     never: frozenset[str] = frozenset()) -> Plan:
-    """The resident units: embedding and head if they fit, then layers bottom-up, as many as
-    the GPU holds up to the speed set (a third of the layers: past it, one more resident layer
-    saves less than it costs in slots) without shrinking the weight and gradient slots (a
-    resident layer saves less than a prefetch slot costs), and past that only as many as host
-    memory needs. Without ``speed``, only the layers host memory needs (where the step is long
-    enough that fetches and CPU Adam hide behind compute, residency buys nothing).
-
-    GPU bytes grow and host bytes shrink with every resident layer, so the count is found by
-    bisection: about 2 log2(layers) plans instead of one per layer (a 100-layer plan compiles
-    a step graph per candidate, ~30 ms each). The layers in ``never`` stay streamed."""
-    plan = build(())
-    head = ("embed", "head")
-    base: tuple[str, ...] = ()
-    if speed:
-        trial = build(head)
-        base = head if trial.gpu_fits and not _squeezed(trial, policy) else ()
-        if base:
-            plan = trial
-    layers = [f"layer.{i}" for i in range(cfg.num_layers) if f"layer.{i}" not in never]
-    L = len(layers)
-    tried: dict[int, Plan] = {0: plan}
-
-    def at(k: int) -> Plan:
-        if k not in tried:
-            tried[k] = build(base + tuple(layers[:k]))
-        return tried[k]
-
-    def first(lo: int, hi: int, pred) -> int:  # noqa: ANN001
-        """The least k in [lo, hi] with pred(k), or hi + 1; pred is false then true."""
-        while lo <= hi:
-            mid = (lo + hi) // 2
-            if pred(mid):
-                hi = mid - 1
-            else:
-                lo = mid + 1
-        return lo
-
-    def fits(k: int) -> bool:  # on the GPU without giving up slots the policy proposes
-        return at(k).gpu_fits and not _squeezed(at(k), policy)
-
-    n_speed = min(L, math.ceil(L / 3)) if speed else 0
-    k0 = n_speed if fits(n_speed) else first(1, n_speed, lambda k: not fits(k)) - 1  # the most that fit
-    if at(k0).host_fits:
-        return at(k0)
-    # Then add layers until host memory fits or the GPU is full (slots may shrink here: this
-    # residency is for capacity, without which the run does not fit at all).
-    k = first(k0, L, lambda k: at(k).host_fits or not at(k).gpu_fits)
-    if k > L or not at(k).gpu_fits:
-        k -= 1
-    # never below k0: where even k0 overflows the GPU, more residency cannot help it, and the
-    # plan says so against the GPU budget rather than moving the whole model onto it
-    return at(max(k, k0))
-
-
 def compile_backend(name: str | None, device_type: str) -> str | None:
     """The torch.compile backend ``--compile`` gives the layer on a device of this type, or None
     for eager. ``auto`` compiles on CUDA (fused norms, rotary and SwiGLU: 8% faster than eager
@@ -939,113 +546,3 @@ def compile_backend(name: str | None, device_type: str) -> str | None:
     if name == "auto":
         return "inductor" if device_type == "cuda" else None
     return name
-
-
-
-#: ``choose(req, plan_one) -> (req, plan, why_order, why_placement)``: the choices a plan leaves
-#: to a prediction (``--order auto``, the placement rules' alternatives), made from above by
-#: :func:`flowtrain.sim.choose_plan.plan_and_choose`; ``plan_one`` plans one request
-Chooser = Callable[[RunRequest, Callable[[RunRequest], Plan]], tuple[RunRequest, Plan, str | None, str | None]]
-
-
-def plan_run(cfg: ModelConfig, req: RunRequest, *, device: torch.device, dtype: torch.dtype,
-             policy: Any = "double_buffer", local_gpu: bool = True, choose: Chooser | None = None) -> Plan:
-    """The plan for ``req`` on ``device``, with the largest micro-batch that fits and, if the run
-    does not fit, what would. ``local_gpu=False`` plans for a GPU elsewhere (the simulator's
-    machine): its memory is ``req.gpu_mem`` alone, not capped by what is free on this one.
-    ``choose`` makes the choices that need a prediction; without it ``--order auto`` is
-    ``layer`` and the placement rules' plan stands (what ``plan_and_choose`` also answers on the
-    CPU, or where no machine model describes the GPU)."""
-    if req.batch_size < 1 or req.micro_batch_size < 1 or req.batch_size % req.micro_batch_size:
-        raise ConfigError(f"{{micro_batch_size}} {req.micro_batch_size} does not divide {{batch_size}} {req.batch_size}",
-                          named=True)
-    host_limit, gpu_limit = _limits(req, device, local_gpu)
-
-    def plan_one(r: RunRequest) -> Plan:
-        return _plan_once(cfg, r, device, dtype, policy, host_limit, gpu_limit)
-
-    if choose is None:
-        req = msgspec.structs.replace(req, order="layer") if req.order == "auto" else req
-        plan, order_choice, placement_choice = plan_one(req), None, None
-    else:
-        req, plan, order_choice, placement_choice = choose(req, plan_one)
-    plan.order_choice, plan.placement_choice = order_choice, placement_choice
-    divisors = [b for b in range(req.batch_size, 0, -1) if req.batch_size % b == 0]
-    for b in divisors:
-        trial = plan if b == req.micro_batch_size else _plan_once(
-            cfg, msgspec.structs.replace(req, micro_batch_size=b), device, dtype, policy, host_limit, gpu_limit)
-        if trial.fits:
-            plan.max_micro_batch = b
-            break
-    if not plan.fits:
-        plan.suggestions = _suggest(plan, cfg, req, device, dtype, policy, host_limit, gpu_limit)
-    return plan
-
-
-def _changes(plan: Plan, req: RunRequest, policy: Any) -> list[tuple[str, RunRequest, Any]]:
-    """Single changes that can lower memory, in the order a user would rather make them (what
-    costs least speed or exactness first); none is a setting already in use."""
-    replace = msgspec.structs.replace
-    out = []
-    mbs, steps = req.micro_batch_size, req.batch_size // req.micro_batch_size
-    if req.activations == "attention":  # as many saved outputs as fit, and the rest recompute
-        out.append(("--activations auto", replace(req, activations="auto"), policy))
-    if req.activations in ("keep", "recompute", "attention"):  # checkpoints to host memory: PCIe time, often hidden
-        out.append(("--activations offload", replace(req, activations="offload"), policy))
-    for n in sorted({steps - 1, *(steps >> i for i in range(1, steps.bit_length()))} - {0}, reverse=True):
-        # fewer micro-batches per step: fewer layer inputs kept for backward
-        out.append((f"--batch-size {n * mbs}", replace(req, batch_size=n * mbs), policy))
-    for k in (2, 4, 8):
-        if k != req.checkpoint_every and req.activations not in ("keep", "attention"):  # these need every layer's input
-            out.append((f"--checkpoint-every {k}", replace(req, checkpoint_every=k), policy))
-    if plan.spec.resident and req.resident != "none":
-        out.append(("--resident none", replace(req, resident="none"), policy))
-    if req.layout == "full" or (req.layout == "auto" and plan.layout == "full" and not req.grad_clip):
-        out.append(("--layout staged", replace(req, layout="staged"), policy))
-    if req.grad_clip:
-        out.append(("no --grad-clip (gradients staged: 12 bytes per parameter instead of 16)",
-                    replace(req, grad_clip=False), policy))
-    if policy != "sequential":
-        out.append(("--policy sequential", req, "sequential"))
-    return out
-
-
-def _largest_model(plan: Plan) -> str:
-    """The size of model that the host budget would hold: the plan's per-parameter state
-    (master weights, Adam, gradient buffers, streaming copy) scaled, the rest (the process,
-    staging, activations) as planned."""
-    assert plan.host_limit is not None
-    scaled = ("master", "adam", "gradients", "streaming_copy", "base", "adapters")  # LoRA: its base and adapters
-    copies = plan.node_processes if plan.spec.lora else 1  # LoRA's processes each keep their own
-    per_param = copies * sum(plan.host.get(k, 0) for k in scaled) / plan.params
-    fixed = plan.host_node_total - per_param * plan.params
-    most = max(0.0, (plan.host_limit - fixed) / per_param)
-    what = "for LoRA's frozen base and adapters" if plan.spec.lora else f"in the {plan.layout} layout"
-    return (f"or a model of at most about {most / 1e9:.1f} B parameters ({plan.host_limit / GiB:.0f} GiB usable, "
-            f"{per_param:.0f} host bytes per parameter {what})")
-
-
-def _suggest(plan: Plan, cfg: ModelConfig, req: RunRequest, device, dtype, policy, host_limit, gpu_limit) -> list[str]:
-    """What would make a run that does not fit fit: each suggestion is a change that was planned
-    and fits (the largest micro-batch, the largest batch, ...), not a guess; if no single change
-    does, what memory it would take."""
-    out = []
-    if plan.max_micro_batch is not None and plan.max_micro_batch < req.micro_batch_size:
-        out.append(f"use --micro-batch-size {plan.max_micro_batch} (the largest that fits)")
-    tried_batch = False
-    for text, trial_req, trial_policy in _changes(plan, req, policy):
-        if text.startswith("--batch-size") and tried_batch:
-            continue
-        trial = _plan_once(cfg, trial_req, device, dtype, trial_policy, host_limit, gpu_limit)
-        if trial.fits:
-            tried_batch |= text.startswith("--batch-size")
-            out.append(f"use {text}")
-    if not out:
-        if not plan.host_fits:
-            host = math.ceil(plan.host_node_total / GiB / HOST_FILL)
-            out.append(f"run where about {host} GiB of host memory is free (--host-mem {host})")
-            out.append(_largest_model(plan))
-        if not plan.gpu_fits:
-            card = math.ceil(card_for(plan.gpu_total))
-            out.append(f"a GPU of about {card} GiB (--gpu-mem {card})")
-    return out

@@ -174,7 +174,7 @@ def budgets(graph: nx.DiGraph, weights: int, grads: int, host_grads: int = 3) ->
 
 class WithBudgets:
     """A policy's order with other slot budgets: how a memory plan that shrank or grew the
-    policy's budgets (``flowtrain.plan.memory``) hands them to the engine::
+    policy's budgets (``flowtrain.plan.planner``) hands them to the engine::
 
         engine = Engine(program, WithBudgets(resolve_policy("double_buffer"), {"weights": 2, "grads": 1}))
     """

@@ -1,6 +1,6 @@
 """Choosing a configuration by predicted time: the planner's second step.
 
-The memory plan (:mod:`flowtrain.plan.memory`) answers "does it fit, and where does every byte
+The memory plan (:mod:`flowtrain.plan.planner`) answers "does it fit, and where does every byte
 live". Among the configurations that fit, this module picks the one the simulator predicts to
 be fastest on a machine, and says why::
 
@@ -95,7 +95,8 @@ def choose_fastest(cfg: Any, req: Any, machine: Machine, policy: str = "double_b
     """The fastest configuration that fits, among single-setting changes of ``req`` (two rounds).
     Each is planned as ``plan_run`` plans it (``local_gpu``: also capped by the free memory of
     this machine's GPU, as the memory plan printed beside the choice is)."""
-    from ..plan.memory import Precision, Target, plan_run
+    from ..plan.memory import Precision, Target
+    from ..plan.planner import plan_run
     from .choose_plan import plan_and_choose
     from .predict import predict
 

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..plan.memory import Plan, RunRequest, plan_run
+from ..plan.memory import Plan, RunRequest
+from ..plan.planner import plan_run
 from .order_choice import Predictions, choose_order
 from .placement_choice import choose_placement
 
@@ -25,7 +26,7 @@ __all__ = ["plan_and_choose"]
 
 def plan_and_choose(cfg: Any, req: RunRequest, *, device: Any, dtype: Any, policy: Any = "double_buffer",
                     local_gpu: bool = True, machine: Any = None, predictions: Predictions | None = None) -> Plan:
-    """:func:`~flowtrain.plan.memory.plan_run` of ``req``, with the order and the placement
+    """:func:`~flowtrain.plan.planner.plan_run` of ``req``, with the order and the placement
     chosen by predicted time on ``machine`` (by default, with ``local_gpu``, the model of this
     GPU); ``predictions`` keeps what was simulated."""
     predictions = predictions or Predictions(cfg, policy)

@@ -1,7 +1,7 @@
 """``--activations auto`` and ``--layout auto``, checked against predicted step time.
 
 The planner places activations and picks the host layout by rules: what each placement saves
-per GPU byte (:func:`~flowtrain.plan.memory.place_activations`, :mod:`flowtrain.plan.attention`), and the
+per GPU byte (:func:`~flowtrain.plan.planner.place_activations`, :mod:`flowtrain.plan.attention`), and the
 staged layout (12 bytes per parameter) unless ``--grad-clip`` needs the full one. The rules
 follow what the H200 measured; another machine may want otherwise (a slow link wants the
 stream-bf16 layout, which halves the bytes of every fetch for 2 more host bytes per parameter).
@@ -32,7 +32,7 @@ from typing import Any, Callable
 
 import msgspec
 
-from ..plan.memory import never_resident
+from ..plan.planner import never_resident
 from .order_choice import MARGIN, Predictions, this_gpu_machine
 
 __all__ = ["alternatives", "choose_placement", "more_resident"]
@@ -59,7 +59,7 @@ def more_resident(cfg: Any, req: Any, plan: Any, fits: Callable[[str], bool]) ->
     ``auto``: the plan's resident units with 1, 2, 4, ... more layers, bottom-up (the order the
     rules add them), and with the most layers that fit (found by bisection; ``fits(value)``
     says whether that residency's plan fits). Never a layer the run must stream
-    (:func:`~flowtrain.plan.memory.never_resident`: adapters in host memory)."""
+    (:func:`~flowtrain.plan.planner.never_resident`: adapters in host memory)."""
     if req.resident != "auto":
         return []
     resident, never = tuple(plan.spec.resident), never_resident(cfg, req)

@@ -1,6 +1,6 @@
 """From a memory plan to a predicted step: the bridge between the planner and the simulator.
 
-The planner (:mod:`flowtrain.plan.memory`) decides placement, layout and slot budgets; this
+The planner (:mod:`flowtrain.plan.planner`) decides placement, layout and slot budgets; this
 module turns a plan and a model into a :class:`~flowtrain.sim.costs.Shape`, runs the plan's
 steps on the virtual clock under the same policy the trainer would use (the policy's order
 with the plan's budgets, ``WithBudgets``), and summarizes them::

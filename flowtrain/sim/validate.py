@@ -129,7 +129,8 @@ def predict_run(row: dict, extra: dict, machine: str = "h200") -> dict:
     import torch
 
     from ..model import preset
-    from ..plan.memory import GPU_FILL, GiB, RunRequest, card_for, plan_run
+    from ..plan.memory import GPU_FILL, GiB, RunRequest, card_for
+    from ..plan.planner import plan_run
     from .machine import load_machine
     from .predict import predict_shape, shape_of
 

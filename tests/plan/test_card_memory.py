@@ -25,8 +25,8 @@ from flowtrain.plan.memory import (
     RunRequest,
     allocator_share,
     card_for,
-    plan_run,
 )
+from flowtrain.plan.planner import plan_run
 from flowtrain.train.run_config import TrainConfig
 
 CUDA = torch.device("cuda")

@@ -20,7 +20,8 @@ from flowtrain.cli import main
 from flowtrain.errors import ConfigError
 from flowtrain.graph import GRADS, WEIGHTS
 from flowtrain.model import ModelConfig, model_layouts, preset
-from flowtrain.plan.memory import GPU_FILL_CAPPED, GiB, RunRequest, allocator_share, card_for, plan_run
+from flowtrain.plan.memory import GPU_FILL_CAPPED, GiB, RunRequest, allocator_share, card_for
+from flowtrain.plan.planner import plan_run
 from flowtrain.train.host_state import HostState
 
 CUDA = torch.device("cuda")
@@ -262,7 +263,7 @@ def test_budgets_asked_once_per_step_shape_are_what_the_policy_proposes(spec_kw)
     policy's proposal on the compiled graph, and two policy objects with the same class but
     other settings are asked separately."""
     from flowtrain.graph import StepSpec
-    from flowtrain.plan.memory import _BudgetCache
+    from flowtrain.plan.planner import _BudgetCache
     from flowtrain.policy import resolve_policy
 
     cache, spec = _BudgetCache(), StepSpec(**spec_kw)
@@ -277,7 +278,7 @@ def test_planning_compiles_each_step_shape_once(monkeypatch):
     chunks, slot caps, micro-batch sizes, suggestions) of ~25 step shapes: the step graph, from
     which the policy proposes budgets, is compiled once per shape, not per candidate (one
     policy: with another, ``--policy sequential`` would be a suggestion, asked separately)."""
-    from flowtrain.plan import memory as plan_module
+    from flowtrain.plan import planner as plan_module
 
     compiled = []
     real = plan_module.compile_step

@@ -151,7 +151,7 @@ def test_simulate_of_100_layers_compiles_each_step_shape_once(tmp_path, monkeypa
     graphs than it sizes candidates, and the simulator compiles the three steps it simulates."""
     import msgspec
 
-    from flowtrain.plan import memory as plan
+    from flowtrain.plan import planner as plan
     from flowtrain.sim import clock
 
     monkeypatch.setattr(plan, "_policy_budgets", plan._BudgetCache())  # nothing cached by earlier tests

@@ -214,7 +214,8 @@ def test_processes_sharing_the_state_plan_the_node_once():
     """The plan counts the shared state (master, Adam) once per node and each process's own
     buffers once per process; ``--undo-mem`` is the node's."""
     from flowtrain.model import preset
-    from flowtrain.plan.memory import RunRequest, plan_run
+    from flowtrain.plan.memory import RunRequest
+    from flowtrain.plan.planner import plan_run
 
     cfg = preset("tiny")
     undo = 0.001  # GiB: less than a step of tiny's updates, so the budget is what is held

@@ -6,7 +6,7 @@ being page-locked during the first step), nothing in the work itself stops the f
 running on, leaving one more checkpoint per micro-batch and layer on the device: llama-8b under
 a 10 GiB cap ran out of memory so, 1.1 GiB past its plan. The step graph holds each forward
 until the offload ``offload_lag`` layers below it is issued, and the planner counts exactly
-what that leaves (``_offload_in_flight``). Here the copies are made 20 times slower than
+what that leaves (``offload_in_flight``). Here the copies are made 20 times slower than
 everything else on the virtual clock, and the peak is checked against the planner's count::
 
     embed -> fwd L0 -> fwd L1 -> fwd L2 -> ... -> loss
@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 
 from flowtrain.graph.compiler import StepSpec, compile_step
-from flowtrain.plan.memory import RunRequest, _act_slots, _offload_in_flight
+from flowtrain.plan.memory import RunRequest, offload_act_slots, offload_in_flight
 from flowtrain.sim.clock import VirtualRun
 
 
@@ -49,7 +49,7 @@ def test_a_slow_copy_lane_holds_the_forward_back_to_the_planned_checkpoints(orde
     L = 8
     spec = StepSpec(layers=L, micro_batches=micro_batches, order=order, offload=tuple(range(L)))
     req = RunRequest(seq_len=16, batch_size=micro_batches, micro_batch_size=1, order=order, activations="offload")
-    planned = _offload_in_flight(req, hidden=1) - _act_slots(req)  # in forward no acts slot is used yet
+    planned = offload_in_flight(req, hidden=1) - offload_act_slots(req)  # in forward no acts slot is used yet
     peak = _peak_checkpoints_on_device(spec, copy_seconds=20.0)
     assert peak <= planned, (order, micro_batches, peak, planned)
     # the bound is what holds it: with copies as fast as the rest the peak is lower
@@ -71,4 +71,4 @@ def test_without_the_bound_a_slow_copy_lane_would_pile_checkpoints_up():
     copies_done_by_then = sum(1 for r in records if r.task.kind == "offload_act" and r.end <= last_forward)
     req = RunRequest(seq_len=16, batch_size=M, micro_batch_size=1, activations="offload")
     # every forward has run while most copies are still waiting: far more than planned are alive
-    assert L * M - copies_done_by_then > _offload_in_flight(req, hidden=1)
+    assert L * M - copies_done_by_then > offload_in_flight(req, hidden=1)
