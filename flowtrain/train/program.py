@@ -121,6 +121,17 @@ from .weight_grads import backward_into, weight_leaves
 from .optimizer import AdamWConfig, adamw_experts, adamw_pieces, adamw_step, clip_coefficient, no_decay_ranges
 
 
+def _layer_function(compile_backend: str | None):  # noqa: ANN202 - the layer, or torch.compile's wrapper of it
+    """The decoder layer the program runs: as it is (eager), or compiled by ``torch.compile``
+    with ``compile_backend`` (e.g. "inductor": norms, rotary and SwiGLU fuse)."""
+    if compile_backend is None:
+        return decoder_layer
+    # Dynamo inspects .grad of the weights while tracing; where a weight is a view that is not a
+    # leaf, torch warns about that access, harmlessly.
+    warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+    return torch.compile(decoder_layer, backend=compile_backend, dynamic=False)
+
+
 class _StepData:
     """Host-side inputs and per-step accumulators of one optimizer step."""
 
@@ -201,22 +212,7 @@ class StepProgram:
         self.chunk_tokens = chunk_tokens
         self.tied = self.cfg.tie_word_embeddings
         self.head_n = state.head.layout.numel
-        embed_n = state.embed.layout.numel
-        #: LoRA with the adapters in host memory: each layer's slot holds its adapters after its
-        #: weights (in the compute dtype), and the gradient slots are the adapters' only
-        adapter_n = max((a.layout.numel for a in state.adapters if not a.resident), default=0)
-        slot_n = slot_numel(state.layouts, state.resident, self.tied) + adapter_n
-        grad_n = adapter_n if self.lora is not None else slot_n
-        if self.tied and not state.head.resident and self.lora is None:
-            self.tied_grad = pinned_zeros(embed_n, self._pin)
-        self.weight_c = [torch.empty(slot_n, dtype=dtype, device=self.device) for _ in range(budgets[WEIGHTS])]
-        needs_landing = any(u.stream is None and u.master.dtype != dtype
-                            for u in state.units + state.adapters if not u.resident)
-        self.landing = torch.empty(min(slot_n, LANDING_NUMEL) if needs_landing else 0, dtype=torch.float32,
-                                   device=self.device)
-        self.grad_slots = [torch.empty(grad_n, dtype=torch.float32, device=self.device) for _ in range(budgets[GRADS])]
-        self.stage_n = staging_numel(state.layouts, state.resident)
-        self.staging = [pinned_zeros(self.stage_n, self._pin) for _ in range(budgets.get(HOST_GRADS, 0))]
+        self._make_slots(budgets)
         #: rotary (cos, sin) tables by "is this a Gemma 3 sliding layer" (its own base)
         self.rope = {local: rope_tables(self.cfg, seq_len, self.device, dtype, local)
                      for local in {False, any(map(self.cfg.layer_rope_local, range(self.cfg.num_layers)))}}
@@ -242,12 +238,7 @@ class StepProgram:
         self._non_blocking = self.device.type == "cuda"
         #: the decoder layer, compiled by torch.compile (``compile_backend``, e.g. "inductor")
         #: so norms, rotary and SwiGLU fuse; forward, recompute and backward share it.
-        self.layer_fn = decoder_layer
-        if compile_backend is not None:
-            # Dynamo inspects .grad of the weights while tracing; where a weight is a view that is
-            # not a leaf, torch warns about that access, harmlessly.
-            warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
-            self.layer_fn = torch.compile(decoder_layer, backend=compile_backend, dynamic=False)
+        self.layer_fn = _layer_function(compile_backend)
         #: host bytes the undo records of not yet verified steps may hold (see nonfinite.py)
         streamed = [(u.layout.numel, len(u.steps)) for u in state.trained if not u.resident]
         self.undo = UndoBudget(undo_bytes, most=undo_arena_bytes(streamed, self.stage_n, undo_bytes))
@@ -269,6 +260,28 @@ class StepProgram:
     @property
     def _pin(self) -> bool:
         return self.device.type == "cuda"
+
+    def _make_slots(self, budgets: dict[str, int]) -> None:
+        """The buffers the slot budgets allow, made once: ``weights`` device slots in the compute
+        dtype, each as large as the largest streamed unit (the landing buffer beside them where
+        a fetch casts fp32 pieces on the device), ``grads`` fp32 gradient accumulators,
+        ``host_grads`` pinned host staging slots, and a tied embedding's host gradient where the
+        head streams. With LoRA's adapters in host memory, each layer's slot holds its adapters
+        after its weights, and the gradient slots are the adapters' only."""
+        state, dtype = self.state, self.dtype
+        adapter_n = max((a.layout.numel for a in state.adapters if not a.resident), default=0)
+        slot_n = slot_numel(state.layouts, state.resident, self.tied) + adapter_n
+        grad_n = adapter_n if self.lora is not None else slot_n
+        if self.tied and not state.head.resident and self.lora is None:
+            self.tied_grad = pinned_zeros(state.embed.layout.numel, self._pin)
+        self.weight_c = [torch.empty(slot_n, dtype=dtype, device=self.device) for _ in range(budgets[WEIGHTS])]
+        needs_landing = any(u.stream is None and u.master.dtype != dtype
+                            for u in state.units + state.adapters if not u.resident)
+        self.landing = torch.empty(min(slot_n, LANDING_NUMEL) if needs_landing else 0, dtype=torch.float32,
+                                   device=self.device)
+        self.grad_slots = [torch.empty(grad_n, dtype=torch.float32, device=self.device) for _ in range(budgets[GRADS])]
+        self.stage_n = staging_numel(state.layouts, state.resident)
+        self.staging = [pinned_zeros(self.stage_n, self._pin) for _ in range(budgets.get(HOST_GRADS, 0))]
 
     def _checks_per_step(self) -> int:
         """Host checks that verify a step: a flag per offloaded gradient piece (one per staging
