@@ -38,6 +38,7 @@ from ..runtime.trace import TraceRecorder, lane_busy, write_chrome_trace
 # numpy, torch, the model and the trainer are imported where a benchmark runs, so that
 # ``flowtrain bench --help`` (which adds these options) stays instant.
 if TYPE_CHECKING:
+    from ..plan.memory import Plan
     from ..train.trainer import TrainConfig
 
 
@@ -74,29 +75,69 @@ def model_flops_per_token(model: str, seq_len: int, adapter_params: float | None
 
 
 def run_model(args: argparse.Namespace) -> dict:
-    import numpy as np
+    """Train ``args``' benchmark run and measure it: the result line (see the module docstring)."""
     import torch
 
     from ..plan.adapters import adapter_active_numel, adapter_numel
     from ..plan.memory import run_request
-    from ..train.trainer import TrainConfig, load_model_config, prefer_expandable_segments, train
+    from ..train.trainer import load_model_config
 
-    policy = args.policy[0] if isinstance(args.policy, list) else (args.policy or "double_buffer")
-    args.policy = policy
+    _check_model_args(args)
+    cfg_m, _ = load_model_config(args.model)
+    cfg, metrics, recorder, plans, peak = _train(args, cfg_m.vocab_size)
+    adapters = adapter_numel(cfg_m, run_request(cfg)) if cfg.lora else None
+    active = adapter_active_numel(cfg_m, run_request(cfg)) if cfg.lora else None
+    result = {
+        "model": args.model, "seq_len": args.seq_len, "batch_size": args.batch_size,
+        "micro_batch_size": args.micro_batch_size, "policy": args.policy,
+        "order": plans[-1].spec.order if plans else args.order,
+        **_speed(args, metrics, recorder.records, active),
+        "host_peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        "compile": args.compile, "data": args.data, "packing": args.packing,
+    }
+    if adapters is not None:
+        result.update(lora_rank=cfg.lora_rank, adapter_params=adapters)
+    if cfg.skip_idle_experts:  # per step, the share of expert weights left in host memory
+        result["experts_unfetched"] = [m.experts_unfetched for m in metrics]
+    if plans:
+        result.update(_plan_fields(plans[0], result["host_peak_gib"], lora=adapters is not None))
+    if torch.cuda.is_available() and cfg.device != "cpu":
+        result.update(gpu_memory(torch))
+        result["gpu"] = torch.cuda.get_device_name()
+    if peak is not None:
+        result.update(gpu_peak_report=str(args.gpu_peak_report), gpu_peak_replayed_gib=peak["peak_gib"])
+    if args.trace:
+        write_chrome_trace(args.trace, recorder.records, meta=bench_trace_meta(args, cfg, plans, recorder.records))
+    return result
+
+
+def _check_model_args(args: argparse.Namespace) -> None:
+    """What ``--model`` mode refuses before it trains: too few steps, and a file it could not
+    write at the end (a minute of training later)."""
+    args.policy = args.policy[0] if isinstance(args.policy, list) else (args.policy or "double_buffer")
     if args.steps <= args.warmup:
         raise ConfigError(f"--steps {args.steps} must exceed --warmup {args.warmup}")
-    if args.trace:  # refused before a minute of training, not after it
+    if args.trace:
         check_output_file("--trace", args.trace)
-    peak_report = getattr(args, "gpu_peak_report", None)
-    if peak_report is not None:
-        _check_peak_report(peak_report, args.device)
-    cfg_m, _ = load_model_config(args.model)
-    tokens = args.seq_len * args.batch_size * args.steps
+    if getattr(args, "gpu_peak_report", None) is not None:
+        _check_peak_report(args.gpu_peak_report, args.device)
+
+
+def _train(args: argparse.Namespace, vocab_size: int) -> tuple:
+    """The run: ``(its TrainConfig, per-step metrics, the trace recorder, the plans it followed,
+    the GPU peak report or None)``. Without ``--data`` it trains on random tokens, written to a
+    temporary file for the run's length."""
+    import numpy as np
+    import torch
+
+    from ..train.trainer import TrainConfig, prefer_expandable_segments, train
+
     with tempfile.TemporaryDirectory() as tmp:
         data = args.data
         if data is None:
             data = str(Path(tmp) / "tokens.npy")
-            np.save(data, np.random.default_rng(0).integers(0, cfg_m.vocab_size, size=tokens, dtype=np.int64))
+            tokens = args.seq_len * args.batch_size * args.steps
+            np.save(data, np.random.default_rng(0).integers(0, vocab_size, size=tokens, dtype=np.int64))
         recorder = TraceRecorder()
         cfg = TrainConfig(**{**config_values(args, BENCH_FIELDS), "data": data}, model=args.model, lr=1e-5,
                           policy=args.policy, progress=False)
@@ -104,61 +145,47 @@ def run_model(args: argparse.Namespace) -> dict:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         plans: list = []
-        if peak_report is None:
-            metrics = train(cfg, instruments=[recorder], on_plan=plans.append)
-        else:
-            metrics, peak = _recorded(peak_report, lambda: train(cfg, instruments=[recorder], on_plan=plans.append),
-                                      plans)
-    adapters = adapter_numel(cfg_m, run_request(cfg)) if cfg.lora else None
-    active = adapter_active_numel(cfg_m, run_request(cfg)) if cfg.lora else None
+
+        def run() -> list:
+            return train(cfg, instruments=[recorder], on_plan=plans.append)
+
+        if getattr(args, "gpu_peak_report", None) is None:
+            return cfg, run(), recorder, plans, None
+        metrics, peak = _recorded(args.gpu_peak_report, run, plans)
+        return cfg, metrics, recorder, plans, peak
+
+
+def _speed(args: argparse.Namespace, metrics: list, records: list, adapter_active: float | None) -> dict:
+    """Tokens/s and model TFLOP/s over the steps after ``--warmup``, and each lane's busy
+    fraction over their window in the executed trace."""
     measured = metrics[args.warmup:]
-    seconds = sum(m.seconds for m in measured)
-    tok = sum(m.tokens for m in measured)
-    tok_s = tok / seconds
-    traced_steps = {r.task.step for r in recorder.records}
-    window = [r for r in recorder.records if r.task.step >= args.warmup]
-    t0 = min(r.start for r in window)
-    t1 = max(r.end for r in window)
-    busy = {lane: round(b / (t1 - t0), 4) for lane, b in lane_busy(window).items()}
-    result = {
-        "model": args.model, "seq_len": args.seq_len, "batch_size": args.batch_size,
-        "micro_batch_size": args.micro_batch_size, "policy": args.policy,
-        "order": plans[-1].spec.order if plans else args.order, "steps_measured": len(measured),
+    tok_s = sum(m.tokens for m in measured) / sum(m.seconds for m in measured)
+    window = [r for r in records if r.task.step >= args.warmup]
+    t0, t1 = min(r.start for r in window), max(r.end for r in window)
+    return {
+        "steps_measured": len(measured),
         "tokens_per_s": round(tok_s, 1),
-        "model_tflops": round(tok_s * model_flops_per_token(args.model, args.seq_len, active) / 1e12, 1),
+        "model_tflops": round(tok_s * model_flops_per_token(args.model, args.seq_len, adapter_active) / 1e12, 1),
         "step_seconds": [round(m.seconds, 4) for m in measured],
         "loss": [round(m.loss, 4) for m in metrics],
-        "host_peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
-        "busy_fraction": busy,
-        "steps_traced": len(traced_steps),
-        "compile": args.compile,
-        "data": args.data,
-        "packing": args.packing,
+        "busy_fraction": {lane: round(b / (t1 - t0), 4) for lane, b in lane_busy(window).items()},
+        "steps_traced": len({r.task.step for r in records}),
     }
-    if adapters is not None:
-        result.update(lora_rank=cfg.lora_rank, adapter_params=adapters)
-    if cfg.skip_idle_experts:  # per step, the share of expert weights left in host memory
-        result["experts_unfetched"] = [m.experts_unfetched for m in metrics]
-    if plans:
-        p = plans[0]
-        result.update(layout=p.layout, resident=list(p.spec.resident), budgets=p.budgets,
-                      planned_host_gib=round(p.host_total / 2**30, 2), planned_gpu_gib=round(p.gpu_total / 2**30, 2),
-                      planned_host_state_bytes_per_param=round(p.host_state_bytes_per_param, 3),
-                      # peak RSS per parameter: of the whole process, and less the planner's
-                      # allowance for the process itself (interpreter, torch, CUDA libraries)
-                      host_bytes_per_param=round(result["host_peak_gib"] * 2**30 / p.params, 3),
-                      measured_host_bytes_per_param=round(
-                          (result["host_peak_gib"] * 2**30 - p.host.get("runtime", 0)) / p.params, 3))
-        if adapters is not None:  # where the adapters and their AdamW lived (--lora-state auto decides)
-            result["lora_state"] = "host" if p.spec.host_adapters else "gpu"
-    if torch.cuda.is_available() and cfg.device != "cpu":
-        result.update(gpu_memory(torch))
-        result["gpu"] = torch.cuda.get_device_name()
-    if peak_report is not None:
-        result.update(gpu_peak_report=str(peak_report), gpu_peak_replayed_gib=peak["peak_gib"])
-    if args.trace:
-        write_chrome_trace(args.trace, recorder.records, meta=bench_trace_meta(args, cfg, plans, recorder.records))
-    return result
+
+
+def _plan_fields(p: Plan, host_peak_gib: float, lora: bool) -> dict:
+    """The plan the run followed, beside what was measured: layout, resident units, budgets,
+    planned peaks, and host bytes per parameter as planned and as measured."""
+    out = dict(layout=p.layout, resident=list(p.spec.resident), budgets=p.budgets,
+               planned_host_gib=round(p.host_total / 2**30, 2), planned_gpu_gib=round(p.gpu_total / 2**30, 2),
+               planned_host_state_bytes_per_param=round(p.host_state_bytes_per_param, 3),
+               # peak RSS per parameter: of the whole process, and less the planner's
+               # allowance for the process itself (interpreter, torch, CUDA libraries)
+               host_bytes_per_param=round(host_peak_gib * 2**30 / p.params, 3),
+               measured_host_bytes_per_param=round((host_peak_gib * 2**30 - p.host.get("runtime", 0)) / p.params, 3))
+    if lora:  # where the adapters and their AdamW lived (--lora-state auto decides)
+        out["lora_state"] = "host" if p.spec.host_adapters else "gpu"
+    return out
 
 
 def _check_peak_report(path: str, device: str | None) -> None:
