@@ -352,21 +352,28 @@ def unit_layouts(cfg: ModelConfig) -> tuple:
 
 
 def count_bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: torch.dtype, layout: str,
-           resident: tuple[str, ...], budgets: dict[str, int], chunk_tokens: int) -> tuple[dict, dict]:
-    layouts = unit_layouts(cfg)
-    res = set(resident)
-    streamed = [lay for lay in layouts if lay.key not in res]
-    streamed_n = sum(lay.numel for lay in streamed)
-    resident_n = sum(lay.numel for lay in layouts if lay.key in res)
-    embed_n = layouts[0].numel
-    cbytes = dtype.itemsize
-    tied_streamed = cfg.tie_word_embeddings and "head" not in res
-    slot_n = slot_numel(list(layouts), resident, cfg.tie_word_embeddings)
-    stage_n = staging_numel(layouts, resident)
+                resident: tuple[str, ...], budgets: dict[str, int], chunk_tokens: int) -> tuple[dict, dict]:
+    """``(host, gpu)``: the bytes of one candidate plan, by item (the module docstring names
+    them): the state placed as ``layout`` and ``resident`` say, slots as ``budgets`` give, loss
+    chunks of ``chunk_tokens``, every checkpoint offloaded where ``req.activations`` is
+    ``offload`` (the planner brings back what fits)."""
+    host = _host_items(cfg, req, device, dtype.itemsize, layout, resident, budgets)
+    gpu = _gpu_items(cfg, req, device, dtype.itemsize, layout, resident, budgets, chunk_tokens)
+    if req.activations == "offload":  # all offloaded here; the planner's bring-back returns what fits (auto)
+        host["offloaded_activations"] = gpu["checkpoints"]
+        gpu.update(offloading_gpu(req, req.micro_batch_size * req.seq_len * cfg.hidden_size * dtype.itemsize))
+    return host, gpu
 
+
+def _host_items(cfg: ModelConfig, req: RunRequest, device: torch.device, cbytes: int, layout: str,
+                resident: tuple[str, ...], budgets: dict[str, int]) -> dict[str, int]:
+    """Host bytes: the streamed units' state in ``layout`` (with LoRA, the frozen base and the
+    adapters), the process, the data, a checkpoint being read and the undo record."""
+    layouts = unit_layouts(cfg)
+    streamed = [lay for lay in layouts if lay.key not in set(resident)]
+    streamed_n = sum(lay.numel for lay in streamed)
+    stage_n = staging_numel(layouts, resident)
     lora = req.lora_rank > 0  # a frozen base: its weights in the compute dtype, nothing else
-    in_host = host_adapters(req)
-    adapter_slot_n = adapter_slot_numel(cfg, req)
     if lora:
         host = {"base": cbytes * streamed_n, **lora_host_bytes(cfg, req)}
     else:
@@ -377,8 +384,8 @@ def count_bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: 
             host["staging"] = budgets.get(HOST_GRADS, 0) * stage_n * 4
         if layout == "stream-bf16" and cbytes != 4:
             host["streaming_copy"] = cbytes * streamed_n
-        if tied_streamed:
-            host["tied_gradient"] = 4 * embed_n
+        if cfg.tie_word_embeddings and "head" not in resident:
+            host["tied_gradient"] = 4 * layouts[0].numel
     host["runtime"] = RUNTIME_HOST["cuda" if device.type == "cuda" else "cpu"]
     host["data"] = data_host_bytes(req)
     if req.load_bytes:
@@ -388,15 +395,24 @@ def count_bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: 
         units = [(lay.numel, chunks.get(lay.key, 1)) for lay in streamed]
         # --undo-mem is the node's: processes sharing the state record only the units they own
         host["undo_record"] = undo_arena_bytes(units, stage_n, int(req.undo_mem * GiB) // req.share, touched=not resident)
+    return host
 
+
+def _gpu_items(cfg: ModelConfig, req: RunRequest, device: torch.device, cbytes: int, layout: str,
+               resident: tuple[str, ...], budgets: dict[str, int], chunk_tokens: int) -> dict[str, int]:
+    """GPU bytes, every checkpoint kept: the slots, the resident units, the checkpoints, one
+    layer's backward, the loss chunks, and LoRA's adapters and their work."""
+    layouts = unit_layouts(cfg)
+    resident_n = sum(lay.numel for lay in layouts if lay.key in set(resident))
+    slot_n = slot_numel(list(layouts), resident, cfg.tie_word_embeddings)
+    lora = req.lora_rank > 0
+    adapter_slot_n = adapter_slot_numel(cfg, req)
     tokens = req.micro_batch_size * req.seq_len
     hidden = tokens * cfg.hidden_size * cbytes
     live_mbs = live_micro_batches(req)
     k = req.checkpoint_every
     compiled = device.type == "cuda" and compile_backend(req.compile, device.type) == "inductor"
-    layer_work = layer_work_bytes(cfg, tokens, cbytes, compiled)
-    chunk = min(chunk_tokens, tokens)
-    casting = cbytes != 4 and slot_n > 0 and (in_host if lora else layout != "stream-bf16")
+    casting = cbytes != 4 and slot_n > 0 and (host_adapters(req) if lora else layout != "stream-bf16")
     resident_per = cbytes if lora else 16 + (cbytes if cbytes != 4 else 0)
     gpu = {
         "weight_slots": budgets[WEIGHTS] * (slot_n + adapter_slot_n) * cbytes,  # host adapters come with their layer
@@ -405,18 +421,15 @@ def count_bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: 
         "resident": resident_per * resident_n,
         "checkpoints": math.ceil(cfg.num_layers / k) * live_mbs * hidden,
         "recompute": (k - 1) * live_mbs * hidden,
-        "layer_work": layer_work,
+        "layer_work": layer_work_bytes(cfg, tokens, cbytes, compiled),
         # fp32 logits and their softmax in place, the bf16 gradient, the head's gradient
         # before accumulation, and the micro-batch's hidden-state gradient.
-        "loss_chunks": chunk * cfg.vocab_size * (4 + 4 + cbytes) + 2 * hidden
+        "loss_chunks": min(chunk_tokens, tokens) * cfg.vocab_size * (4 + 4 + cbytes) + 2 * hidden
         + (0 if lora else cbytes * cfg.vocab_size * cfg.hidden_size),
     }
     if lora:
         gpu.update(lora_gpu_bytes(cfg, req, tokens, cbytes))
-    if req.activations == "offload":  # all offloaded here; _bring_back returns what fits (auto)
-        host["offloaded_activations"] = gpu["checkpoints"]
-        gpu.update(offloading_gpu(req, hidden))
-    return host, gpu
+    return gpu
 
 
 def offloading_gpu(req: RunRequest, hidden: int) -> dict[str, int]:
