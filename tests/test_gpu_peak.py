@@ -88,6 +88,9 @@ def test_the_replay_finds_the_most_allocated_moment_and_what_was_alive(ops, befo
         assert sum(e["size"] for e in alive) + peak.before == peak.bytes
         rep = gpu_peak.report(events, base, {}, None)
         assert sum(g["bytes"] for g in rep["alive"]) == peak.bytes
+        for g in rep["alive"]:  # a group's sizes: at most SIZES_LISTED of them, each of its blocks
+            assert sum(n for _, n in g["sizes"]) <= g["blocks"]
+            assert len(g["sizes"]) == min(gpu_peak.SIZES_LISTED, len({e["size"] for e in alive})) or g["site"] == gpu_peak.BEFORE
         assert rep["peak_allocation"]["site"] == "flowtrain/model/mlp.py:20 swiglu"
     else:
         assert peak.bytes == peak.before == base
@@ -123,16 +126,25 @@ def test_the_report_groups_largest_first_and_keeps_the_plan_and_an_out_of_memory
     rep = gpu_peak.report(events, 1 << 28, {"allocated_peak": 8 << 30, "requested_peak": 8 << 30},
                           {"weight_slots": 6 << 30, "layer_work": 1 << 30})
     assert rep["peak_gib"] == 7.75 and rep["peak_event"] == 3
-    assert [(g["site"], g["gib"], g["blocks"]) for g in rep["alive"]] == [
-        ("flowtrain/train/program.py:210 __init__", 6.0, 2),
-        ("flowtrain/model/mlp.py:20 swiglu", 1.0, 1),
-        (gpu_peak.NO_STACK, 0.5, 1),
-        (gpu_peak.BEFORE, 0.25, 0)]
+    assert [(g["site"], g["gib"], g["blocks"], g["sizes"]) for g in rep["alive"]] == [
+        ("flowtrain/train/program.py:210 __init__", 6.0, 2, [[3072.0, 2]]),
+        ("flowtrain/model/mlp.py:20 swiglu", 1.0, 1, [[1024.0, 1]]),
+        (gpu_peak.NO_STACK, 0.5, 1, [[512.0, 1]]),
+        (gpu_peak.BEFORE, 0.25, 0, [])]
     assert rep["out_of_memory"] == {"mib": 5120.0, "device_free_mib": 1.0}
     assert rep["planned_gpu_gib"] == 7.0 and rep["planned_gpu_items_gib"]["weight_slots"] == 6.0
     text = gpu_peak.format_report(rep, most=2)
+    assert "(2 x 3072 MiB)" in text
     assert "replayed 7.75 GiB" in text and "planned 7.00" in text and "in 2 more groups" in text
     assert "out of memory: 5120.0 MiB" in text
+
+
+def test_a_group_lists_the_block_sizes_that_hold_most_of_its_bytes():
+    sizes = [1 << 20] * 10 + [64 << 20] + [3 << 20] * 4 + [5 << 20] * 2 + [7, 8, 9, 10, 11]
+    events = [{"action": "alloc", "addr": i, "size": n, "frames": []} for i, n in enumerate(sizes)]
+    (group,) = gpu_peak.report(events, 0, {}, None)["alive"]
+    assert group["blocks"] == len(sizes) and group["largest"] == 64 << 20
+    assert group["sizes"] == [[64.0, 1], [3.0, 4], [1.0, 10], [5.0, 2], [0.0, 1], [0.0, 1]]
 
 
 def test_a_report_is_written_whole_or_not_at_all(tmp_path):

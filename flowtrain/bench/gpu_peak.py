@@ -172,24 +172,37 @@ def site_of(frames: list[dict]) -> tuple[str, str | None]:
     return inner, (outer if outer is not None and outer != inner else None)
 
 
+#: block sizes a group lists, the most bytes first
+SIZES_LISTED = 6
+
+
 class Group(msgspec.Struct):
-    """Blocks alive at the peak that were allocated at one place."""
+    """Blocks alive at the peak that were allocated at one place. ``sizes``: ``[MiB, blocks]``
+    of the block sizes holding most of its bytes, which tell apart what a place without a
+    Python stack allocated (a weight's gradient from a batch of activations, say)."""
 
     site: str
     via: str | None
     bytes: int = 0
     blocks: int = 0
     largest: int = 0
+    sizes: list[list[float]] = msgspec.field(default_factory=list)
 
 
 def _groups(alive: list[dict], before: int) -> list[Group]:
     groups: dict[tuple[str, str | None], Group] = {}
+    counts: dict[tuple[str, str | None], dict[int, int]] = {}
     for e in alive:
-        site, via = site_of(e.get("frames") or [])
-        g = groups.setdefault((site, via), Group(site, via))
+        key = site_of(e.get("frames") or [])
+        g = groups.setdefault(key, Group(*key))
         g.bytes += e["size"]
         g.blocks += 1
         g.largest = max(g.largest, e["size"])
+        by_size = counts.setdefault(key, {})
+        by_size[e["size"]] = by_size.get(e["size"], 0) + 1
+    for key, g in groups.items():
+        most = sorted(counts[key].items(), key=lambda kv: -kv[0] * kv[1])[:SIZES_LISTED]
+        g.sizes = [[round(size / MiB, 1), n] for size, n in most]
     out = sorted(groups.values(), key=lambda g: -g.bytes)
     if before > 0:
         out.append(Group(BEFORE, None, before, 0, 0))
@@ -235,7 +248,8 @@ def format_report(rep: dict, most: int = 12) -> str:
              + (f"; planned {rep['planned_gpu_gib']:.2f}" if "planned_gpu_gib" in rep else "") + ")"]
     for g in rep["alive"][:most]:
         via = f"  [via {g['via']}]" if g["via"] else ""
-        lines.append(f"  {g['gib']:8.3f} GiB  {g['blocks']:5d} blocks  {g['site']}{via}")
+        sizes = ", ".join(f"{n} x {mib:g} MiB" for mib, n in g["sizes"][:3])
+        lines.append(f"  {g['gib']:8.3f} GiB  {g['blocks']:5d} blocks  {g['site']}{via}" + (f"  ({sizes})" if sizes else ""))
     if len(rep["alive"]) > most:
         rest = sum(g["gib"] for g in rep["alive"][most:])
         lines.append(f"  {rest:8.3f} GiB  in {len(rep['alive']) - most} more groups")
