@@ -97,9 +97,15 @@ def test_the_replay_finds_the_most_allocated_moment_and_what_was_alive(ops, befo
 
 
 def test_a_site_is_the_innermost_flowtrain_frame_and_via_the_task_that_asked():
-    assert gpu_peak.site_of([TORCH, MLP, PROGRAM, RUNTIME]) == ("flowtrain/model/mlp.py:20 swiglu",
-                                                               "flowtrain/train/program.py:300 forward")
+    outer = [RUNTIME, {"filename": "/site/flowtrain/train/trainer.py", "line": 9, "name": "train"},
+             {"filename": "/site/flowtrain/cli/__init__.py", "line": 3, "name": "main"}]
+    dispatch = {**PROGRAM, "line": 120, "name": "__call__"}
+    assert gpu_peak.site_of([TORCH, MLP, PROGRAM, dispatch, *outer]) == ("flowtrain/model/mlp.py:20 swiglu",
+                                                                        "flowtrain/train/program.py:300 forward")
+    assert gpu_peak.site_of([PROGRAM, dispatch, *outer]) == ("flowtrain/train/program.py:300 forward",
+                                                             "flowtrain/train/program.py:120 __call__")
     assert gpu_peak.site_of([PROGRAM, RUNTIME]) == ("flowtrain/train/program.py:300 forward", None)
+    assert gpu_peak.site_of([MLP, *outer]) == ("flowtrain/model/mlp.py:20 swiglu", None)
     assert gpu_peak.site_of([TORCH]) == ("torch: torch/nn/functional.py:7 silu", None)
     assert gpu_peak.site_of([]) == (gpu_peak.NO_STACK, None)
 

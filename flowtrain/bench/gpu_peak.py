@@ -12,8 +12,8 @@ by where they were allocated::
         --steps 2 --warmup 1 --gpu-mem 10 --gpu-peak-report moe10-peak.json
 
 A group is named by the innermost flowtrain frame of its blocks' stacks (``site``) and the
-outermost one below the runtime (``via``: which of the step program's tasks it was), e.g. a
-weight slot made in ``StepProgram.__init__`` or a layer output made by ``forward``. Two kinds
+step program's frame that called it (``via``: which task body it was in), e.g. a weight slot
+made in ``StepProgram.__init__`` or the MLP's intermediate made under ``_forward``. Two kinds
 of allocation have no flowtrain frame:
 
 * autograd runs a CUDA backward on its own thread, which has no Python caller: its eager
@@ -153,9 +153,14 @@ def _compiled_origin(frames: list[dict]) -> str | None:
     return None
 
 
+#: the module of the step program's task bodies (fetch, forward, backward, ...)
+PROGRAM = "flowtrain/train/program.py"
+
+
 def site_of(frames: list[dict]) -> tuple[str, str | None]:
-    """``(site, via)`` of an allocation's stack (innermost frame first): see the module
-    docstring."""
+    """``(site, via)`` of an allocation's stack (innermost frame first): ``site`` the innermost
+    flowtrain frame (or the compiled graph's source line), ``via`` the step program's frame
+    that called it (its task body), where that is another frame."""
     ours = [(f, p) for f in frames if (p := _package_path(f["filename"])) is not None]
     compiled = _compiled_origin(frames)
     if not ours:
@@ -166,10 +171,9 @@ def site_of(frames: list[dict]) -> tuple[str, str | None]:
             f = torch_frames[0]
             return f"torch: {_frame(f, f['filename'][f['filename'].rfind('/torch/') + 1:])}", None
         return NO_STACK, None
-    inner = compiled if compiled is not None else _frame(*ours[0])
-    above_runtime = [(f, p) for f, p in ours if not p.startswith("flowtrain/runtime/")]
-    outer = _frame(*above_runtime[-1]) if above_runtime else None
-    return inner, (outer if outer is not None and outer != inner else None)
+    callers = ours if compiled is not None else ours[1:]
+    via = next((_frame(f, p) for f, p in callers if p == PROGRAM), None)
+    return (compiled if compiled is not None else _frame(*ours[0])), via
 
 
 #: block sizes a group lists, the most bytes first
