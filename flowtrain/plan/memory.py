@@ -219,7 +219,9 @@ class Plan(msgspec.Struct, kw_only=True):
         together, so only the larger counts; where checkpoints are offloaded, the forward's
         checkpoints in flight to the host and the loss and backward's layer gradients with that
         working set are two phases too (on the H200 the 10 GiB llama-8b step peaked in its
-        backward, within 1% of this count; docs/benchmarks.md)."""
+        backward, within 1% of this count; docs/benchmarks.md). LoRA's adapter work is a
+        layer's, in its forward or its backward, so it counts in those phases, not beside the
+        loss chunks."""
         return gpu_peak(self.gpu)
 
     @property
@@ -303,8 +305,9 @@ def gpu_peak(g: dict[str, int]) -> int:
     """Peak device bytes of the GPU items ``g`` (see :attr:`Plan.gpu_total`)."""
     work, loss = g.get("layer_work", 0), g.get("loss_chunks", 0)
     forward, gradients = g.get("offload_in_flight", 0), g.get("layer_gradients", 0)
-    shared = sum(g.values()) - work - loss - forward - gradients
-    return shared + max(forward, gradients + max(work, loss))
+    adapter_work = g.get("lora_work", 0)  # a layer's, in its forward or backward: never beside the loss
+    shared = sum(g.values()) - work - loss - forward - gradients - adapter_work
+    return shared + max(forward + adapter_work, gradients + max(work + adapter_work, loss))
 
 
 def allocator_share(gpu_mem: float) -> int:

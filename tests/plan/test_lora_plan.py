@@ -165,3 +165,24 @@ def test_lora_processes_of_a_node_each_count_their_own_base(capsys):
     assert main([*argv, "--nproc-per-node", "2"]) == 1  # the two bases do not fit
     two = json.loads(capsys.readouterr().out)
     assert not two["host_fits"] and "host bytes per parameter for LoRA's frozen base" in " ".join(two["suggestions"])
+
+
+def test_adapter_work_counts_in_a_layers_phases_not_beside_the_loss():
+    """LoRA's adapter work belongs to a layer's forward or backward: where the loss chunks are
+    the step's largest phase (the 32B base at micro-batch 1 on a 10 GB card), the plan's peak
+    holds them without it, and where a layer's backward is, with it."""
+    from flowtrain.plan.memory import gpu_peak
+
+    shared = {"weight_slots": 3 * GiB, "adapters": 2 * GiB}
+    loss_first = {**shared, "layer_work": 2 * GiB, "lora_work": GiB // 2, "loss_chunks": 3 * GiB, "layer_gradients": GiB}
+    assert gpu_peak(loss_first) == 5 * GiB + GiB + 3 * GiB
+    layer_first = {**loss_first, "lora_work": 2 * GiB}
+    assert gpu_peak(layer_first) == 5 * GiB + GiB + 4 * GiB
+    offloading = {**shared, "layer_work": GiB, "lora_work": GiB, "loss_chunks": GiB, "offload_in_flight": 4 * GiB}
+    assert gpu_peak(offloading) == 5 * GiB + 5 * GiB, "a layer's forward does its adapter work beside the copies"
+    cfg = preset("qwen2.5-32b")
+    req = RunRequest(seq_len=4096, batch_size=16, micro_batch_size=1, gpu_mem=10, host_mem=118, lora_rank=16)
+    plan = plan_run(cfg, req, device=torch.device("cuda"), dtype=torch.bfloat16, local_gpu=False)
+    g = plan.gpu
+    assert not plan.spec.host_adapters and g["loss_chunks"] > g["layer_work"] and g["lora_work"] > 0
+    assert plan.gpu_total < sum(g.values()) - g["layer_work"] - g["offload_in_flight"]
