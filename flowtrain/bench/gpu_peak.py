@@ -13,7 +13,7 @@ by where they were allocated::
 
 A group is named by the innermost flowtrain frame of its blocks' stacks (``site``) and the
 step program's frame that called it (``via``: which task body it was in), e.g. a weight slot
-made in ``StepProgram.__init__`` or the MLP's intermediate made under ``_forward``. Two kinds
+made in ``StepProgram._make_slots`` or the MLP's intermediate made under ``_forward``. Two kinds
 of allocation have no flowtrain frame:
 
 * autograd runs a CUDA backward on its own thread, which has no Python caller: its eager
