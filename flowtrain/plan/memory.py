@@ -372,8 +372,8 @@ def _host_items(cfg: ModelConfig, req: RunRequest, device: torch.device, cbytes:
                 resident: tuple[str, ...], budgets: dict[str, int]) -> dict[str, int]:
     """Host bytes: the streamed units' state in ``layout`` (with LoRA, the frozen base and the
     adapters), the process, the data, a checkpoint being read and the undo record."""
-    layouts = unit_layouts(cfg)
-    streamed = [lay for lay in layouts if lay.key not in set(resident)]
+    layouts, res = unit_layouts(cfg), set(resident)
+    streamed = [lay for lay in layouts if lay.key not in res]
     streamed_n = sum(lay.numel for lay in streamed)
     stage_n = staging_numel(layouts, resident)
     lora = req.lora_rank > 0  # a frozen base: its weights in the compute dtype, nothing else
@@ -405,8 +405,8 @@ def _gpu_items(cfg: ModelConfig, req: RunRequest, device: torch.device, cbytes: 
                resident: tuple[str, ...], budgets: dict[str, int], chunk_tokens: int) -> dict[str, int]:
     """GPU bytes, every checkpoint kept: the slots, the resident units, the checkpoints, one
     layer's backward, the loss chunks, and LoRA's adapters and their work."""
-    layouts = unit_layouts(cfg)
-    resident_n = sum(lay.numel for lay in layouts if lay.key in set(resident))
+    layouts, res = unit_layouts(cfg), set(resident)
+    resident_n = sum(lay.numel for lay in layouts if lay.key in res)
     slot_n = slot_numel(list(layouts), resident, cfg.tie_word_embeddings)
     lora = req.lora_rank > 0
     adapter_slot_n = adapter_slot_numel(cfg, req)
