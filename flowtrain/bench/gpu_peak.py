@@ -85,40 +85,46 @@ class Peak(msgspec.Struct, frozen=True):
     before: int
 
 
+def _replay(events: list[dict]):  # noqa: ANN202 - yields (index, event, its freed alloc, the blocks allocated)
+    """Each event, the ``alloc`` event of the block it frees (None: none the trace saw
+    allocated, or not a free) and the ``alloc`` events of the blocks allocated just after it (by
+    address, one dict updated in place). A block counts from its ``alloc`` to its
+    ``free_requested`` (as ``max_memory_allocated`` counts it; a block another stream still
+    uses is reused only after ``free_completed``, but it is no longer allocated)."""
+    live: dict[int, dict] = {}
+    for i, e in enumerate(events):
+        freed = None
+        if e["action"] == "alloc":
+            live[e["addr"]] = e
+        elif e["action"] == "free_requested":
+            freed = live.pop(e["addr"], None)
+        yield i, e, freed, live
+
+
 def peak_of(events: list[dict], base: int = 0) -> Peak:
-    """The peak of an allocator trace, ``base`` bytes allocated before its first event. A block
-    counts from its ``alloc`` to its ``free_requested`` (as ``max_memory_allocated`` counts it;
-    a block another stream still uses is reused only after ``free_completed``, but it is no
-    longer allocated). A free of a block the trace did not see allocated takes its bytes off
-    ``base``."""
-    live: dict[int, int] = {}
+    """The peak of an allocator trace (a block counted as :func:`_replay` counts it), ``base``
+    bytes allocated before its first event. A free of a block the trace did not see allocated
+    takes its bytes off ``base``."""
     total = before = base
     peak = Peak(base, -1, base)
-    for i, e in enumerate(events):
-        action = e["action"]
-        if action == "alloc":
-            live[e["addr"]] = e["size"]
+    for i, e, freed, _ in _replay(events):
+        if e["action"] == "alloc":
             total += e["size"]
             if total > peak.bytes:
                 peak = Peak(total, i, before)
-        elif action == "free_requested":
-            size = live.pop(e["addr"], None)
-            if size is None:  # allocated before the record
-                size = e["size"]
-                before = max(before - size, 0)
-            total -= size
+        elif e["action"] == "free_requested":
+            if freed is None:  # allocated before the record
+                before = max(before - e["size"], 0)
+            total -= e["size"] if freed is None else freed["size"]
     return peak
 
 
 def alive_at_peak(events: list[dict], at: int) -> list[dict]:
     """The ``alloc`` events whose blocks are still allocated just after event ``at``."""
-    live: dict[int, dict] = {}
-    for e in events[:at + 1]:
-        if e["action"] == "alloc":
-            live[e["addr"]] = e
-        elif e["action"] == "free_requested":
-            live.pop(e["addr"], None)
-    return list(live.values())
+    for i, _, _, live in _replay(events):
+        if i == at:
+            return list(live.values())
+    return []
 
 
 def _package_path(filename: str) -> str | None:
