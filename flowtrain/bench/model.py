@@ -119,7 +119,7 @@ def _check_model_args(args: argparse.Namespace) -> None:
         raise ConfigError(f"--steps {args.steps} must exceed --warmup {args.warmup}")
     if args.trace:
         check_output_file("--trace", args.trace)
-    if getattr(args, "gpu_peak_report", None) is not None:
+    if args.gpu_peak_report is not None:
         _check_peak_report(args.gpu_peak_report, args.device)
 
 
@@ -149,7 +149,7 @@ def _train(args: argparse.Namespace, vocab_size: int) -> tuple:
         def run() -> list:
             return train(cfg, instruments=[recorder], on_plan=plans.append)
 
-        if getattr(args, "gpu_peak_report", None) is None:
+        if args.gpu_peak_report is None:
             return cfg, run(), recorder, plans, None
         metrics, peak = _recorded(args.gpu_peak_report, run, plans)
         return cfg, metrics, recorder, plans, peak
