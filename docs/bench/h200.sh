@@ -13,10 +13,11 @@ export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 FT="python3 -m flowtrain.cli"
 RES=$OUT/results.jsonl
 log() { echo "=== $* ($(date +%T))" | tee -a "$OUT/log.txt"; }
-bench() {  # NAME ARGS...: one flowtrain bench, its JSON tagged with NAME
+bench() {  # NAME ARGS...: one flowtrain bench, its JSON tagged with NAME (PEAK=1: with $OUT/NAME-peak.json,
+           # what was alive at its GPU peak; such a run's speed is no measurement)
   local name=$1; shift
   log "$name: flowtrain bench $*"
-  if timeout ${BT:-420} $FT bench "$@" --json /tmp/r.json >>"$OUT/log.txt" 2>&1; then
+  if timeout ${BT:-420} $FT bench "$@" ${PEAK:+--gpu-peak-report "$OUT/$name-peak.json"} --json /tmp/r.json >>"$OUT/log.txt" 2>&1; then
     python3 -c "import json,sys; d=json.load(open('/tmp/r.json')); d['job']='$name'; print(json.dumps(d))" >>"$RES"
     tail -c 600 /tmp/r.json; echo
   else
@@ -86,9 +87,6 @@ for job in "$@"; do
       python3 -c "import pstats; pstats.Stats('/tmp/prof').sort_stats('cumulative').print_stats(22)" | tail -26 | cut -c1-160 | tee -a "$OUT/log.txt" ;;
     moe) bench moe --model qwen3-moe-12l --seq-len 4096 --batch-size 16 --micro-batch-size ${MBM:-4} --steps 3 --warmup 1 --host-mem 118 --trace "$OUT/moe-trace.json" ;;  # Qwen3-30B-A3B's layer, 12 layers
     moe10) bench moe10 --model qwen3-moe-12l --seq-len 4096 --batch-size 16 --micro-batch-size ${MB10:-2} --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 ;;
-    moe10peak) bench moe10peak --model qwen3-moe-12l --seq-len 4096 --batch-size 16 --micro-batch-size ${MB10:-2} --steps 2 --warmup 1 --host-mem 118 --gpu-mem 10 --gpu-peak-report "$OUT/moe10-peak.json" ;;  # what is alive at the 10 GB card's peak (its speed is no measurement)
-    8b10opeak) bench 8b10opeak --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size ${MB10:-2} --steps 2 --warmup 1 --host-mem 118 --gpu-mem 10 --gpu-peak-report "$OUT/8b10o-peak.json" ;;
-    lora32peak) BT=520 bench lora32peak --model qwen2.5-32b --seq-len 4096 --batch-size 16 --micro-batch-size ${MB32:-1} --steps 2 --warmup 1 --host-mem 118 --gpu-mem 10 --lora-rank 16 --gpu-peak-report "$OUT/lora32-peak.json" ;;
     moeidle)  # the share of expert bytes --skip-idle-experts leaves in host memory at 1, 4 and 16 sequences a step
       for b in ${MOEIDLE:-1 4 16}; do bench moeidle$b --model qwen3-moe-12l --seq-len 4096 --batch-size $b --micro-batch-size 1 --steps 2 --warmup 1 --host-mem 118 --gpu-mem 10 --skip-idle-experts; done ;;
     moeprof) log moeprof; timeout 200 python3 docs/bench/moe_layer.py ${MOEPROF:-} 2>&1 | tail -25 | tee -a "$OUT/log.txt" ;;  # one expert layer's forward and backward, its backward's kernels
