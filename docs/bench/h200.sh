@@ -7,7 +7,9 @@
 set -u
 OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+# the newest wheel of each package in .whl/ (one put beside an older one replaces it; pip refuses two)
+newest_wheels() { ls .whl/*.whl | sort -V | awk -F- '{last[$1] = $0} END {for (n in last) print last[n]}'; }
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site $(newest_wheels) \
   >/dev/null 2>&1 || echo "warning: wheel install failed"
 export PYTHONPATH=/tmp/site:$PWD:${PYTHONPATH:-}
 FT="python3 -m flowtrain.cli"
