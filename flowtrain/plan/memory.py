@@ -40,9 +40,9 @@ from ..graph.compiler import StepSpec
 from ..graph.tasks import GRADS, HOST_GRADS, WEIGHTS
 from ..model.config import MLP_CHUNK_TOKENS, ModelConfig
 from ..model.adapters import DEFAULT_TARGETS
-from ..model.layout import model_layouts
+from ..model.layout import UnitLayout, model_layouts
 from .adapters import adapter_slot_numel, host_adapters, lora_gpu_bytes, lora_host_bytes
-from .experts import dense_mlp_layers, expert_bytes_per_token, expert_kept_bytes_per_token
+from .experts import dense_mlp_layers, expert_bytes_per_token, expert_kept_bytes_per_token, grouped_experts
 from .host_layout import LANDING_NUMEL, grad_chunks, slot_numel, staging_numel, undo_arena_bytes
 
 if TYPE_CHECKING:
@@ -50,6 +50,10 @@ if TYPE_CHECKING:
 
 
 GiB = 2**30
+#: Stacked expert weights' worth of gradient the experts' loop holds at once in a sparse
+#: layer's backward (each expert's slice differentiated into a zero-filled gradient of the whole
+#: stack, summed by autograd): traced on the CPU at 4 to 32 experts (tests/train/test_weight_grads.py).
+LOOP_GRADIENT_STACKS = 5
 #: ``--activations``: where each layer's activations wait for its backward (see TrainConfig)
 ACTIVATIONS = ("auto", "keep", "offload", "recompute", "attention")
 #: Host items that the processes of a node share (one copy per node, ``StepSpec.share``).
@@ -361,7 +365,8 @@ def count_bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: 
     chunks of ``chunk_tokens``, every checkpoint offloaded where ``req.activations`` is
     ``offload`` (the planner brings back what fits)."""
     host = _host_items(cfg, req, device, dtype.itemsize, layout, resident, budgets)
-    gpu = _gpu_items(cfg, req, device, dtype.itemsize, layout, resident, budgets, chunk_tokens)
+    grouped = cfg.moe and grouped_experts(device.type, dtype)
+    gpu = _gpu_items(cfg, req, device, dtype.itemsize, layout, resident, budgets, chunk_tokens, grouped)
     if req.activations == "offload":  # all offloaded here; the planner's bring-back returns what fits (auto)
         host["offloaded_activations"] = gpu["checkpoints"]
         gpu.update(offloading_gpu(req, req.micro_batch_size * req.seq_len * cfg.hidden_size * dtype.itemsize))
@@ -402,9 +407,11 @@ def _host_items(cfg: ModelConfig, req: RunRequest, device: torch.device, cbytes:
 
 
 def _gpu_items(cfg: ModelConfig, req: RunRequest, device: torch.device, cbytes: int, layout: str,
-               resident: tuple[str, ...], budgets: dict[str, int], chunk_tokens: int) -> dict[str, int]:
+               resident: tuple[str, ...], budgets: dict[str, int], chunk_tokens: int,
+               grouped: bool = False) -> dict[str, int]:
     """GPU bytes, every checkpoint kept: the slots, the resident units, the checkpoints, one
-    layer's backward, the loss chunks, and LoRA's adapters and their work."""
+    layer's backward, the loss chunks, and LoRA's adapters and their work (``grouped``: a
+    mixture of experts runs the grouped experts)."""
     layouts, res = unit_layouts(cfg), set(resident)
     resident_n = sum(lay.numel for lay in layouts if lay.key in res)
     slot_n = slot_numel(list(layouts), resident, cfg.tie_word_embeddings)
@@ -424,7 +431,7 @@ def _gpu_items(cfg: ModelConfig, req: RunRequest, device: torch.device, cbytes: 
         "resident": resident_per * resident_n,
         "checkpoints": math.ceil(cfg.num_layers / k) * live_mbs * hidden,
         "recompute": (k - 1) * live_mbs * hidden,
-        "layer_work": layer_work_bytes(cfg, tokens, cbytes, compiled),
+        "layer_work": layer_work_bytes(cfg, tokens, cbytes, compiled, grouped, frozen_base=lora),
         # fp32 logits and their softmax in place, the bf16 gradient, the head's gradient
         # before accumulation, and the micro-batch's hidden-state gradient.
         "loss_chunks": min(chunk_tokens, tokens) * cfg.vocab_size * (4 + 4 + cbytes) + 2 * hidden
@@ -446,12 +453,16 @@ def offloading_gpu(req: RunRequest, hidden: int) -> dict[str, int]:
             "layer_gradients": live * hidden}
 
 
-def layer_work_bytes(cfg: ModelConfig, tokens: int, cbytes: int, compiled: bool) -> int:
+def layer_work_bytes(cfg: ModelConfig, tokens: int, cbytes: int, compiled: bool, grouped: bool = False,
+                     frozen_base: bool = False) -> int:
     """Device bytes of one layer's backward for ``tokens`` tokens: its forward rebuilt under
     autograd (the tensors it saves), the gradients flowing back, the fused attention backward's
     own buffers (an fp32 accumulator for dq and, with grouped KV heads, dk and dv expanded to
     every query head before they are summed), and the weight gradient in the compute dtype
-    before it is added to the fp32 accumulator.
+    before it is added to the fp32 accumulator (the whole layer's; a mixture of experts' sparse
+    layer, :func:`_moe_mlp_work`, by ``grouped``: it runs the grouped experts, and
+    ``frozen_base``: LoRA's, whose base weights take no gradient, keeps the whole layer's count
+    as a dense LoRA layer does).
 
     ``compiled``: the layer runs through inductor in one graph, whose partitioner saves about a
     fifth less than eager autograd (norms, rotary and SwiGLU recomputed in the backward; the
@@ -466,25 +477,50 @@ def layer_work_bytes(cfg: ModelConfig, tokens: int, cbytes: int, compiled: bool)
         per_token, mlp_units = 4 * h + 3 * q + 2 * kv + 2 * cfg.head_size, 3 * f
     else:
         per_token, mlp_units = 6 * h + 2 * q + 4 * kv, 4 * f
-    layer_n = max((lay.numel for lay in unit_layouts(cfg) if lay.unit == "layer"), default=0)
-    work = tokens * cbytes * per_token + cbytes * layer_n
+    layers = [lay for lay in unit_layouts(cfg) if lay.unit == "layer"]
+    work = tokens * cbytes * per_token
     work += tokens * (4 * q + (2 * cbytes * (q - kv) if kv < q else 0))  # attention backward's buffers
     if cfg.moe:  # the larger of a sparse layer's routing and experts and a dense layer's MLP
-        return work + _moe_mlp_work(cfg, tokens, cbytes, mlp_units)
+        return work + _moe_mlp_work(cfg, layers, tokens, cbytes, mlp_units, grouped, frozen_base)
+    work += cbytes * max((lay.numel for lay in layers), default=0)
     if tokens > MLP_CHUNK_TOKENS:  # the MLP in pieces: one piece's intermediates, fp32 weight gradients
         return work + MLP_CHUNK_TOKENS * cbytes * mlp_units + 12 * h * f
     return work + tokens * cbytes * mlp_units
 
 
-def _moe_mlp_work(cfg: ModelConfig, tokens: int, cbytes: int, mlp_units: int) -> int:
-    """A mixture of experts' MLP work in the layer whose MLP needs most: a sparse layer's
-    routing and T k expert rows (:mod:`.experts`; never run in pieces), or a dense layer's."""
+def _moe_mlp_work(cfg: ModelConfig, layers: list[UnitLayout], tokens: int, cbytes: int, mlp_units: int,
+                  grouped: bool, frozen_base: bool) -> int:
+    """A mixture of experts' MLP work and weight gradient in the layer that needs most: a
+    sparse layer's routing and T k expert rows (:mod:`.experts`; never run in pieces) beside
+    its weight gradient, or a dense layer's MLP beside its whole gradient.
+
+    A sparse layer's experts are stacked weights (every expert's ``gate`` in one tensor), each
+    a leaf whose gradient is added into the fp32 slot and freed as soon as it is ready
+    (:func:`flowtrain.train.weight_grads.backward_into`). The grouped experts make each
+    stacked weight's gradient in one GEMM, so one is alive at a time and the layer's whole
+    gradient never is: on the H200, ``qwen3-moe-12l`` at 8,192 tokens a micro-batch peaked in
+    a sparse layer's backward with its rows alive and no weight gradient (``flowtrain bench
+    --gpu-peak-report``, docs/benchmarks.md). The loop differentiates each expert's slice of a
+    stacked weight into a zero-filled gradient of the whole stack and sums them; traced on the
+    CPU it holds up to five stacks' worth at once (tests/train/test_weight_grads.py), which the
+    whole layer's gradient (three stacks and attention) does not cover for every shape: the
+    loop's count is the larger of the two. A frozen base (LoRA) keeps the whole layer's count,
+    as a dense LoRA layer does."""
     h, f = cfg.hidden_size, cfg.intermediate_size
-    dense = 0
-    if dense_mlp_layers(cfg):
-        dense = (MLP_CHUNK_TOKENS * cbytes * mlp_units + 12 * h * f if tokens > MLP_CHUNK_TOKENS
-                 else tokens * cbytes * mlp_units)
-    return max(dense, tokens * expert_bytes_per_token(cfg, cbytes) if cfg.sparse_layers() else 0)
+    dense = sparse = 0
+    for lay in layers:
+        if lay.layer is not None and cfg.layer_sparse(lay.layer):
+            largest = max(e.numel for e in lay.entries)
+            if frozen_base:
+                weight_grads = lay.numel
+            else:
+                weight_grads = largest if grouped else max(lay.numel, LOOP_GRADIENT_STACKS * largest)
+            sparse = max(sparse, cbytes * weight_grads + tokens * expert_bytes_per_token(cfg, cbytes))
+        else:
+            mlp = (MLP_CHUNK_TOKENS * cbytes * mlp_units + 12 * h * f if tokens > MLP_CHUNK_TOKENS
+                   else tokens * cbytes * mlp_units)
+            dense = max(dense, cbytes * lay.numel + mlp)
+    return max(dense, sparse)
 
 
 def offload_in_flight(req: RunRequest, hidden: int) -> int:

@@ -250,7 +250,8 @@ def _with_saved_attention(cfg, req, device, dtype, policy, host_limit, gpu_limit
     attention pays, with residency only for capacity: a step is then long enough that fetches
     and CPU Adam hide), checkpoints offloaded as far as needed, the GPU spent on the outputs."""
     speed = not attention_pays(cfg, req.seq_len)
-    eager_work = layer_work_bytes(cfg, req.micro_batch_size * req.seq_len, dtype.itemsize, compiled=False)
+    eager_work = layer_work_bytes(cfg, req.micro_batch_size * req.seq_len, dtype.itemsize, compiled=False,
+                                  grouped=cfg.moe and grouped_experts(device.type, dtype))
     return plan_saved_attention(
         cfg, req, dtype.itemsize, req.micro_batch_size * req.seq_len * live_micro_batches(req), eager_work,
         lambda r: _plan_state(cfg, r, device, dtype, policy, host_limit, gpu_limit, speed=speed),

@@ -85,7 +85,31 @@ def test_layer_work_counts_routing_and_every_gathered_expert_row():
 
 def test_a_dense_layer_of_a_mixture_counts_when_it_needs_more():
     """Qwen3-MoE's mlp_only_layers: the dense MLP (intermediate_size 6144) of one layer beside
-    the experts' rows (8 x 768 wide); the larger of the two is what a layer's work may need."""
+    the experts' rows (8 x 768 wide) and one stacked weight's gradient (the grouped experts); the
+    larger of the two is what a layer's work may need."""
     cfg = preset("qwen3-moe-12l")
     dense_one = msgspec.structs.replace(cfg, mlp_only_layers=(3,), intermediate_size=4 * 6144)
-    assert layer_work_bytes(dense_one, 4096, 2, False) > layer_work_bytes(cfg, 4096, 2, False)
+    assert layer_work_bytes(dense_one, 4096, 2, False, grouped=True) > layer_work_bytes(cfg, 4096, 2, False, grouped=True)
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe-12l", "mixtral-4l"])
+def test_a_sparse_layers_weight_gradients_count_as_its_experts_run(name):
+    """Grown by E more experts, a sparse layer's work grows by their routing and by one stacked
+    weight's gradient growth where the grouped experts run (one stack alive at a time), by
+    ``LOOP_GRADIENT_STACKS`` of them where the loop runs, and by the whole layer's growth for a
+    frozen base (tests/train/test_weight_grads.py traces what is alive)."""
+    from flowtrain.plan.memory import LOOP_GRADIENT_STACKS
+
+    cfg = preset(name)
+    more = msgspec.structs.replace(cfg, num_experts=2 * cfg.num_experts)
+    tokens, c = 4096, 2
+    rows = tokens * (expert_bytes_per_token(more, c) - expert_bytes_per_token(cfg, c))
+    stack = cfg.num_experts * cfg.moe_intermediate_size * cfg.hidden_size  # the stack's growth
+    layer = model_layouts(more)[1].numel - model_layouts(cfg)[1].numel
+
+    def grown(**kw):
+        return layer_work_bytes(more, tokens, c, True, **kw) - layer_work_bytes(cfg, tokens, c, True, **kw)
+
+    assert grown(grouped=True) == rows + c * stack
+    assert grown(grouped=False) == rows + c * LOOP_GRADIENT_STACKS * stack
+    assert grown(grouped=True, frozen_base=True) == grown(grouped=False, frozen_base=True) == rows + c * layer

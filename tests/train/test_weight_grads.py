@@ -137,3 +137,64 @@ def test_no_gradient_as_large_as_the_unit_is_made():
 
     activations = 2 * 24 * max(CFG.intermediate_size, CFG.hidden_size * 3)
     assert biggest_made(ours) <= max(largest, activations)
+
+
+class _LiveStacks(TorchDispatchMode):
+    """The most storages of at least ``numel`` elements alive at once among those an op made
+    while active (tensors in ``existing`` excluded)."""
+
+    def __init__(self, existing, numel: int):
+        super().__init__()
+        self.numel, self.most = numel, 0
+        self._known = {t.untyped_storage().data_ptr() for t in existing}
+        self._live: set[int] = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if isinstance(t, torch.Tensor):
+                st, ptr = t.untyped_storage(), t.untyped_storage().data_ptr()
+                if ptr not in self._known and ptr not in self._live and st.nbytes() // t.element_size() >= self.numel:
+                    self._live.add(ptr)
+                    weakref.finalize(st, self._live.discard, ptr)
+        self.most = max(self.most, len(self._live))
+        return out
+
+
+@pytest.mark.parametrize("experts", [4, 16])
+@pytest.mark.parametrize("grouped", [True, False], ids=["grouped", "loop"])
+def test_a_sparse_layers_expert_gradients_alive_at_once(monkeypatch, experts, grouped):
+    """What the planner counts of a sparse layer's weight gradients (``_moe_mlp_work`` in
+    flowtrain/plan/memory.py): the grouped experts make one stacked weight's gradient at a time;
+    the loop, differentiating each expert's slice into a zero-filled gradient of the whole
+    stack, holds more, at most ``LOOP_GRADIENT_STACKS`` of them. No other tensor of the layer
+    is as large as a stack here (few tokens), so every one counted is a gradient."""
+    import msgspec
+
+    from flowtrain.model import moe, preset
+    from flowtrain.plan.memory import LOOP_GRADIENT_STACKS
+
+    monkeypatch.setattr(moe, "grouped_available", lambda x: grouped)  # torch runs _grouped_mm on the CPU too
+    cfg = msgspec.structs.replace(preset("qwen3-moe-12l"), hidden_size=64, moe_intermediate_size=32,
+                                  num_experts=experts, num_experts_per_tok=2, num_layers=2, num_heads=4,
+                                  num_kv_heads=2, head_dim=16, vocab_size=128)
+    lay = model_layouts(cfg)[1]
+    stack = max(e.numel for e in lay.entries)
+    assert stack == experts * 32 * 64 and sum(e.numel == stack for e in lay.entries) == 3
+    gen = torch.Generator().manual_seed(experts)
+    flat = (torch.randn(lay.numel, generator=gen) * 0.05).to(torch.bfloat16)
+    x, dy = (torch.randn(2, 24, 64, generator=gen).to(torch.bfloat16) for _ in range(2))
+    cos, sin = rope_tables(cfg, 24, dtype=torch.bfloat16)
+    grads = torch.zeros(lay.numel)
+    with torch.enable_grad():
+        xl = x.detach().requires_grad_(True)
+        leaves = weight_leaves(flat, lay)
+        y = decoder_layer(xl, leaves, cos, sin, cfg, None, None)
+        assert 2 * 24 * 2 * 64 < stack  # T k rows of hidden, the largest activation, are smaller
+        with _LiveStacks([flat, x, dy, grads], stack) as seen:
+            backward_into(y, dy, xl, leaves, lay, grads)
+    assert grads[-stack:].abs().sum() > 0  # the last stack's gradient arrived
+    if grouped:
+        assert seen.most == 1
+    else:
+        assert 1 < seen.most <= LOOP_GRADIENT_STACKS
