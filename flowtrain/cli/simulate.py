@@ -105,6 +105,7 @@ def plan_for(args: argparse.Namespace, machine, with_predictions: bool = False) 
     gpu_mem = args.gpu_mem if args.gpu_mem is not None else machine.gpu_mem_gib
     host_mem = args.host_mem if args.host_mem is not None else machine.host_mem_gib
     cfg, _, req, _ = checked_request(args, gpu_mem, host_mem)
+    req = msgspec.structs.replace(req, grouped_experts=machine.grouped_mm)  # its GPU's, not this computer's
     device = Target("cuda")  # the machine's GPU, planned for without torch
     dtype = Precision(precision_bytes(args.precision, device.type))
     predictions = Predictions(cfg, args.policy)

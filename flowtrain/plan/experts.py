@@ -36,14 +36,15 @@ The planner uses them where a dense layer counts its MLP's intermediates per tok
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     import torch
 
     from ..model.config import ModelConfig
+    from .memory import RunRequest
 
-__all__ = ["dense_mlp_layers", "expert_bytes_per_token", "expert_kept_bytes_per_token", "grouped_experts"]
+__all__ = ["dense_mlp_layers", "expert_bytes_per_token", "expert_kept_bytes_per_token", "grouped_experts", "runs_grouped"]
 
 
 #: Per (token, expert) row: its place in expert order and back (two int64 permutations).
@@ -76,6 +77,18 @@ def grouped_experts(device_type: str, dtype: torch.dtype) -> bool:
     from ..model.moe import grouped_supported
 
     return device_type == "cuda" and torch.cuda.is_available() and grouped_supported(torch.device("cuda"), dtype)
+
+
+def runs_grouped(cfg: ModelConfig, req: RunRequest, device_type: str, dtype: Any) -> bool:
+    """Whether the run's sparse layers take the grouped experts: on the GPU the request names
+    (``req.grouped_experts``, set from ``Machine.grouped_mm`` by a plan for another machine) in
+    bf16, else on this computer's GPU (:func:`grouped_experts`). ``dtype``: a ``torch.dtype``
+    or anything with its ``itemsize`` (the planner's compute dtypes are bf16 or fp32)."""
+    if not cfg.moe:
+        return False
+    if req.grouped_experts is not None:
+        return req.grouped_experts and device_type == "cuda" and dtype.itemsize == 2
+    return grouped_experts(device_type, dtype)
 
 
 def _routing_bytes(cfg: ModelConfig, cbytes: int) -> int:

@@ -42,7 +42,7 @@ from ..model.config import MLP_CHUNK_TOKENS, ModelConfig
 from ..model.adapters import DEFAULT_TARGETS
 from ..model.layout import UnitLayout, model_layouts
 from .adapters import adapter_slot_numel, host_adapters, lora_gpu_bytes, lora_host_bytes
-from .experts import dense_mlp_layers, expert_bytes_per_token, expert_kept_bytes_per_token, grouped_experts
+from .experts import dense_mlp_layers, expert_bytes_per_token, expert_kept_bytes_per_token, runs_grouped
 from .host_layout import LANDING_NUMEL, grad_chunks, slot_numel, staging_numel, undo_arena_bytes
 
 if TYPE_CHECKING:
@@ -140,6 +140,9 @@ class RunRequest(msgspec.Struct, kw_only=True):
     #: ``--skip-idle-experts``: a mixture of experts' sparse layers leave the experts no token
     #: reached alone, their backward-side fetches following the routing (``StepSpec.routed``)
     skip_idle_experts: bool = False
+    #: whether the GPU runs a mixture of experts' grouped GEMMs (a plan for another machine:
+    #: ``Machine.grouped_mm``); None asks this computer's GPU (:func:`.experts.runs_grouped`)
+    grouped_experts: bool | None = None
 
 
 def checkpoint_read_bytes(model_dir: str | os.PathLike[str] | None) -> int:
@@ -365,7 +368,7 @@ def count_bytes(cfg: ModelConfig, req: RunRequest, device: torch.device, dtype: 
     chunks of ``chunk_tokens``, every checkpoint offloaded where ``req.activations`` is
     ``offload`` (the planner brings back what fits)."""
     host = _host_items(cfg, req, device, dtype.itemsize, layout, resident, budgets)
-    grouped = cfg.moe and grouped_experts(device.type, dtype)
+    grouped = runs_grouped(cfg, req, device.type, dtype)
     gpu = _gpu_items(cfg, req, device, dtype.itemsize, layout, resident, budgets, chunk_tokens, grouped)
     if req.activations == "offload":  # all offloaded here; the planner's bring-back returns what fits (auto)
         host["offloaded_activations"] = gpu["checkpoints"]

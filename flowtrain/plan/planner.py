@@ -44,7 +44,7 @@ from ..graph.tasks import ACTS, GRADS, HOST_GRADS, WEIGHTS
 from ..model.config import ModelConfig, default_chunk_tokens
 from .adapters import host_adapters
 from .attention import attention_pays, forward_flops_saved, plan_saved_attention
-from .experts import grouped_experts
+from .experts import runs_grouped
 from .host_layout import LAYOUTS, grad_chunks, staging_numel
 from .memory import (
     ACTIVATIONS,
@@ -251,7 +251,7 @@ def _with_saved_attention(cfg, req, device, dtype, policy, host_limit, gpu_limit
     and CPU Adam hide), checkpoints offloaded as far as needed, the GPU spent on the outputs."""
     speed = not attention_pays(cfg, req.seq_len)
     eager_work = layer_work_bytes(cfg, req.micro_batch_size * req.seq_len, dtype.itemsize, compiled=False,
-                                  grouped=cfg.moe and grouped_experts(device.type, dtype))
+                                  grouped=runs_grouped(cfg, req, device.type, dtype))
     return plan_saved_attention(
         cfg, req, dtype.itemsize, req.micro_batch_size * req.seq_len * live_micro_batches(req), eager_work,
         lambda r: _plan_state(cfg, r, device, dtype, policy, host_limit, gpu_limit, speed=speed),
@@ -282,7 +282,7 @@ def place_activations(plan: Plan, cfg: ModelConfig, req: RunRequest, dtype: torc
     mode = req.activations
     _check_activations(req)
     compiled = compile_backend(req.compile, plan.device) == "inductor"
-    grouped = cfg.moe and grouped_experts(plan.device, dtype)
+    grouped = runs_grouped(cfg, req, plan.device, dtype)
     per_layer = (kept_bytes_per_token(cfg, dtype, compiled, grouped) * req.micro_batch_size * req.seq_len
                  * live_micro_batches(req))
     L = cfg.num_layers

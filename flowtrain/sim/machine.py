@@ -35,7 +35,9 @@ Fields, by the task kinds that use them (:mod:`flowtrain.sim.costs`):
   ``cpu_cast_gparams`` (the fp32 -> bf16 refresh of the stream-bf16 layout).
 - ``disk_write_gbps`` (``save``), ``launch_us`` (host time to issue one device task),
   ``sync_us`` (a completion travelling back to the event loop).
-- memory: ``gpu_mem_gib``, ``host_mem_gib`` (used when ``--gpu-mem``/``--host-mem`` are not given).
+- memory: ``gpu_mem_gib``, ``host_mem_gib`` (used when ``--gpu-mem``/``--host-mem`` are not given);
+  ``grouped_mm`` (the GPU runs a mixture of experts' grouped GEMMs, which the plan counts
+  apart from the loop that runs everywhere else).
 - data parallel (``reduce_grad``): ``gpu_link_gbps`` (all-reduce bus bandwidth between the GPUs
   of a node; 0 means their PCIe path) and ``network_gbps`` (between nodes).
 """
@@ -68,6 +70,9 @@ class Machine(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     gpu: str = ""
     gpu_mem_gib: float = 80.0
     host_mem_gib: float = 256.0
+    #: the GPU runs ``torch._grouped_mm`` in bf16 (compute capability 9.0 or newer): a mixture of
+    #: experts takes the grouped experts there, and its plan counts what they hold
+    grouped_mm: bool = False
     cpu_cores: int = 16
     # copies
     h2d_gbps: float = 25.0

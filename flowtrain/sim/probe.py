@@ -173,6 +173,9 @@ def _probe_gpu(notes: dict[str, str], quick: bool) -> dict:
     reps = 3 if quick else 10
     props = torch.cuda.get_device_properties(dev)
     out: dict = {"gpu": props.name, "gpu_mem_gib": round(props.total_memory / 2**30, 1)}
+    from ..model.moe import grouped_supported
+
+    out["grouped_mm"] = grouped_supported(dev, torch.bfloat16)
 
     # copies: pinned host <-> device, one direction, then both at once on two streams
     nbytes = (64 if quick else 512) * MiB

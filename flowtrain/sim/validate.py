@@ -147,7 +147,8 @@ def predict_run(row: dict, extra: dict, machine: str = "h200") -> dict:
                 **{k: v for k, v in extra.items() if k not in _SIM_ONLY}}
     req = RunRequest(seq_len=row["seq_len"], batch_size=row["batch_size"], micro_batch_size=row["micro_batch_size"],
                      resident=resident, layout=row.get("layout", "auto"), host_mem=118.0,
-                     lora_rank=row.get("lora_rank") or 0, **settings)  # LoRA's default targets, as the runs took
+                     lora_rank=row.get("lora_rank") or 0, grouped_experts=m.grouped_mm,
+                     **settings)  # LoRA's default targets, as the runs took
     plan = plan_run(cfg, req, device=torch.device("cuda"), dtype=torch.bfloat16, policy=row["policy"], local_gpu=False)
     plan.budgets = dict(row["budgets"])  # as the engine enforced them in that run
     placed = {k: tuple(extra[k]) for k in ("save_attention", "offload") if k in extra}

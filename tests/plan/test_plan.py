@@ -176,8 +176,9 @@ def test_request_fields_match_train_config():
     for the default)."""
     from flowtrain.train.trainer import TrainConfig
 
-    # load_bytes is read from --model; processes and share from torchrun (or plan's --nproc-per-node)
-    request = {f.name for f in msgspec.structs.fields(RunRequest)} - {"load_bytes", "processes", "share"}
+    # load_bytes is read from --model; processes and share from torchrun (or plan's --nproc-per-node);
+    # grouped_experts from the GPU planned for (this one's, or --machine's file)
+    request = {f.name for f in msgspec.structs.fields(RunRequest)} - {"load_bytes", "processes", "share", "grouped_experts"}
     assert request <= {f.name for f in msgspec.structs.fields(TrainConfig)}
 
 

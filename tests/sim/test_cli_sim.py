@@ -84,6 +84,26 @@ def test_plan_for_a_machine_from_a_computer_without_a_gpu_uses_that_machines_mem
     assert json.loads(capsys.readouterr().out)["gpu_limit"] < 10 * 2**30
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="plans for another machine from one without a GPU")
+@pytest.mark.parametrize("machine, grouped", [("h200", True), ("gh200", True), ("rtx4090", False), ("a100-80gb", False)])
+def test_a_plan_for_a_machine_counts_a_mixture_of_experts_as_its_gpu_runs_them(machine, grouped, capsys):
+    """The grouped experts run where the GPU has grouped GEMMs (compute capability 9.0): the
+    machine file says so, and a plan for that machine counts a sparse layer's work as they hold
+    it (one stacked weight's gradient), elsewhere as the loop holds it; this computer, without a
+    GPU, decides neither."""
+    from flowtrain.model import preset
+    from flowtrain.plan.memory import layer_work_bytes
+    from flowtrain.sim.machine import load_machine
+
+    assert load_machine(machine).grouped_mm is grouped
+    argv = ["plan", "--model", "qwen3-moe-12l", "--seq-len", "4096", "--batch-size", "16", "--micro-batch-size", "2",
+            "--gpu-mem", "10", "--host-mem", "118", "--machine", machine, "--json"]
+    assert main(argv) == 0
+    plan = json.loads(capsys.readouterr().out)
+    counts = {g: layer_work_bytes(preset("qwen3-moe-12l"), 2 * 4096, 2, True, grouped=g) for g in (True, False)}
+    assert counts[True] < counts[False] and plan["gpu"]["layer_work"] == counts[grouped]
+
+
 def test_plan_with_a_machine_weighs_activation_placements_by_predicted_time(capsys):
     """On a GPU where the checkpoints of 16 sequences only just fit beside the state, the choice
     weighs recompute, offload and kept layers: the request to recompute (its slots shrunk to
