@@ -25,8 +25,8 @@ What a row costs depends on the phase:
   inductor's partitioner keeps only gate and up and recomputes the rest (2 I). On the H200, 4
   kept Qwen3-30B-A3B layers at 16,384 tokens per micro-batch measured within a few percent of
   the compiled count. The loop (every other device and dtype, never compiled) keeps what a
-  backward works on, 3 h + 4 I; so does a plan made without the GPU at hand
-  (:func:`grouped_experts`).
+  backward works on, 3 h + 4 I; so does a plan for a GPU that is neither here nor named by a
+  machine file (:func:`runs_grouped`).
 
 The planner uses them where a dense layer counts its MLP's intermediates per token
 (:func:`flowtrain.plan.memory.layer_work_bytes`, :func:`flowtrain.plan.memory.kept_bytes_per_token`)::
@@ -70,8 +70,9 @@ def expert_kept_bytes_per_token(cfg: ModelConfig, cbytes: int, compiled: bool, g
 
 def grouped_experts(device_type: str, dtype: torch.dtype) -> bool:
     """Whether a run in ``dtype`` on this computer's ``device_type`` will take the grouped experts
-    (:func:`flowtrain.model.moe.grouped_supported`). False where no GPU is here to ask (a plan
-    for another machine counts the loop's larger bytes)."""
+    (:func:`flowtrain.model.moe.grouped_supported`). False where no GPU is here to ask: a plan
+    for a GPU elsewhere takes its machine file's word (:func:`runs_grouped`), else counts the
+    loop's larger bytes."""
     import torch
 
     from ..model.moe import grouped_supported
