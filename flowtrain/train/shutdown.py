@@ -44,7 +44,10 @@ class Shutdown:
         self.saves = graceful if saves is None else saves
         self.say = say
         self.signum: int | None = None
+        #: signals this process received
         self.count = 0
+        #: another data-parallel process was signalled (:meth:`request_from_peer`)
+        self.peer = False
         #: what a signal outside the loop interrupts, for its one line
         self.phase = "before training started; nothing was written"
         self._task: asyncio.Task | None = None
@@ -64,7 +67,7 @@ class Shutdown:
             signal.signal(s, old)  # type: ignore[arg-type]
 
     def _raise(self, signum: int, frame: object) -> None:
-        self.signum = self.signum or signum
+        self.signum = signum if self.count == 0 else self.signum
         self.count += 1
         raise Interrupted(signum, f"stopped by {signal_name(signum)} {self.phase}")
 
@@ -89,12 +92,15 @@ class Shutdown:
 
     @property
     def requested(self) -> bool:
-        return self.count > 0
+        return self.count > 0 or self.peer
 
     def request_from_peer(self) -> None:
-        """Another data-parallel process was signalled: stop as if this one had been (SIGTERM)."""
-        if self.count == 0:
-            self.signum, self.count = signal.SIGTERM, 1
+        """Another data-parallel process was signalled: stop as if this one had been (named
+        SIGTERM until its own signal comes). torchrun signals every process, so this one's own
+        usually follows the vote that told it; that is still its first signal, not a second
+        one that would cancel it while its peers finish the steps in flight."""
+        if self.count == 0 and not self.peer:
+            self.peer, self.signum = True, signal.SIGTERM
 
     @property
     def cancelled(self) -> bool:
@@ -102,7 +108,7 @@ class Shutdown:
         return self.count > 1 or (self.count == 1 and not self.graceful)
 
     def _on_signal(self, signum: int) -> None:
-        self.signum = self.signum or signum
+        self.signum = signum if self.count == 0 else self.signum  # its own first, not a peer's stand-in
         self.count += 1
         if self.count == 1 and self.graceful:
             self.say(f"{signal_name(signum)}: finishing the steps in flight"
