@@ -103,6 +103,19 @@ RUNS = (
      {**_AUTO, "gpu_mem": 10.0, "lora_state": "gpu"}),
     ("LoRA, qwen2.5-32b on a 10 GB card, micro-batch 1", "2026-12-05/gate-b-results.jsonl", {"job": "lora32"},
      {**_AUTO, "gpu_mem": 10.0, "lora_state": "gpu"}),
+    # 2026-12-05: the gate on main, LoRA beside its PEFT anchor, the mixture of experts' corrected count
+    ("gate 2026-12-05: llama-3b W1", "2026-12-05/gate-c-results.jsonl", {"job": "w1"}, _AUTO),
+    ("gate 2026-12-05: llama-3b W2", "2026-12-05/gate-c-results.jsonl", {"job": "w2"}, _AUTO),
+    ("gate 2026-12-05: llama-8b, 16 seq/step, streamed", "2026-12-05/gate-c-results.jsonl", {"job": "8b"}, _AUTO),
+    ("gate 2026-12-05: llama-8b on a 10 GB card", "2026-12-05/gate-c-results.jsonl", {"job": "8b10o"},
+     {**_AUTO, "gpu_mem": 10.0}),
+    ("gate 2026-12-05: llama-3b, one sequence of 65,536 tokens", "2026-12-05/gate-c-results.jsonl", {"job": "long"},
+     _AUTO),
+    ("gate 2026-12-05: qwen3-moe-12l, 16 seq/step", "2026-12-05/gate-c-results.jsonl", {"job": "moe"}, _AUTO),
+    ("LoRA, qwen2.5-32b on a 10 GB card, micro-batch 1, beside PEFT", "2026-12-05/lora32-peft-results.jsonl",
+     {"job": "lora32"}, {**_AUTO, "gpu_mem": 10.0}),
+    ("qwen3-moe-12l on a 10 GB card, sparse-layer count corrected", "2026-12-05/moe-plan-results.jsonl",
+     {"job": "moe10"}, {**_AUTO, "gpu_mem": 10.0}),
 )
 #: the keys of a run's extra arguments that are the simulator's (or the table's), not the planner's
 _SIM_ONLY = ("attention_backend", "save_attention", "offload", "not_modelled")
