@@ -485,10 +485,15 @@ def layer_work_bytes(cfg: ModelConfig, tokens: int, cbytes: int, compiled: bool,
     work += tokens * (4 * q + (2 * cbytes * (q - kv) if kv < q else 0))  # attention backward's buffers
     if cfg.moe:  # the larger of a sparse layer's routing and experts and a dense layer's MLP
         return work + _moe_mlp_work(cfg, layers, tokens, cbytes, mlp_units, grouped, frozen_base)
-    work += cbytes * max((lay.numel for lay in layers), default=0)
-    if tokens > MLP_CHUNK_TOKENS:  # the MLP in pieces: one piece's intermediates, fp32 weight gradients
-        return work + MLP_CHUNK_TOKENS * cbytes * mlp_units + 12 * h * f
-    return work + tokens * cbytes * mlp_units
+    return work + cbytes * max((lay.numel for lay in layers), default=0) + _dense_mlp_work(cfg, tokens, cbytes, mlp_units)
+
+
+def _dense_mlp_work(cfg: ModelConfig, tokens: int, cbytes: int, mlp_units: int) -> int:
+    """A dense MLP's intermediates for ``tokens`` tokens, ``mlp_units`` of them per token; past
+    ``MLP_CHUNK_TOKENS`` it runs in pieces: one piece's intermediates and fp32 weight gradients."""
+    if tokens > MLP_CHUNK_TOKENS:
+        return MLP_CHUNK_TOKENS * cbytes * mlp_units + 12 * cfg.hidden_size * cfg.intermediate_size
+    return tokens * cbytes * mlp_units
 
 
 def _moe_mlp_work(cfg: ModelConfig, layers: list[UnitLayout], tokens: int, cbytes: int, mlp_units: int,
@@ -509,20 +514,19 @@ def _moe_mlp_work(cfg: ModelConfig, layers: list[UnitLayout], tokens: int, cbyte
     whole layer's gradient (three stacks and attention) does not cover for every shape: the
     loop's count is the larger of the two. A frozen base (LoRA) keeps the whole layer's count,
     as a dense LoRA layer does."""
-    h, f = cfg.hidden_size, cfg.intermediate_size
-    dense = sparse = 0
+    sparse_grads = dense_grads = None  # the largest gradient count of each kind of layer
     for lay in layers:
         if lay.layer is not None and cfg.layer_sparse(lay.layer):
             largest = max(e.numel for e in lay.entries)
             if frozen_base:
-                weight_grads = lay.numel
+                n = lay.numel
             else:
-                weight_grads = largest if grouped else max(lay.numel, LOOP_GRADIENT_STACKS * largest)
-            sparse = max(sparse, cbytes * weight_grads + tokens * expert_bytes_per_token(cfg, cbytes))
+                n = largest if grouped else max(lay.numel, LOOP_GRADIENT_STACKS * largest)
+            sparse_grads = max(sparse_grads or 0, n)
         else:
-            mlp = (MLP_CHUNK_TOKENS * cbytes * mlp_units + 12 * h * f if tokens > MLP_CHUNK_TOKENS
-                   else tokens * cbytes * mlp_units)
-            dense = max(dense, cbytes * lay.numel + mlp)
+            dense_grads = max(dense_grads or 0, lay.numel)
+    sparse = 0 if sparse_grads is None else cbytes * sparse_grads + tokens * expert_bytes_per_token(cfg, cbytes)
+    dense = 0 if dense_grads is None else cbytes * dense_grads + _dense_mlp_work(cfg, tokens, cbytes, mlp_units)
     return max(dense, sparse)
 
 
