@@ -66,9 +66,14 @@ class Shutdown:
         for s, old in self._old.items():
             signal.signal(s, old)  # type: ignore[arg-type]
 
-    def _raise(self, signum: int, frame: object) -> None:
-        self.signum = signum if self.count == 0 else self.signum
+    def _received(self, signum: int) -> None:
+        """Count a signal to this process; its first names the stop (over a peer's stand-in)."""
+        if self.count == 0:
+            self.signum = signum
         self.count += 1
+
+    def _raise(self, signum: int, frame: object) -> None:
+        self._received(signum)
         raise Interrupted(signum, f"stopped by {signal_name(signum)} {self.phase}")
 
     def restore_sync_handlers(self) -> None:
@@ -108,8 +113,7 @@ class Shutdown:
         return self.count > 1 or (self.count == 1 and not self.graceful)
 
     def _on_signal(self, signum: int) -> None:
-        self.signum = signum if self.count == 0 else self.signum  # its own first, not a peer's stand-in
-        self.count += 1
+        self._received(signum)
         if self.count == 1 and self.graceful:
             self.say(f"{signal_name(signum)}: finishing the steps in flight"
                      + (" and saving a checkpoint" if self.saves else "")
