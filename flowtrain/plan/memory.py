@@ -484,7 +484,7 @@ def layer_work_bytes(cfg: ModelConfig, tokens: int, cbytes: int, compiled: bool,
     work = tokens * cbytes * per_token
     work += tokens * (4 * q + (2 * cbytes * (q - kv) if kv < q else 0))  # attention backward's buffers
     if cfg.moe:  # the larger of a sparse layer's routing and experts and a dense layer's MLP
-        return work + _moe_mlp_work(cfg, layers, tokens, cbytes, mlp_units, grouped, frozen_base)
+        return work + _moe_mlp_work(cfg, layers, tokens, cbytes, mlp_units, grouped, frozen_base, compiled)
     return work + cbytes * max((lay.numel for lay in layers), default=0) + _dense_mlp_work(cfg, tokens, cbytes, mlp_units)
 
 
@@ -497,7 +497,7 @@ def _dense_mlp_work(cfg: ModelConfig, tokens: int, cbytes: int, mlp_units: int) 
 
 
 def _moe_mlp_work(cfg: ModelConfig, layers: list[UnitLayout], tokens: int, cbytes: int, mlp_units: int,
-                  grouped: bool, frozen_base: bool) -> int:
+                  grouped: bool, frozen_base: bool, compiled: bool) -> int:
     """A mixture of experts' MLP work and weight gradient in the layer that needs most: a
     sparse layer's routing and T k expert rows (:mod:`.experts`; never run in pieces) beside
     its weight gradient, or a dense layer's MLP beside its whole gradient.
@@ -508,13 +508,18 @@ def _moe_mlp_work(cfg: ModelConfig, layers: list[UnitLayout], tokens: int, cbyte
     stacked weight's gradient in one GEMM, so one is alive at a time and the layer's whole
     gradient never is: on the H200, ``qwen3-moe-12l`` at 8,192 tokens a micro-batch peaked in
     a sparse layer's backward with its rows alive and no weight gradient (``flowtrain bench
-    --gpu-peak-report``, docs/benchmarks.md). The loop differentiates each expert's slice of a
+    --gpu-peak-report``, docs/benchmarks.md). A ``compiled`` layer is one backward graph whose
+    outputs are every weight's gradient, handed over together when the graph ends: its rows are
+    freed by then, but the whole layer's gradient is alive (at 4,096 tokens a micro-batch, the
+    same report caught the graph holding two stacks and asking for the third), so its count is
+    the larger of the two moments. The loop differentiates each expert's slice of a
     stacked weight into a zero-filled gradient of the whole stack and sums them; traced on the
     CPU it holds up to five stacks' worth at once (tests/train/test_weight_grads.py), which the
     whole layer's gradient (three stacks and attention) does not cover for every shape: the
     loop's count is the larger of the two. A frozen base (LoRA) keeps the whole layer's count,
     as a dense LoRA layer does."""
     sparse_grads = dense_grads = None  # the largest gradient count of each kind of layer
+    whole = 0  # the largest sparse layer's whole gradient, alive at a compiled backward's end
     for lay in layers:
         if lay.layer is not None and cfg.layer_sparse(lay.layer):
             largest = max(e.numel for e in lay.entries)
@@ -523,9 +528,12 @@ def _moe_mlp_work(cfg: ModelConfig, layers: list[UnitLayout], tokens: int, cbyte
             else:
                 n = largest if grouped else max(lay.numel, LOOP_GRADIENT_STACKS * largest)
             sparse_grads = max(sparse_grads or 0, n)
+            whole = max(whole, lay.numel)
         else:
             dense_grads = max(dense_grads or 0, lay.numel)
     sparse = 0 if sparse_grads is None else cbytes * sparse_grads + tokens * expert_bytes_per_token(cfg, cbytes)
+    if compiled and grouped and not frozen_base:
+        sparse = max(sparse, cbytes * whole)
     dense = 0 if dense_grads is None else cbytes * dense_grads + _dense_mlp_work(cfg, tokens, cbytes, mlp_units)
     return max(dense, sparse)
 

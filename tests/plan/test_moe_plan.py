@@ -94,10 +94,10 @@ def test_a_dense_layer_of_a_mixture_counts_when_it_needs_more():
 
 @pytest.mark.parametrize("name", ["qwen3-moe-12l", "mixtral-4l"])
 def test_a_sparse_layers_weight_gradients_count_as_its_experts_run(name):
-    """Grown by E more experts, a sparse layer's work grows by their routing and by one stacked
-    weight's gradient growth where the grouped experts run (one stack alive at a time), by
-    ``LOOP_GRADIENT_STACKS`` of them where the loop runs, and by the whole layer's growth for a
-    frozen base (tests/train/test_weight_grads.py traces what is alive)."""
+    """Grown by E more experts, a sparse layer's eager work grows by their routing and by one
+    stacked weight's gradient growth where the grouped experts run (one stack alive at a time),
+    by ``LOOP_GRADIENT_STACKS`` of them where the loop runs, and by the whole layer's growth for
+    a frozen base (tests/train/test_weight_grads.py traces what is alive)."""
     from flowtrain.plan.memory import LOOP_GRADIENT_STACKS
 
     cfg = preset(name)
@@ -108,8 +108,30 @@ def test_a_sparse_layers_weight_gradients_count_as_its_experts_run(name):
     layer = model_layouts(more)[1].numel - model_layouts(cfg)[1].numel
 
     def grown(**kw):
-        return layer_work_bytes(more, tokens, c, True, **kw) - layer_work_bytes(cfg, tokens, c, True, **kw)
+        return layer_work_bytes(more, tokens, c, False, **kw) - layer_work_bytes(cfg, tokens, c, False, **kw)
 
     assert grown(grouped=True) == rows + c * stack
     assert grown(grouped=False) == rows + c * LOOP_GRADIENT_STACKS * stack
     assert grown(grouped=True, frozen_base=True) == grown(grouped=False, frozen_base=True) == rows + c * layer
+
+
+@pytest.mark.parametrize("name", ["qwen3-moe-12l", "mixtral-4l"])
+def test_a_compiled_sparse_layer_counts_its_whole_gradient_where_that_outgrows_its_rows(name):
+    """A compiled layer's backward graph hands every weight's gradient over at its end: with few
+    tokens (rows smaller than the stacks) its work grows with E more experts by the whole
+    layer's gradient growth; with many, by the rows and one stack, as the eager layer's."""
+    cfg = preset(name)
+    more = msgspec.structs.replace(cfg, num_experts=2 * cfg.num_experts)
+    c = 2
+    stack = cfg.num_experts * cfg.moe_intermediate_size * cfg.hidden_size
+    layer = model_layouts(more)[1].numel - model_layouts(cfg)[1].numel
+
+    def grown(tokens, compiled):
+        return (layer_work_bytes(more, tokens, c, compiled, grouped=True)
+                - layer_work_bytes(cfg, tokens, c, compiled, grouped=True))
+
+    assert grown(64, True) == c * layer
+    assert grown(64, False) < c * layer  # eager: one stack at a time
+    many = 1 << 16
+    rows = many * (expert_bytes_per_token(more, c) - expert_bytes_per_token(cfg, c))
+    assert grown(many, True) == grown(many, False) == rows + c * stack
