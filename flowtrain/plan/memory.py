@@ -166,7 +166,7 @@ def run_request(cfg: Any, model_dir: str | os.PathLike[str] | None = None, proce
     """The request of a ``TrainConfig`` (or anything with the same attributes); with several
     data-parallel ``processes``, ``cfg`` is one process's share (``distributed.local_share``),
     ``share`` of them on each node sharing the host state."""
-    return RunRequest(seq_len=cfg.seq_len, batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size,
+    return RunRequest(seq_len=int(cfg.seq_len), batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size,
                       checkpoint_every=cfg.checkpoint_every, activations=cfg.activations, order=cfg.order,
                       grad_clip=cfg.grad_clip is not None,
                       layout=cfg.layout, resident=cfg.resident, gpu_mem=cfg.gpu_mem, host_mem=cfg.host_mem,

@@ -211,3 +211,17 @@ def test_simulate_is_not_capped_by_a_gpu_of_this_machine(monkeypatch, capsys):
     assert main(["simulate", *W1, "--machine", "h200", "--json"]) == 0
     beside_a_small_gpu = json.loads(capsys.readouterr().out)
     assert beside_a_small_gpu["plan"] == alone["plan"] and alone["plan"]["gpu_gib"] > 2
+
+
+@pytest.mark.parametrize("command", ["simulate", "plan"])
+def test_a_machine_run_without_seq_len_takes_the_default(command, capsys):
+    """Without ``--seq-len`` the run takes the default length (128 for a token stream); the
+    placement a machine's plan weighs by prediction is keyed by the request, which holds it as a
+    plain int."""
+    args = [command, "--model", "llama-3b", "--batch-size", "4", "--host-mem", "110", "--machine", "h200", "--json"]
+    assert main(args) == 0
+    out = json.loads(capsys.readouterr().out)
+    if command == "simulate":
+        assert out["tokens_per_s"] == pytest.approx(4 * 128 / out["step_seconds"], rel=1e-3)
+    else:
+        assert out["seq_len"] == 128
