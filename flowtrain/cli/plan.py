@@ -9,7 +9,9 @@ train`` follows the same plan and refuses a run that does not fit before allocat
     flowtrain plan --model llama-8b --seq-len 4096 --batch-size 2 --micro-batch-size 1 --gpu-mem 10 --json
 
 Without a GPU here, ``--device cuda`` (the default when ``--gpu-mem`` is given) plans for one
-on paper; with no ``--gpu-mem`` either, the GPU side is reported without a limit.
+on paper; with no ``--gpu-mem`` either, the GPU side is reported without a limit. With
+``--machine`` it plans for that machine's GPU and memory (as ``flowtrain simulate`` does),
+counting a mixture of experts as that GPU runs its experts.
 """
 
 from __future__ import annotations
@@ -94,7 +96,7 @@ def run(args: argparse.Namespace) -> int:
         from ..sim.machine import load_machine
 
         machine = load_machine(args.machine)
-    if machine is not None and args.device == "auto" and not torch.cuda.is_available():
+    if machine is not None and args.device in ("auto", "cuda") and not torch.cuda.is_available():
         req, plan, choice = _plan_elsewhere(args, machine)  # for that machine, from one without its GPU
     else:
         req, plan, choice = _plan_here(args, machine)

@@ -102,6 +102,8 @@ def test_a_plan_for_a_machine_counts_a_mixture_of_experts_as_its_gpu_runs_them(m
     plan = json.loads(capsys.readouterr().out)
     counts = {g: layer_work_bytes(preset("qwen3-moe-12l"), 2 * 4096, 2, True, grouped=g) for g in (True, False)}
     assert counts[True] < counts[False] and plan["gpu"]["layer_work"] == counts[grouped]
+    assert main([*argv, "--device", "cuda"]) == 0  # the machine's GPU, named: the same plan
+    assert json.loads(capsys.readouterr().out)["gpu"] == plan["gpu"]
 
 
 def test_plan_with_a_machine_weighs_activation_placements_by_predicted_time(capsys):
