@@ -96,13 +96,13 @@ def plan_for(args: argparse.Namespace, machine, with_predictions: bool = False) 
     ``plan_and_choose`` for a GPU with the machine's memory unless --gpu-mem/--host-mem say otherwise
     (never capped by a GPU of the machine this runs on: the plan is for ``machine``). With
     ``with_predictions``, also the planner's :class:`~flowtrain.sim.order_choice.Predictions`."""
-    from ..plan.memory import Precision, Target
+    from ..plan.memory import Precision, Target, own_plan_card
     from ..sim.choose_plan import plan_and_choose
     from ..sim.order_choice import Predictions
     from ..train.run_config import precision_bytes
     from .plan import checked_request
 
-    gpu_mem = args.gpu_mem if args.gpu_mem is not None else machine.gpu_mem_gib
+    gpu_mem = args.gpu_mem if args.gpu_mem is not None else own_plan_card(machine.gpu_mem_gib)
     host_mem = args.host_mem if args.host_mem is not None else machine.host_mem_gib
     cfg, _, req, _ = checked_request(args, gpu_mem, host_mem)
     req = msgspec.structs.replace(req, grouped_experts=machine.grouped_mm)  # its GPU's, not this computer's

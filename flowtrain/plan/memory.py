@@ -336,6 +336,16 @@ def card_for(allocator_bytes: int) -> float:
     return allocator_bytes / GPU_FILL_CAPPED / GiB + CUDA_OUTSIDE_ALLOCATOR_GIB + CARD_HEADROOM_GIB
 
 
+def own_plan_card(gpu_gib: float) -> float:
+    """The ``--gpu-mem`` (card size in GiB) whose plan budget is what a machine's own plan takes
+    without one: :data:`GPU_FILL` of the memory free on its card of ``gpu_gib`` when training
+    starts (taken as the whole card), and never more than the card itself as ``--gpu-mem``
+    counts it (on a small card, what CUDA keeps outside the allocator is more than the 8% that
+    rule leaves). A plan for another machine without ``--gpu-mem`` (``flowtrain plan|simulate
+    --machine``) plans for it, so it places what that machine would."""
+    return min(gpu_gib, round(card_for(int(GPU_FILL * gpu_gib * GiB)), 2))
+
+
 def cap_gpu_memory(device: torch.device, gib: float) -> None:
     """Enforce ``--gpu-mem``: the caching allocator refuses to grow this process past its share
     of a card of ``gib`` GiB (:func:`allocator_share`), so the whole process fits the card."""

@@ -144,7 +144,7 @@ def predict_run(row: dict, extra: dict, machine: str = "h200") -> dict:
     import torch
 
     from ..model import preset
-    from ..plan.memory import GPU_FILL, GiB, RunRequest, card_for
+    from ..plan.memory import RunRequest, own_plan_card
     from ..plan.planner import plan_run
     from .machine import load_machine
     from .predict import predict_shape, shape_of
@@ -155,9 +155,9 @@ def predict_run(row: dict, extra: dict, machine: str = "h200") -> dict:
     # The runs of 2026-12-02 predate kept activations: every layer's backward ran its forward
     # again; later ones name their placement in ``extra``. The GPU is the H200's, and a run
     # without --gpu-mem planned for GPU_FILL of its free memory (the machine's gpu_mem_gib):
-    # as a card for the planner, card_for that many bytes.
+    # as a card for the planner, own_plan_card.
     settings = {"activations": "recompute", "order": row.get("order", "layer"),
-                "gpu_mem": round(card_for(int(GPU_FILL * m.gpu_mem_gib * GiB)), 2),
+                "gpu_mem": own_plan_card(m.gpu_mem_gib),
                 **({"lora_state": row["lora_state"]} if "lora_state" in row else {}),  # as a LoRA run recorded it
                 **{k: v for k, v in extra.items() if k not in _SIM_ONLY}}
     req = RunRequest(seq_len=row["seq_len"], batch_size=row["batch_size"], micro_batch_size=row["micro_batch_size"],

@@ -66,7 +66,9 @@ def test_plan_with_a_machine_says_which_configuration_is_fastest_and_why(capsys)
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="plans for another machine from one without a GPU")
 def test_plan_for_a_machine_from_a_computer_without_a_gpu_uses_that_machines_memory(capsys):
     """From a laptop, ``plan --machine`` plans for that machine's GPU and host memory (as simulate
-    does), not for this computer's CPU; --gpu-mem still says otherwise."""
+    does, and filling its card as the machine's own plan would), not for this computer's CPU;
+    --gpu-mem still says otherwise."""
+    from flowtrain.plan.memory import GPU_FILL
     from flowtrain.sim.machine import load_machine
 
     argv = ["plan", "--model", "llama-1b", "--seq-len", "1024", "--batch-size", "8", "--json"]
@@ -78,7 +80,8 @@ def test_plan_for_a_machine_from_a_computer_without_a_gpu_uses_that_machines_mem
         there = json.loads(capsys.readouterr().out)
         m = load_machine(name)
         assert there["device"] == "cuda" and there["fastest"]["best"]["fits"] == there["fits"]
-        assert 0.8 * m.gpu_mem_gib * 2**30 < there["gpu_limit"] <= m.gpu_mem_gib * 2**30
+        # as that machine's own plan fills its card without --gpu-mem: GPU_FILL of what is free
+        assert there["gpu_limit"] == pytest.approx(GPU_FILL * m.gpu_mem_gib * 2**30, rel=1e-3)
         assert 0.8 * m.host_mem_gib * 2**30 < there["host_limit"] <= m.host_mem_gib * 2**30
     assert main([*argv, "--machine", "h200", "--gpu-mem", "10"]) == 0
     assert json.loads(capsys.readouterr().out)["gpu_limit"] < 10 * 2**30
