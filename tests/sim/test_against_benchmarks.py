@@ -27,3 +27,37 @@ def test_predicted_tokens_per_s_within_15_percent(name, row, extra):
     # the chain more)
     busy = row["busy_fraction"]
     assert busy.get(r["bound_by"], 0.0) >= max(busy.values()) - 0.1, (r, busy)
+
+
+#: the dense runs of the GPU gate, as docs/bench/h200.sh gives them (no --gpu-mem but the 10 GB card)
+_W = ["--model", "llama-3b", "--seq-len", "4096", "--micro-batch-size", "4", "--host-mem", "110"]
+GATE_ARGS = {
+    "w1": [*_W, "--batch-size", "4"],
+    "w2": [*_W, "--batch-size", "16"],
+    "8b": ["--model", "llama-8b", "--seq-len", "4096", "--batch-size", "16", "--micro-batch-size", "4",
+           "--host-mem", "118", "--resident", "none"],
+    "8b10o": ["--model", "llama-8b", "--seq-len", "4096", "--batch-size", "16", "--micro-batch-size", "2",
+              "--host-mem", "118", "--gpu-mem", "10"],
+    "long": ["--model", "llama-3b-512k", "--seq-len", "65536", "--batch-size", "1", "--micro-batch-size", "1",
+             "--host-mem", "118"],
+}
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="plans for the H200 from a computer without a GPU")
+@pytest.mark.parametrize("job", sorted(GATE_ARGS))
+def test_a_plan_for_the_h200_from_elsewhere_is_the_plan_the_h200_made(job, capsys):
+    """``flowtrain plan --machine h200`` on a computer without a GPU plans each dense gate run as
+    the H200 planned it for itself (its GPU and host totals and its residency, as the gate's
+    result recorded them), with or without ``--gpu-mem``."""
+    import json
+    from pathlib import Path
+
+    from flowtrain.cli import main
+
+    results = Path(__file__).parents[2] / "docs" / "bench" / "2026-12-05" / "gate-d-results.jsonl"
+    row = next(r for r in map(json.loads, results.read_text().splitlines()) if r.get("job") == job)
+    assert main(["plan", *GATE_ARGS[job], "--machine", "h200", "--json"]) == 0
+    plan = json.loads(capsys.readouterr().out)
+    assert round(plan["gpu_total"] / 2**30, 2) == row["planned_gpu_gib"]
+    assert round(plan["host_total"] / 2**30, 2) == row["planned_host_gib"]
+    assert plan["resident"] == row["resident"] and plan["budgets"] == row["budgets"]
