@@ -295,15 +295,19 @@ def host_available() -> int | None:
 
 def budget_limits(req: RunRequest, device: torch.device, local_gpu: bool) -> tuple[int | None, int | None]:
     """The usable host and GPU bytes: what the request says, else what is free here; the GPU
-    never more than is free on this machine's GPU now, unless the plan is for another machine
-    (``local_gpu=False``)."""
+    never more than is free on this machine's GPU now, nor more than its card as ``--gpu-mem``
+    would count it, unless the plan is for another machine (``local_gpu=False``)."""
     host = int(req.host_mem * GiB) if req.host_mem is not None else host_available()
     caps = [] if req.gpu_mem is None else [int(allocator_share(req.gpu_mem) * GPU_FILL_CAPPED)]
     if device.type == "cuda" and local_gpu:
         import torch
 
         if torch.cuda.is_available():
-            caps.append(int(torch.cuda.mem_get_info(device)[0] * GPU_FILL))
+            free, total = torch.cuda.mem_get_info(device)
+            caps.append(int(free * GPU_FILL))
+            # and the card as --gpu-mem counts it: on a small card what CUDA keeps outside the
+            # allocator is more than the 8% GPU_FILL leaves (the rule own_plan_card plans by)
+            caps.append(int(allocator_share(total / GiB) * GPU_FILL_CAPPED))
     gpu = min(caps) if caps else None
     return (None if host is None else int(host * HOST_FILL)), gpu
 
