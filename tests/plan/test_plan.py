@@ -253,8 +253,8 @@ def test_planning_for_another_machine_ignores_this_gpu(monkeypatch):
     assert elsewhere.gpu_limit == int(allocator_share(139.0) * GPU_FILL_CAPPED) and elsewhere.fits
 
 
-@pytest.mark.parametrize("free, total", [(9.7, 10.0), (7.6, 8.0), (130.0, 139.8)])
-def test_a_plan_here_without_gpu_mem_fits_this_card_as_gpu_mem_would_count_it(monkeypatch, free, total):
+@pytest.mark.parametrize("free, total, card_binds", [(9.7, 10.0, True), (7.6, 8.0, True), (130.0, 139.8, False)])
+def test_a_plan_here_without_gpu_mem_fits_this_card_as_gpu_mem_would_count_it(monkeypatch, free, total, card_binds):
     """Without ``--gpu-mem`` a plan on this GPU fills GPU_FILL of what is free, and never more than
     the card as ``--gpu-mem`` counts it: on a small card what CUDA keeps outside the allocator is
     more than the 8% the first rule leaves. A plan for that machine from elsewhere takes the same
@@ -265,9 +265,7 @@ def test_a_plan_here_without_gpu_mem_fits_this_card_as_gpu_mem_would_count_it(mo
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free * GiB), int(total * GiB)))
     here = plan(resident="none", gpu_mem=None)
     card = int(allocator_share(total) * GPU_FILL_CAPPED)
-    assert here.gpu_limit == min(int(free * GiB * GPU_FILL), card)
-    if free * GPU_FILL > card / GiB:  # a small card: the card's own count binds
-        assert here.gpu_limit == card
+    assert here.gpu_limit == (card if card_binds else int(free * GiB * GPU_FILL))  # small cards: the card's count
     elsewhere = plan_run(preset("llama-8b"), RunRequest(seq_len=4096, batch_size=16, micro_batch_size=4, host_mem=118.0,
                                                         gpu_mem=own_plan_card(total), resident="none"),
                          device=CUDA, dtype=BF16, local_gpu=False)
