@@ -52,6 +52,9 @@ class Choice(msgspec.Struct, kw_only=True):
     def explain(self) -> str:
         """Two or three lines: what was chosen, by how much it beats the request, and why."""
         a, b = self.asked, self.best
+        if not b.fits:  # nothing tried fits: there is no fastest to name
+            return (f"no configuration tried fits on {self.machine} ({len(self.tried)} tried); "
+                    "the plan above says what would make it fit")
         lines = [f"fastest predicted on {self.machine} (of {sum(c.fits for c in self.tried)} configurations that fit): "
                  f"{b.flags}: {b.tokens_per_s:,.0f} tokens/s, {b.step_seconds:.3f} s per step"]
         if not a.fits:

@@ -230,3 +230,13 @@ def test_a_machine_run_without_seq_len_takes_the_default(command, capsys):
         assert out["tokens_per_s"] == pytest.approx(4 * 128 / out["step_seconds"], rel=1e-3)
     else:
         assert out["seq_len"] == 128
+
+
+def test_plan_with_a_machine_where_nothing_fits_names_no_fastest(capsys):
+    """Where no configuration fits the machine, plan says so instead of naming a fastest one at
+    0 tokens/s, and exits 1 as for any plan that does not fit."""
+    argv = ["plan", "--model", "qwen3-moe-12l", "--seq-len", "4096", "--batch-size", "1", "--host-mem", "20",
+            "--machine", "rtx3080-10gb"]
+    assert main(argv) == 1
+    text = capsys.readouterr().out
+    assert "no configuration tried fits on rtx3080-10gb" in text and "fastest predicted" not in text
