@@ -20,7 +20,7 @@ from flowtrain.cli import main
 from flowtrain.errors import ConfigError
 from flowtrain.graph import GRADS, WEIGHTS
 from flowtrain.model import ModelConfig, model_layouts, preset
-from flowtrain.plan.memory import GPU_FILL_CAPPED, GiB, RunRequest, allocator_share, card_for
+from flowtrain.plan.memory import GiB, RunRequest, allocator_share, capped_budget, card_for
 from flowtrain.plan.planner import plan_run
 from flowtrain.train.host_state import HostState
 
@@ -86,7 +86,7 @@ def test_a_run_too_large_for_both_says_what_would_fit():
 def test_a_10gb_gpu_cap_shrinks_loss_chunks_and_slots_until_8b_fits():
     """Recomputing from checkpoints on the GPU (auto offloads them instead: test_offload.py)."""
     p = plan(batch_size=2, micro_batch_size=1, gpu_mem=10, activations="recompute")
-    assert p.fits and p.gpu_total <= allocator_share(10) * GPU_FILL_CAPPED
+    assert p.fits and p.gpu_total <= capped_budget(allocator_share(10))
     assert p.spec.resident == ()
     assert p.chunk_tokens < 2048 and p.budgets[GRADS] == 1 and p.budgets[WEIGHTS] == 2
     roomy = plan(batch_size=2, micro_batch_size=1)
@@ -250,7 +250,7 @@ def test_planning_for_another_machine_ignores_this_gpu(monkeypatch):
                                                         host_mem=118.0, gpu_mem=139.0, resident="none"),
                          device=CUDA, dtype=BF16, local_gpu=False)
     assert here.gpu_limit < 2 * GiB and not here.fits
-    assert elsewhere.gpu_limit == int(allocator_share(139.0) * GPU_FILL_CAPPED) and elsewhere.fits
+    assert elsewhere.gpu_limit == capped_budget(allocator_share(139.0)) and elsewhere.fits
 
 
 @pytest.mark.parametrize("free, total, card_binds", [(9.7, 10.0, True), (7.6, 8.0, True), (130.0, 139.8, False)])
@@ -264,7 +264,7 @@ def test_a_plan_here_without_gpu_mem_fits_this_card_as_gpu_mem_would_count_it(mo
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (int(free * GiB), int(total * GiB)))
     here = plan(resident="none", gpu_mem=None)
-    card = int(allocator_share(total) * GPU_FILL_CAPPED)
+    card = capped_budget(allocator_share(total))
     assert here.gpu_limit == (card if card_binds else int(free * GiB * GPU_FILL))  # small cards: the card's count
     elsewhere = plan_run(preset("llama-8b"), RunRequest(seq_len=4096, batch_size=16, micro_batch_size=4, host_mem=118.0,
                                                         gpu_mem=own_plan_card(total), resident="none"),
