@@ -118,6 +118,10 @@ RUNS = (
      {"job": "moe10"}, {**_AUTO, "gpu_mem": 10.0}),
     ("LoRA, llama-8b on a 10 GB card, micro-batch 4, beside PEFT", "2026-12-05/lora8-moe-anchor-results.jsonl",
      {"job": "lora8"}, {**_AUTO, "gpu_mem": 10.0}),
+    ("qwen3-moe-12l on a 10 GB card, beside its anchor", "2026-12-05/moe10-anchor-results.jsonl",
+     {"job": "moe10"}, {**_AUTO, "gpu_mem": 10.0}),
+    ("qwen3-moe-12l on a 10 GB card, 64 seq/step", "2026-12-05/moe10-anchor-results.jsonl",
+     {"job": "moe10b64"}, {**_AUTO, "gpu_mem": 10.0}),
 )
 #: the keys of a run's extra arguments that are the simulator's (or the table's), not the planner's
 _SIM_ONLY = ("attention_backend", "save_attention", "offload", "not_modelled")
