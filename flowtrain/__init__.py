@@ -12,6 +12,7 @@ from .errors import (
     DataError,
     DeadlockError,
     FlowtrainError,
+    GpuOutOfMemory,
     NonFiniteError,
     PlanError,
     ScheduleError,
@@ -26,7 +27,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "CheckpointError", "ConfigError", "CycleError", "DataError", "DeadlockError", "FlowtrainError",
-    "NonFiniteError", "PlanError", "ScheduleError", "SlotError", "StepFailed", "StepSpec", "compile_step", "compile_steps",
-    "cross_step_edges", "Policy", "Proposal", "natural_order", "register_policy", "resolve_policy", "Engine",
-    "Instrument", "TaskRecord", "TraceRecorder", "run_graph", "run_reference",
+    "GpuOutOfMemory", "NonFiniteError", "PlanError", "ScheduleError", "SlotError", "StepFailed", "StepSpec",
+    "compile_step", "compile_steps", "cross_step_edges", "Policy", "Proposal", "natural_order", "register_policy",
+    "resolve_policy", "Engine", "Instrument", "TaskRecord", "TraceRecorder", "run_graph", "run_reference",
 ]

@@ -90,6 +90,11 @@ class PlanError(FlowtrainError):
     """The requested run does not fit in host or GPU memory."""
 
 
+class GpuOutOfMemory(PlanError):
+    """A step ran out of GPU memory: the run did not fit the GPU as planned. The message names
+    the task, what was asked and held, the plan's count, and what to change."""
+
+
 class NonFiniteError(FlowtrainError):
     """Training stopped because loss or gradients were not finite: too many steps in a row were
     skipped, or a step could not be undone. The message names the steps and what to resume from."""

@@ -49,6 +49,7 @@ from ..runtime.faults import from_env as faults_from_env
 from ..runtime.trace import Instrument
 from .distributed import PeerLost, agree_to_stop
 from .host_state import HostState
+from .out_of_memory import gpu_out_of_memory, is_out_of_memory
 from .program import StepProgram
 from .reporting import Reporter, StepMetrics
 from .shutdown import Shutdown, signal_name
@@ -126,6 +127,8 @@ class TrainingLoop:
         except StepFailed as e:
             if isinstance(e.__cause__, PeerLost):  # not the task's fault: say what happened to the peer
                 raise e.__cause__ from None
+            if e.__cause__ is not None and is_out_of_memory(e.__cause__):  # the plan did not hold: say by how much, and what to change
+                raise gpu_out_of_memory(f"task {e.task}", e.__cause__, self.run.plan) from e
             raise
         finally:
             self.shutdown.detach()

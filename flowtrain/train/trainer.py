@@ -58,6 +58,7 @@ from .distributed import World, join, leave, local_share, node_barrier, world_fr
 from .host_state import HostState, return_freed_memory
 from .loop import TrainingLoop
 from .optimizer import AdamWConfig, LRSchedule
+from .out_of_memory import gpu_out_of_memory
 from .pinning import unpin_all
 from .program import StepProgram
 from .reporting import Reporter, StepMetrics
@@ -418,8 +419,9 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
     ``on_plan`` receives the memory plan the run follows.
 
     Raises :class:`Interrupted` on SIGINT/SIGTERM (in the main thread), :class:`NonFiniteError`
-    when too many steps in a row were skipped, :class:`StepFailed` when a task failed; in
-    each case no final model is written and every checkpoint already written stays whole."""
+    when too many steps in a row were skipped, :class:`GpuOutOfMemory` when a task ran out of GPU
+    memory, :class:`StepFailed` when a task failed otherwise; in each case no final model is
+    written and every checkpoint already written stays whole."""
     world = world_from_env()
     prefer_expandable_segments(cfg)
     # Data parallel, every process finishes its steps in flight on a signal (the others need
@@ -446,7 +448,10 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
                 cap_gpu_memory(run.device, cfg.gpu_mem)
             # CPU Adam's threads leave cores to the lane launchers, waiters and the event loop.
             torch.set_num_threads(max(1, (os.cpu_count() or 2) - 3))
-        state, program = build_state(run)
+        try:
+            state, program = build_state(run)
+        except torch.OutOfMemoryError as e:  # the card holds less than the plan was made for
+            raise gpu_out_of_memory("setting up the run's GPU buffers", e, run.plan) from e
         gc.freeze()  # the model and torch's objects are long-lived: keep full collections off them
         recorder = TraceRecorder() if cfg.trace else None
         reporter = Reporter(total=cfg.steps, first=run.first_step, metrics=cfg.metrics, progress=cfg.progress,

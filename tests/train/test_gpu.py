@@ -226,3 +226,51 @@ def test_cuda_lora_experts_match_cpu(tmp_path, lora_state, rank):
         # bf16 rounds this small random model's base and routes near ties elsewhere: the update
         # goes the same way (cosine 0.9 and more on the CPU), not to within a tolerance
         assert float(torch.nn.functional.cosine_similarity((bf16[name] - start[name]).flatten(), moved, dim=0)) > 0.5
+
+
+
+def _starve() -> None:
+    """Hold the caching allocator to what it has reserved now: its next request for new memory
+    is refused, with PyTorch's own message."""
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(0).total_memory
+    torch.cuda.set_per_process_memory_fraction(torch.cuda.memory_reserved() / total)
+
+
+@pytest.mark.parametrize("before, where", [(True, r"setting up the run's GPU buffers"), (False, r"task .+")])
+def test_running_out_of_gpu_memory_is_one_error_that_names_where_and_the_plan(tmp_path, monkeypatch, before, where):
+    """The allocator's refusal, while the buffers are made (a card holding less than planned)
+    or in a step's task (whichever first asks for new memory once the buffers are made; every
+    layer's forward asks for 64 MiB more), ends the run with a GpuOutOfMemory naming where, what
+    was asked and held, and the plan's count; no final model is written."""
+    from flowtrain.errors import GpuOutOfMemory
+    from flowtrain.train import program as program_module
+    from flowtrain.train import trainer
+
+    build, forward = trainer.build_state, program_module.StepProgram._forward
+
+    def build_starved(run):
+        if before:
+            _starve()
+        built = build(run)
+        if not before:
+            _starve()
+        return built
+
+    def forward_with_work(self, task, ctx):
+        torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # more than any cached block of this run
+        forward(self, task, ctx)
+
+    monkeypatch.setattr(trainer, "build_state", build_starved)
+    monkeypatch.setattr(program_module.StepProgram, "_forward", forward_with_work)
+    out = tmp_path / "out"
+    cfg = TrainConfig(model="tiny", steps=2, batch_size=4, micro_batch_size=2, seq_len=64, device="cuda",
+                      out=str(out), progress=False, compile="none")
+    try:
+        with pytest.raises(GpuOutOfMemory, match=rf"^{where} ran out of GPU memory: [\d.]+ [KMG]?i?B could not be "
+                                                 r"allocated with [\d.]+ [KMG]?i?B allocated.*the plan counted a peak of"):
+            train(cfg)
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0)
+    assert not (out / "model.safetensors").exists()
