@@ -318,6 +318,12 @@ class Engine:
         self.add(graph)
         return await self.wait(graph)
 
+    def finished(self, graph: nx.DiGraph | Iterable[Task]) -> bool:
+        """Whether every task of ``graph`` ran to its end without failing; also after the engine
+        stopped, where a failure elsewhere makes :meth:`wait` raise instead. (A graph already
+        waited for has given its tasks' fences up: False.)"""
+        return all((f := self._fences.get(t)) is not None and f.is_set() and not f.failed for t in graph)
+
     async def wait(self, graph: nx.DiGraph | Iterable[Task]) -> list[TaskRecord]:
         """Wait until every task of ``graph`` has finished; return their records.
 

@@ -89,6 +89,8 @@ class TrainingLoop:
         #: the config.json every checkpoint keeps (that of the model the run started from)
         self.source_config = read_source_config(run.source_dir)
         self.t_last = 0.0
+        #: the step being waited for, taken from the stream already (for after a failure)
+        self.waiting: OpenStep | None = None
         #: the held-out micro-batches (ids, targets)
         self.eval_batches = _eval_micro_batches(run.eval_seqs, self.cfg.micro_batch_size)
 
@@ -127,6 +129,7 @@ class TrainingLoop:
         except StepFailed as e:
             if isinstance(e.__cause__, PeerLost):  # not the task's fault: say what happened to the peer
                 raise e.__cause__ from None
+            self._close_finished(engine, [*([self.waiting] if self.waiting else []), *stream.open])
             if e.__cause__ is not None and is_out_of_memory(e.__cause__):  # the plan did not hold: say by how much, and what to change
                 raise gpu_out_of_memory(f"task {e.task}", e.__cause__, self.run.plan) from e
             raise
@@ -190,8 +193,27 @@ class TrainingLoop:
         return due
 
     async def _finish(self, engine: Engine, done: OpenStep) -> None:
-        s, tokens = done.step, done.data.tokens
+        self.waiting = done
         await engine.wait(done.graph)
+        self.waiting = None
+        self._close_step(done)
+
+    def _close_finished(self, engine: Engine, steps: list[OpenStep]) -> None:
+        """After a task failed: close the open steps, oldest first, that had finished whole
+        before it (every task, the checkpoint's saves included), as if they had been waited for,
+        so a checkpoint such a step wrote is completed; stop at the first that had not. The
+        failure is raised after: nothing that goes wrong here may hide it."""
+        for done in steps:
+            if not engine.finished(done.graph):
+                return
+            try:
+                self._close_step(done)
+            except Exception:  # noqa: BLE001 - the task's failure is the one to report
+                return
+
+    def _close_step(self, done: OpenStep) -> None:
+        """A step whose tasks have all finished: its metrics, checkpoint and report."""
+        s, tokens = done.step, done.data.tokens
         loss, grad_norm, skipped = self.program.end_step(s)
         now = time.perf_counter()
         seconds, self.t_last = now - self.t_last, now

@@ -329,3 +329,25 @@ def test_runs_under_uvloop():
         runner.run(guarded(run_graph(graph, rec, "lookahead")))
     check_topological(graph, rec)
     check_slots(graph, rec, resolve_policy("lookahead").propose(graph).budgets)
+
+
+async def test_after_a_failure_the_engine_still_says_which_graphs_finished_whole():
+    """Step 1 starts only once every task of step 0 has finished, and its first task fails: the
+    engine then raises from any wait, but says step 0 finished and step 1 did not (the training
+    loop completes a finished step's checkpoint so)."""
+    spec = StepSpec(layers=2, micro_batches=2)
+    step0, step1 = compile_step(spec, 0), compile_step(spec, 1)
+    sources = [t for t in step1 if step1.in_degree(t) == 0]
+    after = [(t, s) for t in step0 for s in sources]
+
+    def boom(task, ctx):
+        raise RuntimeError("out of memory")
+
+    rec = Recorder({sources[0]: boom})
+    with pytest.raises(StepFailed, match="out of memory"):
+        async with Engine(rec, "double_buffer") as engine:
+            engine.add(step0)
+            engine.add(step1, after=after)
+            await guarded(engine.wait(step1))
+    assert engine.finished(step0) and set(step0) <= rec.ran
+    assert not engine.finished(step1)

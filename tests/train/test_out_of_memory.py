@@ -6,6 +6,7 @@ model is written. The allocator's refusal is raised where a layer's backward wou
 from __future__ import annotations
 
 import hashlib
+import threading
 
 import torch
 
@@ -26,6 +27,40 @@ REFUSAL = ("CUDA out of memory. Tried to allocate 384.00 MiB. GPU 0 has a total 
 
 def digest(folder) -> str:
     return hashlib.sha256(b"".join(p.read_bytes() for p in sorted(folder.glob("*.safetensors")))).hexdigest()
+
+
+def test_a_step_that_finished_before_the_failure_still_completes_its_checkpoint(tmp_path, monkeypatch, capsys):
+    """Two steps are in flight: the step after a save can fail while the saving step is still
+    open. Once that step's saves are written it has finished whole, and its checkpoint is
+    completed before the failure is reported."""
+    whole = tmp_path / "whole"
+    assert main([*TINY, "--steps", "2", "--save-every", "2", "--out", str(whole)]) == 0
+    capsys.readouterr()
+    saved = threading.Event()
+    save, backward = program_module.StepProgram._save, program_module.StepProgram._backward
+    writes: list[int] = []
+
+    def counting_save(self, task):
+        n = save(self, task)
+        writes.append(task.step)
+        if writes.count(1) == len(self.state.trained):  # every unit of step 2's checkpoint (0-based 1)
+            saved.set()
+        return n
+
+    def refusing_once_saved(self, task, ctx):
+        if task.step == 2:
+            assert saved.wait(timeout=120), "step 2's checkpoint was never written"
+            raise torch.OutOfMemoryError(REFUSAL)
+        backward(self, task, ctx)
+
+    monkeypatch.setattr(program_module.StepProgram, "_save", counting_save)
+    monkeypatch.setattr(program_module.StepProgram, "_backward", refusing_once_saved)
+    out = tmp_path / "run"
+    assert main([*TINY, "--steps", "4", "--save-every", "2", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "ran out of GPU memory" in err[-1], err
+    assert digest(out / "checkpoint-2") == digest(whole / "checkpoint-2")
+    assert sorted(p.name for p in out.iterdir() if p.is_dir()) == ["checkpoint-2"]
 
 
 def _refuse_in_step(monkeypatch, step: int) -> None:
