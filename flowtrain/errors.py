@@ -91,8 +91,9 @@ class PlanError(FlowtrainError):
 
 
 class GpuOutOfMemory(PlanError):
-    """A step ran out of GPU memory: the run did not fit the GPU as planned. The message names
-    the task, what was asked and held, the plan's count, and what to change."""
+    """The run ran out of GPU memory, in a step or setting up its buffers: it did not fit the GPU
+    as planned. The message names where, what was asked and held, the plan's count, and what to
+    change."""
 
 
 class NonFiniteError(FlowtrainError):

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import networkx as nx
+import torch
 
 from ..ckpt import checkpoints
 from ..ckpt.adapter_files import adapter_config_text
@@ -49,7 +50,7 @@ from ..runtime.faults import from_env as faults_from_env
 from ..runtime.trace import Instrument
 from .distributed import PeerLost, agree_to_stop
 from .host_state import HostState
-from .out_of_memory import gpu_out_of_memory, is_out_of_memory
+from .out_of_memory import gpu_out_of_memory
 from .program import StepProgram
 from .reporting import Reporter, StepMetrics
 from .shutdown import Shutdown, signal_name
@@ -130,7 +131,7 @@ class TrainingLoop:
             if isinstance(e.__cause__, PeerLost):  # not the task's fault: say what happened to the peer
                 raise e.__cause__ from None
             self._close_finished(engine, [*([self.waiting] if self.waiting else []), *stream.open])
-            if e.__cause__ is not None and is_out_of_memory(e.__cause__):  # the plan did not hold: say by how much, and what to change
+            if isinstance(e.__cause__, torch.OutOfMemoryError):  # the plan did not hold: say by how much, what to change
                 raise gpu_out_of_memory(f"task {e.task}", e.__cause__, self.run.plan) from e
             raise
         finally:

@@ -14,25 +14,14 @@ stays whole.
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING
 
 from ..errors import GpuOutOfMemory
+from ..plan.memory import GiB, Plan
 
-if TYPE_CHECKING:
-    from ..plan.memory import Plan
-
-GiB = 1 << 30
 #: what the CUDA caching allocator's message says of a failed request (PyTorch 2.x)
 _ASKED = re.compile(r"Tried to allocate ([\d.]+ [KMGT]?i?B)")
 _ALLOCATED = re.compile(r"([\d.]+ [KMGT]?i?B) is allocated by PyTorch")
 _UNUSED = re.compile(r"([\d.]+ [KMGT]?i?B) is reserved by PyTorch but unallocated")
-
-
-def is_out_of_memory(exc: BaseException) -> bool:
-    """Whether ``exc`` is the GPU allocator's refusal (``torch.OutOfMemoryError``)."""
-    import torch
-
-    return isinstance(exc, torch.OutOfMemoryError)
 
 
 def gpu_out_of_memory(where: str, cause: BaseException, plan: Plan) -> GpuOutOfMemory:
