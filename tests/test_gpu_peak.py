@@ -16,7 +16,7 @@ from flowtrain.bench import gpu_peak
 from flowtrain.cli import main
 
 RUNTIME = {"filename": "/site/flowtrain/runtime/lanes.py", "line": 40, "name": "_work"}
-PROGRAM = {"filename": "/site/flowtrain/train/program.py", "line": 300, "name": "forward"}
+PROGRAM = {"filename": "/site/flowtrain/train/program/layers.py", "line": 300, "name": "run_forward"}
 MLP = {"filename": "/site/flowtrain/model/mlp.py", "line": 20, "name": "swiglu"}
 TORCH = {"filename": "/usr/lib/python3/site-packages/torch/nn/functional.py", "line": 7, "name": "silu"}
 
@@ -99,12 +99,12 @@ def test_the_replay_finds_the_most_allocated_moment_and_what_was_alive(ops, befo
 def test_a_site_is_the_innermost_flowtrain_frame_and_via_the_task_that_asked():
     outer = [RUNTIME, {"filename": "/site/flowtrain/train/trainer.py", "line": 9, "name": "train"},
              {"filename": "/site/flowtrain/cli/__init__.py", "line": 3, "name": "main"}]
-    dispatch = {**PROGRAM, "line": 120, "name": "__call__"}
+    dispatch = {"filename": "/site/flowtrain/train/program/core.py", "line": 120, "name": "__call__"}
     assert gpu_peak.site_of([TORCH, MLP, PROGRAM, dispatch, *outer]) == ("flowtrain/model/mlp.py:20 swiglu",
-                                                                        "flowtrain/train/program.py:300 forward")
-    assert gpu_peak.site_of([PROGRAM, dispatch, *outer]) == ("flowtrain/train/program.py:300 forward",
-                                                             "flowtrain/train/program.py:120 __call__")
-    assert gpu_peak.site_of([PROGRAM, RUNTIME]) == ("flowtrain/train/program.py:300 forward", None)
+                                                                        "flowtrain/train/program/layers.py:300 run_forward")
+    assert gpu_peak.site_of([PROGRAM, dispatch, *outer]) == ("flowtrain/train/program/layers.py:300 run_forward",
+                                                             "flowtrain/train/program/core.py:120 __call__")
+    assert gpu_peak.site_of([PROGRAM, RUNTIME]) == ("flowtrain/train/program/layers.py:300 run_forward", None)
     assert gpu_peak.site_of([MLP, *outer]) == ("flowtrain/model/mlp.py:20 swiglu", None)
     assert gpu_peak.site_of([TORCH]) == ("torch: torch/nn/functional.py:7 silu", None)
     assert gpu_peak.site_of([]) == (gpu_peak.NO_STACK, None)
@@ -116,13 +116,13 @@ def test_a_compiled_buffer_is_named_by_the_source_line_of_its_graph_node():
               '  File "/site/flowtrain/model/layer.py", line 50, in decoder_layer\n    h = mlp(x)\n'
               '  File "/site/flowtrain/model/mlp.py", line 21, in swiglu\n    return down(act)\n'}
     assert gpu_peak.site_of([traced, PROGRAM]) == ("compiled: flowtrain/model/mlp.py:21 swiglu",
-                                                   "flowtrain/train/program.py:300 forward")
+                                                   "flowtrain/train/program/layers.py:300 run_forward")
     assert gpu_peak.site_of([{**generated, "fx_node_name": "mm_3"}]) == ("compiled: graph node mm_3", None)
     assert gpu_peak.site_of([generated, PROGRAM])[0] == "compiled: cxy.py:88 call"
 
 
 def test_the_report_groups_largest_first_and_keeps_the_plan_and_an_out_of_memory():
-    slot = {"filename": "/site/flowtrain/train/program.py", "line": 210, "name": "__init__"}
+    slot = {"filename": "/site/flowtrain/train/program/slots.py", "line": 210, "name": "__init__"}
     events = [{"action": "alloc", "addr": 1, "size": 3 << 30, "frames": [slot]},
               {"action": "alloc", "addr": 2, "size": 3 << 30, "frames": [slot]},
               {"action": "alloc", "addr": 3, "size": 1 << 30, "frames": [MLP, PROGRAM]},
@@ -133,7 +133,7 @@ def test_the_report_groups_largest_first_and_keeps_the_plan_and_an_out_of_memory
                           {"weight_slots": 6 << 30, "layer_work": 1 << 30})
     assert rep["peak_gib"] == 7.75 and rep["peak_event"] == 3
     assert [(g["site"], g["gib"], g["blocks"], g["sizes"]) for g in rep["alive"]] == [
-        ("flowtrain/train/program.py:210 __init__", 6.0, 2, [[3072.0, 2]]),
+        ("flowtrain/train/program/slots.py:210 __init__", 6.0, 2, [[3072.0, 2]]),
         ("flowtrain/model/mlp.py:20 swiglu", 1.0, 1, [[1024.0, 1]]),
         (gpu_peak.NO_STACK, 0.5, 1, [[512.0, 1]]),
         (gpu_peak.BEFORE, 0.25, 0, [])]
@@ -191,5 +191,5 @@ def test_a_recorded_gpu_run_replays_to_the_allocators_own_peak(tmp_path, capsys)
     assert rep["peak_bytes"] <= rep["allocator_peak_bytes"]
     assert rep["peak_bytes"] >= 0.95 * rep["allocator_requested_peak_bytes"]
     assert rep["events"] > 0 and rep["alive"]
-    assert any(g["site"].startswith("flowtrain/train/program.py") for g in rep["alive"]), rep["alive"]
+    assert any(g["site"].startswith("flowtrain/train/program/") for g in rep["alive"]), rep["alive"]
     assert "planned_gpu_gib" in rep

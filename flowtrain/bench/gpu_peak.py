@@ -13,7 +13,7 @@ by where they were allocated::
 
 A group is named by the innermost flowtrain frame of its blocks' stacks (``site``) and the
 step program's frame that called it (``via``: which task body it was in), e.g. a weight slot
-made in ``StepProgram._make_slots`` or the MLP's intermediate made under ``_forward``. Two kinds
+made in ``Slots.__init__`` or the MLP's intermediate made under ``run_forward``. Two kinds
 of allocation have no flowtrain frame:
 
 * autograd runs a CUDA backward on its own thread, which has no Python caller: its eager
@@ -159,8 +159,8 @@ def _compiled_origin(frames: list[dict]) -> str | None:
     return None
 
 
-#: the module of the step program's task bodies (fetch, forward, backward, ...)
-PROGRAM = "flowtrain/train/program.py"
+#: the package of the step program's task bodies (fetch, forward, backward, ...)
+PROGRAM = "flowtrain/train/program/"
 
 
 def site_of(frames: list[dict]) -> tuple[str, str | None]:
@@ -178,7 +178,7 @@ def site_of(frames: list[dict]) -> tuple[str, str | None]:
             return f"torch: {_frame(f, f['filename'][f['filename'].rfind('/torch/') + 1:])}", None
         return NO_STACK, None
     callers = ours if compiled is not None else ours[1:]
-    via = next((_frame(f, p) for f, p in callers if p == PROGRAM), None)
+    via = next((_frame(f, p) for f, p in callers if p.startswith(PROGRAM)), None)
     return (compiled if compiled is not None else _frame(*ours[0])), via
 
 

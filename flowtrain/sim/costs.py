@@ -50,8 +50,11 @@ it (:class:`~flowtrain.sim.machine.Machine`)::
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import msgspec
 
+from ..graph.registry import KindTable
 from ..graph.tasks import Task
 from .machine import Machine
 
@@ -287,48 +290,14 @@ class CostModel:
         return t + m.launch_us * 1e-6
 
     def seconds(self, task: Task) -> float:
-        """Seconds of a task that is not a copy (copies: :meth:`copy_seconds`)."""
-        m, s = self.m, self.s
-        launch = m.launch_us * 1e-6
-        T = s.tokens
-        match task.kind:
-            case "forward" | "recompute":
-                return self._layer["forward"] + launch
-            case "backward":
-                return self._layer["backward"] - self._skipped(task.phase) + launch
-            case "loss":
-                return self._loss_seconds(backward=True) + launch
-            case "eval_loss":
-                return self._loss_seconds(backward=False) + launch
-            case "embed":
-                return self.hbm_seconds(2 * T * s.hidden * s.compute_bytes) + launch
-            case "embed_backward":
-                return self.hbm_seconds(3 * T * s.hidden * 4) + launch
-            case "zero_grad" | "grad_sq_norm":
-                return self.hbm_seconds(s.unit_numel(task) * 4) + launch
-            case "found_inf":
-                return self.hbm_seconds(4 * sum(s.numel.values())) / 8 + launch  # a fraction is resident
-            case "gpu_adam":
-                return s.unit_numel(task) / (m.gpu_adam_gparams * 1e9) + launch
-            case "cpu_adam":
-                if s.owned is not None and s.unit_key(task) not in s.owned:
-                    return launch  # another process of the node updates the shared copy
-                n = s.unit_numel(task)
-                t = n / (m.cpu_adam_gparams * 1e9)
-                if s.refresh:
-                    t += n / (m.cpu_cast_gparams * 1e9)
-                return t * s.adam_workers * s.per_node
-            case "reduce_grad":
-                return self.reduce_seconds(s.unit_numel(task) * 4) + launch
-            case "save":
-                return s.unit_numel(task) * 12 / (m.disk_write_gbps * 1e9)
-            case "sync_step":  # a barrier of the node's processes over local sockets
-                return m.sync_us * 1e-6 + m.copy_latency_us * 1e-6
-            case "grad_norm" | "verify_step":
-                return m.sync_us * 1e-6
-            case "fetch" | "offload_grad" | "offload_act" | "fetch_act":
-                return self.copy_seconds(task, other_direction_busy=False)
-        return launch
+        """Seconds of a task that is not a copy (copies: :meth:`copy_seconds`): the cost its kind
+        is entered with in :data:`COSTS`."""
+        return COSTS[task.kind](self, task)
+
+    @property
+    def launch(self) -> float:
+        """Seconds to launch one task on its lane."""
+        return self.m.launch_us * 1e-6
 
     def _skipped(self, phase: str | None) -> float:
         """What a layer's backward does not run again: the whole forward where its activations
@@ -349,3 +318,93 @@ class CostModel:
     def layer_breakdown(self) -> dict[str, float]:
         """Seconds of one layer's forward and backward, and of their GEMMs and attention."""
         return dict(self._layer)
+
+
+# ---- the cost of each task kind ----------------------------------------------------------------
+#: Seconds of one task of each kind, ``cost(model, task)``: what the simulator charges for it
+#: (one table beside the program's handlers and the visualizer's colours:
+#: :mod:`flowtrain.graph.registry`).
+COSTS: KindTable[Callable[[CostModel, Task], float]] = KindTable("the simulator's costs")
+
+
+@COSTS.register("forward", "recompute")
+def _forward(c: CostModel, task: Task) -> float:
+    return c._layer["forward"] + c.launch
+
+
+@COSTS.register("backward")
+def _backward(c: CostModel, task: Task) -> float:
+    return c._layer["backward"] - c._skipped(task.phase) + c.launch
+
+
+@COSTS.register("loss")
+def _loss(c: CostModel, task: Task) -> float:
+    return c._loss_seconds(backward=True) + c.launch
+
+
+@COSTS.register("eval_loss")
+def _eval_loss(c: CostModel, task: Task) -> float:
+    return c._loss_seconds(backward=False) + c.launch
+
+
+@COSTS.register("embed")
+def _embed(c: CostModel, task: Task) -> float:
+    s = c.s
+    return c.hbm_seconds(2 * s.tokens * s.hidden * s.compute_bytes) + c.launch
+
+
+@COSTS.register("embed_backward")
+def _embed_backward(c: CostModel, task: Task) -> float:
+    return c.hbm_seconds(3 * c.s.tokens * c.s.hidden * 4) + c.launch
+
+
+@COSTS.register("zero_grad", "grad_sq_norm")
+def _pass_over_gradient(c: CostModel, task: Task) -> float:
+    return c.hbm_seconds(c.s.unit_numel(task) * 4) + c.launch
+
+
+@COSTS.register("found_inf")
+def _found_inf(c: CostModel, task: Task) -> float:
+    return c.hbm_seconds(4 * sum(c.s.numel.values())) / 8 + c.launch  # a fraction is resident
+
+
+@COSTS.register("gpu_adam")
+def _gpu_adam(c: CostModel, task: Task) -> float:
+    return c.s.unit_numel(task) / (c.m.gpu_adam_gparams * 1e9) + c.launch
+
+
+@COSTS.register("cpu_adam")
+def _cpu_adam(c: CostModel, task: Task) -> float:
+    m, s = c.m, c.s
+    if s.owned is not None and s.unit_key(task) not in s.owned:
+        return c.launch  # another process of the node updates the shared copy
+    n = s.unit_numel(task)
+    t = n / (m.cpu_adam_gparams * 1e9)
+    if s.refresh:
+        t += n / (m.cpu_cast_gparams * 1e9)
+    return t * s.adam_workers * s.per_node
+
+
+@COSTS.register("reduce_grad")
+def _reduce_grad(c: CostModel, task: Task) -> float:
+    return c.reduce_seconds(c.s.unit_numel(task) * 4) + c.launch
+
+
+@COSTS.register("save")
+def _save(c: CostModel, task: Task) -> float:
+    return c.s.unit_numel(task) * 12 / (c.m.disk_write_gbps * 1e9)
+
+
+@COSTS.register("sync_step")
+def _sync_step(c: CostModel, task: Task) -> float:  # a barrier of the node's processes over local sockets
+    return c.m.sync_us * 1e-6 + c.m.copy_latency_us * 1e-6
+
+
+@COSTS.register("grad_norm", "verify_step")
+def _host_bookkeeping(c: CostModel, task: Task) -> float:
+    return c.m.sync_us * 1e-6
+
+
+@COSTS.register("fetch", "offload_grad", "offload_act", "fetch_act")
+def _copy(c: CostModel, task: Task) -> float:
+    return c.copy_seconds(task, other_direction_busy=False)

@@ -15,13 +15,17 @@ from typing import Sequence
 
 import networkx as nx
 
+from ..graph.registry import KindTable
 from ..graph.tasks import Task
 from ..policy import Policy
 from .analysis import critical_path, depths, planned_order
 from .load import LANE_KINDS
 
-#: Colours by task kind, shared by the HTML report and the PNG export.
-KIND_COLORS = {
+#: Colours by task kind, shared by the HTML report and the PNG export (one table beside the
+#: program's handlers and the simulator's costs: :mod:`flowtrain.graph.registry`). A trace of a
+#: kind this build does not know draws it grey (:data:`OTHER_COLOR`).
+KIND_COLORS: KindTable[str] = KindTable("the visualizer's colours")
+for _kind, _color in {
     "fetch": "#4e79a7",
     "embed": "#9c755f",
     "forward": "#59a14f",
@@ -43,7 +47,11 @@ KIND_COLORS = {
     "found_inf": "#8c6d31",
     "verify_step": "#637939",
     "eval_loss": "#d4a6c8",
-}
+    # data parallel: the gradient all-reduce and the node's barrier
+    "reduce_grad": "#86bcb6",
+    "sync_step": "#d37295",
+}.items():
+    KIND_COLORS.add(_kind, _color)
 OTHER_COLOR = "#888888"
 #: Colours of compute-gap markers by reason (a task kind, or these two).
 REASON_COLORS = {"slot": "#d62728", "host": "#999999"}

@@ -61,12 +61,12 @@ def test_every_placement_ends_each_step_with_nothing_held(tmp_path, monkeypatch,
 
 
 def test_a_task_that_leaves_a_tensor_behind_fails_its_step(tmp_path, monkeypatch):
-    loss = program_module.StepProgram._loss
+    loss = program_module.HANDLERS["loss"]
 
-    def leaky_loss(self, task, ctx):
-        loss(self, task, ctx)
-        self.store.grads.put((task.step, 10_000, task.micro_batch), torch.zeros(1))  # nobody takes it
+    def leaky_loss(program, task, ctx):
+        loss(program, task, ctx)
+        program.store.grads.put((task.step, 10_000, task.micro_batch), torch.zeros(1))  # nobody takes it
 
-    monkeypatch.setattr(program_module.StepProgram, "_loss", leaky_loss)
+    monkeypatch.setitem(program_module.HANDLERS, "loss", leaky_loss)
     with pytest.raises(AssertionError, match=r"activation store: step 0 ended holding \{'output gradient'"):
         train(TrainConfig(steps=2, device="cpu", progress=False, out=str(tmp_path / "out")))

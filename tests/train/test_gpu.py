@@ -248,7 +248,7 @@ def test_running_out_of_gpu_memory_is_one_error_that_names_where_and_the_plan(tm
     from flowtrain.train import program as program_module
     from flowtrain.train import trainer
 
-    build, forward = trainer.build_state, program_module.StepProgram._forward
+    build, forward = trainer.build_state, program_module.HANDLERS["forward"]
 
     def build_starved(run):
         if before:
@@ -258,12 +258,13 @@ def test_running_out_of_gpu_memory_is_one_error_that_names_where_and_the_plan(tm
             _starve()
         return built
 
-    def forward_with_work(self, task, ctx):
+    def forward_with_work(program, task, ctx):
         torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # more than any cached block of this run
-        forward(self, task, ctx)
+        forward(program, task, ctx)
 
     monkeypatch.setattr(trainer, "build_state", build_starved)
-    monkeypatch.setattr(program_module.StepProgram, "_forward", forward_with_work)
+    for kind in ("forward", "recompute"):
+        monkeypatch.setitem(program_module.HANDLERS, kind, forward_with_work)
     out = tmp_path / "out"
     cfg = TrainConfig(model="tiny", steps=2, batch_size=4, micro_batch_size=2, seq_len=64, device="cuda",
                       out=str(out), progress=False, compile="none")

@@ -37,24 +37,24 @@ def test_a_step_that_finished_before_the_failure_still_completes_its_checkpoint(
     assert main([*TINY, "--steps", "2", "--save-every", "2", "--out", str(whole)]) == 0
     capsys.readouterr()
     saved = threading.Event()
-    save, backward = program_module.StepProgram._save, program_module.StepProgram._backward
+    save, backward = program_module.HANDLERS["save"], program_module.HANDLERS["backward"]
     writes: list[int] = []
 
-    def counting_save(self, task):
-        n = save(self, task)
+    def counting_save(program, task, ctx):
+        n = save(program, task, ctx)
         writes.append(task.step)
-        if writes.count(1) == len(self.state.trained):  # every unit of step 2's checkpoint (0-based 1)
+        if writes.count(1) == len(program.state.trained):  # every unit of step 2's checkpoint (0-based 1)
             saved.set()
         return n
 
-    def refusing_once_saved(self, task, ctx):
+    def refusing_once_saved(program, task, ctx):
         if task.step == 2:
             assert saved.wait(timeout=120), "step 2's checkpoint was never written"
             raise torch.OutOfMemoryError(REFUSAL)
-        backward(self, task, ctx)
+        backward(program, task, ctx)
 
-    monkeypatch.setattr(program_module.StepProgram, "_save", counting_save)
-    monkeypatch.setattr(program_module.StepProgram, "_backward", refusing_once_saved)
+    monkeypatch.setitem(program_module.HANDLERS, "save", counting_save)
+    monkeypatch.setitem(program_module.HANDLERS, "backward", refusing_once_saved)
     out = tmp_path / "run"
     assert main([*TINY, "--steps", "4", "--save-every", "2", "--out", str(out)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
@@ -64,14 +64,14 @@ def test_a_step_that_finished_before_the_failure_still_completes_its_checkpoint(
 
 
 def _refuse_in_step(monkeypatch, step: int) -> None:
-    backward = program_module.StepProgram._backward
+    backward = program_module.HANDLERS["backward"]
 
-    def refusing(self, task, ctx):
+    def refusing(program, task, ctx):
         if task.step == step:
             raise torch.OutOfMemoryError(REFUSAL)
-        backward(self, task, ctx)
+        backward(program, task, ctx)
 
-    monkeypatch.setattr(program_module.StepProgram, "_backward", refusing)
+    monkeypatch.setitem(program_module.HANDLERS, "backward", refusing)
 
 
 def test_a_step_out_of_gpu_memory_ends_in_one_line_and_keeps_the_checkpoints(tmp_path, monkeypatch, capsys):

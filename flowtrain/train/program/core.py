@@ -1,0 +1,204 @@
+"""The step program: the callable the engine runs for every task, composed of parts.
+
+:class:`StepProgram` owns one run's buffers and parts and hands each task to the handler its
+kind is registered with (:data:`~.registry.HANDLERS`)::
+
+    program = StepProgram(state, device="cpu", dtype=torch.float32, ...)
+    program.begin_step(step, batch, lr)      # host data for one optimizer step
+    ... engine runs the step's tasks: program(task, ctx) -> HANDLERS[task.kind](program, task, ctx)
+    loss, grad_norm, skipped = program.end_step(step)
+
+The parts, each chosen once per run: :class:`~.slots.Slots` (the slot pools' buffers),
+:mod:`.training` (the whole model, or LoRA's adapters), :mod:`.tied` (the head's own matrix
+or the embedding's), :class:`~.experts.Experts` (the load-balancing loss, idle experts),
+:class:`~.finiteness.Finiteness` (non-finite steps), :class:`~.layers.LayerRunner` (rotary
+tables, documents, the layer function) and :class:`~.act_offload.OffloadedActivations`.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterable
+
+import torch
+
+from ...ckpt.checkpoints import CheckpointWriter
+from ...errors import ConfigError, NonFiniteError
+from ...graph.compiler import checkpoint_layers
+from ...graph.tasks import Task
+from ...runtime.executor import TaskContext
+from ..activations import ActivationStore
+from ..distributed import World, all_reduce_sum
+from ..host_state import HostState, UnitState
+from ..nonfinite import Injection
+from ..optimizer import AdamWConfig, no_decay_ranges
+from .act_offload import OffloadedActivations
+from .experts import Experts
+from .finiteness import Finiteness
+from .gradients import total_norm
+from .layers import LayerRunner
+from .registry import HANDLERS
+from .slots import Slots
+from .step_data import EvalData, StepData, documents
+from .tied import head_part
+from .training import trained_part
+
+
+class StepProgram:
+    """Runs tasks on tensors for one model; see the module docstring."""
+
+    def __init__(
+        self,
+        state: HostState,
+        *,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        seq_len: int,
+        checkpoint_every: int,
+        budgets: dict[str, int],
+        adamw: AdamWConfig,
+        chunk_tokens: int | None = None,
+        compile_backend: str | None = None,
+        undo_bytes: int = 1 << 30,
+        inject_nonfinite: Injection | None = None,
+        world: World | None = None,
+        owned: frozenset[str] | None = None,
+        seed: int = 0,
+    ) -> None:
+        self.state = state
+        self.cfg = state.cfg
+        #: the streamed units whose ``cpu_adam`` updates them in this process, where the
+        #: processes of a node share the state (each unit has one owner); None: every unit
+        self.owned = owned
+        #: the data-parallel processes (``reduce_grad`` sums over them); one by default
+        self.world = world or World()
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.seq_len = seq_len
+        self.chunk_tokens = chunk_tokens
+        #: layers whose input stays from the forward for the backward (the compiler's segments)
+        self.checkpointed = checkpoint_layers(self.cfg.num_layers, checkpoint_every)
+        self.adamw = adamw
+        #: per unit, the element ranges that get no weight decay (``--weight-decay-skip``)
+        self.no_decay = {u.layout.key: no_decay_ranges(u.layout.entries, adamw.weight_decay_skip)
+                         for u in state.trained}
+        # ---- the parts
+        self.slots = Slots(state, budgets, device=self.device, dtype=dtype, lora=state.lora is not None)
+        self.training = trained_part(state, self.slots, seed=seed)
+        self.head = head_part(state, self.slots, trains=self.training.head_trains)
+        self.layers = LayerRunner(self.cfg, seq_len, self.device, dtype, compile_backend)
+        self.acts = OffloadedActivations(self.device)
+        self.finite = Finiteness(state, self.slots, self.head, undo_bytes=undo_bytes, inject=inject_nonfinite)
+        self.experts = Experts(state, self.device)
+        if self.experts.idle:  # an idle expert's part of a slot is never copied: never uninitialised memory
+            for w in self.slots.weight_c:
+                w.zero_()
+        #: the undo budget and the NaN injection of the finiteness part (tests read them here)
+        self.undo, self.inject = self.finite.undo, self.finite.inject
+        # ---- what tasks leave for each other
+        #: a layer's input, an output gradient, a kept forward, a saved attention output; empty
+        #: of a step once it ends: see flowtrain.train.activations
+        self.store = ActivationStore()
+        self.steps: dict[int, StepData] = {}
+        #: held-out loss evaluations by the step whose weights they read
+        self.evals: dict[int, EvalData] = {}
+        #: open checkpoint writers by the step they save (``save`` tasks write into them)
+        self.checkpoints: dict[int, CheckpointWriter] = {}
+        #: per finished step, the fraction of the sparse layers' expert weights its fetches left
+        #: in host memory (the caller pops it: flowtrain.train.loop)
+        self.unfetched: dict[int, float] = {}
+        self.lock = threading.Lock()
+
+    # ---- the engine's entry point ----------------------------------------------------------
+    def __call__(self, task: Task, ctx: TaskContext) -> int | None:
+        """Run ``task``: the handler its kind is registered with (bytes moved, or None)."""
+        try:
+            handler = HANDLERS[task.kind]
+        except KeyError as e:
+            raise ConfigError(f"the training program cannot run task kind {task.kind!r}") from e
+        result: int | None = handler(self, task, ctx)
+        return result
+
+    def unit(self, task: Task) -> UnitState:
+        """The unit ``task`` works on."""
+        return self.state.unit(task.unit, task.layer)  # type: ignore[arg-type]
+
+    # ---- step boundaries -----------------------------------------------------------------
+    def begin_step(self, step: int, micro_ids: list[torch.Tensor], micro_targets: list[torch.Tensor], lr: float,
+                   micro_positions: list[torch.Tensor | None] | None = None, n_targets: int | None = None) -> None:
+        """Hand over one step's micro-batches (CPU int64 tensors, (b, seq) each), and where rows
+        are packed, each token's position inside its document (0 where one starts).
+        ``n_targets``: the target tokens the loss is averaged over, where these micro-batches are
+        this process's share of a larger step (data parallel); by default theirs."""
+        if n_targets is None:
+            n_targets = int(sum(int((t != -100).sum()) for t in micro_targets))
+        if n_targets == 0:
+            raise ConfigError("a step has no target tokens: every position is padding")
+        if self.slots.pin:
+            micro_ids = [t.pin_memory() for t in micro_ids]
+            micro_targets = [t.pin_memory() for t in micro_targets]
+        docs = documents(micro_positions, len(micro_ids))
+        self.steps[step] = StepData(micro_ids, micro_targets, n_targets, lr, self.finite.new_check(step), docs)
+        self.experts.begin(step, micro_targets, self.device, len(micro_ids) * self.world.size)
+
+    def end_step(self, step: int) -> tuple[float, float, bool]:
+        """``(mean loss, global grad norm, skipped)`` of a finished step; frees its bookkeeping.
+        ``skipped``: the loss or a gradient was not finite, so no weight, Adam moment or step
+        count changed (the loss and norm are reported as computed, NaN or inf). Raises
+        :class:`~flowtrain.errors.NonFiniteError` if the step was not finite and some update
+        could not be put back."""
+        data = self.steps.pop(step)
+        loss = float(self._step_loss(data)) / data.n_targets if data.loss is not None else math.nan
+        if data.aux_loss is not None:
+            aux = data.aux_loss
+            if self.world.parallel:  # every process's micro-batches' terms
+                aux = aux.detach().clone()
+                all_reduce_sum(aux, metrics=True)
+            loss += float(aux)
+        norm = data.total_norm if data.total_norm is not None else total_norm(self, data)
+        self.finite.settle(data)  # a no-op where verify_step or grad_norm has settled the step
+        unfetched = self.experts.end(step)
+        if unfetched is not None:
+            self.unfetched[step] = unfetched
+        self.store.check_empty(step)  # every hand-off of the step taken: no device memory left behind
+        if data.check.error is not None:
+            raise NonFiniteError(data.check.error)
+        return loss, norm, data.check.skipped
+
+    def _step_loss(self, data: StepData) -> torch.Tensor:
+        """The step's summed loss: this process's, or with several, all of theirs (summed over
+        the processes on a group of its own, apart from the ``net`` lane's gradients)."""
+        if not self.world.parallel:
+            return data.loss  # type: ignore[return-value]
+        total = data.loss.detach().clone()  # type: ignore[union-attr]
+        all_reduce_sum(total, metrics=True)
+        return total
+
+    def begin_eval(self, step: int, micro_ids: list[torch.Tensor], micro_targets: list[torch.Tensor],
+                   micro_positions: list[torch.Tensor | None] | None = None) -> None:
+        """Hand over the held-out micro-batches (CPU int64 tensors, (b, seq) each) of the
+        evaluation that reads the weights after ``step`` (positions as in :meth:`begin_step`)."""
+        n_targets = int(sum(int((t != -100).sum()) for t in micro_targets))
+        if self.slots.pin:
+            micro_ids = [t.pin_memory() for t in micro_ids]
+            micro_targets = [t.pin_memory() for t in micro_targets]
+        self.evals[step] = EvalData(micro_ids, micro_targets, n_targets, documents(micro_positions, len(micro_ids)))
+
+    def end_eval(self, step: int) -> tuple[float, int]:
+        """``(mean CE over every held-out target token, number of those tokens)`` of a finished
+        evaluation: the micro-batches' fp32 sums added in micro-batch order, then divided."""
+        data = self.evals.pop(step)
+        self.store.check_empty(step, evaluation=True)
+        total = torch.zeros((), dtype=torch.float32)
+        for m in sorted(data.sums):
+            total += data.sums[m].cpu()
+        return float(total) / data.n_targets, data.n_targets
+
+    def reserve_offloaded(self, layers: Iterable[int], micro_batches: int, rows: int) -> None:
+        """Allocate, before the first step, the host buffer of every checkpoint the step graph
+        offloads (layer ``i``'s input of each micro-batch, ``rows`` sequences of ``seq_len``).
+        Allocated and page-locked inside the first step's ``offload_act`` tasks, they held the
+        d2h lane up while the forward ran on; and host memory that is short now fails here,
+        before anything trains."""
+        self.acts.reserve(layers, micro_batches, (rows, self.seq_len, self.cfg.hidden_size), self.dtype)

@@ -1,0 +1,66 @@
+"""Handlers of the head: ``loss`` (training) and ``eval_loss`` (held-out).
+
+The loss never materialises full logits: the final norm, the output projection and the
+cross-entropy run chunk by chunk (``chunk_tokens``), forward and backward at once, yielding the
+loss sum, the gradient of the last hidden state and, where the head trains, its weights'
+gradients (added into the head's accumulator, laid out by the :mod:`.tied` part). Each loss also
+copies the step's running loss to pinned host memory on its own lane, where ``cpu_adam`` reads
+it to know whether the step is finite (:mod:`flowtrain.train.nonfinite`).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from ...graph.tasks import EvalLoss, Loss
+from ...model import head_loss, head_loss_and_grads
+from ...runtime.executor import TaskContext
+from .registry import HANDLERS
+
+if TYPE_CHECKING:
+    from .core import StepProgram
+
+
+@HANDLERS.register("loss")
+def run_loss(p: StepProgram, task: Loss, ctx: TaskContext) -> None:
+    """One micro-batch's loss and the head's backward; the last hidden state's gradient goes to
+    the top layer's backward."""
+    s, m = task.step, task.micro_batch
+    data = p.steps[s]
+    L = p.cfg.num_layers
+    h = p.store.inputs.take((s, L, m))
+    targets = data.targets[m].to(p.device, non_blocking=p.slots.non_blocking)
+    trains = p.training.head_trains  # with LoRA the head takes no gradient: only the hidden state's
+    norm_w, head_w = p.head.weights(ctx)
+    loss_sum, d_h, d_norm, d_head = head_loss_and_grads(
+        h, norm_w, head_w, targets, p.cfg.rms_norm_eps, 1.0 / data.n_targets, p.chunk_tokens,
+        plus_one=p.cfg.family.gemma, weight_grads=trains,
+    )
+    loss_sum = p.finite.poison(loss_sum, s, "loss", m)
+    if trains:
+        assert d_norm is not None and d_head is not None
+        norm_g, head_g = p.head.grads(ctx)
+        norm_g.add_(p.finite.poison(d_norm, s, "head", m))
+        head_g.add_(d_head)
+    aux = p.experts.aux_loss(s, m)
+    with p.lock:
+        data.loss = loss_sum if data.loss is None else data.loss + loss_sum
+        data.check.loss_host = p.slots.host_copy(data.loss)  # read by cpu_adam, on the host
+        if aux is not None:
+            data.aux_loss = aux if data.aux_loss is None else data.aux_loss + aux
+    p.store.grads.put((s, L - 1, m), d_h)
+
+
+@HANDLERS.register("eval_loss")
+def run_eval_loss(p: StepProgram, task: EvalLoss, ctx: TaskContext) -> None:
+    """Forward only: final norm, head and the summed CE of one held-out micro-batch (fp32)."""
+    s, m = task.step, task.micro_batch
+    data = p.evals[s]
+    h = p.store.eval_inputs.take((s, p.cfg.num_layers, m))
+    targets = data.targets[m].to(p.device, non_blocking=p.slots.non_blocking)
+    norm_w, head_w = p.head.weights(ctx)
+    loss_sum = head_loss(h, norm_w, head_w, targets, p.cfg.rms_norm_eps, p.chunk_tokens,
+                         plus_one=p.cfg.family.gemma)
+    p.layers.dev_docs.pop(("eval", s, m), None)
+    with p.lock:
+        data.sums[m] = loss_sum

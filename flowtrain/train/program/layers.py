@@ -1,0 +1,184 @@
+"""Handlers of a layer's compute: ``embed``, ``forward``, ``recompute``, ``backward``, ``embed_backward``.
+
+A decoder layer is a pure function of its input, its weights (views of a slot, or its own
+copy), the rotary tables and the config; :class:`LayerRunner` holds what every call shares
+(the tables, each packed micro-batch's documents on the device, the layer function, compiled
+or not). Activations pass between tasks through the program's
+:class:`~flowtrain.train.activations.ActivationStore`, keyed ``(step, layer, micro_batch)``:
+the input of layer ``i`` is kept from the forward pass where it starts a checkpoint segment
+(:func:`~flowtrain.graph.compiler.checkpoint_layers`) and rebuilt by ``recompute`` otherwise.
+A forward and backward with phase ``"keep"`` keep the layer's autograd graph for the backward
+(:mod:`flowtrain.train.kept`); with phase ``"attn"`` the layer's attention output and
+log-sum-exp wait for its rebuild, which then runs no attention forward
+(:mod:`flowtrain.model.saved_attention`).
+
+A layer's backward re-runs it under autograd from its saved input and takes the gradient with
+respect to the input and to the *flat* weight leaf (or, with LoRA, the adapters': the
+:mod:`.training` part decides), one contiguous tensor ready to be accumulated and offloaded in
+a single copy. Held-out evaluation (phase ``"eval"``) runs the same forward with nothing kept
+for a backward and no dropout.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ...graph.tasks import Backward, Embed, EmbedBackward, Forward, Recompute
+from ...model import bind, decoder_layer, embed, rope_tables
+from ...model.attention import Documents, rotary_for
+from ...model.config import ModelConfig
+from ...model.gemma import embed_multiplier
+from ...model.moe import RouterTap
+from ...model.saved_attention import AttentionRecord, recording, replaying
+from ...runtime.executor import TaskContext
+from ..kept import backward_kept
+from ..weight_grads import backward_into
+from .registry import HANDLERS
+
+if TYPE_CHECKING:
+    from .core import StepProgram
+
+
+def _layer_function(compile_backend: str | None) -> Any:  # the layer, or torch.compile's wrapper of it
+    """The decoder layer the program runs: as it is (eager), or compiled by ``torch.compile``
+    with ``compile_backend`` (e.g. "inductor": norms, rotary and SwiGLU fuse)."""
+    if compile_backend is None:
+        return decoder_layer
+    # Dynamo inspects .grad of the weights while tracing; where a weight is a view that is not a
+    # leaf, torch warns about that access, harmlessly.
+    warnings.filterwarnings("ignore", message="The .grad attribute of a Tensor that is not a leaf")
+    return torch.compile(decoder_layer, backend=compile_backend, dynamic=False)
+
+
+class LayerRunner:
+    """What every call of a decoder layer shares, and the call itself."""
+
+    def __init__(self, cfg: ModelConfig, seq_len: int, device: torch.device, dtype: torch.dtype,
+                 compile_backend: str | None) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.non_blocking = device.type == "cuda"
+        #: rotary (cos, sin) tables by "is this a Gemma 3 sliding layer" (its own base)
+        self.rope = {local: rope_tables(cfg, seq_len, device, dtype, local)
+                     for local in {False, any(map(cfg.layer_rope_local, range(cfg.num_layers)))}}
+        self.embed_multiplier = embed_multiplier(cfg)
+        #: the decoder layer, compiled by torch.compile (``compile_backend``, e.g. "inductor")
+        #: so norms, rotary and SwiGLU fuse; forward, recompute and backward share it.
+        self.layer_fn = _layer_function(compile_backend)
+        #: each training micro-batch's token ids on the device, for the embedding's backward
+        self.dev_ids: dict[tuple[int, int], torch.Tensor] = {}
+        #: packed micro-batches' documents and their gathered rotary tables, by (phase, step, mb)
+        self.dev_docs: dict[tuple[str, int, int], tuple[Documents, dict]] = {}
+
+    def place_documents(self, phase: str, s: int, m: int, docs: Documents | None) -> None:
+        """Move a packed micro-batch's documents to the device with its rotary tables gathered
+        at each token's position; every layer of the micro-batch reads them (:meth:`run`)."""
+        if docs is not None:
+            dev = docs.to(self.device, non_blocking=self.non_blocking)
+            self.dev_docs[(phase, s, m)] = (dev, {k: rotary_for(cos, sin, dev) for k, (cos, sin) in self.rope.items()})
+
+    def run(self, phase: str, s: int, i: int, m: int, x: torch.Tensor, w: Any,
+            router: RouterTap | None = None) -> torch.Tensor:
+        """Decoder layer ``i`` of micro-batch ``m``: its documents, rotary tables and window
+        (and, for a mixture of experts, the tap its routing goes to)."""
+        docs, rope = self.dev_docs.get((phase, s, m), (None, self.rope))
+        cos, sin = rope[self.cfg.layer_rope_local(i)]
+        if router is not None:
+            return self.layer_fn(x, w, cos, sin, self.cfg, docs, self.cfg.layer_window(i), router)
+        return self.layer_fn(x, w, cos, sin, self.cfg, docs, self.cfg.layer_window(i))
+
+
+@HANDLERS.register("embed")
+def run_embed(p: StepProgram, task: Embed, ctx: TaskContext) -> None:
+    """Token embeddings of one micro-batch, into the store as layer 0's input."""
+    s, m = task.step, task.micro_batch
+    evaluating = task.phase == "eval"
+    data = p.evals[s] if evaluating else p.steps[s]
+    ids = data.ids[m].to(p.device, non_blocking=p.slots.non_blocking)
+    if not evaluating:
+        p.layers.dev_ids[(s, m)] = ids
+    p.layers.place_documents("eval" if evaluating else "train", s, m, data.docs[m])
+    embed_state = p.state.embed
+    w = bind(p.slots.weights(embed_state, ctx), embed_state.layout)["embed_tokens"]
+    inputs = p.store.eval_inputs if evaluating else p.store.inputs
+    inputs.put((s, 0, m), embed(ids, w, p.layers.embed_multiplier))
+
+
+@HANDLERS.register("forward", "recompute")
+@torch.no_grad()
+def run_forward(p: StepProgram, task: Forward | Recompute, ctx: TaskContext) -> None:
+    """A layer's forward pass; as ``recompute`` (in backward) its input is always kept."""
+    s, i, m = task.step, task.layer, task.micro_batch
+    if task.phase == "eval":  # nothing is kept for a backward, and no dropout
+        w = p.training.layer_weights(i, ctx)
+        x = p.store.eval_inputs.take((s, i, m))
+        p.store.eval_inputs.put((s, i + 1, m), p.layers.run("eval", s, i, m, x, w))
+        return
+    if task.phase == "keep":  # the graph stays for the backward: see flowtrain.train.kept
+        x = p.store.inputs.take((s, i, m))
+        tap = p.experts.forward_tap(s, i, m, p.steps[s].targets[m])
+        y, kept = p.training.forward_kept(lambda x, w: p.layers.run("train", s, i, m, x, w, tap), x, i, ctx,
+                                          (s, m, tuple(x.shape[:-1])))
+        p.store.kept.put((s, i, m), kept)
+        p.store.inputs.put((s, i + 1, m), y)
+        return
+    keep = isinstance(task, Recompute) or i in p.checkpointed  # a checkpoint stays for the backward
+    x = p.store.inputs.peek((s, i, m)) if keep else p.store.inputs.take((s, i, m))
+    record = None
+    if task.phase == "attn":  # its attention output waits for the rebuild: saved_attention
+        record = AttentionRecord()
+        p.store.attention.put((s, i, m), record)
+    tap = None if isinstance(task, Recompute) else p.experts.forward_tap(s, i, m, p.steps[s].targets[m])
+    w = p.training.layer_weights(i, ctx, dropout=(s, m, tuple(x.shape[:-1])))
+    with recording(record):
+        p.store.inputs.put((s, i + 1, m), p.layers.run("train", s, i, m, x, w, tap))
+
+
+@HANDLERS.register("backward")
+def run_backward(p: StepProgram, task: Backward, ctx: TaskContext) -> None:
+    """Layer ``i``'s gradients for one micro-batch: its input's, handed to the layer below,
+    and its weights' (or adapters'), added into its gradient accumulator."""
+    s, i, m = task.step, task.layer, task.micro_batch
+    dy = p.store.grads.take((s, i, m))
+    balance = p.experts.balance_of(i)  # the load-balancing loss, if any
+    grads = p.slots.grads(p.training.trained(i), ctx)
+    first = functools.partial(p.finite.poison, step=s, where=f"layer.{i}", micro_batch=m)
+    if task.phase == "keep":
+        extra = balance.kept_term(s, i, m) if balance is not None else None
+        dx = backward_kept(p.store.kept.take((s, i, m)), p.training.flat(i, ctx), dy, grads, extra, first)
+    else:
+        x = p.store.inputs.take((s, i, m))
+        record = p.store.attention.take((s, i, m)) if task.phase == "attn" else None
+        terms: list[torch.Tensor] = []  # the load-balancing loss's share of this layer
+        tap = balance.gradient(s, m, terms) if balance is not None else None
+        with torch.enable_grad(), replaying(record):
+            x = x.detach().requires_grad_(True)
+            leaves, w = p.training.backward_weights(i, ctx, (s, m, tuple(x.shape[:-1])))
+            y = p.layers.run("train", s, i, m, x, w, tap)
+            outputs, grad_outputs = ((y, terms[0]), (dy, torch.ones_like(terms[0]))) if terms else (y, dy)
+            dx = backward_into(outputs, grad_outputs, x, leaves, p.training.trained(i).layout, grads, first)
+    if p.training.hands_input_grad(i):
+        p.store.grads.put((s, i - 1, m), dx)
+
+
+@HANDLERS.register("embed_backward")
+def run_embed_backward(p: StepProgram, task: EmbedBackward, ctx: TaskContext) -> None:
+    """Scatter one micro-batch's input gradient into the embedding's gradient."""
+    s, m = task.step, task.micro_batch
+    dx = p.store.grads.take((s, -1, m))
+    ids = p.layers.dev_ids.pop((s, m))
+    p.layers.dev_docs.pop(("train", s, m), None)
+    emb = p.state.embed
+    g = bind(p.slots.grads(emb, ctx), emb.layout)["embed_tokens"]
+    if p.layers.embed_multiplier is not None:  # the multiplier, rounded as the forward used it
+        dx = dx * torch.tensor(p.layers.embed_multiplier, dtype=dx.dtype, device=dx.device)
+    if p.cfg.pad_token_id is not None:
+        # transformers' nn.Embedding(padding_idx=pad_token_id): looking up the padding
+        # token's row adds nothing to its gradient (a tied head's part still does).
+        dx = dx.masked_fill((ids == p.cfg.pad_token_id)[..., None], 0)
+    g.index_add_(0, ids.reshape(-1), dx.reshape(-1, dx.shape[-1]).float())
+    p.finite.poison(g, s, "embed", m)
