@@ -60,7 +60,8 @@ ACTIVATIONS = ("auto", "keep", "offload", "recompute", "attention")
 SHARED_HOST = ("master", "adam", "streaming_copy")
 #: Host memory of the process itself (interpreter, torch, flowtrain; on CUDA also the CUDA
 #: libraries and compile workers), measured as peak RSS minus allocated state: 0.23-0.3 GiB on
-#: the CPU, 1.4-1.9 GiB in five H200 runs from 3.6B to 14.8B parameters (docs/benchmarks.md).
+#: the CPU, 1.4-1.9 GiB in five H200 runs from 3.6B to 14.8B parameters
+#: (docs/bench/history/2026-12-02-capacity.md).
 RUNTIME_HOST = {"cpu": int(0.30 * GiB), "cuda": int(1.75 * GiB)}
 #: Fraction of the free GPU memory the plan fills where no ``--gpu-mem`` is given: the caching
 #: allocator's fixed segments need room to round and split.
@@ -70,7 +71,7 @@ GPU_FILL = 0.92
 #: inductor as they load, and library workspaces outside the caching allocator. Measured on the
 #: H200 as a run's device memory in use less what the allocator reserved, after its steps
 #: (``flowtrain bench``'s ``gpu_outside_allocator_gib``: 0.88-0.89 GiB in every run of the GPU
-#: gate, from llama-3b to llama-8b; docs/benchmarks.md).
+#: gate, from llama-3b to llama-8b; docs/bench/history/2026-12-05-gpu-gate-runs.md).
 CUDA_OUTSIDE_ALLOCATOR_GIB = 0.9
 #: Of a card, what flowtrain leaves to everything else on it: a desktop's display, the driver,
 #: a second small process. A 10 GB card then gives a run at most 9.5 GiB in all.
@@ -87,7 +88,7 @@ GPU_FILL_CAPPED = 0.99
 #: and 16 sequences held 0.27 GiB so at its out-of-memory: 7.96 GiB allocated, 8.23 reserved,
 #: and a 384 MiB request over the 8.60 GiB share, where its plan (8.43 GiB, 1% below the
 #: share) had counted the peak right (8.41 GiB replayed). Planned 0.28 GiB below the share, it
-#: trains (docs/benchmarks.md, "Mixture of experts on the H200").
+#: trains (docs/bench/history/2026-12-05-mixture-of-experts.md).
 CAP_STRANDED_GIB = 0.28
 #: Fraction of the host budget the plan fills: page cache, the data set, pinned-page bookkeeping.
 HOST_FILL = 0.95
@@ -235,9 +236,9 @@ class Plan(msgspec.Struct, kw_only=True):
         together, so only the larger counts; where checkpoints are offloaded, the forward's
         checkpoints in flight to the host and the loss and backward's layer gradients with that
         working set are two phases too (on the H200 the 10 GiB llama-8b step peaked in its
-        backward, within 1% of this count; docs/benchmarks.md). LoRA's adapter work is a
-        layer's, in its forward or its backward, so it counts in those phases, not beside the
-        loss chunks."""
+        backward, within 1% of this count; docs/bench/history/2026-12-05-gpu-gate-runs.md).
+        LoRA's adapter work is a layer's, in its forward or its backward, so it counts in those
+        phases, not beside the loss chunks."""
         return gpu_peak(self.gpu)
 
     @property
@@ -503,7 +504,7 @@ def layer_work_bytes(cfg: ModelConfig, tokens: int, cbytes: int, compiled: bool,
     units are :func:`kept_bytes_per_token`'s). A layer that saves its attention output breaks
     its graph at attention, so its planner counts eager bytes (:mod:`.attention`). On the
     H200 the count is within 10% of the measured peak of every run of the GPU gate
-    (docs/benchmarks.md)."""
+    (docs/bench/history/2026-12-05-gpu-gate-runs.md)."""
     h, f = cfg.hidden_size, cfg.intermediate_size
     q = cfg.num_heads * cfg.head_size
     kv = cfg.num_kv_heads * cfg.head_size
@@ -539,11 +540,11 @@ def _moe_mlp_work(cfg: ModelConfig, layers: list[UnitLayout], tokens: int, cbyte
     stacked weight's gradient in one GEMM, so one is alive at a time and the layer's whole
     gradient never is: on the H200, ``qwen3-moe-12l`` at 8,192 tokens a micro-batch peaked in
     a sparse layer's backward with its rows alive and no weight gradient (``flowtrain bench
-    --gpu-peak-report``, docs/benchmarks.md). A ``compiled`` layer is one backward graph whose
-    outputs are every weight's gradient, handed over together when the graph ends: its rows are
-    freed by then, but the whole layer's gradient is alive (at 4,096 tokens a micro-batch, the
-    same report caught the graph holding two stacks and asking for the third), so its count is
-    the larger of the two moments. The loop differentiates each expert's slice of a
+    --gpu-peak-report``, docs/bench/history/2026-12-05-mixture-of-experts.md). A ``compiled``
+    layer is one backward graph whose outputs are every weight's gradient, handed over
+    together when the graph ends: its rows are freed by then, but the whole layer's gradient is
+    alive (at 4,096 tokens a micro-batch, the same report caught the graph holding two stacks
+    and asking for the third), so its count is the larger of the two moments. The loop differentiates each expert's slice of a
     stacked weight into a zero-filled gradient of the whole stack and sums them; traced on the
     CPU it holds up to five stacks' worth at once (tests/train/test_weight_grads.py), which the
     whole layer's gradient (three stacks and attention) does not cover for every shape: the
@@ -605,7 +606,8 @@ def kept_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, compiled: bool = 
     cheap elementwise work in the backward instead (the layer input and both normed inputs, the
     rotated q and k, v, the attention output in both layouts, the residual, the MLP's gate, up
     and activation): about two thirds of the eager bytes. On the H200 a compiled kept llama-3b
-    layer took 1.38 GiB at 16,384 tokens (docs/benchmarks.md), this formula 1.48.
+    layer took 1.38 GiB at 16,384 tokens (docs/bench/history/2026-12-03-kept-activations.md), this
+    formula 1.48.
 
     ``grouped``: a mixture of experts' layers run the grouped experts, which keep less than the
     loop (:func:`~flowtrain.plan.experts.expert_kept_bytes_per_token`)."""
@@ -637,8 +639,8 @@ def kept_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, compiled: bool = 
 def compile_backend(name: str | None, device_type: str) -> str | None:
     """The torch.compile backend ``--compile`` gives the layer on a device of this type, or None
     for eager. ``auto`` compiles on CUDA (fused norms, rotary and SwiGLU: 8% faster than eager
-    at W1 on the H200, docs/benchmarks.md) and stays eager on the CPU, where compiling costs more
-    than it saves on small test runs."""
+    at W1 on the H200, docs/bench/history/2026-12-02-llama-3b-on-one-h200.md) and stays eager on
+    the CPU, where compiling costs more than it saves on small test runs."""
     if name in (None, "none", "eager"):
         return None
     if name == "auto":

@@ -1,4 +1,4 @@
-"""Predicted against measured: every H200 run of docs/benchmarks.md, simulated with its settings.
+"""Predicted against measured: every benchmarked H200 run (docs/benchmarks.md), simulated with its settings.
 
 Each run's result line (``docs/bench/.../*.jsonl``, written by ``flowtrain bench``) records the
 model, shape, placement and slot budgets it ran with; the simulator gets exactly those (the
@@ -41,15 +41,16 @@ _AUTO = {"activations": "auto", "attention_backend": "auto"}
 _SAVED_8B256K = {**_AUTO, "save_attention": tuple(range(11, 32)), "offload": tuple(range(8))}
 #: a run the simulator is known to over-predict, and why: the 10 GB card's allocator works at its
 #: cap (8.23 GiB allocated at the peak of 8.6 the card leaves it): the same step took 8.3 s with
-#: 1.75 GiB of room above its peak, 8.7 s with 0.86, 9.3-9.9 s with 0.37 (docs/benchmarks.md),
+#: 1.75 GiB of room above its peak, 8.7 s with 0.86, 9.3-9.9 s with 0.37
+#: (docs/bench/history/2026-12-05-predicted-vs-measured.md),
 #: every backward slower by about 6 ms; the simulator has no allocator
 _AT_CAP = "the allocator at its cap (not modelled)"
 #: the first mixture-of-experts run's layer backward measured about twice what the model gives it
 #: (27.7 ms against 13.0 in docs/bench/2026-12-04/moe-trace.json): the expert rows added back with
 #: bf16 atomics and unit-sized weight-gradient copies, both since removed (the rows after it)
 _MOE_BACKWARD = "the expert layer's backward (not modelled)"
-#: (name in docs/benchmarks.md, result file, how to pick its line, extra planner arguments; of
-#: those, ``attention_backend``, ``save_attention`` and ``offload`` go to the simulator, not the planner)
+#: (name in docs/bench/history/2026-12-05-predicted-vs-measured.md, result file, how to pick its line,
+#: extra planner arguments; of those, ``attention_backend``, ``save_attention`` and ``offload`` go to the simulator, not the planner)
 RUNS = (
     ("llama-3b W1 (4 seq/step)", "2026-12-02/after-fix-8b10-w1-results.jsonl", {"job": "w1"}, _FLASH),
     ("llama-3b W2 (16 seq/step)", "2026-12-02/w1-w2-results.jsonl", {"batch_size": 16}, _FLASH),
@@ -75,7 +76,7 @@ RUNS = (
     ("llama-8b, 16 seq/step in 10 GiB, checkpoints offloaded (micro-batch 2)", "2026-12-03/offload-8b10-results.jsonl",
      {"job": "8b10o", "micro_batch_size": 2}, {**_KEPT_FLASH, "gpu_mem": 10.0}),
     ("llama-3b W2, --activations auto (kept)", "2026-12-03/w2-256k-results.jsonl", {"job": "w2"}, _KEPT_FLASH),
-    # the GPU gate on main, 2026-12-04 (docs/benchmarks.md, "The GPU gate")
+    # the GPU gate on main, 2026-12-04 (docs/bench/history/2026-12-05-gpu-gate-runs.md)
     ("gate: llama-3b W1", "2026-12-04/gate-results.jsonl", {"job": "w1"}, _AUTO),
     ("gate: llama-3b W2", "2026-12-04/gate-results.jsonl", {"job": "w2"}, _AUTO),
     ("gate: llama-8b, 16 seq/step, streamed", "2026-12-04/gate-results.jsonl", {"job": "8b"}, _AUTO),
@@ -85,7 +86,7 @@ RUNS = (
     # the gate after the weight gradients went into the fp32 buffer one weight at a time
     ("gate: llama-8b on a 10 GB card, weight gradients one at a time", "2026-12-04/weight-grads-gate-results.jsonl",
      {"job": "8b10o"}, {**_AUTO, "gpu_mem": 10.0}),
-    # a mixture of experts: Qwen3-30B-A3B's layer, twelve times (docs/benchmarks.md)
+    # a mixture of experts: Qwen3-30B-A3B's layer, twelve times (docs/bench/history/2026-12-05-mixture-of-experts.md)
     ("qwen3-moe-12l, 16 seq/step, micro-batch 4", "2026-12-04/moe-results.jsonl", {"job": "moe"},
      {**_AUTO, "not_modelled": _MOE_BACKWARD}),
     ("qwen3-moe-12l, 16 seq/step on a 10 GB card", "2026-12-04/moe10-results.jsonl", {"job": "moe10"},

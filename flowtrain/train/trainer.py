@@ -402,7 +402,8 @@ def prefer_expandable_segments(cfg: TrainConfig, environ: dict[str, str] | None 
     ``PYTORCH_CUDA_ALLOC_CONF`` says otherwise, before anything touches the GPU. A long step
     allocates and frees tensors of gigabytes in changing sizes; with fixed segments llama-8b at
     262,144 tokens ran out of memory in its second step with 15.5 GiB reserved but unused, and
-    llama-8b under a 10 GiB cap reserved 1.75 GiB more than it allocated (docs/benchmarks.md):
+    llama-8b under a 10 GiB cap reserved 1.75 GiB more than it allocated
+    (docs/bench/history/2026-12-03-offloaded-checkpoints-long-context.md):
     on a small card that is the difference between fitting and not. Returns whether it set it."""
     env = os.environ if environ is None else environ
     long_rows = cfg.seq_len * cfg.micro_batch_size > MLP_CHUNK_TOKENS

@@ -1,4 +1,4 @@
-"""The simulator against every measured H200 run of docs/benchmarks.md: tokens/s within 15%,
+"""The simulator against every benchmarked H200 run (docs/benchmarks.md): tokens/s within 15%,
 with each run's own placement and slot budgets (flowtrain.sim.validate); a run whose table row
 names what the simulator does not model is held to that: it must still miss."""
 

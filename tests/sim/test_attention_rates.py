@@ -172,7 +172,7 @@ def simulate(argv: list[str], machine: Machine):
 
 LONG = ["--model", "llama-8b-256k", "--seq-len", "262144", "--batch-size", "1", "--micro-batch-size", "1",
         "--host-mem", "118", "--machine", "h200"]
-MEASURED_262K = 1591.0  # tokens/s, 405 model TFLOP/s (docs/benchmarks.md, "Saved attention outputs")
+MEASURED_262K = 1591.0  # tokens/s, 405 model TFLOP/s (docs/bench/history/2026-12-03-offloaded-checkpoints-long-context.md)
 
 
 def test_llama_8b_at_262k_tokens_is_predicted_within_15_percent():
