@@ -79,7 +79,7 @@ def run_model(args: argparse.Namespace) -> dict:
     import torch
 
     from ..plan.adapters import adapter_active_numel, adapter_numel
-    from ..plan.memory import run_request
+    from ..plan.request import run_request
     from ..train.trainer import load_model_config
 
     _check_model_args(args)

@@ -66,7 +66,7 @@ def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: f
     request is one process's share of the batch and of the node's host memory. No torch."""
     from ..errors import ConfigError
     from ..plan.host_layout import check_units_fit
-    from ..plan.memory import run_request
+    from ..plan.request import run_request
     from ..train.checks import check_fields
     from ..train.distributed import local_share
     from ..train.run_config import TrainConfig, load_model_config, validate

@@ -46,7 +46,8 @@ from ..model.config import MLP_CHUNK_TOKENS
 from ..model.model_dir import check_weight_headers
 from ..model.presets import PRESETS
 from ..plan.host_layout import check_units_fit
-from ..plan.memory import Plan, cap_gpu_memory, run_request
+from ..plan.memory import Plan, cap_gpu_memory
+from ..plan.request import run_request
 from ..policy import resolve_policy
 from ..runtime.executor import use_uvloop
 from ..runtime.trace import Instrument, TraceRecorder, lane_busy, write_chrome_trace

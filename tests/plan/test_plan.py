@@ -20,7 +20,8 @@ from flowtrain.cli import main
 from flowtrain.errors import ConfigError
 from flowtrain.graph import GRADS, WEIGHTS
 from flowtrain.model import ModelConfig, model_layouts, preset
-from flowtrain.plan.memory import GiB, RunRequest, allocator_share, capped_budget, card_for
+from flowtrain.plan.memory import GiB, allocator_share, capped_budget, card_for
+from flowtrain.plan.request import RunRequest
 from flowtrain.plan.planner import plan_run
 from flowtrain.train.host_state import HostState
 
