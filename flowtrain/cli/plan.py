@@ -77,7 +77,7 @@ def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: f
     cfg.validate()
     check_units_fit(cfg, host_mem, None if gpu_mem is None else int(gpu_mem * 2**30))  # before sizing anything
     if tc.data is not None:  # the length train would take from the data (this reads it: torch)
-        from ..train.trainer import seq_len_of_data
+        from ..train.prepare import seq_len_of_data
 
         tc = msgspec.structs.replace(tc, seq_len=seq_len_of_data(tc, cfg, model_dir))
     validate(tc, cfg)
@@ -142,7 +142,7 @@ def _plan_here(args: argparse.Namespace, machine):  # noqa: ANN001, ANN202 - a M
     import torch
 
     from ..sim.choose_plan import plan_and_choose
-    from ..train.trainer import resolve_dtype
+    from ..train.prepare import resolve_dtype
 
     cfg, _, req, processes = checked_request(args, args.gpu_mem, args.host_mem)
     if args.device == "auto":

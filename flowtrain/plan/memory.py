@@ -75,7 +75,7 @@ CUDA_OUTSIDE_ALLOCATOR_GIB = 0.9
 #: a second small process. A 10 GB card then gives a run at most 9.5 GiB in all.
 CARD_HEADROOM_GIB = 0.5
 #: Fraction of a card's allocator share the plan fills at most. Capped runs use expandable
-#: segments (:func:`flowtrain.train.trainer.prefer_expandable_segments`), which map 2 MiB pages
+#: segments (:func:`flowtrain.train.prepare.prefer_expandable_segments`), which map 2 MiB pages
 #: and unmap the free ones when a request does not fit, and the plan's counts are upper bounds
 #: (within 10% above every measured peak of the gate), so the plan may come this close to a
 #: large card's cap; on a small one :data:`CAP_STRANDED_GIB` binds first.

@@ -56,7 +56,7 @@ from .reporting import Reporter, StepMetrics
 from .shutdown import Shutdown, signal_name
 
 if TYPE_CHECKING:
-    from .trainer import Run
+    from .prepare import Run
 
 
 @dataclass(frozen=True)

@@ -314,7 +314,7 @@ def test_gpu_training_with_saved_attention_matches_recompute(tmp_path):
     recomputing run trains (bf16 rounding apart), and did keep attention outputs."""
     from safetensors.torch import load_file
 
-    from flowtrain.train.trainer import TrainConfig, train
+    from flowtrain.train.run import TrainConfig, train
 
     def run(name, activations):
         out = tmp_path / name
