@@ -38,7 +38,7 @@ from ..ckpt.resume import restore_rng
 from ..graph.tasks import GRADS, HOST_GRADS, WEIGHTS
 from ..model.attention import attention_backends
 from ..plan.memory import Plan, cap_gpu_memory
-from ..runtime.executor import use_uvloop
+from ..runtime.engine import use_uvloop
 from ..runtime.trace import Instrument, TraceRecorder, lane_busy, write_chrome_trace
 from .distributed import World, join, leave, node_barrier, world_from_env
 from .host_state import HostState, return_freed_memory
