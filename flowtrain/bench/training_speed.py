@@ -1,4 +1,4 @@
-"""``flowtrain bench --model``: tokens/s, model TFLOP/s, memory and lane busy fractions.
+"""A training configuration's speed (``flowtrain bench --model``): tokens/s, model TFLOP/s, memory, busy lanes.
 
 Trains ``--steps`` steps of a preset (or model directory) on random tokens (or on ``--data``,
 read as ``flowtrain train`` reads it: packed, with document masking, unless ``--no-packing``) and
