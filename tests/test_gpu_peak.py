@@ -97,7 +97,7 @@ def test_the_replay_finds_the_most_allocated_moment_and_what_was_alive(ops, befo
 
 
 def test_a_site_is_the_innermost_flowtrain_frame_and_via_the_task_that_asked():
-    outer = [RUNTIME, {"filename": "/site/flowtrain/train/trainer.py", "line": 9, "name": "train"},
+    outer = [RUNTIME, {"filename": "/site/flowtrain/train/run.py", "line": 9, "name": "train"},
              {"filename": "/site/flowtrain/cli/__init__.py", "line": 3, "name": "main"}]
     dispatch = {"filename": "/site/flowtrain/train/program/core.py", "line": 120, "name": "__call__"}
     assert gpu_peak.site_of([TORCH, MLP, PROGRAM, dispatch, *outer]) == ("flowtrain/model/mlp.py:20 swiglu",

@@ -36,7 +36,7 @@ from ..errors import ConfigError
 from ..train.checks import check_output_file
 from ..graph import StepSpec, compile_step
 from ..runtime import Engine, use_uvloop
-from .model import add_model_arguments, run_model
+from .training_speed import add_model_arguments, run_model
 
 BUILTIN_POLICIES = ("sequential", "double_buffer", "lookahead")
 

@@ -74,7 +74,7 @@ import threading
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -84,9 +84,7 @@ from ..model import ModelConfig, UnitLayout
 from ..model.layout import hub_tensors
 from .adapter_files import ADAPTER_CONFIG
 from .hf import CONFIG_NAME, INDEX_NAME, fsync_dir, hf_config_text, unit_tensors, write_safetensors
-
-if TYPE_CHECKING:  # the state is training's; a checkpoint only reads and fills it
-    from ..train.host_state import HostState, UnitState
+from .saved_state import RestorableState, SavedUnit
 
 __all__ = [
     "FORMAT_VERSION",
@@ -109,6 +107,7 @@ _FINAL = re.compile(r"checkpoint-(\d+)")
 # to be deleted (old), a pruned one being deleted (del).
 _HIDDEN = re.compile(r"\.checkpoint-(\d+)\.(tmp|old|del)-[A-Za-z0-9_]+")
 _READ_PIECE = 1 << 24  # elements (load) or bytes (hashing) per piece: bounds temporaries
+_Unit = TypeVar("_Unit", bound=SavedUnit)  # the units of the state a checkpoint fills
 
 
 def all_finite(t: torch.Tensor, piece: int = 1 << 24) -> bool:
@@ -128,7 +127,7 @@ def optimizer_file(index: int, n: int) -> str:
     return f"optimizer-{index + 1:05d}-of-{n:05d}.safetensors"
 
 
-def step_of(unit: UnitState) -> int:
+def step_of(unit: SavedUnit) -> int:
     """The unit's Adam step count; every gradient chunk must have taken the same number."""
     counts = sorted({int(s.item()) for s in unit.steps})
     if len(counts) != 1:
@@ -259,7 +258,7 @@ class CheckpointWriter:
     def __repr__(self) -> str:
         return f"<CheckpointWriter {self.final.name} {len(self._units)}/{len(self.layouts)} units>"
 
-    def write_unit(self, index: int, unit: UnitState) -> None:
+    def write_unit(self, index: int, unit: SavedUnit) -> None:
         """Write unit ``index``'s weight and optimizer shards. Thread-safe across units."""
         n = len(self.layouts)
         layout = self.layouts[index] if 0 <= index < n else None
@@ -562,7 +561,7 @@ def _short(value: object, most: int = 120) -> str:
 
 
 
-def load_training_state(path: str | os.PathLike[str], state: HostState) -> Path:
+def load_training_state(path: str | os.PathLike[str], state: RestorableState[_Unit]) -> Path:
     """Fill every trained unit of ``state`` from a checkpoint: masters (through
     :func:`load_into`), Adam moments and step counts, in place (resident units on their device);
     then refresh the compute / streaming copies. Returns the checkpoint's path. With LoRA the
@@ -611,7 +610,7 @@ def _check_header(file: Path, layout: UnitLayout) -> None:
         raise CheckpointError(f"{where}: no step count for {layout.key} (a 1-element 'step' tensor)")
 
 
-def _load_moments(file: Path, unit: UnitState) -> None:
+def _load_moments(file: Path, unit: SavedUnit) -> None:
     """Copy exp_avg and exp_avg_sq piece by piece (bounded host memory) and set every chunk's
     step count."""
     where, key, numel = f"{file.parent.name}/{file.name}", unit.layout.key, unit.layout.numel
@@ -636,7 +635,7 @@ def _load_moments(file: Path, unit: UnitState) -> None:
     _load_expert_steps(where, unit, step, experts)
 
 
-def _load_expert_steps(where: str, unit: UnitState, step: float, saved: torch.Tensor | None) -> None:
+def _load_expert_steps(where: str, unit: SavedUnit, step: float, saved: torch.Tensor | None) -> None:
     """A sparse layer's per-expert step counts (``saved``, read from ``where``), where the run
     that saved it skipped idle experts; a run that does not skip them can resume only where
     every expert kept up."""

@@ -43,16 +43,14 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
 from ..data.source import TOKENIZER_FILES, tokenizer_files
 from ..errors import CheckpointError, ConfigError
 from .hf import CONFIG_NAME, checkpoint_dtype, fsync_dir
-
-if TYPE_CHECKING:  # the state is training's; the output only reads it
-    from ..train.host_state import HostState
+from .saved_state import SavableModel
 
 #: ``save_dtype`` names besides ``"auto"`` (the source checkpoint's dtype; fp32 without one).
 SAVE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -126,7 +124,7 @@ def resolve_save_dtype(save_dtype: str, source_dir: str | Path | None) -> torch.
 
 
 def save_final_model(
-    state: HostState,
+    state: SavableModel,
     out: str | Path,
     tokenizer_dir: str | Path | None,
     *,

@@ -27,15 +27,13 @@ from __future__ import annotations
 import base64
 import binascii
 import math
-from typing import TYPE_CHECKING, Annotated, Sequence
+from typing import Annotated, Sequence
 
 import msgspec
 import torch
 
 from ..errors import CheckpointError, ConfigError
-
-if TYPE_CHECKING:  # the schedule is training's; a checkpoint only records how it continues
-    from ..train.optimizer import LRSchedule
+from .saved_state import Schedule
 
 FORMAT = 1
 
@@ -206,7 +204,7 @@ class ContinuedSchedule:
         lr(59) == base(59) and lr(60) == base(60) and lr(199) < lr(60)
     """
 
-    def __init__(self, base: "LRSchedule", extended: Sequence[tuple[int, int]] = ()) -> None:
+    def __init__(self, base: Schedule, extended: Sequence[tuple[int, int]] = ()) -> None:
         self.base = base
         self.extended = [(int(a), int(b)) for a, b in extended]
 
@@ -233,14 +231,14 @@ class ContinuedSchedule:
         return {"steps": self.base.total_steps, "extended": [list(x) for x in self.extended]}
 
 
-def resumed_schedule(schedule: "LRSchedule", state: dict, *, where: str) -> ContinuedSchedule:
+def resumed_schedule(schedule: Schedule, state: dict, *, where: str) -> ContinuedSchedule:
     """The rates of a run that resumes ``state`` (checked by :func:`check_compatible`) with
     ``schedule``, the settings it runs with (``total_steps``: its ``--steps``): the checkpoint's
     schedule as it was, extended to ``--steps`` where that changed under a decaying schedule
     (``--extend-schedule``). Refused where the rate had already reached ``--min-lr``: extending
     would only train on at that rate."""
     first, extended = schedule_record(state, where)
-    sched = ContinuedSchedule(msgspec.structs.replace(schedule, total_steps=first or schedule.total_steps), extended)
+    sched = ContinuedSchedule(schedule.with_total_steps(first or schedule.total_steps), extended)
     if schedule.schedule not in DECAYING or sched.total_steps == schedule.total_steps:
         return sched
     done = steps_done(state, where)

@@ -27,8 +27,7 @@ PREDICTIONS = (
 
 def simulate(model: str, machine: str, seq: int, batch: int, mbs: int, host: float | None = None, **kw) -> dict:
     """``flowtrain simulate --json`` for these settings, as a dict (``fits`` False if it does not)."""
-    from .plan import add_arguments
-    from .simulate import plan_for
+    from .plan import add_arguments, plan_for
     from ..errors import ConfigError
     from ..sim.machine import load_machine
     from ..sim.predict import predict

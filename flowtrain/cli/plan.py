@@ -25,7 +25,7 @@ from ..train import defaults
 from .flags import add_config_flags, config_values
 from .train import MEMORY_FIELDS, flag_of
 
-__all__ = ["PLAN_FIELDS", "add_arguments", "checked_request", "flag_of", "format_plan", "run"]
+__all__ = ["PLAN_FIELDS", "add_arguments", "checked_request", "flag_of", "format_plan", "plan_for", "run"]
 
 # The planner and the trainer import torch: they are imported where the command runs, so that
 # ``flowtrain plan --help`` stays instant.
@@ -66,7 +66,7 @@ def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: f
     request is one process's share of the batch and of the node's host memory. No torch."""
     from ..errors import ConfigError
     from ..plan.host_layout import check_units_fit
-    from ..plan.memory import run_request
+    from ..plan.request import run_request
     from ..train.checks import check_fields
     from ..train.distributed import local_share
     from ..train.run_config import TrainConfig, load_model_config, validate
@@ -77,7 +77,7 @@ def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: f
     cfg.validate()
     check_units_fit(cfg, host_mem, None if gpu_mem is None else int(gpu_mem * 2**30))  # before sizing anything
     if tc.data is not None:  # the length train would take from the data (this reads it: torch)
-        from ..train.trainer import seq_len_of_data
+        from ..train.prepare import seq_len_of_data
 
         tc = msgspec.structs.replace(tc, seq_len=seq_len_of_data(tc, cfg, model_dir))
     validate(tc, cfg)
@@ -86,6 +86,30 @@ def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: f
     processes = args.nproc_per_node * args.nnodes
     local = local_share(tc, processes)
     return cfg, model_dir, run_request(local, model_dir, processes, share=args.nproc_per_node), processes
+
+
+def plan_for(args: argparse.Namespace, machine, with_predictions: bool = False) -> tuple:  # noqa: ANN001 - a Machine
+    """The model, request and memory plan of ``args`` on ``machine``: plan's checks, then
+    ``plan_and_choose`` for a GPU with the machine's memory unless --gpu-mem/--host-mem say otherwise
+    (never capped by a GPU of the machine this runs on: the plan is for ``machine``); what
+    ``flowtrain simulate`` predicts the speed of. With ``with_predictions``, also the planner's
+    :class:`~flowtrain.sim.order_choice.Predictions`."""
+    from ..plan.memory import Precision, Target, own_plan_card
+    from ..sim.choose_plan import plan_and_choose
+    from ..sim.order_choice import Predictions
+    from ..train.run_config import precision_bytes
+
+    gpu_mem = args.gpu_mem if args.gpu_mem is not None else own_plan_card(machine.gpu_mem_gib)
+    host_mem = args.host_mem if args.host_mem is not None else machine.host_mem_gib
+    cfg, _, req, _ = checked_request(args, gpu_mem, host_mem)
+    req = msgspec.structs.replace(req, grouped_experts=machine.grouped_mm)  # its GPU's, not this computer's
+    device = Target("cuda")  # the machine's GPU, planned for without torch
+    dtype = Precision(precision_bytes(args.precision, device.type))
+    predictions = Predictions(cfg, args.policy)
+    plan = plan_and_choose(cfg, req, device=device, dtype=dtype, policy=args.policy, local_gpu=False, machine=machine,
+                           predictions=predictions)
+    req = msgspec.structs.replace(req, order=plan.spec.order)  # --order auto, as decided for the machine
+    return (cfg, req, plan, device, dtype, predictions) if with_predictions else (cfg, req, plan, device, dtype)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -118,7 +142,7 @@ def _plan_here(args: argparse.Namespace, machine):  # noqa: ANN001, ANN202 - a M
     import torch
 
     from ..sim.choose_plan import plan_and_choose
-    from ..train.trainer import resolve_dtype
+    from ..train.prepare import resolve_dtype
 
     cfg, _, req, processes = checked_request(args, args.gpu_mem, args.host_mem)
     if args.device == "auto":
@@ -143,7 +167,6 @@ def _plan_elsewhere(args: argparse.Namespace, machine):  # noqa: ANN001, ANN202 
     --gpu-mem/--host-mem say otherwise, as ``flowtrain simulate`` plans, and the fastest
     configuration that fits there."""
     from ..sim.choose import choose_fastest
-    from .simulate import plan_for
 
     cfg, req, plan, device, dtype = plan_for(args, machine)
     processes = args.nproc_per_node * args.nnodes

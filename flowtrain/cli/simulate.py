@@ -18,12 +18,10 @@ from __future__ import annotations
 import argparse
 import json
 
-import msgspec
-
 from .flags import add_config_flags
 from .train import flag_of
 
-__all__ = ["add_arguments", "flag_of", "plan_for", "run"]
+__all__ = ["add_arguments", "flag_of", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -55,6 +53,7 @@ class _ListMachines(argparse.Action):
 def run(args: argparse.Namespace) -> int:
     from ..errors import ConfigError
     from ..sim.machine import load_machine
+    from .plan import plan_for
 
     if args.steps < 2:
         raise ConfigError(f"{{steps}} must be at least 2 to see a steady step (got {args.steps})", named=True)
@@ -89,27 +88,3 @@ def run(args: argparse.Namespace) -> int:
             f"host {plan.host_total / 2**30:.1f} GiB"
             + (f" ({plan.placement_choice})" if plan.placement_choice else ""))))
     return 0
-
-
-def plan_for(args: argparse.Namespace, machine, with_predictions: bool = False) -> tuple:  # noqa: ANN001 - a Machine
-    """The model, request and memory plan of ``args`` on ``machine``: plan's checks, then
-    ``plan_and_choose`` for a GPU with the machine's memory unless --gpu-mem/--host-mem say otherwise
-    (never capped by a GPU of the machine this runs on: the plan is for ``machine``). With
-    ``with_predictions``, also the planner's :class:`~flowtrain.sim.order_choice.Predictions`."""
-    from ..plan.memory import Precision, Target, own_plan_card
-    from ..sim.choose_plan import plan_and_choose
-    from ..sim.order_choice import Predictions
-    from ..train.run_config import precision_bytes
-    from .plan import checked_request
-
-    gpu_mem = args.gpu_mem if args.gpu_mem is not None else own_plan_card(machine.gpu_mem_gib)
-    host_mem = args.host_mem if args.host_mem is not None else machine.host_mem_gib
-    cfg, _, req, _ = checked_request(args, gpu_mem, host_mem)
-    req = msgspec.structs.replace(req, grouped_experts=machine.grouped_mm)  # its GPU's, not this computer's
-    device = Target("cuda")  # the machine's GPU, planned for without torch
-    dtype = Precision(precision_bytes(args.precision, device.type))
-    predictions = Predictions(cfg, args.policy)
-    plan = plan_and_choose(cfg, req, device=device, dtype=dtype, policy=args.policy, local_gpu=False, machine=machine,
-                           predictions=predictions)
-    req = msgspec.structs.replace(req, order=plan.spec.order)  # --order auto, as decided for the machine
-    return (cfg, req, plan, device, dtype, predictions) if with_predictions else (cfg, req, plan, device, dtype)

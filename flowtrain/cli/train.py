@@ -52,7 +52,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
 
 def run(args: argparse.Namespace) -> int:
     from ..train.distributed import world_from_env
-    from ..train.trainer import train
+    from ..train.run import train
 
     cfg = config_from_args(args)
     metrics = train(cfg)

@@ -16,16 +16,12 @@ adapters, the gate-and-up adapter's own rank. The simulator reads the sizes too
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import msgspec
 
 from ..model.adapters import LoraSpec, adapter_layouts
 from ..model.config import ModelConfig
 from .host_layout import undo_arena_bytes
-
-if TYPE_CHECKING:
-    from .memory import RunRequest
+from .request import RunRequest
 
 __all__ = ["adapter_active_numel", "adapter_active_outputs", "adapter_inputs", "adapter_numel",
            "adapter_slot_numel", "host_adapters", "layer_adapter_numels", "lora_gpu_bytes", "lora_host_bytes"]

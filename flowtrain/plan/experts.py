@@ -42,7 +42,7 @@ if TYPE_CHECKING:
     import torch
 
     from ..model.config import ModelConfig
-    from .memory import RunRequest
+    from .request import RunRequest
 
 __all__ = ["dense_mlp_layers", "expert_bytes_per_token", "expert_kept_bytes_per_token", "grouped_experts", "runs_grouped"]
 

@@ -2,8 +2,8 @@
 is allocated.
 
 A :class:`Plan` is the planner's answer (:mod:`.planner` decides it: layout, placement,
-activations, slot budgets); this module counts what a candidate costs, the request it
-answers (:class:`RunRequest`) and the budgets it must fit (the card and the host)::
+activations, slot budgets); this module counts what a candidate costs for the request it
+answers (:class:`~.request.RunRequest`) and the budgets it must fit (the card and the host)::
 
     req = RunRequest(seq_len=4096, batch_size=16, micro_batch_size=4, gpu_mem=10)
     plan = plan_run(preset("llama-8b"), req, device=torch.device("cuda"), dtype=torch.bfloat16)  # .planner
@@ -30,8 +30,7 @@ from __future__ import annotations
 
 import math
 import os
-from pathlib import Path
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
 
@@ -39,11 +38,11 @@ from ..errors import ConfigError
 from ..graph.compiler import StepSpec
 from ..graph.tasks import GRADS, HOST_GRADS, WEIGHTS
 from ..model.config import MLP_CHUNK_TOKENS, ModelConfig
-from ..model.adapters import DEFAULT_TARGETS
 from ..model.layout import UnitLayout, model_layouts
 from .adapters import adapter_slot_numel, host_adapters, lora_gpu_bytes, lora_host_bytes
 from .experts import dense_mlp_layers, expert_bytes_per_token, expert_kept_bytes_per_token, runs_grouped
 from .host_layout import LANDING_NUMEL, grad_chunks, slot_numel, staging_numel, undo_arena_bytes
+from .request import RunRequest
 
 if TYPE_CHECKING:
     import torch
@@ -77,7 +76,7 @@ CUDA_OUTSIDE_ALLOCATOR_GIB = 0.9
 #: a second small process. A 10 GB card then gives a run at most 9.5 GiB in all.
 CARD_HEADROOM_GIB = 0.5
 #: Fraction of a card's allocator share the plan fills at most. Capped runs use expandable
-#: segments (:func:`flowtrain.train.trainer.prefer_expandable_segments`), which map 2 MiB pages
+#: segments (:func:`flowtrain.train.prepare.prefer_expandable_segments`), which map 2 MiB pages
 #: and unmap the free ones when a request does not fit, and the plan's counts are upper bounds
 #: (within 10% above every measured peak of the gate), so the plan may come this close to a
 #: large card's cap; on a small one :data:`CAP_STRANDED_GIB` binds first.
@@ -110,86 +109,12 @@ class Precision(NamedTuple):
     itemsize: int
 
 
-class RunRequest(msgspec.Struct, kw_only=True):
-    """What the user asked for (the planning-relevant part of ``TrainConfig``)."""
-
-    seq_len: int
-    batch_size: int
-    micro_batch_size: int
-    checkpoint_every: int = 1
-    #: "keep", "offload", "recompute", "attention" or "auto" (see TrainConfig.activations)
-    activations: str = "auto"
-    order: str = "layer"
-    grad_clip: bool = False
-    #: the decoder layer's ``--compile`` backend: what a kept layer saves depends on it
-    compile: str | None = "auto"
-    layout: str = "auto"
-    resident: str = "auto"
-    gpu_mem: float | None = None  # GiB
-    host_mem: float | None = None  # GiB
-    chunk_tokens: int | None = None
-    #: bytes of the largest checkpoint file read at start (mapped while it is copied in)
-    load_bytes: int = 0
-    #: GiB the undo record of a step not yet known finite may hold
-    undo_mem: float = 1.0
-    #: data-parallel processes in all; the request is one process's share (``reduce_grad``)
-    processes: int = 1
-    #: processes of a node that share one host copy of the state (``StepSpec.share``)
-    share: int = 1
-    #: ``--attention-backend`` (auto: cuDNN's fused attention on CUDA; flash): the kernel whose
-    #: rate the simulator predicts attention at (flowtrain.sim.costs)
-    attention_backend: str = "auto"
-    #: LoRA: the adapters' rank (0: the whole model trains) and the linear maps they adapt
-    lora_rank: int = 0
-    lora_targets: tuple[str, ...] = DEFAULT_TARGETS
-    lora_gate_up_rank: int | None = None
-    lora_dropout: float = 0.0
-    #: ``--lora-state``: where the adapters' fp32 weights and AdamW live: "gpu", "host"
-    #: (streamed with their layers, updated by CPU AdamW) or "auto" (the GPU where that fits)
-    lora_state: str = "auto"
-    #: ``--skip-idle-experts``: a mixture of experts' sparse layers leave the experts no token
-    #: reached alone, their backward-side fetches following the routing (``StepSpec.routed``)
-    skip_idle_experts: bool = False
-    #: whether the GPU runs a mixture of experts' grouped GEMMs (a plan for another machine:
-    #: ``Machine.grouped_mm``); None asks this computer's GPU (:func:`.experts.runs_grouped`)
-    grouped_experts: bool | None = None
-
-
-def checkpoint_read_bytes(model_dir: str | os.PathLike[str] | None) -> int:
-    """The largest safetensors file of a model directory: loading maps one file at a time, and
-    its pages count towards the process's resident memory while the state is filled."""
-    if model_dir is None:
-        return 0
-    return max((f.stat().st_size for f in Path(model_dir).glob("*.safetensors")), default=0)
-
-
 def data_host_bytes(req: RunRequest) -> int:
     """Host bytes of the training data: ``DATA_BATCHES`` batches of input ids, targets and
     positions (int64), gathered from the data cache. The data set itself stays on disk, mapped
     (:mod:`flowtrain.data.cache`); the pages a batch reads are page cache that the kernel
     drops under pressure, like the checkpoint pages, so the file's size is not counted."""
     return DATA_BATCHES * req.batch_size * req.seq_len * 3 * 8
-
-
-def run_request(cfg: Any, model_dir: str | os.PathLike[str] | None = None, processes: int = 1,
-                share: int = 1) -> RunRequest:
-    """The request of a ``TrainConfig`` (or anything with the same attributes); with several
-    data-parallel ``processes``, ``cfg`` is one process's share (``distributed.local_share``),
-    ``share`` of them on each node sharing the host state."""
-    return RunRequest(seq_len=int(cfg.seq_len), batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size,
-                      checkpoint_every=cfg.checkpoint_every, activations=cfg.activations, order=cfg.order,
-                      grad_clip=cfg.grad_clip is not None,
-                      layout=cfg.layout, resident=cfg.resident, gpu_mem=cfg.gpu_mem, host_mem=cfg.host_mem,
-                      chunk_tokens=cfg.chunk_tokens, load_bytes=checkpoint_read_bytes(model_dir),
-                      undo_mem=getattr(cfg, "undo_mem", 1.0), processes=processes, share=share,
-                      compile=getattr(cfg, "compile", "auto"),
-                      attention_backend=getattr(cfg, "attention_backend", "auto"),
-                      lora_rank=getattr(cfg, "lora_rank", None) or 0,
-                      lora_targets=tuple(getattr(cfg, "lora_targets", None) or DEFAULT_TARGETS),
-                      lora_gate_up_rank=getattr(cfg, "lora_gate_up_rank", None),
-                      lora_dropout=getattr(cfg, "lora_dropout", 0.0) or 0.0,
-                      lora_state=getattr(cfg, "lora_state", "auto"),
-                      skip_idle_experts=bool(getattr(cfg, "skip_idle_experts", False)))
 
 
 class Plan(msgspec.Struct, kw_only=True):

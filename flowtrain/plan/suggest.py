@@ -19,7 +19,8 @@ from typing import Any, Callable
 
 import msgspec
 
-from .memory import HOST_FILL, GiB, Plan, RunRequest, card_for
+from .memory import HOST_FILL, GiB, Plan, card_for
+from .request import RunRequest
 
 __all__ = ["suggest"]
 

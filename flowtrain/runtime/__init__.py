@@ -1,7 +1,7 @@
 """Running task graphs: the pure scheduler, lanes, the asyncio engine, the reference, and fault
 injection for tests."""
 
-from .executor import Engine, Program, TaskContext, run_graph, use_uvloop
+from .engine import Engine, Program, TaskContext, run_graph, use_uvloop
 from .faults import Fault, FaultInjector, FaultSpec, InjectedFault
 from .reference import run_reference
 from .scheduler import Launch, Scheduler

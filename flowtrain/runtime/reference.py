@@ -1,7 +1,7 @@
 """The reference executor: one task at a time, in topological order, on the calling thread.
 
 A few dozen lines with no lanes, fences or policies, so that its results are obviously right.
-The async :class:`~flowtrain.runtime.executor.Engine` must give the same numbers; tests compare
+The async :class:`~flowtrain.runtime.engine.Engine` must give the same numbers; tests compare
 them. Slots are numbered per pool and recycled as soon as every task reading one has run::
 
     records = run_reference(graph, program)
@@ -15,7 +15,7 @@ import networkx as nx
 
 from ..errors import StepFailed
 from ..graph.tasks import Task, pool_of
-from .executor import Program, TaskContext
+from .engine import Program, TaskContext
 from .scheduler import Launch
 from .trace import TaskRecord
 

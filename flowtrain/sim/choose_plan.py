@@ -16,8 +16,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..plan.memory import Plan, RunRequest
+from ..plan.memory import Plan
 from ..plan.planner import plan_run
+from ..plan.request import RunRequest
 from .order_choice import Predictions, choose_order
 from .placement_choice import choose_placement
 

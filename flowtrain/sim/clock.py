@@ -1,6 +1,6 @@
 """The virtual-clock simulator: the real scheduler, fed by a clock instead of lanes.
 
-The executor (:mod:`flowtrain.runtime.executor`) is a shell around the pure
+The engine (:mod:`flowtrain.runtime.engine`) is a shell around the pure
 :class:`~flowtrain.runtime.scheduler.Scheduler`: it launches what ``poll()`` returns on lanes and
 reports completions back. This module is a second shell around the *same* scheduler, the same
 compiled graphs and the same policy object, whose lanes do no work: each task takes the time the
@@ -9,7 +9,7 @@ cost model says, on a clock that jumps from one event to the next::
     sim = VirtualRun(costs, policy, cpu_workers=1)
     records = sim.run_steps(spec, steps=4)     # TaskRecords, as the engine's, in virtual seconds
 
-The lanes keep the executor's rules, so the order and slots are the engine's:
+The lanes keep the engine's rules, so the order and slots are the engine's:
 
 - a device lane (``h2d``, ``compute``, ``d2h``) runs one task at a time in the order it was
   launched, each after the *fences* of its launch (``Launch.waits``) have ended, like a stream;

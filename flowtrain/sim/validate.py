@@ -149,7 +149,8 @@ def predict_run(row: dict, extra: dict, machine: str = "h200") -> dict:
     import torch
 
     from ..model import preset
-    from ..plan.memory import RunRequest, own_plan_card
+    from ..plan.memory import own_plan_card
+    from ..plan.request import RunRequest
     from ..plan.planner import plan_run
     from .machine import load_machine
     from .predict import predict_shape, shape_of

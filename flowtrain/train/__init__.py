@@ -13,7 +13,7 @@ __all__ = ["TrainConfig", "StepMetrics", "train"]
 
 def __getattr__(name: str):
     if name in __all__:
-        from . import trainer
+        from . import run
 
-        return getattr(trainer, name)
+        return getattr(run, name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

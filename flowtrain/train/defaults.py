@@ -1,7 +1,7 @@
 """Default values of ``flowtrain train``, in a module that imports nothing.
 
 The command line builds its parser from these (``flowtrain train --help`` must not import
-torch, and the trainer does), and :class:`~flowtrain.train.trainer.TrainConfig` takes its field
+torch, and the trainer does), and :class:`~flowtrain.train.run_config.TrainConfig` takes its field
 defaults from them, so the two cannot drift apart::
 
     from flowtrain.train import defaults

@@ -45,7 +45,7 @@ from ..graph.evaluation import compile_eval
 from ..graph.saving import add_saves, save_edges
 from ..graph.stream import OpenStep, StepStream
 from ..policy import WithBudgets, resolve_policy
-from ..runtime.executor import Engine
+from ..runtime.engine import Engine
 from ..runtime.faults import from_env as faults_from_env
 from ..runtime.trace import Instrument
 from .distributed import PeerLost, agree_to_stop
@@ -56,7 +56,7 @@ from .reporting import Reporter, StepMetrics
 from .shutdown import Shutdown, signal_name
 
 if TYPE_CHECKING:
-    from .trainer import Run
+    from .prepare import Run
 
 
 @dataclass(frozen=True)

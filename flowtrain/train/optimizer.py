@@ -105,6 +105,11 @@ class LRSchedule(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError("{warmup_steps} must not be negative", named=True)
         return self
 
+    def with_total_steps(self, total_steps: int) -> "LRSchedule":
+        """The same schedule over ``total_steps`` steps (a resume rebuilds the run's own from its
+        checkpoint: :func:`flowtrain.ckpt.resume.resumed_schedule`)."""
+        return msgspec.structs.replace(self, total_steps=total_steps)
+
     def __call__(self, step: int) -> float:
         if step < self.warmup_steps:
             return self.lr * (step + 1) / self.warmup_steps

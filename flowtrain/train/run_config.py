@@ -1,6 +1,6 @@
 """What a run is asked to do (``TrainConfig``), the model it names, and the checks that need
 no torch: the part of a run that ``flowtrain plan`` and ``flowtrain simulate`` read too, so
-they can answer without importing torch. :mod:`flowtrain.train.trainer` re-exports these.
+they can answer without importing torch. :mod:`flowtrain.train.run` re-exports ``TrainConfig``.
 """
 
 from __future__ import annotations
@@ -281,7 +281,7 @@ class TrainConfig(msgspec.Struct, kw_only=True):
 
 def precision_bytes(precision: str | None, device_type: str) -> int:
     """Bytes per element of the compute dtype ``--precision`` gives on a device of this type
-    (bf16 on CUDA, fp32 on the CPU by default); ``trainer.resolve_dtype`` makes it a dtype."""
+    (bf16 on CUDA, fp32 on the CPU by default); ``prepare.resolve_dtype`` makes it a dtype."""
     precision = precision or ("bf16" if device_type == "cuda" else "fp32")
     if precision not in ("fp32", "bf16"):
         raise ConfigError(f"{{precision}} must be fp32 or bf16 (got {precision!r})", named=True)

@@ -15,7 +15,7 @@ holds an exclusive ``flock`` on it for as long as it has a name (taken before th
 under a hidden temporary one): a file whose lock anyone can take belongs to a process that died,
 ``kill -9`` included, and :func:`remove_stale` deletes it. The node's first process does so
 before it creates its own, and every process of the node when opening fails and when its run
-ends (:func:`flowtrain.train.trainer.train`), so a creator killed between creating and
+ends (:func:`flowtrain.train.run.train`), so a creator killed between creating and
 unlinking is cleaned up by the survivors::
 
     arena = SharedArena.open(world, {"pinned": pinned_bytes, "plain": plain_bytes}, pin=True)

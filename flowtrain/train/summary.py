@@ -31,7 +31,7 @@ from ..model.adapters import DEFAULT_TARGETS
 
 if TYPE_CHECKING:
     from ..data.source import Sequences
-    from .trainer import Run
+    from .prepare import Run
 
 
 def _spans(numbers: list[int] | tuple[int, ...]) -> list[str]:

@@ -15,7 +15,7 @@ import torch
 from safetensors.torch import load_file
 
 from flowtrain.errors import CheckpointError, ConfigError
-from flowtrain.train.trainer import TrainConfig, train
+from flowtrain.train.run import TrainConfig, train
 
 BASE = dict(model="tiny", batch_size=4, micro_batch_size=2, seq_len=32, lr=3e-3, warmup_steps=2,
             lr_schedule="cosine", min_lr=1e-4, device="cpu", progress=False)

@@ -18,7 +18,7 @@ import pytest
 from flowtrain.cli import build_parser, main
 from flowtrain.cli.train import config_from_args
 from flowtrain.train import defaults
-from flowtrain.train.trainer import TrainConfig
+from flowtrain.train.run import TrainConfig
 
 # calls flowtrain.cli.main with argv[1:] (a JSON list of argv lists), then prints which heavy
 # modules are loaded

@@ -78,7 +78,7 @@ def test_where_host_memory_is_short_the_plan_keeps_the_card_and_says_what_would_
 
 
 def test_a_card_size_asks_for_expandable_segments():
-    from flowtrain.train.trainer import prefer_expandable_segments
+    from flowtrain.train.prepare import prefer_expandable_segments
 
     env: dict[str, str] = {}
     assert prefer_expandable_segments(TrainConfig(seq_len=4096, micro_batch_size=2, gpu_mem=10), env)

@@ -13,7 +13,8 @@ from flowtrain.cli import main
 from flowtrain.model.adapters import LoraSpec, adapter_layouts
 from flowtrain.model.presets import preset
 from flowtrain.plan.adapters import adapter_numel
-from flowtrain.plan.memory import GiB, RunRequest, run_request
+from flowtrain.plan.memory import GiB
+from flowtrain.plan.request import RunRequest, run_request
 from flowtrain.plan.planner import plan_run
 from flowtrain.train.host_state import HostState
 from flowtrain.train.run_config import TrainConfig

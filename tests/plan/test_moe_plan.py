@@ -11,7 +11,8 @@ import torch
 from flowtrain.model import model_layouts, preset
 from flowtrain.model.moe import experts_grouped, experts_loop, route
 from flowtrain.plan.experts import expert_bytes_per_token, expert_kept_bytes_per_token, grouped_experts
-from flowtrain.plan.memory import RunRequest, layer_work_bytes
+from flowtrain.plan.memory import layer_work_bytes
+from flowtrain.plan.request import RunRequest
 from flowtrain.plan.planner import plan_run
 
 CUDA, BF16 = torch.device("cuda"), torch.bfloat16

@@ -20,7 +20,8 @@ from flowtrain.cli import main
 from flowtrain.errors import ConfigError
 from flowtrain.graph import GRADS, WEIGHTS
 from flowtrain.model import ModelConfig, model_layouts, preset
-from flowtrain.plan.memory import GiB, RunRequest, allocator_share, capped_budget, card_for
+from flowtrain.plan.memory import GiB, allocator_share, capped_budget, card_for
+from flowtrain.plan.request import RunRequest
 from flowtrain.plan.planner import plan_run
 from flowtrain.train.host_state import HostState
 
@@ -174,7 +175,7 @@ def test_plan_predicts_measured_peak_host_memory_within_10_percent(tmp_path, lay
 def test_request_fields_match_train_config():
     """Every planning field of TrainConfig reaches the plan (a renamed flag would silently plan
     for the default)."""
-    from flowtrain.train.trainer import TrainConfig
+    from flowtrain.train.run import TrainConfig
 
     # load_bytes is read from --model; processes and share from torchrun (or plan's --nproc-per-node);
     # grouped_experts from the GPU planned for (this one's, or --machine's file)
@@ -186,17 +187,17 @@ def test_the_engine_runs_with_the_budgets_the_plan_sized_buffers_for(monkeypatch
     """A plan that shrinks a pool (as under --gpu-mem) must reach the engine too: the program
     allocates the plan's slots, so an engine using the policy's larger budget would hand out
     a slot that does not exist."""
-    from flowtrain.train import trainer
-    from flowtrain.train.trainer import TrainConfig, train
+    from flowtrain.train import prepare
+    from flowtrain.train.run import TrainConfig, train
 
-    real = trainer.plan_and_choose
+    real = prepare.plan_and_choose
 
     def shrunk(*args, **kwargs):
         p = real(*args, **kwargs)
         p.budgets = {**p.budgets, GRADS: 1, WEIGHTS: 1}
         return p
 
-    monkeypatch.setattr(trainer, "plan_and_choose", shrunk)
+    monkeypatch.setattr(prepare, "plan_and_choose", shrunk)
     seen = []
     metrics = train(TrainConfig(steps=2, device="cpu", progress=False), on_plan=seen.append)
     assert len(metrics) == 2 and seen[0].budgets[GRADS] == 1

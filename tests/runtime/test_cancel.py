@@ -1,6 +1,6 @@
 """Stopping the engine: cancel, failure, Ctrl-C, a hung job, the watchdog, and the lanes' part.
 
-What must hold whenever the engine stops (see :mod:`flowtrain.runtime.executor`):
+What must hold whenever the engine stops (see :mod:`flowtrain.runtime.engine`):
 
 - no task is launched after the stop (an instrument counts launches at the stop) and no job
   *starts* after it (lanes stamp ``fence.began`` under the gate that ``abort()`` takes, so
@@ -365,14 +365,14 @@ def test_the_grace_period_and_the_timeout_are_checked():
 
 
 async def test_a_lane_that_fails_to_start_leaves_no_threads(monkeypatch):
-    from flowtrain.runtime import executor
+    from flowtrain.runtime import engine as engine_module
 
     def lane(name, *args, **kwargs):
         if name == "cpu":
             raise OSError("no more threads")
         return ThreadLane(name, *args, **kwargs)
 
-    monkeypatch.setattr(executor, "ThreadLane", lane)
+    monkeypatch.setattr(engine_module, "ThreadLane", lane)
     with pytest.raises(OSError, match="no more threads"):
         async with Engine(Recorder()):
             pass

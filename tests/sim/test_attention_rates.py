@@ -160,11 +160,12 @@ def test_a_machine_without_the_table_predicts_exactly_as_before():
 def simulate(argv: list[str], machine: Machine):
     """What ``flowtrain simulate`` predicts for ``argv`` (flowtrain.cli.simulate.run's path)."""
     from flowtrain.cli import simulate as cli
+    from flowtrain.cli.plan import plan_for
 
     p = argparse.ArgumentParser()
     cli.add_arguments(p)
     args = p.parse_args(argv)
-    _, req, plan, _, _, predictions = cli.plan_for(args, machine, with_predictions=True)
+    _, req, plan, _, _, predictions = plan_for(args, machine, with_predictions=True)
     assert plan.fits
     return plan, predictions.prediction(req, plan, machine, adam_workers=args.adam_workers, steps=args.steps,
                                         world=req.processes, nodes=args.nnodes)

@@ -12,7 +12,7 @@ import torch
 from flowtrain.cli import main
 from flowtrain.cli.plan import format_plan
 from flowtrain.model import preset
-from flowtrain.plan.memory import RunRequest
+from flowtrain.plan.request import RunRequest
 from flowtrain.plan.planner import plan_run
 from flowtrain.sim.choose_plan import plan_and_choose
 from flowtrain.sim.machine import load_machine, machine_for_gpu

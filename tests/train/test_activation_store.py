@@ -8,7 +8,7 @@ import torch
 
 from flowtrain.train import program as program_module
 from flowtrain.train.activations import ActivationStore, Table
-from flowtrain.train.trainer import TrainConfig, train
+from flowtrain.train.run import TrainConfig, train
 
 
 def test_a_table_hands_each_value_over_once():

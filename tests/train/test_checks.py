@@ -16,7 +16,7 @@ from flowtrain.errors import ConfigError
 from flowtrain.model import ModelConfig, preset
 from flowtrain.cli.train import flag_of
 from flowtrain.train.checks import check_compile_backend, check_fields, check_output_paths
-from flowtrain.train.trainer import TrainConfig
+from flowtrain.train.run import TrainConfig
 
 NAN, INF = math.nan, math.inf
 
@@ -286,7 +286,7 @@ def test_an_unknown_attention_backend_is_refused_before_anything_runs():
 
 
 def test_long_context_asks_for_expandable_segments_unless_the_user_chose():
-    from flowtrain.train.trainer import prefer_expandable_segments
+    from flowtrain.train.prepare import prefer_expandable_segments
 
     env: dict[str, str] = {}
     assert not prefer_expandable_segments(TrainConfig(seq_len=4096, micro_batch_size=8), env) and env == {}

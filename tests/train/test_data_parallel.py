@@ -214,7 +214,7 @@ def test_processes_sharing_the_state_plan_the_node_once():
     """The plan counts the shared state (master, Adam) once per node and each process's own
     buffers once per process; ``--undo-mem`` is the node's."""
     from flowtrain.model import preset
-    from flowtrain.plan.memory import RunRequest
+    from flowtrain.plan.request import RunRequest
     from flowtrain.plan.planner import plan_run
 
     cfg = preset("tiny")

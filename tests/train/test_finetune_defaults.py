@@ -10,7 +10,8 @@ from test_train_vs_hf import ROWS, SEQ, STEPS, assert_same_weights, make_checkpo
 from flowtrain.model import model_layouts, preset
 from flowtrain.train import defaults
 from flowtrain.train.optimizer import decay_segments, no_decay_ranges, skips_decay
-from flowtrain.train.trainer import TrainConfig, resolve_defaults
+from flowtrain.train.run import TrainConfig
+from flowtrain.train.prepare import resolve_defaults
 
 transformers = pytest.importorskip("transformers")
 

@@ -57,7 +57,7 @@ def test_chat_fine_tune_of_a_qwen3_checkpoint_reloads_in_bf16_and_generates(tmp_
 def test_sharded_bf16_output_on_request(tmp_path):
     make_qwen3(tmp_path / "qwen3")
     data = write_jsonl(tmp_path / "pc.jsonl", [{"prompt": "what is two plus three", "completion": "five"}] * 8)
-    from flowtrain.train.trainer import TrainConfig, train
+    from flowtrain.train.run import TrainConfig, train
 
     train(TrainConfig(model=str(tmp_path / "qwen3"), data=str(data), steps=2, batch_size=4, micro_batch_size=2,
                       seq_len=16, device="cpu", progress=False, out=str(tmp_path / "fp32"), save_dtype="fp32"))

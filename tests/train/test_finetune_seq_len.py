@@ -14,7 +14,8 @@ from flowtrain.cli import build_parser, main
 from flowtrain.cli.train import config_from_args
 from flowtrain.data.source import FromData, load_sequences
 from flowtrain.train import defaults
-from flowtrain.train.trainer import TrainConfig, prepare
+from flowtrain.train.run import TrainConfig
+from flowtrain.train.prepare import prepare
 
 transformers = pytest.importorskip("transformers")
 

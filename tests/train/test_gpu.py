@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from flowtrain.train.trainer import TrainConfig, train
+from flowtrain.train.run import TrainConfig, train
 
 pytestmark = [
     pytest.mark.gpu,
@@ -246,9 +246,9 @@ def test_running_out_of_gpu_memory_is_one_error_that_names_where_and_the_plan(tm
     was asked and held, and the plan's count; no final model is written."""
     from flowtrain.errors import GpuOutOfMemory
     from flowtrain.train import program as program_module
-    from flowtrain.train import trainer
+    from flowtrain.train import run as run_module
 
-    build, forward = trainer.build_state, program_module.HANDLERS["forward"]
+    build, forward = run_module.build_state, program_module.HANDLERS["forward"]
 
     def build_starved(run):
         if before:
@@ -262,7 +262,7 @@ def test_running_out_of_gpu_memory_is_one_error_that_names_where_and_the_plan(tm
         torch.empty(64 << 20, dtype=torch.uint8, device="cuda")  # more than any cached block of this run
         forward(program, task, ctx)
 
-    monkeypatch.setattr(trainer, "build_state", build_starved)
+    monkeypatch.setattr(run_module, "build_state", build_starved)
     for kind in ("forward", "recompute"):
         monkeypatch.setitem(program_module.HANDLERS, kind, forward_with_work)
     out = tmp_path / "out"

@@ -185,7 +185,7 @@ def test_a_step_found_not_finite_leaves_each_experts_step_count(tmp_path, monkey
     layer 2's AdamW on the device skips it under the step's found_inf."""
     from safetensors import safe_open
 
-    from flowtrain.train.trainer import TrainConfig, train
+    from flowtrain.train.run import TrainConfig, train
 
     _setup(tmp_path, "qwen3-moe")
     monkeypatch.setenv("FLOWTRAIN_INJECT_NAN", "step=1,where=layer.0")

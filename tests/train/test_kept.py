@@ -19,7 +19,8 @@ from flowtrain.errors import ConfigError
 from flowtrain.graph.compiler import StepSpec, compile_step
 from flowtrain.graph.tasks import Backward, Forward
 from flowtrain.model import decoder_layer, model_layouts, rope_tables
-from flowtrain.plan.memory import RunRequest, kept_bytes_per_token
+from flowtrain.plan.memory import kept_bytes_per_token
+from flowtrain.plan.request import RunRequest
 from flowtrain.plan.planner import place_activations, plan_run
 from flowtrain.train.kept import saved_bytes
 

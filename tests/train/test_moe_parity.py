@@ -145,7 +145,7 @@ def straight_and_resumed(tmp_path, **settings):
     and two more from it into tmp_path/b; every file of the two the same, bit for bit."""
     from safetensors.torch import load_file
 
-    from flowtrain.train.trainer import TrainConfig, train
+    from flowtrain.train.run import TrainConfig, train
 
     base = dict(model=str(tmp_path / "model"), data=str(tmp_path / "data.jsonl"), batch_size=ROWS, micro_batch_size=2,
                 seq_len=SEQ, steps=4, device="cpu", precision="fp32", progress=False, save_every=2, **settings)

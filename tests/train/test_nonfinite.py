@@ -25,7 +25,7 @@ from flowtrain.graph import StepSpec, compile_step, cross_step_edges
 from flowtrain.model import ModelConfig
 from flowtrain.model.layout import model_layouts
 from flowtrain.policy import resolve_policy
-from flowtrain.runtime.executor import Engine
+from flowtrain.runtime.engine import Engine
 from flowtrain.train.host_state import HostState, grad_chunks, staging_numel
 from flowtrain.train.nonfinite import INJECT_ENV, Injection, nonfinite
 from flowtrain.train.optimizer import AdamWConfig, adamw_step

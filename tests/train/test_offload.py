@@ -20,7 +20,8 @@ import torch
 from flowtrain.errors import ConfigError
 from flowtrain.graph.compiler import StepSpec, compile_step
 from flowtrain.graph.tasks import ACTS, FetchAct, OffloadAct
-from flowtrain.plan.memory import RunRequest, card_for
+from flowtrain.plan.memory import card_for
+from flowtrain.plan.request import RunRequest
 from flowtrain.plan.planner import plan_run
 from flowtrain.policy import resolve_policy
 from flowtrain.sim.clock import VirtualRun

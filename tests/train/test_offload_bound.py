@@ -20,7 +20,8 @@ from __future__ import annotations
 import pytest
 
 from flowtrain.graph.compiler import StepSpec, compile_step
-from flowtrain.plan.memory import RunRequest, offload_act_slots, offload_in_flight
+from flowtrain.plan.memory import offload_act_slots, offload_in_flight
+from flowtrain.plan.request import RunRequest
 from flowtrain.sim.clock import VirtualRun
 
 

@@ -22,7 +22,7 @@ from flowtrain.model import bind, decoder_layer, model_layouts, preset, rope_tab
 from flowtrain.model import saved_attention as sa
 from flowtrain.model.attention import Documents, rotary_for
 from flowtrain.plan.attention import attention_pays, saved_attention_bytes
-from flowtrain.plan.memory import RunRequest
+from flowtrain.plan.request import RunRequest
 from flowtrain.plan.planner import plan_run
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "model"))
@@ -314,7 +314,7 @@ def test_gpu_training_with_saved_attention_matches_recompute(tmp_path):
     recomputing run trains (bf16 rounding apart), and did keep attention outputs."""
     from safetensors.torch import load_file
 
-    from flowtrain.train.trainer import TrainConfig, train
+    from flowtrain.train.run import TrainConfig, train
 
     def run(name, activations):
         out = tmp_path / name

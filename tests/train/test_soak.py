@@ -18,7 +18,8 @@ import torch
 from flowtrain.data.source import step_batches
 from flowtrain.graph.compiler import compile_step
 from flowtrain.runtime.reference import run_reference
-from flowtrain.train.trainer import TrainConfig, build_state, prepare, train
+from flowtrain.train.run import TrainConfig, build_state, train
+from flowtrain.train.prepare import prepare
 
 CFG = dict(model="tiny", batch_size=4, micro_batch_size=2, seq_len=32, lr=1e-3, warmup_steps=10,
            lr_schedule="cosine", device="cpu", progress=False)
@@ -45,15 +46,15 @@ def test_random_delays_in_every_lane_give_the_reference_weights(tmp_path, monkey
     ref = reference_state(TrainConfig(**CFG, steps=steps))
     captured = {}
 
-    import flowtrain.train.trainer as trainer
+    import flowtrain.train.run as run_module
 
-    real_build = trainer.build_state
+    real_build = run_module.build_state
 
     def keep(run):
         captured["state"], program = real_build(run)
         return captured["state"], program
 
-    monkeypatch.setattr(trainer, "build_state", keep)
+    monkeypatch.setattr(run_module, "build_state", keep)
     monkeypatch.setenv("FLOWTRAIN_FAULT", "*:delay=0.001;seed=3")
     train(TrainConfig(**CFG, steps=steps, policy="lookahead", out=str(tmp_path / "out"), save_every=save_every,
                       save_total_limit=1))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from flowtrain.train.summary import _ranges
-from flowtrain.train.trainer import TrainConfig, train
+from flowtrain.train.run import TrainConfig, train
 
 
 def test_the_summary_names_model_data_steps_and_outputs(tmp_path, capsys):

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from flowtrain.errors import ConfigError
 from flowtrain.policy import resolve_policy
-from flowtrain.train.trainer import TrainConfig, train
+from flowtrain.train.run import TrainConfig, train
 
 ZIGZAG = textwrap.dedent('''
     from flowtrain.policy import Proposal, natural_order

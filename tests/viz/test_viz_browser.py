@@ -82,7 +82,7 @@ def assert_clean_render(attrs: dict[str, str], console: list[str], traces: list[
 @pytest.fixture(scope="module")
 def cpu_traces(tmp_path_factory) -> list[Path]:
     """Real CPU training runs (``flowtrain train --trace``): the tiny model under two policies."""
-    from flowtrain.train.trainer import TrainConfig, train
+    from flowtrain.train.run import TrainConfig, train
 
     d = tmp_path_factory.mktemp("traces")
     paths = []

@@ -4,50 +4,22 @@ Where the plan offloads a layer's checkpoint (``--activations offload``), its in
 pinned host buffer kept per ``(layer, micro_batch)`` and reused every step, between the forward
 that made it and the backward that needs it; ``fetch_act`` brings it back into one of
 ``budgets["acts"]`` device buffers (a slot: the engine makes the next copy into it wait for
-the backward tasks that read it), so no copy back allocates device memory.
+the backward tasks that read it), so no copy back allocates device memory. Both sets of
+buffers are the program's :class:`~.slots.OffloadedActivations`.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 import torch
 
 from ...graph.tasks import FetchAct, OffloadAct
-from ...runtime.executor import TaskContext
-from ..host_state import pinned_zeros
+from ...runtime.engine import TaskContext
 from .registry import HANDLERS
 
 if TYPE_CHECKING:
     from .core import StepProgram
-
-
-class OffloadedActivations:
-    """The pinned host buffers of offloaded checkpoints and the device buffers they come back to."""
-
-    def __init__(self, device: torch.device) -> None:
-        self.device = device
-        self.pin = device.type == "cuda"
-        #: offloaded checkpoints' pinned host buffers by (layer, micro_batch), reused every step
-        self.host: dict[tuple[int, int], torch.Tensor] = {}
-        #: device buffers that fetch_act copies checkpoints back into, by acts slot, made at
-        #: the first copy into each, once the checkpoint's shape is known
-        self.slots: dict[int, torch.Tensor] = {}
-
-    def reserve(self, layers: Iterable[int], micro_batches: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        """Allocate the host buffer of every checkpoint the step graph offloads (layer ``i``'s
-        input of each micro-batch, of ``shape``)."""
-        for i in layers:
-            for m in range(micro_batches):
-                if (i, m) not in self.host:
-                    self.host[(i, m)] = self.buffer(shape, dtype)
-
-    def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-        # page-locked in place: torch's pinned allocator would round a 3 GiB checkpoint up to
-        # 4 GiB (a power of two), host memory the plan does not have
-        return pinned_zeros(math.prod(shape), self.pin, dtype).view(shape)
 
 
 @HANDLERS.register("offload_act")

@@ -11,8 +11,8 @@ kind is registered with (:data:`~.registry.HANDLERS`)::
 The parts, each chosen once per run: :class:`~.slots.Slots` (the slot pools' buffers),
 :mod:`.training` (the whole model, or LoRA's adapters), :mod:`.tied` (the head's own matrix
 or the embedding's), :class:`~.experts.Experts` (the load-balancing loss, idle experts),
-:class:`~.finiteness.Finiteness` (non-finite steps), :class:`~.layers.LayerRunner` (rotary
-tables, documents, the layer function) and :class:`~.act_offload.OffloadedActivations`.
+:class:`~.finiteness.Finiteness` (non-finite steps), :class:`~.layer_runner.LayerRunner` (rotary
+tables, documents, the layer function) and :class:`~.slots.OffloadedActivations`.
 """
 
 from __future__ import annotations
@@ -27,19 +27,17 @@ from ...ckpt.checkpoints import CheckpointWriter
 from ...errors import ConfigError, NonFiniteError
 from ...graph.compiler import checkpoint_layers
 from ...graph.tasks import Task
-from ...runtime.executor import TaskContext
+from ...runtime.engine import TaskContext
 from ..activations import ActivationStore
 from ..distributed import World, all_reduce_sum
 from ..host_state import HostState, UnitState
 from ..nonfinite import Injection
 from ..optimizer import AdamWConfig, no_decay_ranges
-from .act_offload import OffloadedActivations
 from .experts import Experts
 from .finiteness import Finiteness
-from .gradients import total_norm
-from .layers import LayerRunner
+from .layer_runner import LayerRunner
 from .registry import HANDLERS
-from .slots import Slots
+from .slots import OffloadedActivations, Slots
 from .step_data import EvalData, StepData, documents
 from .tied import head_part
 from .training import trained_part
@@ -156,7 +154,7 @@ class StepProgram:
                 aux = aux.detach().clone()
                 all_reduce_sum(aux, metrics=True)
             loss += float(aux)
-        norm = data.total_norm if data.total_norm is not None else total_norm(self, data)
+        norm = data.total_norm if data.total_norm is not None else self.total_norm(data)
         self.finite.settle(data)  # a no-op where verify_step or grad_norm has settled the step
         unfetched = self.experts.end(step)
         if unfetched is not None:
@@ -165,6 +163,14 @@ class StepProgram:
         if data.check.error is not None:
             raise NonFiniteError(data.check.error)
         return loss, norm, data.check.skipped
+
+    def total_norm(self, data: StepData) -> float:
+        """The step's global gradient norm from every piece's squared norm (a tied embedding's
+        summed first)."""
+        self.head.sum_whole(data)
+        total = sum(float(v) for v in data.sq_norms.values())
+        data.total_norm = math.sqrt(total)
+        return data.total_norm
 
     def _step_loss(self, data: StepData) -> torch.Tensor:
         """The step's summed loss: this process's, or with several, all of theirs (summed over

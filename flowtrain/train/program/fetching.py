@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ...graph.tasks import Fetch
-from ...runtime.executor import TaskContext
+from ...runtime.engine import TaskContext
 from .registry import HANDLERS
 
 if TYPE_CHECKING:

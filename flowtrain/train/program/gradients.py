@@ -13,20 +13,18 @@ flag every ``gpu_adam`` passes to the fused kernel.
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 import torch
 
 from ...graph.tasks import GRADS, FoundInf, GradNorm, GradSqNorm, OffloadGrad, ReduceGrad, ZeroGrad
 from ...plan.host_layout import chunk_range
-from ...runtime.executor import TaskContext
+from ...runtime.engine import TaskContext
 from ..distributed import all_reduce_sum
 from ..host_state import UnitState
 from ..nonfinite import nonfinite
 from ..optimizer import clip_coefficient
 from .registry import HANDLERS
-from .step_data import StepData
 
 if TYPE_CHECKING:
     from .core import StepProgram
@@ -87,21 +85,12 @@ def run_grad_sq_norm(p: StepProgram, task: GradSqNorm, ctx: TaskContext) -> None
     p.finite.resident_sq_norm(p.steps[task.step], p.unit(task))
 
 
-def total_norm(p: StepProgram, data: StepData) -> float:
-    """The step's global gradient norm from every piece's squared norm (a tied embedding's
-    summed first)."""
-    p.head.sum_whole(data)
-    total = sum(float(v) for v in data.sq_norms.values())
-    data.total_norm = math.sqrt(total)
-    return data.total_norm
-
-
 @HANDLERS.register("grad_norm")
 def run_grad_norm(p: StepProgram, task: GradNorm, ctx: TaskContext) -> None:
     """With clipping every gradient is in before any Adam: the step is settled here, so its
     Adam tasks either all skip or all update, and nothing needs an undo record."""
     data = p.steps[task.step]
-    data.clip = clip_coefficient(total_norm(p, data), p.adamw.grad_clip)
+    data.clip = clip_coefficient(p.total_norm(data), p.adamw.grad_clip)
     p.finite.settle(data)
 
 

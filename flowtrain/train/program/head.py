@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from ...graph.tasks import EvalLoss, Loss
 from ...model import head_loss, head_loss_and_grads
-from ...runtime.executor import TaskContext
+from ...runtime.engine import TaskContext
 from .registry import HANDLERS
 
 if TYPE_CHECKING:

@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ...graph.tasks import SaveUnit, SyncStep
-from ...runtime.executor import TaskContext
+from ...runtime.engine import TaskContext
 from ..distributed import node_barrier
 from .registry import HANDLERS
 

@@ -13,17 +13,23 @@
   streamed layer; ``offload_grad`` of chunk ``c`` copies that piece of a unit's gradient into
   one, and the ``cpu_adam`` of the same chunk updates the matching piece of the master from it.
 
+- ``acts``: where checkpoints are offloaded, the device buffers ``fetch_act`` copies them back
+  into, one per slot, beside their pinned host buffers (:class:`OffloadedActivations`).
+
 A resident unit (``unit.resident``) takes no slot: :meth:`Slots.weights` and
 :meth:`Slots.grads` answer its own device copies instead.
 """
 
 from __future__ import annotations
 
+import math
+from collections.abc import Iterable
+
 import torch
 
 from ...graph.tasks import GRADS, HOST_GRADS, WEIGHTS
 from ...plan.host_layout import LANDING_NUMEL, slot_numel, staging_numel
-from ...runtime.executor import TaskContext
+from ...runtime.engine import TaskContext
 from ..host_state import HostState, UnitState, pinned_zeros
 
 
@@ -88,3 +94,29 @@ class Slots:
         out = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
         out.copy_(t, non_blocking=True)
         return out
+
+
+class OffloadedActivations:
+    """The pinned host buffers of offloaded checkpoints and the device buffers they come back to."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.pin = device.type == "cuda"
+        #: offloaded checkpoints' pinned host buffers by (layer, micro_batch), reused every step
+        self.host: dict[tuple[int, int], torch.Tensor] = {}
+        #: device buffers that fetch_act copies checkpoints back into, by acts slot, made at
+        #: the first copy into each, once the checkpoint's shape is known
+        self.slots: dict[int, torch.Tensor] = {}
+
+    def reserve(self, layers: Iterable[int], micro_batches: int, shape: tuple[int, ...], dtype: torch.dtype) -> None:
+        """Allocate the host buffer of every checkpoint the step graph offloads (layer ``i``'s
+        input of each micro-batch, of ``shape``)."""
+        for i in layers:
+            for m in range(micro_batches):
+                if (i, m) not in self.host:
+                    self.host[(i, m)] = self.buffer(shape, dtype)
+
+    def buffer(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        # page-locked in place: torch's pinned allocator would round a 3 GiB checkpoint up to
+        # 4 GiB (a power of two), host memory the plan does not have
+        return pinned_zeros(math.prod(shape), self.pin, dtype).view(shape)

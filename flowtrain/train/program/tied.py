@@ -21,7 +21,7 @@ import torch
 
 from ...graph.tasks import Task
 from ...model import bind
-from ...runtime.executor import TaskContext
+from ...runtime.engine import TaskContext
 from ..host_state import HostState, UnitState, pinned_zeros
 from ..nonfinite import nonfinite
 from .slots import Slots

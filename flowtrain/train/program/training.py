@@ -25,7 +25,7 @@ import torch
 from ...graph.tasks import WEIGHTS, Task
 from ...model import bind
 from ...model.lora import adapted, dropout_masks
-from ...runtime.executor import TaskContext
+from ...runtime.engine import TaskContext
 from ..host_state import HostState, UnitState
 from ..kept import Kept, forward_kept
 from ..weight_grads import weight_leaves

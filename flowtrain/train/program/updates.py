@@ -17,7 +17,7 @@ import torch
 
 from ...graph.tasks import HOST_GRADS, CpuAdam, GpuAdam, VerifyStep
 from ...plan.host_layout import chunk_range
-from ...runtime.executor import TaskContext
+from ...runtime.engine import TaskContext
 from ..nonfinite import SKIP, Saved
 from ..optimizer import adamw_experts, adamw_pieces, adamw_step
 from .registry import HANDLERS

@@ -1,4 +1,4 @@
-"""The asyncio executor: the shell around the pure :class:`Scheduler`.
+"""The engine: the asyncio shell around the pure :class:`Scheduler`, which runs task graphs.
 
 It turns the scheduler's launch instructions into lane jobs and lane completions back into
 scheduler events. Nothing here decides *what* runs next. Usage::

@@ -1,4 +1,4 @@
-"""``flowtrain bench --model``: tokens/s, model TFLOP/s, memory and lane busy fractions.
+"""A training configuration's speed (``flowtrain bench --model``): tokens/s, model TFLOP/s, memory, busy lanes.
 
 Trains ``--steps`` steps of a preset (or model directory) on random tokens (or on ``--data``,
 read as ``flowtrain train`` reads it: packed, with document masking, unless ``--no-packing``) and
@@ -39,7 +39,7 @@ from ..runtime.trace import TraceRecorder, lane_busy, write_chrome_trace
 # ``flowtrain bench --help`` (which adds these options) stays instant.
 if TYPE_CHECKING:
     from ..plan.memory import Plan
-    from ..train.trainer import TrainConfig
+    from ..train.run_config import TrainConfig
 
 
 #: the fields of ``TrainConfig`` that ``bench --model`` takes, with train's flags and checks
@@ -68,7 +68,7 @@ def add_model_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) ->
 
 def model_flops_per_token(model: str, seq_len: int, adapter_params: float | None = None) -> float:
     from ..model.config import model_flops_per_token as per_token
-    from ..train.trainer import load_model_config
+    from ..train.run_config import load_model_config
 
     cfg, _ = load_model_config(model)
     return per_token(cfg, seq_len, adapter_params)
@@ -79,8 +79,8 @@ def run_model(args: argparse.Namespace) -> dict:
     import torch
 
     from ..plan.adapters import adapter_active_numel, adapter_numel
-    from ..plan.memory import run_request
-    from ..train.trainer import load_model_config
+    from ..plan.request import run_request
+    from ..train.run_config import load_model_config
 
     _check_model_args(args)
     cfg_m, _ = load_model_config(args.model)
@@ -130,7 +130,8 @@ def _train(args: argparse.Namespace, vocab_size: int) -> tuple:
     import numpy as np
     import torch
 
-    from ..train.trainer import TrainConfig, prefer_expandable_segments, train
+    from ..train.run import TrainConfig, train
+    from ..train.prepare import prefer_expandable_segments
 
     with tempfile.TemporaryDirectory() as tmp:
         data = args.data
@@ -233,12 +234,13 @@ def _report_peak(path: str, base: int, plans: list) -> dict:
 
 def bench_trace_meta(args: argparse.Namespace, cfg: TrainConfig, plans: list, records: list) -> dict:
     """What ``flowtrain bench --trace`` records about its run: what a ``flowtrain train
-    --trace`` file does (:func:`flowtrain.train.trainer.trace_meta`: budgets, slot sizes, where
+    --trace`` file does (:func:`flowtrain.train.run.trace_meta`: budgets, slot sizes, where
     each pool lives, limits, planned and measured peaks), and the steps the benchmark left out
     as warm-up."""
     import torch
 
-    from ..train.trainer import resolve_dtype, trace_meta
+    from ..train.run import trace_meta
+    from ..train.prepare import resolve_dtype
 
     if not plans:  # the run stopped before it was planned: what is known
         return {"policy": args.policy, "model": args.model, "warmup": args.warmup}

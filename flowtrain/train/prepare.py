@@ -1,73 +1,49 @@
-"""The training loop: compile steps, feed them to the engine, report, checkpoint, save.
+"""Preparing a run: every input and output checked, the checkpoint to resume read, the data
+tokenised and the memory planned, before anything large is allocated.
 
-Steps overlap: step ``s + 1`` is handed to the engine before step ``s`` has finished, with
-edges from each unit's ``cpu_adam`` in step ``s`` to that unit's fetches in step ``s + 1``. So
-the next forward starts as soon as the embedding's and the first layers' Adam are done,
-while Adam for the units above still runs on the CPU. At most two steps are in flight::
+What bad input can make fail fails here, in one line naming the setting, before a run allocates
+its state or touches the GPU; :class:`Run` holds what was decided and loaded, and
+:func:`flowtrain.train.run.train` builds the state from it and runs the loop::
 
-    cfg = TrainConfig(model="tiny", steps=100, out="trained", save_every=25)
-    result = train(cfg)                # returns the per-step metrics
-
-A run has three phases: :func:`prepare` (everything that can fail on bad input, before any
-large allocation), the :class:`~flowtrain.train.loop.TrainingLoop` (the engine), and the final
-save. With
-``save_every``, a step that ends a checkpoint interval gets one ``save`` task per unit
-(:mod:`flowtrain.graph.saving`), which writes the unit while the next step computes; the
-checkpoint is completed and renamed into place once the step is done
-(:mod:`flowtrain.ckpt.checkpoints`). ``resume`` restores a checkpoint's weights, Adam state,
-data position and counters, so the run continues exactly as if it had never stopped.
+    run = prepare(TrainConfig(model="tiny", steps=10))
+    run.plan.fits, run.plan.layout, run.seqs.seq_len, run.schedule(0)   # the plan, the data, the rate of step 0
 """
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
-import contextlib
-import gc
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Sequence
 
 import msgspec
 import torch
 
 from ..ckpt import checkpoints
-from ..ckpt.adapter_files import read_adapter, read_spec
-from ..ckpt.out_lock import OutLock, check_free
-from ..ckpt.output import remove_stale_temp, resolve_out, resolve_save_dtype, save_final_model
-from ..ckpt.resume import ContinuedSchedule, check_compatible, restore_rng, resumed_schedule, steps_done
+from ..ckpt.adapter_files import read_spec
+from ..ckpt.out_lock import check_free
+from ..ckpt.output import resolve_out, resolve_save_dtype
+from ..ckpt.resume import ContinuedSchedule, check_compatible, resumed_schedule, steps_done
 from ..data.source import FromData, Sequences, default_corpus_path, load_sequences
 from ..errors import CheckpointError, ConfigError, PlanError
-from ..graph.tasks import GRADS, HOST_GRADS, WEIGHTS
 from ..model import ModelConfig, read_config
-from ..model.attention import attention_backends
 from ..model.config import MLP_CHUNK_TOKENS
 from ..model.model_dir import check_weight_headers
 from ..model.presets import PRESETS
 from ..plan.host_layout import check_units_fit
-from ..plan.memory import Plan, cap_gpu_memory, run_request
+from ..plan.memory import Plan
+from ..plan.request import run_request
 from ..policy import resolve_policy
-from ..runtime.executor import use_uvloop
-from ..runtime.trace import Instrument, TraceRecorder, lane_busy, write_chrome_trace
 from ..sim.choose_plan import plan_and_choose
 from . import defaults
 from .checks import check_compile_backend, check_fields, check_output_paths
-from .settings import check_values
-from .distributed import World, join, leave, local_share, node_barrier, world_from_env
-from .host_state import HostState, return_freed_memory
-from .loop import TrainingLoop
+from .distributed import World, local_share, world_from_env
 from .optimizer import AdamWConfig, LRSchedule
-from .out_of_memory import gpu_out_of_memory
-from .pinning import unpin_all
-from .program import StepProgram
-from .reporting import Reporter, StepMetrics
-from .run_config import TrainConfig, compile_backend, load_model_config, lora_spec, precision_bytes, validate  # noqa: F401 - re-exported
-from .shared_state import remove_stale, shared_dir
-from .shutdown import Shutdown
-from .summary import summary_lines
+from .run_config import TrainConfig, load_model_config, lora_spec, precision_bytes, validate
+from .settings import check_values
 
-__all__ = ["TrainConfig", "StepMetrics", "train", "prepare"]
+__all__ = ["Run", "adamw_config", "prefer_expandable_segments", "prepare", "resolve_defaults", "resolve_device",
+           "resolve_dtype", "seq_len_of_data"]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -212,19 +188,6 @@ def _data_parallel(cfg: TrainConfig, world: World, device: torch.device) -> tupl
     return device, local
 
 
-def for_rank(cfg: TrainConfig, world: World) -> TrainConfig:
-    """What this process writes: rank 0 everything asked for; the others nothing but their own
-    trace (``NAME.rankR.json`` beside rank 0's ``NAME.json``), so that files are written once."""
-    if world.leader:
-        return cfg
-    trace = None
-    if cfg.trace:
-        p = Path(cfg.trace)
-        trace = str(p.with_name(f"{p.stem}.rank{world.rank}{p.suffix or '.json'}"))
-    return msgspec.structs.replace(cfg, out=None, metrics=None, progress=False, save_every=None,
-                                   save_total_limit=None, trace=trace)
-
-
 def _load_eval(cfg: TrainConfig, mcfg: ModelConfig, tokenizer_dir: Path | None) -> Sequences | None:
     """The held-out set, read and tokenised exactly like ``--data``. Every evaluation runs the
     model forward over all of it: its cost is that of a forward pass over that many sequences."""
@@ -361,41 +324,6 @@ def _check_saved_settings(settings: dict, where: Path) -> None:
         raise CheckpointError(f"{where}: trainer_state.json's settings are not a run's settings ({e})") from None
 
 
-def build_state(run: Run) -> tuple[HostState, StepProgram]:
-    """Allocate the host state and the device buffers the plan sized, and fill the weights."""
-    cfg, plan = run.cfg, run.plan
-    spec = plan.spec
-    torch.manual_seed(cfg.seed)
-    state = HostState.create(run.mcfg, pin=run.device.type == "cuda", layout=plan.layout, resident=spec.resident,
-                             device=run.device, dtype=run.dtype, chunks=spec.grad_chunks,
-                             world=run.world if spec.share > 1 else None, lora=lora_spec(cfg),
-                             skip_idle=spec.routed, host_adapters=spec.host_adapters)
-    if run.resume_from is not None:
-        if state.lora is not None:  # the base first: the checkpoint holds the adapters
-            if run.base_dir is None:
-                state.init_random(cfg.seed)
-            else:
-                state.load_checkpoint(run.base_dir)
-        checkpoints.load_training_state(run.resume_from, state)
-        restore_rng(run.resume_state)
-    elif run.model_dir is None:
-        state.init_random(cfg.seed)
-    else:
-        state.load_checkpoint(run.model_dir)
-        state.init_adapters(cfg.seed)
-    if cfg.adapter is not None:  # the adapters it starts from
-        state.load_adapters(read_adapter(cfg.adapter, run.mcfg)[2])
-    if spec.share > 1:
-        node_barrier()  # the node's processes filled the shared state alike; none trains before all are done
-    program = StepProgram(state, device=run.device, dtype=run.dtype, seq_len=cfg.seq_len,
-                          checkpoint_every=cfg.checkpoint_every, budgets=plan.budgets, adamw=adamw_config(cfg),
-                          chunk_tokens=plan.chunk_tokens, compile_backend=compile_backend(cfg.compile, run.device.type),
-                          undo_bytes=int(cfg.undo_mem * 2**30) // spec.share, world=run.world,
-                          owned=spec.owned_by(run.world.local_rank), seed=cfg.seed)
-    program.reserve_offloaded(spec.offload, spec.micro_batches, cfg.micro_batch_size)
-    return state, program
-
-
 def prefer_expandable_segments(cfg: TrainConfig, environ: dict[str, str] | None = None) -> bool:
     """Long context (more tokens per micro-batch than the MLP takes at once) or a card size
     (``--gpu-mem``): ask torch's CUDA allocator for expandable segments unless
@@ -411,114 +339,3 @@ def prefer_expandable_segments(cfg: TrainConfig, environ: dict[str, str] | None 
         return False
     env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     return True
-
-
-def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None,
-          instruments: Sequence[Instrument] = (), on_plan: Callable | None = None) -> list[StepMetrics]:
-    """Run a whole training job as configured; returns the metrics of the steps it ran.
-    ``instruments`` see every task the engine runs (e.g. a :class:`TraceRecorder`);
-    ``on_plan`` receives the memory plan the run follows.
-
-    Raises :class:`Interrupted` on SIGINT/SIGTERM (in the main thread), :class:`NonFiniteError`
-    when too many steps in a row were skipped, :class:`GpuOutOfMemory` when a task ran out of GPU
-    memory, :class:`StepFailed` when a task failed otherwise; in each case no final model is
-    written and every checkpoint already written stays whole."""
-    world = world_from_env()
-    prefer_expandable_segments(cfg)
-    # Data parallel, every process finishes its steps in flight on a signal (the others need
-    # its all-reduces to finish theirs); only rank 0, with --save-every, then saves.
-    saves = world.leader and cfg.save_every is not None
-    cfg = for_rank(cfg, world)
-    cfg = msgspec.structs.replace(cfg, out=resolve_out(cfg.out))  # as prepare does: one real folder
-    shutdown = Shutdown(graceful=saves or world.parallel, saves=saves)
-    with shutdown, contextlib.ExitStack() as held:
-        if world.parallel:  # a process of the node killed while its shared files had names left them to us
-            held.callback(remove_stale, shared_dir())
-        run = prepare(cfg, world)
-        if cfg.out:  # held until the final model is in place; taken before the clean-up below
-            held.enter_context(OutLock(cfg.out))
-        join(world, run.device.type, cfg.dist_timeout)
-        if on_plan:
-            on_plan(run.plan)
-        if cfg.out:
-            remove_stale_temp(cfg.out)
-            checkpoints.remove_stale(cfg.out)
-        return_freed_memory()
-        if run.device.type == "cuda":
-            if cfg.gpu_mem is not None:
-                cap_gpu_memory(run.device, cfg.gpu_mem)
-            # CPU Adam's threads leave cores to the lane launchers, waiters and the event loop.
-            torch.set_num_threads(max(1, (os.cpu_count() or 2) - 3))
-        try:
-            state, program = build_state(run)
-        except torch.OutOfMemoryError as e:  # the card holds less than the plan was made for
-            raise gpu_out_of_memory("setting up the run's GPU buffers", e, run.plan) from e
-        gc.freeze()  # the model and torch's objects are long-lived: keep full collections off them
-        recorder = TraceRecorder() if cfg.trace else None
-        reporter = Reporter(total=cfg.steps, first=run.first_step, metrics=cfg.metrics, progress=cfg.progress,
-                            quiet=not world.leader)
-        shutdown.say = reporter.say
-        for line in summary_lines(run):
-            reporter.say(line)
-        loop = TrainingLoop(run, state, program, reporter, shutdown, on_step,
-                            [*instruments, *([recorder] if recorder else [])])
-        try:
-            use_uvloop()
-            with attention_backends(cfg.attention_backend, run.device.type):
-                metrics = asyncio.run(loop.main())
-            if run.plan.spec.share > 1:
-                node_barrier()  # every process is done with the shared state before rank 0 saves it
-        finally:
-            shutdown.restore_sync_handlers()
-            loop.abort_checkpoints()
-            reporter.close()
-            if run.device.type == "cuda":  # the run's copies are over: give the pinned pages back
-                unpin_all()
-            leave(world)
-            if recorder is not None:
-                _write_trace(run, recorder)
-        if cfg.out:
-            shutdown.phase = (f"while writing the final model; --out {cfg.out} holds what it held before"
-                              + (f" and {loop.last_saved.name}" if loop.last_saved is not None else ""))
-            save_final_model(state, cfg.out, run.tokenizer_dir, source_dir=run.source_dir, save_dtype=cfg.save_dtype,
-                             merge=cfg.merge, base_model=cfg.model)
-        return metrics
-
-
-def _write_trace(run: Run, recorder: TraceRecorder) -> None:
-    assert run.cfg.trace is not None  # a recorder runs only where --trace names a file
-    write_chrome_trace(run.cfg.trace, recorder.records, meta=trace_meta(run.cfg, run.plan, run.device, run.dtype,
-                                                                       recorder.records))
-
-
-def run_mode(cfg: TrainConfig, plan: Plan) -> str:
-    """What a run trains, in a few words (the visualizer heads a trace's panel with it)."""
-    if cfg.lora:
-        where = "streamed from host memory, CPU AdamW" if plan.spec.host_adapters else "resident with their AdamW"
-        return f"LoRA rank {cfg.lora_rank} over a frozen base, the adapters {where}"
-    return "every parameter" + ("; experts no token reached are not updated" if cfg.skip_idle_experts else "")
-
-
-def trace_meta(cfg: TrainConfig, plan: Plan, device: torch.device, dtype: torch.dtype, records: Sequence) -> dict:
-    """What a trace file records about its run (``flowtrain train --trace`` and ``flowtrain bench
-    --trace`` alike): the settings, the plan's slot budgets, the bytes of a slot of each pool
-    and where each pool lives, the memory limits, the plan's peaks (``planned``) and, on a GPU,
-    the peaks measured so far (``measured``), which the visualizer draws memory against."""
-    meta = {
-        "policy": cfg.policy, "budgets": plan.budgets, "model": cfg.model or "", "device": str(device),
-        "mode": run_mode(cfg, plan),
-        "precision": "fp32" if dtype == torch.float32 else "bf16", "steps": cfg.steps,
-        "busy_seconds": lane_busy(records), "layout": plan.layout,
-        "resident": list(plan.spec.resident), "kept_layers": list(plan.spec.keep),
-        # what the visualizer draws memory against: bytes per slot, where each pool lives, limits
-        "slot_bytes": {pool: size // max(plan.budgets.get(pool, 1), 1) for pool, size in (
-            (WEIGHTS, plan.gpu.get("weight_slots", 0)), (GRADS, plan.gpu.get("grad_slots", 0)),
-            (HOST_GRADS, plan.host.get("staging", 0)))},
-        "pool_memory": {pool: "pinned" if pool == HOST_GRADS else "gpu" for pool in plan.budgets},
-        "capacities": {"gpu": plan.gpu_limit, "host": plan.host_limit},
-        "planned": {"gpu": plan.gpu_total, "host": plan.host_total},
-    }
-    if device.type == "cuda":
-        meta["measured"] = {"gpu_peak": torch.cuda.max_memory_allocated(device),
-                            "gpu_reserved_peak": torch.cuda.max_memory_reserved(device)}
-    return meta
