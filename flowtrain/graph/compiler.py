@@ -82,7 +82,7 @@ off; the ``grad_norm`` / ``found_inf`` gate and the Adam held back for it; ``ver
 
 from __future__ import annotations
 
-from typing import Iterable
+from typing import Iterable, Unpack
 
 import msgspec
 import networkx as nx
@@ -96,6 +96,7 @@ from .tasks import (
     EmbedBackward,
     Fetch,
     FetchAct,
+    FetchPass,
     Forward,
     FoundInf,
     GpuAdam,
@@ -104,10 +105,12 @@ from .tasks import (
     Loss,
     OffloadAct,
     OffloadGrad,
+    Placement,
     Recompute,
     ReduceGrad,
     SyncStep,
     Task,
+    TaskFields,
     Unit,
     VerifyStep,
     ZeroGrad,
@@ -295,7 +298,7 @@ class _Builder:
         self.g = nx.DiGraph(spec=msgspec.to_builtins(spec))
         self.step = step
 
-    def node(self, cls: type[Task], **fields) -> Task:
+    def node(self, cls: type[Task], **fields: Unpack[TaskFields]) -> Task:
         task = cls(step=self.step, **fields)
         check_shape(task)  # each kind names what it should, nothing else
         assert task not in self.g, f"duplicate task {task}"
@@ -365,7 +368,7 @@ class _StepBuilder(_Builder):
         self.held_back: list[tuple[list[Task], str, int | None]] = []  # Adam placed after the gate
 
     # ---- weights and gradient slots ----------------------------------------------------
-    def fetch(self, unit: str, layer: int | None, phase: str, fetch_mb: int | None) -> Task | None:
+    def fetch(self, unit: str, layer: int | None, phase: FetchPass, fetch_mb: int | None) -> Task | None:
         """The fetch of a streamed unit; ``None`` for a resident one (its weights are there)."""
         if self.spec.is_resident(unit, layer):
             return None
@@ -386,7 +389,7 @@ class _StepBuilder(_Builder):
         if slot_task is not None:
             self.dep(slot_task, consumer, reads=True)
 
-    def layer_phase(self, i: int) -> str | None:
+    def layer_phase(self, i: int) -> Placement | None:
         """The phase of layer i's forward and backward: ``"keep"`` where its activations stay,
         ``"attn"`` where its attention output does."""
         if i in self.spec.keep:

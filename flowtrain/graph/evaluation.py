@@ -33,9 +33,7 @@ import networkx as nx
 
 from ..errors import ConfigError
 from .compiler import StepSpec, _Builder
-from .tasks import Embed, EvalLoss, Fetch, Forward, Task
-
-EVAL = "eval"
+from .tasks import EVAL, Embed, Eval, EvalLoss, Fetch, Forward, Task
 
 
 def compile_eval(spec: StepSpec, step: int, micro_batches: int) -> nx.DiGraph:
@@ -57,8 +55,8 @@ def compile_eval(spec: StepSpec, step: int, micro_batches: int) -> nx.DiGraph:
     def run(cls: type[Task], unit: str, layer: int | None, ms: list[int], per_mb: int | None) -> None:
         f = fetch(unit, layer, per_mb)
         for m in ms:
-            fields = {"phase": EVAL} if cls is not EvalLoss else {}
-            t = b.node(cls, unit=unit, layer=layer, micro_batch=m, **fields)
+            phase: Eval | None = EVAL if cls is not EvalLoss else None  # eval_loss: its kind says so
+            t = b.node(cls, unit=unit, layer=layer, micro_batch=m, phase=phase)
             if f is not None:
                 b.dep(f, t, reads=True)
             if m in last:
