@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if plan.fits else 1
 
 
-def _plan_here(args: argparse.Namespace, machine):  # noqa: ANN001, ANN202 - a Machine; (request, Plan, Choice)
+def _plan_here(args: argparse.Namespace, machine):  # machine: a Machine; returns (request, Plan, Choice)
     """The plan on this machine's device (its GPU's free memory a cap too); with ``machine``, the
     fastest configuration that fits as the simulator predicts it there."""
     import torch
@@ -138,7 +138,7 @@ def _plan_here(args: argparse.Namespace, machine):  # noqa: ANN001, ANN202 - a M
     return req, plan, choice
 
 
-def _plan_elsewhere(args: argparse.Namespace, machine):  # noqa: ANN001, ANN202 - a Machine; (request, Plan, Choice)
+def _plan_elsewhere(args: argparse.Namespace, machine):  # machine: a Machine; returns (request, Plan, Choice)
     """The plan for ``machine`` from a computer without a GPU: its GPU and host memory unless
     --gpu-mem/--host-mem say otherwise, as ``flowtrain simulate`` plans, and the fastest
     configuration that fits there."""
@@ -158,7 +158,7 @@ def _gib(n: int | None) -> str:
     return "no limit" if n is None else f"{n / GiB:8.2f} GiB"
 
 
-def format_plan(model: str, plan) -> str:  # noqa: ANN001 - a Plan
+def format_plan(model: str, plan) -> str:  # plan: a Plan
     from ..plan.memory import GiB
     from ..train.summary import activation_placement
 

@@ -43,7 +43,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class _ListMachines(argparse.Action):
     """Prints the shipped machines during parsing (like --help, before required arguments)."""
 
-    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+    def __call__(self, parser, namespace, values, option_string=None):
         from ..sim.machine import load_machine, machine_names
 
         for name in machine_names():
@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def plan_for(args: argparse.Namespace, machine, with_predictions: bool = False) -> tuple:  # noqa: ANN001 - a Machine
+def plan_for(args: argparse.Namespace, machine, with_predictions: bool = False) -> tuple:  # machine: a Machine
     """The model, request and memory plan of ``args`` on ``machine``: plan's checks, then
     ``plan_and_choose`` for a GPU with the machine's memory unless --gpu-mem/--host-mem say otherwise
     (never capped by a GPU of the machine this runs on: the plan is for ``machine``). With

@@ -403,7 +403,7 @@ class Engine:
                 ins.on_launch(task, task.lane)
             try:
                 fence = lane.submit(functools.partial(self.program, task, ctx), fences, task, notify)
-            except BaseException as exc:  # noqa: BLE001 - a CUDA-lane job raised while launching
+            except BaseException as exc:  # a CUDA-lane job raised while launching
                 self._launches[task] = launch
                 self._fail(task, exc)
                 return

@@ -254,7 +254,7 @@ class ThreadLane(_Lane[Tag]):
             fence.start = self.clock.now()
             try:
                 fence.bytes = job() or 0
-            except BaseException as exc:  # noqa: BLE001 - reported to the engine
+            except BaseException as exc:  # reported to the engine
                 fence.end = self.clock.now()
                 self._running[worker] = None
                 fence.failed = True
@@ -336,7 +336,7 @@ class CudaLane(_Lane[Tag]):
         try:
             self.torch.cuda.set_device(self.device)
             self.torch.cuda.synchronize(self.device)  # make the primary context current here (cuBLAS)
-        except BaseException as exc:  # noqa: BLE001 - never die silently: the engine would hang
+        except BaseException as exc:  # never die silently: the engine would hang
             self.abort()
             self.on_error(None, exc)
         self._launch_jobs()
@@ -361,7 +361,7 @@ class CudaLane(_Lane[Tag]):
                     fence.cuda_start.record(self.stream)
                     fence.bytes = job() or 0
                     fence.cuda_end.record(self.stream)
-            except BaseException as exc:  # noqa: BLE001 - reported to the engine
+            except BaseException as exc:  # reported to the engine
                 self._launching = None
                 fence.failed = True
                 self.on_error(tag, exc)
@@ -385,7 +385,7 @@ class CudaLane(_Lane[Tag]):
                 fence.cuda_end.synchronize()
                 fence.start = self.base.elapsed_time(fence.cuda_start) / 1e3
                 fence.end = self.base.elapsed_time(fence.cuda_end) / 1e3
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:
                 self._syncing = None
                 fence.failed = True
                 self.on_error(tag, exc)

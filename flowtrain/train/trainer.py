@@ -62,7 +62,7 @@ from .out_of_memory import gpu_out_of_memory
 from .pinning import unpin_all
 from .program import StepProgram
 from .reporting import Reporter, StepMetrics
-from .run_config import TrainConfig, compile_backend, load_model_config, lora_spec, precision_bytes, validate  # noqa: F401 - re-exported
+from .run_config import TrainConfig, compile_backend, load_model_config, lora_spec, precision_bytes, validate  # re-exported
 from .shared_state import remove_stale, shared_dir
 from .shutdown import Shutdown
 from .summary import summary_lines
