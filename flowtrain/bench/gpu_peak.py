@@ -85,7 +85,7 @@ class Peak(msgspec.Struct, frozen=True):
     before: int
 
 
-def _replay(events: list[dict]):  # noqa: ANN202 - yields (index, event, its freed alloc, the blocks allocated)
+def _replay(events: list[dict]):  # yields (index, event, its freed alloc, the blocks allocated)
     """Each event, the ``alloc`` event of the block it frees (None: none the trace saw
     allocated, or not a free) and the ``alloc`` events of the blocks allocated just after it (by
     address, one dict updated in place). A block counts from its ``alloc`` to its

@@ -199,7 +199,7 @@ def _check_peak_report(path: str, device: str | None) -> None:
     check_output_file("--gpu-peak-report", path)
 
 
-def _recorded(path: str, run, plans: list) -> tuple:  # noqa: ANN001 - run() -> train()'s metrics
+def _recorded(path: str, run, plans: list) -> tuple:  # run: () -> train()'s metrics
     """``run()`` under the allocator's record, then its report written to ``path``, also where
     ``run`` fails (out of memory above all: what was alive then is what the report is for; a
     report that cannot be written then does not hide the failure). Returns ``(run()'s result,
@@ -214,7 +214,7 @@ def _recorded(path: str, run, plans: list) -> tuple:  # noqa: ANN001 - run() -> 
     except BaseException:
         try:
             _report_peak(path, base, plans)
-        except Exception as e:  # noqa: BLE001 - the run's own failure is the one to raise
+        except Exception as e:  # the run's own failure is the one to raise
             print(f"the GPU peak report could not be written: {e}", file=sys.stderr)
         raise
     return result, _report_peak(path, base, plans)
@@ -248,7 +248,7 @@ def bench_trace_meta(args: argparse.Namespace, cfg: TrainConfig, plans: list, re
     return {**trace_meta(cfg, plans[-1], device, resolve_dtype(args.precision, device), records), "warmup": args.warmup}
 
 
-def gpu_memory(torch) -> dict:  # noqa: ANN001 - the torch module, imported by the caller
+def gpu_memory(torch) -> dict:  # torch: the module, imported by the caller
     """The run's device memory, as PyTorch sees it and as the card does (GiB):
     ``gpu_peak_gib`` (most allocated), ``gpu_reserved_peak_gib`` (most the caching allocator
     held), ``gpu_outside_allocator_gib`` (in use on the device now but not the allocator's: the

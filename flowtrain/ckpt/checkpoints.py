@@ -251,7 +251,7 @@ class CheckpointWriter:
     def __enter__(self) -> "CheckpointWriter":
         return self
 
-    def __exit__(self, exc_type, exc, tb) -> None:  # noqa: ANN001
+    def __exit__(self, exc_type, exc, tb) -> None:
         if exc_type is not None:
             self.abort()
 

@@ -37,7 +37,7 @@ from torch import Tensor
 
 from flowtrain.errors import CheckpointError, FlowtrainError
 from flowtrain.model.config import ModelConfig
-from flowtrain.model.model_dir import CONFIG_NAME, read_config  # noqa: F401 - re-exported
+from flowtrain.model.model_dir import CONFIG_NAME, read_config  # re-exported
 from flowtrain.model.layout import UnitLayout, bind, hub_tensors
 
 __all__ = ["checkpoint_dtype", "hf_config_text", "load_into", "read_config", "save_hf", "shard_tensors",
@@ -414,7 +414,7 @@ def write_safetensors(
     return 8 + len(blob) + offset, digest.hexdigest()
 
 
-def _write_tensor(f, t: Tensor, dtype: torch.dtype, digest) -> None:  # noqa: ANN001 (binary file)
+def _write_tensor(f, t: Tensor, dtype: torch.dtype, digest) -> None:  # f: a binary file
     """Stream ``t``'s elements, as ``dtype`` and little-endian, to the open file ``f``."""
     flat = t.reshape(-1)  # a view: bind() entries are contiguous
     for start in range(0, flat.numel(), _WRITE_PIECE):

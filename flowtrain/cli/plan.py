@@ -88,7 +88,7 @@ def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: f
     return cfg, model_dir, run_request(local, model_dir, processes, share=args.nproc_per_node), processes
 
 
-def plan_for(args: argparse.Namespace, machine, with_predictions: bool = False) -> tuple:  # noqa: ANN001 - a Machine
+def plan_for(args: argparse.Namespace, machine, with_predictions: bool = False) -> tuple:  # machine: a Machine
     """The model, request and memory plan of ``args`` on ``machine``: plan's checks, then
     ``plan_and_choose`` for a GPU with the machine's memory unless --gpu-mem/--host-mem say otherwise
     (never capped by a GPU of the machine this runs on: the plan is for ``machine``); what
@@ -136,7 +136,7 @@ def run(args: argparse.Namespace) -> int:
     return 0 if plan.fits else 1
 
 
-def _plan_here(args: argparse.Namespace, machine):  # noqa: ANN001, ANN202 - a Machine; (request, Plan, Choice)
+def _plan_here(args: argparse.Namespace, machine):  # machine: a Machine; returns (request, Plan, Choice)
     """The plan on this machine's device (its GPU's free memory a cap too); with ``machine``, the
     fastest configuration that fits as the simulator predicts it there."""
     import torch
@@ -162,7 +162,7 @@ def _plan_here(args: argparse.Namespace, machine):  # noqa: ANN001, ANN202 - a M
     return req, plan, choice
 
 
-def _plan_elsewhere(args: argparse.Namespace, machine):  # noqa: ANN001, ANN202 - a Machine; (request, Plan, Choice)
+def _plan_elsewhere(args: argparse.Namespace, machine):  # machine: a Machine; returns (request, Plan, Choice)
     """The plan for ``machine`` from a computer without a GPU: its GPU and host memory unless
     --gpu-mem/--host-mem say otherwise, as ``flowtrain simulate`` plans, and the fastest
     configuration that fits there."""
@@ -181,7 +181,7 @@ def _gib(n: int | None) -> str:
     return "no limit" if n is None else f"{n / GiB:8.2f} GiB"
 
 
-def format_plan(model: str, plan) -> str:  # noqa: ANN001 - a Plan
+def format_plan(model: str, plan) -> str:  # plan: a Plan
     from ..plan.memory import GiB
     from ..train.summary import activation_placement
 

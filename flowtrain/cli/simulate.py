@@ -41,7 +41,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 class _ListMachines(argparse.Action):
     """Prints the shipped machines during parsing (like --help, before required arguments)."""
 
-    def __call__(self, parser, namespace, values, option_string=None):  # noqa: ANN001
+    def __call__(self, parser, namespace, values, option_string=None):
         from ..sim.machine import load_machine, machine_names
 
         for name in machine_names():

@@ -13,7 +13,7 @@ layer-major order (``=>`` marks an edge that reads the producer's slot)::
     fetch L0 (eval) ==> forward L0 m*     fetch L1 (eval) ==> forward L1 m*     fetch head (eval) ==> eval_loss m*
 
 It must read the weights *after* step ``step``'s Adam of every unit: the edges that say so are
-the training steps' own :func:`~flowtrain.graph.compiler.cross_step_edges` (each ``fetch``
+the training steps' own :func:`~flowtrain.graph.cross_step.cross_step_edges` (each ``fetch``
 after its unit's Adam and the step's ``verify_step``; a resident unit's readers after its
 ``gpu_adam``)::
 
@@ -32,10 +32,9 @@ from __future__ import annotations
 import networkx as nx
 
 from ..errors import ConfigError
-from .compiler import StepSpec, _Builder
-from .tasks import Embed, EvalLoss, Fetch, Forward, Task
-
-EVAL = "eval"
+from .builder import GraphBuilder
+from .spec import StepSpec
+from .tasks import EVAL, Embed, Eval, EvalLoss, Fetch, Forward, Task
 
 
 def compile_eval(spec: StepSpec, step: int, micro_batches: int) -> nx.DiGraph:
@@ -44,7 +43,7 @@ def compile_eval(spec: StepSpec, step: int, micro_batches: int) -> nx.DiGraph:
     spec.validate()
     if micro_batches < 1:
         raise ConfigError(f"an evaluation needs at least one micro-batch (got {micro_batches})")
-    b = _Builder(spec, step)
+    b = GraphBuilder(spec, step)
     b.g.graph["eval"] = True
     L = spec.layers
     last: dict[int, Task] = {}  # the producer of each micro-batch's current activation
@@ -57,8 +56,8 @@ def compile_eval(spec: StepSpec, step: int, micro_batches: int) -> nx.DiGraph:
     def run(cls: type[Task], unit: str, layer: int | None, ms: list[int], per_mb: int | None) -> None:
         f = fetch(unit, layer, per_mb)
         for m in ms:
-            fields = {"phase": EVAL} if cls is not EvalLoss else {}
-            t = b.node(cls, unit=unit, layer=layer, micro_batch=m, **fields)
+            phase: Eval | None = EVAL if cls is not EvalLoss else None  # eval_loss: its kind says so
+            t = b.node(cls, unit=unit, layer=layer, micro_batch=m, phase=phase)
             if f is not None:
                 b.dep(f, t, reads=True)
             if m in last:

@@ -9,31 +9,33 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import networkx as nx
 
-from .tasks import task_from_dict, task_to_dict
+from .tasks import Task, task_from_dict, task_to_dict
 
 
-def _node_id(data: dict) -> str:
+def _node_id(data: dict[str, Any]) -> str:
     base = "{kind}:{unit}:{layer}:{micro_batch}:{phase}:{step}".format(**data)
     return base if data.get("chunk") is None else f"{base}:c{data['chunk']}"
 
 
-def graph_to_json(graph: nx.DiGraph) -> dict:
+def graph_to_json(graph: nx.DiGraph) -> dict[str, Any]:
     """The graph as node-link data with string node ids and task fields as attributes."""
     plain = nx.DiGraph(**graph.graph)
-    ids = {}
+    ids: dict[Task, str] = {}
     for t in graph:
         data = task_to_dict(t)
         ids[t] = _node_id(data)
         plain.add_node(ids[t], **data)
     for u, v, d in graph.edges(data=True):
         plain.add_edge(ids[u], ids[v], reads=bool(d.get("reads", False)))
-    return nx.node_link_data(plain, edges="edges")
+    linked: dict[str, Any] = nx.node_link_data(plain, edges="edges")
+    return linked
 
 
-def graph_from_json(data: dict) -> nx.DiGraph:
+def graph_from_json(data: dict[str, Any]) -> nx.DiGraph:
     """Inverse of :func:`graph_to_json`."""
     plain = nx.node_link_graph(data, edges="edges")
     graph = nx.DiGraph(**plain.graph)

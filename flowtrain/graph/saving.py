@@ -18,7 +18,7 @@ sum)::
 
 :func:`add_saves` adds the save tasks to step ``s``'s graph; :func:`save_edges` gives the edges
 into the next step's graph, for the executor to add beside
-:func:`~flowtrain.graph.compiler.cross_step_edges`::
+:func:`~flowtrain.graph.cross_step.cross_step_edges`::
 
     graph = compile_step(spec, step=s)
     saves = add_saves(graph, spec)                    # step s ends with a checkpoint
@@ -35,7 +35,7 @@ from typing import Iterable
 
 import networkx as nx
 
-from .compiler import StepSpec, trained_units
+from .spec import StepSpec, trained_units
 from .tasks import CpuAdam, GpuAdam, ReduceGrad, SaveUnit, SyncStep, Task, check_shape
 
 ADAM_KINDS = (CpuAdam, GpuAdam)

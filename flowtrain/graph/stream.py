@@ -13,7 +13,7 @@ this is that way, written once::
     for done in stream.drain():                     # the rest, oldest first
         await engine.wait(done.graph)
 
-A step's edges from the one before are :func:`~flowtrain.graph.compiler.cross_step_edges`
+A step's edges from the one before are :func:`~flowtrain.graph.cross_step.cross_step_edges`
 (its fetches wait for the previous step's Adam of their unit), plus what ``link`` adds (the
 loop's checkpoint saves: :func:`~flowtrain.graph.saving.save_edges`). After :meth:`drain`
 nothing is in flight, so the next step needs no edges.
@@ -28,7 +28,8 @@ from typing import Any
 
 import networkx as nx
 
-from .compiler import StepSpec, cross_step_edges
+from .cross_step import cross_step_edges
+from .spec import StepSpec
 from .tasks import Task
 
 Edges = list[tuple[Task, Task]]

@@ -40,7 +40,7 @@ This module is pure data: it imports neither torch nor asyncio.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Literal, cast
+from typing import Any, ClassVar, Final, Literal, Mapping, TypedDict, cast
 
 import msgspec
 
@@ -59,7 +59,7 @@ Eval = Literal["eval"]
 Phase = FetchPass | Placement | Eval
 FETCH_PASSES: frozenset[str] = frozenset(("forward", "recompute", "backward"))
 PLACEMENTS: frozenset[str] = frozenset(("keep", "attn"))
-EVAL = "eval"
+EVAL: Final = "eval"
 
 #: what a kind's tasks name (``Task.scope``): one unit (``layer`` set for a decoder layer's),
 #: one decoder layer and micro-batch, one micro-batch at the embedding or at the head, or the
@@ -137,6 +137,19 @@ class Task(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
 
     def __str__(self) -> str:
         return self.label
+
+
+class TaskFields(TypedDict, total=False):
+    """A task's fields but ``step``, as keyword arguments: what a graph builder names when it
+    makes a task of some kind (``builder.node(Forward, layer=3, micro_batch=0)``), checked
+    against the fields' types. The kind itself then holds them to its own (a ``forward``'s
+    ``layer`` must be set)."""
+
+    unit: str | None
+    layer: int | None
+    micro_batch: int | None
+    phase: Phase | None
+    chunk: int | None
 
 
 class Fetch(Task, frozen=True, kw_only=True, tag="fetch"):
@@ -482,15 +495,15 @@ def pool_of(task: Task) -> str:
     return pool
 
 
-def task_to_dict(task: Task) -> dict:
+def task_to_dict(task: Task) -> dict[str, Any]:
     """The task as plain JSON-able data, with ``kind`` and ``lane`` included."""
-    data = msgspec.to_builtins(task)
+    data: dict[str, Any] = msgspec.to_builtins(task)
     data["lane"] = task.lane
     data["takes"] = task.takes
     return data
 
 
-def task_from_dict(data: dict) -> Task:
+def task_from_dict(data: Mapping[str, Any]) -> Task:
     """Inverse of :func:`task_to_dict` (extra keys such as ``lane`` are ignored). The fields are
     checked against the kind's types: a missing required field, or a value of the wrong type
     (a ``forward`` whose ``unit`` is not ``"layer"``), raises ``msgspec.ValidationError``."""

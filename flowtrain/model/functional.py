@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from flowtrain.model.attention import Documents, self_attention
-from flowtrain.model.config import ModelConfig, default_chunk_tokens  # noqa: F401 - re-exported
+from flowtrain.model.config import ModelConfig, default_chunk_tokens  # re-exported
 from flowtrain.model.gemma import gemma_layer, gemma_rms_norm
 from flowtrain.model.mlp import layer_mlp
 from flowtrain.model.moe import RouterTap, moe_decoder_layer

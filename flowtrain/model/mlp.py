@@ -66,7 +66,7 @@ class _PiecewiseMLP(torch.autograd.Function):
     """The gated MLP over ``chunk`` tokens at a time, saving only its inputs for the backward."""
 
     @staticmethod
-    def forward(ctx, h, gate_w, up_w, down_w, act, chunk):  # noqa: ANN001, ANN205
+    def forward(ctx, h, gate_w, up_w, down_w, act, chunk):
         flat = h.reshape(-1, h.shape[-1])
         out = flat.new_empty(flat.shape[0], down_w.shape[0])
         for lo in range(0, flat.shape[0], chunk):
@@ -76,7 +76,7 @@ class _PiecewiseMLP(torch.autograd.Function):
         return out.view(*h.shape[:-1], down_w.shape[0])
 
     @staticmethod
-    def backward(ctx, d_out):  # noqa: ANN001, ANN205
+    def backward(ctx, d_out):
         h, gate_w, up_w, down_w = ctx.saved_tensors
         flat, d_flat = h.reshape(-1, h.shape[-1]), d_out.reshape(-1, d_out.shape[-1])
         d_h = torch.empty_like(flat)

@@ -155,13 +155,13 @@ class _Kept(torch.autograd.Function):
     its backward is the kernel's backward on the kept output and log-sum-exp."""
 
     @staticmethod
-    def forward(ctx, q, k, v, record):  # noqa: ANN001, ANN205
+    def forward(ctx, q, k, v, record):
         ctx.save_for_backward(q, k, v)
         ctx.record = record
         return record.saved[0].detach()
 
     @staticmethod
-    def backward(ctx, dout):  # noqa: ANN001, ANN205
+    def backward(ctx, dout):
         q, k, v = ctx.saved_tensors
         record = ctx.record
         dq, dk, dv = _backward(record.kernel, dout, q, k, v, record.saved, record.scale)

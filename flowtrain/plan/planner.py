@@ -393,7 +393,7 @@ def never_resident(cfg: ModelConfig, req: RunRequest) -> frozenset[str]:
     return frozenset(f"layer.{i}" for i in range(cfg.num_layers)) if host_adapters(req) else frozenset()
 
 
-def _choose_resident(cfg: ModelConfig, build, policy: Any, speed: bool = True,  # noqa: ANN001 - build(resident) -> Plan
+def _choose_resident(cfg: ModelConfig, build, policy: Any, speed: bool = True,  # build(resident) -> Plan
                      never: frozenset[str] = frozenset()) -> Plan:
     """The resident units: embedding and head if they fit, then layers bottom-up, as many as
     the GPU holds up to the speed set (a third of the layers: past it, one more resident layer
@@ -422,7 +422,7 @@ def _choose_resident(cfg: ModelConfig, build, policy: Any, speed: bool = True,  
             tried[k] = build(base + tuple(layers[:k]))
         return tried[k]
 
-    def first(lo: int, hi: int, pred) -> int:  # noqa: ANN001
+    def first(lo: int, hi: int, pred) -> int:
         """The least k in [lo, hi] with pred(k), or hi + 1; pred is false then true."""
         while lo <= hi:
             mid = (lo + hi) // 2

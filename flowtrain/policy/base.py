@@ -58,7 +58,7 @@ def register_policy(name: str) -> Callable[[type], type]:
     return deco
 
 
-def resolve_policy(policy: "str | Policy", **options) -> Policy:
+def resolve_policy(policy: "str | Policy", **options: object) -> Policy:
     """A policy instance from a registered name, from ``"module:Class"`` (a user's class,
     imported; both with constructor ``options``), or an object with ``propose``."""
     if isinstance(policy, str):
@@ -75,7 +75,7 @@ def resolve_policy(policy: "str | Policy", **options) -> Policy:
     return policy
 
 
-def _import_policy(spec: str, options: dict) -> Policy:
+def _import_policy(spec: str, options: dict[str, object]) -> Policy:
     """``--policy my_schedules:ZigZag``: the class ``ZigZag`` of the module ``my_schedules``,
     instantiated. The module is found as ``python -m`` finds one: in the working directory,
     then on ``PYTHONPATH``. Importing it runs its code, as any import does."""

@@ -47,9 +47,10 @@ one job has run longer than that, and the engine then stops as above. What a cal
 from __future__ import annotations
 
 import asyncio
+import functools
 import threading
 import time
-from typing import Any, Callable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence, TypeVarTuple, Unpack
 
 import networkx as nx
 
@@ -61,6 +62,7 @@ from .scheduler import Launch, Scheduler
 from .trace import Instrument, TaskRecord
 
 _JOIN_MIN_S = 0.1  # lanes that are done but for their threads' exit get at least this long
+_Ts = TypeVarTuple("_Ts")
 
 
 class TaskContext:
@@ -158,8 +160,8 @@ class Engine:
         self._stopped = False  # failing, cancelled or closing: nothing is launched any more
         self._deadline = 0.0  # monotonic time at which the grace period ends (once stopped)
         self._attached = False  # lane threads may call into the loop (cleared at close)
-        self._lanes: dict[str, Any] = {}
-        self._lane_list: tuple[Any, ...] = ()  # the same, for lane threads (never mutated)
+        self._lanes: dict[str, ThreadLane[Task] | CudaLane[Task]] = {}
+        self._lane_list: tuple[ThreadLane[Task] | CudaLane[Task], ...] = ()  # the same, for lane threads (never mutated)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._watchdog: asyncio.TimerHandle | None = None
@@ -275,7 +277,7 @@ class Engine:
         if not self._lane_list:
             return
         deadline = time.monotonic() + timeout
-        running: list[tuple[Any, Fence]] = []
+        running: list[tuple[Task, Fence]] = []
         for lane in self._lane_list:  # every lane's threads start ending now, then one deadline
             lane.finish()
         for lane in self._lane_list:
@@ -399,10 +401,9 @@ class Engine:
             notify = self._running_scheduler.needs_completion(task)
             for ins in self.instruments:
                 ins.on_launch(task, task.lane)
-            program = self.program
             try:
-                fence = lane.submit(lambda t=task, c=ctx: program(t, c), fences, task, notify)
-            except BaseException as exc:  # noqa: BLE001 - a CUDA-lane job raised while launching
+                fence = lane.submit(functools.partial(self.program, task, ctx), fences, task, notify)
+            except BaseException as exc:  # a CUDA-lane job raised while launching
                 self._launches[task] = launch
                 self._fail(task, exc)
                 return
@@ -412,7 +413,7 @@ class Engine:
             self._event.set()
 
     # ---- events from lane threads ---------------------------------------------------------
-    def _call_soon(self, fn: Callable, *args: Any) -> None:
+    def _call_soon(self, fn: Callable[[Unpack[_Ts]], object], *args: Unpack[_Ts]) -> None:
         """Run ``fn(*args)`` on the loop, from any thread; dropped once the engine closed."""
         if not self._attached:
             return
@@ -427,7 +428,7 @@ class Engine:
     def _done_threadsafe(self, task: Task, fence: Fence) -> None:
         self._call_soon(self._on_done, task)
 
-    def _error_threadsafe(self, task: Task, exc: BaseException) -> None:
+    def _error_threadsafe(self, task: Task | None, exc: BaseException) -> None:
         self._abort_lanes()  # at once, from the failing thread: no other job starts from now on
         self._call_soon(self._fail, task, exc)
 
@@ -472,6 +473,7 @@ class Engine:
         self._watchdog = None
         now = time.perf_counter()
         limit = self.task_timeout
+        assert limit is not None, "the watchdog runs only with a task_timeout (_arm_watchdog)"
         for lane in self._lane_list:
             for task, fence in lane.running():
                 began = fence.began
@@ -482,7 +484,7 @@ class Engine:
         self._arm_watchdog()
 
 
-def _resolve(fut: asyncio.Future) -> None:
+def _resolve(fut: asyncio.Future[None]) -> None:
     if not fut.done():
         fut.set_result(None)
 

@@ -43,9 +43,13 @@ import random
 import re
 import threading
 import time
-from typing import Any, Callable, Mapping
+from typing import TYPE_CHECKING, Mapping
 
 from ..errors import ConfigError
+from ..graph.tasks import Task
+
+if TYPE_CHECKING:
+    from .engine import Program, TaskContext
 
 ENV = "FLOWTRAIN_FAULT"
 INT_KEYS = ("step", "layer", "micro_batch", "chunk")
@@ -70,7 +74,7 @@ class Fault:
     count: int | None = 1
     text: str = ""
 
-    def matches(self, task: Any) -> bool:
+    def matches(self, task: Task) -> bool:
         if self.kind != "*" and task.kind != self.kind:
             return False
         return all(getattr(task, key, None) == value for key, value in self.where)
@@ -159,16 +163,16 @@ class FaultInjector:
     :meth:`release` lets hung tasks go on (tests use it to end their threads).
     """
 
-    def __init__(self, program: Callable, faults: "str | FaultSpec") -> None:
+    def __init__(self, program: Program, faults: "str | FaultSpec") -> None:
         self.program = program
         self.spec = faults if isinstance(faults, FaultSpec) else FaultSpec.parse(faults)
-        self.fired: list[tuple[Any, Fault]] = []
+        self.fired: list[tuple[Task, Fault]] = []
         self._left = [f.count for f in self.spec.faults]
         self._lock = threading.Lock()
         self._rng = random.Random(self.spec.seed)
         self._never = threading.Event()  # hung tasks wait on it; only release() sets it
 
-    def __call__(self, task: Any, ctx: Any) -> Any:
+    def __call__(self, task: Task, ctx: TaskContext) -> int | None:
         for i, fault in enumerate(self.spec.faults):
             if not fault.matches(task):
                 continue
@@ -198,7 +202,7 @@ class FaultInjector:
         return f"<FaultInjector {'; '.join(f.text for f in self.spec.faults)!r} around {self.program!r}>"
 
 
-def from_env(program: Callable, environ: Mapping[str, str] | None = None) -> Callable:
+def from_env(program: Program, environ: Mapping[str, str] | None = None) -> Program:
     """``program`` wrapped in the faults of ``$FLOWTRAIN_FAULT``, or ``program`` itself when the
     variable is unset or empty."""
     spec = (os.environ if environ is None else environ).get(ENV, "").strip()

@@ -35,9 +35,21 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Generic, Sequence, TypeVar
+
+if TYPE_CHECKING:
+    import torch
 
 Job = Callable[[], "int | None"]
+#: A job's tag: the lane never looks at it, only hands it back (to ``on_done`` and ``on_error``,
+#: and from ``running()``); the engine tags each job with its task.
+Tag = TypeVar("Tag")
+_Item = TypeVar("_Item")
+#: A job in a lane's queue: the job, the fences it waits for, its own fence, its tag, and
+#: whether ``on_done`` is to hear of its completion.
+_Queued = tuple[Job, Sequence["Fence"], "Fence", Tag, bool]
+#: A CUDA job launched and waiting for its end event: its fence, tag and ``notify``.
+_Launched = tuple["Fence", Tag, bool]
 
 _POLL_S = 0.05  # how often a thread blocked on a fence looks at ``aborted``
 _SETTING = threading.Lock()  # makes Fence.set atomic against a second set and new callbacks
@@ -128,7 +140,7 @@ class _Clock:
         return time.perf_counter() - self.zero
 
 
-def _skip_queued(q: queue.SimpleQueue, fence_of: Callable[[tuple], Fence]) -> None:
+def _skip_queued(q: queue.SimpleQueue[_Item | None], fence_of: Callable[[_Item], Fence]) -> None:
     """Skip every job still in ``q``; stop sentinels (``None``) are put back for late workers."""
     sentinels = 0
     while True:
@@ -152,13 +164,14 @@ def _join(threads: Sequence[threading.Thread], timeout: float | None) -> bool:
     return not any(t.is_alive() for t in threads)
 
 
-class _Lane:
+class _Lane(Generic[Tag]):
     """What both lanes share: the gate that orders job starts against abort and close."""
 
-    def __init__(self, name: str, on_done: Callable, on_error: Callable) -> None:
+    def __init__(self, name: str, on_done: Callable[[Tag, Fence], None],
+                 on_error: Callable[[Tag | None, BaseException], None]) -> None:
         self.name = name
         self.on_done = on_done  # (tag, fence) -> None, called from a lane thread
-        self.on_error = on_error  # (tag, exc) -> None, called from a lane thread
+        self.on_error = on_error  # (tag, exc) -> None, called from a lane thread (tag None: the lane failed)
         self.aborted = False
         self.closed = False
         self._gate = threading.Lock()
@@ -168,7 +181,7 @@ class _Lane:
         with self._gate:
             self.aborted = True
 
-    def _admit(self, item: tuple, q: queue.SimpleQueue) -> bool:
+    def _admit(self, item: _Item, q: queue.SimpleQueue[_Item | None]) -> bool:
         """Queue ``item`` unless the lane is aborted or closed (then the caller skips it)."""
         with self._gate:
             if self.aborted or self.closed:
@@ -176,7 +189,7 @@ class _Lane:
             q.put(item)
             return True
 
-    def _start(self, fence: Fence, tag: Any, fences: Sequence[Fence], mark: Callable[[tuple], None],
+    def _start(self, fence: Fence, tag: Tag, fences: Sequence[Fence], mark: Callable[[tuple[Tag, Fence]], None],
                launched: bool = False) -> bool:
         """Wait for the job's fences, then start it, or not at all once abort() has returned:
         ``mark`` records ``(tag, fence)`` as running, under the same gate. False (the fence
@@ -203,14 +216,15 @@ class _Lane:
         return not self.aborted
 
 
-class ThreadLane(_Lane):
+class ThreadLane(_Lane[Tag]):
     """A lane run by ``workers`` daemon threads pulling jobs from one FIFO queue."""
 
-    def __init__(self, name: str, clock: _Clock, on_done: Callable, on_error: Callable, workers: int = 1) -> None:
+    def __init__(self, name: str, clock: _Clock, on_done: Callable[[Tag, Fence], None],
+                 on_error: Callable[[Tag | None, BaseException], None], workers: int = 1) -> None:
         super().__init__(name, on_done, on_error)
         self.clock = clock
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._running: list[tuple[Any, Fence] | None] = [None] * workers
+        self._queue: queue.SimpleQueue[_Queued[Tag] | None] = queue.SimpleQueue()
+        self._running: list[tuple[Tag, Fence] | None] = [None] * workers
         self._threads = [
             threading.Thread(target=self._work, args=(i,), name=f"flowtrain-{name}-{i}", daemon=True)
             for i in range(workers)
@@ -218,13 +232,13 @@ class ThreadLane(_Lane):
         for t in self._threads:
             t.start()
 
-    def submit(self, job: Job, fences: Sequence[Fence], tag: Any, notify: bool) -> Fence:
+    def submit(self, job: Job, fences: Sequence[Fence], tag: Tag, notify: bool) -> Fence:
         fence = Fence()
         if not self._admit((job, fences, fence, tag, notify), self._queue):
             fence.skip()
         return fence
 
-    def running(self) -> list[tuple[Any, Fence]]:
+    def running(self) -> list[tuple[Tag, Fence]]:
         """``(tag, fence)`` of the jobs running now (a snapshot)."""
         return [r for r in self._running if r is not None]
 
@@ -240,7 +254,7 @@ class ThreadLane(_Lane):
             fence.start = self.clock.now()
             try:
                 fence.bytes = job() or 0
-            except BaseException as exc:  # noqa: BLE001 - reported to the engine
+            except BaseException as exc:  # reported to the engine
                 fence.end = self.clock.now()
                 self._running[worker] = None
                 fence.failed = True
@@ -261,7 +275,7 @@ class ThreadLane(_Lane):
                 for _ in self._threads:
                     self._queue.put(None)
 
-    def close(self, timeout: float | None = None) -> list[tuple[Any, Fence]]:
+    def close(self, timeout: float | None = None) -> list[tuple[Tag, Fence]]:
         """Accept no more jobs and end the workers once the queue is done, waiting at most
         ``timeout`` seconds (``None``: for ever). Workers still busy then are left behind (they
         are daemon threads): the lane aborts, skips what is queued, and returns the jobs still
@@ -274,7 +288,7 @@ class ThreadLane(_Lane):
         return self.running()
 
 
-class CudaLane(_Lane):
+class CudaLane(_Lane[Tag]):
     """A CUDA stream fed by its own launcher thread.
 
     The launcher thread waits until each fence's producer has been *launched* (its CUDA event
@@ -289,7 +303,8 @@ class CudaLane(_Lane):
     before it on the stream has finished) until the event is reached.
     """
 
-    def __init__(self, name: str, clock: _Clock, on_done: Callable, on_error: Callable, device: Any) -> None:
+    def __init__(self, name: str, clock: _Clock, on_done: Callable[[Tag, Fence], None],
+                 on_error: Callable[[Tag | None, BaseException], None], device: torch.device) -> None:
         import torch
 
         super().__init__(name, on_done, on_error)
@@ -298,30 +313,30 @@ class CudaLane(_Lane):
         self.device = torch.device("cuda", index)
         self.stream = torch.cuda.Stream(device=device)
         self.base = clock.cuda_base
-        self._jobs: queue.SimpleQueue = queue.SimpleQueue()
-        self._queue: queue.SimpleQueue = queue.SimpleQueue()
-        self._launching: tuple[Any, Fence] | None = None
-        self._syncing: tuple[Any, Fence] | None = None
+        self._jobs: queue.SimpleQueue[_Queued[Tag] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[_Launched[Tag] | None] = queue.SimpleQueue()
+        self._launching: tuple[Tag, Fence] | None = None
+        self._syncing: tuple[Tag, Fence] | None = None
         self._launcher = threading.Thread(target=self._launch_loop, name=f"flowtrain-{name}-launcher", daemon=True)
         self._waiter = threading.Thread(target=self._wait_loop, name=f"flowtrain-{name}-waiter", daemon=True)
         self._launcher.start()
         self._waiter.start()
 
-    def submit(self, job: Job, fences: Sequence[Fence], tag: Any, notify: bool) -> Fence:
+    def submit(self, job: Job, fences: Sequence[Fence], tag: Tag, notify: bool) -> Fence:
         fence = Fence()
         fence.launched = Fence()
         if not self._admit((job, fences, fence, tag, notify), self._jobs):
             fence.skip()
         return fence
 
-    def running(self) -> list[tuple[Any, Fence]]:
+    def running(self) -> list[tuple[Tag, Fence]]:
         return [r for r in (self._launching, self._syncing) if r is not None]
 
     def _launch_loop(self) -> None:
         try:
             self.torch.cuda.set_device(self.device)
             self.torch.cuda.synchronize(self.device)  # make the primary context current here (cuBLAS)
-        except BaseException as exc:  # noqa: BLE001 - never die silently: the engine would hang
+        except BaseException as exc:  # never die silently: the engine would hang
             self.abort()
             self.on_error(None, exc)
         self._launch_jobs()
@@ -346,7 +361,7 @@ class CudaLane(_Lane):
                     fence.cuda_start.record(self.stream)
                     fence.bytes = job() or 0
                     fence.cuda_end.record(self.stream)
-            except BaseException as exc:  # noqa: BLE001 - reported to the engine
+            except BaseException as exc:  # reported to the engine
                 self._launching = None
                 fence.failed = True
                 self.on_error(tag, exc)
@@ -370,7 +385,7 @@ class CudaLane(_Lane):
                 fence.cuda_end.synchronize()
                 fence.start = self.base.elapsed_time(fence.cuda_start) / 1e3
                 fence.end = self.base.elapsed_time(fence.cuda_end) / 1e3
-            except BaseException as exc:  # noqa: BLE001
+            except BaseException as exc:
                 self._syncing = None
                 fence.failed = True
                 self.on_error(tag, exc)
@@ -388,7 +403,7 @@ class CudaLane(_Lane):
                 self.closed = True
                 self._jobs.put(None)
 
-    def close(self, timeout: float | None = None) -> list[tuple[Any, Fence]]:
+    def close(self, timeout: float | None = None) -> list[tuple[Tag, Fence]]:
         """As :meth:`ThreadLane.close`: at most ``timeout`` seconds, then abort and skip what is
         queued (jobs not launched, and launched jobs the waiter has not reached)."""
         self.finish()

@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 from bisect import bisect_right
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Any, Iterable, Mapping, Sequence
 
 import msgspec
 
@@ -103,7 +103,7 @@ class TraceRecorder(Instrument):
     def on_record(self, record: TaskRecord) -> None:
         self.records.append(record)
 
-    def meta(self, **more: object) -> dict:
+    def meta(self, **more: object) -> dict[str, object]:
         """``{"budgets": ...}`` (when known) updated with ``more``."""
         return {**({"budgets": self.budgets} if self.budgets else {}), **more}
 
@@ -183,13 +183,13 @@ def slot_tenancies(records: Sequence[TaskRecord]) -> list[tuple[str, int, float,
     return [(pool, slot, start / 1e9, end / 1e9, nbytes) for pool, slot, start, end, nbytes in _tenancies_ns(records)]
 
 
-def _counter_events(records: Sequence[TaskRecord], pid: int) -> list[dict]:
+def _counter_events(records: Sequence[TaskRecord], pid: int) -> list[dict[str, object]]:
     """Slots in use per pool, and bytes held in taken slots per pool, as counter ("C") events
     in time order: one value per instant, releases counted before takes at the same instant."""
     changes: dict[str, list[tuple[int, int, int]]] = {}
     for pool, _, start, end, nbytes in _tenancies_ns(records):
         changes.setdefault(pool, []).extend([(start, 1, nbytes), (end, -1, -nbytes)])
-    events = []
+    events: list[dict[str, object]] = []
     for pool, cs in sorted(changes.items()):
         cs.sort(key=lambda c: (c[0], c[1]))
         slots = held = 0
@@ -206,7 +206,7 @@ def _counter_events(records: Sequence[TaskRecord], pid: int) -> list[dict]:
     return events
 
 
-def chrome_trace(records: Sequence[TaskRecord], meta: dict | None = None) -> dict:
+def chrome_trace(records: Sequence[TaskRecord], meta: Mapping[str, object] | None = None) -> dict[str, Any]:
     """The records as a Chrome trace event document (``traceEvents`` + ``otherData``).
 
     What each event is, so that Perfetto reads the whole file:
@@ -223,7 +223,7 @@ def chrome_trace(records: Sequence[TaskRecord], meta: dict | None = None) -> dic
     - counters (``"ph": "C"``): slots in use and bytes held, per pool.
     """
     pid = 0
-    events: list[dict] = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": "flowtrain"}}]
+    events: list[dict[str, object]] = [{"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": "flowtrain"}}]
     for name in sorted({r.lane_name for r in records}, key=_tid):
         events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": _tid(name), "args": {"name": name}})
         events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": _tid(name), "args": {"sort_index": _tid(name)}})
@@ -253,7 +253,7 @@ def chrome_trace(records: Sequence[TaskRecord], meta: dict | None = None) -> dic
     return {"traceEvents": events, "displayTimeUnit": "ms", "otherData": other}
 
 
-def write_chrome_trace(path: str | Path, records: Sequence[TaskRecord], meta: dict | None = None) -> None:
+def write_chrome_trace(path: str | Path, records: Sequence[TaskRecord], meta: Mapping[str, object] | None = None) -> None:
     """Write :func:`chrome_trace` as JSON to ``path``."""
     Path(path).write_text(json.dumps(chrome_trace(records, meta), separators=(",", ":")))
 

@@ -117,7 +117,7 @@ def _cuda_seconds(fn: Callable[[], object], reps: int) -> float:
 
 
 # ---- the CPU ------------------------------------------------------------------------------------
-def _fused_adamw(p, g, m, v, steps):  # noqa: ANN001 - tensors
+def _fused_adamw(p, g, m, v, steps):  # tensors
     import torch
 
     torch._fused_adamw_([p], [g], [m], [v], [], [steps], lr=1e-4, beta1=0.9, beta2=0.999, weight_decay=0.01,

@@ -209,7 +209,7 @@ class TrainingLoop:
                 return
             try:
                 self._close_step(done)
-            except Exception:  # noqa: BLE001 - the task's failure is the one to report
+            except Exception:  # the task's failure is the one to report
                 return
 
     def _close_step(self, done: OpenStep) -> None:

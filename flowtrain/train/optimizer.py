@@ -58,7 +58,7 @@ def skips_decay(name: str) -> bool:
     return name.endswith(".bias") or any(_NORM_PART.search(part) for part in name.split(".")[:-1])
 
 
-def no_decay_ranges(entries, rule: str) -> list[tuple[int, int]]:  # noqa: ANN001 - layout entries
+def no_decay_ranges(entries, rule: str) -> list[tuple[int, int]]:  # layout entries
     """``[lo, hi)`` element ranges of a unit's flat buffer that ``rule`` exempts from weight
     decay, merged where adjacent (padding between entries is zero and decays to zero anyway)."""
     if rule == "none":

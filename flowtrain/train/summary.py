@@ -54,7 +54,7 @@ def _ranges(keys: tuple[str, ...]) -> str:
     return ", ".join(parts) or "none"
 
 
-def activation_placement(spec) -> str:  # noqa: ANN001 - a StepSpec
+def activation_placement(spec) -> str:  # spec: a StepSpec
     """Where each layer's activations wait for its backward, in a line: ``layers 11-31 save
     their attention output; checkpoints of layers 0-7 offloaded; recompute from a checkpoint
     every layer``."""

@@ -18,7 +18,7 @@ from flowtrain.errors import CheckpointError, ConfigError
 from flowtrain.model import RopeScaling, bind, init_unit, model_layouts, read_config
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "model"))
-from model_helpers import flats_from_hf, hf_model, small_cfg  # noqa: E402
+from model_helpers import flats_from_hf, hf_model, small_cfg
 
 CONFIGS = {
     "untied": small_cfg(),

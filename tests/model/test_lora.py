@@ -11,12 +11,12 @@ import torch
 
 peft = pytest.importorskip("peft")
 
-from model_helpers import flats_from_hf, hf_model, rel_err, small_cfg  # noqa: E402
+from model_helpers import flats_from_hf, hf_model, rel_err, small_cfg
 
-from flowtrain.model import bind, model_layouts, preset  # noqa: E402
-from flowtrain.model.adapters import DEFAULT_TARGETS, LoraSpec, adapter_layouts  # noqa: E402
-from flowtrain.model.functional import decoder_layer, embed, rms_norm, rope_tables  # noqa: E402
-from flowtrain.model.lora import adapted, init_adapter  # noqa: E402
+from flowtrain.model import bind, model_layouts, preset
+from flowtrain.model.adapters import DEFAULT_TARGETS, LoraSpec, adapter_layouts
+from flowtrain.model.functional import decoder_layer, embed, rms_norm, rope_tables
+from flowtrain.model.lora import adapted, init_adapter
 
 #: PEFT asks transformers for a property that transformers 5 renamed
 pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")

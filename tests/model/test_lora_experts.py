@@ -13,17 +13,17 @@ import torch
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-from model_helpers import rel_err  # noqa: E402
-from test_lora import _logits  # noqa: E402
-from test_moe import SHAPE  # noqa: E402
+from model_helpers import rel_err
+from test_lora import _logits
+from test_moe import SHAPE
 
-from flowtrain.ckpt.adapter_files import ADAPTER_CONFIG, read_adapter, read_spec, save_adapter  # noqa: E402
-from flowtrain.ckpt.hf import load_into  # noqa: E402
-from flowtrain.errors import CheckpointError  # noqa: E402
-from flowtrain.model import bind, model_layouts, read_config  # noqa: E402
-from flowtrain.model.adapters import LoraSpec, adapter_layouts  # noqa: E402
-from flowtrain.model.lora import merge_adapter  # noqa: E402
-from flowtrain.model.moe import ExpertAdapters, Routing, experts_grouped, experts_loop  # noqa: E402
+from flowtrain.ckpt.adapter_files import ADAPTER_CONFIG, read_adapter, read_spec, save_adapter
+from flowtrain.ckpt.hf import load_into
+from flowtrain.errors import CheckpointError
+from flowtrain.model import bind, model_layouts, read_config
+from flowtrain.model.adapters import LoraSpec, adapter_layouts
+from flowtrain.model.lora import merge_adapter
+from flowtrain.model.moe import ExpertAdapters, Routing, experts_grouped, experts_loop
 
 pytestmark = [pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),
               pytest.mark.filterwarnings("ignore:.*_pattern keys did not match:RuntimeWarning")]

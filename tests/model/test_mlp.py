@@ -18,7 +18,7 @@ from flowtrain.model import mlp as mlp_module
 from flowtrain.model.mlp import gated_mlp, gelu_tanh
 
 sys.path.insert(0, str(Path(__file__).parent))
-from model_helpers import rel_err  # noqa: E402
+from model_helpers import rel_err
 
 
 def _plain(h, g, u, d, act):

@@ -13,15 +13,15 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from model_helpers import rel_err  # noqa: E402
-from safetensors.torch import save_file  # noqa: E402
+from model_helpers import rel_err
+from safetensors.torch import save_file
 
-from flowtrain.ckpt.hf import load_into, save_hf  # noqa: E402
-from flowtrain.model import bind, model_layouts, read_config  # noqa: E402
-from flowtrain.model.config import ModelConfig  # noqa: E402
-from flowtrain.model.presets import PRESETS  # noqa: E402
-from flowtrain.model.functional import decoder_layer, embed, rms_norm, rope_tables  # noqa: E402
-from flowtrain.model.moe import experts_grouped, experts_loop, route  # noqa: E402
+from flowtrain.ckpt.hf import load_into, save_hf
+from flowtrain.model import bind, model_layouts, read_config
+from flowtrain.model.config import ModelConfig
+from flowtrain.model.presets import PRESETS
+from flowtrain.model.functional import decoder_layer, embed, rms_norm, rope_tables
+from flowtrain.model.moe import experts_grouped, experts_loop, route
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)

@@ -5,7 +5,7 @@ what torch AdamW with two parameter groups trains (Hugging Face's Trainer's grou
 from __future__ import annotations
 
 import pytest
-from test_train_vs_hf import ROWS, SEQ, STEPS, assert_same_weights, make_checkpoint, make_data, reference_train  # noqa: E402
+from test_train_vs_hf import ROWS, SEQ, STEPS, assert_same_weights, make_checkpoint, make_data, reference_train
 
 from flowtrain.model import model_layouts, preset
 from flowtrain.train import defaults

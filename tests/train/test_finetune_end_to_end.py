@@ -8,7 +8,7 @@ import json
 
 import pytest
 import torch
-from test_data_finetune import CONVERSATIONS, VOCAB, make_tokenizer, write_jsonl  # noqa: E402
+from test_data_finetune import CONVERSATIONS, VOCAB, make_tokenizer, write_jsonl
 
 from flowtrain.cli import main
 

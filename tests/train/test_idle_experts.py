@@ -17,10 +17,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from test_moe_parity import COEF, step_backward, straight_and_resumed  # noqa: E402
-from test_train_vs_hf import ROWS, STEPS, make_checkpoint, make_data, run_flowtrain  # noqa: E402
+from test_moe_parity import COEF, step_backward, straight_and_resumed
+from test_train_vs_hf import ROWS, STEPS, make_checkpoint, make_data, run_flowtrain
 
-from flowtrain.cli import main  # noqa: E402
+from flowtrain.cli import main
 
 SPARSE = {
     # 32 experts, one per token, 48 tokens a step: about a fifth idle in each sparse layer

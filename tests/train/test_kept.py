@@ -25,8 +25,8 @@ from flowtrain.plan.planner import place_activations, plan_run
 from flowtrain.train.kept import saved_bytes
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "model"))
-from model_helpers import small_cfg  # noqa: E402
-from test_train_vs_hf import make_checkpoint, make_data  # noqa: E402
+from model_helpers import small_cfg
+from test_train_vs_hf import make_checkpoint, make_data
 
 FAMILIES = {
     "llama": small_cfg(hidden_size=128, intermediate_size=352),

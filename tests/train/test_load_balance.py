@@ -10,10 +10,10 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func  # noqa: E402
+from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
 
-from flowtrain.model.presets import PRESETS  # noqa: E402
-from flowtrain.train.load_balance import LoadBalance, real_tokens  # noqa: E402
+from flowtrain.model.presets import PRESETS
+from flowtrain.train.load_balance import LoadBalance, real_tokens
 
 
 def test_real_tokens_run_to_one_past_the_last_target():

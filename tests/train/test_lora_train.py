@@ -18,9 +18,9 @@ import torch
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
 
-from flowtrain.cli import main  # noqa: E402
+from flowtrain.cli import main
 
-from test_train_vs_hf import ROWS, SEQ, STEPS, make_checkpoint, make_data, reference_train  # noqa: E402
+from test_train_vs_hf import ROWS, SEQ, STEPS, make_checkpoint, make_data, reference_train
 
 # PEFT 0.21 asks transformers 5 a deprecated question when it wraps a model
 pytestmark = [pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning"),

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from test_train_vs_hf import ROWS, SEQ, STEPS, assert_same_weights, make_checkpoint, make_data, run_flowtrain  # noqa: E402
+from test_train_vs_hf import ROWS, SEQ, STEPS, assert_same_weights, make_checkpoint, make_data, run_flowtrain
 
 MOE = {
     "qwen3-moe-dense-layer": dict(model_type="qwen3_moe", head_dim=8, num_experts=4, num_experts_per_tok=2,

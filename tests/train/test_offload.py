@@ -27,8 +27,8 @@ from flowtrain.policy import resolve_policy
 from flowtrain.sim.clock import VirtualRun
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "model"))
-from model_helpers import small_cfg  # noqa: E402
-from test_kept import trains_like_recompute  # noqa: E402  (3 steps of a 3-layer model on the CPU, in fp32)
+from model_helpers import small_cfg
+from test_kept import trains_like_recompute  # (3 steps of a 3-layer model on the CPU, in fp32)
 
 CUDA = torch.device("cuda")
 

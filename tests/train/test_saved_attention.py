@@ -26,9 +26,9 @@ from flowtrain.plan.request import RunRequest
 from flowtrain.plan.planner import plan_run
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "model"))
-from model_helpers import small_cfg  # noqa: E402
-from test_kept import RUN_MODELS, RUN_PLACEMENTS, trains_like_recompute  # noqa: E402
-from test_train_vs_hf import make_checkpoint, make_data  # noqa: E402
+from model_helpers import small_cfg
+from test_kept import RUN_MODELS, RUN_PLACEMENTS, trains_like_recompute
+from test_train_vs_hf import make_checkpoint, make_data
 
 FAMILIES = {
     "llama": small_cfg(hidden_size=128, intermediate_size=352),

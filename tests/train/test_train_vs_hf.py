@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 transformers = pytest.importorskip("transformers")
 
-from flowtrain.cli import main  # noqa: E402
+from flowtrain.cli import main
 
 SEQ = 12
 ROWS = 4  # sequences per step

@@ -21,7 +21,7 @@ from flowtrain.train.kept import backward_kept, forward_kept
 from flowtrain.train.weight_grads import backward_into, weight_leaves
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "model"))
-from model_helpers import small_cfg  # noqa: E402
+from model_helpers import small_cfg
 
 CFG = small_cfg(hidden_size=64, intermediate_size=176, num_layers=2)
 
