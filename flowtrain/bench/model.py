@@ -9,7 +9,7 @@ reports the steps after ``--warmup`` (excluded: compilation, allocator growth, f
 Model FLOPs per token are ``6 N + 6 L h S`` (weights, and causal attention at half of
 ``12 L h S``), recompute not counted, the same definition as the all-on-GPU and DeepSpeed baseline trainers use;
 for a mixture of experts N is the active parameters (the router and the top-k experts of each
-sparse layer, not every expert: :func:`flowtrain.model.config.model_flops_per_token`); with
+sparse layer, not every expert: :func:`flowtrain.model.counts.model_flops_per_token`); with
 ``--lora-rank`` the frozen base counts ``4 N`` and the adapters ``6 N_adapter``.
 Busy fractions come from the executed trace: for each lane, the union of its tasks' intervals
 over the measured window, so they say where the time went. Beside the measured peaks (host RSS,
@@ -67,7 +67,7 @@ def add_model_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) ->
 
 
 def model_flops_per_token(model: str, seq_len: int, adapter_params: float | None = None) -> float:
-    from ..model.config import model_flops_per_token as per_token
+    from ..model.counts import model_flops_per_token as per_token
     from ..train.trainer import load_model_config
 
     cfg, _ = load_model_config(model)
