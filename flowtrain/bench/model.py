@@ -32,7 +32,7 @@ from typing import TYPE_CHECKING
 from ..cli.flags import add_config_flags, config_values
 from ..cli.train import KERNEL_FIELDS, MEMORY_FIELDS
 from ..errors import ConfigError
-from ..train.checks import check_output_file
+from ..train.config.checks import check_output_file
 from ..runtime.trace import TraceRecorder, lane_busy, write_chrome_trace
 
 # numpy, torch, the model and the trainer are imported where a benchmark runs, so that

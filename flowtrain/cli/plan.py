@@ -21,7 +21,7 @@ import json
 
 import msgspec
 
-from ..train import defaults
+from ..train.config import defaults
 from .flags import add_config_flags, config_values
 from .train import MEMORY_FIELDS, flag_of
 
@@ -67,9 +67,9 @@ def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: f
     from ..errors import ConfigError
     from ..plan.host_layout import check_units_fit
     from ..plan.memory import run_request
-    from ..train.checks import check_fields
+    from ..train.config.checks import check_fields
     from ..train.distributed import local_share
-    from ..train.run_config import TrainConfig, load_model_config, validate
+    from ..train.config.run_config import TrainConfig, load_model_config, validate
 
     tc = TrainConfig(**{**config_values(args, PLAN_FIELDS), "gpu_mem": gpu_mem, "host_mem": host_mem})
     check_fields(tc)

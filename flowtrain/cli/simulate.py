@@ -99,7 +99,7 @@ def plan_for(args: argparse.Namespace, machine, with_predictions: bool = False) 
     from ..plan.memory import Precision, Target, own_plan_card
     from ..sim.choose_plan import plan_and_choose
     from ..sim.order_choice import Predictions
-    from ..train.run_config import precision_bytes
+    from ..train.config.run_config import precision_bytes
     from .plan import checked_request
 
     gpu_mem = args.gpu_mem if args.gpu_mem is not None else own_plan_card(machine.gpu_mem_gib)

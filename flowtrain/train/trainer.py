@@ -51,9 +51,9 @@ from ..policy import resolve_policy
 from ..runtime.executor import use_uvloop
 from ..runtime.trace import Instrument, TraceRecorder, lane_busy, write_chrome_trace
 from ..sim.choose_plan import plan_and_choose
-from . import defaults
-from .checks import check_compile_backend, check_fields, check_output_paths
-from .settings import check_values
+from .config import defaults
+from .config.checks import check_compile_backend, check_fields, check_output_paths
+from .config.settings import check_values
 from .distributed import World, join, leave, local_share, node_barrier, world_from_env
 from .host_state import HostState, return_freed_memory
 from .loop import TrainingLoop
@@ -62,7 +62,7 @@ from .out_of_memory import gpu_out_of_memory
 from .pinning import unpin_all
 from .program import StepProgram
 from .reporting import Reporter, StepMetrics
-from .run_config import TrainConfig, compile_backend, load_model_config, lora_spec, precision_bytes, validate  # noqa: F401 - re-exported
+from .config.run_config import TrainConfig, compile_backend, load_model_config, lora_spec, precision_bytes, validate  # noqa: F401 - re-exported
 from .shared_state import remove_stale, shared_dir
 from .shutdown import Shutdown
 from .summary import summary_lines
@@ -263,7 +263,7 @@ def _data_seq_len(cfg: TrainConfig, mcfg: ModelConfig, resume_state: dict,
                   tokenizer_dir: Path | None) -> int | FromData:
     """The seq_len to read ``--data`` at: ``--seq-len`` as given; without one, a resumed run's
     own, else the data's choice (:class:`~flowtrain.data.source.FromData`, see
-    :class:`~flowtrain.train.defaults.SeqLenDefault`): the longest example of ``--data`` and of
+    :class:`~flowtrain.train.config.defaults.SeqLenDefault`): the longest example of ``--data`` and of
     ``--eval-data`` both, so that a held-out example longer than every training one is not
     refused as too long for a length nobody chose."""
     if defaults.seq_len_given(cfg.seq_len):
@@ -312,7 +312,7 @@ def _source_dir(model_dir: Path | None, resume_state: dict) -> Path | None:
 
 def resolve_defaults(cfg: TrainConfig, *, pretrained: bool, saved: dict | None) -> TrainConfig:
     """``cfg`` with its unset optimizer fields filled: from the resumed checkpoint's settings,
-    else by where the weights come from (:func:`~flowtrain.train.defaults.optimizer_defaults`)."""
+    else by where the weights come from (:func:`~flowtrain.train.config.defaults.optimizer_defaults`)."""
     fallback = defaults.optimizer_defaults(pretrained, cfg.steps, cfg.lora)
     fill = {}
     for name, value in fallback.items():

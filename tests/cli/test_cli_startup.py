@@ -17,7 +17,7 @@ import pytest
 
 from flowtrain.cli import build_parser, main
 from flowtrain.cli.train import config_from_args
-from flowtrain.train import defaults
+from flowtrain.train.config import defaults
 from flowtrain.train.trainer import TrainConfig
 
 # calls flowtrain.cli.main with argv[1:] (a JSON list of argv lists), then prints which heavy
@@ -59,7 +59,7 @@ def test_module_entry_point_help_imports_no_torch():
     # -X importtime lists what import statements load (not importlib.import_module, which loads
     # the command's module); torch would be loaded by a statement somewhere below it
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
-    assert "flowtrain.train.defaults" in imported and "torch" not in imported
+    assert "flowtrain.train.config.defaults" in imported and "torch" not in imported
 
 
 def test_viz_runs_without_torch(tmp_path):

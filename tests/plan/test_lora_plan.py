@@ -16,7 +16,7 @@ from flowtrain.plan.adapters import adapter_numel
 from flowtrain.plan.memory import GiB, RunRequest, run_request
 from flowtrain.plan.planner import plan_run
 from flowtrain.train.host_state import HostState
-from flowtrain.train.run_config import TrainConfig
+from flowtrain.train.config.run_config import TrainConfig
 
 
 @pytest.mark.parametrize("targets", [None, ("q_proj", "v_proj", "down_proj")])

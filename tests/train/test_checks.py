@@ -15,7 +15,7 @@ import pytest
 from flowtrain.errors import ConfigError
 from flowtrain.model import ModelConfig, preset
 from flowtrain.cli.train import flag_of
-from flowtrain.train.checks import check_compile_backend, check_fields, check_output_paths
+from flowtrain.train.config.checks import check_compile_backend, check_fields, check_output_paths
 from flowtrain.train.trainer import TrainConfig
 
 NAN, INF = math.nan, math.inf
@@ -123,7 +123,7 @@ def test_an_unknown_backend_is_refused_with_the_known_ones():
 
 
 def test_trivial_names_do_not_import_dynamo():
-    code = ("import sys; from flowtrain.train.checks import check_compile_backend\n"
+    code = ("import sys; from flowtrain.train.config.checks import check_compile_backend\n"
             "for n in ('auto', 'none', 'eager', None): check_compile_backend(n)\n"
             "print('torch._dynamo' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)

@@ -4,7 +4,7 @@ The command line builds its parser from these (``flowtrain train --help`` must n
 torch, and the trainer does), and :class:`~flowtrain.train.trainer.TrainConfig` takes its field
 defaults from them, so the two cannot drift apart::
 
-    from flowtrain.train import defaults
+    from flowtrain.train.config import defaults
     parser.add_argument("--steps", type=int, default=defaults.STEPS)
 
 Only the numbers a user is likely to look up live here; flags whose default is "off" (``None``,

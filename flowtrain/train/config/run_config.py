@@ -10,14 +10,14 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from ..errors import CheckpointError, ConfigError
-from ..model.adapters import DEFAULT_TARGETS, LoraSpec
-from ..model.config import ModelConfig
-from ..model.model_dir import read_config
-from ..model.presets import PRESETS, preset
-from ..plan.memory import compile_backend  # noqa: F401 - re-exported: what --compile runs
+from ...errors import CheckpointError, ConfigError
+from ...model.adapters import DEFAULT_TARGETS, LoraSpec
+from ...model.config import ModelConfig
+from ...model.model_dir import read_config
+from ...model.presets import PRESETS, preset
+from ...plan.memory import compile_backend  # noqa: F401 - re-exported: what --compile runs
+from ..distributed import DEFAULT_TIMEOUT_S as DIST_TIMEOUT_S
 from . import defaults
-from .distributed import DEFAULT_TIMEOUT_S as DIST_TIMEOUT_S
 from .settings import Setting
 
 
@@ -52,9 +52,9 @@ class TrainConfig(msgspec.Struct, kw_only=True):
     Each field carries its :class:`Setting`: the text of its ``--help``, its bounds, and how the
     command line spells it. The command line's flags are generated from these
     (``flowtrain.cli.flags``), and so are the checks of their values
-    (:func:`flowtrain.train.checks.check_fields`); a check names the field, and each command
+    (:func:`flowtrain.train.config.checks.check_fields`); a check names the field, and each command
     spells it as its own flag. Fields left ``None`` are decided by the run (the optimizer's by
-    where the weights come from, ``flowtrain.train.defaults.optimizer_defaults``, or by the
+    where the weights come from, ``flowtrain.train.config.defaults.optimizer_defaults``, or by the
     resumed checkpoint).
     """
 
@@ -347,7 +347,7 @@ def _validate_lora(cfg: TrainConfig, mcfg: ModelConfig) -> None:
 
 def validate(cfg: TrainConfig, mcfg: ModelConfig) -> None:
     """What the fields' own declarations cannot say (those are checked first, by
-    :func:`flowtrain.train.checks.check_fields`): how fields go together, and with the model."""
+    :func:`flowtrain.train.config.checks.check_fields`): how fields go together, and with the model."""
     if defaults.seq_len_given(cfg.seq_len):  # else the data decides, within the model's positions
         mcfg.check_seq_len(cfg.seq_len)
     _validate_lora(cfg, mcfg)

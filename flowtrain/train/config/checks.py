@@ -33,7 +33,7 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 from .settings import check_values
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ def _is_int(v: Any) -> bool:
 def check_fields(cfg: TrainConfig) -> None:
     """Refuse any field of a :class:`TrainConfig` that its declaration does not accept (a
     number NaN, infinite, of the wrong type or out of range; a choice not among its values:
-    :func:`flowtrain.train.settings.check_values`), then what a declaration cannot say: upper
+    :func:`flowtrain.train.config.settings.check_values`), then what a declaration cannot say: upper
     bounds, the seed's range, the betas, and a micro-batch that does not divide the batch.
     Each error names the field; the command line spells it as its flag."""
     check_values(cfg)

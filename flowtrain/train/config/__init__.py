@@ -1,0 +1,1 @@
+"""A training run's settings: declared (run_config, settings), defaulted (defaults), checked (checks)."""
