@@ -12,6 +12,10 @@ choices), a ``bool`` field off by default is a switch (``--overwrite``), and a s
 ``const`` is a switch that sets it (``--no-shuffle`` sets ``shuffle`` to False). The values are
 checked by the config's own checks (``flowtrain.train.config.checks.check_fields``), not by argparse:
 the Python API and the command line accept and refuse the same things.
+
+This module is the last stop of a run's settings: the declaration, defaults and checks are
+the package :mod:`flowtrain.train.config` (its docstring maps the whole path); only turning
+them into argparse flags is the command line's.
 """
 
 from __future__ import annotations

@@ -67,9 +67,9 @@ def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: f
     from ..errors import ConfigError
     from ..plan.host_layout import check_units_fit
     from ..plan.memory import run_request
-    from ..train.config.checks import check_fields
+    from ..train.config.checks import check_fields, check_with_model
     from ..train.distributed import local_share
-    from ..train.config.run_config import TrainConfig, load_model_config, validate
+    from ..train.config.run_config import TrainConfig, load_model_config
 
     tc = TrainConfig(**{**config_values(args, PLAN_FIELDS), "gpu_mem": gpu_mem, "host_mem": host_mem})
     check_fields(tc)
@@ -80,7 +80,7 @@ def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: f
         from ..train.trainer import seq_len_of_data
 
         tc = msgspec.structs.replace(tc, seq_len=seq_len_of_data(tc, cfg, model_dir))
-    validate(tc, cfg)
+    check_with_model(tc, cfg)
     if args.nproc_per_node < 1 or args.nnodes < 1:
         raise ConfigError(f"--nproc-per-node and --nnodes must be at least 1 (got {args.nproc_per_node}, {args.nnodes})")
     processes = args.nproc_per_node * args.nnodes

@@ -52,7 +52,7 @@ from ..runtime.executor import use_uvloop
 from ..runtime.trace import Instrument, TraceRecorder, lane_busy, write_chrome_trace
 from ..sim.choose_plan import plan_and_choose
 from .config import defaults
-from .config.checks import check_compile_backend, check_fields, check_output_paths
+from .config.checks import check_compile_backend, check_fields, check_output_paths, check_with_model
 from .config.settings import check_values
 from .distributed import World, join, leave, local_share, node_barrier, world_from_env
 from .host_state import HostState, return_freed_memory
@@ -62,7 +62,7 @@ from .out_of_memory import gpu_out_of_memory
 from .pinning import unpin_all
 from .program import StepProgram
 from .reporting import Reporter, StepMetrics
-from .config.run_config import TrainConfig, compile_backend, load_model_config, lora_spec, precision_bytes, validate  # noqa: F401 - re-exported
+from .config.run_config import TrainConfig, compile_backend, load_model_config, lora_spec, precision_bytes  # noqa: F401 - re-exported
 from .shared_state import remove_stale, shared_dir
 from .shutdown import Shutdown
 from .summary import summary_lines
@@ -140,7 +140,7 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
             check_weight_headers(base_dir, mcfg, require=True)
     elif model_dir is not None:  # a folder without weights, or with a tensor missing: refused before allocating
         check_weight_headers(model_dir, mcfg, require=True)
-    validate(cfg, mcfg)
+    check_with_model(cfg, mcfg)
     cfg = _with_lora_spec(cfg, mcfg)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.precision, device)

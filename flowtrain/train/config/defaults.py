@@ -1,8 +1,9 @@
 """Default values of ``flowtrain train``, in a module that imports nothing.
 
-The command line builds its parser from these (``flowtrain train --help`` must not import
-torch, and the trainer does), and :class:`~flowtrain.train.trainer.TrainConfig` takes its field
-defaults from them, so the two cannot drift apart::
+The second stop of :mod:`flowtrain.train.config`, after the declaration. The command line
+builds its parser from these (``flowtrain train --help`` must not import torch, and the trainer
+does), and :class:`~flowtrain.train.config.run_config.TrainConfig` takes its field defaults
+from them, so the two cannot drift apart::
 
     from flowtrain.train.config import defaults
     parser.add_argument("--steps", type=int, default=defaults.STEPS)

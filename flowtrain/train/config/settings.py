@@ -1,5 +1,6 @@
 """A setting declared once: what a config field means, what it accepts, how it is spelled.
 
+The machinery under :mod:`flowtrain.train.config`'s declaration:
 :class:`~flowtrain.train.config.run_config.TrainConfig` annotates each field with a :class:`Setting`::
 
     steps: Annotated[int, Setting("optimizer steps", ge=1)] = 200
