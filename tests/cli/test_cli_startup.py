@@ -77,7 +77,7 @@ def test_only_the_chosen_command_gets_its_arguments():
 
 
 def test_train_defaults_are_train_configs():
-    """flowtrain/train/defaults.py and TrainConfig's field defaults say the same, and so does
+    """flowtrain/train/config/defaults.py and TrainConfig's field defaults say the same, and so does
     the parser: no flags at all give ``TrainConfig()``."""
     fields = {f.name: f.default for f in msgspec.structs.fields(TrainConfig)}
     for name, value in vars(defaults).items():
