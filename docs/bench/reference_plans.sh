@@ -24,7 +24,7 @@ runs=(
   "8b256k|--model llama-8b-256k --seq-len 262144 --batch-size 1 --micro-batch-size 1 --host-mem 118 $H200"
   "rtx3080|--model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 2 --host-mem 120 --device cuda --machine rtx3080-10gb"
   "tied|--model gemma3-1b --seq-len 2048 --batch-size 8 --micro-batch-size 2 --gpu-mem 8 --host-mem 64 --grad-clip 1.0 $H200"
-  "cpu|--model tiny --seq-len 128 --batch-size 8 --micro-batch-size 4 --device cpu"
+  "cpu|--model tiny --seq-len 128 --batch-size 8 --micro-batch-size 4 --device cpu --host-mem 16"
 )
 for run in "${runs[@]}"; do
   name=${run%%|*}

@@ -33,7 +33,7 @@ from typing import Any
 
 from ..cli.train import flag_of  # noqa: F401 - how bench's errors spell the settings they name
 from ..errors import ConfigError
-from ..train.checks import check_output_file
+from ..train.config.checks import check_output_file
 from ..graph import StepSpec, compile_step
 from ..runtime import Engine, use_uvloop
 from .training_speed import add_model_arguments, run_model

@@ -9,7 +9,7 @@ reports the steps after ``--warmup`` (excluded: compilation, allocator growth, f
 Model FLOPs per token are ``6 N + 6 L h S`` (weights, and causal attention at half of
 ``12 L h S``), recompute not counted, the same definition as the all-on-GPU and DeepSpeed baseline trainers use;
 for a mixture of experts N is the active parameters (the router and the top-k experts of each
-sparse layer, not every expert: :func:`flowtrain.model.config.model_flops_per_token`); with
+sparse layer, not every expert: :func:`flowtrain.model.counts.model_flops_per_token`); with
 ``--lora-rank`` the frozen base counts ``4 N`` and the adapters ``6 N_adapter``.
 Busy fractions come from the executed trace: for each lane, the union of its tasks' intervals
 over the measured window, so they say where the time went. Beside the measured peaks (host RSS,
@@ -32,14 +32,14 @@ from typing import TYPE_CHECKING
 from ..cli.flags import add_config_flags, config_values
 from ..cli.train import KERNEL_FIELDS, MEMORY_FIELDS
 from ..errors import ConfigError
-from ..train.checks import check_output_file
+from ..train.config.checks import check_output_file
 from ..runtime.trace import TraceRecorder, lane_busy, write_chrome_trace
 
 # numpy, torch, the model and the trainer are imported where a benchmark runs, so that
 # ``flowtrain bench --help`` (which adds these options) stays instant.
 if TYPE_CHECKING:
     from ..plan.memory import Plan
-    from ..train.run_config import TrainConfig
+    from ..train.config.run_config import TrainConfig
 
 
 #: the fields of ``TrainConfig`` that ``bench --model`` takes, with train's flags and checks
@@ -67,8 +67,8 @@ def add_model_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) ->
 
 
 def model_flops_per_token(model: str, seq_len: int, adapter_params: float | None = None) -> float:
-    from ..model.config import model_flops_per_token as per_token
-    from ..train.run_config import load_model_config
+    from ..model.counts import model_flops_per_token as per_token
+    from ..train.config.run_config import load_model_config
 
     cfg, _ = load_model_config(model)
     return per_token(cfg, seq_len, adapter_params)
@@ -80,7 +80,7 @@ def run_model(args: argparse.Namespace) -> dict:
 
     from ..plan.adapters import adapter_active_numel, adapter_numel
     from ..plan.request import run_request
-    from ..train.run_config import load_model_config
+    from ..train.config.run_config import load_model_config
 
     _check_model_args(args)
     cfg_m, _ = load_model_config(args.model)

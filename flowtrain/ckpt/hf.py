@@ -39,6 +39,7 @@ from flowtrain.errors import CheckpointError, FlowtrainError
 from flowtrain.model.config import ModelConfig
 from flowtrain.model.model_dir import CONFIG_NAME, read_config  # re-exported
 from flowtrain.model.layout import UnitLayout, bind, hub_tensors
+from ..model.hf_config import from_hf, to_hf
 
 __all__ = ["checkpoint_dtype", "hf_config_text", "load_into", "read_config", "save_hf", "shard_tensors",
            "unit_tensors", "write_safetensors"]
@@ -299,18 +300,18 @@ def hf_config_text(
     changes; should it not describe ``cfg``, flowtrain's values of the keys it knows win.
     """
     if source is None:
-        hf = cfg.to_hf()
+        hf = to_hf(cfg)
         hf["torch_dtype"] = hf["dtype"] = _HF_DTYPE_NAMES[dtype]
         return json.dumps(hf, indent=2, sort_keys=True) + "\n"
     hf = dict(source)
     try:
-        same = ModelConfig.from_hf(source) == cfg
+        same = from_hf(source) == cfg
     except FlowtrainError:
         same = False
     if not same:
         log.warning("the source config.json does not describe the model saved; "
                     "writing flowtrain's values for the keys it knows")
-        hf.update(cfg.to_hf())
+        hf.update(to_hf(cfg))
     keys = [k for k in ("torch_dtype", "dtype") if k in hf] or ["torch_dtype", "dtype"]
     for k in keys:
         hf[k] = _HF_DTYPE_NAMES[dtype]

@@ -1,6 +1,6 @@
-"""Command-line flags generated from :class:`~flowtrain.train.run_config.TrainConfig`.
+"""Command-line flags generated from :class:`~flowtrain.train.config.run_config.TrainConfig`.
 
-A field of ``TrainConfig`` is declared once, with its :class:`~flowtrain.train.settings.Setting`;
+A field of ``TrainConfig`` is declared once, with its :class:`~flowtrain.train.config.settings.Setting`;
 ``train`` takes every field as a flag, ``plan``, ``simulate`` and ``bench --model`` the fields
 they need, each with the same name, type, choices and help::
 
@@ -10,8 +10,12 @@ they need, each with the same name, type, choices and help::
 The flag's type comes from the field's (``int``, ``float``, ``str``; a ``Literal`` gives the
 choices), a ``bool`` field off by default is a switch (``--overwrite``), and a setting with a
 ``const`` is a switch that sets it (``--no-shuffle`` sets ``shuffle`` to False). The values are
-checked by the config's own checks (``flowtrain.train.checks.check_fields``), not by argparse:
+checked by the config's own checks (``flowtrain.train.config.checks.check_fields``), not by argparse:
 the Python API and the command line accept and refuse the same things.
+
+This module is the last stop of a run's settings: the declaration, defaults and checks are
+the package :mod:`flowtrain.train.config` (its docstring maps the whole path); only turning
+them into argparse flags is the command line's.
 """
 
 from __future__ import annotations
@@ -20,8 +24,8 @@ import argparse
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from ..train.run_config import TrainConfig
-from ..train.settings import Field, fields_of
+from ..train.config.run_config import TrainConfig
+from ..train.config.settings import Field, fields_of
 
 
 def config_fields(names: Iterable[str] | None = None) -> list[Field]:

@@ -21,7 +21,7 @@ import json
 
 import msgspec
 
-from ..train import defaults
+from ..train.config import defaults
 from .flags import add_config_flags, config_values
 from .train import MEMORY_FIELDS, flag_of
 
@@ -67,9 +67,9 @@ def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: f
     from ..errors import ConfigError
     from ..plan.host_layout import check_units_fit
     from ..plan.request import run_request
-    from ..train.checks import check_fields
+    from ..train.config.checks import check_fields, check_with_model
     from ..train.distributed import local_share
-    from ..train.run_config import TrainConfig, load_model_config, validate
+    from ..train.config.run_config import TrainConfig, load_model_config
 
     tc = TrainConfig(**{**config_values(args, PLAN_FIELDS), "gpu_mem": gpu_mem, "host_mem": host_mem})
     check_fields(tc)
@@ -80,7 +80,7 @@ def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: f
         from ..train.prepare import seq_len_of_data
 
         tc = msgspec.structs.replace(tc, seq_len=seq_len_of_data(tc, cfg, model_dir))
-    validate(tc, cfg)
+    check_with_model(tc, cfg)
     if args.nproc_per_node < 1 or args.nnodes < 1:
         raise ConfigError(f"--nproc-per-node and --nnodes must be at least 1 (got {args.nproc_per_node}, {args.nnodes})")
     processes = args.nproc_per_node * args.nnodes
@@ -97,7 +97,7 @@ def plan_for(args: argparse.Namespace, machine, with_predictions: bool = False) 
     from ..plan.memory import Precision, Target, own_plan_card
     from ..sim.choose_plan import plan_and_choose
     from ..sim.order_choice import Predictions
-    from ..train.run_config import precision_bytes
+    from ..train.config.run_config import precision_bytes
 
     gpu_mem = args.gpu_mem if args.gpu_mem is not None else own_plan_card(machine.gpu_mem_gib)
     host_mem = args.host_mem if args.host_mem is not None else machine.host_mem_gib

@@ -15,7 +15,7 @@ from .flags import add_config_flags, config_values
 from .flags import flag_of as config_flag
 
 if TYPE_CHECKING:
-    from ..train.run_config import TrainConfig
+    from ..train.config.run_config import TrainConfig
 
 __all__ = ["MEMORY_FIELDS", "KERNEL_FIELDS", "add_arguments", "config_from_args", "flag_of", "run"]
 
@@ -45,7 +45,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    from ..train.run_config import TrainConfig
+    from ..train.config.run_config import TrainConfig
 
     return TrainConfig(**config_values(args))
 

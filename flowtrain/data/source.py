@@ -129,7 +129,7 @@ class FromData:
     examples are as long as the longest example, rounded up to a multiple of ``multiple``, at
     most ``most`` (the model's ``max_position_embeddings``); a token stream, which has no
     examples, is cut into windows of ``stream`` tokens (at most ``most``). The numbers are the
-    caller's: ``flowtrain.train.defaults`` says why 128 and 64."""
+    caller's: ``flowtrain.train.config.defaults`` says why 128 and 64."""
 
     stream: int
     multiple: int

@@ -21,6 +21,7 @@ from typing import Any
 from ..errors import CheckpointError
 from .config import ModelConfig, short_repr
 from .layout import hub_tensors, model_layouts
+from .hf_config import from_hf
 
 __all__ = ["CONFIG_NAME", "check_weight_headers", "read_config"]
 
@@ -56,7 +57,7 @@ def read_config(model_dir: str | os.PathLike[str], *, weights: bool = True) -> M
         raise CheckpointError(
             f"{str(path)!r} has no {CONFIG_NAME}; point at a Hugging Face model directory"
         )
-    cfg = ModelConfig.from_hf(_read_json(cfg_path))
+    cfg = from_hf(_read_json(cfg_path))
     if weights:
         check_weight_headers(path, cfg)
     return cfg

@@ -82,7 +82,7 @@ def adapter_numel(cfg: ModelConfig, req: RunRequest) -> int:
 def adapter_active_numel(cfg: ModelConfig, req: RunRequest) -> float:
     """The adapter parameters one token multiplies by (0 without LoRA): every adapter but a
     stacked expert weight's, of which a token reaches ``num_experts_per_tok`` of ``num_experts``
-    experts' pairs. Model FLOPs count these (:func:`flowtrain.model.config.model_flops_per_token`)."""
+    experts' pairs. Model FLOPs count these (:func:`flowtrain.model.counts.model_flops_per_token`)."""
     return _adapter_sizes(cfg, req)[3] if req.lora_rank else 0
 
 

@@ -151,7 +151,7 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
     def model_flops_per_token(self) -> float:
         """flowtrain's and the benchmarks' convention: 6 N + 6 L h S (recompute not counted; N
         a mixture of experts' active parameters; LoRA: 4 N + 6 N_adapter + 6 L h S:
-        :func:`flowtrain.model.config.model_flops_per_token`)."""
+        :func:`flowtrain.model.counts.model_flops_per_token`)."""
         attention = 6.0 * self.layers * self.hidden * self.seq_len
         if self.adapter_params:
             return 4.0 * self.params + 6.0 * self.adapter_params + attention

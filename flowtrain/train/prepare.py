@@ -35,12 +35,12 @@ from ..plan.memory import Plan
 from ..plan.request import run_request
 from ..policy import resolve_policy
 from ..sim.choose_plan import plan_and_choose
-from . import defaults
-from .checks import check_compile_backend, check_fields, check_output_paths
+from .config import defaults
+from .config.checks import check_compile_backend, check_fields, check_output_paths, check_with_model
+from .config.run_config import TrainConfig, load_model_config, lora_spec, precision_bytes
+from .config.settings import check_values
 from .distributed import World, local_share, world_from_env
 from .optimizer import AdamWConfig, LRSchedule
-from .run_config import TrainConfig, load_model_config, lora_spec, precision_bytes, validate
-from .settings import check_values
 
 __all__ = ["Run", "adamw_config", "prefer_expandable_segments", "prepare", "resolve_defaults", "resolve_device",
            "resolve_dtype", "seq_len_of_data"]
@@ -116,7 +116,7 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
             check_weight_headers(base_dir, mcfg, require=True)
     elif model_dir is not None:  # a folder without weights, or with a tensor missing: refused before allocating
         check_weight_headers(model_dir, mcfg, require=True)
-    validate(cfg, mcfg)
+    check_with_model(cfg, mcfg)
     cfg = _with_lora_spec(cfg, mcfg)
     device = resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.precision, device)
@@ -226,7 +226,7 @@ def _data_seq_len(cfg: TrainConfig, mcfg: ModelConfig, resume_state: dict,
                   tokenizer_dir: Path | None) -> int | FromData:
     """The seq_len to read ``--data`` at: ``--seq-len`` as given; without one, a resumed run's
     own, else the data's choice (:class:`~flowtrain.data.source.FromData`, see
-    :class:`~flowtrain.train.defaults.SeqLenDefault`): the longest example of ``--data`` and of
+    :class:`~flowtrain.train.config.defaults.SeqLenDefault`): the longest example of ``--data`` and of
     ``--eval-data`` both, so that a held-out example longer than every training one is not
     refused as too long for a length nobody chose."""
     if defaults.seq_len_given(cfg.seq_len):
@@ -275,7 +275,7 @@ def _source_dir(model_dir: Path | None, resume_state: dict) -> Path | None:
 
 def resolve_defaults(cfg: TrainConfig, *, pretrained: bool, saved: dict | None) -> TrainConfig:
     """``cfg`` with its unset optimizer fields filled: from the resumed checkpoint's settings,
-    else by where the weights come from (:func:`~flowtrain.train.defaults.optimizer_defaults`)."""
+    else by where the weights come from (:func:`~flowtrain.train.config.defaults.optimizer_defaults`)."""
     fallback = defaults.optimizer_defaults(pretrained, cfg.steps, cfg.lora)
     fill = {}
     for name, value in fallback.items():

@@ -48,7 +48,7 @@ from .pinning import unpin_all
 from .prepare import Run, adamw_config, prefer_expandable_segments, prepare
 from .program import StepProgram
 from .reporting import Reporter, StepMetrics
-from .run_config import TrainConfig, compile_backend, lora_spec
+from .config.run_config import TrainConfig, compile_backend, lora_spec
 from .shared_state import remove_stale, shared_dir
 from .shutdown import Shutdown
 from .summary import summary_lines

@@ -112,7 +112,7 @@ def data_description(seqs: "Sequences") -> str:
 def lora_params(run: "Run") -> int:
     """The parameters a LoRA run trains: every layer's adapters (not the padding between them)."""
     from ..model.adapters import adapter_layouts
-    from .run_config import lora_spec
+    from .config.run_config import lora_spec
 
     spec = lora_spec(run.cfg)
     assert spec is not None

@@ -17,7 +17,7 @@ import pytest
 
 from flowtrain.cli import build_parser, main
 from flowtrain.cli.train import config_from_args
-from flowtrain.train import defaults
+from flowtrain.train.config import defaults
 from flowtrain.train.run import TrainConfig
 
 # calls flowtrain.cli.main with argv[1:] (a JSON list of argv lists), then prints which heavy
@@ -59,7 +59,7 @@ def test_module_entry_point_help_imports_no_torch():
     # -X importtime lists what import statements load (not importlib.import_module, which loads
     # the command's module); torch would be loaded by a statement somewhere below it
     imported = {line.split("|")[-1].strip() for line in proc.stderr.splitlines() if line.startswith("import time:")}
-    assert "flowtrain.train.defaults" in imported and "torch" not in imported
+    assert "flowtrain.train.config.defaults" in imported and "torch" not in imported
 
 
 def test_viz_runs_without_torch(tmp_path):
@@ -77,7 +77,7 @@ def test_only_the_chosen_command_gets_its_arguments():
 
 
 def test_train_defaults_are_train_configs():
-    """flowtrain/train/defaults.py and TrainConfig's field defaults say the same, and so does
+    """flowtrain/train/config/defaults.py and TrainConfig's field defaults say the same, and so does
     the parser: no flags at all give ``TrainConfig()``."""
     fields = {f.name: f.default for f in msgspec.structs.fields(TrainConfig)}
     for name, value in vars(defaults).items():

@@ -13,6 +13,7 @@ import subprocess
 import sys
 
 import pytest
+from flowtrain.model.hf_config import to_hf
 
 
 def run_train(*args, cwd=None):
@@ -121,7 +122,7 @@ def test_bad_values_in_config_json_are_refused(tmp_path):
 
     model = tmp_path / "model"
     model.mkdir()
-    d = preset("tiny").to_hf()
+    d = to_hf(preset("tiny"))
     d["vocab_size"] = "lots"
     (model / "config.json").write_text(json.dumps(d))
     proc = run_train("--model", str(model), "--out", str(tmp_path / "out"))

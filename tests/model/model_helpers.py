@@ -13,6 +13,7 @@ from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
 from flowtrain.model import ModelConfig, RopeScaling, bind, model_layouts
+from flowtrain.model.hf_config import to_hf
 
 
 def rel_err(a: Tensor, b: Tensor) -> float:
@@ -39,7 +40,7 @@ LLAMA3_SMALL = RopeScaling(
 
 
 def hf_config(cfg: ModelConfig):
-    d = cfg.to_hf()
+    d = to_hf(cfg)
     return AutoConfig.for_model(d.pop("model_type"), **d)
 
 

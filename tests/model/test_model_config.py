@@ -10,6 +10,7 @@ from transformers import AutoModelForCausalLM
 
 from flowtrain.errors import ConfigError
 from flowtrain.model import PRESETS, ModelConfig, RopeScaling, model_layouts, preset
+from flowtrain.model.hf_config import from_hf, to_hf
 
 VARIANTS = {
     "llama-gqa": small_cfg(),
@@ -36,7 +37,7 @@ VARIANTS = {
 @pytest.mark.parametrize("name", [*PRESETS, *VARIANTS])
 def test_from_hf_inverts_to_hf(name):
     cfg = PRESETS.get(name) or VARIANTS[name]
-    assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+    assert from_hf(to_hf(cfg)) == cfg
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))
@@ -50,25 +51,25 @@ def test_transformers_reads_to_hf_as_the_same_model(name):
     # transformers' own serialisation of that config reads back to the same ModelConfig.
     d = hc.to_dict()
     d["architectures"] = [cfg.architecture]
-    assert ModelConfig.from_hf(d) == cfg
+    assert from_hf(d) == cfg
 
 
 def test_head_dim_defaults_to_hidden_over_heads():
     cfg = ModelConfig(vocab_size=10, hidden_size=48, intermediate_size=8, num_layers=1,
                       num_heads=6, num_kv_heads=3)
     assert cfg.head_dim == 8
-    d = cfg.to_hf()
+    d = to_hf(cfg)
     del d["head_dim"]
-    assert ModelConfig.from_hf(d).head_dim == 8
+    assert from_hf(d).head_dim == 8
 
 
 def test_from_hf_legacy_rope_keys_and_eos_list():
     cfg = small_cfg(rope_scaling=LLAMA3_SMALL, rope_theta=5e5)
-    d = cfg.to_hf()
+    d = to_hf(cfg)
     del d["rope_parameters"]  # transformers 4 spelling only
     d["rope_scaling"] = {**d["rope_scaling"], "type": d["rope_scaling"].pop("rope_type")}
     d["eos_token_id"] = [7, 9, 11]
-    got = ModelConfig.from_hf(d)
+    got = from_hf(d)
     assert got.rope_scaling == LLAMA3_SMALL and got.rope_theta == 5e5
     assert got.eos_token_id == 7
 
@@ -76,7 +77,7 @@ def test_from_hf_legacy_rope_keys_and_eos_list():
 def test_from_hf_missing_optional_keys_uses_transformers_defaults():
     d = {"architectures": ["LlamaForCausalLM"], "vocab_size": 32, "hidden_size": 16,
          "intermediate_size": 24, "num_hidden_layers": 1, "num_attention_heads": 2}
-    cfg = ModelConfig.from_hf(d)
+    cfg = from_hf(d)
     hc = hf_config(cfg)
     assert cfg.num_kv_heads == 2 and cfg.rope_scaling is None
     from transformers import LlamaConfig
@@ -86,7 +87,7 @@ def test_from_hf_missing_optional_keys_uses_transformers_defaults():
 
 
 def _hf(**changes):
-    d = small_cfg().to_hf()
+    d = to_hf(small_cfg())
     d.update(changes)
     return d
 
@@ -110,12 +111,12 @@ def _hf(**changes):
 )
 def test_from_hf_rejects_with_a_reason(d, needle):
     with pytest.raises(ConfigError, match=needle.replace("(", r"\(")):
-        ModelConfig.from_hf(d)
+        from_hf(d)
 
 
 def test_unsupported_message_lists_supported_architectures():
     with pytest.raises(ConfigError) as info:
-        ModelConfig.from_hf(_hf(architectures=["GPT2LMHeadModel"]))
+        from_hf(_hf(architectures=["GPT2LMHeadModel"]))
     for arch in ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM"):
         assert arch in str(info.value)
     assert "\n" not in str(info.value)
@@ -123,7 +124,7 @@ def test_unsupported_message_lists_supported_architectures():
 
 def test_mistral_with_window_covering_all_positions_is_accepted():
     d = _hf(architectures=["MistralForCausalLM"], sliding_window=256)
-    assert ModelConfig.from_hf(d).architecture == "MistralForCausalLM"
+    assert from_hf(d).architecture == "MistralForCausalLM"
 
 
 @pytest.mark.parametrize("d", [
@@ -136,7 +137,7 @@ def test_mistral_with_window_covering_all_positions_is_accepted():
 def test_sliding_window_is_read_per_layer(d):
     """The window applies to the layers transformers slides (Mistral: all; Qwen: from
     max_window_layers on); sequences longer than it are trained, only positions bound them."""
-    cfg = ModelConfig.from_hf(d)
+    cfg = from_hf(d)
     assert cfg.sliding_window == 16
     assert hf_config(cfg).sliding_window == 16  # written back for transformers
     full = {"MistralForCausalLM": 0, "Qwen2ForCausalLM": 1, "Qwen3ForCausalLM": 0}[cfg.architecture]
@@ -154,7 +155,7 @@ def test_sliding_window_is_read_per_layer(d):
 ])
 def test_qwen_window_that_no_layer_uses_is_dropped(changes):
     for arch in ("Qwen2ForCausalLM", "Qwen3ForCausalLM"):
-        cfg = ModelConfig.from_hf(_hf(architectures=[arch], **changes))
+        cfg = from_hf(_hf(architectures=[arch], **changes))
         assert cfg.sliding_window is None and cfg.max_window_layers == 0
         cfg.check_seq_len(256)
 
@@ -165,29 +166,29 @@ def test_absent_keys_take_each_family_transformers_default():
     from transformers import MistralConfig, Qwen3Config
 
     d = {k: v for k, v in _hf(architectures=["MistralForCausalLM"]).items() if k != "sliding_window"}
-    assert ModelConfig.from_hf(d).sliding_window == MistralConfig().sliding_window == 4096
-    assert ModelConfig.from_hf({**d, "sliding_window": None}).sliding_window is None
+    assert from_hf(d).sliding_window == MistralConfig().sliding_window == 4096
+    assert from_hf({**d, "sliding_window": None}).sliding_window is None
     d = {k: v for k, v in _hf(architectures=["Qwen3ForCausalLM"]).items()
          if k not in ("head_dim", "attention_bias", "max_position_embeddings")}
-    cfg, ref = ModelConfig.from_hf(d), Qwen3Config()
+    cfg, ref = from_hf(d), Qwen3Config()
     assert cfg.head_dim == ref.head_dim == 128 and cfg.qk_norm and not cfg.has_qkv_bias
     assert cfg.max_position_embeddings == ref.max_position_embeddings
 
 
 def test_qwen3_attention_bias_is_honoured():
-    cfg = ModelConfig.from_hf(_hf(architectures=["Qwen3ForCausalLM"], attention_bias=True))
+    cfg = from_hf(_hf(architectures=["Qwen3ForCausalLM"], attention_bias=True))
     assert cfg.attention_bias and cfg.has_qkv_bias and cfg.qk_norm
 
 
 def test_to_hf_refuses_biases_the_architecture_cannot_hold():
     with pytest.raises(ConfigError, match="Qwen2ForCausalLM"):
-        small_cfg(architecture="Qwen2ForCausalLM").to_hf()
+        to_hf(small_cfg(architecture="Qwen2ForCausalLM"))
     with pytest.raises(ConfigError, match="q/k/v-only"):
-        small_cfg(qkv_bias=True).to_hf()
+        to_hf(small_cfg(qkv_bias=True))
     with pytest.raises(ConfigError, match="q/k/v-only"):
-        small_cfg(architecture="Qwen3ForCausalLM", qkv_bias=True).to_hf()
+        to_hf(small_cfg(architecture="Qwen3ForCausalLM", qkv_bias=True))
     with pytest.raises(ConfigError, match="cannot express a sliding window"):
-        small_cfg(sliding_window=16).to_hf()
+        to_hf(small_cfg(sliding_window=16))
 
 
 def test_preset_unknown_lists_names():
@@ -226,7 +227,7 @@ def test_published_sizes():
 
 
 def _gemma(**changes):
-    d = preset("gemma3-1b").to_hf()
+    d = to_hf(preset("gemma3-1b"))
     d.update(num_hidden_layers=3, layer_types=["sliding_attention"] * 2 + ["full_attention"])
     d.update(changes)
     return d
@@ -242,7 +243,7 @@ def _gemma(**changes):
 ])
 def test_gemma3_options_flowtrain_lacks_are_refused(changes, message):
     with pytest.raises(ConfigError, match=message):
-        ModelConfig.from_hf(_gemma(**changes))
+        from_hf(_gemma(**changes))
 
 
 def test_gemma3_transformers4_spelling_and_default_pattern():
@@ -251,7 +252,7 @@ def test_gemma3_transformers4_spelling_and_default_pattern():
     d = _gemma(rope_theta=2e6, rope_local_base_freq=7e3, rope_scaling={"rope_type": "linear", "factor": 8.0},
                num_hidden_layers=7, sliding_window_pattern=3)
     del d["rope_parameters"], d["layer_types"]
-    cfg = ModelConfig.from_hf(d)
+    cfg = from_hf(d)
     assert (cfg.rope_theta, cfg.rope_local_theta, cfg.rope_scaling.factor) == (2e6, 7e3, 8.0)
     assert [cfg.layer_window(i) for i in range(7)] == [512, 512, None, 512, 512, None, 512]
     assert [cfg.layer_rope_local(i) for i in range(7)] == [True, True, False, True, True, False, True]

@@ -22,6 +22,7 @@ from flowtrain.model.config import ModelConfig
 from flowtrain.model.presets import PRESETS
 from flowtrain.model.functional import decoder_layer, embed, rms_norm, rope_tables
 from flowtrain.model.moe import experts_grouped, experts_loop, route
+from flowtrain.model.hf_config import from_hf, to_hf
 
 SHAPE = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
              num_key_value_heads=2, max_position_embeddings=64)
@@ -69,7 +70,7 @@ def _load(path):
 @pytest.mark.parametrize("name, norm", [("qwen3-moe", False), ("qwen3-moe", True), ("mixtral", True)])
 def test_routing_matches_transformers_router(name, norm):
     model = _hf(name, norm_topk_prob=norm) if name != "mixtral" else _hf(name)
-    cfg = ModelConfig.from_hf(model.config.to_dict() | {"architectures": [type(model).__name__]})
+    cfg = from_hf(model.config.to_dict() | {"architectures": [type(model).__name__]})
     assert cfg.norm_topk_prob == norm
     gate = model.model.layers[0].mlp.gate
     h = torch.randn(2, 7, 32)
@@ -87,7 +88,7 @@ def test_routing_matches_transformers_router(name, norm):
 @pytest.mark.parametrize("name", ["qwen3-moe", "mixtral"])
 def test_experts_match_transformers_block(name):
     model = _hf(name, seed=1)
-    cfg = ModelConfig.from_hf(model.config.to_dict() | {"architectures": [type(model).__name__]})
+    cfg = from_hf(model.config.to_dict() | {"architectures": [type(model).__name__]})
     block = model.model.layers[0].mlp
     h = torch.randn(3, 5, 32)
     with torch.no_grad():
@@ -206,7 +207,7 @@ def test_presets_have_the_published_sizes():
     assert round(sizes["mixtral-8x7b"][0] / 1e9, 1) == 46.7 and round(sizes["mixtral-8x7b"][1] / 1e9, 1) == 12.9
     for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "qwen3-moe-12l", "mixtral-8x7b", "mixtral-4l"):
         cfg = PRESETS[name]
-        assert ModelConfig.from_hf(cfg.to_hf()) == cfg
+        assert from_hf(to_hf(cfg)) == cfg
         assert sum(lay.numel for lay in model_layouts(cfg)) >= cfg.num_parameters()
     assert PRESETS["qwen3-moe-12l"].num_layers == 12 and PRESETS["mixtral-4l"].num_layers == 4
 
@@ -214,7 +215,7 @@ def test_presets_have_the_published_sizes():
 def test_model_flops_count_active_parameters():
     """6 N + 6 L h S per token, N the active parameters of a mixture of experts (the dense
     definition, the sum of every weight, is unchanged)."""
-    from flowtrain.model.config import model_flops_per_token
+    from flowtrain.model.counts import model_flops_per_token
 
     dense = PRESETS["llama-8b"]
     n = sum(e.numel for lay in model_layouts(dense) for e in lay.entries)

@@ -28,7 +28,7 @@ from flowtrain.plan.memory import (
     card_for,
 )
 from flowtrain.plan.planner import plan_run
-from flowtrain.train.run_config import TrainConfig
+from flowtrain.train.config.run_config import TrainConfig
 
 CUDA = torch.device("cuda")
 

@@ -17,7 +17,8 @@ from flowtrain.plan.memory import GiB
 from flowtrain.plan.request import RunRequest, run_request
 from flowtrain.plan.planner import plan_run
 from flowtrain.train.host_state import HostState
-from flowtrain.train.run_config import TrainConfig
+from flowtrain.train.config.run_config import TrainConfig
+from flowtrain.model.hf_config import from_hf
 
 
 @pytest.mark.parametrize("targets", [None, ("q_proj", "v_proj", "down_proj")])
@@ -30,9 +31,8 @@ def test_adapter_count_is_pefts(targets):
     chosen = list(targets or ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"))
     model = peft.get_peft_model(transformers.LlamaForCausalLM(config), peft.LoraConfig(r=4, target_modules=chosen))
     theirs = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    from flowtrain.model.config import ModelConfig
 
-    cfg = ModelConfig.from_hf(config.to_dict())
+    cfg = from_hf(config.to_dict())
     req = run_request(TrainConfig(seq_len=16, lora_rank=4, lora_targets=targets))
     assert adapter_numel(cfg, req) == theirs
 
@@ -46,7 +46,6 @@ def test_experts_adapter_count_is_pefts_and_flops_count_those_a_token_reaches(fa
     count the router's and attention's adapters whole, the experts' at k of E."""
     transformers = pytest.importorskip("transformers")
     peft = pytest.importorskip("peft")
-    from flowtrain.model.config import ModelConfig
     from flowtrain.plan.adapters import adapter_active_numel
 
     shape = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
@@ -57,7 +56,7 @@ def test_experts_adapter_count_is_pefts_and_flops_count_those_a_token_reaches(fa
     model = peft.get_peft_model(transformers.AutoModelForCausalLM.from_config(config),
                                 peft.LoraConfig(r=4, target_modules="all-linear"))
     trained = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
-    cfg = ModelConfig.from_hf(config.to_dict() | {"architectures": [type(model.base_model.model).__name__]})
+    cfg = from_hf(config.to_dict() | {"architectures": [type(model.base_model.model).__name__]})
     req = run_request(TrainConfig(seq_len=16, lora_rank=4))
     ours = sum(e.numel for lay in adapter_layouts(cfg, LoraSpec(4, 8.0)) for e in lay.entries)
     assert ours == sum(trained.values()) <= adapter_numel(cfg, req)  # the plan's count holds the padding too

@@ -13,10 +13,11 @@ import sys
 import pytest
 
 from flowtrain.errors import ConfigError
-from flowtrain.model import ModelConfig, preset
+from flowtrain.model import preset
 from flowtrain.cli.train import flag_of
-from flowtrain.train.checks import check_compile_backend, check_fields, check_output_paths
+from flowtrain.train.config.checks import check_compile_backend, check_fields, check_output_paths
 from flowtrain.train.run import TrainConfig
+from flowtrain.model.hf_config import from_hf, to_hf
 
 NAN, INF = math.nan, math.inf
 
@@ -123,7 +124,7 @@ def test_an_unknown_backend_is_refused_with_the_known_ones():
 
 
 def test_trivial_names_do_not_import_dynamo():
-    code = ("import sys; from flowtrain.train.checks import check_compile_backend\n"
+    code = ("import sys; from flowtrain.train.config.checks import check_compile_backend\n"
             "for n in ('auto', 'none', 'eager', None): check_compile_backend(n)\n"
             "print('torch._dynamo' in sys.modules)")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
@@ -233,7 +234,7 @@ def test_a_read_only_folder_is_refused(tmp_path):
 
 
 def hf(**changes):
-    d = preset("tiny").to_hf()
+    d = to_hf(preset("tiny"))
     d.update(changes)
     return d
 
@@ -269,13 +270,13 @@ def hf(**changes):
 ])
 def test_config_json_values_of_the_wrong_kind_are_refused(d, message):
     with refused(message) as info:
-        ModelConfig.from_hf(d)
+        from_hf(d)
     assert "\n" not in str(info.value)
 
 
 def test_config_json_nulls_take_the_defaults():
     d = hf(head_dim=None, num_key_value_heads=None, rms_norm_eps=None, tie_word_embeddings=None)
-    got = ModelConfig.from_hf(d)
+    got = from_hf(d)
     assert got.num_kv_heads == got.num_heads and got.head_dim == 16 and got.rms_norm_eps == 1e-6
 
 

@@ -24,8 +24,9 @@ import sys
 import pytest
 
 from flowtrain.errors import ConfigError
-from flowtrain.model.config import MAX_PARAMETERS, SIZE_BOUNDS, ModelConfig
+from flowtrain.model.config import MAX_PARAMETERS, SIZE_BOUNDS
 from flowtrain.model.presets import preset
+from flowtrain.model.hf_config import from_hf, to_hf
 
 ADDRESS_SPACE = 3 << 30
 HANG_GUARD_S = 300
@@ -52,7 +53,7 @@ def one_line(proc: subprocess.CompletedProcess) -> str:
 
 
 def hf(**changes) -> dict:
-    return {**preset("tiny").to_hf(), **changes}
+    return {**to_hf(preset("tiny")), **changes}
 
 
 def model_dir(tmp_path, name="model", **changes):
@@ -120,7 +121,7 @@ def test_weights_that_do_not_match_the_config_are_refused_before_any_allocation(
 def test_each_size_has_a_bound_named_with_its_value(field):
     key, bound = SIZE_BOUNDS[field]
     with pytest.raises(ConfigError) as info:
-        ModelConfig.from_hf(hf(**{key: bound + 1}))
+        from_hf(hf(**{key: bound + 1}))
     assert str(info.value).startswith(f"config.json: {key} {bound + 1} is above the bound {bound:,};")
 
 
@@ -135,7 +136,7 @@ def test_a_config_built_in_python_is_bounded_too(field):
 
 def test_a_huge_integer_is_named_not_printed():
     with pytest.raises(ConfigError) as info:
-        ModelConfig.from_hf(hf(vocab_size=10**400))
+        from_hf(hf(vocab_size=10**400))
     assert "an integer of 1329 bits is above the bound" in str(info.value) and len(str(info.value)) < 200
 
 
@@ -147,7 +148,7 @@ def test_every_preset_is_within_the_bounds():
 
 
 def test_a_gemma_config_is_bounded_before_its_layer_types_are_built():
-    d = {**preset("gemma3-1b").to_hf(), "num_hidden_layers": 10**9}
+    d = {**to_hf(preset("gemma3-1b")), "num_hidden_layers": 10**9}
     d.pop("layer_types")
     with pytest.raises(ConfigError, match="num_hidden_layers 1000000000 is above the bound"):
-        ModelConfig.from_hf(d)
+        from_hf(d)

@@ -192,9 +192,9 @@ def test_the_timeout_is_a_flag_with_a_default_and_is_checked():
     from flowtrain.cli.train import config_from_args
     from flowtrain.errors import ConfigError
     from flowtrain.cli.train import flag_of
-    from flowtrain.train.checks import check_fields
+    from flowtrain.train.config.checks import check_fields
     from flowtrain.train.distributed import DEFAULT_TIMEOUT_S
-    from flowtrain.train.run_config import TrainConfig
+    from flowtrain.train.config.run_config import TrainConfig
 
     args = build_parser("train").parse_args(["train"])
     assert config_from_args(args).dist_timeout == DEFAULT_TIMEOUT_S == 1800

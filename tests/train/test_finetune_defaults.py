@@ -8,7 +8,7 @@ import pytest
 from test_train_vs_hf import ROWS, SEQ, STEPS, assert_same_weights, make_checkpoint, make_data, reference_train
 
 from flowtrain.model import model_layouts, preset
-from flowtrain.train import defaults
+from flowtrain.train.config import defaults
 from flowtrain.train.optimizer import decay_segments, no_decay_ranges, skips_decay
 from flowtrain.train.run import TrainConfig
 from flowtrain.train.prepare import resolve_defaults

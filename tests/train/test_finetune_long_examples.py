@@ -186,8 +186,8 @@ def test_long_examples_is_checked_and_recorded(tmp_path):
     from flowtrain.ckpt.resume import settings_of
     from flowtrain.cli.train import flag_of
     from flowtrain.errors import ConfigError
-    from flowtrain.train.checks import check_fields
-    from flowtrain.train.run_config import TrainConfig
+    from flowtrain.train.config.checks import check_fields
+    from flowtrain.train.config.run_config import TrainConfig
 
     with pytest.raises(ConfigError) as info:
         check_fields(TrainConfig(long_examples="cut"))

@@ -13,7 +13,7 @@ from test_data_finetune import CONVERSATIONS, VOCAB, make_tokenizer, write_jsonl
 from flowtrain.cli import build_parser, main
 from flowtrain.cli.train import config_from_args
 from flowtrain.data.source import FromData, load_sequences
-from flowtrain.train import defaults
+from flowtrain.train.config import defaults
 from flowtrain.train.run import TrainConfig
 from flowtrain.train.prepare import prepare
 

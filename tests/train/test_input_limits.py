@@ -28,8 +28,8 @@ from flowtrain.data.text import MAX_RENDER_CHARS, ByteEncoder, ChatTemplate, che
 from flowtrain.errors import CheckpointError, ConfigError, DataError
 from flowtrain.model.model_dir import read_config
 from flowtrain.model.presets import preset
-from flowtrain.train.checks import check_fields
-from flowtrain.train.run_config import TrainConfig
+from flowtrain.train.config.checks import check_fields
+from flowtrain.train.config.run_config import TrainConfig
 
 DEEP = 100_000  # levels of nesting: beyond any recursion limit
 

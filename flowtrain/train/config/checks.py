@@ -1,14 +1,22 @@
-"""Checks on a training run that need nothing loaded: its numbers, its compile backend, the
-paths it will write.
+"""Checks on a training run's settings: its numbers, its compile backend, the paths it will
+write, and how its fields go together and with the model.
 
-A run should not fail after an hour of training because ``--trace`` names a folder, nor end in
-a traceback because of ``--lr nan``. These checks run first, before a model is read or a byte
-is allocated, and refuse with one :class:`~flowtrain.errors.ConfigError` line that names the
-field (the command line spells it as its flag) and says what it accepts::
+Part of :mod:`flowtrain.train.config` (declaration in ``run_config.py``, defaults in
+``defaults.py``, these checks, flags in ``flowtrain/cli/flags.py``). A run should not fail
+after an hour of training because ``--trace`` names a folder, nor end in a traceback because
+of ``--lr nan``. These checks run before any weight is read or a byte is allocated
+(:func:`flowtrain.train.trainer.prepare`, and ``flowtrain plan``'s ``checked_request``), and
+refuse with one :class:`~flowtrain.errors.ConfigError` line that names the field (the command
+line spells it as its flag) and says what it accepts::
 
     check_fields(cfg)                   # --lr must be a finite number >= 0 (got nan)
     check_compile_backend(cfg.compile)  # --compile 'nosuch' is not a torch.compile backend; ...
     check_output_paths(cfg.out, cfg.overwrite, cfg.trace, cfg.metrics)
+    check_with_model(cfg, mcfg)         # --skip-idle-experts is for a mixture of experts: ...
+
+:func:`check_fields` asks each field's declaration first (:func:`~.settings.check_values`:
+types, bounds, choices), then what a declaration cannot say; :func:`check_with_model` comes
+once the model's config.json is read.
 
 What the paths must allow, and why:
 
@@ -33,13 +41,16 @@ import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from ..errors import ConfigError
+from ...errors import ConfigError
+from . import defaults
+from .run_config import lora_spec
 from .settings import check_values
 
 if TYPE_CHECKING:
+    from ...model.config import ModelConfig
     from .run_config import TrainConfig
 
-__all__ = ["check_compile_backend", "check_fields", "check_output_file", "check_output_paths"]
+__all__ = ["check_compile_backend", "check_fields", "check_output_file", "check_output_paths", "check_with_model"]
 
 #: integer fields with an upper bound too: (name -> a function giving the bound, and why)
 _INT_MAXIMA = {
@@ -62,7 +73,7 @@ def _is_int(v: Any) -> bool:
 def check_fields(cfg: TrainConfig) -> None:
     """Refuse any field of a :class:`TrainConfig` that its declaration does not accept (a
     number NaN, infinite, of the wrong type or out of range; a choice not among its values:
-    :func:`flowtrain.train.settings.check_values`), then what a declaration cannot say: upper
+    :func:`flowtrain.train.config.settings.check_values`), then what a declaration cannot say: upper
     bounds, the seed's range, the betas, and a micro-batch that does not divide the batch.
     Each error names the field; the command line spells it as its flag."""
     check_values(cfg)
@@ -83,6 +94,66 @@ def _check_betas(betas: Any) -> None:
     if not ok:
         shown = ",".join(map(str, betas)) if isinstance(betas, (tuple, list)) else repr(betas)
         raise ConfigError(f"{{betas}} must be two numbers in [0, 1) like 0.9,0.999 (got {shown})", named=True)
+
+
+def _check_lora(cfg: TrainConfig, mcfg: ModelConfig) -> None:
+    """How the LoRA flags go together, and with the model (:meth:`LoraSpec.check_model`)."""
+    given = [f for f, off in (("lora_alpha", None), ("lora_targets", None), ("lora_dropout", None),
+                              ("lora_gate_up_rank", None), ("lora_rslora", None), ("merge", False),
+                              ("lora_state", "auto"))
+             if getattr(cfg, f) != off]
+    if not cfg.lora:
+        if given:
+            raise ConfigError(f"{{{given[0]}}} is for LoRA: give {{lora_rank}} R (or {{adapter}} DIR) with it",
+                              named=True)
+        return
+    if cfg.adapter is not None and cfg.resume is not None:  # (a resumed run's settings are filled in by now)
+        raise ConfigError("{resume} continues the checkpoint's own adapters: leave out {adapter}", named=True)
+    if cfg.adapter is not None and (cfg.lora_rank is not None or [g for g in given if g not in ("merge", "lora_state")]):
+        raise ConfigError("{adapter} brings its own rank, alpha, scaling, targets and dropout: leave out "
+                          "{lora_rank}, {lora_alpha}, {lora_rslora}, {lora_targets}, {lora_gate_up_rank} and "
+                          "{lora_dropout}", named=True)
+    spec = lora_spec(cfg)
+    if spec is not None:
+        try:
+            spec.check_model(mcfg)
+        except ValueError as e:
+            flags = str(e).replace("LoRA targets", "{lora_targets}").replace("LoRA dropout", "{lora_dropout}")
+            raise ConfigError(flags, named=True) from None
+    if cfg.merge and not cfg.out:
+        raise ConfigError("{merge} writes the merged model to {out}: give {out} DIR", named=True)
+
+
+def check_with_model(cfg: TrainConfig, mcfg: ModelConfig) -> None:
+    """What the fields' own declarations cannot say (those are checked first, by
+    :func:`check_fields`): how fields go together, and with the model ``mcfg`` (a sequence
+    within its positions, LoRA targets it has, skipped experts it has)."""
+    if defaults.seq_len_given(cfg.seq_len):  # else the data decides, within the model's positions
+        mcfg.check_seq_len(cfg.seq_len)
+    _check_lora(cfg, mcfg)
+    if cfg.skip_idle_experts and not mcfg.sparse_layers():
+        raise ConfigError("{skip_idle_experts} is for a mixture of experts: the model has no layer with experts",
+                          named=True)
+    if cfg.skip_idle_experts and cfg.lora:
+        raise ConfigError("{skip_idle_experts} is for training the whole model: LoRA leaves every expert frozen",
+                          named=True)
+    if cfg.progress not in (None, True, False, "lines"):
+        raise ConfigError(f"{{progress}} must be None, True, False or 'lines' (got {cfg.progress!r})", named=True)
+    if (cfg.eval_data is None) != (cfg.eval_every is None):
+        given, missing = ("{eval_data}", "{eval_every} N") if cfg.eval_data is not None else ("{eval_every}", "{eval_data} FILE")
+        raise ConfigError(f"{given} needs {missing}: give both (held-out loss every N steps) or neither", named=True)
+    if cfg.save_every is not None and not cfg.out:
+        raise ConfigError("{save_every} writes OUT/checkpoint-STEP folders: give {out} OUT", named=True)
+    if cfg.resume is None and cfg.out and Path(cfg.out).is_dir():
+        # A new run beside an earlier run's checkpoints: its own would mix with them, and with
+        # --overwrite alone they would stay beside a model they are not of, for a later --resume
+        # to continue over it.
+        old = sorted(p.name for p in Path(cfg.out).glob("checkpoint-*"))
+        if old:
+            raise ConfigError(
+                f"{{out}} {cfg.out} holds checkpoints of an earlier run ({', '.join(old[-3:])}); continue it with "
+                f"{{resume}} {cfg.out}, remove them, or write this run to another {{out}}", named=True
+            )
 
 
 def check_compile_backend(name: str | None) -> None:

@@ -1,10 +1,11 @@
 """Default values of ``flowtrain train``, in a module that imports nothing.
 
-The command line builds its parser from these (``flowtrain train --help`` must not import
-torch, and the trainer does), and :class:`~flowtrain.train.run_config.TrainConfig` takes its field
-defaults from them, so the two cannot drift apart::
+The second stop of :mod:`flowtrain.train.config`, after the declaration. The command line
+builds its parser from these (``flowtrain train --help`` must not import torch, and the trainer
+does), and :class:`~flowtrain.train.config.run_config.TrainConfig` takes its field defaults
+from them, so the two cannot drift apart::
 
-    from flowtrain.train import defaults
+    from flowtrain.train.config import defaults
     parser.add_argument("--steps", type=int, default=defaults.STEPS)
 
 Only the numbers a user is likely to look up live here; flags whose default is "off" (``None``,

@@ -1,6 +1,13 @@
-"""What a run is asked to do (``TrainConfig``), the model it names, and the checks that need
-no torch: the part of a run that ``flowtrain plan`` and ``flowtrain simulate`` read too, so
-they can answer without importing torch. :mod:`flowtrain.train.run` re-exports ``TrainConfig``.
+"""What a run is asked to do (:class:`TrainConfig`), declared once, and the model it names.
+
+The first stop of :mod:`flowtrain.train.config`: each field of ``TrainConfig`` carries its
+:class:`~.settings.Setting`, from which come its ``--help`` text and flag
+(``flowtrain/cli/flags.py``) and the check of its value (:func:`~.checks.check_fields`); the
+numbers behind its defaults are :mod:`.defaults`'. Beside it are what the run derives from the
+settings without torch: the model (:func:`load_model_config`), the LoRA adapters
+(:func:`lora_spec`) and the compute dtype's size (:func:`precision_bytes`), which
+``flowtrain plan`` and ``flowtrain simulate`` read too. :mod:`flowtrain.train.run`
+re-exports ``TrainConfig``.
 """
 
 from __future__ import annotations
@@ -10,14 +17,14 @@ from typing import Annotated, Literal
 
 import msgspec
 
-from ..errors import CheckpointError, ConfigError
-from ..model.adapters import DEFAULT_TARGETS, LoraSpec
-from ..model.config import ModelConfig
-from ..model.model_dir import read_config
-from ..model.presets import PRESETS, preset
-from ..plan.memory import compile_backend  # noqa: F401 - re-exported: what --compile runs
+from ...errors import CheckpointError, ConfigError
+from ...model.adapters import DEFAULT_TARGETS, LoraSpec
+from ...model.config import ModelConfig
+from ...model.model_dir import read_config
+from ...model.presets import PRESETS, preset
+from ...plan.memory import compile_backend  # noqa: F401 - re-exported: what --compile runs
+from ..distributed import DEFAULT_TIMEOUT_S as DIST_TIMEOUT_S
 from . import defaults
-from .distributed import DEFAULT_TIMEOUT_S as DIST_TIMEOUT_S
 from .settings import Setting
 
 
@@ -52,9 +59,9 @@ class TrainConfig(msgspec.Struct, kw_only=True):
     Each field carries its :class:`Setting`: the text of its ``--help``, its bounds, and how the
     command line spells it. The command line's flags are generated from these
     (``flowtrain.cli.flags``), and so are the checks of their values
-    (:func:`flowtrain.train.checks.check_fields`); a check names the field, and each command
+    (:func:`flowtrain.train.config.checks.check_fields`); a check names the field, and each command
     spells it as its own flag. Fields left ``None`` are decided by the run (the optimizer's by
-    where the weights come from, ``flowtrain.train.defaults.optimizer_defaults``, or by the
+    where the weights come from, ``flowtrain.train.config.defaults.optimizer_defaults``, or by the
     resumed checkpoint).
     """
 
@@ -315,62 +322,3 @@ def lora_spec(cfg: TrainConfig) -> LoraSpec | None:
     except ValueError as e:
         raise ConfigError(str(e).replace("LoRA target", "{lora_targets}"), named=True) from None
     return spec
-
-
-def _validate_lora(cfg: TrainConfig, mcfg: ModelConfig) -> None:
-    """How the LoRA flags go together, and with the model (:meth:`LoraSpec.check_model`)."""
-    given = [f for f, off in (("lora_alpha", None), ("lora_targets", None), ("lora_dropout", None),
-                              ("lora_gate_up_rank", None), ("lora_rslora", None), ("merge", False),
-                              ("lora_state", "auto"))
-             if getattr(cfg, f) != off]
-    if not cfg.lora:
-        if given:
-            raise ConfigError(f"{{{given[0]}}} is for LoRA: give {{lora_rank}} R (or {{adapter}} DIR) with it",
-                              named=True)
-        return
-    if cfg.adapter is not None and cfg.resume is not None:  # (a resumed run's settings are filled in by now)
-        raise ConfigError("{resume} continues the checkpoint's own adapters: leave out {adapter}", named=True)
-    if cfg.adapter is not None and (cfg.lora_rank is not None or [g for g in given if g not in ("merge", "lora_state")]):
-        raise ConfigError("{adapter} brings its own rank, alpha, scaling, targets and dropout: leave out "
-                          "{lora_rank}, {lora_alpha}, {lora_rslora}, {lora_targets}, {lora_gate_up_rank} and "
-                          "{lora_dropout}", named=True)
-    spec = lora_spec(cfg)
-    if spec is not None:
-        try:
-            spec.check_model(mcfg)
-        except ValueError as e:
-            flags = str(e).replace("LoRA targets", "{lora_targets}").replace("LoRA dropout", "{lora_dropout}")
-            raise ConfigError(flags, named=True) from None
-    if cfg.merge and not cfg.out:
-        raise ConfigError("{merge} writes the merged model to {out}: give {out} DIR", named=True)
-
-
-def validate(cfg: TrainConfig, mcfg: ModelConfig) -> None:
-    """What the fields' own declarations cannot say (those are checked first, by
-    :func:`flowtrain.train.checks.check_fields`): how fields go together, and with the model."""
-    if defaults.seq_len_given(cfg.seq_len):  # else the data decides, within the model's positions
-        mcfg.check_seq_len(cfg.seq_len)
-    _validate_lora(cfg, mcfg)
-    if cfg.skip_idle_experts and not mcfg.sparse_layers():
-        raise ConfigError("{skip_idle_experts} is for a mixture of experts: the model has no layer with experts",
-                          named=True)
-    if cfg.skip_idle_experts and cfg.lora:
-        raise ConfigError("{skip_idle_experts} is for training the whole model: LoRA leaves every expert frozen",
-                          named=True)
-    if cfg.progress not in (None, True, False, "lines"):
-        raise ConfigError(f"{{progress}} must be None, True, False or 'lines' (got {cfg.progress!r})", named=True)
-    if (cfg.eval_data is None) != (cfg.eval_every is None):
-        given, missing = ("{eval_data}", "{eval_every} N") if cfg.eval_data is not None else ("{eval_every}", "{eval_data} FILE")
-        raise ConfigError(f"{given} needs {missing}: give both (held-out loss every N steps) or neither", named=True)
-    if cfg.save_every is not None and not cfg.out:
-        raise ConfigError("{save_every} writes OUT/checkpoint-STEP folders: give {out} OUT", named=True)
-    if cfg.resume is None and cfg.out and Path(cfg.out).is_dir():
-        # A new run beside an earlier run's checkpoints: its own would mix with them, and with
-        # --overwrite alone they would stay beside a model they are not of, for a later --resume
-        # to continue over it.
-        old = sorted(p.name for p in Path(cfg.out).glob("checkpoint-*"))
-        if old:
-            raise ConfigError(
-                f"{{out}} {cfg.out} holds checkpoints of an earlier run ({', '.join(old[-3:])}); continue it with "
-                f"{{resume}} {cfg.out}, remove them, or write this run to another {{out}}", named=True
-            )

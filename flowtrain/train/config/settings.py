@@ -1,6 +1,7 @@
 """A setting declared once: what a config field means, what it accepts, how it is spelled.
 
-:class:`~flowtrain.train.run_config.TrainConfig` annotates each field with a :class:`Setting`::
+The machinery under :mod:`flowtrain.train.config`'s declaration:
+:class:`~flowtrain.train.config.run_config.TrainConfig` annotates each field with a :class:`Setting`::
 
     steps: Annotated[int, Setting("optimizer steps", ge=1)] = 200
 
@@ -27,7 +28,7 @@ from typing import Any, Literal, get_args, get_origin
 
 import msgspec
 
-from ..errors import ConfigError
+from ...errors import ConfigError
 
 
 @dataclass(frozen=True)
