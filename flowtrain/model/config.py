@@ -37,11 +37,10 @@ import msgspec
 
 from flowtrain.errors import ConfigError
 
-from .families import FAMILIES, GEMMA_PATTERN, GEMMA_THETA, SUPPORTED_ARCHITECTURES, Family, unsupported
+from .families import FAMILIES, GEMMA_PATTERN, GEMMA_THETA, Family, unsupported
 
 __all__ = [
     "FAMILIES",
-    "SUPPORTED_ARCHITECTURES",
     "Family",
     "ModelConfig",
     "RopeScaling",
@@ -258,7 +257,7 @@ class ModelConfig(msgspec.Struct, frozen=True):
             raise ConfigError(
                 f"model config: initializer_range must be >= 0, got {self.initializer_range}"
             )
-        if self.architecture not in SUPPORTED_ARCHITECTURES:
+        if self.architecture not in FAMILIES:
             raise ConfigError(unsupported(self.architecture))
         if self.sliding_window is not None and (
             isinstance(self.sliding_window, bool) or self.sliding_window <= 0

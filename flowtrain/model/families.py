@@ -33,7 +33,7 @@ from typing import Literal
 
 import msgspec
 
-__all__ = ["FAMILIES", "SUPPORTED_ARCHITECTURES", "Family", "unsupported"]
+__all__ = ["FAMILIES", "Family", "register_family", "unsupported"]
 
 
 class Family(msgspec.Struct, frozen=True):
@@ -84,7 +84,16 @@ FAMILIES: dict[str, Family] = {f.architecture: f for f in (
            window="mixtral", moe="mixtral"),
 )}
 
-SUPPORTED_ARCHITECTURES = tuple(FAMILIES)
+
+
+def register_family(family: Family) -> Family:
+    """Make ``family`` one that flowtrain trains, as a row of :data:`FAMILIES` in this file
+    would (docs/concepts.md, "Adding a model family"); an architecture already known is
+    refused, so a built-in row is never replaced by accident."""
+    if family.architecture in FAMILIES:
+        raise ValueError(f"architecture {family.architecture!r} is already a family")
+    FAMILIES[family.architecture] = family
+    return family
 
 # What the families' config classes take when config.json leaves a key out (and, for Gemma 3,
 # what ModelConfig fills in when it is built without them).
@@ -100,5 +109,5 @@ def unsupported(arch: object) -> str:
     """The error line for an architecture that is no family's: it lists those that are."""
     return (
         f"unsupported architecture {arch!r}: flowtrain trains "
-        f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+        f"{', '.join(FAMILIES)}"
     )

@@ -43,7 +43,6 @@ from .families import (
     MISTRAL_WINDOW,
     QWEN_FULL_LAYERS,
     QWEN_WINDOW,
-    SUPPORTED_ARCHITECTURES,
     Family,
     unsupported,
 )
@@ -334,9 +333,9 @@ def _architecture(d: dict[str, Any]) -> str:
             raise ConfigError(
                 "config.json names no architecture (no 'architectures' or 'model_type' key); "
                 f"add \"architectures\": [\"LlamaForCausalLM\"] or another of "
-                f"{', '.join(SUPPORTED_ARCHITECTURES)}"
+                f"{', '.join(FAMILIES)}"
             )
-    if arch not in SUPPORTED_ARCHITECTURES:
+    if arch not in FAMILIES:
         raise ConfigError(unsupported(arch))
     return arch
 
