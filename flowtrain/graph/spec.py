@@ -51,17 +51,18 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
     staged: bool = False
     #: with ``staged``: how many staging-slot chunks a unit's gradient takes (1 if not named).
     grad_chunks: dict[str, int] = msgspec.field(default_factory=dict)
-    #: layers whose forward keeps what its backward needs on the device (activation placement
-    #: ``keep``): their ``forward`` and ``backward`` tasks carry phase ``"keep"``, and their
+    #: layers whose forward keeps what its backward needs on the device (``--activations
+    #: keep``): their ``forward`` and ``backward`` tasks carry activations ``"keep"``, and their
     #: backward runs no forward again. The other layers recompute (``checkpoint_every``).
     keep: tuple[int, ...] = ()
     #: layers whose input (a checkpoint: a segment start, not kept) goes to host memory after
     #: the layer's forward has read it (``offload_act``) and comes back before its backward
-    #: (``fetch_act``): activation placement ``offload``.
+    #: (``fetch_act``): ``--activations offload``.
     offload: tuple[int, ...] = ()
     #: layers (not kept) whose forward keeps its attention output and log-sum-exp on the device
-    #: for the rebuild before its backward, which then runs no attention forward (activation
-    #: placement ``attention``): their ``forward`` and ``backward`` tasks carry phase ``"attn"``.
+    #: for the rebuild before its backward, which then runs no attention forward
+    #: (``--activations attention``): their ``forward`` and ``backward`` tasks carry
+    #: activations ``"attn"``.
     save_attention: tuple[int, ...] = ()
     #: data parallel: every unit's gradient is summed over the processes (``reduce_grad``)
     #: once this process's micro-batches are in, before it is handed off (offloaded, or, for

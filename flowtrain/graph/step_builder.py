@@ -1,7 +1,7 @@
-"""The tasks and edges of one training step, phase by phase: :class:`StepBuilder`.
+"""The tasks and edges of one training step, stage by stage: :class:`StepBuilder`.
 
 :func:`~flowtrain.graph.compiler.compile_step` is a short list of calls to ``StepBuilder``, one
-method per phase, in the order the tasks are inserted: forward (``embed``, each layer's
+method per stage, in the order the tasks are inserted: forward (``embed``, each layer's
 ``forward``, ``loss``), backward (per checkpoint segment from the top, ``recompute`` then
 ``backward``; last ``embed_backward``), gradient hand-off (``offload_grad``, or a resident unit's
 last gradient writers) and the optimizer (a streamed unit's ``cpu_adam`` as soon as its gradient
@@ -16,11 +16,11 @@ in backward, each segment ``[c, c+k)`` first rebuilds the inputs of ``c+1 .. c+k
 top of the segment down.
 
 Activations: a layer in ``keep`` runs its forward under autograd and keeps what the backward
-needs on the device; its ``forward`` and ``backward`` tasks carry phase ``"keep"`` and the
+needs on the device; its ``forward`` and ``backward`` tasks carry activations ``"keep"`` and the
 backward computes no forward again. The graph's shape is the same (the backward still fetches
 the layer's weights: the kept tensors refer to the weights by place, not by copy). A layer in
 ``save_attention`` recomputes, but its forward keeps its attention output on the device and the
-rebuild before its backward skips attention: phase ``"attn"`` on both tasks, the same graph.
+rebuild before its backward skips attention: activations ``"attn"`` on both tasks, the same graph.
 
 Placement: a unit named in ``resident`` keeps its master weights and Adam state in device
 memory. It has no ``fetch``, ``zero_grad`` or ``offload_grad``: its tasks read the unit's own
@@ -77,6 +77,7 @@ from .tasks import (
     FetchAct,
     FetchPass,
     Forward,
+    KeptActivations,
     FoundInf,
     GpuAdam,
     GradNorm,
@@ -84,7 +85,6 @@ from .tasks import (
     Loss,
     OffloadAct,
     OffloadGrad,
-    Placement,
     Recompute,
     ReduceGrad,
     SyncStep,
@@ -95,10 +95,10 @@ from .tasks import (
 
 
 class StepBuilder(GraphBuilder):
-    """One step's graph under construction: one method per phase, called by
+    """One step's graph under construction: one method per stage, called by
     :func:`~flowtrain.graph.compiler.compile_step`.
 
-    Phases pass tasks to each other through the tables below, keyed by ``(layer, micro_batch)``.
+    Stages pass tasks to each other through the tables below, keyed by ``(layer, micro_batch)``.
     In the methods, ``mbs`` are the micro-batches a call covers (all of them layer-major, one
     micro-batch-major) and ``fetch_mb`` the micro-batch its fetches serve (``None`` where one
     fetch serves them all).
@@ -145,9 +145,9 @@ class StepBuilder(GraphBuilder):
         if slot_task is not None:
             self.dep(slot_task, consumer, reads=True)
 
-    def layer_phase(self, i: int) -> Placement | None:
-        """The phase of layer i's forward and backward: ``"keep"`` where its activations stay,
-        ``"attn"`` where its attention output does."""
+    def layer_activations(self, i: int) -> KeptActivations | None:
+        """What layer i's forward and backward keep for the backward: ``"keep"`` where its
+        activations stay, ``"attn"`` where its attention output does."""
         if i in self.spec.keep:
             return "keep"
         return "attn" if i in self.spec.save_attention else None
@@ -172,7 +172,7 @@ class StepBuilder(GraphBuilder):
         """``forward`` of layer i per micro-batch: its weights and its input give layer i+1's."""
         f = self.fetch("layer", i, "forward", fetch_mb)
         for m in mbs:
-            t = self.node(Forward, unit="layer", layer=i, micro_batch=m, phase=self.layer_phase(i))
+            t = self.node(Forward, unit="layer", layer=i, micro_batch=m, activations=self.layer_activations(i))
             self.reads(f, t)
             self.dep(self.fwd_input[(i, m)], t)
             self.offloaded_before(i, m, t)
@@ -268,7 +268,7 @@ class StepBuilder(GraphBuilder):
         z = self.zero_grad("adapter" if self.spec.lora else "layer", i)
         for m in mbs:
             self.fetch_back(i, m)
-            t = self.node(Backward, unit="layer", layer=i, micro_batch=m, phase=self.layer_phase(i))
+            t = self.node(Backward, unit="layer", layer=i, micro_batch=m, activations=self.layer_activations(i))
             self.reads(f, t)
             self.reads(z, t)
             self.dep(self.bwd_input[(i, m)], t, reads=(i, m) in self.act_fetched)

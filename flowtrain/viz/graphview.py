@@ -72,7 +72,8 @@ def color(kind: str) -> str:
 
 
 def short_label(t: Task) -> str:
-    """``fwd L3 m1``, ``fetch L2 b``, ``adam head s1``, ``gadam adapter L3``: fits in a node box."""
+    """``fwd L3 m1``, ``fwd L3 m1 k`` (kept activations), ``fetch L2 b``, ``adam head s1``,
+    ``gadam adapter L3``: fits in a node box."""
     parts = [_SHORT.get(t.kind, t.kind)]
     if t.unit in ("embed", "head", "adapter") and t.unit != t.kind and t.kind != "embed_backward":
         parts.append(t.unit)
@@ -82,6 +83,8 @@ def short_label(t: Task) -> str:
         parts.append(f"m{t.micro_batch}")
     if t.phase is not None:
         parts.append(t.phase[0])
+    if t.activations is not None:
+        parts.append(t.activations[0])
     if t.step:
         parts.append(f"s{t.step}")
     return " ".join(parts)

@@ -58,11 +58,11 @@ def test_the_plan_counts_at_least_what_autograd_keeps(name, dtype):
     assert per_token <= planned <= 1.6 * per_token
 
 
-def test_kept_layers_carry_the_keep_phase():
+def test_kept_layers_carry_keep_activations():
     g = compile_step(StepSpec(layers=4, micro_batches=2, keep=(2, 3)))
     for t in g:
         if isinstance(t, (Forward, Backward)):
-            assert t.phase == ("keep" if t.layer in (2, 3) else None), t
+            assert t.activations == ("keep" if t.layer in (2, 3) else None) and t.phase is None, t
     with pytest.raises(ConfigError, match="need a checkpoint at every layer"):
         StepSpec(layers=4, checkpoint_every=2, keep=(1,)).validate()
     with pytest.raises(ConfigError, match="distinct layers of 0..3"):

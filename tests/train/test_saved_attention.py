@@ -143,11 +143,11 @@ def test_a_compiled_layer_records_and_replays_without_recompiling_per_record():
 
 
 # ---- the step graph and the cost model --------------------------------------------------------
-def test_layers_saving_attention_carry_the_attn_phase():
+def test_layers_saving_attention_carry_attn_activations():
     g = compile_step(StepSpec(layers=4, micro_batches=2, keep=(3,), save_attention=(1, 2)))
     for t in g:
         if isinstance(t, (Forward, Backward)):
-            assert t.phase == {3: "keep", 1: "attn", 2: "attn"}.get(t.layer), t
+            assert t.activations == {3: "keep", 1: "attn", 2: "attn"}.get(t.layer) and t.phase is None, t
     with pytest.raises(ConfigError, match="checkpoint at every layer"):
         StepSpec(layers=4, checkpoint_every=2, save_attention=(1,)).validate()
     with pytest.raises(ConfigError, match="not kept"):
@@ -167,8 +167,8 @@ def test_the_cost_model_takes_the_attention_forward_off_the_backward():
     costs = CostModel(load_machine("h200"), shape_of(cfg, plan, req))
     parts = costs.layer_breakdown()
     plain = costs.seconds(Backward(unit="layer", layer=0, micro_batch=0))
-    saved = costs.seconds(Backward(unit="layer", layer=0, micro_batch=0, phase="attn"))
-    kept = costs.seconds(Backward(unit="layer", layer=0, micro_batch=0, phase="keep"))
+    saved = costs.seconds(Backward(unit="layer", layer=0, micro_batch=0, activations="attn"))
+    kept = costs.seconds(Backward(unit="layer", layer=0, micro_batch=0, activations="keep"))
     assert plain - saved == pytest.approx(parts["attention_forward"])
     assert kept < saved < plain and parts["attention_forward"] > 0.5 * parts["forward"]
 
