@@ -83,7 +83,7 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: alone: the fetch before such a layer's recompute or backward follows its forwards (of
     #: the micro-batches it serves), whose routing says which experts to copy; the layer's
     #: gradient and Adam skip the idle ones. See :mod:`flowtrain.graph.step_builder`.
-    routed: tuple[int, ...] = ()
+    skip_idle_experts: tuple[int, ...] = ()
 
     @property
     def offload_lag(self) -> int:
@@ -172,7 +172,7 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
                               named=True)
         if any(c < 1 for c in self.grad_chunks.values()):
             raise ConfigError(f"{{grad_chunks}} must be at least 1 (got {self.grad_chunks})", named=True)
-        self._validate_routed()
+        self._validate_skip_idle_experts()
         if self.host_adapters and not self.lora:
             raise ConfigError("adapters in host memory ({host_adapters}) are LoRA's: give {lora} with them", named=True)
         resident_layers = [u for u in self.resident if u.startswith("layer.")]
@@ -181,13 +181,15 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
                               f"{', '.join(resident_layers)} out of {{resident}}", named=True)
         return self
 
-    def _validate_routed(self) -> None:
-        bad = sorted(i for i in self.routed if not 0 <= i < self.layers)
-        if bad or len(set(self.routed)) != len(self.routed):
-            raise ConfigError(f"layers skipping idle experts ({{routed}}) {bad or list(self.routed)} must be distinct "
-                              f"layers of 0..{self.layers - 1}", named=True)
-        if self.routed and self.lora:
-            raise ConfigError("skipping idle experts ({routed}) is for training the whole model, not LoRA", named=True)
+    def _validate_skip_idle_experts(self) -> None:
+        bad = sorted(i for i in self.skip_idle_experts if not 0 <= i < self.layers)
+        if bad or len(set(self.skip_idle_experts)) != len(self.skip_idle_experts):
+            raise ConfigError(f"layers skipping idle experts ({{skip_idle_experts}}) "
+                              f"{bad or list(self.skip_idle_experts)} must be distinct layers of 0..{self.layers - 1}",
+                              named=True)
+        if self.skip_idle_experts and self.lora:
+            raise ConfigError("skipping idle experts ({skip_idle_experts}) is for training the whole model, not LoRA",
+                              named=True)
 
 
 def units(spec: StepSpec) -> list[tuple[Unit, int | None]]:

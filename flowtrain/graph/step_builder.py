@@ -54,7 +54,7 @@ per-unit host gradient exists. A unit larger than one staging slot (the embeddin
 is offloaded and updated in ``grad_chunks[key]`` pieces, each a pair ``offload_grad c<k>`` ->
 ``cpu_adam c<k>``.
 
-Idle experts (``routed``): a sparse layer named there leaves alone the experts that no token of
+Idle experts (``skip_idle_experts``): a sparse layer named there leaves alone the experts that no token of
 the step was routed to, as ``torch.optim.AdamW`` skips a parameter without a gradient. Which
 experts those are is known once its forwards have run, so the layer's ``recompute`` and
 ``backward`` fetches follow its ``forward`` of every micro-batch they serve (an edge from each)
@@ -244,9 +244,9 @@ class StepBuilder(GraphBuilder):
             self.bwd_input[(j + 1, m)] = t
 
     def after_routing(self, f: Task | None, i: int, mbs: Iterable[int]) -> None:
-        """Where layer i skips idle experts (``routed``), its backward-side fetch ``f`` follows
+        """Where layer i skips idle experts (``skip_idle_experts``), its backward-side fetch ``f`` follows
         the forwards of the micro-batches it serves: their routing says which experts to copy."""
-        if f is not None and i in self.spec.routed:
+        if f is not None and i in self.spec.skip_idle_experts:
             for m in mbs:
                 self.dep(self.fwd_input[(i + 1, m)], f)
 

@@ -160,10 +160,11 @@ def _spec(cfg: ModelConfig, req: RunRequest, layout: str, resident: tuple[str, .
                     grad_clip=req.grad_clip, resident=resident, staged=staged, grad_chunks=chunks,
                     # LoRA's processes each keep their own base and adapters: nothing to share
                     reduce=req.processes > 1, share=1 if req.lora_rank > 0 else req.share, lora=req.lora_rank > 0,
-                    host_adapters=host_adapters(req), routed=_routed(cfg, req)).validate()
+                    host_adapters=host_adapters(req),
+                    skip_idle_experts=_skipping_idle_experts(cfg, req)).validate()
 
 
-def _routed(cfg: ModelConfig, req: RunRequest) -> tuple[int, ...]:
+def _skipping_idle_experts(cfg: ModelConfig, req: RunRequest) -> tuple[int, ...]:
     """The layers whose idle experts are skipped: every sparse layer, with ``--skip-idle-experts``."""
     return tuple(cfg.sparse_layers()) if req.skip_idle_experts else ()
 

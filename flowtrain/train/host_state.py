@@ -16,7 +16,7 @@ state lives in host memory and its weights cross PCIe to the GPU for every pass)
   ``fetch`` copies (half the PCIe bytes of fp32) and ``cpu_adam`` refreshes after each update.
 - ``compute``: a resident unit's compute-dtype copy (the master itself when computing in fp32).
 - ``steps``: Adam's step count, one per gradient chunk (chunks are updated independently).
-- ``expert_steps``: only in a sparse layer that skips idle experts (``StepSpec.routed``), each
+- ``expert_steps``: only in a sparse layer that skips idle experts (``StepSpec.skip_idle_experts``), each
   expert's own Adam step count, (experts,) fp32 (on the device where the layer is resident): an
   expert that no token reached in a step is not updated, so its count falls behind the layer's
   (``steps``, which counts the rest).
