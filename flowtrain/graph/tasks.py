@@ -268,8 +268,8 @@ class OffloadGrad(Task, frozen=True, kw_only=True, tag="offload_grad"):
 
 class OffloadAct(Task, frozen=True, kw_only=True, tag="offload_act"):
     """Copy the input of ``layer`` for ``micro_batch`` (its activation checkpoint) to pinned
-    host memory once the layer's forward has read it, and free it on the device: activation
-    placement ``offload``, for checkpoints that would otherwise wait on the GPU through the
+    host memory once the layer's forward has read it, and free it on the device:
+    ``--activations offload``, for checkpoints that would otherwise wait on the GPU through the
     rest of the forward and most of the backward."""
 
     unit: Literal["layer"] = "layer"

@@ -19,7 +19,7 @@ finite; see :mod:`flowtrain.train.nonfinite`) and ``data`` (the token batches in
 ``landing`` (the fp32 piece buffer of casting fetches), ``grad_slots``, ``resident`` (master, m,
 v, gradient and compute copy: 18 bytes per parameter in bf16), ``checkpoints``, ``recompute``,
 ``layer_work`` (one layer under autograd), ``kept_activations`` (the layers whose forward
-keeps its activations for backward instead of recomputing: :func:`.planner.place_activations`),
+keeps its activations for backward instead of recomputing: :func:`.planner.plan_activations`),
 ``saved_attention`` (the recomputing layers whose forward keeps its attention output for the
 rebuild: :mod:`.attention`) and ``loss_chunks``. On a CPU-only run the GPU
 categories are host memory too. A LoRA run's host holds its frozen ``base`` instead of master
@@ -135,9 +135,9 @@ class Plan(msgspec.Struct, kw_only=True):
     suggestions: list[str] = msgspec.field(default_factory=list)
     #: how ``--order auto`` was decided, where it was by prediction (:mod:`.order_choice`)
     order_choice: str | None = None
-    #: where ``--activations auto`` or ``--layout auto`` took an alternative to the rules' plan
-    #: because it was predicted faster (:mod:`.placement_choice`)
-    placement_choice: str | None = None
+    #: where ``--activations auto``, ``--layout auto`` or ``--resident auto`` took an alternative
+    #: to the rules' plan because it was predicted faster (:mod:`flowtrain.sim.memory_choice`)
+    memory_choice: str | None = None
 
     @property
     def host_total(self) -> int:
@@ -207,7 +207,8 @@ class Plan(msgspec.Struct, kw_only=True):
             "fits": self.fits, "host_fits": self.host_fits, "gpu_fits": self.gpu_fits,
             "max_micro_batch": self.max_micro_batch, "suggestions": self.suggestions,
             "order": self.spec.order, "order_choice": self.order_choice,
-            "placement_choice": self.placement_choice, "save_attention": list(self.spec.save_attention),
+            # an older name: the --activations, --layout or --resident that prediction chose
+            "placement_choice": self.memory_choice, "save_attention": list(self.spec.save_attention),
             "host_adapters": self.spec.host_adapters,
         }
 

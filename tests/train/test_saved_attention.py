@@ -27,7 +27,7 @@ from flowtrain.plan.planner import plan_run
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "model"))
 from model_helpers import small_cfg
-from test_kept import RUN_MODELS, RUN_PLACEMENTS, trains_like_recompute
+from test_kept import RUN_MODELS, RUN_SETTINGS, trains_like_recompute
 from test_train_vs_hf import make_checkpoint, make_data
 
 FAMILIES = {
@@ -175,7 +175,7 @@ def test_the_cost_model_takes_the_attention_forward_off_the_backward():
 
 # ---- a whole run ------------------------------------------------------------------------------
 @RUN_MODELS
-@RUN_PLACEMENTS
+@RUN_SETTINGS
 def test_attention_trains_bit_identically_to_recompute(tmp_path, spec, extra):
     kept = []
     real = sa._forward
@@ -187,7 +187,7 @@ def test_attention_trains_bit_identically_to_recompute(tmp_path, spec, extra):
     with mock.patch.object(sa, "_forward", side_effect=forward):
         # one document per row: plain causal attention, the calls that keep their output
         trace = trains_like_recompute(tmp_path, "attention", ["--no-packing", *extra], **spec)
-    assert "backward L2 m1 (attn)" in trace  # the placement ran
+    assert "backward L2 m1 (attn)" in trace  # the saved-attention path ran
     assert kept  # and some layer's attention was kept (gemma3: the full-attention layer)
 
 
