@@ -65,7 +65,7 @@ def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: f
     accept and refuse exactly what train does); with ``--nproc-per-node``/``--nnodes`` the
     request is one process's share of the batch and of the node's host memory. No torch."""
     from ..errors import ConfigError
-    from ..plan.host_layout import check_units_fit
+    from ..plan.buffer_sizes import check_units_fit
     from ..plan.request import run_request
     from ..train.checks import check_fields
     from ..train.distributed import local_share

@@ -38,10 +38,10 @@ from ..errors import ConfigError
 from ..graph.compiler import StepSpec
 from ..graph.tasks import GRADS, HOST_GRADS, WEIGHTS
 from ..model.config import MLP_CHUNK_TOKENS, ModelConfig
-from ..model.layout import UnitLayout, model_layouts
+from ..model.flat_map import FlatMap, model_flat_maps
 from .adapters import adapter_slot_numel, host_adapters, lora_gpu_bytes, lora_host_bytes
 from .experts import dense_mlp_layers, expert_bytes_per_token, expert_kept_bytes_per_token, runs_grouped
-from .host_layout import LANDING_NUMEL, grad_chunks, slot_numel, staging_numel, undo_arena_bytes
+from .buffer_sizes import LANDING_NUMEL, grad_chunks, slot_numel, staging_numel, undo_arena_bytes
 from .request import RunRequest
 
 if TYPE_CHECKING:
@@ -308,14 +308,14 @@ def cap_gpu_memory(device: torch.device, gib: float) -> None:
 _LAYOUTS: dict[bytes, tuple] = {}
 
 
-def unit_layouts(cfg: ModelConfig) -> tuple:
-    """``model_layouts(cfg)``, built once per model: every candidate plan reads them, and for
+def unit_flat_maps(cfg: ModelConfig) -> tuple:
+    """``model_flat_maps(cfg)``, built once per model: every candidate plan reads them, and for
     100 layers they take ~2 ms to build, three times per candidate, ~50 candidates."""
     key = msgspec.json.encode(cfg)
     if key not in _LAYOUTS:
         if len(_LAYOUTS) >= 8:
             _LAYOUTS.clear()
-        _LAYOUTS[key] = tuple(model_layouts(cfg))
+        _LAYOUTS[key] = tuple(model_flat_maps(cfg))
     return _LAYOUTS[key]
 
 
@@ -338,7 +338,7 @@ def _host_items(cfg: ModelConfig, req: RunRequest, device: torch.device, cbytes:
                 resident: tuple[str, ...], budgets: dict[str, int]) -> dict[str, int]:
     """Host bytes: the streamed units' state in ``layout`` (with LoRA, the frozen base and the
     adapters), the process, the data, a checkpoint being read and the undo record."""
-    layouts, res = unit_layouts(cfg), set(resident)
+    layouts, res = unit_flat_maps(cfg), set(resident)
     streamed = [lay for lay in layouts if lay.key not in res]
     streamed_n = sum(lay.numel for lay in streamed)
     stage_n = staging_numel(layouts, resident)
@@ -373,7 +373,7 @@ def _gpu_items(cfg: ModelConfig, req: RunRequest, device: torch.device, cbytes: 
     """GPU bytes, every checkpoint kept: the slots, the resident units, the checkpoints, one
     layer's backward, the loss chunks, and LoRA's adapters and their work (``grouped``: a
     mixture of experts runs the grouped experts)."""
-    layouts, res = unit_layouts(cfg), set(resident)
+    layouts, res = unit_flat_maps(cfg), set(resident)
     resident_n = sum(lay.numel for lay in layouts if lay.key in res)
     slot_n = slot_numel(list(layouts), resident, cfg.tie_word_embeddings)
     lora = req.lora_rank > 0
@@ -438,7 +438,7 @@ def layer_work_bytes(cfg: ModelConfig, tokens: int, cbytes: int, compiled: bool,
         per_token, mlp_units = 4 * h + 3 * q + 2 * kv + 2 * cfg.head_size, 3 * f
     else:
         per_token, mlp_units = 6 * h + 2 * q + 4 * kv, 4 * f
-    layers = [lay for lay in unit_layouts(cfg) if lay.unit == "layer"]
+    layers = [lay for lay in unit_flat_maps(cfg) if lay.unit == "layer"]
     work = tokens * cbytes * per_token
     work += tokens * (4 * q + (2 * cbytes * (q - kv) if kv < q else 0))  # attention backward's buffers
     if cfg.moe:  # the larger of a sparse layer's routing and experts and a dense layer's MLP
@@ -454,7 +454,7 @@ def _dense_mlp_work(cfg: ModelConfig, tokens: int, cbytes: int, mlp_units: int) 
     return tokens * cbytes * mlp_units
 
 
-def _moe_mlp_work(cfg: ModelConfig, layers: list[UnitLayout], tokens: int, cbytes: int, mlp_units: int,
+def _moe_mlp_work(cfg: ModelConfig, layers: list[FlatMap], tokens: int, cbytes: int, mlp_units: int,
                   grouped: bool, frozen_base: bool, compiled: bool) -> int:
     """A mixture of experts' MLP work and weight gradient in the layer that needs most: a
     sparse layer's routing and T k expert rows (:mod:`.experts`; never run in pieces) beside

@@ -45,7 +45,7 @@ from ..model.config import ModelConfig, default_chunk_tokens
 from .adapters import host_adapters
 from .attention import attention_pays, forward_flops_saved, plan_saved_attention
 from .experts import runs_grouped
-from .host_layout import LAYOUTS, grad_chunks, staging_numel
+from .buffer_sizes import LAYOUTS, grad_chunks, staging_numel
 from .memory import (
     ACTIVATIONS,
     Plan,
@@ -59,7 +59,7 @@ from .memory import (
     live_micro_batches,
     offload_act_slots,
     offload_in_flight,
-    unit_layouts,
+    unit_flat_maps,
 )
 from .suggest import suggest
 
@@ -100,7 +100,7 @@ def _make(cfg, req, device, dtype, policy, layout, resident, chunk_tokens, shrin
         budgets.update({pool: 0 for pool in ((HOST_GRADS,) if spec.host_adapters else (GRADS, HOST_GRADS))
                         if pool in budgets})
     host, gpu = count_bytes(cfg, req, device, dtype, layout, resident, budgets, chunk_tokens)
-    params = sum(lay.numel for lay in unit_layouts(cfg))
+    params = sum(lay.numel for lay in unit_flat_maps(cfg))
     return Plan(device=device.type, params=params, layout=layout, spec=spec, budgets=budgets, node_processes=req.share,
                 chunk_tokens=chunk_tokens, host=host, gpu=gpu, host_limit=None, gpu_limit=None)
 
@@ -152,7 +152,7 @@ _policy_budgets = _BudgetCache()
 
 
 def _spec(cfg: ModelConfig, req: RunRequest, layout: str, resident: tuple[str, ...]) -> StepSpec:
-    layouts = unit_layouts(cfg)
+    layouts = unit_flat_maps(cfg)
     staged = layout != "full"
     chunks = grad_chunks(layouts, resident, staging_numel(layouts, resident)) if staged else {}
     return StepSpec(layers=cfg.num_layers, micro_batches=req.batch_size // req.micro_batch_size,

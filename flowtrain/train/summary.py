@@ -111,12 +111,12 @@ def data_description(seqs: "Sequences") -> str:
 
 def lora_params(run: "Run") -> int:
     """The parameters a LoRA run trains: every layer's adapters (not the padding between them)."""
-    from ..model.adapters import adapter_layouts
+    from ..model.adapters import adapter_flat_maps
     from .run_config import lora_spec
 
     spec = lora_spec(run.cfg)
     assert spec is not None
-    return sum(e.numel for lay in adapter_layouts(run.mcfg, spec) for e in lay.entries)
+    return sum(e.numel for lay in adapter_flat_maps(run.mcfg, spec) for e in lay.entries)
 
 
 def summary_lines(run: "Run") -> list[str]:

@@ -90,7 +90,7 @@ def short_label(t: Task) -> str:
     return " ".join(parts)
 
 
-def layout(graph: nx.DiGraph) -> dict[Task, tuple[int, int]]:
+def positions(graph: nx.DiGraph) -> dict[Task, tuple[int, int]]:
     """(column, row) of every task: column = depth, except that a task with no dependencies
     (a fetch, a zero_grad) sits just left of its first consumer; rows follow the producers."""
     depth = dict(depths(graph))
@@ -123,7 +123,7 @@ def _esc(s: object) -> str:
 
 def graph_svg(graph: nx.DiGraph, critical: Sequence[Task], order: Sequence[Task]) -> str:
     """The graph as an inline SVG element (tooltips through ``<title>``)."""
-    pos = layout(graph)
+    pos = positions(graph)
     w, h, dx, dy, pad = 96, 22, 124, 34, 14
     ncols = max((c for c, _ in pos.values()), default=0) + 1
     nrows = max((r for _, r in pos.values()), default=0) + 1

@@ -18,7 +18,7 @@ from flowtrain.cli import main
 from flowtrain.errors import ConfigError
 from flowtrain.graph.compiler import StepSpec, compile_step
 from flowtrain.graph.tasks import Backward, Forward
-from flowtrain.model import decoder_layer, model_layouts, rope_tables
+from flowtrain.model import decoder_layer, model_flat_maps, rope_tables
 from flowtrain.plan.memory import kept_bytes_per_token
 from flowtrain.plan.request import RunRequest
 from flowtrain.plan.planner import plan_activations, plan_run
@@ -38,7 +38,7 @@ FAMILIES = {
 def _saved_per_token(cfg, dtype, make_layer=lambda: decoder_layer) -> float:
     """Bytes one more token adds to what a kept forward of one layer holds (64 -> 128 tokens);
     ``make_layer`` gives the layer function afresh for each length (a compiled one)."""
-    lay = model_layouts(cfg)[1]
+    lay = model_flat_maps(cfg)[1]
     flat = (torch.randn(lay.numel, generator=torch.Generator().manual_seed(1)) * 0.05).to(dtype)
     measured = []
     for tokens in (64, 128):

@@ -18,7 +18,7 @@ from flowtrain.cli import main
 from flowtrain.errors import ConfigError
 from flowtrain.graph.compiler import StepSpec, compile_step
 from flowtrain.graph.tasks import Backward, Forward
-from flowtrain.model import bind, decoder_layer, model_layouts, preset, rope_tables
+from flowtrain.model import bind, decoder_layer, model_flat_maps, preset, rope_tables
 from flowtrain.model import saved_attention as sa
 from flowtrain.model.attention import Documents, rotary_for
 from flowtrain.plan.attention import attention_pays, saved_attention_bytes
@@ -41,7 +41,7 @@ CUDA = torch.device("cuda")
 
 
 def _layer(cfg, seed=1):
-    lay = model_layouts(cfg)[1]
+    lay = model_flat_maps(cfg)[1]
     flat = torch.randn(lay.numel, generator=torch.Generator().manual_seed(seed)) * 0.05
     return lay, flat
 
@@ -279,7 +279,7 @@ def test_gpu_kernels_are_kept_and_replayed(backend, kernel):
     from flowtrain.model.attention import attention_backends
 
     cfg = small_cfg(hidden_size=1024, intermediate_size=2048, num_heads=8, num_kv_heads=2)
-    lay = model_layouts(cfg)[1]
+    lay = model_flat_maps(cfg)[1]
     gen = torch.Generator().manual_seed(5)
     flat = (torch.randn(lay.numel, generator=gen) * 0.02).to("cuda", torch.bfloat16)
     x = torch.randn(2, 2048, cfg.hidden_size, generator=gen).to("cuda", torch.bfloat16)
