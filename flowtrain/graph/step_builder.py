@@ -118,8 +118,8 @@ class StepBuilder(GraphBuilder):
         self.losses: dict[int, Task] = {}
         self.embed_grads: list[Task] = []  # the embed_backward tasks
         self.grad_slot: dict[tuple[str, int | None], Task] = {}  # zero_grad of a streamed unit
-        self.head_offload: list[Task] = []
-        self.offloads: list[Task] = []  # every gradient hand-off, for grad_norm / found_inf
+        self.head_hand_off: list[Task] = []
+        self.hand_offs: list[Task] = []  # every gradient hand-off, for grad_norm / found_inf
         self.resident_done: list[Task] = []  # the last gradient writers of resident units
         self.held_back: list[tuple[list[Task], str, int | None]] = []  # Adam placed after the gate
 
@@ -294,27 +294,27 @@ class StepBuilder(GraphBuilder):
         head has none."""
         if self.spec.is_frozen("head"):
             return
-        self.head_offload = self.offload("head", None, list(self.losses.values()))
+        self.head_hand_off = self.hand_off_gradient("head", None, list(self.losses.values()))
         if not self.spec.tied:
-            self.adam(self.head_offload, "head", None)
+            self.adam(self.head_hand_off, "head", None)
 
     def hand_off_layer(self, i: int) -> None:
         """Hand layer i's gradient (written by its ``backward`` of every micro-batch) to its
         optimizer (with LoRA, its adapters' gradient)."""
         writers = [self.grad_out[(i - 1, m)] for m in range(self.spec.micro_batches)]
         unit = "adapter" if self.spec.lora else "layer"
-        self.adam(self.offload(unit, i, writers), unit, i)
+        self.adam(self.hand_off_gradient(unit, i, writers), unit, i)
 
     def hand_off_embed(self) -> None:
         """Hand the embedding's gradient to its optimizer, then, when tied, the head's (neither
         when frozen)."""
         if self.spec.is_frozen("embed"):
             return
-        self.adam(self.offload("embed", None, self.embed_grads), "embed", None)
+        self.adam(self.hand_off_gradient("embed", None, self.embed_grads), "embed", None)
         if self.spec.tied:
-            self.adam(self.head_offload, "head", None)
+            self.adam(self.head_hand_off, "head", None)
 
-    def offload(self, unit: str, layer: int | None, readers: list[Task]) -> list[Task]:
+    def hand_off_gradient(self, unit: str, layer: int | None, readers: list[Task]) -> list[Task]:
         """What hands a unit's finished gradient to its optimizer: ``offload_grad`` tasks of a
         streamed unit (one per staging chunk), or, for a resident unit, its last gradient
         writers themselves (plus a ``grad_sq_norm`` when clipping needs the norm first); data
@@ -331,7 +331,7 @@ class StepBuilder(GraphBuilder):
                 t = self.node(GradSqNorm, unit=unit, layer=layer)
                 for r in readers:
                     self.dep(r, t)
-                self.offloads.append(t)
+                self.hand_offs.append(t)
             return list(readers)
         slot = self.grad_slot[(unit, layer)]
         # adapters in host memory keep a whole host gradient of their own (a few MB a layer)
@@ -343,7 +343,7 @@ class StepBuilder(GraphBuilder):
             self.dep(slot, t, reads=True)
             for r in readers:
                 self.dep(r, t)
-            self.offloads.append(t)
+            self.hand_offs.append(t)
             out.append(t)
         return out
 
@@ -363,9 +363,9 @@ class StepBuilder(GraphBuilder):
         forward can start as soon as possible, and, without clipping, ``verify_step``."""
         gate = None
         if self.spec.grad_clip:
-            gate = self.after_all(GradNorm, self.offloads)
+            gate = self.after_all(GradNorm, self.hand_offs)
         elif self.held_back:
-            gate = self.after_all(FoundInf, self.offloads + self.resident_done)
+            gate = self.after_all(FoundInf, self.hand_offs + self.resident_done)
         order = {"embed": -1, "layer": 0, "adapter": 0, "head": self.spec.layers}
         for offs, unit, layer in sorted(self.held_back, key=lambda a: order[a[1]] + (a[2] or 0)):
             self.adam_tasks(offs, unit, layer, norm=gate)
@@ -393,12 +393,12 @@ class StepBuilder(GraphBuilder):
             if norm is not None:
                 self.dep(norm, t)
             if self.spec.tied and unit == "embed" and not self.spec.is_resident(unit, layer):
-                for h in self.head_offload:
+                for h in self.head_hand_off:
                     self.dep(h, t)  # the tied matrix also has the head's gradient
 
     def after_all(self, cls: type[Task], gradients: list[Task]) -> Task:
-        """One task after every gradient of the step (each offload, or each resident unit's last
-        writer), which every held-back Adam task then waits for: ``grad_norm`` (the global norm
+        """One task after every gradient of the step (each ``offload_grad``, or each resident
+        unit's last writer), which every held-back Adam task then waits for: ``grad_norm`` (the global norm
         for clipping, on the host) or ``found_inf`` (whether any gradient or the loss is not
         finite, on the device, for the resident units' ``gpu_adam``)."""
         t = self.node(cls)
@@ -419,7 +419,7 @@ class StepBuilder(GraphBuilder):
         if not adams:
             return
         t = self.node(VerifyStep)
-        checks: list[Task] = [o for o in self.offloads if isinstance(o, OffloadGrad)]
+        checks: list[Task] = [o for o in self.hand_offs if isinstance(o, OffloadGrad)]
         if self.spec.tied:
             checks += [a for a in adams if a.unit == "embed"]
         for a in checks + ([found_inf] if found_inf is not None else []):
