@@ -13,12 +13,12 @@ import warnings
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from flowtrain.model import bind, decoder_layer, model_layouts, preset, rope_tables
+from flowtrain.model import bind, decoder_layer, model_flat_maps, preset, rope_tables
 from flowtrain.model.attention import attention_backends
 
 warnings.filterwarnings("ignore")
 cfg = preset(sys.argv[1] if len(sys.argv) > 1 else "llama-3b")
-lay = model_layouts(cfg)[1]
+lay = model_flat_maps(cfg)[1]
 B, S = 4, 4096
 flat = (torch.randn(lay.numel, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
 cos, sin = rope_tables(cfg, S, "cuda", torch.bfloat16)

@@ -14,12 +14,12 @@ import numpy as np
 import torch
 
 import flowtrain.model.attention as attention
-from flowtrain.model import bind, decoder_layer, model_layouts, preset, rope_tables
+from flowtrain.model import bind, decoder_layer, model_flat_maps, preset, rope_tables
 from flowtrain.model.attention import Documents, rotary_for
 
 warnings.filterwarnings("ignore")
 cfg = preset("llama-8b")
-lay = model_layouts(cfg)[1]
+lay = model_flat_maps(cfg)[1]
 B, S = 4, 4096
 flat = (torch.randn(lay.numel, device="cuda") * 0.02).to(torch.bfloat16).requires_grad_()
 cos, sin = rope_tables(cfg, S, "cuda", torch.bfloat16)

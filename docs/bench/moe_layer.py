@@ -20,7 +20,7 @@ import time
 
 import torch
 
-from flowtrain.model import bind, decoder_layer, model_layouts, preset, rope_tables
+from flowtrain.model import bind, decoder_layer, model_flat_maps, preset, rope_tables
 from flowtrain.model.init import init_unit
 from flowtrain.train.weight_grads import backward_into, weight_leaves
 
@@ -46,7 +46,7 @@ def main() -> None:
         args.batch, args.seq_len, args.reps = 1, 64, 1
     device, dtype = ("cuda", torch.bfloat16) if cuda else ("cpu", torch.float32)
     i = min(cfg.sparse_layers())  # the first layer with experts
-    lay = next(u for u in model_layouts(cfg) if u.key == f"layer.{i}")
+    lay = next(u for u in model_flat_maps(cfg) if u.key == f"layer.{i}")
     master = torch.empty(lay.numel)
     init_unit(master, lay, cfg, seed=0)
     flat = master.to(device=device, dtype=dtype)

@@ -8,7 +8,7 @@ causal LM over the linear maps flowtrain adapts)::
     spec, layouts, flats = read_adapter(out, cfg)
 
 The tensors are named as PEFT saves them (``base_model.model.model.layers.0.self_attn.q_proj.
-lora_A.weight``: :func:`flowtrain.model.adapters.adapter_layouts`). What PEFT can express and
+lora_A.weight``: :func:`flowtrain.model.adapters.adapter_flat_maps`). What PEFT can express and
 flowtrain does not run (DoRA, per-layer ranks or alphas, trained biases,
 extra trained modules, a subset of layers) is refused in one line naming the setting, rather
 than read as something else. ``target_modules`` is read as PEFT matches it against the model's
@@ -40,9 +40,9 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from flowtrain.errors import CheckpointError
-from flowtrain.model.adapters import DEFAULT_TARGETS, LoraSpec, adapter_layouts
+from flowtrain.model.adapters import DEFAULT_TARGETS, LoraSpec, adapter_flat_maps
 from flowtrain.model.config import ModelConfig
-from flowtrain.model.layout import UnitLayout, bind
+from flowtrain.model.flat_map import FlatMap, bind
 
 from .hf import fsync_dir, write_safetensors
 
@@ -113,7 +113,7 @@ def _is_off(value: Any, off: Any) -> bool:
     return False
 
 
-def _config(spec: LoraSpec, layouts: Sequence[UnitLayout], base_model: str | None) -> dict[str, Any]:
+def _config(spec: LoraSpec, layouts: Sequence[FlatMap], base_model: str | None) -> dict[str, Any]:
     """What PEFT reads: the linear maps the layouts adapt in ``target_modules``, a mixture of
     experts' router and stacked weights in ``target_parameters`` (the gate-and-up adapter's rank in
     ``rank_pattern`` where it is not ``r``)."""
@@ -133,15 +133,15 @@ def _config(spec: LoraSpec, layouts: Sequence[UnitLayout], base_model: str | Non
             "exclude_modules": None, **_UNSUPPORTED}
 
 
-def adapter_config_text(spec: LoraSpec, layouts: Sequence[UnitLayout], base_model: str | None = None) -> str:
+def adapter_config_text(spec: LoraSpec, layouts: Sequence[FlatMap], base_model: str | None = None) -> str:
     """The ``adapter_config.json`` PEFT reads for the adapters of ``layouts`` (of ``spec``) over
     ``base_model``."""
     return json.dumps(_config(spec, layouts, base_model), indent=2) + "\n"
 
 
-def save_adapter(out_dir: str | os.PathLike[str], spec: LoraSpec, layouts: Sequence[UnitLayout],
+def save_adapter(out_dir: str | os.PathLike[str], spec: LoraSpec, layouts: Sequence[FlatMap],
                  flats: Sequence[Tensor], base_model: str | None = None, dtype: torch.dtype = torch.float32) -> None:
-    """Write ``flats`` (one buffer per adapter layout) as a PEFT adapter in ``out_dir``: the
+    """Write ``flats`` (one buffer per adapter flat map) as a PEFT adapter in ``out_dir``: the
     weights first, then the config, each to a temporary name renamed into place, so a folder
     holding ``adapter_config.json`` holds the weights it describes."""
     out = Path(out_dir)
@@ -335,11 +335,11 @@ def _by_path(modules: list[Any], cfg: ModelConfig | None, path: Path) -> list[st
 
 
 def read_adapter(adapter_dir: str | os.PathLike[str], cfg: ModelConfig
-                 ) -> tuple[LoraSpec, list[UnitLayout], list[Tensor]]:
+                 ) -> tuple[LoraSpec, list[FlatMap], list[Tensor]]:
     """A PEFT adapter for the model ``cfg``: its spec, its layouts and one fp32 buffer per
     layer. Every tensor the layouts name must be there with its shape, and no other."""
     spec = read_spec(adapter_dir, cfg)
-    layouts = adapter_layouts(cfg, spec)
+    layouts = adapter_flat_maps(cfg, spec)
     path = Path(adapter_dir) / ADAPTER_WEIGHTS
     flats = [torch.zeros(lay.numel) for lay in layouts]
     wanted = {e.name: (lay, flat, e) for lay, flat in zip(layouts, flats) for e in lay.entries}

@@ -80,8 +80,8 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from ..errors import CheckpointError
-from ..model import ModelConfig, UnitLayout
-from ..model.layout import hub_tensors
+from ..model import FlatMap, ModelConfig
+from ..model.flat_map import hub_tensors
 from .adapter_files import ADAPTER_CONFIG
 from .hf import CONFIG_NAME, INDEX_NAME, fsync_dir, hf_config_text, unit_tensors, write_safetensors
 from .saved_state import RestorableState, SavedUnit
@@ -221,7 +221,7 @@ class CheckpointWriter:
     """
 
     def __init__(self, root: str | os.PathLike[str], step: int, cfg: ModelConfig,
-                 layouts: Sequence[UnitLayout], source_config: dict | None = None,
+                 layouts: Sequence[FlatMap], source_config: dict | None = None,
                  adapter_config: str | None = None) -> None:
         """``source_config``: the ``config.json`` of the model the run started from, which the
         checkpoint's ``config.json`` keeps key for key but for the dtype (fp32); without one,
@@ -590,7 +590,7 @@ def load_training_state(path: str | os.PathLike[str], state: RestorableState[_Un
     return ckpt
 
 
-def _check_header(file: Path, layout: UnitLayout) -> None:
+def _check_header(file: Path, layout: FlatMap) -> None:
     where = f"{file.parent.name}/{file.name}"
     try:
         with safe_open(str(file), framework="pt") as f:

@@ -2,11 +2,11 @@
 
 A model directory holds ``config.json`` and either ``model.safetensors`` or a sharded
 ``model.safetensors.index.json`` plus its shards. Loading copies one tensor at a time into
-:func:`~flowtrain.model.layout.bind` views, so the model is never in memory twice;
+:func:`~flowtrain.model.flat_map.bind` views, so the model is never in memory twice;
 saving streams each tensor's bytes to disk in the safetensors format, for the same reason::
 
     cfg = read_config("Llama-3.2-1B")
-    layouts = model_layouts(cfg)
+    layouts = model_flat_maps(cfg)
     flats = [torch.empty(lay.numel) for lay in layouts]
     load_into("Llama-3.2-1B", cfg, layouts, flats)
     ...
@@ -38,7 +38,7 @@ from torch import Tensor
 from flowtrain.errors import CheckpointError, FlowtrainError
 from flowtrain.model.config import ModelConfig
 from flowtrain.model.model_dir import CONFIG_NAME, read_config  # re-exported
-from flowtrain.model.layout import UnitLayout, bind, hub_tensors
+from flowtrain.model.flat_map import FlatMap, bind, hub_tensors
 from ..model.hf_config import from_hf, to_hf
 
 __all__ = ["checkpoint_dtype", "hf_config_text", "load_into", "read_config", "save_hf", "shard_tensors",
@@ -108,7 +108,7 @@ def _harmless(name: str, cfg: ModelConfig) -> bool:
 def load_into(
     model_dir: str | os.PathLike[str],
     cfg: ModelConfig,
-    layouts: Sequence[UnitLayout],
+    layouts: Sequence[FlatMap],
     flats: Sequence[Tensor],
 ) -> None:
     """Copy every checkpoint tensor into its view of ``flats[k]``, cast to that flat's dtype.
@@ -169,7 +169,7 @@ def _checkpoint_names(path: Path) -> set[str]:
     return set()
 
 
-def _accept_fused_experts(path: Path, layouts: Sequence[UnitLayout], flats: Sequence[Tensor],
+def _accept_fused_experts(path: Path, layouts: Sequence[FlatMap], flats: Sequence[Tensor],
                           targets: dict[str, tuple[tuple[int, ...], Callable[[Tensor], Any]]]) -> None:
     """Where a checkpoint holds a sparse layer's experts as transformers 5 keeps them in memory
     (``model.layers.N.mlp.experts.gate_up_proj`` (E, 2 inter, hidden), gate rows first, and
@@ -206,7 +206,7 @@ def _accept_fused_experts(path: Path, layouts: Sequence[UnitLayout], flats: Sequ
 def save_hf(
     out_dir: str | os.PathLike[str],
     cfg: ModelConfig,
-    layouts: Sequence[UnitLayout],
+    layouts: Sequence[FlatMap],
     flats: Sequence[Tensor],
     dtype: torch.dtype = torch.float32,
     *,
@@ -351,7 +351,7 @@ def checkpoint_dtype(model_dir: str | os.PathLike[str]) -> torch.dtype | None:
     return max(elements, key=elements.__getitem__) if elements else None
 
 
-def unit_tensors(flat: Tensor, layout: UnitLayout) -> list[tuple[str, Tensor]]:
+def unit_tensors(flat: Tensor, layout: FlatMap) -> list[tuple[str, Tensor]]:
     """``(checkpoint name, view)`` of every tensor of one unit, in layout order, with the Hub's
     names: a stacked entry (a sparse layer's experts) as one tensor per expert."""
     views = bind(flat, layout)

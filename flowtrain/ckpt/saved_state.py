@@ -20,7 +20,7 @@ from typing import Protocol, Self, TypeVar
 
 import torch
 
-from ..model.layout import UnitLayout
+from ..model.flat_map import FlatMap
 
 __all__ = ["RestorableState", "SavableModel", "SavedUnit", "Schedule"]
 
@@ -32,7 +32,7 @@ class SavedUnit(Protocol):
     never replaces one."""
 
     @property
-    def layout(self) -> UnitLayout:
+    def layout(self) -> FlatMap:
         """The unit's key (``"embed"``, ``"layer.3"``, ``"adapter.3"``, ...), its ``numel`` and
         the Hugging Face names of its tensors."""
         ...

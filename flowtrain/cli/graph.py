@@ -33,9 +33,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="LoRA: the model frozen, each layer's adapters resident and trained (gpu_adam adapter)")
     p.add_argument("--host-adapters", action="store_true",
                    help="with --lora: the adapters in host memory, fetched with their layer, updated by cpu_adam")
-    p.add_argument("--routed", default="", metavar="LAYERS",
-                   help="sparse layers that skip idle experts: their recompute and backward fetches follow their "
-                        "forwards' routing (train's --skip-idle-experts)")
+    p.add_argument("--skip-idle-experts", default="", metavar="LAYERS",
+                   help="comma-separated sparse layers that skip idle experts: their recompute and backward fetches "
+                        "follow their forwards' routing (train's --skip-idle-experts names every sparse layer)")
     p.add_argument("--steps", type=int, default=1, help="consecutive steps, linked by cpu_adam -> next fetch")
     p.add_argument("--out", required=True, help="output JSON file")
 
@@ -87,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
         share=args.processes,
         lora=args.lora,
         host_adapters=args.host_adapters,
-        routed=_layers(args.routed, "--routed"),
+        skip_idle_experts=_layers(args.skip_idle_experts, "--skip-idle-experts"),
     ).validate()
     graph = compile_steps(spec, args.steps)
     write_graph(args.out, graph)

@@ -65,7 +65,7 @@ def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: f
     accept and refuse exactly what train does); with ``--nproc-per-node``/``--nnodes`` the
     request is one process's share of the batch and of the node's host memory. No torch."""
     from ..errors import ConfigError
-    from ..plan.host_layout import check_units_fit
+    from ..plan.buffer_sizes import check_units_fit
     from ..plan.request import run_request
     from ..train.config.checks import check_fields, check_with_model
     from ..train.distributed import local_share
@@ -183,7 +183,7 @@ def _gib(n: int | None) -> str:
 
 def format_plan(model: str, plan) -> str:  # plan: a Plan
     from ..plan.memory import GiB
-    from ..train.summary import activation_placement
+    from ..train.summary import describe_activations
 
     count = f"{plan.params / 1e9:.2f} B" if plan.params >= 1e8 else f"{plan.params / 1e6:.2f} M"
     what = "LoRA over the frozen base" if plan.spec.lora else f"layout {plan.layout}"
@@ -195,9 +195,9 @@ def format_plan(model: str, plan) -> str:  # plan: a Plan
     where = f"base units resident on the GPU ({adapters})" if plan.spec.lora else "resident on the GPU (Adam there)"
     lines.append(f"{where}: {', '.join(res) if res else 'none'}")
     lines.append(f"micro-batch order: {plan.spec.order}" + (f" ({plan.order_choice})" if plan.order_choice else ""))
-    lines.append(f"activations: {activation_placement(plan.spec)}")
-    if plan.placement_choice:
-        lines.append(f"placement: {plan.placement_choice}")
+    lines.append(f"activations: {describe_activations(plan.spec)}")
+    if plan.memory_choice:
+        lines.append(f"memory: {plan.memory_choice}")
     lines.append(f"slots: {plan.budgets}; loss chunk {plan.chunk_tokens} tokens"
                  + (f"; staged gradient chunks {plan.spec.grad_chunks}" if plan.spec.grad_chunks and not plan.spec.lora
                     else ""))

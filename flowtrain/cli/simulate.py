@@ -61,7 +61,7 @@ def run(args: argparse.Namespace) -> int:
     cfg, req, plan, _, _, predictions = plan_for(args, machine, with_predictions=True)
     if not plan.fits:
         raise ConfigError(f"on {machine.name}: {plan.refusal()}")
-    # the planner may have predicted this plan already, choosing the order or the placement
+    # the planner may have predicted this plan already, choosing the order or the memory settings
     pred = predictions.prediction(req, plan, machine, adam_workers=args.adam_workers, steps=args.steps,
                                   world=req.processes, nodes=args.nnodes)
     if args.trace:
@@ -75,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
                                               "budgets": plan.budgets, "gpu_gib": round(plan.gpu_total / 2**30, 2),
                                               "host_gib": round(plan.host_total / 2**30, 2),
                                               "host_gib_per_node": round(plan.host_node_total / 2**30, 2),
-                                              "placement_choice": plan.placement_choice}}
+                                              "placement_choice": plan.memory_choice}}
     if args.json:
         print(json.dumps(out, indent=1))
     else:
@@ -86,5 +86,5 @@ def run(args: argparse.Namespace) -> int:
             f"{args.model} on {machine.name} ({machine.description}): layout {plan.layout}, "
             f"resident {len(res)} units, slots {plan.budgets}, GPU {plan.gpu_total / 2**30:.1f} GiB, "
             f"host {plan.host_total / 2**30:.1f} GiB"
-            + (f" ({plan.placement_choice})" if plan.placement_choice else ""))))
+            + (f" ({plan.memory_choice})" if plan.memory_choice else ""))))
     return 0

@@ -30,7 +30,7 @@ KERNEL_FIELDS = ("compile", "attention_backend")
 _BELOW = {"staged": "--layout staged", "full_layout": "--layout full", "keep": "--activations keep", "offload": "--activations offload",
           "save_attention": "--activations attention", "layers": "the model's num_hidden_layers",
           "micro_batches": "--batch-size / --micro-batch-size", "share": "--nproc-per-node",
-          "routed": "--skip-idle-experts", "host_adapters": "--lora-state host", "lora": "--lora-rank"}
+          "host_adapters": "--lora-state host", "lora": "--lora-rank"}
 
 
 def flag_of(field: str) -> str | None:

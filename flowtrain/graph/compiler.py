@@ -23,7 +23,7 @@ micro-batch through the whole model and fetches weights per micro-batch.
 
 Where the parts are, each a module of this package: :mod:`~flowtrain.graph.spec` (the
 :class:`StepSpec` and its checks), :mod:`~flowtrain.graph.builder` (how a task and an edge are
-added), :mod:`~flowtrain.graph.step_builder` (one step's tasks and edges, phase by phase, and
+added), :mod:`~flowtrain.graph.step_builder` (one step's tasks and edges, stage by stage, and
 what each setting of the spec changes), :mod:`~flowtrain.graph.cross_step` (the edges between
 steps). This module puts them together and keeps the names that other code imports from here.
 """
@@ -43,8 +43,8 @@ __all__ = ["StepSpec", "checkpoint_layers", "compile_step", "compile_steps", "cr
 def compile_step(spec: StepSpec, step: int = 0) -> nx.DiGraph:
     """Build the task graph of one optimizer step (``step`` is stamped on every task).
 
-    The phases are called in serial order, which is the order the nodes are inserted in.
-    Layer-major, all micro-batches go through each phase together, and each layer's gradient is
+    The stages are called in serial order, which is the order the nodes are inserted in.
+    Layer-major, all micro-batches go through each stage together, and each layer's gradient is
     handed off as soon as its backward is done. Micro-batch-major, each micro-batch runs forward
     and backward alone, and the gradients are handed off once every micro-batch has added to them.
     """

@@ -1,8 +1,9 @@
 """Graphs as JSON: ``networkx.node_link_data`` with one plain dict per task.
 
 Every node carries ``kind``, ``layer``, ``micro_batch``, ``lane`` (and ``step``, ``unit``,
-``phase``, ``chunk``, ``takes``, ``id``); every edge carries ``reads`` (the consumer reads the producer's
-slot). :func:`graph_from_json` rebuilds the typed graph.
+``phase``, ``activations``, ``chunk``, ``takes``, ``id``); every edge carries ``reads`` (the consumer
+reads the producer's slot). :func:`graph_from_json` rebuilds the typed graph (a file written
+before ``activations`` was a field of its own too: :func:`~.tasks.task_from_dict`).
 """
 
 from __future__ import annotations

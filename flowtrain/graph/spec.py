@@ -51,17 +51,18 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
     staged: bool = False
     #: with ``staged``: how many staging-slot chunks a unit's gradient takes (1 if not named).
     grad_chunks: dict[str, int] = msgspec.field(default_factory=dict)
-    #: layers whose forward keeps what its backward needs on the device (activation placement
-    #: ``keep``): their ``forward`` and ``backward`` tasks carry phase ``"keep"``, and their
+    #: layers whose forward keeps what its backward needs on the device (``--activations
+    #: keep``): their ``forward`` and ``backward`` tasks carry activations ``"keep"``, and their
     #: backward runs no forward again. The other layers recompute (``checkpoint_every``).
     keep: tuple[int, ...] = ()
     #: layers whose input (a checkpoint: a segment start, not kept) goes to host memory after
     #: the layer's forward has read it (``offload_act``) and comes back before its backward
-    #: (``fetch_act``): activation placement ``offload``.
+    #: (``fetch_act``): ``--activations offload``.
     offload: tuple[int, ...] = ()
     #: layers (not kept) whose forward keeps its attention output and log-sum-exp on the device
-    #: for the rebuild before its backward, which then runs no attention forward (activation
-    #: placement ``attention``): their ``forward`` and ``backward`` tasks carry phase ``"attn"``.
+    #: for the rebuild before its backward, which then runs no attention forward
+    #: (``--activations attention``): their ``forward`` and ``backward`` tasks carry
+    #: activations ``"attn"``.
     save_attention: tuple[int, ...] = ()
     #: data parallel: every unit's gradient is summed over the processes (``reduce_grad``)
     #: once this process's micro-batches are in, before it is handed off (offloaded, or, for
@@ -82,7 +83,7 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: alone: the fetch before such a layer's recompute or backward follows its forwards (of
     #: the micro-batches it serves), whose routing says which experts to copy; the layer's
     #: gradient and Adam skip the idle ones. See :mod:`flowtrain.graph.step_builder`.
-    routed: tuple[int, ...] = ()
+    skip_idle_experts: tuple[int, ...] = ()
 
     @property
     def offload_lag(self) -> int:
@@ -171,7 +172,7 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
                               named=True)
         if any(c < 1 for c in self.grad_chunks.values()):
             raise ConfigError(f"{{grad_chunks}} must be at least 1 (got {self.grad_chunks})", named=True)
-        self._validate_routed()
+        self._validate_skip_idle_experts()
         if self.host_adapters and not self.lora:
             raise ConfigError("adapters in host memory ({host_adapters}) are LoRA's: give {lora} with them", named=True)
         resident_layers = [u for u in self.resident if u.startswith("layer.")]
@@ -180,13 +181,15 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
                               f"{', '.join(resident_layers)} out of {{resident}}", named=True)
         return self
 
-    def _validate_routed(self) -> None:
-        bad = sorted(i for i in self.routed if not 0 <= i < self.layers)
-        if bad or len(set(self.routed)) != len(self.routed):
-            raise ConfigError(f"layers skipping idle experts ({{routed}}) {bad or list(self.routed)} must be distinct "
-                              f"layers of 0..{self.layers - 1}", named=True)
-        if self.routed and self.lora:
-            raise ConfigError("skipping idle experts ({routed}) is for training the whole model, not LoRA", named=True)
+    def _validate_skip_idle_experts(self) -> None:
+        bad = sorted(i for i in self.skip_idle_experts if not 0 <= i < self.layers)
+        if bad or len(set(self.skip_idle_experts)) != len(self.skip_idle_experts):
+            raise ConfigError(f"layers skipping idle experts ({{skip_idle_experts}}) "
+                              f"{bad or list(self.skip_idle_experts)} must be distinct layers of 0..{self.layers - 1}",
+                              named=True)
+        if self.skip_idle_experts and self.lora:
+            raise ConfigError("skipping idle experts ({skip_idle_experts}) is for training the whole model, not LoRA",
+                              named=True)
 
 
 def units(spec: StepSpec) -> list[tuple[Unit, int | None]]:

@@ -1,7 +1,7 @@
-"""The tasks and edges of one training step, phase by phase: :class:`StepBuilder`.
+"""The tasks and edges of one training step, stage by stage: :class:`StepBuilder`.
 
 :func:`~flowtrain.graph.compiler.compile_step` is a short list of calls to ``StepBuilder``, one
-method per phase, in the order the tasks are inserted: forward (``embed``, each layer's
+method per stage, in the order the tasks are inserted: forward (``embed``, each layer's
 ``forward``, ``loss``), backward (per checkpoint segment from the top, ``recompute`` then
 ``backward``; last ``embed_backward``), gradient hand-off (``offload_grad``, or a resident unit's
 last gradient writers) and the optimizer (a streamed unit's ``cpu_adam`` as soon as its gradient
@@ -16,11 +16,11 @@ in backward, each segment ``[c, c+k)`` first rebuilds the inputs of ``c+1 .. c+k
 top of the segment down.
 
 Activations: a layer in ``keep`` runs its forward under autograd and keeps what the backward
-needs on the device; its ``forward`` and ``backward`` tasks carry phase ``"keep"`` and the
+needs on the device; its ``forward`` and ``backward`` tasks carry activations ``"keep"`` and the
 backward computes no forward again. The graph's shape is the same (the backward still fetches
 the layer's weights: the kept tensors refer to the weights by place, not by copy). A layer in
 ``save_attention`` recomputes, but its forward keeps its attention output on the device and the
-rebuild before its backward skips attention: phase ``"attn"`` on both tasks, the same graph.
+rebuild before its backward skips attention: activations ``"attn"`` on both tasks, the same graph.
 
 Placement: a unit named in ``resident`` keeps its master weights and Adam state in device
 memory. It has no ``fetch``, ``zero_grad`` or ``offload_grad``: its tasks read the unit's own
@@ -54,7 +54,7 @@ per-unit host gradient exists. A unit larger than one staging slot (the embeddin
 is offloaded and updated in ``grad_chunks[key]`` pieces, each a pair ``offload_grad c<k>`` ->
 ``cpu_adam c<k>``.
 
-Idle experts (``routed``): a sparse layer named there leaves alone the experts that no token of
+Idle experts (``skip_idle_experts``): a sparse layer named there leaves alone the experts that no token of
 the step was routed to, as ``torch.optim.AdamW`` skips a parameter without a gradient. Which
 experts those are is known once its forwards have run, so the layer's ``recompute`` and
 ``backward`` fetches follow its ``forward`` of every micro-batch they serve (an edge from each)
@@ -77,6 +77,7 @@ from .tasks import (
     FetchAct,
     FetchPass,
     Forward,
+    KeptActivations,
     FoundInf,
     GpuAdam,
     GradNorm,
@@ -84,7 +85,6 @@ from .tasks import (
     Loss,
     OffloadAct,
     OffloadGrad,
-    Placement,
     Recompute,
     ReduceGrad,
     SyncStep,
@@ -95,10 +95,10 @@ from .tasks import (
 
 
 class StepBuilder(GraphBuilder):
-    """One step's graph under construction: one method per phase, called by
+    """One step's graph under construction: one method per stage, called by
     :func:`~flowtrain.graph.compiler.compile_step`.
 
-    Phases pass tasks to each other through the tables below, keyed by ``(layer, micro_batch)``.
+    Stages pass tasks to each other through the tables below, keyed by ``(layer, micro_batch)``.
     In the methods, ``mbs`` are the micro-batches a call covers (all of them layer-major, one
     micro-batch-major) and ``fetch_mb`` the micro-batch its fetches serve (``None`` where one
     fetch serves them all).
@@ -118,8 +118,8 @@ class StepBuilder(GraphBuilder):
         self.losses: dict[int, Task] = {}
         self.embed_grads: list[Task] = []  # the embed_backward tasks
         self.grad_slot: dict[tuple[str, int | None], Task] = {}  # zero_grad of a streamed unit
-        self.head_offload: list[Task] = []
-        self.offloads: list[Task] = []  # every gradient hand-off, for grad_norm / found_inf
+        self.head_hand_off: list[Task] = []
+        self.hand_offs: list[Task] = []  # every gradient hand-off, for grad_norm / found_inf
         self.resident_done: list[Task] = []  # the last gradient writers of resident units
         self.held_back: list[tuple[list[Task], str, int | None]] = []  # Adam placed after the gate
 
@@ -145,9 +145,9 @@ class StepBuilder(GraphBuilder):
         if slot_task is not None:
             self.dep(slot_task, consumer, reads=True)
 
-    def layer_phase(self, i: int) -> Placement | None:
-        """The phase of layer i's forward and backward: ``"keep"`` where its activations stay,
-        ``"attn"`` where its attention output does."""
+    def layer_activations(self, i: int) -> KeptActivations | None:
+        """What layer i's forward and backward keep for the backward: ``"keep"`` where its
+        activations stay, ``"attn"`` where its attention output does."""
         if i in self.spec.keep:
             return "keep"
         return "attn" if i in self.spec.save_attention else None
@@ -172,7 +172,7 @@ class StepBuilder(GraphBuilder):
         """``forward`` of layer i per micro-batch: its weights and its input give layer i+1's."""
         f = self.fetch("layer", i, "forward", fetch_mb)
         for m in mbs:
-            t = self.node(Forward, unit="layer", layer=i, micro_batch=m, phase=self.layer_phase(i))
+            t = self.node(Forward, unit="layer", layer=i, micro_batch=m, activations=self.layer_activations(i))
             self.reads(f, t)
             self.dep(self.fwd_input[(i, m)], t)
             self.offloaded_before(i, m, t)
@@ -244,9 +244,9 @@ class StepBuilder(GraphBuilder):
             self.bwd_input[(j + 1, m)] = t
 
     def after_routing(self, f: Task | None, i: int, mbs: Iterable[int]) -> None:
-        """Where layer i skips idle experts (``routed``), its backward-side fetch ``f`` follows
+        """Where layer i skips idle experts (``skip_idle_experts``), its backward-side fetch ``f`` follows
         the forwards of the micro-batches it serves: their routing says which experts to copy."""
-        if f is not None and i in self.spec.routed:
+        if f is not None and i in self.spec.skip_idle_experts:
             for m in mbs:
                 self.dep(self.fwd_input[(i + 1, m)], f)
 
@@ -268,7 +268,7 @@ class StepBuilder(GraphBuilder):
         z = self.zero_grad("adapter" if self.spec.lora else "layer", i)
         for m in mbs:
             self.fetch_back(i, m)
-            t = self.node(Backward, unit="layer", layer=i, micro_batch=m, phase=self.layer_phase(i))
+            t = self.node(Backward, unit="layer", layer=i, micro_batch=m, activations=self.layer_activations(i))
             self.reads(f, t)
             self.reads(z, t)
             self.dep(self.bwd_input[(i, m)], t, reads=(i, m) in self.act_fetched)
@@ -294,27 +294,27 @@ class StepBuilder(GraphBuilder):
         head has none."""
         if self.spec.is_frozen("head"):
             return
-        self.head_offload = self.offload("head", None, list(self.losses.values()))
+        self.head_hand_off = self.hand_off_gradient("head", None, list(self.losses.values()))
         if not self.spec.tied:
-            self.adam(self.head_offload, "head", None)
+            self.adam(self.head_hand_off, "head", None)
 
     def hand_off_layer(self, i: int) -> None:
         """Hand layer i's gradient (written by its ``backward`` of every micro-batch) to its
         optimizer (with LoRA, its adapters' gradient)."""
         writers = [self.grad_out[(i - 1, m)] for m in range(self.spec.micro_batches)]
         unit = "adapter" if self.spec.lora else "layer"
-        self.adam(self.offload(unit, i, writers), unit, i)
+        self.adam(self.hand_off_gradient(unit, i, writers), unit, i)
 
     def hand_off_embed(self) -> None:
         """Hand the embedding's gradient to its optimizer, then, when tied, the head's (neither
         when frozen)."""
         if self.spec.is_frozen("embed"):
             return
-        self.adam(self.offload("embed", None, self.embed_grads), "embed", None)
+        self.adam(self.hand_off_gradient("embed", None, self.embed_grads), "embed", None)
         if self.spec.tied:
-            self.adam(self.head_offload, "head", None)
+            self.adam(self.head_hand_off, "head", None)
 
-    def offload(self, unit: str, layer: int | None, readers: list[Task]) -> list[Task]:
+    def hand_off_gradient(self, unit: str, layer: int | None, readers: list[Task]) -> list[Task]:
         """What hands a unit's finished gradient to its optimizer: ``offload_grad`` tasks of a
         streamed unit (one per staging chunk), or, for a resident unit, its last gradient
         writers themselves (plus a ``grad_sq_norm`` when clipping needs the norm first); data
@@ -331,7 +331,7 @@ class StepBuilder(GraphBuilder):
                 t = self.node(GradSqNorm, unit=unit, layer=layer)
                 for r in readers:
                     self.dep(r, t)
-                self.offloads.append(t)
+                self.hand_offs.append(t)
             return list(readers)
         slot = self.grad_slot[(unit, layer)]
         # adapters in host memory keep a whole host gradient of their own (a few MB a layer)
@@ -343,7 +343,7 @@ class StepBuilder(GraphBuilder):
             self.dep(slot, t, reads=True)
             for r in readers:
                 self.dep(r, t)
-            self.offloads.append(t)
+            self.hand_offs.append(t)
             out.append(t)
         return out
 
@@ -363,9 +363,9 @@ class StepBuilder(GraphBuilder):
         forward can start as soon as possible, and, without clipping, ``verify_step``."""
         gate = None
         if self.spec.grad_clip:
-            gate = self.after_all(GradNorm, self.offloads)
+            gate = self.after_all(GradNorm, self.hand_offs)
         elif self.held_back:
-            gate = self.after_all(FoundInf, self.offloads + self.resident_done)
+            gate = self.after_all(FoundInf, self.hand_offs + self.resident_done)
         order = {"embed": -1, "layer": 0, "adapter": 0, "head": self.spec.layers}
         for offs, unit, layer in sorted(self.held_back, key=lambda a: order[a[1]] + (a[2] or 0)):
             self.adam_tasks(offs, unit, layer, norm=gate)
@@ -393,12 +393,12 @@ class StepBuilder(GraphBuilder):
             if norm is not None:
                 self.dep(norm, t)
             if self.spec.tied and unit == "embed" and not self.spec.is_resident(unit, layer):
-                for h in self.head_offload:
+                for h in self.head_hand_off:
                     self.dep(h, t)  # the tied matrix also has the head's gradient
 
     def after_all(self, cls: type[Task], gradients: list[Task]) -> Task:
-        """One task after every gradient of the step (each offload, or each resident unit's last
-        writer), which every held-back Adam task then waits for: ``grad_norm`` (the global norm
+        """One task after every gradient of the step (each ``offload_grad``, or each resident
+        unit's last writer), which every held-back Adam task then waits for: ``grad_norm`` (the global norm
         for clipping, on the host) or ``found_inf`` (whether any gradient or the loss is not
         finite, on the device, for the resident units' ``gpu_adam``)."""
         t = self.node(cls)
@@ -419,7 +419,7 @@ class StepBuilder(GraphBuilder):
         if not adams:
             return
         t = self.node(VerifyStep)
-        checks: list[Task] = [o for o in self.offloads if isinstance(o, OffloadGrad)]
+        checks: list[Task] = [o for o in self.hand_offs if isinstance(o, OffloadGrad)]
         if self.spec.tied:
             checks += [a for a in adams if a.unit == "embed"]
         for a in checks + ([found_inf] if found_inf is not None else []):

@@ -20,11 +20,13 @@ its ``layer`` is an ``int``; its ``unit`` is ``"layer"`` by default and can be n
   its ``gpu_adam``).
 - ``layer``: the decoder layer for per-layer tasks, ``None`` otherwise.
 - ``micro_batch``: for per-micro-batch tasks, ``None`` otherwise.
-- ``phase``: for ``fetch``, which pass the weights are fetched for; ``"eval"`` on the
+- ``phase``: the pass of the step a task serves or belongs to: on a ``fetch``, the pass its
+  weights are fetched for (``"forward"``, ``"recompute"``, ``"backward"``); ``"eval"`` on the
   ``fetch``, ``embed`` and ``forward`` tasks of a held-out loss graph, which keeps them apart
-  from the training step's tasks of the same step; ``"keep"`` on the ``forward`` and
-  ``backward`` of a layer whose activations stay on the device for its backward (no recompute);
-  ``"attn"`` on those of a layer whose attention output stays (its rebuild skips attention).
+  from the training step's tasks of the same step.
+- ``activations``: what a layer's ``forward`` and ``backward`` keep on the device for the
+  backward: ``"keep"`` where the layer's activations stay (no recompute), ``"attn"`` where its
+  attention output stays (its rebuild skips attention); ``None`` where it recomputes.
 - ``chunk``: for ``offload_grad`` and ``cpu_adam`` under the staged gradient layout, which
   piece of the unit's gradient passes through one host staging slot (``None`` otherwise).
 
@@ -47,19 +49,20 @@ import msgspec
 Lane = Literal["h2d", "compute", "d2h", "cpu", "io", "net", "sync"]
 #: ``"adapter"``: a decoder layer's LoRA adapters (``StepSpec.lora``), resident on the device
 Unit = Literal["embed", "layer", "head", "adapter"]
-#: ``phase`` has three meanings, each a set of values of its own and each allowed on its kinds
-#: only (``Task.phases``; a task with another is refused when it is made or decoded):
-#: which pass a ``fetch`` serves ...
+#: ``phase`` is the pass of the step a task serves or belongs to, each value allowed on its
+#: kinds only (``Task.phases``; a task with another is refused when it is made or decoded):
+#: the pass a ``fetch`` serves ...
 FetchPass = Literal["forward", "recompute", "backward"]
-#: ... how a layer's ``forward`` and ``backward`` treat its activations (kept on the device, or
-#: its attention output saved), ...
-Placement = Literal["keep", "attn"]
-#: ... and that a ``fetch``, ``embed`` or ``forward`` belongs to a held-out loss graph.
+#: ... or the held-out loss graph a ``fetch``, ``embed`` or ``forward`` belongs to.
 Eval = Literal["eval"]
-Phase = FetchPass | Placement | Eval
+Phase = FetchPass | Eval
 FETCH_PASSES: frozenset[str] = frozenset(("forward", "recompute", "backward"))
-PLACEMENTS: frozenset[str] = frozenset(("keep", "attn"))
 EVAL: Final = "eval"
+#: ``activations``: what a layer's ``forward`` and ``backward`` keep on the device for the
+#: backward (``Task.activation_values``): everything (``"keep"``: no recompute) or its
+#: attention output (``"attn"``: the rebuild skips attention).
+KeptActivations = Literal["keep", "attn"]
+KEPT_ACTIVATIONS: frozenset[str] = frozenset(("keep", "attn"))
 
 #: what a kind's tasks name (``Task.scope``): one unit (``layer`` set for a decoder layer's),
 #: one decoder layer and micro-batch, one micro-batch at the embedding or at the head, or the
@@ -98,12 +101,15 @@ class Task(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
     layer: int | None = None
     micro_batch: int | None = None
     phase: Phase | None = None
+    activations: KeptActivations | None = None
     chunk: int | None = None
 
     lane: ClassVar[str] = "compute"
     takes: ClassVar[str | None] = None
     #: the values ``phase`` may take on this kind (None: none set)
     phases: ClassVar[frozenset[str | None]] = frozenset({None})
+    #: the values ``activations`` may take on this kind (None: none set)
+    activation_values: ClassVar[frozenset[str | None]] = frozenset({None})
     #: what the kind's tasks name (:data:`Scope`), checked by :func:`check_shape`
     scope: ClassVar[str] = "step"
 
@@ -111,6 +117,9 @@ class Task(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
         if self.phase not in self.phases:
             allowed = ", ".join(sorted(repr(p) for p in self.phases))
             raise ValueError(f"a {self.kind} task's phase is one of {allowed} (got {self.phase!r})")
+        if self.activations not in self.activation_values:
+            allowed = ", ".join(sorted(repr(p) for p in self.activation_values))
+            raise ValueError(f"a {self.kind} task's activations are one of {allowed} (got {self.activations!r})")
 
     @property
     def kind(self) -> str:
@@ -119,7 +128,7 @@ class Task(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
 
     @property
     def label(self) -> str:
-        """A short human name such as ``forward L3 m1`` or ``fetch head (backward)``."""
+        """A short human name such as ``forward L3 m1 (keep)`` or ``fetch head (backward)``."""
         parts = [self.kind]
         if self.unit in ("embed", "head", "adapter") and self.unit != self.kind:
             parts.append(self.unit)
@@ -131,6 +140,8 @@ class Task(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
             parts.append(f"c{self.chunk}")
         if self.phase is not None:
             parts.append(f"({self.phase})")
+        if self.activations is not None:
+            parts.append(f"({self.activations})")
         if self.step:
             parts.append(f"s{self.step}")
         return " ".join(parts)
@@ -149,6 +160,7 @@ class TaskFields(TypedDict, total=False):
     layer: int | None
     micro_batch: int | None
     phase: Phase | None
+    activations: KeptActivations | None
     chunk: int | None
 
 
@@ -182,7 +194,8 @@ class Forward(Task, frozen=True, kw_only=True, tag="forward"):
     micro_batch: int
 
     scope: ClassVar[str] = "layer_micro_batch"
-    phases: ClassVar[frozenset[str | None]] = frozenset({None, EVAL} | PLACEMENTS)
+    phases: ClassVar[frozenset[str | None]] = frozenset({None, EVAL})
+    activation_values: ClassVar[frozenset[str | None]] = frozenset({None} | KEPT_ACTIVATIONS)
 
 
 class Loss(Task, frozen=True, kw_only=True, tag="loss"):
@@ -216,7 +229,7 @@ class Backward(Task, frozen=True, kw_only=True, tag="backward"):
     micro_batch: int
 
     scope: ClassVar[str] = "layer_micro_batch"
-    phases: ClassVar[frozenset[str | None]] = frozenset({None} | PLACEMENTS)
+    activation_values: ClassVar[frozenset[str | None]] = frozenset({None} | KEPT_ACTIVATIONS)
 
 
 class EmbedBackward(Task, frozen=True, kw_only=True, tag="embed_backward"):
@@ -255,8 +268,8 @@ class OffloadGrad(Task, frozen=True, kw_only=True, tag="offload_grad"):
 
 class OffloadAct(Task, frozen=True, kw_only=True, tag="offload_act"):
     """Copy the input of ``layer`` for ``micro_batch`` (its activation checkpoint) to pinned
-    host memory once the layer's forward has read it, and free it on the device: activation
-    placement ``offload``, for checkpoints that would otherwise wait on the GPU through the
+    host memory once the layer's forward has read it, and free it on the device:
+    ``--activations offload``, for checkpoints that would otherwise wait on the GPU through the
     rest of the forward and most of the backward."""
 
     unit: Literal["layer"] = "layer"
@@ -506,9 +519,22 @@ def task_to_dict(task: Task) -> dict[str, Any]:
 def task_from_dict(data: Mapping[str, Any]) -> Task:
     """Inverse of :func:`task_to_dict` (extra keys such as ``lane`` are ignored). The fields are
     checked against the kind's types: a missing required field, or a value of the wrong type
-    (a ``forward`` whose ``unit`` is not ``"layer"``), raises ``msgspec.ValidationError``."""
+    (a ``forward`` whose ``unit`` is not ``"layer"``), raises ``msgspec.ValidationError``.
+    Data written before ``activations`` was a field of its own (its values then were a
+    ``forward``'s or ``backward``'s ``phase``) reads as it is written now."""
     fields: dict[str, Any] = {k: data[k] for k in _FIELDS if data.get(k) is not None}
-    return msgspec.convert(fields, type=KINDS[data["kind"]])
+    cls = KINDS[data["kind"]]
+    fields.update(legacy_activations(cls, fields.get("phase"), fields.get("activations")))
+    return msgspec.convert(fields, type=cls)
 
 
-_FIELDS = ("step", "unit", "layer", "micro_batch", "phase", "chunk")
+def legacy_activations(cls: type[Task], phase: object, activations: object) -> dict[str, Any]:
+    """``phase`` and ``activations`` of a ``cls`` task as data written before ``activations``
+    was a field of its own reads today: a ``phase`` of ``"keep"`` or ``"attn"`` on a kind that
+    allows it as ``activations`` moves there. Traces and graph files of older runs still load."""
+    if activations is None and phase in KEPT_ACTIVATIONS and phase in cls.activation_values:
+        return {"phase": None, "activations": phase}
+    return {}
+
+
+_FIELDS = ("step", "unit", "layer", "micro_batch", "phase", "activations", "chunk")

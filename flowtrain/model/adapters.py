@@ -5,13 +5,13 @@ A LoRA adapter adds a low-rank update to a frozen linear map ``W`` (out, in)::
     y = x W^T + (alpha / r) * (x A^T) B^T          # A (r, in), B (out, r)
 
 ``B`` starts at zero, so training starts from the base model. flowtrain keeps a layer's
-adapters in one flat buffer of their own, cut by an *adapter layout* as a layer's weights are
-cut by its unit layout (:mod:`flowtrain.model.layout`); entry ``q_proj.lora_A`` is the ``A`` of
+adapters in one flat buffer of their own, cut by the adapters' *flat map* as a layer's weights
+are cut by its own (:mod:`flowtrain.model.flat_map`); entry ``q_proj.lora_A`` is the ``A`` of
 the layer's ``q_proj``. The entries are named as PEFT saves them, so an adapter file reads and
 writes with those names::
 
     spec = LoraSpec(rank=16, alpha=32)
-    lays = adapter_layouts(cfg, spec)              # one per decoder layer
+    lays = adapter_flat_maps(cfg, spec)              # one per decoder layer
     lays[0].entry("q_proj.lora_A").name          # "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
 
 The targets are the layer's linear maps by their short names (``DEFAULT_TARGETS``: every linear
@@ -35,9 +35,9 @@ import math
 import msgspec
 
 from flowtrain.model.config import ModelConfig
-from flowtrain.model.layout import UnitLayout, _pack, model_layouts
+from flowtrain.model.flat_map import FlatMap, _pack, model_flat_maps
 
-__all__ = ["DEFAULT_TARGETS", "SPARSE_TARGETS", "LoraSpec", "adapter_layouts"]
+__all__ = ["DEFAULT_TARGETS", "SPARSE_TARGETS", "LoraSpec", "adapter_flat_maps"]
 
 #: every linear map of attention and of the MLP, and a mixture of experts' router
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "router")
@@ -104,13 +104,13 @@ class LoraSpec(msgspec.Struct, frozen=True):
                 raise ValueError("LoRA dropout does not apply to a mixture of experts' router and stacked experts "
                                  "(PEFT refuses it too): leave out router, gate_proj, up_proj and down_proj, or the "
                                  "dropout")
-        if not any(lay.entries for lay in adapter_layouts(cfg, self)):
+        if not any(lay.entries for lay in adapter_flat_maps(cfg, self)):
             raise ValueError(f"LoRA targets {','.join(self.targets)}: nothing in this model to adapt (a router "
                              "needs layers with experts)")
 
 
-def adapter_layouts(cfg: ModelConfig, spec: LoraSpec) -> list[UnitLayout]:
-    """One adapter layout per decoder layer (unit ``"adapter"``, ``layer`` i): for each target
+def adapter_flat_maps(cfg: ModelConfig, spec: LoraSpec) -> list[FlatMap]:
+    """One adapter flat map per decoder layer (unit ``"adapter"``, ``layer`` i): for each target
     the layer has, ``{target}.lora_A`` (rank, in) then ``{target}.lora_B`` (out, rank), each
     aligned as a unit's entries are, named as PEFT names them. A layer with experts has
     ``router``, ``experts_gate_up`` and ``experts_down`` adapters instead of the MLP's
@@ -118,7 +118,7 @@ def adapter_layouts(cfg: ModelConfig, spec: LoraSpec) -> list[UnitLayout]:
     spec.validate()
     sparse_model = bool(cfg.sparse_layers())
     out = []
-    for lay in model_layouts(cfg)[1:-1]:
+    for lay in model_flat_maps(cfg)[1:-1]:
         assert lay.layer is not None
         specs: list[tuple[str, str, tuple[int, ...]]] = []
         for base in lay.entries:

@@ -1,6 +1,6 @@
 """The shape of a Llama-family model.
 
-A :class:`ModelConfig` is everything the layer math, the flat-buffer layout and the
+A :class:`ModelConfig` is everything the layer math, the flat maps of its units and the
 checkpoint code need to know about a model: sizes, rotary settings and which optional
 biases exist. It is a frozen ``msgspec.Struct``, so it hashes, compares by value and
 round-trips through JSON; :mod:`flowtrain.model.hf_config` converts it to and from a Hugging

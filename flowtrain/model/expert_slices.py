@@ -1,7 +1,7 @@
 """Where each expert's weights sit in a sparse layer's flat buffer, and what to copy for a few.
 
 A mixture-of-experts layer keeps each projection of all its experts as one stacked entry
-(:mod:`flowtrain.model.layout`), so expert ``e``'s weights are three pieces of the flat buffer,
+(:mod:`flowtrain.model.flat_map`), so expert ``e``'s weights are three pieces of the flat buffer,
 one in each stack. A step that routes no token to ``e`` need not copy those pieces, nor take
 their gradient, nor update them. :class:`ExpertSlices` names the pieces::
 
@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from flowtrain.model.layout import UnitLayout
+from flowtrain.model.flat_map import FlatMap
 
 __all__ = ["ExpertSlices", "merge_ranges"]
 
@@ -47,7 +47,7 @@ class ExpertSlices:
     experts: tuple[tuple[Range, ...], ...]
 
     @classmethod
-    def of(cls, layout: UnitLayout) -> ExpertSlices | None:
+    def of(cls, layout: FlatMap) -> ExpertSlices | None:
         """The slices of ``layout``; None where it stacks no experts (a dense unit)."""
         stacks = [e for e in layout.entries if e.stacked]
         if not stacks:

@@ -22,20 +22,20 @@ import torch
 from torch import Tensor
 
 from flowtrain.model.config import ModelConfig
-from flowtrain.model.layout import UnitLayout, bind
+from flowtrain.model.flat_map import FlatMap, bind
 
 __all__ = ["init_unit", "unit_seed"]
 
 _DRAW = 1 << 22  # elements drawn per step: bounds the fp32 temporary to 16 MiB
 
 
-def unit_seed(seed: int, layout: UnitLayout) -> int:
+def unit_seed(seed: int, layout: FlatMap) -> int:
     """A 63-bit generator seed mixing the run seed and the unit's key (stable across runs)."""
     digest = hashlib.sha256(f"flowtrain:{seed}:{layout.key}".encode()).digest()
     return int.from_bytes(digest[:8], "little") >> 1
 
 
-def init_unit(flat: Tensor, layout: UnitLayout, cfg: ModelConfig, seed: int) -> None:
+def init_unit(flat: Tensor, layout: FlatMap, cfg: ModelConfig, seed: int) -> None:
     """Fill ``flat`` (1-D, >= ``layout.numel`` elements, any dtype/device) with fresh weights."""
     views = bind(flat, layout)
     gen = torch.Generator(device="cpu")

@@ -1,7 +1,7 @@
 """LoRA's math: a linear map with its adapter, and an adapter's initial values.
 
-A layer's weights reach the layer math as one mapping (:func:`flowtrain.model.layout.bind`).
-With adapters, the mapping also holds the adapter layout's entries (``q_proj.lora_A``, ...,
+A layer's weights reach the layer math as one mapping (:func:`flowtrain.model.flat_map.bind`).
+With adapters, the mapping also holds the adapters' flat map's entries (``q_proj.lora_A``, ...,
 :mod:`flowtrain.model.adapters`) and ``lora_scale``, a 0-d tensor holding ``alpha / r``;
 :func:`adapted` builds it. Every linear map of the layer goes through :func:`project`, which adds
 the low-rank update where the mapping holds one, so the same layer functions run a base model
@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from flowtrain.model.layout import UnitLayout, bind
+from flowtrain.model.flat_map import FlatMap, bind
 
 __all__ = ["adapted", "dropout_masks", "has_adapter", "init_adapter", "merge_adapter", "project"]
 
@@ -82,7 +82,7 @@ def dropout_masks(adapter: Mapping[str, Tensor], rows: tuple[int, ...], p: float
     return out
 
 
-def merge_adapter(base: Tensor, base_layout: UnitLayout, adapter: Tensor, adapter_layout: UnitLayout,
+def merge_adapter(base: Tensor, base_layout: FlatMap, adapter: Tensor, adapter_layout: FlatMap,
                   scale: float) -> None:
     """``W += scale * B A`` for every adapted map of one layer, in place in ``base`` (whatever
     its dtype): the product and the sum in fp32, rounded once to the base's dtype, as PEFT's
@@ -116,7 +116,7 @@ def _merge_experts(lora_a: Tensor, lora_b: Tensor, stacks: list[Tensor], scale: 
             row += rows
 
 
-def init_adapter(flat: Tensor, layout: UnitLayout, seed: int) -> None:
+def init_adapter(flat: Tensor, layout: FlatMap, seed: int) -> None:
     """PEFT's initial adapter, in place: each ``A`` uniform in ``±1 / sqrt(in)`` (Kaiming's
     uniform with ``a = sqrt(5)``, as ``nn.Linear`` and PEFT draw it), each ``B`` zero, so the
     adapted model starts as the base. Seeded per layer: the same seed gives the same adapters."""

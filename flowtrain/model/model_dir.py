@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import CheckpointError
 from .config import ModelConfig, short_repr
-from .layout import hub_tensors, model_layouts
+from .flat_map import hub_tensors, model_flat_maps
 from .hf_config import from_hf
 
 __all__ = ["CONFIG_NAME", "check_weight_headers", "read_config"]
@@ -89,7 +89,7 @@ def check_weight_headers(model_dir: str | os.PathLike[str], cfg: ModelConfig, *,
         if require:
             raise CheckpointError(f"{str(path)!r} has neither {_WEIGHTS_NAME} nor {_INDEX_NAME}")
         return
-    expected = {name: shape for lay in model_layouts(cfg) for e in lay.entries for name, shape, _ in hub_tensors(e)}
+    expected = {name: shape for lay in model_flat_maps(cfg) for e in lay.entries for name, shape, _ in hub_tensors(e)}
     if index.is_file():
         weight_map = _read_json(index)
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
@@ -120,7 +120,7 @@ def _fused_experts_expected(cfg: ModelConfig, expected: dict[str, tuple[int, ...
     where the checkpoint holds that form instead of the Hub's one tensor per expert
     (:func:`flowtrain.ckpt.hf.load_into` reads either)."""
     out = dict(expected)
-    for lay in model_layouts(cfg)[1:-1]:
+    for lay in model_flat_maps(cfg)[1:-1]:
         if not any(e.stacked for e in lay.entries):
             continue
         gate, down, router = lay.entry("experts_gate"), lay.entry("experts_down"), lay.entry("router")

@@ -23,7 +23,7 @@ Two ways to run the experts, the same sums:
   has it (:func:`grouped_available`).
 
 LoRA (:mod:`flowtrain.model.lora`): where the layer's mapping holds adapters of the router or of
-the stacked experts (:func:`flowtrain.model.adapters.adapter_layouts`), the router's runs as a
+the stacked experts (:func:`flowtrain.model.adapters.adapter_flat_maps`), the router's runs as a
 linear map's, and each expert's weights get their own low-rank update, unmerged as everywhere:
 ``x W_e^T + s (x A_e^T) B_e^T`` (:class:`ExpertAdapters`). Both ways above run them, the grouped one
 with two more grouped GEMMs per adapted projection.

@@ -1,6 +1,6 @@
 """Attention outputs saved in the forward pass, so that the rebuild before backward skips attention.
 
-A layer that recomputes (activation placement ``recompute`` or ``offload``) runs its forward
+A layer that recomputes (``--activations recompute`` or ``offload``) runs its forward
 twice: in the forward pass without autograd, and again under autograd just before its backward.
 At long sequences attention is most of that forward (one sequence of 262,144 tokens through an
 8B Llama layer: about 1 s of attention forward in a layer's 5.8 s on an H200), and the fused

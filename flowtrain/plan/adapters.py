@@ -8,7 +8,7 @@ is its weights in the compute dtype and nothing else. What the adapters add is h
     lora_host_bytes(cfg, req)             # {"adapters", "undo_record"}: with --lora-state host
     lora_gpu_bytes(cfg, req, tokens, 2)   # {"adapters", "lora_work"}: one layer's adapter work
 
-The sizes come from the adapter layouts themselves (:func:`flowtrain.model.adapters.adapter_layouts`),
+The sizes come from the adapters' flat maps themselves (:func:`flowtrain.model.adapters.adapter_flat_maps`),
 so they count what a run allocates: padding, a mixture of experts' dense layers without MLP
 adapters, the gate-and-up adapter's own rank. The simulator reads the sizes too
 (:mod:`flowtrain.sim.predict`).
@@ -18,9 +18,9 @@ from __future__ import annotations
 
 import msgspec
 
-from ..model.adapters import LoraSpec, adapter_layouts
+from ..model.adapters import LoraSpec, adapter_flat_maps
 from ..model.config import ModelConfig
-from .host_layout import undo_arena_bytes
+from .buffer_sizes import undo_arena_bytes
 from .request import RunRequest
 
 __all__ = ["adapter_active_numel", "adapter_active_outputs", "adapter_inputs", "adapter_numel",
@@ -107,13 +107,13 @@ def adapter_inputs(cfg: ModelConfig, req: RunRequest) -> int:
 def _adapter_sizes(cfg: ModelConfig, req: RunRequest) -> tuple[int, int, tuple[int, ...], float, float]:
     """``(adapters' parameters, widest layer's adapted inputs, each layer's parameters, those a
     token multiplies by, the adapted outputs a token passes through per layer)``, from the
-    adapter layouts built once per model and adapter shape: every candidate plan asks (as
+    adapters' flat maps built once per model and adapter shape: every candidate plan asks (as
     :func:`flowtrain.plan.memory` does the model's)."""
     key = (msgspec.json.encode(cfg), req.lora_rank, req.lora_targets, req.lora_gate_up_rank)
     if key not in _ADAPTER_SIZES:
         if len(_ADAPTER_SIZES) >= 8:
             _ADAPTER_SIZES.clear()
-        lays = adapter_layouts(cfg, LoraSpec(req.lora_rank, 1.0, req.lora_targets, fused_rank=req.lora_gate_up_rank))
+        lays = adapter_flat_maps(cfg, LoraSpec(req.lora_rank, 1.0, req.lora_targets, fused_rank=req.lora_gate_up_rank))
         inputs = max((sum(e.shape[1] for e in lay.entries if e.key.endswith(".lora_A")) for lay in lays), default=0)
         share = cfg.num_experts_per_tok / cfg.num_experts if cfg.num_experts else 1.0
         active = sum(e.numel * (share if e.key.startswith("experts_") else 1.0) for lay in lays for e in lay.entries)

@@ -37,9 +37,9 @@ __all__ = ["attention_pays", "forward_flops_saved", "plan_saved_attention", "sav
 
 
 def _layer_numel(cfg: ModelConfig) -> int:
-    from ..model.layout import model_layouts
+    from ..model.flat_map import model_flat_maps
 
-    return max((lay.numel for lay in model_layouts(cfg) if lay.unit == "layer"), default=0)
+    return max((lay.numel for lay in model_flat_maps(cfg) if lay.unit == "layer"), default=0)
 
 
 def _attention_forward_flops(cfg: ModelConfig, seq_len: int) -> float:

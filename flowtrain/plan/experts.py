@@ -1,8 +1,8 @@
 """Device bytes of a mixture-of-experts layer's routing and experts, per token (no torch).
 
-A sparse layer's unit bytes need nothing special: its layout holds the router and every expert
-(:func:`flowtrain.model.layout.model_layouts`), so its weight slot, gradient slot and host state
-are counted from the layout like any layer's. What differs is the work of its forward and
+A sparse layer's unit bytes need nothing special: its flat map holds the router and every expert
+(:func:`flowtrain.model.flat_map.model_flat_maps`), so its weight slot, gradient slot and host state
+are counted from the flat map like any layer's. What differs is the work of its forward and
 backward. With T tokens, k experts per token, E experts, hidden h and expert width I:
 
 * routing: the router's logits (T, E) in the compute dtype, their fp32 softmax, the top-k

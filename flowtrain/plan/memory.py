@@ -19,7 +19,7 @@ finite; see :mod:`flowtrain.train.nonfinite`) and ``data`` (the token batches in
 ``landing`` (the fp32 piece buffer of casting fetches), ``grad_slots``, ``resident`` (master, m,
 v, gradient and compute copy: 18 bytes per parameter in bf16), ``checkpoints``, ``recompute``,
 ``layer_work`` (one layer under autograd), ``kept_activations`` (the layers whose forward
-keeps its activations for backward instead of recomputing: :func:`.planner.place_activations`),
+keeps its activations for backward instead of recomputing: :func:`.planner.plan_activations`),
 ``saved_attention`` (the recomputing layers whose forward keeps its attention output for the
 rebuild: :mod:`.attention`) and ``loss_chunks``. On a CPU-only run the GPU
 categories are host memory too. A LoRA run's host holds its frozen ``base`` instead of master
@@ -38,10 +38,10 @@ from ..errors import ConfigError
 from ..graph.compiler import StepSpec
 from ..graph.tasks import GRADS, HOST_GRADS, WEIGHTS
 from ..model.config import MLP_CHUNK_TOKENS, ModelConfig
-from ..model.layout import UnitLayout, model_layouts
+from ..model.flat_map import FlatMap, model_flat_maps
 from .adapters import adapter_slot_numel, host_adapters, lora_gpu_bytes, lora_host_bytes
 from .experts import dense_mlp_layers, expert_bytes_per_token, expert_kept_bytes_per_token, runs_grouped
-from .host_layout import LANDING_NUMEL, grad_chunks, slot_numel, staging_numel, undo_arena_bytes
+from .buffer_sizes import LANDING_NUMEL, grad_chunks, slot_numel, staging_numel, undo_arena_bytes
 from .request import RunRequest
 
 if TYPE_CHECKING:
@@ -135,9 +135,9 @@ class Plan(msgspec.Struct, kw_only=True):
     suggestions: list[str] = msgspec.field(default_factory=list)
     #: how ``--order auto`` was decided, where it was by prediction (:mod:`.order_choice`)
     order_choice: str | None = None
-    #: where ``--activations auto`` or ``--layout auto`` took an alternative to the rules' plan
-    #: because it was predicted faster (:mod:`.placement_choice`)
-    placement_choice: str | None = None
+    #: where ``--activations auto``, ``--layout auto`` or ``--resident auto`` took an alternative
+    #: to the rules' plan because it was predicted faster (:mod:`flowtrain.sim.memory_choice`)
+    memory_choice: str | None = None
 
     @property
     def host_total(self) -> int:
@@ -207,7 +207,8 @@ class Plan(msgspec.Struct, kw_only=True):
             "fits": self.fits, "host_fits": self.host_fits, "gpu_fits": self.gpu_fits,
             "max_micro_batch": self.max_micro_batch, "suggestions": self.suggestions,
             "order": self.spec.order, "order_choice": self.order_choice,
-            "placement_choice": self.placement_choice, "save_attention": list(self.spec.save_attention),
+            # an older name: the --activations, --layout or --resident that prediction chose
+            "placement_choice": self.memory_choice, "save_attention": list(self.spec.save_attention),
             "host_adapters": self.spec.host_adapters,
         }
 
@@ -307,14 +308,14 @@ def cap_gpu_memory(device: torch.device, gib: float) -> None:
 _LAYOUTS: dict[bytes, tuple] = {}
 
 
-def unit_layouts(cfg: ModelConfig) -> tuple:
-    """``model_layouts(cfg)``, built once per model: every candidate plan reads them, and for
+def unit_flat_maps(cfg: ModelConfig) -> tuple:
+    """``model_flat_maps(cfg)``, built once per model: every candidate plan reads them, and for
     100 layers they take ~2 ms to build, three times per candidate, ~50 candidates."""
     key = msgspec.json.encode(cfg)
     if key not in _LAYOUTS:
         if len(_LAYOUTS) >= 8:
             _LAYOUTS.clear()
-        _LAYOUTS[key] = tuple(model_layouts(cfg))
+        _LAYOUTS[key] = tuple(model_flat_maps(cfg))
     return _LAYOUTS[key]
 
 
@@ -337,7 +338,7 @@ def _host_items(cfg: ModelConfig, req: RunRequest, device: torch.device, cbytes:
                 resident: tuple[str, ...], budgets: dict[str, int]) -> dict[str, int]:
     """Host bytes: the streamed units' state in ``layout`` (with LoRA, the frozen base and the
     adapters), the process, the data, a checkpoint being read and the undo record."""
-    layouts, res = unit_layouts(cfg), set(resident)
+    layouts, res = unit_flat_maps(cfg), set(resident)
     streamed = [lay for lay in layouts if lay.key not in res]
     streamed_n = sum(lay.numel for lay in streamed)
     stage_n = staging_numel(layouts, resident)
@@ -372,7 +373,7 @@ def _gpu_items(cfg: ModelConfig, req: RunRequest, device: torch.device, cbytes: 
     """GPU bytes, every checkpoint kept: the slots, the resident units, the checkpoints, one
     layer's backward, the loss chunks, and LoRA's adapters and their work (``grouped``: a
     mixture of experts runs the grouped experts)."""
-    layouts, res = unit_layouts(cfg), set(resident)
+    layouts, res = unit_flat_maps(cfg), set(resident)
     resident_n = sum(lay.numel for lay in layouts if lay.key in res)
     slot_n = slot_numel(list(layouts), resident, cfg.tie_word_embeddings)
     lora = req.lora_rank > 0
@@ -437,7 +438,7 @@ def layer_work_bytes(cfg: ModelConfig, tokens: int, cbytes: int, compiled: bool,
         per_token, mlp_units = 4 * h + 3 * q + 2 * kv + 2 * cfg.head_size, 3 * f
     else:
         per_token, mlp_units = 6 * h + 2 * q + 4 * kv, 4 * f
-    layers = [lay for lay in unit_layouts(cfg) if lay.unit == "layer"]
+    layers = [lay for lay in unit_flat_maps(cfg) if lay.unit == "layer"]
     work = tokens * cbytes * per_token
     work += tokens * (4 * q + (2 * cbytes * (q - kv) if kv < q else 0))  # attention backward's buffers
     if cfg.moe:  # the larger of a sparse layer's routing and experts and a dense layer's MLP
@@ -453,7 +454,7 @@ def _dense_mlp_work(cfg: ModelConfig, tokens: int, cbytes: int, mlp_units: int) 
     return tokens * cbytes * mlp_units
 
 
-def _moe_mlp_work(cfg: ModelConfig, layers: list[UnitLayout], tokens: int, cbytes: int, mlp_units: int,
+def _moe_mlp_work(cfg: ModelConfig, layers: list[FlatMap], tokens: int, cbytes: int, mlp_units: int,
                   grouped: bool, frozen_base: bool, compiled: bool) -> int:
     """A mixture of experts' MLP work and weight gradient in the layer that needs most: a
     sparse layer's routing and T k expert rows (:mod:`.experts`; never run in pieces) beside

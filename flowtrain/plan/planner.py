@@ -27,7 +27,7 @@ What the plan decides:
 - **Loss chunk** size: the largest (up to the default) whose logits fit the GPU budget.
 
 Then **activations**: which layers keep theirs for the backward on the GPU
-(:func:`place_activations`), which checkpoints go to host memory, and at long sequences which
+(:func:`plan_activations`), which checkpoints go to host memory, and at long sequences which
 layers save their attention output (:mod:`.attention`).
 """
 
@@ -45,7 +45,7 @@ from ..model.config import ModelConfig, default_chunk_tokens
 from .adapters import host_adapters
 from .attention import attention_pays, forward_flops_saved, plan_saved_attention
 from .experts import runs_grouped
-from .host_layout import LAYOUTS, grad_chunks, staging_numel
+from .buffer_sizes import LAYOUTS, grad_chunks, staging_numel
 from .memory import (
     ACTIVATIONS,
     Plan,
@@ -59,14 +59,14 @@ from .memory import (
     live_micro_batches,
     offload_act_slots,
     offload_in_flight,
-    unit_layouts,
+    unit_flat_maps,
 )
 from .suggest import suggest
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Chooser", "never_resident", "place_activations", "plan_once", "plan_run"]
+__all__ = ["Chooser", "never_resident", "plan_activations", "plan_once", "plan_run"]
 
 
 def _layout(req: RunRequest) -> str:
@@ -100,7 +100,7 @@ def _make(cfg, req, device, dtype, policy, layout, resident, chunk_tokens, shrin
         budgets.update({pool: 0 for pool in ((HOST_GRADS,) if spec.host_adapters else (GRADS, HOST_GRADS))
                         if pool in budgets})
     host, gpu = count_bytes(cfg, req, device, dtype, layout, resident, budgets, chunk_tokens)
-    params = sum(lay.numel for lay in unit_layouts(cfg))
+    params = sum(lay.numel for lay in unit_flat_maps(cfg))
     return Plan(device=device.type, params=params, layout=layout, spec=spec, budgets=budgets, node_processes=req.share,
                 chunk_tokens=chunk_tokens, host=host, gpu=gpu, host_limit=None, gpu_limit=None)
 
@@ -108,7 +108,7 @@ def _make(cfg, req, device, dtype, policy, layout, resident, chunk_tokens, shrin
 class _BudgetCache:
     """The slot budgets a policy proposes for one step shape, and their floor, asked once each.
 
-    Planning tries many candidates (placements, smaller loss chunks and slot caps, every
+    Planning tries many candidates (resident units, smaller loss chunks and slot caps, every
     micro-batch size, the simulator's alternatives), and each needs its policy's budgets. A
     policy proposes from the compiled step graph, which takes ~30 ms to build for 100 layers
     and 16 micro-batches, while the answer depends only on the policy and the ``StepSpec``: so
@@ -152,7 +152,7 @@ _policy_budgets = _BudgetCache()
 
 
 def _spec(cfg: ModelConfig, req: RunRequest, layout: str, resident: tuple[str, ...]) -> StepSpec:
-    layouts = unit_layouts(cfg)
+    layouts = unit_flat_maps(cfg)
     staged = layout != "full"
     chunks = grad_chunks(layouts, resident, staging_numel(layouts, resident)) if staged else {}
     return StepSpec(layers=cfg.num_layers, micro_batches=req.batch_size // req.micro_batch_size,
@@ -160,10 +160,11 @@ def _spec(cfg: ModelConfig, req: RunRequest, layout: str, resident: tuple[str, .
                     grad_clip=req.grad_clip, resident=resident, staged=staged, grad_chunks=chunks,
                     # LoRA's processes each keep their own base and adapters: nothing to share
                     reduce=req.processes > 1, share=1 if req.lora_rank > 0 else req.share, lora=req.lora_rank > 0,
-                    host_adapters=host_adapters(req), routed=_routed(cfg, req)).validate()
+                    host_adapters=host_adapters(req),
+                    skip_idle_experts=_skipping_idle_experts(cfg, req)).validate()
 
 
-def _routed(cfg: ModelConfig, req: RunRequest) -> tuple[int, ...]:
+def _skipping_idle_experts(cfg: ModelConfig, req: RunRequest) -> tuple[int, ...]:
     """The layers whose idle experts are skipped: every sparse layer, with ``--skip-idle-experts``."""
     return tuple(cfg.sparse_layers()) if req.skip_idle_experts else ()
 
@@ -235,7 +236,7 @@ def _plan_placed(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan
             # short, and that plan's refusal says so
             plan = away
     if not plan.spec.offload:
-        plan = place_activations(plan, cfg, req, dtype)
+        plan = plan_activations(plan, cfg, req, dtype)
     if (req.activations == "auto" and device.type == "cuda" and req.checkpoint_every == 1
             and attention_pays(cfg, req.seq_len)):
         saving = _with_saved_attention(cfg, req, device, dtype, policy, host_limit, gpu_limit, every=False)
@@ -266,14 +267,14 @@ def _squeezed(plan: Plan, policy: Any, than: Plan | None = None) -> bool:
     return any(plan.budgets[p] < want[p] for p in (WEIGHTS, GRADS) if p in want)
 
 
-def place_activations(plan: Plan, cfg: ModelConfig, req: RunRequest, dtype: torch.dtype) -> Plan:
+def plan_activations(plan: Plan, cfg: ModelConfig, req: RunRequest, dtype: torch.dtype) -> Plan:
     """Where each layer's activations wait for its backward (``StepSpec.keep`` and ``.offload``),
     and their bytes: ``keep`` keeps every layer's on the GPU, ``recompute`` keeps a checkpoint
     every ``--activation-checkpoint-every`` layers on the GPU and recomputes the rest, ``offload``
     sends every checkpoint to pinned host memory and brings it back before its backward.
 
-    This places kept layers; offloaded checkpoints are placed before, with the state
-    (:func:`_plan_once`), and a plan that offloads some keeps none. ``auto`` (on a GPU;
+    This picks the kept layers; the offloaded checkpoints are picked before, with the state's
+    placement (:func:`_plan_once`), and a plan that offloads some keeps none. ``auto`` (on a GPU;
     recompute on the CPU) spends the GPU budget in order of what it saves per byte: first
     checkpoints on the GPU instead of the host, then, once every checkpoint is on the GPU, kept
     layers from the top (their backward comes first, so their memory is freed first). Kept
@@ -451,8 +452,9 @@ def _choose_resident(cfg: ModelConfig, build, policy: Any, speed: bool = True,  
 
 
 
-#: ``choose(req, plan_one) -> (req, plan, why_order, why_placement)``: the choices a plan leaves
-#: to a prediction (``--order auto``, the placement rules' alternatives), made from above by
+#: ``choose(req, plan_one) -> (req, plan, why_order, why_memory)``: the choices a plan leaves
+#: to a prediction (``--order auto``, the alternatives to the rules' activations, layout and
+#: resident units), made from above by
 #: :func:`flowtrain.sim.choose_plan.plan_and_choose`; ``plan_one`` plans one request
 Chooser = Callable[[RunRequest, Callable[[RunRequest], Plan]], tuple[RunRequest, Plan, str | None, str | None]]
 
@@ -463,7 +465,7 @@ def plan_run(cfg: ModelConfig, req: RunRequest, *, device: torch.device, dtype: 
     does not fit, what would. ``local_gpu=False`` plans for a GPU elsewhere (the simulator's
     machine): its memory is ``req.gpu_mem`` alone, not capped by what is free on this one.
     ``choose`` makes the choices that need a prediction; without it ``--order auto`` is
-    ``layer`` and the placement rules' plan stands (what ``plan_and_choose`` also answers on the
+    ``layer`` and the rules' plan stands (what ``plan_and_choose`` also answers on the
     CPU, or where no machine model describes the GPU)."""
     if req.batch_size < 1 or req.micro_batch_size < 1 or req.batch_size % req.micro_batch_size:
         raise ConfigError(f"{{micro_batch_size}} {req.micro_batch_size} does not divide {{batch_size}} {req.batch_size}",
@@ -475,10 +477,10 @@ def plan_run(cfg: ModelConfig, req: RunRequest, *, device: torch.device, dtype: 
 
     if choose is None:
         req = msgspec.structs.replace(req, order="layer") if req.order == "auto" else req
-        plan, order_choice, placement_choice = plan_one(req), None, None
+        plan, order_choice, memory_choice = plan_one(req), None, None
     else:
-        req, plan, order_choice, placement_choice = choose(req, plan_one)
-    plan.order_choice, plan.placement_choice = order_choice, placement_choice
+        req, plan, order_choice, memory_choice = choose(req, plan_one)
+    plan.order_choice, plan.memory_choice = order_choice, memory_choice
     divisors = [b for b in range(req.batch_size, 0, -1) if req.batch_size % b == 0]
     for b in divisors:
         trial = plan if b == req.micro_batch_size else plan_once(

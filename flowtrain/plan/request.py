@@ -57,7 +57,7 @@ class RunRequest(msgspec.Struct, kw_only=True):
     #: (streamed with their layers, updated by CPU AdamW) or "auto" (the GPU where that fits)
     lora_state: str = "auto"
     #: ``--skip-idle-experts``: a mixture of experts' sparse layers leave the experts no token
-    #: reached alone, their backward-side fetches following the routing (``StepSpec.routed``)
+    #: reached alone, their backward-side fetches following the routing (``StepSpec.skip_idle_experts``)
     skip_idle_experts: bool = False
     #: whether the GPU runs a mixture of experts' grouped GEMMs (a plan for another machine:
     #: ``Machine.grouped_mm``); None asks this computer's GPU (:func:`.experts.runs_grouped`)

@@ -14,8 +14,9 @@ Spec grammar (whitespace around items is ignored, empty items too)::
     fault  := KIND ["@" KEY "=" VALUE ("," KEY "=" VALUE)*] ":" MODE ("," OPTION)*
     KIND   := a task kind such as cpu_adam, backward, save (matched as a string, so kinds the
               graph does not have yet are fine), or "*" for every task
-    KEY    := step | layer | micro_batch | chunk (integers) | unit | phase (words); a task
-              matches when each given key equals its field (a field that is unset never matches)
+    KEY    := step | layer | micro_batch | chunk (integers) | unit | phase | activations
+              (words); a task matches when each given key equals its field (a field that is
+              unset never matches)
     MODE   := raise                raise InjectedFault (a RuntimeError naming the task)
             | hang                 block the task until the process exits
             | delay=SECONDS        sleep a random 0..SECONDS before the task runs
@@ -53,7 +54,7 @@ if TYPE_CHECKING:
 
 ENV = "FLOWTRAIN_FAULT"
 INT_KEYS = ("step", "layer", "micro_batch", "chunk")
-STR_KEYS = ("unit", "phase")
+STR_KEYS = ("unit", "phase", "activations")
 MODES = ("raise", "hang", "delay")
 _NAME = re.compile(r"\*|[A-Za-z_][A-Za-z0-9_]*")
 _USAGE = "expected KIND[@key=value,...]:MODE, e.g. cpu_adam:raise or backward@step=2,layer=1:hang"

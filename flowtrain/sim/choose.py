@@ -11,7 +11,7 @@ What it varies, one setting at a time from the request as given (coordinate desc
 rounds, so a setting that only pays off after another changed is still found): the policy
 (the built-ins and the one asked for), the micro-batch size (divisors of the batch), the
 micro-batch order (``layer``, ``micro``), the placement (``--resident auto``, ``embed,head``, ``none``), the host layout (``staged``,
-``stream-bf16``; ``full`` with ``--grad-clip``) and the activation placement (``auto``,
+``stream-bf16``; ``full`` with ``--grad-clip``) and the activations (``auto``,
 ``recompute``, ``offload``, and ``keep`` with a checkpoint at every layer). Every candidate is planned by ``plan_run`` (so
 its slot budgets are the planner's) and simulated for a few steps; one that does not fit is
 skipped. The request's own configuration is always a candidate, so the choice is never slower

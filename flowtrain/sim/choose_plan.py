@@ -1,4 +1,4 @@
-"""The memory plan with its predicted choices: ``--order auto`` and the placement rules checked
+"""The memory plan with its predicted choices: ``--order auto`` and the memory rules checked
 against their alternatives, each by the simulator's prediction on the run's machine.
 
 The planner (:mod:`flowtrain.plan`) counts bytes and never predicts time; where a setting is
@@ -7,8 +7,8 @@ The planner (:mod:`flowtrain.plan`) counts bytes and never predicts time; where 
 
     plan = plan_and_choose(cfg, req, device=device, dtype=dtype, machine=None)  # this GPU's model
 
-First the order (:func:`~flowtrain.sim.order_choice.choose_order`), then the placement
-(:func:`~flowtrain.sim.placement_choice.choose_placement`), sharing what they simulated
+First the order (:func:`~flowtrain.sim.order_choice.choose_order`), then the memory settings
+(:func:`~flowtrain.sim.memory_choice.choose_memory`), sharing what they simulated
 (``predictions``, which ``flowtrain simulate`` reuses for the chosen plan).
 """
 
@@ -20,7 +20,7 @@ from ..plan.memory import Plan
 from ..plan.planner import plan_run
 from ..plan.request import RunRequest
 from .order_choice import Predictions, choose_order
-from .placement_choice import choose_placement
+from .memory_choice import choose_memory
 
 __all__ = ["plan_and_choose"]
 
@@ -35,8 +35,8 @@ def plan_and_choose(cfg: Any, req: RunRequest, *, device: Any, dtype: Any, polic
     def choose(r: RunRequest, plan_one: Any) -> tuple[RunRequest, Plan, str | None, str | None]:
         r, why_order, plan = choose_order(cfg, r, plan_one, device_type=device.type, policy=policy,
                                           machine=machine, local_gpu=local_gpu, predictions=predictions)
-        r, plan, why_placement = choose_placement(cfg, r, plan or plan_one(r), plan_one, policy=policy,
+        r, plan, why_memory = choose_memory(cfg, r, plan or plan_one(r), plan_one, policy=policy,
                                                   machine=machine, local_gpu=local_gpu, predictions=predictions)
-        return r, plan, why_order, why_placement
+        return r, plan, why_order, why_memory
 
     return plan_run(cfg, req, device=device, dtype=dtype, policy=policy, local_gpu=local_gpu, choose=choose)

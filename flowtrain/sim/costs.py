@@ -15,8 +15,8 @@ it (:class:`~flowtrain.sim.machine.Machine`)::
   its saved input), twice its GEMM FLOPs, the attention backward (2.5x the forward's FLOPs,
   as flash attention counts it) at the attention backward rate, twice the elementwise passes
   and the fp32 accumulation of the weight gradient. A layer whose forward kept its activations
-  (phase ``keep``, ``--activations``) runs no forward again in its backward; one that kept its
-  attention output (phase ``attn``) runs no attention forward again.
+  (activations ``keep``, ``--activations``) runs no forward again in its backward; one that kept
+  its attention output (activations ``attn``) runs no attention forward again.
 - LoRA (``Shape.adapter_params``): the frozen base's backward has input gradients only (one
   GEMM pass, no accumulation), and every layer adds its adapters' work: thin GEMMs (2 FLOPs per
   adapter parameter and token, one of the sizes the rank) and ``SOFTWARE["ew_adapter"]`` passes
@@ -299,12 +299,12 @@ class CostModel:
         """Seconds to launch one task on its lane."""
         return self.m.launch_us * 1e-6
 
-    def _skipped(self, phase: str | None) -> float:
+    def _skipped(self, activations: str | None) -> float:
         """What a layer's backward does not run again: the whole forward where its activations
         were kept, the attention forward where its attention output was."""
-        if phase == "keep":
+        if activations == "keep":
             return self._layer["forward"]
-        return self._layer["attention_forward"] if phase == "attn" else 0.0
+        return self._layer["attention_forward"] if activations == "attn" else 0.0
 
     def reduce_seconds(self, nbytes: float) -> float:
         """A ring all-reduce of ``nbytes`` over the processes: each sends and receives
@@ -334,7 +334,7 @@ def _forward(c: CostModel, task: Task) -> float:
 
 @COSTS.register("backward")
 def _backward(c: CostModel, task: Task) -> float:
-    return c._layer["backward"] - c._skipped(task.phase) + c.launch
+    return c._layer["backward"] - c._skipped(task.activations) + c.launch
 
 
 @COSTS.register("loss")

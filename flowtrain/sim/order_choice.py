@@ -31,7 +31,7 @@ STEPS = 3
 
 
 class Predictions:
-    """Predictions of plans, each simulated once: the order choice and the placement choice of
+    """Predictions of plans, each simulated once: the order choice and the memory choice of
     one ``plan_run`` compare some of the same plans, and ``flowtrain simulate`` then predicts the
     chosen one again."""
 
@@ -66,7 +66,7 @@ def choose_order(cfg: Any, req: Any, plan_one: Callable[[Any], Any], *, device_t
     and the plan of the chosen request where comparing the orders already made it (else None).
     ``plan_one(req)`` plans one request; ``machine`` (a :class:`~flowtrain.sim.machine.Machine`)
     defaults to the one describing this GPU; ``predictions`` keeps what was simulated, for the
-    placement choice that follows."""
+    memory choice that follows."""
     if req.order != "auto":
         return req, None, None
     layer = msgspec.structs.replace(req, order="layer")

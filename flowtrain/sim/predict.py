@@ -35,11 +35,11 @@ class Prediction(msgspec.Struct, kw_only=True):
 
 def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1, world: int = 1, nodes: int = 1) -> Shape:
     """The :class:`Shape` of model ``cfg`` (a ``ModelConfig``) run under ``plan`` for ``req``."""
-    from ..model import model_layouts
+    from ..model import model_flat_maps
 
     from ..plan.adapters import adapter_active_numel, adapter_active_outputs, layer_adapter_numels
 
-    layouts = model_layouts(cfg)
+    layouts = model_flat_maps(cfg)
     numel = {lay.key: lay.numel for lay in layouts}
     numel.update({f"adapter.{i}": n for i, n in enumerate(layer_adapter_numels(cfg, req))})  # with LoRA
     adapters = adapter_active_numel(cfg, req) if getattr(req, "lora_rank", 0) else 0

@@ -35,8 +35,9 @@ _FLASH = {"attention_backend": "flash"}
 _KEPT_FLASH = {"activations": "auto", "attention_backend": "flash"}
 #: kept activations, as ``--activations auto`` planned them, and cuDNN's attention (``auto``)
 _AUTO = {"activations": "auto", "attention_backend": "auto"}
-#: llama-8b at 262,144 tokens: the layers whose attention output the run saved (phase ``attn``
-#: in docs/bench/2026-12-03/saved-attention-8b256k-trace.json) and whose checkpoint it offloaded
+#: llama-8b at 262,144 tokens: the layers whose attention output the run saved (activations
+#: ``attn``; docs/bench/2026-12-03/saved-attention-8b256k-trace.json, written before activations
+#: had a field of its own, says so in the tasks' ``phase``) and whose checkpoint it offloaded
 #: (``offload_act``), as the planner of that day placed them
 _SAVED_8B256K = {**_AUTO, "save_attention": tuple(range(11, 32)), "offload": tuple(range(8))}
 #: a run the simulator is known to over-predict, and why: the 10 GB card's allocator works at its

@@ -16,7 +16,7 @@ state lives in host memory and its weights cross PCIe to the GPU for every pass)
   ``fetch`` copies (half the PCIe bytes of fp32) and ``cpu_adam`` refreshes after each update.
 - ``compute``: a resident unit's compute-dtype copy (the master itself when computing in fp32).
 - ``steps``: Adam's step count, one per gradient chunk (chunks are updated independently).
-- ``expert_steps``: only in a sparse layer that skips idle experts (``StepSpec.routed``), each
+- ``expert_steps``: only in a sparse layer that skips idle experts (``StepSpec.skip_idle_experts``), each
   expert's own Adam step count, (experts,) fp32 (on the device where the layer is resident): an
   expert that no token reached in a step is not updated, so its count falls behind the layer's
   (``steps``, which counts the rest).
@@ -59,11 +59,11 @@ import torch
 from ..ckpt.checkpoints import all_finite
 from ..ckpt.hf import load_into, save_hf, unit_tensors
 from ..errors import CheckpointError, ConfigError
-from ..model import ModelConfig, UnitLayout, init_unit, model_layouts
-from ..model.adapters import LoraSpec, adapter_layouts
+from ..model import FlatMap, ModelConfig, init_unit, model_flat_maps
+from ..model.adapters import LoraSpec, adapter_flat_maps
 from ..model.lora import init_adapter, merge_adapter
 from ..ckpt.adapter_files import save_adapter
-from ..plan.host_layout import LAYOUTS, chunk_range, grad_chunks, slot_numel, staging_numel  # noqa: F401 - re-exported
+from ..plan.buffer_sizes import LAYOUTS, chunk_range, grad_chunks, slot_numel, staging_numel  # noqa: F401 - re-exported
 from .distributed import World
 from .pinning import pin as pin_in_place
 from .shared_state import SharedArena, aligned
@@ -102,7 +102,7 @@ def return_freed_memory() -> None:
 _RETURN_SET = False
 
 
-def shared_sizes(layouts: list[UnitLayout], layout: str, resident: set[str], dtype: torch.dtype,
+def shared_sizes(layouts: list[FlatMap], layout: str, resident: set[str], dtype: torch.dtype,
                  chunks: dict[str, int], experts: dict[str, int] | None = None) -> dict[str, int]:
     """Bytes of the two shared files :class:`UnitState` takes its streamed tensors from: the
     ``pinned`` one (what ``fetch`` copies: the fp32 master, or the ``stream-bf16`` copy) and
@@ -128,7 +128,7 @@ class UnitState:
     __slots__ = ("layout", "master", "exp_avg", "exp_avg_sq", "grad", "stream", "compute", "steps", "resident",
                  "frozen", "expert_steps")
 
-    def __init__(self, layout: UnitLayout, *, pin: bool, layout_name: str, resident: bool,
+    def __init__(self, layout: FlatMap, *, pin: bool, layout_name: str, resident: bool,
                  device: torch.device, dtype: torch.dtype, chunks: int, arena: SharedArena | None = None,
                  frozen: bool = False, experts: int = 0) -> None:
         n = layout.numel
@@ -185,7 +185,7 @@ class UnitState:
 
 
 class HostState:
-    """All units' state, indexed like :func:`model_layouts` (embed, layers, head)."""
+    """All units' state, indexed like :func:`model_flat_maps` (embed, layers, head)."""
 
     def __init__(self, cfg: ModelConfig, units: list[UnitState], layout: str = "full",
                  arena: SharedArena | None = None, lora: LoraSpec | None = None,
@@ -217,7 +217,7 @@ class HostState:
             raise ConfigError(f"{{layout}} must be one of {', '.join(LAYOUTS)} (got {layout!r})", named=True)
         res = set(resident)
         chunks = chunks or {}
-        layouts = model_layouts(cfg)
+        layouts = model_flat_maps(cfg)
         arena = None
         skipping = {f"layer.{i}" for i in skip_idle}
         if world is not None and world.local_size > 1 and lora is None:
@@ -234,11 +234,11 @@ class HostState:
         # memory with a whole gradient of their own (the full layout: a few MB a layer)
         adapters = [UnitState(lay, pin=pin and host_adapters, layout_name="full", resident=not host_adapters,
                               device=dev, dtype=torch.float32, chunks=1)
-                    for lay in adapter_layouts(cfg, lora)] if lora is not None else []
+                    for lay in adapter_flat_maps(cfg, lora)] if lora is not None else []
         return cls(cfg, units, layout, arena, lora, adapters)
 
     @property
-    def layouts(self) -> list[UnitLayout]:
+    def layouts(self) -> list[FlatMap]:
         return [u.layout for u in self.units]
 
     @property

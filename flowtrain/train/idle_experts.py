@@ -16,7 +16,7 @@ An expert that no real token of a step is routed to gets no gradient and no upda
 Routing is counted on the device by each forward (the recompute's and the backward's rebuilds
 route alike and are not counted again) and read on the host by the first task that needs it:
 the fetch before the layer's recompute or backward, which the step graph puts after the layer's
-forwards (``StepSpec.routed``), so on a GPU the read waits only for work long queued. Padding is
+forwards (``StepSpec.skip_idle_experts``), so on a GPU the read waits only for work long queued. Padding is
 routed too, but an expert that only padding reaches has nothing to learn from (a zero
 gradient), so it counts as idle; real tokens are those the load-balancing loss counts
 (:func:`~flowtrain.train.load_balance.real_tokens`).
@@ -146,8 +146,8 @@ class IdleExperts:
         return summed if summed is not None else self.step_counts(s, i, range(micro_batches))
 
     def end_step(self, s: int) -> float | None:
-        """Forget step ``s``; the fraction of the routed layers' expert weights its fetches left
-        in host memory (None where it fetched none)."""
+        """Forget step ``s``; the fraction of the expert weights of the layers that skip idle
+        experts that its fetches left in host memory (None where it fetched none)."""
         with self._lock:
             for table in (self._counts, self._real, self._used, self._summed):
                 _forget(table, s)

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from flowtrain.model.layout import UnitLayout
+from flowtrain.model.flat_map import FlatMap
 
 from .weight_grads import backward_into, weight_leaves
 
@@ -53,7 +53,7 @@ class Kept:
 
     __slots__ = ("x", "leaves", "layout", "y", "weights", "bytes", "_seen")
 
-    def __init__(self, layout: UnitLayout, count: bool = False) -> None:
+    def __init__(self, layout: FlatMap, count: bool = False) -> None:
         self.x: Tensor | None = None
         self.leaves: dict[str, Tensor] | None = None
         self.layout = layout
@@ -86,8 +86,8 @@ class Kept:
 
 
 def forward_kept(layer: Callable[[Tensor, dict[str, Tensor]], Tensor], x: Tensor, flat: Tensor,
-                 layout: UnitLayout, count: bool = False,
-                 trained: tuple[Tensor, UnitLayout] | None = None) -> tuple[Tensor, Kept]:
+                 layout: FlatMap, count: bool = False,
+                 trained: tuple[Tensor, FlatMap] | None = None) -> tuple[Tensor, Kept]:
     """Run ``layer(x_leaf, weight_leaves)`` under autograd, keeping its graph; ``flat`` is the
     unit's weights in their slot, ``layout`` where each weight sits in it. Returns the detached
     output and the :class:`Kept` record (with ``count``, its :attr:`Kept.bytes` adds up the
@@ -119,7 +119,7 @@ def backward_kept(kept: Kept, weights: Tensor, dy: Tensor, grads: Tensor, extra:
 
 
 def saved_bytes(layer: Callable[[Tensor, dict[str, Tensor]], Tensor], x: Tensor, flat: Tensor,
-                layout: UnitLayout) -> int:
+                layout: FlatMap) -> int:
     """Device bytes a kept forward of ``layer`` holds for these shapes (weights excluded)."""
     _, kept = forward_kept(layer, x, flat, layout, count=True)
     return kept.bytes

@@ -43,7 +43,7 @@ import msgspec
 import torch
 
 from ..errors import ConfigError
-from ..plan.host_layout import chunk_range, undo_arena_bytes, undo_record_numel  # noqa: F401 - re-exported
+from ..plan.buffer_sizes import chunk_range, undo_arena_bytes, undo_record_numel  # noqa: F401 - re-exported
 
 #: The environment variable :func:`injection_from_env` reads.
 INJECT_ENV = "FLOWTRAIN_INJECT_NAN"

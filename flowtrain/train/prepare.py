@@ -30,7 +30,7 @@ from ..model import ModelConfig, read_config
 from ..model.config import MLP_CHUNK_TOKENS
 from ..model.model_dir import check_weight_headers
 from ..model.presets import PRESETS
-from ..plan.host_layout import check_units_fit
+from ..plan.buffer_sizes import check_units_fit
 from ..plan.memory import Plan
 from ..plan.request import run_request
 from ..policy import resolve_policy

@@ -77,7 +77,7 @@ def build_state(run: Run) -> tuple[HostState, StepProgram]:
     state = HostState.create(run.mcfg, pin=run.device.type == "cuda", layout=plan.layout, resident=spec.resident,
                              device=run.device, dtype=run.dtype, chunks=spec.grad_chunks,
                              world=run.world if spec.share > 1 else None, lora=lora_spec(cfg),
-                             skip_idle=spec.routed, host_adapters=spec.host_adapters)
+                             skip_idle=spec.skip_idle_experts, host_adapters=spec.host_adapters)
     if run.resume_from is not None:
         if state.lora is not None:  # the base first: the checkpoint holds the adapters
             if run.base_dir is None:

@@ -54,7 +54,7 @@ def _ranges(keys: tuple[str, ...]) -> str:
     return ", ".join(parts) or "none"
 
 
-def activation_placement(spec) -> str:  # spec: a StepSpec
+def describe_activations(spec) -> str:  # spec: a StepSpec
     """Where each layer's activations wait for its backward, in a line: ``layers 11-31 save
     their attention output; checkpoints of layers 0-7 offloaded; recompute from a checkpoint
     every layer``."""
@@ -111,12 +111,12 @@ def data_description(seqs: "Sequences") -> str:
 
 def lora_params(run: "Run") -> int:
     """The parameters a LoRA run trains: every layer's adapters (not the padding between them)."""
-    from ..model.adapters import adapter_layouts
+    from ..model.adapters import adapter_flat_maps
     from .config.run_config import lora_spec
 
     spec = lora_spec(run.cfg)
     assert spec is not None
-    return sum(e.numel for lay in adapter_layouts(run.mcfg, spec) for e in lay.entries)
+    return sum(e.numel for lay in adapter_flat_maps(run.mcfg, spec) for e in lay.entries)
 
 
 def summary_lines(run: "Run") -> list[str]:
@@ -137,8 +137,8 @@ def summary_lines(run: "Run") -> list[str]:
             f"resident on the GPU: {_ranges(plan.spec.resident)}; planned host {plan.host_total / gib:.1f} GiB, "
             f"GPU {plan.gpu_total / gib:.1f} GiB" if plan.device == "cuda"
             else f"everything in host memory; planned {plan.host_total / gib:.1f} GiB")
-        + (f" ({plan.placement_choice})" if plan.placement_choice else ""),
-        f"activations {activation_placement(plan.spec)}",
+        + (f" ({plan.memory_choice})" if plan.memory_choice else ""),
+        f"activations {describe_activations(plan.spec)}",
     ]
     if cfg.lora:
         targets = [t for t in cfg.lora_targets or DEFAULT_TARGETS if t != "router" or m.sparse_layers()]  # as adapted

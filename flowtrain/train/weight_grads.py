@@ -1,7 +1,7 @@
 """A layer's weight gradients added into its fp32 gradient buffer one weight at a time.
 
 A unit's weights sit in one flat buffer and a layer reads them as views of it
-(:func:`flowtrain.model.layout.bind`). Differentiating with respect to the flat buffer makes
+(:func:`flowtrain.model.flat_map.bind`). Differentiating with respect to the flat buffer makes
 autograd turn each view's gradient into a gradient of the whole buffer (a zero-filled copy of
 the unit's size per weight) and sum those: up to three unit-sized tensors in the compute
 dtype at once. For a dense 8B layer that is about 1.3 GB; for a mixture-of-experts layer,
@@ -27,12 +27,12 @@ from collections.abc import Callable, Sequence
 import torch
 from torch import Tensor
 
-from flowtrain.model.layout import UnitLayout, bind
+from flowtrain.model.flat_map import FlatMap, bind
 
 __all__ = ["backward_into", "weight_leaves"]
 
 
-def weight_leaves(flat: Tensor, layout: UnitLayout) -> dict[str, Tensor]:
+def weight_leaves(flat: Tensor, layout: FlatMap) -> dict[str, Tensor]:
     """Each weight of ``layout`` as a leaf that needs a gradient, sharing ``flat``'s memory."""
     return {key: view.detach().requires_grad_(True) for key, view in bind(flat, layout).items()}
 
@@ -42,7 +42,7 @@ def backward_into(
     grad_outputs: Tensor | Sequence[Tensor],
     x: Tensor,
     leaves: dict[str, Tensor],
-    layout: UnitLayout,
+    layout: FlatMap,
     grads: Tensor,
     first: Callable[[Tensor], Tensor] | None = None,
 ) -> Tensor:

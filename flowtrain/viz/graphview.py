@@ -72,7 +72,8 @@ def color(kind: str) -> str:
 
 
 def short_label(t: Task) -> str:
-    """``fwd L3 m1``, ``fetch L2 b``, ``adam head s1``, ``gadam adapter L3``: fits in a node box."""
+    """``fwd L3 m1``, ``fwd L3 m1 k`` (kept activations), ``fetch L2 b``, ``adam head s1``,
+    ``gadam adapter L3``: fits in a node box."""
     parts = [_SHORT.get(t.kind, t.kind)]
     if t.unit in ("embed", "head", "adapter") and t.unit != t.kind and t.kind != "embed_backward":
         parts.append(t.unit)
@@ -82,12 +83,14 @@ def short_label(t: Task) -> str:
         parts.append(f"m{t.micro_batch}")
     if t.phase is not None:
         parts.append(t.phase[0])
+    if t.activations is not None:
+        parts.append(t.activations[0])
     if t.step:
         parts.append(f"s{t.step}")
     return " ".join(parts)
 
 
-def layout(graph: nx.DiGraph) -> dict[Task, tuple[int, int]]:
+def positions(graph: nx.DiGraph) -> dict[Task, tuple[int, int]]:
     """(column, row) of every task: column = depth, except that a task with no dependencies
     (a fetch, a zero_grad) sits just left of its first consumer; rows follow the producers."""
     depth = dict(depths(graph))
@@ -120,7 +123,7 @@ def _esc(s: object) -> str:
 
 def graph_svg(graph: nx.DiGraph, critical: Sequence[Task], order: Sequence[Task]) -> str:
     """The graph as an inline SVG element (tooltips through ``<title>``)."""
-    pos = layout(graph)
+    pos = positions(graph)
     w, h, dx, dy, pad = 96, 22, 124, 34, 14
     ncols = max((c for c, _ in pos.values()), default=0) + 1
     nrows = max((r for _, r in pos.values()), default=0) + 1

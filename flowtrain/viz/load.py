@@ -36,7 +36,7 @@ import networkx as nx
 
 from ..errors import DataError
 from ..graph.export import graph_from_json
-from ..graph.tasks import KINDS
+from ..graph.tasks import KINDS, legacy_activations
 
 #: Lane kinds in the order rows are drawn; unknown lanes come after, by name.
 LANE_KINDS = ("compute", "h2d", "d2h", "cpu", "io")
@@ -58,7 +58,8 @@ class TraceTask(msgspec.Struct, frozen=True, kw_only=True):
     unit: str | None = None
     layer: int | None = None
     micro_batch: int | None = None
-    phase: str | None = None
+    phase: str | None = None  # the pass it serves (a fetch's) or "eval"
+    activations: str | None = None  # what a layer's forward and backward keep: "keep", "attn"
     takes: str | None = None  # pool the task takes a slot from
     slot: int | None = None  # the slot it took
     reads: dict[str, tuple[int, ...]] = {}  # pool -> slots it reads
@@ -216,13 +217,26 @@ def _task_fields(ev: Any, n: int, src: str) -> dict:
         unit=None if args.get("unit") is None else str(args["unit"]),
         layer=_opt_int(args.get("layer"), "args.layer", where),
         micro_batch=_opt_int(args.get("micro_batch"), "args.micro_batch", where),
-        phase=None if args.get("phase") is None else str(args["phase"]),
+        **_phase_and_activations(kind, args),
         takes=None if args.get("takes") is None else str(args["takes"]),
         slot=_opt_int(args.get("slot"), "args.slot", where),
         reads=_reads(args.get("reads"), where),
         bytes=_opt_int(args.get("bytes"), "args.bytes", where) or 0,
         deps=tuple(str(d) for d in deps),
     )
+
+
+def _phase_and_activations(kind: str, args: dict) -> dict[str, str | None]:
+    """``phase`` and ``activations`` from a task's ``args``; a trace written before
+    ``activations`` was a field of its own gave a kept layer's forward and backward a ``phase``
+    of ``keep`` or ``attn`` (:func:`flowtrain.graph.tasks.legacy_activations`)."""
+    phase = None if args.get("phase") is None else str(args["phase"])
+    activations = None if args.get("activations") is None else str(args["activations"])
+    cls = KINDS.get(kind)
+    if cls is not None:
+        moved = legacy_activations(cls, phase, activations)
+        phase, activations = moved.get("phase", phase), moved.get("activations", activations)
+    return {"phase": phase, "activations": activations}
 
 
 def _name_lanes(raw: list[dict], thread_of: list[tuple], threads: dict[Any, str]) -> None:

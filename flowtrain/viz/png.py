@@ -17,7 +17,7 @@ from typing import Sequence
 
 from ..errors import ConfigError
 from .analysis import critical_path
-from .graphview import CRITICAL, KIND_COLORS, MAX_DRAWN, color, layout, short_label
+from .graphview import CRITICAL, KIND_COLORS, MAX_DRAWN, color, positions, short_label
 from .html import TraceView
 from .load import GraphInput, Trace
 from .steps import fmt_time
@@ -125,7 +125,7 @@ def _graph_figure(g: GraphInput):
     from matplotlib.collections import LineCollection
 
     graph = g.graph
-    pos = layout(graph)
+    pos = positions(graph)
     path, _ = critical_path(graph)
     crit = set(path)
     ncols = max(c for c, _ in pos.values()) + 1

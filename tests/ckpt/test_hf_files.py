@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 from flowtrain.ckpt import hf as ckpt
 from flowtrain.ckpt.hf import load_into, save_hf
 from flowtrain.errors import CheckpointError, ConfigError
-from flowtrain.model import RopeScaling, bind, init_unit, model_layouts, read_config
+from flowtrain.model import RopeScaling, bind, init_unit, model_flat_maps, read_config
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "model"))
 from model_helpers import flats_from_hf, hf_model, small_cfg
@@ -39,7 +39,7 @@ CONFIGS = {
 
 
 def _fresh(cfg, seed, dtype=torch.float32):
-    layouts = model_layouts(cfg)
+    layouts = model_flat_maps(cfg)
     flats = []
     for lay in layouts:
         flat = torch.empty(lay.numel, dtype=dtype)
@@ -54,7 +54,7 @@ def _fresh(cfg, seed, dtype=torch.float32):
 
 
 def _empty(cfg, dtype=torch.float32):
-    layouts = model_layouts(cfg)
+    layouts = model_flat_maps(cfg)
     return layouts, [torch.full((lay.numel,), float("nan"), dtype=dtype) for lay in layouts]
 
 

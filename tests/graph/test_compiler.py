@@ -361,12 +361,12 @@ def test_the_next_step_waits_for_verify_step_only_where_it_fetches():
 
 
 @pytest.mark.parametrize("order, micro_batches, every", [("layer", 3, 1), ("layer", 2, 3), ("micro", 3, 2)])
-def test_a_routed_layers_backward_side_fetches_follow_its_forwards(order, micro_batches, every):
-    """Skipping idle experts: the recompute and backward fetches of a routed layer wait for the
+def test_backward_side_fetches_of_a_layer_skipping_idle_experts_follow_its_forwards(order, micro_batches, every):
+    """Skipping idle experts: the recompute and backward fetches of such a layer wait for the
     forwards (of the micro-batches they serve) whose routing says what to copy; other layers'
     fetches and the rest of the graph are as without it."""
-    spec = StepSpec(layers=4, micro_batches=micro_batches, checkpoint_every=every, order=order, routed=(1, 3))
-    g, plain = compile_step(spec), compile_step(msgspec.structs.replace(spec, routed=()))
+    spec = StepSpec(layers=4, micro_batches=micro_batches, checkpoint_every=every, order=order, skip_idle_experts=(1, 3))
+    g, plain = compile_step(spec), compile_step(msgspec.structs.replace(spec, skip_idle_experts=()))
     assert nx.is_directed_acyclic_graph(g) and set(g) == set(plain)
     extra = set(g.edges) - set(plain.edges)
     assert set(plain.edges) <= set(g.edges)
@@ -374,18 +374,18 @@ def test_a_routed_layers_backward_side_fetches_follow_its_forwards(order, micro_
         if type(f) is not Fetch or f.unit != "layer" or f.phase == "forward":
             continue
         served = range(micro_batches) if f.micro_batch is None else [f.micro_batch]
-        want = {(one(g, Forward, layer=f.layer, micro_batch=m), f) for m in served} if f.layer in spec.routed else set()
+        want = {(one(g, Forward, layer=f.layer, micro_batch=m), f) for m in served} if f.layer in spec.skip_idle_experts else set()
         assert {e for e in extra if e[1] == f} == want
         assert all(not g.edges[e]["reads"] for e in want)
     assert extra and all(type(v) is Fetch for _, v in extra)
 
 
 @pytest.mark.parametrize("fields, words", [
-    (dict(routed=(4,)), "distinct layers of 0..3"),
-    (dict(routed=(1, 1)), "distinct layers"),
-    (dict(routed=(1,), lora=True), "not LoRA"),
+    (dict(skip_idle_experts=(4,)), "distinct layers of 0..3"),
+    (dict(skip_idle_experts=(1, 1)), "distinct layers"),
+    (dict(skip_idle_experts=(1,), lora=True), "not LoRA"),
 ])
-def test_routed_layers_are_checked(fields, words):
+def test_layers_skipping_idle_experts_are_checked(fields, words):
     with pytest.raises(ConfigError, match=re.escape(words)):
         StepSpec(layers=4, **fields).validate()
 

@@ -57,3 +57,22 @@ def test_compiler_output_matches_the_golden_file(argv, tmp_path, capsys):
             f"(order or attributes may differ too). If the change is intended, regenerate with "
             f"`{shlex.join(argv)}` (see docs/graphs.md)."
         )
+
+
+@pytest.mark.parametrize("name", ["layers4-mb2-keep.json", "layers4-mb2-attn.json"])
+def test_a_graph_file_of_the_old_spelling_reads_the_same(name):
+    """Graph files written before ``activations`` was a field of its own gave a kept layer's
+    forward and backward ``keep`` or ``attn`` as their ``phase`` (and no ``activations``)."""
+    from flowtrain.graph.export import graph_from_json
+
+    data = json.loads((ROOT / "graphs" / name).read_text())
+    old = json.loads(json.dumps(data))
+    moved = 0
+    for node in old["nodes"]:
+        value = node.pop("activations")
+        if value is not None:
+            node["phase"], moved = value, moved + 1
+    assert moved
+    new_graph, old_graph = graph_from_json(data), graph_from_json(old)
+    assert list(new_graph.nodes) == list(old_graph.nodes)
+    assert set(new_graph.edges) == set(old_graph.edges)

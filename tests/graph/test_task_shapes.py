@@ -1,6 +1,7 @@
-"""Each task kind names what it should: its ``phase`` only from the values of that kind's
-meaning (a fetch's pass, a layer's activation placement, a held-out loss), and, from the step
-compiler, exactly the unit, layer, micro-batch and chunk its scope says."""
+"""Each task kind names what it should: its ``phase`` (the pass it serves: a fetch's pass, a
+held-out loss) and its ``activations`` (what a layer's forward and backward keep) only from the
+values its kind allows, and, from the step compiler, exactly the unit, layer, micro-batch and
+chunk its scope says."""
 
 from __future__ import annotations
 
@@ -23,6 +24,7 @@ from flowtrain.graph.tasks import (
     GradNorm,
     Loss,
     OffloadGrad,
+    Recompute,
     check_shape,
     task_from_dict,
     task_to_dict,
@@ -46,12 +48,14 @@ def test_every_compiled_task_has_its_kinds_shape(spec):
     for task in [*graph.nodes, *evaluation.nodes]:
         check_shape(task)
         assert task.phase in type(task).phases
+        assert task.activations in type(task).activation_values
     kinds = {t.kind for t in graph} | {t.kind for t in evaluation}
     assert {"fetch", "forward", "backward", "loss", "save", "eval_loss"} <= kinds
 
 
-@pytest.mark.parametrize("cls, phase", [(Fetch, "NoneType"), (Fetch, "keep"), (Forward, "backward"),
-                                        (Backward, "eval"), (Embed, "attn"), (Loss, "forward"), (CpuAdam, "keep")])
+@pytest.mark.parametrize("cls, phase", [(Fetch, "NoneType"), (Forward, "backward"), (Backward, "eval"),
+                                        (Embed, "recompute"), (Loss, "forward"), (CpuAdam, "eval"),
+                                        (Fetch, "keep"), (Forward, "keep"), (Backward, "attn")])
 def test_a_phase_outside_its_kinds_meaning_is_refused(cls, phase):
     phase = None if phase == "NoneType" else phase
     if phase is None:  # a fetch without a pass: allowed to make by hand, refused by the compiler's check
@@ -63,8 +67,30 @@ def test_a_phase_outside_its_kinds_meaning_is_refused(cls, phase):
         cls(**fields, phase=phase)
     cls(**fields)  # the same task without the phase is fine, so the phase is what was refused
     data = msgspec.json.encode({"kind": cls.__struct_config__.tag, **fields, "phase": phase})
-    with pytest.raises(msgspec.ValidationError, match="phase is one of"):
+    with pytest.raises(msgspec.ValidationError, match="phase is one of|Invalid enum value"):  # keep: no pass at all
         msgspec.json.decode(data, type=AnyTask)
+
+
+@pytest.mark.parametrize("cls, activations", [(Fetch, "keep"), (Embed, "attn"), (Recompute, "keep"),
+                                              (Loss, "attn"), (Forward, "eval"), (Backward, "forward")])
+def test_activations_outside_their_kinds_are_refused(cls, activations):
+    fields = _named(cls)
+    with pytest.raises(ValueError, match=f"a {cls.__struct_config__.tag} task's activations are one of"):
+        cls(**fields, activations=activations)
+    data = msgspec.json.encode({"kind": cls.__struct_config__.tag, **fields, "activations": activations})
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(data, type=AnyTask)
+
+
+@pytest.mark.parametrize("cls, value", [(Forward, "keep"), (Forward, "attn"), (Backward, "keep"), (Backward, "attn")])
+def test_a_legacy_keep_or_attn_phase_reads_as_activations(cls, value):
+    """Graph and trace files written before ``activations`` was a field of its own gave a kept
+    layer's forward and backward that value as their ``phase``: they still load."""
+    fields = _named(cls)
+    old = {"kind": cls.__struct_config__.tag, **fields, "phase": value, "lane": "compute"}
+    assert task_from_dict(old) == cls(**fields, activations=value)
+    with pytest.raises(msgspec.ValidationError):  # on a kind that keeps nothing it is still refused
+        task_from_dict({"kind": "recompute", **fields, "phase": value})
 
 
 def _named(cls) -> dict:
@@ -115,5 +141,7 @@ def test_every_kind_declares_its_scope_and_round_trips():
     for kind, cls in KINDS.items():
         assert cls.scope in ("unit", "layer_micro_batch", "embed_micro_batch", "head_micro_batch", "step"), kind
         assert None in cls.phases  # a kind made by hand (a custom schedule) may leave phase unset
-    task = Forward(unit="layer", layer=2, micro_batch=1, phase="keep", step=3)
+        assert None in cls.activation_values
+    task = Forward(unit="layer", layer=2, micro_batch=1, activations="keep", step=3)
     assert task_from_dict(task_to_dict(task)) == task
+    assert task.label == "forward L2 m1 (keep) s3"

@@ -89,8 +89,9 @@ def test_kind_lane_and_pool(kind):
 
 @pytest.mark.parametrize("kind", sorted(CARD))
 def test_json_round_trip_through_the_tagged_union(kind):
-    phase = max(KINDS[kind].phases, key=str)  # a value of the kind's own meaning of phase
-    task = KINDS[kind](step=3, unit=_unit(KINDS[kind]), layer=5, micro_batch=2, phase=phase)
+    phase = max(KINDS[kind].phases, key=str)  # a pass the kind may serve (None where none)
+    activations = max(KINDS[kind].activation_values, key=str)  # what it may keep (None where nothing)
+    task = KINDS[kind](step=3, unit=_unit(KINDS[kind]), layer=5, micro_batch=2, phase=phase, activations=activations)
     raw = msgspec.json.encode(task)
     assert msgspec.json.decode(raw)["kind"] == kind
     assert msgspec.json.decode(raw, type=AnyTask) == task
@@ -119,6 +120,8 @@ def test_from_dict_fills_defaults_and_ignores_extras():
         (Forward(unit="layer", layer=3, micro_batch=1), "forward L3 m1"),
         (Fetch(unit="head", phase="backward"), "fetch head (backward)"),
         (Fetch(unit="layer", layer=0, phase="recompute", step=2), "fetch L0 (recompute) s2"),
+        (Backward(unit="layer", layer=2, micro_batch=0, activations="attn"), "backward L2 m0 (attn)"),
+        (Forward(unit="layer", layer=1, micro_batch=1, phase="eval"), "forward L1 m1 (eval)"),
         (Embed(unit="embed", micro_batch=0), "embed m0"),
         (ZeroGrad(unit="embed"), "zero_grad embed"),
         (GradNorm(), "grad_norm"),

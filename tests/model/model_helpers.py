@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from transformers import AutoConfig, AutoModelForCausalLM, PreTrainedModel
 
-from flowtrain.model import ModelConfig, RopeScaling, bind, model_layouts
+from flowtrain.model import ModelConfig, RopeScaling, bind, model_flat_maps
 from flowtrain.model.hf_config import to_hf
 
 
@@ -74,7 +74,7 @@ def flats_from_hf(model: PreTrainedModel, cfg: ModelConfig, dtype=torch.float32)
     """flowtrain flat buffers holding ``model``'s weights, copied by checkpoint name."""
     state = model.state_dict()
     flats = []
-    for layout in model_layouts(cfg):
+    for layout in model_flat_maps(cfg):
         flat = torch.zeros(layout.numel, dtype=dtype)
         views = bind(flat, layout)
         for e in layout.entries:

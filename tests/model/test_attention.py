@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from model_helpers import assert_grads_match, flats_from_hf, hf_model, rel_err, small_cfg
 
-from flowtrain.model import bind, decoder_layer, embed, head_loss_and_grads, model_layouts, rope_tables
+from flowtrain.model import bind, decoder_layer, embed, head_loss_and_grads, model_flat_maps, rope_tables
 from flowtrain.model.attention import Documents, attend, rotary_for
 
 TOL = 1e-5
@@ -112,7 +112,7 @@ def test_packed_rows_equal_transformers_per_document(name):
             start += n
     (ref / n_targets).backward()
 
-    layouts, flats = model_layouts(cfg), [f.requires_grad_() for f in flats_from_hf(model, cfg)]
+    layouts, flats = model_flat_maps(cfg), [f.requires_grad_() for f in flats_from_hf(model, cfg)]
     w = [bind(f, lay) for f, lay in zip(flats, layouts)]
     docs = Documents.from_positions(positions)
     cos, sin = rotary_for(*rope_tables(cfg, SEQ), docs)
@@ -158,7 +158,7 @@ def test_compiled_layer_is_not_recompiled_per_document_count():
     from torch._dynamo.utils import counters
 
     cfg = small_cfg(architecture="MistralForCausalLM", sliding_window=5)
-    lay = model_layouts(cfg)[1]
+    lay = model_flat_maps(cfg)[1]
     flat = torch.randn(lay.numel, generator=torch.Generator().manual_seed(6)) * 0.05
     torch._dynamo.reset()
     fn = torch.compile(decoder_layer, backend="aot_eager", dynamic=False)
@@ -185,7 +185,7 @@ def test_attention_backend_is_traced_into_the_compiled_layer():
     from flowtrain.model.attention import attention_backends
 
     cfg = small_cfg()
-    lay = model_layouts(cfg)[1]
+    lay = model_flat_maps(cfg)[1]
     flat = torch.randn(lay.numel, generator=torch.Generator().manual_seed(9)) * 0.05
     cos, sin = rope_tables(cfg, SEQ)
     x = torch.randn(2, SEQ, cfg.hidden_size, generator=torch.Generator().manual_seed(10))

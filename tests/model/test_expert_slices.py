@@ -6,7 +6,7 @@ import msgspec
 import pytest
 import torch
 
-from flowtrain.model import bind, model_layouts
+from flowtrain.model import bind, model_flat_maps
 from flowtrain.model.presets import preset
 from flowtrain.model.expert_slices import ExpertSlices, merge_ranges
 
@@ -16,7 +16,7 @@ def layouts():
     """Mixtral's layer, CPU-sized (odd widths: pieces that end off the alignment)."""
     cfg = msgspec.structs.replace(preset("mixtral-4l"), hidden_size=32, intermediate_size=24, moe_intermediate_size=24,
                                   vocab_size=64, num_heads=4, num_kv_heads=2, head_dim=8)
-    return model_layouts(cfg.validate())
+    return model_flat_maps(cfg.validate())
 
 
 def test_a_dense_unit_has_no_slices(layouts):

@@ -13,8 +13,8 @@ peft = pytest.importorskip("peft")
 
 from model_helpers import flats_from_hf, hf_model, rel_err, small_cfg
 
-from flowtrain.model import bind, model_layouts, preset
-from flowtrain.model.adapters import DEFAULT_TARGETS, LoraSpec, adapter_layouts
+from flowtrain.model import bind, model_flat_maps, preset
+from flowtrain.model.adapters import DEFAULT_TARGETS, LoraSpec, adapter_flat_maps
 from flowtrain.model.functional import decoder_layer, embed, rms_norm, rope_tables
 from flowtrain.model.lora import adapted, init_adapter
 
@@ -47,7 +47,7 @@ def _adapter_flats(model, cfg, spec):
     """flowtrain adapter buffers holding ``model``'s adapters, copied by PEFT's saved names."""
     state = {k.replace(".default.", "."): v for k, v in model.state_dict().items() if "lora_" in k}
     flats = []
-    for lay in adapter_layouts(cfg, spec):
+    for lay in adapter_flat_maps(cfg, spec):
         flat = torch.zeros(lay.numel)
         views = bind(flat, lay)
         for e in lay.entries:
@@ -58,10 +58,10 @@ def _adapter_flats(model, cfg, spec):
 
 
 def _logits(cfg, spec, base_flats, adapter_flats, ids):
-    layouts = model_layouts(cfg)
+    layouts = model_flat_maps(cfg)
     cos, sin = rope_tables(cfg, ids.shape[1])
     x = embed(ids, bind(base_flats[0], layouts[0])["embed_tokens"])
-    for lay, flat, a_lay, a_flat in zip(layouts[1:-1], base_flats[1:-1], adapter_layouts(cfg, spec), adapter_flats):
+    for lay, flat, a_lay, a_flat in zip(layouts[1:-1], base_flats[1:-1], adapter_flat_maps(cfg, spec), adapter_flats):
         x = decoder_layer(x, adapted(bind(flat, lay), bind(a_flat, a_lay), spec.scale), cos, sin, cfg)
     head = bind(base_flats[-1], layouts[-1])
     w = head["lm_head"] if "lm_head" in head else bind(base_flats[0], layouts[0])["embed_tokens"]  # tied
@@ -84,7 +84,7 @@ def test_logits_and_adapter_gradients_match_peft(name, targets):
 
     assert rel_err(got.detach(), want.detach()) < 1e-5
     params = dict(model.named_parameters())
-    for lay, flat in zip(adapter_layouts(cfg, spec), adapters):
+    for lay, flat in zip(adapter_flat_maps(cfg, spec), adapters):
         grads = bind(flat.grad, lay)
         for e in lay.entries:
             peft_name = e.name.replace(".lora_A.", ".lora_A.default.").replace(".lora_B.", ".lora_B.default.")
@@ -96,7 +96,7 @@ def test_a_fresh_adapter_leaves_the_base_model_as_it_was():
     cfg, spec = _cfg("llama"), LoraSpec(rank=8, alpha=16.0)
     base_flats = flats_from_hf(hf_model(cfg, seed=1), cfg)
     adapters = []
-    for lay in adapter_layouts(cfg, spec):
+    for lay in adapter_flat_maps(cfg, spec):
         flat = torch.full((lay.numel,), 7.0)  # init overwrites everything, padding included
         init_adapter(flat, lay, seed=0)
         views = bind(flat, lay)
@@ -109,15 +109,15 @@ def test_a_fresh_adapter_leaves_the_base_model_as_it_was():
         adapters.append(flat)
     ids = torch.randint(0, cfg.vocab_size, (1, 10), generator=torch.Generator().manual_seed(2))
     no_update = _logits(cfg, spec, base_flats, adapters, ids)
-    layouts = model_layouts(cfg)
+    layouts = model_flat_maps(cfg)
     cos, sin = rope_tables(cfg, 10)
     x = embed(ids, bind(base_flats[0], layouts[0])["embed_tokens"])
     for lay, flat in zip(layouts[1:-1], base_flats[1:-1]):
         x = decoder_layer(x, bind(flat, lay), cos, sin, cfg)
     head = bind(base_flats[-1], layouts[-1])
     assert torch.equal(no_update, rms_norm(x, head["norm"], cfg.rms_norm_eps) @ head["lm_head"].T)
-    again = torch.empty(adapter_layouts(cfg, spec)[1].numel)
-    init_adapter(again, adapter_layouts(cfg, spec)[1], seed=0)
+    again = torch.empty(adapter_flat_maps(cfg, spec)[1].numel)
+    init_adapter(again, adapter_flat_maps(cfg, spec)[1], seed=0)
     assert torch.equal(again, adapters[1])  # the same seed, the same adapter
 
 
@@ -128,7 +128,7 @@ def test_adapter_layouts_name_what_peft_saves():
     cfg = preset("qwen3-moe-12l")
     e, h, inter = cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size
     spec = LoraSpec(rank=16, alpha=32.0)
-    lay = adapter_layouts(cfg, spec)[0]
+    lay = adapter_flat_maps(cfg, spec)[0]
     assert lay.key == "adapter.0"
     assert lay.entry("q_proj.lora_A").name == "base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"
     assert lay.entry("o_proj.lora_B").shape == (cfg.hidden_size, 16)
@@ -140,10 +140,10 @@ def test_adapter_layouts_name_what_peft_saves():
         ("experts_gate_up.lora_B", f"{stem}.experts.base_layer.lora_B.weight", (2 * inter, e * 32)),
         ("experts_down.lora_A", f"{stem}.experts.lora_A.weight", (e * 16, inter)),
         ("experts_down.lora_B", f"{stem}.experts.lora_B.weight", (h, e * 16))]
-    alone = adapter_layouts(cfg, LoraSpec(rank=4, alpha=8.0, targets=("gate_proj", "up_proj"), fused_rank=4))[0]
+    alone = adapter_flat_maps(cfg, LoraSpec(rank=4, alpha=8.0, targets=("gate_proj", "up_proj"), fused_rank=4))[0]
     assert [(x.name, x.shape) for x in alone.entries] == [(f"{stem}.experts.lora_A.weight", (e * 4, h)),
                                                           (f"{stem}.experts.lora_B.weight", (2 * inter, e * 4))]
-    dense = adapter_layouts(preset("llama-3b"), spec)[0]
+    dense = adapter_flat_maps(preset("llama-3b"), spec)[0]
     assert [x.key.split(".")[0] for x in dense.entries][::2] == [t for t in DEFAULT_TARGETS if t != "router"]
 
 
@@ -153,7 +153,7 @@ def test_adapter_layouts_name_what_peft_saves():
 ])
 def test_a_bad_spec_is_refused_naming_what(bad, why):
     with pytest.raises(ValueError, match=why):
-        adapter_layouts(preset("tiny"), LoraSpec(**{"rank": 4, "alpha": 8.0, **bad}))
+        adapter_flat_maps(preset("tiny"), LoraSpec(**{"rank": 4, "alpha": 8.0, **bad}))
 
 
 # ---------------------------------------------------------------------- PEFT's files
@@ -165,7 +165,7 @@ def test_an_adapter_flowtrain_saves_loads_in_peft_and_back(tmp_path):
     cfg, spec = _cfg("llama"), LoraSpec(rank=4, alpha=8.0, targets=("q_proj", "v_proj", "down_proj"))
     base = hf_model(cfg, seed=6)
     base_flats = flats_from_hf(base, cfg)
-    layouts = adapter_layouts(cfg, spec)
+    layouts = adapter_flat_maps(cfg, spec)
     gen = torch.Generator().manual_seed(7)
     adapters = [torch.randn(lay.numel, generator=gen) for lay in layouts]
     save_adapter(tmp_path / "adapter", spec, layouts, adapters, base_model="tests/tiny-llama")
@@ -225,7 +225,7 @@ def test_an_adapter_flowtrain_cannot_run_is_refused_naming_the_setting(tmp_path,
     from flowtrain.errors import CheckpointError
 
     cfg, spec = _cfg("llama"), LoraSpec(rank=4, alpha=8.0)
-    layouts = adapter_layouts(cfg, spec)
+    layouts = adapter_flat_maps(cfg, spec)
     save_adapter(tmp_path, spec, layouts, [torch.zeros(lay.numel) for lay in layouts])
     config = json.loads((tmp_path / ADAPTER_CONFIG).read_text())
     (tmp_path / ADAPTER_CONFIG).write_text(json.dumps({**config, **change}))
@@ -247,7 +247,7 @@ def test_target_modules_by_full_name_or_pattern_read_as_peft_matches_them(tmp_pa
     from flowtrain.ckpt.adapter_files import ADAPTER_CONFIG, read_spec, save_adapter
 
     cfg, spec = _cfg("llama"), LoraSpec(rank=4, alpha=8.0)
-    layouts = adapter_layouts(cfg, spec)
+    layouts = adapter_flat_maps(cfg, spec)
     save_adapter(tmp_path, spec, layouts, [torch.zeros(lay.numel) for lay in layouts])
     config = json.loads((tmp_path / ADAPTER_CONFIG).read_text())
     (tmp_path / ADAPTER_CONFIG).write_text(json.dumps({**config, "target_modules": modules}))
@@ -267,7 +267,7 @@ def test_exclude_modules_and_every_layer_read_as_peft_applies_them(tmp_path, cha
     from flowtrain.ckpt.adapter_files import ADAPTER_CONFIG, read_spec, save_adapter
 
     cfg, spec = _cfg("llama"), LoraSpec(rank=4, alpha=8.0, targets=DEFAULT_TARGETS[:-1])
-    layouts = adapter_layouts(cfg, spec)
+    layouts = adapter_flat_maps(cfg, spec)
     save_adapter(tmp_path, spec, layouts, [torch.zeros(lay.numel) for lay in layouts])
     config = json.loads((tmp_path / ADAPTER_CONFIG).read_text())
     (tmp_path / ADAPTER_CONFIG).write_text(json.dumps({**config, **change}))
@@ -280,7 +280,7 @@ def test_an_adapter_of_another_model_is_refused(tmp_path):
 
     spec = LoraSpec(rank=4, alpha=8.0)
     small, other = _cfg("llama"), small_cfg(num_layers=3)
-    save_adapter(tmp_path, spec, adapter_layouts(small, spec), [torch.zeros(lay.numel) for lay in adapter_layouts(small, spec)])
+    save_adapter(tmp_path, spec, adapter_flat_maps(small, spec), [torch.zeros(lay.numel) for lay in adapter_flat_maps(small, spec)])
     with pytest.raises(CheckpointError, match="tensors missing, the first base_model.model.model.layers.2"):
         read_adapter(tmp_path, other)
     with pytest.raises(CheckpointError, match="holds no adapter_config.json"):

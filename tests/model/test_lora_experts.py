@@ -20,8 +20,8 @@ from test_moe import SHAPE
 from flowtrain.ckpt.adapter_files import ADAPTER_CONFIG, read_adapter, read_spec, save_adapter
 from flowtrain.ckpt.hf import load_into
 from flowtrain.errors import CheckpointError
-from flowtrain.model import bind, model_layouts, read_config
-from flowtrain.model.adapters import LoraSpec, adapter_layouts
+from flowtrain.model import bind, model_flat_maps, read_config
+from flowtrain.model.adapters import LoraSpec, adapter_flat_maps
 from flowtrain.model.lora import merge_adapter
 from flowtrain.model.moe import ExpertAdapters, Routing, experts_grouped, experts_loop
 
@@ -54,8 +54,8 @@ def _model(tmp_path, name, seed=0):
             p.copy_(1 + 0.2 * torch.randn(p.shape) if n.endswith("norm.weight") else 0.3 * torch.randn(p.shape))
     model.save_pretrained(tmp_path / "base")
     cfg = read_config(tmp_path / "base")
-    flats = [torch.zeros(lay.numel) for lay in model_layouts(cfg)]
-    load_into(tmp_path / "base", cfg, model_layouts(cfg), flats)
+    flats = [torch.zeros(lay.numel) for lay in model_flat_maps(cfg)]
+    load_into(tmp_path / "base", cfg, model_flat_maps(cfg), flats)
     return model.eval(), cfg, flats
 
 
@@ -113,10 +113,10 @@ def test_merge_matches_peft_merge_and_unload(tmp_path, name):
     wrapped = _peft(model, "all-linear", seed=5)
     wrapped.save_pretrained(tmp_path / "peft")
     spec, layouts, adapters = read_adapter(tmp_path / "peft", cfg)
-    for flat, lay, a, a_lay in zip(base[1:-1], model_layouts(cfg)[1:-1], adapters, layouts):
+    for flat, lay, a, a_lay in zip(base[1:-1], model_flat_maps(cfg)[1:-1], adapters, layouts):
         merge_adapter(flat, lay, a, a_lay, spec.scale)
     empty = LoraSpec(rank=1, alpha=1.0, targets=("q_proj",))
-    zero = [torch.zeros(lay.numel) for lay in adapter_layouts(cfg, empty)]
+    zero = [torch.zeros(lay.numel) for lay in adapter_flat_maps(cfg, empty)]
     ids = torch.randint(0, 64, (2, 10), generator=torch.Generator().manual_seed(6))
     with torch.no_grad():
         want = wrapped.merge_and_unload()(input_ids=ids).logits

@@ -9,7 +9,7 @@ from model_helpers import LLAMA3_SMALL, hf_config, small_cfg
 from transformers import AutoModelForCausalLM
 
 from flowtrain.errors import ConfigError
-from flowtrain.model import PRESETS, ModelConfig, RopeScaling, model_layouts, preset
+from flowtrain.model import PRESETS, ModelConfig, RopeScaling, model_flat_maps, preset
 from flowtrain.model.hf_config import from_hf, to_hf
 
 VARIANTS = {
@@ -213,7 +213,7 @@ def test_num_parameters_matches_transformers_and_layout(name):
         model = AutoModelForCausalLM.from_config(hf_config(cfg))
     hf_count = sum(p.numel() for p in model.parameters())  # tied weights counted once
     assert cfg.num_parameters() == hf_count
-    assert sum(e.numel for lay in model_layouts(cfg) for e in lay.entries) == hf_count
+    assert sum(e.numel for lay in model_flat_maps(cfg) for e in lay.entries) == hf_count
 
 
 def test_published_sizes():

@@ -18,7 +18,7 @@ from flowtrain.model import (
     embed,
     head_loss,
     head_loss_and_grads,
-    model_layouts,
+    model_flat_maps,
     rms_norm,
     rope_tables,
 )
@@ -92,7 +92,7 @@ def test_decoder_layer_matches_transformers(name):
         assert cos.shape == (seq, cfg.head_dim)
         assert rel_err(cos, hf_cos[0]) < 1e-6 and rel_err(sin, hf_sin[0]) < 1e-6
 
-    layouts, flats = model_layouts(cfg), flats_from_hf(model, cfg)
+    layouts, flats = model_flat_maps(cfg), flats_from_hf(model, cfg)
     assert len(seen["layers"]) == cfg.num_layers
     for i, (x, ref) in enumerate(seen["layers"]):
         cos, sin = rope_tables(cfg, seq, "cpu", local=cfg.layer_rope_local(i))
@@ -155,7 +155,7 @@ def test_full_forward_loss_matches_transformers(name):
     ref = F.cross_entropy(logits.reshape(-1, cfg.vocab_size), targets.reshape(-1),
                           ignore_index=-100, reduction="sum")
 
-    layouts, flats = model_layouts(cfg), flats_from_hf(model, cfg)
+    layouts, flats = model_flat_maps(cfg), flats_from_hf(model, cfg)
     w = [bind(f, lay) for f, lay in zip(flats, layouts)]
     with torch.no_grad():
         x = _layers(cfg, w, ids)
@@ -266,7 +266,7 @@ def test_end_to_end_gradients_match_transformers(name):
                           ignore_index=-100, reduction="sum")
     (ref * scale).backward()
 
-    layouts, flats = model_layouts(cfg), flats_from_hf(model, cfg)
+    layouts, flats = model_flat_maps(cfg), flats_from_hf(model, cfg)
     flats = [f.requires_grad_() for f in flats]
     w = [bind(f, lay) for f, lay in zip(flats, layouts)]
     x = _layers(cfg, w, ids)

@@ -10,7 +10,7 @@ from flowtrain.model import (
     bind,
     decoder_layer,
     head_loss_and_grads,
-    model_layouts,
+    model_flat_maps,
     rope_tables,
 )
 
@@ -26,7 +26,7 @@ def test_decoder_layer_bf16_cuda_close_to_fp32(kv_heads):
     cfg = small_cfg(hidden_size=256, num_heads=8, num_kv_heads=kv_heads, intermediate_size=512,
                     num_layers=1)
     model = hf_model(cfg, seed=1)
-    lay, flat = model_layouts(cfg)[1], flats_from_hf(model, cfg)[1]
+    lay, flat = model_flat_maps(cfg)[1], flats_from_hf(model, cfg)[1]
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(2, 300, cfg.hidden_size, generator=gen)
     with torch.no_grad():

@@ -11,7 +11,7 @@ from flowtrain.model import (
     ALIGN,
     bind,
     init_unit,
-    model_layouts,
+    model_flat_maps,
     unit_numel_max,
 )
 
@@ -35,14 +35,14 @@ def test_layout_names_and_shapes_match_transformers(name):
     state = model.state_dict()
     if cfg.tie_word_embeddings:
         state.pop("lm_head.weight", None)  # the same tensor as the embedding
-    entries = [e for lay in model_layouts(cfg) for e in lay.entries]
+    entries = [e for lay in model_flat_maps(cfg) for e in lay.entries]
     assert {e.name: e.shape for e in entries} == {k: tuple(v.shape) for k, v in state.items()}
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_units_order_keys_and_offsets(name):
     cfg = CONFIGS[name]
-    layouts = model_layouts(cfg)
+    layouts = model_flat_maps(cfg)
     assert [lay.key for lay in layouts] == (
         ["embed"] + [f"layer.{i}" for i in range(cfg.num_layers)] + ["head"]
     )
@@ -59,18 +59,18 @@ def test_units_order_keys_and_offsets(name):
 
 
 def test_layer_key_order():
-    keys = [e.key for e in model_layouts(small_cfg(attention_bias=True))[1].entries]
+    keys = [e.key for e in model_flat_maps(small_cfg(attention_bias=True))[1].entries]
     assert keys == ["input_layernorm", "q_proj", "k_proj", "v_proj", "q_bias", "k_bias",
                     "v_bias", "o_bias", "o_proj", "post_attention_layernorm", "gate_proj",
                     "up_proj", "down_proj"]
-    qwen = model_layouts(CONFIGS["qwen2"])[1]
+    qwen = model_flat_maps(CONFIGS["qwen2"])[1]
     assert "o_bias" not in [e.key for e in qwen.entries] and qwen.entry("v_bias").shape == (32,)
-    qwen3 = model_layouts(CONFIGS["qwen3"])[1]
+    qwen3 = model_flat_maps(CONFIGS["qwen3"])[1]
     assert [e.name for e in qwen3.entries if e.key.endswith("_norm")] == [
         "model.layers.0.self_attn.q_norm.weight", "model.layers.0.self_attn.k_norm.weight"]
     assert qwen3.entry("q_norm").shape == qwen3.entry("k_norm").shape == (32,)
     assert qwen3.entry("q_proj").shape == (4 * 32, 64)
-    head = model_layouts(CONFIGS["tied"])[-1]
+    head = model_flat_maps(CONFIGS["tied"])[-1]
     assert [e.key for e in head.entries] == ["norm"]
     with pytest.raises(KeyError, match="lm_head"):
         head.entry("lm_head")
@@ -78,7 +78,7 @@ def test_layer_key_order():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_bind_returns_views_not_copies(dtype):
-    lay = model_layouts(CONFIGS["attention-bias"])[1]
+    lay = model_flat_maps(CONFIGS["attention-bias"])[1]
     flat = torch.zeros(lay.numel + 10, dtype=dtype)
     views = bind(flat, lay)
     for e in lay.entries:
@@ -94,7 +94,7 @@ def test_bind_returns_views_not_copies(dtype):
 
 
 def _init_all(cfg, seed, dtype=torch.float32, order=None):
-    layouts = model_layouts(cfg)
+    layouts = model_flat_maps(cfg)
     flats = [torch.full((lay.numel,), float("nan"), dtype=dtype) for lay in layouts]
     for k in order or range(len(layouts)):
         init_unit(flats[k], layouts[k], cfg, seed)

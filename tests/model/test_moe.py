@@ -17,7 +17,7 @@ from model_helpers import rel_err
 from safetensors.torch import save_file
 
 from flowtrain.ckpt.hf import load_into, save_hf
-from flowtrain.model import bind, model_layouts, read_config
+from flowtrain.model import bind, model_flat_maps, read_config
 from flowtrain.model.config import ModelConfig
 from flowtrain.model.presets import PRESETS
 from flowtrain.model.functional import decoder_layer, embed, rms_norm, rope_tables
@@ -46,7 +46,7 @@ def _hf(name, seed=0, **over):
 
 
 def _logits(cfg: ModelConfig, flats, ids):
-    layouts = model_layouts(cfg)
+    layouts = model_flat_maps(cfg)
     cos, sin = rope_tables(cfg, ids.shape[1])
     x = embed(ids, bind(flats[0], layouts[0])["embed_tokens"])
     for lay, flat in zip(layouts[1:-1], flats[1:-1]):
@@ -58,7 +58,7 @@ def _logits(cfg: ModelConfig, flats, ids):
 
 def _load(path):
     cfg = read_config(path)
-    layouts = model_layouts(cfg)
+    layouts = model_flat_maps(cfg)
     flats = [torch.zeros(lay.numel) for lay in layouts]
     load_into(path, cfg, layouts, flats)
     return cfg, flats
@@ -180,7 +180,7 @@ def test_saved_checkpoint_loads_in_transformers(tmp_path, name, tied):
     model = _hf(name, seed=4, tie_word_embeddings=tied)
     model.save_pretrained(tmp_path / "in")
     cfg, flats = _load(tmp_path / "in")
-    save_hf(tmp_path / "out", cfg, model_layouts(cfg), flats)
+    save_hf(tmp_path / "out", cfg, model_flat_maps(cfg), flats)
     from safetensors import safe_open
 
     with safe_open(str(tmp_path / "out" / "model.safetensors"), "pt") as f:
@@ -208,7 +208,7 @@ def test_presets_have_the_published_sizes():
     for name in ("qwen3-30b-a3b", "qwen3-235b-a22b", "qwen3-moe-12l", "mixtral-8x7b", "mixtral-4l"):
         cfg = PRESETS[name]
         assert from_hf(to_hf(cfg)) == cfg
-        assert sum(lay.numel for lay in model_layouts(cfg)) >= cfg.num_parameters()
+        assert sum(lay.numel for lay in model_flat_maps(cfg)) >= cfg.num_parameters()
     assert PRESETS["qwen3-moe-12l"].num_layers == 12 and PRESETS["mixtral-4l"].num_layers == 4
 
 
@@ -218,7 +218,7 @@ def test_model_flops_count_active_parameters():
     from flowtrain.model.counts import model_flops_per_token
 
     dense = PRESETS["llama-8b"]
-    n = sum(e.numel for lay in model_layouts(dense) for e in lay.entries)
+    n = sum(e.numel for lay in model_flat_maps(dense) for e in lay.entries)
     assert model_flops_per_token(dense, 4096) == 6.0 * n + 6.0 * 32 * 4096 * 4096
     moe = PRESETS["qwen3-30b-a3b"]
     inactive = 48 * (128 - 8) * 3 * 2048 * 768

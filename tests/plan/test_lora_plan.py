@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from flowtrain.cli import main
-from flowtrain.model.adapters import LoraSpec, adapter_layouts
+from flowtrain.model.adapters import LoraSpec, adapter_flat_maps
 from flowtrain.model.presets import preset
 from flowtrain.plan.adapters import adapter_numel
 from flowtrain.plan.memory import GiB
@@ -58,7 +58,7 @@ def test_experts_adapter_count_is_pefts_and_flops_count_those_a_token_reaches(fa
     trained = {n: p.numel() for n, p in model.named_parameters() if p.requires_grad}
     cfg = from_hf(config.to_dict() | {"architectures": [type(model.base_model.model).__name__]})
     req = run_request(TrainConfig(seq_len=16, lora_rank=4))
-    ours = sum(e.numel for lay in adapter_layouts(cfg, LoraSpec(4, 8.0)) for e in lay.entries)
+    ours = sum(e.numel for lay in adapter_flat_maps(cfg, LoraSpec(4, 8.0)) for e in lay.entries)
     assert ours == sum(trained.values()) <= adapter_numel(cfg, req)  # the plan's count holds the padding too
     experts = sum(n for name, n in trained.items() if ".experts." in name)
     assert experts > 0

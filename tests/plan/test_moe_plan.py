@@ -8,7 +8,7 @@ import msgspec
 import pytest
 import torch
 
-from flowtrain.model import model_layouts, preset
+from flowtrain.model import model_flat_maps, preset
 from flowtrain.model.moe import experts_grouped, experts_loop, route
 from flowtrain.plan.experts import expert_bytes_per_token, expert_kept_bytes_per_token, grouped_experts
 from flowtrain.plan.memory import layer_work_bytes
@@ -20,7 +20,7 @@ CUDA, BF16 = torch.device("cuda"), torch.bfloat16
 
 def test_a_sparse_layer_unit_holds_its_router_and_every_expert():
     cfg = preset("qwen3-30b-a3b")
-    layer = model_layouts(cfg)[1]
+    layer = model_flat_maps(cfg)[1]
     h, e, inter = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size
     experts = sum(x.numel for x in layer.entries if x.key.startswith("experts_"))
     assert experts == 3 * e * h * inter and layer.entry("router").shape == (e, h)
@@ -106,7 +106,7 @@ def test_a_sparse_layers_weight_gradients_count_as_its_experts_run(name):
     tokens, c = 4096, 2
     rows = tokens * (expert_bytes_per_token(more, c) - expert_bytes_per_token(cfg, c))
     stack = cfg.num_experts * cfg.moe_intermediate_size * cfg.hidden_size  # the stack's growth
-    layer = model_layouts(more)[1].numel - model_layouts(cfg)[1].numel
+    layer = model_flat_maps(more)[1].numel - model_flat_maps(cfg)[1].numel
 
     def grown(**kw):
         return layer_work_bytes(more, tokens, c, False, **kw) - layer_work_bytes(cfg, tokens, c, False, **kw)
@@ -125,7 +125,7 @@ def test_a_compiled_sparse_layer_counts_its_whole_gradient_where_that_outgrows_i
     more = msgspec.structs.replace(cfg, num_experts=2 * cfg.num_experts)
     c = 2
     stack = cfg.num_experts * cfg.moe_intermediate_size * cfg.hidden_size
-    layer = model_layouts(more)[1].numel - model_layouts(cfg)[1].numel
+    layer = model_flat_maps(more)[1].numel - model_flat_maps(cfg)[1].numel
 
     def grown(tokens, compiled):
         return (layer_work_bytes(more, tokens, c, compiled, grouped=True)

@@ -19,7 +19,7 @@ import torch
 from flowtrain.cli import main
 from flowtrain.errors import ConfigError
 from flowtrain.graph import GRADS, WEIGHTS
-from flowtrain.model import ModelConfig, model_layouts, preset
+from flowtrain.model import ModelConfig, model_flat_maps, preset
 from flowtrain.plan.memory import GiB, allocator_share, capped_budget, card_for
 from flowtrain.plan.request import RunRequest
 from flowtrain.plan.planner import plan_run
@@ -35,7 +35,7 @@ def plan(model="llama-8b", device=CUDA, **kw):
 
 
 def params(name):
-    return sum(lay.numel for lay in model_layouts(preset(name)))
+    return sum(lay.numel for lay in model_flat_maps(preset(name)))
 
 
 def test_staged_layout_is_about_12_host_bytes_per_parameter_with_fp32_master_and_adam():
@@ -155,7 +155,7 @@ def test_plan_predicts_measured_peak_host_memory_within_10_percent(tmp_path, lay
     from flowtrain.model import init_unit
 
     model = tmp_path / "model"
-    layouts = model_layouts(SMALL)
+    layouts = model_flat_maps(SMALL)
     flats = [torch.empty(lay.numel) for lay in layouts]
     for lay, flat in zip(layouts, flats):
         init_unit(flat, lay, SMALL, seed=0)

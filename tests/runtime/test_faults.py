@@ -59,7 +59,7 @@ def test_valid_specs_parse(spec, faults, seed):
         ("cpu_adam:", "expected KIND[@key=value,...]:MODE"),
         ("@layer=1:raise", "'' is not a task kind or '*'"),
         ("cpu-adam:raise", "'cpu-adam' is not a task kind"),
-        ("backward@lyr=1:raise", "unknown key 'lyr' (keys: step, layer, micro_batch, chunk, unit, phase)"),
+        ("backward@lyr=1:raise", "unknown key 'lyr' (keys: step, layer, micro_batch, chunk, unit, phase, activations)"),
         ("backward@layer=one:raise", "layer=one is not an integer"),
         ("backward@layer:raise", "key layer needs a value, as in layer=1"),
         ("backward@layer=1,layer=2:raise", "key layer is given twice"),
@@ -176,7 +176,7 @@ def test_from_env(monkeypatch):
 
 def fault_at(task) -> str:
     """A spec that matches ``task`` by every field it has set."""
-    fields = ["step", "unit", "layer", "micro_batch", "phase", "chunk"]
+    fields = ["step", "unit", "layer", "micro_batch", "phase", "activations", "chunk"]
     where = ",".join(f"{k}={getattr(task, k)}" for k in fields if getattr(task, k) is not None)
     return f"{task.kind}@{where}:raise"
 

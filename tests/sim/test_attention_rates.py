@@ -89,7 +89,7 @@ def test_a_saved_attention_layer_still_costs_less():
     for backend in ("auto", "flash"):
         c = CostModel(H200, shape(262144, backend))
         plain = c.seconds(Backward(layer=3, micro_batch=0))
-        saved = c.seconds(Backward(layer=3, micro_batch=0, phase="attn"))
+        saved = c.seconds(Backward(layer=3, micro_batch=0, activations="attn"))
         assert plain - saved == pytest.approx(c.layer_breakdown()["attention_forward"]) and saved < plain
 
 

@@ -109,10 +109,10 @@ def test_a_plan_for_a_machine_counts_a_mixture_of_experts_as_its_gpu_runs_them(m
     assert json.loads(capsys.readouterr().out)["gpu"] == plan["gpu"]
 
 
-def test_plan_with_a_machine_weighs_activation_placements_by_predicted_time(capsys):
+def test_plan_with_a_machine_weighs_activations_choices_by_predicted_time(capsys):
     """On a GPU where the checkpoints of 16 sequences only just fit beside the state, the choice
     weighs recompute, offload and kept layers: the request to recompute (its slots shrunk to
-    fit) is slower than the fastest placement the model predicts, which it names."""
+    fit) is slower than the fastest choice the model predicts, which it names."""
     argv = ["plan", "--model", "llama-8b", "--seq-len", "4096", "--batch-size", "16", "--micro-batch-size", "2",
             "--host-mem", "118", "--gpu-mem", "24", "--device", "cuda", "--resident", "none",
             "--activations", "recompute", "--machine", "h200", "--json"]
@@ -120,8 +120,8 @@ def test_plan_with_a_machine_weighs_activation_placements_by_predicted_time(caps
     fastest = json.loads(capsys.readouterr().out)["fastest"]
     tried = fastest["tried"]
     assert fastest["asked"]["fits"] and fastest["best"]["tokens_per_s"] > fastest["asked"]["tokens_per_s"]
-    placements = {c["settings"]["activations"] for c in tried}
-    assert {"auto", "recompute", "offload", "keep"} <= placements
+    choices = {c["settings"]["activations"] for c in tried}
+    assert {"auto", "recompute", "offload", "keep"} <= choices
     fitting = [c for c in tried if c["fits"]]
     best = max(fitting, key=lambda c: c["tokens_per_s"])
     assert best["settings"]["activations"] != "recompute"

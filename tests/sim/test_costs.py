@@ -79,7 +79,7 @@ def test_a_kept_layer_backward_runs_no_forward_again():
     """--activations keep: the forward's activations stay, so the backward saves one forward."""
     c = CostModel(load_machine("h200"), W1)
     f = c.seconds(Forward(layer=3, micro_batch=0))
-    rebuilt, kept = c.seconds(Backward(layer=3, micro_batch=0)), c.seconds(Backward(layer=3, micro_batch=0, phase="keep"))
+    rebuilt, kept = c.seconds(Backward(layer=3, micro_batch=0)), c.seconds(Backward(layer=3, micro_batch=0, activations="keep"))
     assert kept == pytest.approx(rebuilt - f + c.m.launch_us * 1e-6)
 
 
@@ -136,7 +136,7 @@ def test_lora_adapters_add_their_gemms_and_passes_to_the_frozen_layer():
     c, full = CostModel(m, Shape(**lora)), CostModel(m, W1)
     adapters = c._adapter_seconds()
     fwd = Forward(layer=3, micro_batch=0)
-    kept = Backward(layer=3, micro_batch=0, phase="keep")
+    kept = Backward(layer=3, micro_batch=0, activations="keep")
     assert adapters > 0
     assert c.seconds(fwd) == pytest.approx(full.seconds(fwd) + adapters)
     launch = m.launch_us * 1e-6

@@ -107,7 +107,7 @@ def _w1_plan(machine, **kw):
 
 def test_the_rules_plan_stands_where_no_alternative_is_predicted_faster():
     ruled, checked = _w1_plan(None), _w1_plan(load_machine("h200"))
-    assert checked.placement_choice is None
+    assert checked.memory_choice is None
     assert (checked.layout, checked.spec, checked.budgets) == (ruled.layout, ruled.spec, ruled.budgets)
 
 
@@ -115,17 +115,17 @@ def test_a_slow_link_takes_the_layout_that_halves_the_fetch_bytes():
     """With the rules' resident units given (more of them is the other way round a slow link)."""
     plan = _w1_plan(_slow_link(), resident=",".join(_w1_plan(None).spec.resident))
     assert plan.layout == "stream-bf16" and plan.fits
-    assert "--layout stream-bf16" in plan.placement_choice and "slow-link" in plan.placement_choice
-    assert "placement" in format_plan("llama-3b", plan)
+    assert "--layout stream-bf16" in plan.memory_choice and "slow-link" in plan.memory_choice
+    assert "memory: auto: --layout stream-bf16" in format_plan("llama-3b", plan)
 
 
 def test_a_setting_given_explicitly_is_not_second_guessed():
     plan = _w1_plan(_slow_link(), layout="staged", activations="keep")
-    assert plan.layout == "staged" and plan.placement_choice is None
+    assert plan.layout == "staged" and plan.memory_choice is None
 
 
 def test_the_alternatives_are_the_auto_settings_explicit_values():
-    from flowtrain.sim.placement_choice import alternatives
+    from flowtrain.sim.memory_choice import alternatives
 
     everything = alternatives(RunRequest(seq_len=8, batch_size=1, micro_batch_size=1))
     assert everything == [("activations", "recompute"), ("activations", "keep"), ("layout", "stream-bf16")]
@@ -134,7 +134,7 @@ def test_the_alternatives_are_the_auto_settings_explicit_values():
 
 
 def test_more_resident_layers_are_tried_by_doubling_up_to_the_most_that_fit():
-    from flowtrain.sim.placement_choice import more_resident
+    from flowtrain.sim.memory_choice import more_resident
 
     cfg = preset("llama-3b")  # 28 layers
     plan = plan_run(cfg, request(order="layer"), device=CUDA, dtype=torch.bfloat16)
@@ -161,13 +161,13 @@ def test_a_mixture_of_experts_waiting_on_cpu_adam_keeps_more_layers_resident():
     """Qwen3-30B-A3B's layer, 12 of them, on the H200: each layer holds 0.6 B parameters for
     little compute, so the rules' third of the layers leaves the step waiting for CPU Adam.
     More layers are taken, the fewest predicted within the margin of the fastest."""
-    from flowtrain.sim.placement_choice import MARGIN
+    from flowtrain.sim.memory_choice import MARGIN
 
     cfg = preset("qwen3-moe-12l")
     kw = dict(order="layer", host_mem=118.0)
     rules = plan_run(cfg, request(**kw), device=CUDA, dtype=torch.bfloat16)
     plan = planned("qwen3-moe-12l", **kw)
-    assert plan.fits and "--resident" in (plan.placement_choice or "")
+    assert plan.fits and "--resident" in (plan.memory_choice or "")
     n_rules, n_plan = (sum(u.startswith("layer.") for u in p.spec.resident) for p in (rules, plan))
     assert n_plan > n_rules
     speed = {}
@@ -183,7 +183,7 @@ def test_adapters_in_host_memory_keep_every_layer_streamed_whatever_is_predicted
     """A layer's fetch is what brings its adapters from host memory, so no residency choice
     (the rules' or the prediction's more layers) keeps a layer on the GPU. A tiny model on the
     H200, where every layer would fit and be tried otherwise."""
-    from flowtrain.sim.placement_choice import more_resident
+    from flowtrain.sim.memory_choice import more_resident
 
     cfg = preset("tiny")
     kw = dict(seq_len=64, batch_size=8, micro_batch_size=4, lora_rank=4)
@@ -202,7 +202,7 @@ def test_of_more_resident_layers_the_fewest_that_clear_both_margins_are_taken():
     plan; the fewest that is both (+4) is taken."""
     from types import SimpleNamespace
 
-    from flowtrain.sim.placement_choice import choose_placement
+    from flowtrain.sim.memory_choice import choose_memory
 
     speed = {0: 100.0, 1: 101.1, 2: 101.5, 4: 102.0, 8: 103.0}
 
@@ -218,10 +218,10 @@ def test_of_more_resident_layers_the_fewest_that_clear_both_margins_are_taken():
     cfg = SimpleNamespace(num_layers=8)
     req = RunRequest(seq_len=8, batch_size=1, micro_batch_size=1, activations="keep", layout="staged")
     rules = stub(("embed", "head"))
-    r, plan, why = choose_placement(cfg, req, rules, lambda q: stub(q.resident.split(",")), policy=None,
+    r, plan, why = choose_memory(cfg, req, rules, lambda q: stub(q.resident.split(",")), policy=None,
                                     machine=SimpleNamespace(name="stub"), predictions=predictions)
     assert plan.spec.resident == ("embed", "head", "layer.0", "layer.1", "layer.2", "layer.3")
     assert r.resident == ",".join(plan.spec.resident) and "102 tok/s against 100" in why
     speed.update({4: 101.9, 8: 101.9})  # nothing clears the rules' plan by 2%: it stands
-    assert choose_placement(cfg, req, rules, lambda q: stub(q.resident.split(",")), policy=None,
+    assert choose_memory(cfg, req, rules, lambda q: stub(q.resident.split(",")), policy=None,
                             machine=SimpleNamespace(name="stub"), predictions=predictions)[2] is None

@@ -20,7 +20,7 @@ from test_config_bounds import PLAN, model_dir, one_line, run_cli
 
 from flowtrain.errors import ConfigError
 from flowtrain.model.presets import preset
-from flowtrain.plan.host_layout import MAX_GRAD_CHUNKS, check_units_fit, host_memory_total
+from flowtrain.plan.buffer_sizes import MAX_GRAD_CHUNKS, check_units_fit, host_memory_total
 
 #: within every bound of config.json; small layers, so the embedding is 1.3 million layers
 ABSURD = dict(vocab_size=2**24, hidden_size=2**18, intermediate_size=1, num_attention_heads=1, num_key_value_heads=1,

@@ -101,11 +101,11 @@ def test_weights_that_do_not_match_the_config_are_refused_before_any_allocation(
     import torch
 
     from flowtrain.ckpt.hf import save_hf
-    from flowtrain.model import model_layouts
+    from flowtrain.model import model_flat_maps
 
     cfg = preset("tiny")
     folder = tmp_path / "model"
-    save_hf(folder, cfg, model_layouts(cfg), [torch.zeros(lay.numel) for lay in model_layouts(cfg)])
+    save_hf(folder, cfg, model_flat_maps(cfg), [torch.zeros(lay.numel) for lay in model_flat_maps(cfg)])
     d = json.loads((folder / "config.json").read_text())
     d.update(num_hidden_layers=1000, hidden_size=1024, intermediate_size=4096)
     (folder / "config.json").write_text(json.dumps(d))

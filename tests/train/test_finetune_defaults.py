@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 from test_train_vs_hf import ROWS, SEQ, STEPS, assert_same_weights, make_checkpoint, make_data, reference_train
 
-from flowtrain.model import model_layouts, preset
+from flowtrain.model import model_flat_maps, preset
 from flowtrain.train.config import defaults
 from flowtrain.train.optimizer import decay_segments, no_decay_ranges, skips_decay
 from flowtrain.train.run import TrainConfig
@@ -39,7 +39,7 @@ def test_which_parameters_skip_decay():
     for name in ("model.embed_tokens.weight", "lm_head.weight", "model.layers.0.mlp.down_proj.weight",
                  "model.layers.2.self_attn.o_proj.weight"):
         assert not skips_decay(name), name
-    layer = model_layouts(preset("tiny"))[1]
+    layer = model_flat_maps(preset("tiny"))[1]
     ranges = no_decay_ranges(layer.entries, "norms-biases")
     assert ranges and no_decay_ranges(layer.entries, "none") == []
     segs = decay_segments(0, layer.numel, ranges)

@@ -225,7 +225,7 @@ def test_refusals_end_in_one_line(tmp_path, capsys):
 def test_the_graph_command_draws_the_routing_edges(tmp_path):
     from flowtrain.graph.export import read_graph
 
-    assert main(["graph", "--layers", "3", "--micro-batches", "2", "--routed", "0,2", "--out", str(tmp_path / "g.json")]) == 0
+    assert main(["graph", "--layers", "3", "--micro-batches", "2", "--skip-idle-experts", "0,2", "--out", str(tmp_path / "g.json")]) == 0
     g = read_graph(tmp_path / "g.json")
     routed = {(u.layer, u.micro_batch, v.phase) for u, v in g.edges if u.kind == "forward" and v.kind == "fetch"}
     assert routed == {(i, m, "backward") for i in (0, 2) for m in (0, 1)}

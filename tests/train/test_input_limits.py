@@ -156,11 +156,11 @@ def saved_tiny(tmp_path, dtype_of=None):
     from safetensors.torch import load_file, save_file
 
     from flowtrain.ckpt.hf import save_hf
-    from flowtrain.model import model_layouts
+    from flowtrain.model import model_flat_maps
 
     cfg = preset("tiny")
     folder = tmp_path / "model"
-    layouts = model_layouts(cfg)
+    layouts = model_flat_maps(cfg)
     save_hf(folder, cfg, layouts, [torch.zeros(lay.numel) for lay in layouts])
     if dtype_of:
         tensors = load_file(folder / "model.safetensors")

@@ -18,10 +18,10 @@ from flowtrain.cli import main
 from flowtrain.errors import ConfigError
 from flowtrain.graph.compiler import StepSpec, compile_step
 from flowtrain.graph.tasks import Backward, Forward
-from flowtrain.model import decoder_layer, model_layouts, rope_tables
+from flowtrain.model import decoder_layer, model_flat_maps, rope_tables
 from flowtrain.plan.memory import kept_bytes_per_token
 from flowtrain.plan.request import RunRequest
-from flowtrain.plan.planner import place_activations, plan_run
+from flowtrain.plan.planner import plan_activations, plan_run
 from flowtrain.train.kept import saved_bytes
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "model"))
@@ -38,7 +38,7 @@ FAMILIES = {
 def _saved_per_token(cfg, dtype, make_layer=lambda: decoder_layer) -> float:
     """Bytes one more token adds to what a kept forward of one layer holds (64 -> 128 tokens);
     ``make_layer`` gives the layer function afresh for each length (a compiled one)."""
-    lay = model_layouts(cfg)[1]
+    lay = model_flat_maps(cfg)[1]
     flat = (torch.randn(lay.numel, generator=torch.Generator().manual_seed(1)) * 0.05).to(dtype)
     measured = []
     for tokens in (64, 128):
@@ -58,11 +58,11 @@ def test_the_plan_counts_at_least_what_autograd_keeps(name, dtype):
     assert per_token <= planned <= 1.6 * per_token
 
 
-def test_kept_layers_carry_the_keep_phase():
+def test_kept_layers_carry_keep_activations():
     g = compile_step(StepSpec(layers=4, micro_batches=2, keep=(2, 3)))
     for t in g:
         if isinstance(t, (Forward, Backward)):
-            assert t.phase == ("keep" if t.layer in (2, 3) else None), t
+            assert t.activations == ("keep" if t.layer in (2, 3) else None) and t.phase is None, t
     with pytest.raises(ConfigError, match="need a checkpoint at every layer"):
         StepSpec(layers=4, checkpoint_every=2, keep=(1,)).validate()
     with pytest.raises(ConfigError, match="distinct layers of 0..3"):
@@ -77,28 +77,28 @@ def _train(tmp_path, name, model, data, *extra):
     return load_file(out / "model.safetensors")
 
 
-#: the models and placements a placement's run is compared with recompute on (also by
-#: test_saved_attention.py)
+#: the models and settings on which a run with other activations is compared with recompute
+#: (also by test_saved_attention.py)
 RUN_MODELS = pytest.mark.parametrize(
     "spec", [dict(model_type="llama", tied=True),
              dict(model_type="gemma3_text", head_dim=8, sliding_window=5,
                   layer_types=["sliding_attention", "full_attention", "sliding_attention"])],
     ids=["llama-tied", "gemma3"])
-RUN_PLACEMENTS = pytest.mark.parametrize(
+RUN_SETTINGS = pytest.mark.parametrize(
     "extra", [[], ["--resident", "layer.1", "--policy", "sequential"], ["--order", "micro"]],
     ids=["streamed", "resident-sequential", "micro-order"])
 
 
-def trains_like_recompute(tmp_path, placement: str, extra, **spec) -> str:
+def trains_like_recompute(tmp_path, activations: str, extra, **spec) -> str:
     """Train one 3-layer model (``spec``: make_checkpoint's) on the same data twice, with
-    ``--activations recompute`` and with ``placement`` (both with ``extra``), check that the
-    weights are the same bit for bit, and return the trace of the ``placement`` run (to show
-    that its path ran)."""
+    ``--activations recompute`` and with ``--activations`` set to ``activations`` (both with
+    ``extra``), check that the weights are the same bit for bit, and return the trace of the
+    second run (to show that its path ran)."""
     model, data, trace = tmp_path / "model", tmp_path / "data.jsonl", tmp_path / "trace.json"
     make_checkpoint(model, layers=3, seed=3, **spec)
     make_data(data, seed=4)
     recomputed = _train(tmp_path, "recompute", model, data, "--activations", "recompute", *extra)
-    placed = _train(tmp_path, placement, model, data, "--activations", placement, "--trace", str(trace), *extra)
+    placed = _train(tmp_path, activations, model, data, "--activations", activations, "--trace", str(trace), *extra)
     assert recomputed.keys() == placed.keys()
     for name, t in recomputed.items():
         assert torch.equal(t, placed[name]), name
@@ -106,7 +106,7 @@ def trains_like_recompute(tmp_path, placement: str, extra, **spec) -> str:
 
 
 @RUN_MODELS
-@RUN_PLACEMENTS
+@RUN_SETTINGS
 def test_keep_trains_bit_identically_to_recompute(tmp_path, spec, extra):
     assert "backward L2 m1 (keep)" in trains_like_recompute(tmp_path, "keep", extra, **spec)  # the kept path ran
 
@@ -121,7 +121,7 @@ def test_auto_keeps_the_top_layers_the_gpu_budget_holds(compile, compiled):
     assert plan.spec.keep == ()  # the CPU recomputes unless asked
     per_layer = kept_bytes_per_token(cfg, torch.bfloat16, compiled) * 2 * 64 * 2
     plan.device, plan.gpu_limit = "cuda", plan.gpu_total + 3 * per_layer + 1
-    placed = place_activations(plan, cfg, req, torch.bfloat16)
+    placed = plan_activations(plan, cfg, req, torch.bfloat16)
     assert placed.spec.keep == (5, 6, 7) and placed.gpu["kept_activations"] == 3 * per_layer
     assert placed.gpu_total <= placed.gpu_limit
 

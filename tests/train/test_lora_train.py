@@ -369,7 +369,7 @@ def _rel(a, b):
 
 def test_dropout_masks_are_drawn_alike_by_the_forward_and_the_recompute(setup, tmp_path):
     """``--lora-dropout``: the forward and the recompute before a backward draw the same masks,
-    so every activation placement and order trains the same adapters (a backward with other
+    so every ``--activations`` choice and order trains the same adapters (a backward with other
     masks than its forward's would not); the masks depend on the seed, and dropout changes
     what is trained."""
     d, _, _ = setup

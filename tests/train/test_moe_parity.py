@@ -97,14 +97,14 @@ def test_moe_matches_hf_adamw_with_load_balancing(tmp_path, name):
     assert ours == pytest.approx(losses, rel=1e-5)
 
 
-@pytest.mark.parametrize("placement", [("--activations", "keep"), ("--activations", "attention"),
+@pytest.mark.parametrize("activations", [("--activations", "keep"), ("--activations", "attention"),
                                        ("--activations", "offload", "--checkpoint-every", "2", "--order", "micro"),
                                        ("--compile", "aot_eager", "--activations", "keep")])
-def test_moe_activation_placements_match_hf(tmp_path, placement):
+def test_moe_kept_saved_and_offloaded_activations_match_hf(tmp_path, activations):
     """Kept forwards (the load-balancing term from the kept graph), saved attention outputs,
     offloaded checkpoints with recompute (whose forward re-runs must not count twice), and the
     layer through torch.compile (the router tap and the expert loop run outside the graph)."""
-    ref, losses, ours = _train_both(tmp_path, "qwen3-moe-dense-layer", 2, *placement)
+    ref, losses, ours = _train_both(tmp_path, "qwen3-moe-dense-layer", 2, *activations)
     assert_same_weights(tmp_path / "out", ref)
     assert ours == pytest.approx(losses, rel=1e-5)
 

@@ -23,7 +23,7 @@ import torch
 from flowtrain.errors import ConfigError, NonFiniteError
 from flowtrain.graph import StepSpec, compile_step, cross_step_edges
 from flowtrain.model import ModelConfig
-from flowtrain.model.layout import model_layouts
+from flowtrain.model.flat_map import model_flat_maps
 from flowtrain.policy import resolve_policy
 from flowtrain.runtime.engine import Engine
 from flowtrain.train.host_state import HostState, grad_chunks, staging_numel
@@ -54,7 +54,7 @@ class Run:
                  cpu_workers=1, save_attention=()) -> None:
         cfg = ModelConfig(vocab_size=vocab, hidden_size=32, intermediate_size=48, num_layers=LAYERS, num_heads=4,
                           num_kv_heads=2, max_position_embeddings=64, tie_word_embeddings=tied)
-        layouts = model_layouts(cfg)
+        layouts = model_flat_maps(cfg)
         staged = layout != "full"
         chunks = grad_chunks(layouts, resident, staging_numel(layouts, resident)) if staged else {}
         self.spec = StepSpec(layers=LAYERS, micro_batches=ROWS // MICRO, order=order, tied=tied,

@@ -18,7 +18,7 @@ from flowtrain.cli import main
 from flowtrain.errors import ConfigError
 from flowtrain.graph.compiler import StepSpec, compile_step
 from flowtrain.graph.tasks import Backward, Forward
-from flowtrain.model import bind, decoder_layer, model_layouts, preset, rope_tables
+from flowtrain.model import bind, decoder_layer, model_flat_maps, preset, rope_tables
 from flowtrain.model import saved_attention as sa
 from flowtrain.model.attention import Documents, rotary_for
 from flowtrain.plan.attention import attention_pays, saved_attention_bytes
@@ -27,7 +27,7 @@ from flowtrain.plan.planner import plan_run
 
 sys.path.insert(0, str(Path(__file__).parents[1] / "model"))
 from model_helpers import small_cfg
-from test_kept import RUN_MODELS, RUN_PLACEMENTS, trains_like_recompute
+from test_kept import RUN_MODELS, RUN_SETTINGS, trains_like_recompute
 from test_train_vs_hf import make_checkpoint, make_data
 
 FAMILIES = {
@@ -41,7 +41,7 @@ CUDA = torch.device("cuda")
 
 
 def _layer(cfg, seed=1):
-    lay = model_layouts(cfg)[1]
+    lay = model_flat_maps(cfg)[1]
     flat = torch.randn(lay.numel, generator=torch.Generator().manual_seed(seed)) * 0.05
     return lay, flat
 
@@ -143,11 +143,11 @@ def test_a_compiled_layer_records_and_replays_without_recompiling_per_record():
 
 
 # ---- the step graph and the cost model --------------------------------------------------------
-def test_layers_saving_attention_carry_the_attn_phase():
+def test_layers_saving_attention_carry_attn_activations():
     g = compile_step(StepSpec(layers=4, micro_batches=2, keep=(3,), save_attention=(1, 2)))
     for t in g:
         if isinstance(t, (Forward, Backward)):
-            assert t.phase == {3: "keep", 1: "attn", 2: "attn"}.get(t.layer), t
+            assert t.activations == {3: "keep", 1: "attn", 2: "attn"}.get(t.layer) and t.phase is None, t
     with pytest.raises(ConfigError, match="checkpoint at every layer"):
         StepSpec(layers=4, checkpoint_every=2, save_attention=(1,)).validate()
     with pytest.raises(ConfigError, match="not kept"):
@@ -167,15 +167,15 @@ def test_the_cost_model_takes_the_attention_forward_off_the_backward():
     costs = CostModel(load_machine("h200"), shape_of(cfg, plan, req))
     parts = costs.layer_breakdown()
     plain = costs.seconds(Backward(unit="layer", layer=0, micro_batch=0))
-    saved = costs.seconds(Backward(unit="layer", layer=0, micro_batch=0, phase="attn"))
-    kept = costs.seconds(Backward(unit="layer", layer=0, micro_batch=0, phase="keep"))
+    saved = costs.seconds(Backward(unit="layer", layer=0, micro_batch=0, activations="attn"))
+    kept = costs.seconds(Backward(unit="layer", layer=0, micro_batch=0, activations="keep"))
     assert plain - saved == pytest.approx(parts["attention_forward"])
     assert kept < saved < plain and parts["attention_forward"] > 0.5 * parts["forward"]
 
 
 # ---- a whole run ------------------------------------------------------------------------------
 @RUN_MODELS
-@RUN_PLACEMENTS
+@RUN_SETTINGS
 def test_attention_trains_bit_identically_to_recompute(tmp_path, spec, extra):
     kept = []
     real = sa._forward
@@ -187,7 +187,7 @@ def test_attention_trains_bit_identically_to_recompute(tmp_path, spec, extra):
     with mock.patch.object(sa, "_forward", side_effect=forward):
         # one document per row: plain causal attention, the calls that keep their output
         trace = trains_like_recompute(tmp_path, "attention", ["--no-packing", *extra], **spec)
-    assert "backward L2 m1 (attn)" in trace  # the placement ran
+    assert "backward L2 m1 (attn)" in trace  # the saved-attention path ran
     assert kept  # and some layer's attention was kept (gemma3: the full-attention layer)
 
 
@@ -279,7 +279,7 @@ def test_gpu_kernels_are_kept_and_replayed(backend, kernel):
     from flowtrain.model.attention import attention_backends
 
     cfg = small_cfg(hidden_size=1024, intermediate_size=2048, num_heads=8, num_kv_heads=2)
-    lay = model_layouts(cfg)[1]
+    lay = model_flat_maps(cfg)[1]
     gen = torch.Generator().manual_seed(5)
     flat = (torch.randn(lay.numel, generator=gen) * 0.02).to("cuda", torch.bfloat16)
     x = torch.randn(2, 2048, cfg.hidden_size, generator=gen).to("cuda", torch.bfloat16)

@@ -14,7 +14,7 @@ def test_the_summary_names_model_data_steps_and_outputs(tmp_path, capsys):
     assert set(head) == {"model", "device", "memory", "activations", "data", "steps", "output"}
     assert "tiny: LlamaForCausalLM" in head["model"] and "random init" in head["model"]
     assert "fp32 compute" in head["device"]
-    assert head["activations"].endswith("recompute from a checkpoint every layer")  # the CPU's placement
+    assert head["activations"].endswith("recompute from a checkpoint every layer")  # the CPU's activations
     assert "sequences of 32 tokens" in head["data"] and "2 steps cover" in head["data"]
     assert "2 of 4 sequences (128 tokens, 2 micro-batches of 2, layer order)" in head["steps"]  # auto on the CPU
     assert f"checkpoints every 2 steps to {tmp_path / 'out'}/checkpoint-STEP (keep 3)" in head["output"]
@@ -26,12 +26,12 @@ def test_resident_units_are_listed_as_ranges():
     assert _ranges(()) == "none"
 
 
-def test_the_activation_line_names_each_placement_by_layer_ranges():
+def test_the_activation_line_names_each_choice_by_layer_ranges():
     from flowtrain.graph import StepSpec
-    from flowtrain.train.summary import activation_placement
+    from flowtrain.train.summary import describe_activations
 
     spec = StepSpec(layers=32, keep=(30, 31), save_attention=tuple(range(11, 30)), offload=(0, 1, 2, 5))
-    assert activation_placement(spec) == ("layers 30-31 keep theirs; layers 11-29 save their attention output; "
+    assert describe_activations(spec) == ("layers 30-31 keep theirs; layers 11-29 save their attention output; "
                                           "checkpoints of layers 0-2, 5 offloaded; recompute from a checkpoint every layer")
-    assert activation_placement(StepSpec(layers=4, keep=(0, 1, 2, 3))) == "layers 0-3 keep theirs"
-    assert activation_placement(StepSpec(layers=4, checkpoint_every=2)) == "recompute from a checkpoint every 2 layers"
+    assert describe_activations(StepSpec(layers=4, keep=(0, 1, 2, 3))) == "layers 0-3 keep theirs"
+    assert describe_activations(StepSpec(layers=4, checkpoint_every=2)) == "recompute from a checkpoint every 2 layers"

@@ -122,7 +122,7 @@ def test_matches_hf_adamw(setup, tmp_path, policy, spacing):
 
 @pytest.mark.parametrize("activations, spacing", [("keep", 1), ("offload", 1), ("offload", 2), ("attention", 1)])
 @pytest.mark.parametrize("order", ["layer", "micro"])
-def test_activation_placements_match_hf(setup, tmp_path, activations, spacing, order):
+def test_every_activations_choice_matches_hf(setup, tmp_path, activations, spacing, order):
     """Kept activations, checkpoints offloaded to host memory and saved attention outputs train
     the reference's weights."""
     d, ref, _ = setup

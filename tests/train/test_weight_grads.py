@@ -16,7 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-from flowtrain.model import bind, decoder_layer, model_layouts, rope_tables
+from flowtrain.model import bind, decoder_layer, model_flat_maps, rope_tables
 from flowtrain.train.kept import backward_kept, forward_kept
 from flowtrain.train.weight_grads import backward_into, weight_leaves
 
@@ -27,7 +27,7 @@ CFG = small_cfg(hidden_size=64, intermediate_size=176, num_layers=2)
 
 
 def _layer_case(dtype, tokens=24, seed=0):
-    lay = model_layouts(CFG)[1]
+    lay = model_flat_maps(CFG)[1]
     gen = torch.Generator().manual_seed(seed)
     flat = (torch.randn(lay.numel, generator=gen) * 0.05).to(dtype)
     x = torch.randn(2, tokens, CFG.hidden_size, generator=gen).to(dtype)
@@ -178,7 +178,7 @@ def test_a_sparse_layers_expert_gradients_alive_at_once(monkeypatch, experts, gr
     cfg = msgspec.structs.replace(preset("qwen3-moe-12l"), hidden_size=64, moe_intermediate_size=32,
                                   num_experts=experts, num_experts_per_tok=2, num_layers=2, num_heads=4,
                                   num_kv_heads=2, head_dim=16, vocab_size=128)
-    lay = model_layouts(cfg)[1]
+    lay = model_flat_maps(cfg)[1]
     stack = max(e.numel for e in lay.entries)
     assert stack == experts * 32 * 64 and sum(e.numel == stack for e in lay.entries) == 3
     gen = torch.Generator().manual_seed(experts)

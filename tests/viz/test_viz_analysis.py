@@ -8,7 +8,7 @@ from viz_helpers import doc, engine_records, ev, hand_trace
 from flowtrain.graph import Backward, CpuAdam, Fetch, Forward, StepSpec, compile_steps
 from flowtrain.policy import resolve_policy
 from flowtrain.viz import analysis as A
-from flowtrain.viz.graphview import layout
+from flowtrain.viz.graphview import positions
 from flowtrain.viz.load import trace_from_json
 
 
@@ -190,7 +190,7 @@ def test_planned_order_is_the_policys_proposal(policy):
 
 def test_layout_draws_every_edge_left_to_right_without_overlaps():
     g = compile_steps(StepSpec(layers=4, micro_batches=2, checkpoint_every=2), 2)
-    pos = layout(g)
+    pos = positions(g)
     assert all(pos[u][0] < pos[v][0] for u, v in g.edges)
     assert len(set(pos.values())) == g.number_of_nodes()
 

@@ -151,3 +151,24 @@ def test_a_recorder_keeps_the_budgets_the_engine_reports():
     rec.on_budgets({"weights": 2, "grads": 1})
     assert rec.meta(policy="p") == {"budgets": {"weights": 2, "grads": 1}, "policy": "p"}
     assert TraceRecorder().meta() == {}
+
+
+def test_kept_activations_load_from_new_and_old_traces():
+    """A kept layer's forward and backward carry ``activations``; a trace written before that was
+    a field of its own gave them ``phase`` ``keep`` or ``attn``, and still reads the same."""
+    from viz_helpers import doc, ev
+
+    def task(kind: str, **args) -> dict:
+        e = ev(f"{kind} {args}", "compute", 0, 1, kind=kind)
+        e["args"].update(unit="layer", layer=0, micro_batch=0, **args)
+        return e
+
+    new = trace_from_json(doc(task("forward", activations="keep"), task("backward", activations="attn"),
+                              task("forward", phase="eval")))
+    old = trace_from_json(doc(task("forward", phase="keep"), task("backward", phase="attn"),
+                              task("forward", phase="eval")))
+    for tr in (new, old):
+        assert [(t.phase, t.activations) for t in tr.tasks] == [(None, "keep"), (None, "attn"), ("eval", None)]
+    w1 = load_input(Path(__file__).parent / "fixtures" / "w1-adam-order-steps0-3.json")  # an old trace
+    forwards = [t for t in w1.tasks if t.kind == "forward"]
+    assert forwards and all(t.activations == "keep" and t.phase is None for t in forwards)

@@ -172,7 +172,7 @@ class TrainConfig(msgspec.Struct, kw_only=True):
         "host memory to plan for (default: what is available)", gt=0.0, metavar="GiB", group=MEMORY)] = None
     chunk_tokens: Annotated[int | None, Setting(
         "tokens per loss chunk (default: planned)", ge=1, group=MEMORY)] = None
-    #: activation placement: "keep" (a layer's backward reuses its forward's activations, held
+    #: what a layer keeps for its backward (--activations): "keep" (a layer's backward reuses its forward's activations, held
     #: on the GPU), "recompute" (backward runs the forward again from checkpoints on the GPU),
     #: "offload" (recompute, from checkpoints that wait in host memory), "attention" (recompute,
     #: but each layer's forward keeps its attention output, which the rebuild takes instead of

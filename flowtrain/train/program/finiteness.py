@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from ...plan.host_layout import undo_arena_bytes
+from ...plan.buffer_sizes import undo_arena_bytes
 from ..host_state import HostState, UnitState
 from ..nonfinite import Injection, StepCheck, UndoBudget, injection_from_env, nonfinite
 from .slots import Slots

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...graph.tasks import GRADS, FoundInf, GradNorm, GradSqNorm, OffloadGrad, ReduceGrad, ZeroGrad
-from ...plan.host_layout import chunk_range
+from ...plan.buffer_sizes import chunk_range
 from ...runtime.engine import TaskContext
 from ..distributed import all_reduce_sum
 from ..host_state import UnitState

@@ -52,21 +52,22 @@ class LayerRunner:
         self.layer_fn = _layer_function(compile_backend)
         #: each training micro-batch's token ids on the device, for the embedding's backward
         self.dev_ids: dict[tuple[int, int], torch.Tensor] = {}
-        #: packed micro-batches' documents and their gathered rotary tables, by (phase, step, mb)
+        #: packed micro-batches' documents and their gathered rotary tables, by (data, step, mb): data "train" or "eval"
         self.dev_docs: dict[tuple[str, int, int], tuple[Documents, dict]] = {}
 
-    def place_documents(self, phase: str, s: int, m: int, docs: Documents | None) -> None:
+    def place_documents(self, data: str, s: int, m: int, docs: Documents | None) -> None:
         """Move a packed micro-batch's documents to the device with its rotary tables gathered
         at each token's position; every layer of the micro-batch reads them (:meth:`run`)."""
         if docs is not None:
             dev = docs.to(self.device, non_blocking=self.non_blocking)
-            self.dev_docs[(phase, s, m)] = (dev, {k: rotary_for(cos, sin, dev) for k, (cos, sin) in self.rope.items()})
+            self.dev_docs[(data, s, m)] = (dev, {k: rotary_for(cos, sin, dev) for k, (cos, sin) in self.rope.items()})
 
-    def run(self, phase: str, s: int, i: int, m: int, x: torch.Tensor, w: Any,
+    def run(self, data: str, s: int, i: int, m: int, x: torch.Tensor, w: Any,
             router: RouterTap | None = None) -> torch.Tensor:
-        """Decoder layer ``i`` of micro-batch ``m``: its documents, rotary tables and window
+        """Decoder layer ``i`` of micro-batch ``m`` of the ``data`` (``"train"`` or ``"eval"``,
+        held-out) of step ``s``: its documents, rotary tables and window
         (and, for a mixture of experts, the tap its routing goes to)."""
-        docs, rope = self.dev_docs.get((phase, s, m), (None, self.rope))
+        docs, rope = self.dev_docs.get((data, s, m), (None, self.rope))
         cos, sin = rope[self.cfg.layer_rope_local(i)]
         if router is not None:
             return self.layer_fn(x, w, cos, sin, self.cfg, docs, self.cfg.layer_window(i), router)

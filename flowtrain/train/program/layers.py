@@ -6,8 +6,8 @@ call shares. Activations pass between tasks through the program's
 :class:`~flowtrain.train.activations.ActivationStore`, keyed ``(step, layer, micro_batch)``:
 the input of layer ``i`` is kept from the forward pass where it starts a checkpoint segment
 (:func:`~flowtrain.graph.compiler.checkpoint_layers`) and rebuilt by ``recompute`` otherwise.
-A forward and backward with phase ``"keep"`` keep the layer's autograd graph for the backward
-(:mod:`flowtrain.train.kept`); with phase ``"attn"`` the layer's attention output and
+A forward and backward with activations ``"keep"`` keep the layer's autograd graph for the
+backward (:mod:`flowtrain.train.kept`); with activations ``"attn"`` the layer's attention output and
 log-sum-exp wait for its rebuild, which then runs no attention forward
 (:mod:`flowtrain.model.saved_attention`).
 
@@ -63,7 +63,7 @@ def run_forward(p: StepProgram, task: Forward | Recompute, ctx: TaskContext) -> 
         x = p.store.eval_inputs.take((s, i, m))
         p.store.eval_inputs.put((s, i + 1, m), p.layers.run("eval", s, i, m, x, w))
         return
-    if task.phase == "keep":  # the graph stays for the backward: see flowtrain.train.kept
+    if task.activations == "keep":  # the graph stays for the backward: see flowtrain.train.kept
         x = p.store.inputs.take((s, i, m))
         tap = p.experts.forward_tap(s, i, m, p.steps[s].targets[m])
         y, kept = p.training.forward_kept(lambda x, w: p.layers.run("train", s, i, m, x, w, tap), x, i, ctx,
@@ -74,7 +74,7 @@ def run_forward(p: StepProgram, task: Forward | Recompute, ctx: TaskContext) -> 
     keep = isinstance(task, Recompute) or i in p.checkpointed  # a checkpoint stays for the backward
     x = p.store.inputs.peek((s, i, m)) if keep else p.store.inputs.take((s, i, m))
     record = None
-    if task.phase == "attn":  # its attention output waits for the rebuild: saved_attention
+    if task.activations == "attn":  # its attention output waits for the rebuild: saved_attention
         record = AttentionRecord()
         p.store.attention.put((s, i, m), record)
     tap = None if isinstance(task, Recompute) else p.experts.forward_tap(s, i, m, p.steps[s].targets[m])
@@ -92,12 +92,12 @@ def run_backward(p: StepProgram, task: Backward, ctx: TaskContext) -> None:
     balance = p.experts.balance_of(i)  # the load-balancing loss, if any
     grads = p.slots.grads(p.training.trained(i), ctx)
     first = functools.partial(p.finite.poison, step=s, where=f"layer.{i}", micro_batch=m)
-    if task.phase == "keep":
+    if task.activations == "keep":
         extra = balance.kept_term(s, i, m) if balance is not None else None
         dx = backward_kept(p.store.kept.take((s, i, m)), p.training.flat(i, ctx), dy, grads, extra, first)
     else:
         x = p.store.inputs.take((s, i, m))
-        record = p.store.attention.take((s, i, m)) if task.phase == "attn" else None
+        record = p.store.attention.take((s, i, m)) if task.activations == "attn" else None
         terms: list[torch.Tensor] = []  # the load-balancing loss's share of this layer
         tap = balance.gradient(s, m, terms) if balance is not None else None
         with torch.enable_grad(), replaying(record):

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 import torch
 
 from ...graph.tasks import GRADS, HOST_GRADS, WEIGHTS
-from ...plan.host_layout import LANDING_NUMEL, slot_numel, staging_numel
+from ...plan.buffer_sizes import LANDING_NUMEL, slot_numel, staging_numel
 from ...runtime.engine import TaskContext
 from ..host_state import HostState, UnitState, pinned_zeros
 

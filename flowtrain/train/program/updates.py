@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...graph.tasks import HOST_GRADS, CpuAdam, GpuAdam, VerifyStep
-from ...plan.host_layout import chunk_range
+from ...plan.buffer_sizes import chunk_range
 from ...runtime.engine import TaskContext
 from ..nonfinite import SKIP, Saved
 from ..optimizer import adamw_experts, adamw_pieces, adamw_step

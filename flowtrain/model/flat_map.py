@@ -1,13 +1,13 @@
-"""Where each weight lives inside a unit's flat buffer.
+"""Where each weight lives inside a unit's flat buffer: a unit's :class:`FlatMap`.
 
 flowtrain keeps a model's parameters in a handful of 1-D host buffers, one per *unit*: the
 embedding, each decoder layer, and the head. Moving a unit to the GPU is then one large
-copy, and the optimizer sees one long vector per unit. A :class:`UnitLayout` says how to
+copy, and the optimizer sees one long vector per unit. A :class:`FlatMap` says how to
 cut such a buffer back into named matrices; :func:`bind` does the cutting, as views::
 
-    layouts = model_layouts(cfg)                 # [embed, layer.0, ..., layer.L-1, head]
-    flat = torch.empty(layouts[1].numel)         # any dtype, any device
-    w = bind(flat, layouts[1])                   # {"q_proj": (q_out, hidden) view, ...}
+    maps = model_flat_maps(cfg)                  # [embed, layer.0, ..., layer.L-1, head]
+    flat = torch.empty(maps[1].numel)            # any dtype, any device
+    w = bind(flat, maps[1])                      # {"q_proj": (q_out, hidden) view, ...}
     w["q_proj"].normal_()                        # writes into ``flat``
 
 Every entry starts at a multiple of :data:`ALIGN` elements, so views stay aligned for
@@ -18,7 +18,7 @@ A mixture-of-experts layer keeps each projection of all its experts as one *stac
 GEMM. The Hub stores one tensor per expert instead; a stacked entry's ``name`` has a ``{}``
 where the expert's number goes, and :func:`hub_tensors` lists those names::
 
-    e = layouts[1].entry("experts_gate")        # shape (128, 768, 2048), stacked
+    e = maps[1].entry("experts_gate")           # shape (128, 768, 2048), stacked
     hub_tensors(e)[0]                           # ("model.layers.0.mlp.experts.0.gate_proj.weight", (768, 2048), 0)
 """
 
@@ -34,7 +34,7 @@ if TYPE_CHECKING:
 
 from flowtrain.model.config import ModelConfig
 
-__all__ = ["ALIGN", "Entry", "UnitLayout", "bind", "hub_tensors", "model_layouts", "unit_numel_max"]
+__all__ = ["ALIGN", "Entry", "FlatMap", "bind", "hub_tensors", "model_flat_maps", "unit_numel_max"]
 
 ALIGN = 64  # elements; 128 bytes in bf16, 256 in fp32
 
@@ -60,8 +60,9 @@ def hub_tensors(entry: Entry) -> list[tuple[str, tuple[int, ...], int | None]]:
     return [(entry.name.format(i), entry.shape[1:], i) for i in range(entry.shape[0])]
 
 
-class UnitLayout(msgspec.Struct, frozen=True):
-    """The entries of one unit (``"embed"``, ``"layer"`` or ``"head"``) and its padded size."""
+class FlatMap(msgspec.Struct, frozen=True):
+    """Where each weight of one unit (``"embed"``, ``"layer"`` or ``"head"``) sits in its flat
+    buffer: the unit's entries and its padded size."""
 
     unit: str
     layer: int | None
@@ -89,7 +90,7 @@ def _align(n: int) -> int:
 _Spec = tuple[str, str, tuple[int, ...]]  # (key, checkpoint name, shape); "{}" in the name: stacked
 
 
-def _pack(unit: str, layer: int | None, specs: Iterable[_Spec]) -> UnitLayout:
+def _pack(unit: str, layer: int | None, specs: Iterable[_Spec]) -> FlatMap:
     entries = []
     offset = 0
     for key, name, shape in specs:
@@ -100,7 +101,7 @@ def _pack(unit: str, layer: int | None, specs: Iterable[_Spec]) -> UnitLayout:
         entries.append(Entry(key=key, name=name, shape=shape, offset=offset, numel=numel,
                              stacked="{}" in name))
         offset += numel
-    return UnitLayout(unit=unit, layer=layer, entries=tuple(entries), numel=_align(offset))
+    return FlatMap(unit=unit, layer=layer, entries=tuple(entries), numel=_align(offset))
 
 
 def _layer_specs(cfg: ModelConfig, i: int) -> list[_Spec]:
@@ -164,35 +165,35 @@ def _expert_specs(cfg: ModelConfig, i: int) -> list[_Spec]:
     ]
 
 
-def model_layouts(cfg: ModelConfig) -> list[UnitLayout]:
-    """Layouts of every unit, in execution order: embed, layers 0..L-1, head.
+def model_flat_maps(cfg: ModelConfig) -> list[FlatMap]:
+    """The flat maps of every unit, in execution order: embed, layers 0..L-1, head.
 
     A tied model's head holds only the final norm; it reuses the embedding matrix.
     """
     cfg.validate()
     h, v = cfg.hidden_size, cfg.vocab_size
-    layouts = [_pack("embed", None, [("embed_tokens", "model.embed_tokens.weight", (v, h))])]
-    layouts += [_pack("layer", i, _layer_specs(cfg, i)) for i in range(cfg.num_layers)]
+    maps = [_pack("embed", None, [("embed_tokens", "model.embed_tokens.weight", (v, h))])]
+    maps += [_pack("layer", i, _layer_specs(cfg, i)) for i in range(cfg.num_layers)]
     head: list[_Spec] = [("norm", "model.norm.weight", (h,))]
     if not cfg.tie_word_embeddings:
         head.append(("lm_head", "lm_head.weight", (v, h)))
-    layouts.append(_pack("head", None, head))
-    return layouts
+    maps.append(_pack("head", None, head))
+    return maps
 
 
-def bind(flat: Tensor, layout: UnitLayout) -> dict[str, Tensor]:
-    """Views of ``flat`` (1-D, at least ``layout.numel`` elements) shaped per entry.
+def bind(flat: Tensor, flat_map: FlatMap) -> dict[str, Tensor]:
+    """Views of ``flat`` (1-D, at least ``flat_map.numel`` elements) shaped per entry.
 
     No data is copied: writing to a view writes to ``flat``.
     """
-    if flat.dim() != 1 or flat.numel() < layout.numel:
+    if flat.dim() != 1 or flat.numel() < flat_map.numel:
         raise ValueError(
-            f"bind: unit {layout.key} needs a 1-D buffer of at least {layout.numel} elements, "
+            f"bind: unit {flat_map.key} needs a 1-D buffer of at least {flat_map.numel} elements, "
             f"got shape {tuple(flat.shape)}"
         )
-    return {e.key: flat[e.offset : e.offset + e.numel].view(e.shape) for e in layout.entries}
+    return {e.key: flat[e.offset : e.offset + e.numel].view(e.shape) for e in flat_map.entries}
 
 
-def unit_numel_max(layouts: Sequence[UnitLayout]) -> int:
+def unit_numel_max(maps: Sequence[FlatMap]) -> int:
     """The largest unit's padded size: what one reusable staging buffer must hold."""
-    return max(lay.numel for lay in layouts)
+    return max(m.numel for m in maps)

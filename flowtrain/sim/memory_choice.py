@@ -1,7 +1,7 @@
 """``--activations auto`` and ``--layout auto``, checked against predicted step time.
 
-The planner places activations and picks the host layout by rules: what each placement saves
-per GPU byte (:func:`~flowtrain.plan.planner.place_activations`, :mod:`flowtrain.plan.attention`), and the
+The planner picks where activations wait and the host layout by rules: what each choice saves
+per GPU byte (:func:`~flowtrain.plan.planner.plan_activations`, :mod:`flowtrain.plan.attention`), and the
 staged layout (12 bytes per parameter) unless ``--grad-clip`` needs the full one. The rules
 follow what the H200 measured; another machine may want otherwise (a slow link wants the
 stream-bf16 layout, which halves the bytes of every fetch for 2 more host bytes per parameter).
@@ -9,7 +9,7 @@ So where a machine model of the run's GPU is known (the one ``--order auto`` pre
 :mod:`.order_choice`), the plan the rules make is compared with the plan of each alternative of
 a setting left on ``auto``, one change at a time::
 
-    req, plan, why = choose_placement(cfg, req, plan, plan_one, machine=machine)
+    req, plan, why = choose_memory(cfg, req, plan, plan_one, machine=machine)
 
 and the fastest predicted is taken where it fits and is at least 2% faster than the rules'
 plan (closer than the model can tell apart otherwise); ``why`` says so, and the plan and the run
@@ -35,13 +35,13 @@ import msgspec
 from ..plan.planner import never_resident
 from .order_choice import MARGIN, Predictions, this_gpu_machine
 
-__all__ = ["alternatives", "choose_placement", "more_resident"]
+__all__ = ["alternatives", "choose_memory", "more_resident"]
 
 
 def alternatives(req: Any) -> list[tuple[str, str]]:
     """``(setting, value)`` pairs to compare with the rules' plan: the explicit values of each
     setting the request leaves on ``auto``, where the rules may be wrong: keeping layers or not,
-    and the layout. Not the placements the rules turn to only for memory: ``offload`` (the rules
+    and the layout. Not the ``--activations`` the rules turn to only for memory: ``offload`` (the rules
     offload what the GPU cannot hold; offloading more only adds copies) and ``attention`` (the
     rules save attention outputs wherever their FLOPs pay for their bytes; on every layer they
     take memory that checkpoints or kept layers use better). Both stay in ``flowtrain plan
@@ -80,7 +80,7 @@ def more_resident(cfg: Any, req: Any, plan: Any, fits: Callable[[str], bool]) ->
     return [value(n) for n in sorted(counts)]
 
 
-def choose_placement(cfg: Any, req: Any, plan: Any, plan_one: Callable[[Any], Any], *, policy: Any,
+def choose_memory(cfg: Any, req: Any, plan: Any, plan_one: Callable[[Any], Any], *, policy: Any,
                      machine: Any = None, local_gpu: bool = True,
                      predictions: Predictions | None = None) -> tuple[Any, Any, str | None]:
     """``(req, plan, why)``: the rules' request and plan, or an alternative's predicted at least

@@ -1,4 +1,6 @@
-"""Sizes of the host and device buffers, as plain arithmetic on unit layouts (no torch).
+"""Sizes of the host and device buffers, as plain arithmetic on the units' flat maps (no torch):
+weight and gradient slots, host staging slots and the chunks a gradient passes them in, the undo
+arena; and the host state layouts (``--layout``) they are sized for.
 
 The planner (:mod:`flowtrain.plan.planner`), the simulator and the state itself
 (:mod:`flowtrain.train.host_state`, :mod:`flowtrain.train.program`) size their buffers with
@@ -15,7 +17,7 @@ from ..errors import ConfigError
 
 if TYPE_CHECKING:
     from ..model.config import ModelConfig
-    from ..model.layout import UnitLayout
+    from ..model.flat_map import FlatMap
 
 #: Host state layouts: fp32 master and Adam m, v always; gradients through a staging ring
 #: (``staged``), a per-unit host gradient (``full``), or staged plus a bf16 streaming copy.
@@ -76,7 +78,7 @@ def check_units_fit(cfg: "ModelConfig", host_mem: float | None, gpu_bytes: int |
 LANDING_NUMEL = 16 << 20
 
 
-def slot_numel(layouts: list[UnitLayout], resident: Iterable[str], tied: bool) -> int:
+def slot_numel(layouts: list[FlatMap], resident: Iterable[str], tied: bool) -> int:
     """Elements of one device weight or gradient slot: the largest streamed unit; a streamed
     tied head's slot also carries the embedding matrix after the final norm."""
     res = set(resident)
@@ -86,7 +88,7 @@ def slot_numel(layouts: list[UnitLayout], resident: Iterable[str], tied: bool) -
     return n
 
 
-def staging_numel(layouts: Iterable[UnitLayout], resident: Iterable[str] = ()) -> int:
+def staging_numel(layouts: Iterable[FlatMap], resident: Iterable[str] = ()) -> int:
     """Elements of one host staging slot: the largest streamed decoder layer (or, with no
     streamed layer, the largest streamed unit). Bigger units pass through it in chunks."""
     res = set(resident)
@@ -101,7 +103,7 @@ def staging_numel(layouts: Iterable[UnitLayout], resident: Iterable[str] = ()) -
 MAX_GRAD_CHUNKS = 1 << 14
 
 
-def grad_chunks(layouts: Iterable[UnitLayout], resident: Iterable[str], stage_n: int) -> dict[str, int]:
+def grad_chunks(layouts: Iterable[FlatMap], resident: Iterable[str], stage_n: int) -> dict[str, int]:
     """Staging chunks of every streamed unit larger than one staging slot. A unit that would
     need more than :data:`MAX_GRAD_CHUNKS` is refused in one line, before any task is built."""
     res = set(resident)
