@@ -17,7 +17,7 @@ like a Hugging Face Trainer checkpoint, so ``AutoModelForCausalLM.from_pretraine
 Writing is one task per unit, on any thread and in any order, while other units train on;
 ``finish`` then writes the small files and renames the folder into place::
 
-    writer = CheckpointWriter(root, step=4, cfg=state.cfg, layouts=state.layouts)
+    writer = CheckpointWriter(root, step=4, cfg=state.cfg, flat_maps=state.flat_maps)
     for i, unit in enumerate(state.units):      # or concurrently, one thread per unit
         writer.write_unit(i, unit)
     path = writer.finish({"step": 4, "data": ...}, extra_files=tokenizer_files(model_dir))
@@ -132,7 +132,7 @@ def step_of(unit: SavedUnit) -> int:
     counts = sorted({int(s.item()) for s in unit.steps})
     if len(counts) != 1:
         raise CheckpointError(
-            f"{unit.layout.key}: its gradient chunks have taken different numbers of Adam steps "
+            f"{unit.flat_map.key}: its gradient chunks have taken different numbers of Adam steps "
             f"({', '.join(map(str, counts))}); save only between optimizer steps"
         )
     return counts[0]
@@ -215,25 +215,25 @@ class CheckpointWriter:
     ``write_unit`` may be called from several threads at once, for different units, in any
     order. Use as a context manager to abort on an exception::
 
-        with CheckpointWriter(root, step, cfg, layouts) as writer:
+        with CheckpointWriter(root, step, cfg, flat_maps) as writer:
             ...
             writer.finish(trainer_state)
     """
 
     def __init__(self, root: str | os.PathLike[str], step: int, cfg: ModelConfig,
-                 layouts: Sequence[FlatMap], source_config: dict | None = None,
+                 flat_maps: Sequence[FlatMap], source_config: dict | None = None,
                  adapter_config: str | None = None) -> None:
         """``source_config``: the ``config.json`` of the model the run started from, which the
         checkpoint's ``config.json`` keeps key for key but for the dtype (fp32); without one,
         flowtrain writes its own (:func:`~flowtrain.ckpt.hf.hf_config_text`). With LoRA the
-        layouts are the adapters' and ``adapter_config`` the text of their PEFT
+        flat maps are the adapters' and ``adapter_config`` the text of their PEFT
         ``adapter_config.json``, which the checkpoint keeps beside the base's ``config.json``."""
         if step < 0:
             raise ValueError(f"CheckpointWriter: step must not be negative (got {step})")
         self.root = Path(root)
         self.step = step
         self.cfg = cfg
-        self.layouts = list(layouts)
+        self.flat_maps = list(flat_maps)
         self.source_config = source_config
         self.adapter_config = adapter_config
         self.final = self.root / f"checkpoint-{step}"
@@ -256,14 +256,14 @@ class CheckpointWriter:
             self.abort()
 
     def __repr__(self) -> str:
-        return f"<CheckpointWriter {self.final.name} {len(self._units)}/{len(self.layouts)} units>"
+        return f"<CheckpointWriter {self.final.name} {len(self._units)}/{len(self.flat_maps)} units>"
 
     def write_unit(self, index: int, unit: SavedUnit) -> None:
         """Write unit ``index``'s weight and optimizer shards. Thread-safe across units."""
-        n = len(self.layouts)
-        layout = self.layouts[index] if 0 <= index < n else None
-        if layout is None or unit.layout != layout:
-            raise ValueError(f"write_unit: unit {index} ({unit.layout.key}) is not unit {index} of this model")
+        n = len(self.flat_maps)
+        layout = self.flat_maps[index] if 0 <= index < n else None
+        if layout is None or unit.flat_map != layout:
+            raise ValueError(f"write_unit: unit {index} ({unit.flat_map.key}) is not unit {index} of this model")
         with self._lock:
             if self._closed:
                 raise ValueError(f"write_unit: {self.final.name} was already finished or aborted")
@@ -302,7 +302,7 @@ class CheckpointWriter:
         with self._lock:
             if self._closed:
                 raise ValueError(f"finish: {self.final.name} was already finished or aborted")
-            missing = [lay.key for i, lay in enumerate(self.layouts) if i not in self._units]
+            missing = [lay.key for i, lay in enumerate(self.flat_maps) if i not in self._units]
             if missing or self._busy:
                 raise CheckpointError(
                     f"{self.final.name} is incomplete: unit(s) {', '.join(missing)} not written; "
@@ -331,8 +331,8 @@ class CheckpointWriter:
     # ------------------------------------------------------------------ finish's phases
 
     def _write_small_files(self, trainer_state: dict, extra_files: Iterable[str | os.PathLike[str]]) -> None:
-        n = len(self.layouts)
-        weight_map = {name: model_file(i, n) for i, lay in enumerate(self.layouts) for e in lay.entries
+        n = len(self.flat_maps)
+        weight_map = {name: model_file(i, n) for i, lay in enumerate(self.flat_maps) for e in lay.entries
                       for name, _, _ in hub_tensors(e)}
         index = {"metadata": {"total_size": sum(self._units.values())}, "weight_map": weight_map}
         small = {
@@ -582,7 +582,7 @@ def load_training_state(path: str | os.PathLike[str], state: RestorableState[_Un
             f"but the model has {n} units ({expected[0]}, ...); it was saved for another model"
         )
     for i, unit in enumerate(units):  # check every header before touching the state
-        _check_header(ckpt / expected[i], unit.layout)
+        _check_header(ckpt / expected[i], unit.flat_map)
     state.load_checkpoint(ckpt, units)  # masters, refused if not finite
     for i, unit in enumerate(units):
         _load_moments(ckpt / expected[i], unit)
@@ -613,7 +613,7 @@ def _check_header(file: Path, layout: FlatMap) -> None:
 def _load_moments(file: Path, unit: SavedUnit) -> None:
     """Copy exp_avg and exp_avg_sq piece by piece (bounded host memory) and set every chunk's
     step count."""
-    where, key, numel = f"{file.parent.name}/{file.name}", unit.layout.key, unit.layout.numel
+    where, key, numel = f"{file.parent.name}/{file.name}", unit.flat_map.key, unit.flat_map.numel
     try:
         with safe_open(str(file), framework="pt") as f:
             for name, dst in (("exp_avg", unit.exp_avg), ("exp_avg_sq", unit.exp_avg_sq)):
@@ -639,7 +639,7 @@ def _load_expert_steps(where: str, unit: SavedUnit, step: float, saved: torch.Te
     """A sparse layer's per-expert step counts (``saved``, read from ``where``), where the run
     that saved it skipped idle experts; a run that does not skip them can resume only where
     every expert kept up."""
-    key = unit.layout.key
+    key = unit.flat_map.key
     if saved is not None and (saved.dim() != 1 or not all_finite(saved) or bool((saved < 0).any())
                               or bool((saved != saved.round()).any()) or bool((saved > step).any())):
         raise CheckpointError(f"{where}: expert_steps of {key} are not step counts of its experts")

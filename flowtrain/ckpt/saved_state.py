@@ -32,7 +32,7 @@ class SavedUnit(Protocol):
     never replaces one."""
 
     @property
-    def layout(self) -> FlatMap:
+    def flat_map(self) -> FlatMap:
         """The unit's key (``"embed"``, ``"layer.3"``, ``"adapter.3"``, ...), its ``numel`` and
         the Hugging Face names of its tensors."""
         ...

@@ -125,14 +125,14 @@ def shared_sizes(layouts: list[FlatMap], layout: str, resident: set[str], dtype:
 class UnitState:
     """The flat tensors of one unit; see the module docstring for each field."""
 
-    __slots__ = ("layout", "master", "exp_avg", "exp_avg_sq", "grad", "stream", "compute", "steps", "resident",
+    __slots__ = ("flat_map", "master", "exp_avg", "exp_avg_sq", "grad", "stream", "compute", "steps", "resident",
                  "frozen", "expert_steps")
 
     def __init__(self, layout: FlatMap, *, pin: bool, layout_name: str, resident: bool,
                  device: torch.device, dtype: torch.dtype, chunks: int, arena: SharedArena | None = None,
                  frozen: bool = False, experts: int = 0) -> None:
         n = layout.numel
-        self.layout = layout
+        self.flat_map = layout  # where each weight sits in the unit's flat buffers
         self.expert_steps = None
         if experts:  # on the device where resident; in the node's shared file where the state is
             self.expert_steps = (arena.take("plain", experts, torch.float32) if arena is not None and not resident
@@ -174,7 +174,7 @@ class UnitState:
         """The unit's own fp32 gradient: a resident unit's on the device, the full layout's on
         the host. A staged unit has none (its gradient passes through the pinned ring)."""
         if self.grad is None:
-            raise RuntimeError(f"{self.layout.key} has no gradient buffer of its own (staged layout, streamed)")
+            raise RuntimeError(f"{self.flat_map.key} has no gradient buffer of its own (staged layout, streamed)")
         return self.grad
 
     def refresh_copies(self, lo: int = 0, hi: int | None = None) -> None:
@@ -238,8 +238,8 @@ class HostState:
         return cls(cfg, units, layout, arena, lora, adapters)
 
     @property
-    def layouts(self) -> list[FlatMap]:
-        return [u.layout for u in self.units]
+    def flat_maps(self) -> list[FlatMap]:
+        return [u.flat_map for u in self.units]
 
     @property
     def embed(self) -> UnitState:
@@ -251,7 +251,7 @@ class HostState:
 
     @property
     def resident(self) -> tuple[str, ...]:
-        return tuple(u.layout.key for u in self.units if u.resident)
+        return tuple(u.flat_map.key for u in self.units if u.resident)
 
     @property
     def trained(self) -> list[UnitState]:
@@ -275,7 +275,7 @@ class HostState:
         the weights are the same whatever the order."""
         workers = min(len(self.units), os.cpu_count() or 1)
         with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(lambda u: init_unit(u.master, u.layout, self.cfg, seed), self.units))
+            list(pool.map(lambda u: init_unit(u.master, u.flat_map, self.cfg, seed), self.units))
         self.init_adapters(seed)
         self.refresh_copies()
 
@@ -285,7 +285,7 @@ class HostState:
         assert self.lora is not None
         for i, a in enumerate(self.adapters):
             base = self.units[1 + i]
-            merge_adapter(base.master, base.layout, a.master.cpu(), a.layout, self.lora.scale)
+            merge_adapter(base.master, base.flat_map, a.master.cpu(), a.flat_map, self.lora.scale)
             base.refresh_copies()
 
     def load_adapters(self, flats: list[torch.Tensor]) -> None:
@@ -296,18 +296,18 @@ class HostState:
     def init_adapters(self, seed: int) -> None:
         """Fresh adapters as PEFT makes them (``B`` zero: the adapted model is the base)."""
         for a in self.adapters:
-            init_adapter(a.master, a.layout, seed)
+            init_adapter(a.master, a.flat_map, seed)
 
     def load_checkpoint(self, model_dir: str | Path, units: list[UnitState] | None = None) -> None:
         """Fill the masters of ``units`` (by default the model's) from a Hugging Face model
         directory, or from a checkpoint of this run (:attr:`trained`, the adapters with LoRA);
         weights that hold NaN or inf are refused (training from them would only spread it)."""
         units = self.units if units is None else units
-        load_into(model_dir, self.cfg, [u.layout for u in units], [u.master for u in units])
+        load_into(model_dir, self.cfg, [u.flat_map for u in units], [u.master for u in units])
         for u in units:
-            for name, view in unit_tensors(u.master, u.layout):
+            for name, view in unit_tensors(u.master, u.flat_map):
                 if not all_finite(view):
-                    raise CheckpointError(f"{model_dir}: the weight {name} ({u.layout.key}) holds NaN or inf")
+                    raise CheckpointError(f"{model_dir}: the weight {name} ({u.flat_map.key}) holds NaN or inf")
         self.refresh_copies()
 
     def refresh_copies(self) -> None:
@@ -320,10 +320,10 @@ class HostState:
         the adapters as a PEFT adapter folder (fp32; ``base_model`` named in its config), or with
         ``merge`` the base with the adapters merged into it (:meth:`merge_adapters`) as a model."""
         if self.lora is not None and not merge:
-            save_adapter(out_dir, self.lora, [a.layout for a in self.adapters], [a.master.cpu() for a in self.adapters],
+            save_adapter(out_dir, self.lora, [a.flat_map for a in self.adapters], [a.master.cpu() for a in self.adapters],
                          base_model=base_model)
             return
         if self.lora is not None:
             self.merge_adapters()
-        save_hf(out_dir, self.cfg, self.layouts, [u.master for u in self.units], dtype,
+        save_hf(out_dir, self.cfg, self.flat_maps, [u.master for u in self.units], dtype,
                 max_shard_bytes=max_shard_bytes, source_config=source_config)

@@ -49,7 +49,7 @@ class IdleExperts:
         #: where each expert's weights sit in them
         self.slices: dict[int, ExpertSlices] = {}
         for i, unit in enumerate(state.units[1:-1]):
-            sl = ExpertSlices.of(unit.layout)
+            sl = ExpertSlices.of(unit.flat_map)
             if unit.expert_steps is not None and sl is not None:
                 self.slices[i] = sl
         self._counts: dict[tuple[int, int, int], torch.Tensor] = {}  # (step, layer, mb) -> (experts,) fp32

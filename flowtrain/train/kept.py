@@ -51,12 +51,12 @@ class Kept:
     """One layer's kept forward: its input and weight leaves (and the layout they follow), its
     output, and the buffer its saved weight views are read from (set by :func:`backward_kept`)."""
 
-    __slots__ = ("x", "leaves", "layout", "y", "weights", "bytes", "_seen")
+    __slots__ = ("x", "leaves", "flat_map", "y", "weights", "bytes", "_seen")
 
     def __init__(self, layout: FlatMap, count: bool = False) -> None:
         self.x: Tensor | None = None
         self.leaves: dict[str, Tensor] | None = None
-        self.layout = layout
+        self.flat_map = layout
         self.y: Tensor | None = None
         self.weights: Tensor | None = None  # the flat buffer the backward reads weights from
         self.bytes = 0  # device bytes of the kept activations, when counted (saved_bytes)
@@ -113,7 +113,7 @@ def backward_kept(kept: Kept, weights: Tensor, dy: Tensor, grads: Tensor, extra:
     assert kept.y is not None and kept.x is not None and kept.leaves is not None
     outputs, grad_outputs = ((kept.y, dy) if extra is None
                              else ((kept.y, extra), (dy, torch.ones_like(extra))))
-    dx = backward_into(outputs, grad_outputs, kept.x, kept.leaves, kept.layout, grads, first)
+    dx = backward_into(outputs, grad_outputs, kept.x, kept.leaves, kept.flat_map, grads, first)
     kept.x = kept.leaves = kept.y = kept.weights = None
     return dx
 

@@ -259,8 +259,8 @@ class TrainingLoop:
     def _open_checkpoint(self, s: int) -> None:
         lora = self.state.lora  # a LoRA checkpoint holds the adapters (the base is the model's own)
         writer = checkpoints.CheckpointWriter(self.cfg.out, s + 1, self.state.cfg,  # type: ignore[arg-type]
-                                              [u.layout for u in self.state.trained], source_config=self.source_config,
-                                              adapter_config=adapter_config_text(lora, [u.layout for u in self.state.trained],
+                                              [u.flat_map for u in self.state.trained], source_config=self.source_config,
+                                              adapter_config=adapter_config_text(lora, [u.flat_map for u in self.state.trained],
                                                                                  self.cfg.model) if lora else None)
         self.writers[s] = writer
         self.program.checkpoints[s] = writer

@@ -51,7 +51,7 @@ def make_state(cfg=CFG, *, layout="full", resident=(), chunks=None, dtype=torch.
 
 
 def save(state, root, step, trainer_state=None, **kwargs):
-    writer = CheckpointWriter(root, step, state.cfg, state.layouts)
+    writer = CheckpointWriter(root, step, state.cfg, state.flat_maps)
     for i, u in enumerate(state.units):
         writer.write_unit(i, u)
     return writer.finish(trainer_state or {"step": step}, **kwargs)
@@ -59,7 +59,7 @@ def save(state, root, step, trainer_state=None, **kwargs):
 
 def assert_same(a: HostState, b: HostState) -> None:
     for ua, ub in zip(a.units, b.units):
-        key = ua.layout.key
+        key = ua.flat_map.key
         assert torch.equal(ua.master, ub.master), key
         assert torch.equal(ua.exp_avg, ub.exp_avg), key
         assert torch.equal(ua.exp_avg_sq, ub.exp_avg_sq), key
@@ -101,7 +101,7 @@ def test_round_trip_is_exact_across_layouts(tmp_path, case):
     for u in dst.units:  # the compute / streaming copies follow the loaded masters
         for copy in (u.compute, u.stream):
             if copy is not None:
-                assert torch.equal(copy, u.master.to(copy.dtype)), u.layout.key
+                assert torch.equal(copy, u.master.to(copy.dtype)), u.flat_map.key
 
 
 def test_concurrent_writes_in_shuffled_order_and_small_pieces(tmp_path, monkeypatch):
@@ -110,7 +110,7 @@ def test_concurrent_writes_in_shuffled_order_and_small_pieces(tmp_path, monkeypa
     src = make_state(layout="staged", resident=("layer.1",), chunks={"embed": 4}, seed=3)
     order = list(range(len(src.units)))
     random.Random(0).shuffle(order)
-    writer = CheckpointWriter(tmp_path, 12, CFG, src.layouts)
+    writer = CheckpointWriter(tmp_path, 12, CFG, src.flat_maps)
     with ThreadPoolExecutor(max_workers=4) as pool:
         list(pool.map(lambda i: writer.write_unit(i, src.units[i]), order))
     writer.finish({"step": 12})
@@ -133,8 +133,8 @@ def test_loads_in_transformers(tmp_path, tied):
     params = model.state_dict()
     n = 0
     for u in state.units:
-        for e in u.layout.entries:
-            assert torch.equal(params[e.name], bind(u.master, u.layout)[e.key]), e.name
+        for e in u.flat_map.entries:
+            assert torch.equal(params[e.name], bind(u.master, u.flat_map)[e.key]), e.name
             n += e.numel
     assert index["metadata"]["total_size"] == 4 * n
     if tied:
@@ -221,7 +221,7 @@ def test_other_model_is_refused(saved):
 def test_unequal_chunk_steps_and_missing_units_are_refused(tmp_path):
     state = make_state(chunks={"embed": 2})
     state.units[0].steps[1].fill_(99)
-    with CheckpointWriter(tmp_path, 1, CFG, state.layouts) as writer:
+    with CheckpointWriter(tmp_path, 1, CFG, state.flat_maps) as writer:
         with pytest.raises(CheckpointError, match="embed: its gradient chunks have taken different.*7, 99"):
             writer.write_unit(0, state.units[0])
         writer.write_unit(1, state.units[1])
@@ -247,7 +247,7 @@ def test_failed_write_then_abort_keeps_previous_checkpoint(saved, monkeypatch):
 
     monkeypatch.setattr(model_ckpt, "_write_tensor", failing)
     state = make_state(seed=5)
-    writer = CheckpointWriter(root, 4, CFG, state.layouts)
+    writer = CheckpointWriter(root, 4, CFG, state.flat_maps)
     with pytest.raises(CheckpointError, match="No space left"):
         for i, u in enumerate(state.units):
             writer.write_unit(i, u)
@@ -301,7 +301,7 @@ def test_failed_rename_puts_old_checkpoint_back(saved, monkeypatch):
 
 
 def test_remove_stale(tmp_path):
-    killed = CheckpointWriter(tmp_path, 8, CFG, make_state(filled=False).layouts)  # never finished
+    killed = CheckpointWriter(tmp_path, 8, CFG, make_state(filled=False).flat_maps)  # never finished
     (tmp_path / ".checkpoint-3.old-ab12").mkdir()  # moved aside, replacement never arrived
     (tmp_path / ".checkpoint-3.old-ab12" / "manifest.json").write_text("{}")
     (tmp_path / "checkpoint-5").mkdir()

@@ -58,7 +58,7 @@ def trained(source: Path) -> HostState:
 
 
 def masters(state: HostState) -> dict[str, torch.Tensor]:
-    return {name: t for u in state.units for name, t in unit_tensors(u.master, u.layout)}
+    return {name: t for u in state.units for name, t in unit_tensors(u.master, u.flat_map)}
 
 
 def stored_dtypes(out: Path) -> set[str]:
@@ -125,7 +125,7 @@ def test_above_the_shard_size_shards_greedily_with_an_index(source, tmp_path):
     assert_loads_as(out, state, torch.bfloat16)
     # flowtrain reads its own sharded output back
     back = HostState.create(read_config(out), pin=False)
-    load_into(out, back.cfg, back.layouts, [u.master for u in back.units])
+    load_into(out, back.cfg, back.flat_maps, [u.master for u in back.units])
     got = masters(back)
     for name, t in masters(state).items():
         assert torch.equal(got[name], t.to(torch.bfloat16).float()), name

@@ -91,7 +91,7 @@ def test_lora_host_state_allocates_what_the_plan_counts():
     assert host == plan.host["base"] == 2 * cfg.num_parameters()
     assert all(u.grad is None and not u.steps for u in state.units)
     req = run_request(TrainConfig(seq_len=16, lora_rank=4))
-    assert sum(a.layout.numel for a in state.adapters) == adapter_numel(cfg, req)
+    assert sum(a.flat_map.numel for a in state.adapters) == adapter_numel(cfg, req)
 
 
 def test_adapters_go_to_host_memory_where_the_gpu_cannot_hold_them(capsys):

@@ -295,7 +295,7 @@ def test_two_processes_on_a_node_take_about_the_host_memory_of_one(tmp_path):
     make = ("import sys, torch; from flowtrain.train.host_state import HostState; "
             "from flowtrain.model.model_dir import read_config; "
             "s = HostState.create(read_config(sys.argv[1]), pin=False); s.init_random(0); "
-            "s.save(sys.argv[1], torch.bfloat16); print(sum(u.layout.numel for u in s.units))")
+            "s.save(sys.argv[1], torch.bfloat16); print(sum(u.flat_map.numel for u in s.units))")
     made = subprocess.run([sys.executable, "-c", make, str(model)], capture_output=True, text=True, timeout=300)
     assert made.returncode == 0, made.stderr[-2000:]
     state_bytes = 12 * int(made.stdout.split()[-1])  # master, m and v in fp32

@@ -105,7 +105,7 @@ class Run:
     def snapshot(self) -> dict[str, torch.Tensor]:
         out = {}
         for u in self.state.units:
-            k = u.layout.key
+            k = u.flat_map.key
             out.update({f"{k}.master": u.master, f"{k}.exp_avg": u.exp_avg, f"{k}.exp_avg_sq": u.exp_avg_sq,
                         f"{k}.steps": torch.stack(u.steps)})
             for name in ("stream", "compute"):

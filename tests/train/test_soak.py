@@ -61,6 +61,6 @@ def test_random_delays_in_every_lane_give_the_reference_weights(tmp_path, monkey
     state = captured["state"]
     for a, b in zip(ref.units, state.units):
         for name in ("master", "exp_avg", "exp_avg_sq"):
-            assert torch.equal(getattr(a, name), getattr(b, name)), (a.layout.key, name)
+            assert torch.equal(getattr(a, name), getattr(b, name)), (a.flat_map.key, name)
         assert [float(x) for x in a.steps] == [float(x) for x in b.steps] == [steps] * len(a.steps)
     assert [p.name for p in (tmp_path / "out").glob("checkpoint-*")] == [f"checkpoint-{steps}"]

@@ -79,7 +79,7 @@ class StepProgram:
         self.checkpointed = checkpoint_layers(self.cfg.num_layers, checkpoint_every)
         self.adamw = adamw
         #: per unit, the element ranges that get no weight decay (``--weight-decay-skip``)
-        self.no_decay = {u.layout.key: no_decay_ranges(u.layout.entries, adamw.weight_decay_skip)
+        self.no_decay = {u.flat_map.key: no_decay_ranges(u.flat_map.entries, adamw.weight_decay_skip)
                          for u in state.trained}
         # ---- the parts
         self.slots = Slots(state, budgets, device=self.device, dtype=dtype, lora=state.lora is not None)

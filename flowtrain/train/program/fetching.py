@@ -33,7 +33,7 @@ def run_fetch(p: StepProgram, task: Fetch, ctx: TaskContext) -> int:
     units = [p.unit(task), *p.head.fetched_with(task), *p.training.fetched_with(task)]
     moved = off = 0
     for unit in units:
-        n = unit.layout.numel
+        n = unit.flat_map.numel
         moved += p.slots.stream_in(unit, dst[off : off + n], [(0, n)])
         off += n
     return moved

@@ -28,7 +28,7 @@ class Finiteness:
         self.state = state
         self.slots = slots
         #: host bytes the undo records of not yet verified steps may hold (see nonfinite.py)
-        streamed = [(u.layout.numel, len(u.steps)) for u in state.trained if not u.resident]
+        streamed = [(u.flat_map.numel, len(u.steps)) for u in state.trained if not u.resident]
         self.undo = UndoBudget(undo_bytes, most=undo_arena_bytes(streamed, slots.stage_n, undo_bytes))
         #: a value written into one gradient or loss, for tests (else $FLOWTRAIN_INJECT_NAN)
         self.inject = inject or injection_from_env(state.cfg.num_layers)
@@ -54,9 +54,9 @@ class Finiteness:
 
     def resident_sq_norm(self, data: StepData, unit: UnitState) -> None:
         """Squared norm and non-finite flag (on the device) of a resident unit's gradient."""
-        grad = unit.own_grad()[: unit.layout.numel]
-        sq = data.sq_norms[(unit.layout.key, None)] = torch.dot(grad, grad)
-        data.check.resident.append((unit.layout.key, nonfinite(grad, sq)))
+        grad = unit.own_grad()[: unit.flat_map.numel]
+        sq = data.sq_norms[(unit.flat_map.key, None)] = torch.dot(grad, grad)
+        data.check.resident.append((unit.flat_map.key, nonfinite(grad, sq)))
 
     def found_inf(self, data: StepData) -> None:
         """Once every gradient of the step is in: 1.0 on the device if the loss or any of them is

@@ -33,7 +33,7 @@ if TYPE_CHECKING:
 @HANDLERS.register("zero_grad")
 def run_zero_grad(p: StepProgram, task: ZeroGrad, ctx: TaskContext) -> None:
     """Zero the gradient slot this task took, as far as its unit (and what rides behind it) fills it."""
-    p.slots.grad_slots[ctx.slot][: p.unit(task).layout.numel + p.head.slot_extra(task)].zero_()  # type: ignore[index]
+    p.slots.grad_slots[ctx.slot][: p.unit(task).flat_map.numel + p.head.slot_extra(task)].zero_()  # type: ignore[index]
 
 
 @HANDLERS.register("reduce_grad")
@@ -42,9 +42,9 @@ def run_reduce_grad(p: StepProgram, task: ReduceGrad, ctx: TaskContext) -> None:
     unit = p.unit(task)
     p.experts.sum_counts(task, p.steps[task.step].micro_batches)
     if unit.resident:  # its own accumulator (a tied head's matrix part is the embedding's)
-        all_reduce_sum(unit.own_grad()[: unit.layout.numel])
+        all_reduce_sum(unit.own_grad()[: unit.flat_map.numel])
     else:
-        all_reduce_sum(p.slots.grad_slots[ctx.read(GRADS)][: unit.layout.numel + p.head.slot_extra(task)])
+        all_reduce_sum(p.slots.grad_slots[ctx.read(GRADS)][: unit.flat_map.numel + p.head.slot_extra(task)])
 
 
 @HANDLERS.register("offload_grad")
@@ -55,7 +55,7 @@ def run_offload_grad(p: StepProgram, task: OffloadGrad, ctx: TaskContext) -> int
     unit = p.unit(task)
     src = p.slots.grad_slots[ctx.read(GRADS)]
     moved = p.head.offload_extra(task, unit, src)
-    lo, hi = chunk_range(unit.layout.numel, p.slots.stage_n, task.chunk)
+    lo, hi = chunk_range(unit.flat_map.numel, p.slots.stage_n, task.chunk)
     dst = unit.own_grad() if task.chunk is None else p.slots.staging[ctx.slot][: hi - lo]  # type: ignore[index]
     _flag_pieces(p, task, unit, src, lo, hi)
     for a, b in p.experts.offload_ranges(task, p.steps[task.step].micro_batches, lo, hi):
@@ -69,7 +69,7 @@ def _flag_pieces(p: StepProgram, task: OffloadGrad, unit: UnitState, src: torch.
     embedding's norm waits for the host sum, its flag does not), and of what rides behind it;
     each flag also goes to the host, on this lane."""
     data = p.steps[task.step]
-    key = unit.layout.key
+    key = unit.flat_map.key
     piece = src[lo:hi]
     if p.head.norm_waits(task):
         flags = [(key, nonfinite(piece))]

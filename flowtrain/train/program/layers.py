@@ -48,7 +48,7 @@ def run_embed(p: StepProgram, task: Embed, ctx: TaskContext) -> None:
         p.layers.dev_ids[(s, m)] = ids
     p.layers.place_documents("eval" if evaluating else "train", s, m, data.docs[m])
     embed_state = p.state.embed
-    w = bind(p.slots.weights(embed_state, ctx), embed_state.layout)["embed_tokens"]
+    w = bind(p.slots.weights(embed_state, ctx), embed_state.flat_map)["embed_tokens"]
     inputs = p.store.eval_inputs if evaluating else p.store.inputs
     inputs.put((s, 0, m), embed(ids, w, p.layers.embed_multiplier))
 
@@ -105,7 +105,7 @@ def run_backward(p: StepProgram, task: Backward, ctx: TaskContext) -> None:
             leaves, w = p.training.backward_weights(i, ctx, (s, m, tuple(x.shape[:-1])))
             y = p.layers.run("train", s, i, m, x, w, tap)
             outputs, grad_outputs = ((y, terms[0]), (dy, torch.ones_like(terms[0]))) if terms else (y, dy)
-            dx = backward_into(outputs, grad_outputs, x, leaves, p.training.trained(i).layout, grads, first)
+            dx = backward_into(outputs, grad_outputs, x, leaves, p.training.trained(i).flat_map, grads, first)
     if p.training.hands_input_grad(i):
         p.store.grads.put((s, i - 1, m), dx)
 
@@ -118,7 +118,7 @@ def run_embed_backward(p: StepProgram, task: EmbedBackward, ctx: TaskContext) ->
     ids = p.layers.dev_ids.pop((s, m))
     p.layers.dev_docs.pop(("train", s, m), None)
     emb = p.state.embed
-    g = bind(p.slots.grads(emb, ctx), emb.layout)["embed_tokens"]
+    g = bind(p.slots.grads(emb, ctx), emb.flat_map)["embed_tokens"]
     if p.layers.embed_multiplier is not None:  # the multiplier, rounded as the forward used it
         dx = dx * torch.tensor(p.layers.embed_multiplier, dtype=dx.dtype, device=dx.device)
     if p.cfg.pad_token_id is not None:

@@ -25,7 +25,7 @@ def run_save(p: StepProgram, task: SaveUnit, ctx: TaskContext) -> int:
     """Write one unit into its step's checkpoint; returns the bytes written."""
     unit = p.unit(task)
     p.checkpoints[task.step].write_unit(p.state.trained.index(unit), unit)
-    return 12 * unit.layout.numel
+    return 12 * unit.flat_map.numel
 
 
 @HANDLERS.register("sync_step")

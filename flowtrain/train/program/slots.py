@@ -42,8 +42,8 @@ class Slots:
         self.pin = device.type == "cuda"
         self.non_blocking = device.type == "cuda"
         tied = state.cfg.tie_word_embeddings
-        adapter_n = max((a.layout.numel for a in state.adapters if not a.resident), default=0)
-        slot_n = slot_numel(state.layouts, state.resident, tied) + adapter_n
+        adapter_n = max((a.flat_map.numel for a in state.adapters if not a.resident), default=0)
+        slot_n = slot_numel(state.flat_maps, state.resident, tied) + adapter_n
         grad_n = adapter_n if lora else slot_n
         self.weight_c = [torch.empty(slot_n, dtype=dtype, device=device) for _ in range(budgets[WEIGHTS])]
         needs_landing = any(u.stream is None and u.master.dtype != dtype
@@ -52,7 +52,7 @@ class Slots:
                                    device=device)
         self.grad_slots = [torch.empty(grad_n, dtype=torch.float32, device=device) for _ in range(budgets[GRADS])]
         #: elements of one staging slot (a chunk of a streamed unit's gradient)
-        self.stage_n = staging_numel(state.layouts, state.resident)
+        self.stage_n = staging_numel(state.flat_maps, state.resident)
         self.staging = [pinned_zeros(self.stage_n, self.pin) for _ in range(budgets.get(HOST_GRADS, 0))]
 
     def weights(self, unit: UnitState, ctx: TaskContext) -> torch.Tensor:

@@ -41,14 +41,14 @@ class UntiedHead:
     def weights(self, ctx: TaskContext) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm_w, head_w)``: the final norm and output matrix a loss reads."""
         head = self.state.head
-        views = bind(self.slots.weights(head, ctx), head.layout)
+        views = bind(self.slots.weights(head, ctx), head.flat_map)
         return views["norm"], views["lm_head"]
 
     def grads(self, ctx: TaskContext) -> tuple[torch.Tensor, torch.Tensor]:
         """``(norm_grad, head_grad)``: the views a loss adds the head's gradient into, laid out
         as :meth:`weights` reads the weights."""
         head = self.state.head
-        views = bind(self.slots.grads(head, ctx), head.layout)
+        views = bind(self.slots.grads(head, ctx), head.flat_map)
         return views["norm"], views["lm_head"]
 
     def slot_extra(self, task: Task) -> int:
@@ -88,38 +88,38 @@ class TiedHead(UntiedHead):
     def __init__(self, state: HostState, slots: Slots, *, trains: bool) -> None:
         super().__init__(state, slots)
         self.embed = state.embed
-        self.head_n = state.head.layout.numel
+        self.head_n = state.head.flat_map.numel
         #: the head streams and its gradient is taken: the head's part of the tied gradient
         #: waits here, on the host, for the embedding's Adam
         self.streamed = trains and not state.head.resident
-        self.host_grad = pinned_zeros(self.embed.layout.numel, slots.pin) if self.streamed else None
+        self.host_grad = pinned_zeros(self.embed.flat_map.numel, slots.pin) if self.streamed else None
         self._checks = 1 + len(self.embed.steps) if trains and not self.embed.resident else 0
         self._lock = threading.Lock()
 
     def _matrix(self, buf: torch.Tensor) -> torch.Tensor:
-        e = self.embed.layout.entries[0]
+        e = self.embed.flat_map.entries[0]
         return buf[self.head_n + e.offset : self.head_n + e.offset + e.numel].view(e.shape)
 
     def weights(self, ctx: TaskContext) -> tuple[torch.Tensor, torch.Tensor]:
         head = self.state.head
         wbuf = self.slots.weights(head, ctx)
-        norm_w = bind(wbuf, head.layout)["norm"]
+        norm_w = bind(wbuf, head.flat_map)["norm"]
         if head.resident:  # the embedding is resident too: its own copy
             emb = self.embed
-            return norm_w, bind(emb.compute, emb.layout)[emb.layout.entries[0].key]  # type: ignore[arg-type]
+            return norm_w, bind(emb.compute, emb.flat_map)[emb.flat_map.entries[0].key]  # type: ignore[arg-type]
         return norm_w, self._matrix(wbuf)
 
     def grads(self, ctx: TaskContext) -> tuple[torch.Tensor, torch.Tensor]:
         head = self.state.head
         gbuf = self.slots.grads(head, ctx)
-        norm_g = bind(gbuf, head.layout)["norm"]
+        norm_g = bind(gbuf, head.flat_map)["norm"]
         if head.resident:  # the embedding is resident too: its own gradient
             emb = self.embed
-            return norm_g, bind(emb.own_grad(), emb.layout)[emb.layout.entries[0].key]
+            return norm_g, bind(emb.own_grad(), emb.flat_map)[emb.flat_map.entries[0].key]
         return norm_g, self._matrix(gbuf)
 
     def slot_extra(self, task: Task) -> int:
-        return self.embed.layout.numel if task.unit == "head" else 0
+        return self.embed.flat_map.numel if task.unit == "head" else 0
 
     def fetched_with(self, task: Task) -> list[UnitState]:
         return [self.embed] if task.unit == "head" else []
@@ -136,7 +136,7 @@ class TiedHead(UntiedHead):
     def offload_extra(self, task: Task, unit: UnitState, src: torch.Tensor) -> int:
         if not self._carries_part(task):
             return 0
-        n, m = unit.layout.numel, self.embed.layout.numel
+        n, m = unit.flat_map.numel, self.embed.flat_map.numel
         assert self.host_grad is not None
         self.host_grad.copy_(src[n : n + m], non_blocking=self.slots.non_blocking)
         return 4 * m
@@ -144,16 +144,16 @@ class TiedHead(UntiedHead):
     def extra_flags(self, task: Task, unit: UnitState, src: torch.Tensor) -> list[Flag]:
         if not self._carries_part(task):
             return []
-        n, m = unit.layout.numel, self.embed.layout.numel
-        return [(self.embed.layout.key, nonfinite(src[n : n + m]))]
+        n, m = unit.flat_map.numel, self.embed.flat_map.numel
+        return [(self.embed.flat_map.key, nonfinite(src[n : n + m]))]
 
     def sum_whole(self, data: StepData) -> None:
         with self._lock:
             emb = self.embed
             if self.host_grad is not None and not emb.resident and emb.grad is not None and not data.tied_summed:
                 emb.grad.add_(self.host_grad)
-                sq = data.sq_norms[(emb.layout.key, None)] = torch.dot(emb.grad, emb.grad)
-                data.check.host_checked(emb.layout.key, bool(nonfinite(emb.grad, sq)))
+                sq = data.sq_norms[(emb.flat_map.key, None)] = torch.dot(emb.grad, emb.grad)
+                data.check.host_checked(emb.flat_map.key, bool(nonfinite(emb.grad, sq)))
                 data.tied_summed = True
 
     def add_to_chunk(self, data: StepData, task: Task, grad: torch.Tensor, lo: int, hi: int) -> None:
@@ -161,8 +161,8 @@ class TiedHead(UntiedHead):
             return
         assert self.host_grad is not None
         grad.add_(self.host_grad[lo:hi])
-        sq = data.sq_norms[(self.embed.layout.key, task.chunk)] = torch.dot(grad, grad)
-        data.check.host_checked(self.embed.layout.key, bool(nonfinite(grad, sq)))
+        sq = data.sq_norms[(self.embed.flat_map.key, task.chunk)] = torch.dot(grad, grad)
+        data.check.host_checked(self.embed.flat_map.key, bool(nonfinite(grad, sq)))
 
 
 def head_part(state: HostState, slots: Slots, *, trains: bool) -> UntiedHead:

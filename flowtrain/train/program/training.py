@@ -63,25 +63,25 @@ class WholeModel:
     def flat(self, i: int, ctx: TaskContext) -> torch.Tensor:
         """Layer ``i``'s flat compute-dtype weights, as a task reads them."""
         unit = self.state.unit("layer", i)
-        return self.slots.weights(unit, ctx)[: unit.layout.numel]
+        return self.slots.weights(unit, ctx)[: unit.flat_map.numel]
 
     def layer_weights(self, i: int, ctx: TaskContext, leaves: dict[str, torch.Tensor] | None = None,
                       dropout: Dropout | None = None) -> dict[str, torch.Tensor]:
         """Layer ``i``'s weights as its math reads them, bound from its slot (or its own copy)."""
-        return bind(self.flat(i, ctx), self.state.unit("layer", i).layout)
+        return bind(self.flat(i, ctx), self.state.unit("layer", i).flat_map)
 
     def backward_weights(self, i: int, ctx: TaskContext,
                          dropout: Dropout) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """``(leaves, weights)`` of a backward's rebuild: what takes the gradient, and the
         mapping the layer's math reads (here the same: the flat weight leaf's views)."""
         unit = self.state.unit("layer", i)
-        leaves = weight_leaves(self.flat(i, ctx), unit.layout)
+        leaves = weight_leaves(self.flat(i, ctx), unit.flat_map)
         return leaves, leaves
 
     def forward_kept(self, run: LayerRun, x: torch.Tensor, i: int, ctx: TaskContext,
                      dropout: Dropout) -> tuple[torch.Tensor, Kept]:
         """A forward whose graph stays for the backward (:mod:`flowtrain.train.kept`)."""
-        return forward_kept(run, x, self.flat(i, ctx), self.state.unit("layer", i).layout)
+        return forward_kept(run, x, self.flat(i, ctx), self.state.unit("layer", i).flat_map)
 
 
 class LoraAdapters(WholeModel):
@@ -116,8 +116,8 @@ class LoraAdapters(WholeModel):
         a = self.state.adapters[i]
         if a.resident:
             return a.master
-        n = self.state.unit("layer", i).layout.numel
-        return self.slots.weight_c[ctx.read(WEIGHTS)][n : n + a.layout.numel]
+        n = self.state.unit("layer", i).flat_map.numel
+        return self.slots.weight_c[ctx.read(WEIGHTS)][n : n + a.flat_map.numel]
 
     def layer_weights(self, i: int, ctx: TaskContext, leaves: dict[str, torch.Tensor] | None = None,
                       dropout: Dropout | None = None) -> dict[str, torch.Tensor]:
@@ -125,7 +125,7 @@ class LoraAdapters(WholeModel):
         differentiates) and, in training (``dropout``), the keep masks of the adapters' dropout."""
         w = super().layer_weights(i, ctx)
         a = self.state.adapters[i]
-        out = adapted(w, leaves if leaves is not None else bind(self.adapters(i, ctx), a.layout), self.scale)
+        out = adapted(w, leaves if leaves is not None else bind(self.adapters(i, ctx), a.flat_map), self.scale)
         if dropout is not None and self.lora.dropout > 0:
             s, m, rows = dropout
             seed = hash((self.seed, s, i, m))  # ints hash to themselves: the same in every process
@@ -135,7 +135,7 @@ class LoraAdapters(WholeModel):
 
     def backward_weights(self, i: int, ctx: TaskContext,
                          dropout: Dropout) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
-        leaves = weight_leaves(self.adapters(i, ctx), self.state.adapters[i].layout)
+        leaves = weight_leaves(self.adapters(i, ctx), self.state.adapters[i].flat_map)
         return leaves, self.layer_weights(i, ctx, leaves, dropout)
 
     def forward_kept(self, run: LayerRun, x: torch.Tensor, i: int, ctx: TaskContext,
@@ -144,8 +144,8 @@ class LoraAdapters(WholeModel):
         s, m, _ = dropout
         return forward_kept(
             lambda x, leaves: run(x, self.layer_weights(i, ctx, leaves, (s, m, tuple(x.shape[:-1])))),
-            x, self.flat(i, ctx), self.state.unit("layer", i).layout,
-            trained=(self.adapters(i, ctx), self.state.adapters[i].layout))
+            x, self.flat(i, ctx), self.state.unit("layer", i).flat_map,
+            trained=(self.adapters(i, ctx), self.state.adapters[i].flat_map))
 
 
 def trained_part(state: HostState, slots: Slots, *, seed: int) -> WholeModel:

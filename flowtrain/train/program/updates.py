@@ -30,7 +30,7 @@ if TYPE_CHECKING:
 def run_cpu_adam(p: StepProgram, task: CpuAdam, ctx: TaskContext) -> None:
     data = p.steps[task.step]
     unit = p.unit(task)
-    lo, hi = chunk_range(unit.layout.numel, p.slots.stage_n, task.chunk)
+    lo, hi = chunk_range(unit.flat_map.numel, p.slots.stage_n, task.chunk)
     if task.chunk is None:  # full layout: the unit's own host gradient
         if task.unit == "embed":
             p.head.sum_whole(data)
@@ -38,20 +38,20 @@ def run_cpu_adam(p: StepProgram, task: CpuAdam, ctx: TaskContext) -> None:
     else:
         grad = p.slots.staging[ctx.read(HOST_GRADS)][: hi - lo]
         p.head.add_to_chunk(data, task, grad, lo, hi)
-    if p.owned is not None and unit.layout.key not in p.owned:
+    if p.owned is not None and unit.flat_map.key not in p.owned:
         return  # another process of the node updates the shared copy
-    key = (unit.layout.key, task.chunk)
-    verdict = data.check.admit(key, unit.layout.key if task.chunk is None else f"{key[0]} c{task.chunk}", hi - lo)
+    key = (unit.flat_map.key, task.chunk)
+    verdict = data.check.admit(key, unit.flat_map.key if task.chunk is None else f"{key[0]} c{task.chunk}", hi - lo)
     if isinstance(verdict, str) and verdict == SKIP:
         return  # the step is known not finite
-    no_decay = p.no_decay[unit.layout.key]
+    no_decay = p.no_decay[unit.flat_map.key]
     try:
         if isinstance(verdict, torch.Tensor):  # not verified yet: keep what it was first
             data.check.keep(Saved(unit, lo, hi, task.chunk or 0, verdict))
         if data.clip is not None:
             grad.mul_(data.clip)
         if (i := p.experts.skipping(task)) is not None:  # each expert on its own step count
-            assert (lo, hi) == (0, unit.layout.numel), "a layer that skips idle experts is one staging chunk"
+            assert (lo, hi) == (0, unit.flat_map.numel), "a layer that skips idle experts is one staging chunk"
             pieces = p.experts.idle.adam_pieces(task.step, i, data.micro_batches, unit, task.chunk)
             adamw_pieces(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, pieces, p.adamw, data.lr, no_decay=no_decay)
         else:
@@ -70,7 +70,7 @@ def run_gpu_adam(p: StepProgram, task: GpuAdam, ctx: TaskContext) -> None:
     data = p.steps[task.step]
     unit = p.unit(task)
     grad = unit.own_grad()
-    no_decay = p.no_decay[unit.layout.key]
+    no_decay = p.no_decay[unit.flat_map.key]
     if not data.check.skipped:  # known on the host already: with clipping, or a bad loss
         if data.clip is not None:
             grad.mul_(data.clip.to(grad.device))
@@ -84,7 +84,7 @@ def run_gpu_adam(p: StepProgram, task: GpuAdam, ctx: TaskContext) -> None:
         else:
             adamw_step(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, unit.steps[0], p.adamw, data.lr,
                        found_inf=data.check.found_inf, no_decay=no_decay)
-        data.check.gpu_updated.append(unit.layout.key)
+        data.check.gpu_updated.append(unit.flat_map.key)
         unit.refresh_copies()
     grad.zero_()
 
