@@ -33,7 +33,7 @@ __all__ = ["PLAN_FIELDS", "add_arguments", "checked_request", "flag_of", "format
 #: the fields of ``TrainConfig`` that ``plan`` (and ``simulate``) take, with train's flags,
 #: defaults and checks
 PLAN_FIELDS = ("model", "data", "tokenizer", "byte_tokenizer", "seq_len", "batch_size",
-               "micro_batch_size", "order", "grad_clip", "precision", "device", "policy", "attention_backend",
+               "micro_batch_size", "order", "grad_clip", "precision", "device", "policy", "attention_backend", "layer_path",
                *MEMORY_FIELDS, "lora_rank", "lora_targets", "lora_state", "skip_idle_experts")
 
 
@@ -73,7 +73,7 @@ def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: f
 
     tc = TrainConfig(**{**config_values(args, PLAN_FIELDS), "gpu_mem": gpu_mem, "host_mem": host_mem})
     check_fields(tc)
-    cfg, model_dir = load_model_config(args.model)
+    cfg, model_dir = load_model_config(args.model, tc.layer_path)
     cfg.validate()
     check_units_fit(cfg, host_mem, None if gpu_mem is None else int(gpu_mem * 2**30))  # before sizing anything
     if tc.data is not None:  # the length train would take from the data (this reads it: torch)

@@ -30,6 +30,7 @@ refused with a :class:`~flowtrain.errors.ConfigError` rather than trained wrongl
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any
 
@@ -142,6 +143,14 @@ class ModelConfig(msgspec.Struct, frozen=True):
     #: train with the load-balancing loss (weight router_aux_loss_coef) added to the loss
     output_router_logits: bool = False
     router_aux_loss_coef: float = 0.0
+    #: "native": flowtrain's own layer math (the families of :mod:`~flowtrain.model.families`);
+    #: "generic": transformers' own modules run over the streamed weights
+    #: (:mod:`flowtrain.model.generic`), for any decoder-only model transformers builds
+    layer_path: str = "native"
+    #: the generic path: the model's ``config.json`` as read (JSON text; written back as it was)
+    hf_json: str | None = None
+    #: the generic path: each unit's tensors, embed, layers, head: (key, checkpoint name, shape)
+    generic_units: tuple[tuple[tuple[str, str, tuple[int, ...]], ...], ...] = ()
 
     def __post_init__(self) -> None:
         # head_dim is always an int after construction; None only means "derive it".
@@ -169,8 +178,16 @@ class ModelConfig(msgspec.Struct, frozen=True):
         return self.head_dim
 
     @property
+    def generic(self) -> bool:
+        """Whether the model runs on the generic layer path (transformers' modules)."""
+        return self.layer_path == "generic"
+
+    @property
     def family(self) -> Family:
-        """The :class:`Family` of ``architecture``; :class:`ConfigError` if unsupported."""
+        """The :class:`Family` of ``architecture``; :class:`ConfigError` if unsupported. On the
+        generic path, a family with none of the native layer's options."""
+        if self.generic:
+            return Family(self.architecture, "generic", self.max_position_embeddings)
         fam = FAMILIES.get(self.architecture)
         if fam is None:
             raise ConfigError(unsupported(self.architecture))
@@ -226,6 +243,22 @@ class ModelConfig(msgspec.Struct, frozen=True):
 
     def validate(self) -> ModelConfig:
         """Raise :class:`ConfigError` if the sizes cannot form a model; return ``self``."""
+        self._check_sizes()
+        if self.layer_path not in ("native", "generic"):
+            raise ConfigError(f"model config: layer_path must be 'native' or 'generic', got {self.layer_path!r}")
+        if self.generic:
+            return self._check_generic()
+        return self._check_native()
+
+    def _check_generic(self) -> ModelConfig:
+        """The generic path's model: transformers built it; its units must match its layers."""
+        if self.hf_json is None or len(self.generic_units) != self.num_layers + 2:
+            raise ConfigError(f"model config: the generic layer path needs config.json and {self.num_layers + 2} "
+                              f"units, got {len(self.generic_units)}")
+        self._check_parameter_count()
+        return self
+
+    def _check_sizes(self) -> None:
         for name, (_, bound) in SIZE_BOUNDS.items():
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
@@ -233,6 +266,8 @@ class ModelConfig(msgspec.Struct, frozen=True):
             if value > bound:
                 raise ConfigError(f"model config: {name} {short_repr(value)} is above the bound {bound:,}; "
                                   "no model that size can be trained")
+
+    def _check_native(self) -> ModelConfig:
         if self.hidden_size % self.num_heads:
             raise ConfigError(
                 f"model config: num_heads {self.num_heads} does not divide hidden_size "
@@ -394,6 +429,8 @@ class ModelConfig(msgspec.Struct, frozen=True):
 
     def num_parameters(self) -> int:
         """Total trainable parameters (a tied head counts once, as the embedding)."""
+        if self.generic:
+            return sum(math.prod(shape) for unit in self.generic_units for _, _, shape in unit)
         embed = self.vocab_size * self.hidden_size
         head = self.hidden_size + (0 if self.tie_word_embeddings else embed)
         if self.moe:
@@ -405,10 +442,39 @@ class ModelConfig(msgspec.Struct, frozen=True):
         experts it is not routed to (the router and num_experts_per_tok experts per sparse
         layer); for a dense model, :meth:`num_parameters`. Model FLOPs count these (6 per
         parameter per token, :func:`~flowtrain.model.counts.model_flops_per_token`)."""
+        if self.generic:
+            return self._generic_active_parameters()
         if not self.moe:
             return self.num_parameters()
         inactive = sum(self.mlp_parameters(i) - self.mlp_parameters(i, active=True) for i in self.sparse_layers())
         return self.num_parameters() - inactive
+
+
+    def _generic_active_parameters(self) -> int:
+        """The generic path: every weight, but of a stacked expert weight (experts, ...) only
+        the num_experts_per_tok experts a token is routed to."""
+        assert self.hf_json is not None
+        d = json.loads(self.hf_json)
+        experts = next((d[k] for k in ("num_experts", "num_local_experts", "n_routed_experts")
+                        if isinstance(d.get(k), int) and d[k] > 0), 0)
+        per_token = d.get("num_experts_per_tok") or 0
+        n = 0
+        for unit in self.generic_units[1:-1]:
+            for _, _, shape in unit:
+                size = math.prod(shape)
+                n += size * per_token // experts if experts and len(shape) == 3 and shape[0] == experts else size
+        return n + sum(math.prod(s) for u in (self.generic_units[0], self.generic_units[-1]) for _, _, s in u)
+
+    def attention_layers(self) -> int:
+        """Layers whose tokens attend over the sequence (their score and value products cost
+        ``6 h S`` per token): every layer, but on the generic path not the linear-attention or
+        state-space layers its ``layer_types`` name."""
+        if not self.generic or self.hf_json is None:
+            return self.num_layers
+        types = json.loads(self.hf_json).get("layer_types")
+        if not isinstance(types, list) or len(types) != self.num_layers:
+            return self.num_layers
+        return sum(1 for t in types if "attention" in str(t) and "linear" not in str(t))
 
 
 def short_repr(v: Any, limit: int = 80) -> str:

@@ -32,8 +32,8 @@ def model_flops_per_token(cfg: ModelConfig, seq_len: int, adapter_params: float 
     Over a mixture of experts N_adapter too counts the active ones: of a stacked weight's
     per-expert adapters, the num_experts_per_tok a token reaches
     (:func:`flowtrain.plan.adapters.adapter_active_numel`)."""
-    n = cfg.active_parameters() if cfg.moe else cfg.num_parameters()
-    attention = 6.0 * cfg.num_layers * cfg.hidden_size * seq_len
+    n = cfg.active_parameters() if cfg.moe or cfg.generic else cfg.num_parameters()
+    attention = 6.0 * cfg.attention_layers() * cfg.hidden_size * seq_len
     if adapter_params is not None:
         return 4.0 * n + 6.0 * adapter_params + attention
     return 6.0 * n + attention

@@ -24,6 +24,7 @@ where the expert's number goes, and :func:`hub_tensors` lists those names::
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Iterable, Sequence
 from typing import TYPE_CHECKING
 
@@ -34,7 +35,7 @@ if TYPE_CHECKING:
 
 from flowtrain.model.config import ModelConfig
 
-__all__ = ["ALIGN", "Entry", "FlatMap", "bind", "hub_tensors", "model_flat_maps", "unit_numel_max"]
+__all__ = ["ALIGN", "Entry", "FlatMap", "bind", "hub_tensors", "model_flat_maps", "unit_numel_max", "unit_seed"]
 
 ALIGN = 64  # elements; 128 bytes in bf16, 256 in fp32
 
@@ -171,6 +172,11 @@ def model_flat_maps(cfg: ModelConfig) -> list[FlatMap]:
     A tied model's head holds only the final norm; it reuses the embedding matrix.
     """
     cfg.validate()
+    if cfg.generic:  # the units transformers' model has (flowtrain.model.generic)
+        units = cfg.generic_units
+        return [_pack("embed", None, units[0]),
+                *(_pack("layer", i, spec) for i, spec in enumerate(units[1:-1])),
+                _pack("head", None, units[-1])]
     h, v = cfg.hidden_size, cfg.vocab_size
     maps = [_pack("embed", None, [("embed_tokens", "model.embed_tokens.weight", (v, h))])]
     maps += [_pack("layer", i, _layer_specs(cfg, i)) for i in range(cfg.num_layers)]
@@ -192,6 +198,13 @@ def bind(flat: Tensor, flat_map: FlatMap) -> dict[str, Tensor]:
             f"got shape {tuple(flat.shape)}"
         )
     return {e.key: flat[e.offset : e.offset + e.numel].view(e.shape) for e in flat_map.entries}
+
+
+def unit_seed(seed: int, layout: FlatMap) -> int:
+    """A 63-bit generator seed mixing the run seed and the unit's key (stable across runs): each
+    unit's fresh weights are drawn from their own generator (:mod:`flowtrain.model.init`)."""
+    digest = hashlib.sha256(f"flowtrain:{seed}:{layout.key}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") >> 1
 
 
 def unit_numel_max(maps: Sequence[FlatMap]) -> int:

@@ -27,6 +27,8 @@ refuses a config its architecture cannot express (biases or a window the family 
 
 from __future__ import annotations
 
+import json
+
 import math
 from typing import Any
 
@@ -62,12 +64,26 @@ _REQUIRED_HF_KEYS = (
 _HF_BOUNDS = {key: bound for key, bound in SIZE_BOUNDS.values()}
 
 
-def from_hf(d: dict[str, Any]) -> ModelConfig:
+#: ``--layer-path``: "auto" runs a family flowtrain has layer math for natively, any other
+#: architecture on the generic path; "native" and "generic" force one.
+LAYER_PATHS = ("auto", "native", "generic")
+
+
+def from_hf(d: dict[str, Any], layer_path: str = "auto") -> ModelConfig:
     """Read a Hugging Face ``config.json`` dict; :class:`ConfigError` if unsupported or if
     a value has the wrong type ("lots", 4.5, true where an integer belongs), is out of
-    range or not finite. An absent or null optional key takes transformers' default."""
+    range or not finite. An absent or null optional key takes transformers' default.
+
+    ``layer_path`` (:data:`LAYER_PATHS`): on the generic path transformers reads the file
+    (:mod:`flowtrain.model.generic`)."""
     if not isinstance(d, dict):
         raise ConfigError(f"config.json must hold a JSON object, got {type(d).__name__}")
+    if layer_path not in LAYER_PATHS:
+        raise ConfigError(f"layer path must be one of {', '.join(LAYER_PATHS)} (got {layer_path!r})")
+    if layer_path == "generic" or (layer_path == "auto" and not _native(d)):
+        from .generic.describe import generic_config  # torch and transformers: only for this path
+
+        return generic_config(d)
     arch = _architecture(d)
     missing = [k for k in _REQUIRED_HF_KEYS if d.get(k) is None]
     if missing:
@@ -126,6 +142,9 @@ def to_hf(cfg: ModelConfig) -> dict[str, Any]:
     ``rope_theta``/``rope_scaling`` (transformers 4), so either version reads them.
     """
     cfg.validate()
+    if cfg.generic:  # the model's own config.json, as it was read
+        assert cfg.hf_json is not None
+        return dict(json.loads(cfg.hf_json))
     _check_exportable(cfg)
     rope_parameters: dict[str, Any] = {"rope_type": "default", "rope_theta": cfg.rope_theta}
     rope_scaling = None
@@ -318,6 +337,15 @@ def _sliding_window(d: dict[str, Any], fam: Family, layers: int) -> tuple[int | 
                 return None, 0
             return (_hf_int(d, "sliding_window", None) if "sliding_window" in d else QWEN_WINDOW), 0
     return None, 0
+
+
+def _native(d: dict[str, Any]) -> bool:
+    """Whether ``d`` names a family flowtrain has layer math for (or names no architecture,
+    which the native reader refuses in its own words)."""
+    archs = d.get("architectures")
+    if not isinstance(archs, list) or len(archs) != 1 or not isinstance(archs[0], str):
+        return True
+    return archs[0] in FAMILIES or not archs[0].endswith("ForCausalLM")
 
 
 def _architecture(d: dict[str, Any]) -> str:

@@ -16,27 +16,25 @@ bf16 rounding of the fp32 buffer's values.
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
 from torch import Tensor
 
 from flowtrain.model.config import ModelConfig
-from flowtrain.model.flat_map import FlatMap, bind
+from flowtrain.model.flat_map import FlatMap, bind, unit_seed  # unit_seed re-exported
 
 __all__ = ["init_unit", "unit_seed"]
 
 _DRAW = 1 << 22  # elements drawn per step: bounds the fp32 temporary to 16 MiB
 
 
-def unit_seed(seed: int, layout: FlatMap) -> int:
-    """A 63-bit generator seed mixing the run seed and the unit's key (stable across runs)."""
-    digest = hashlib.sha256(f"flowtrain:{seed}:{layout.key}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") >> 1
-
-
 def init_unit(flat: Tensor, layout: FlatMap, cfg: ModelConfig, seed: int) -> None:
-    """Fill ``flat`` (1-D, >= ``layout.numel`` elements, any dtype/device) with fresh weights."""
+    """Fill ``flat`` (1-D, >= ``layout.numel`` elements, any dtype/device) with fresh weights
+    (on the generic layer path, the model's own initialisation: :mod:`flowtrain.model.generic.init`)."""
+    if cfg.generic:
+        from flowtrain.model.generic.init import init_generic_unit
+
+        init_generic_unit(flat, layout, cfg, seed)
+        return
     views = bind(flat, layout)
     gen = torch.Generator(device="cpu")
     gen.manual_seed(unit_seed(seed, layout))

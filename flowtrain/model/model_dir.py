@@ -40,7 +40,7 @@ _MAX_HEADER_BYTES = 100_000_000
 _FLOAT_DTYPES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2}
 
 
-def read_config(model_dir: str | os.PathLike[str], *, weights: bool = True) -> ModelConfig:
+def read_config(model_dir: str | os.PathLike[str], *, weights: bool = True, layer_path: str = "auto") -> ModelConfig:
     """The :class:`ModelConfig` of a Hugging Face model directory.
 
     Where the directory holds weights, their safetensors headers are checked against the config
@@ -57,7 +57,7 @@ def read_config(model_dir: str | os.PathLike[str], *, weights: bool = True) -> M
         raise CheckpointError(
             f"{str(path)!r} has no {CONFIG_NAME}; point at a Hugging Face model directory"
         )
-    cfg = from_hf(_read_json(cfg_path))
+    cfg = from_hf(_read_json(cfg_path), layer_path)
     if weights:
         check_weight_headers(path, cfg)
     return cfg

@@ -220,6 +220,9 @@ def _plan_placed(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan
         return _bring_back(_plan_state(cfg, req, device, dtype, policy, host_limit, gpu_limit), cfg, req)
     if req.activations == "attention":
         _check_activations(req)
+        if cfg.generic:
+            raise ConfigError("{activations} attention saves the native layer's attention outputs; the generic layer "
+                              "path runs transformers' attention: use keep, offload or recompute", named=True)
         every = _with_saved_attention(cfg, req, device, dtype, policy, host_limit, gpu_limit, every=True)
         assert every is not None  # with every layer saving, plan_saved_attention always answers
         return every
@@ -237,7 +240,7 @@ def _plan_placed(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan
             plan = away
     if not plan.spec.offload:
         plan = plan_activations(plan, cfg, req, dtype)
-    if (req.activations == "auto" and device.type == "cuda" and req.checkpoint_every == 1
+    if (req.activations == "auto" and device.type == "cuda" and req.checkpoint_every == 1 and not cfg.generic
             and attention_pays(cfg, req.seq_len)):
         saving = _with_saved_attention(cfg, req, device, dtype, policy, host_limit, gpu_limit, every=False)
         if saving is not None and saving.fits and (

@@ -100,14 +100,14 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
     check_output_paths(cfg.out, cfg.overwrite, cfg.trace, cfg.metrics, resume=resume_from)
     _check_nothing_replaced(cfg, resume_from, resume_state)
     model = cfg.model or (str(resume_from) if resume_from else "tiny")
-    mcfg, model_dir = load_model_config(model)
+    mcfg, model_dir = load_model_config(model, cfg.layer_path)
     base_dir = model_dir
     cfg = resolve_defaults(cfg, pretrained=model_dir is not None, saved=resume_state.get("settings"))
     check_fields(cfg)
     mcfg.validate()
     check_units_fit(mcfg, cfg.host_mem, None if cfg.gpu_mem is None else int(cfg.gpu_mem * 2**30))  # before sizing anything
     if resume_from is not None:
-        saved_cfg = read_config(resume_from, weights=not cfg.lora)  # a LoRA checkpoint: the adapters' weights
+        saved_cfg = read_config(resume_from, weights=not cfg.lora, layer_path=cfg.layer_path)  # a LoRA checkpoint: the adapters' weights
         if saved_cfg != mcfg:
             raise ConfigError(f"{{resume}} {resume_from}: it holds a different model than {{model}} {cfg.model} "
                               f"(config.json differs); leave out {{model}} to continue the checkpoint's model", named=True)

@@ -20,6 +20,7 @@ import msgspec
 from ...errors import CheckpointError, ConfigError
 from ...model.adapters import DEFAULT_TARGETS, LoraSpec
 from ...model.config import ModelConfig
+from ...model.hf_config import from_hf, to_hf
 from ...model.model_dir import read_config
 from ...model.presets import PRESETS, preset
 from ...plan.memory import compile_backend  # noqa: F401 - re-exported: what --compile runs
@@ -146,6 +147,10 @@ class TrainConfig(msgspec.Struct, kw_only=True):
     attention_backend: Annotated[Literal["auto", "flash"], Setting(
         "fused attention kernel on a GPU: auto (cuDNN's where it runs the call, else flash; about 1.6-1.9x flash's "
         "rate on an H200) or flash (PyTorch's default)", group=KERNELS)] = "auto"
+    layer_path: Annotated[Literal["auto", "native", "generic"], Setting(
+        "the layer math: native (flowtrain's own, the fast path for the families it has), generic (transformers' own "
+        "modules over the streamed weights: any decoder-only model transformers builds); auto: native where the "
+        "family has it, else generic", group=KERNELS)] = "auto"
     policy: Annotated[str, Setting(
         "scheduling policy: sequential, double_buffer, lookahead, or module:Class (your own)",
         group=KERNELS)] = defaults.POLICY
@@ -295,18 +300,20 @@ def precision_bytes(precision: str | None, device_type: str) -> int:
     return 4 if precision == "fp32" else 2
 
 
-def load_model_config(model: str) -> tuple[ModelConfig, Path | None]:
-    """A preset name or a Hugging Face model directory."""
+def load_model_config(model: str, layer_path: str = "auto") -> tuple[ModelConfig, Path | None]:
+    """A preset name or a Hugging Face model directory, on the layer path ``layer_path``
+    (:data:`flowtrain.model.hf_config.LAYER_PATHS`)."""
     path = Path(model)
     if model in PRESETS and not path.is_dir():
-        return preset(model), None
+        cfg = preset(model)
+        return (from_hf(to_hf(cfg), layer_path) if layer_path != "auto" else cfg), None
     if not path.exists():
         raise CheckpointError(
             f"--model {model!r} is neither a directory nor a preset (presets: {', '.join(sorted(PRESETS))})"
         )
     if not path.is_dir():
         raise CheckpointError(f"--model {model!r} is a file; give the model's directory (config.json + safetensors)")
-    return read_config(path), path
+    return read_config(path, layer_path=layer_path), path
 
 
 def lora_spec(cfg: TrainConfig) -> LoraSpec | None:

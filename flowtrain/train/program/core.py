@@ -35,7 +35,7 @@ from ..nonfinite import Injection
 from ..optimizer import AdamWConfig, no_decay_ranges
 from .experts import Experts
 from .finiteness import Finiteness
-from .layer_runner import LayerRunner
+from .layer_runner import layer_runner
 from .registry import HANDLERS
 from .slots import OffloadedActivations, Slots
 from .step_data import EvalData, StepData, documents
@@ -85,7 +85,7 @@ class StepProgram:
         self.slots = Slots(state, budgets, device=self.device, dtype=dtype, lora=state.lora is not None)
         self.training = trained_part(state, self.slots, seed=seed)
         self.head = head_part(state, self.slots, trains=self.training.head_trains)
-        self.layers = LayerRunner(self.cfg, seq_len, self.device, dtype, compile_backend)
+        self.layers = layer_runner(self.cfg, seq_len, self.device, dtype, compile_backend)
         self.acts = OffloadedActivations(self.device)
         self.finite = Finiteness(state, self.slots, self.head, undo_bytes=undo_bytes, inject=inject_nonfinite)
         self.experts = Experts(state, self.device)

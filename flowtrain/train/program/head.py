@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from ...graph.tasks import EvalLoss, Loss
-from ...model import head_loss, head_loss_and_grads
 from ...runtime.engine import TaskContext
 from .registry import HANDLERS
 
@@ -32,10 +31,8 @@ def run_loss(p: StepProgram, task: Loss, ctx: TaskContext) -> None:
     targets = data.targets[m].to(p.device, non_blocking=p.slots.non_blocking)
     trains = p.training.head_trains  # with LoRA the head takes no gradient: only the hidden state's
     norm_w, head_w = p.head.weights(ctx)
-    loss_sum, d_h, d_norm, d_head = head_loss_and_grads(
-        h, norm_w, head_w, targets, p.cfg.rms_norm_eps, 1.0 / data.n_targets, p.chunk_tokens,
-        plus_one=p.cfg.family.gemma, weight_grads=trains,
-    )
+    loss_sum, d_h, d_norm, d_head = p.layers.head_loss_and_grads(
+        h, norm_w, head_w, targets, 1.0 / data.n_targets, p.chunk_tokens, weight_grads=trains)
     loss_sum = p.finite.poison(loss_sum, s, "loss", m)
     if trains:
         assert d_norm is not None and d_head is not None
@@ -59,8 +56,7 @@ def run_eval_loss(p: StepProgram, task: EvalLoss, ctx: TaskContext) -> None:
     h = p.store.eval_inputs.take((s, p.cfg.num_layers, m))
     targets = data.targets[m].to(p.device, non_blocking=p.slots.non_blocking)
     norm_w, head_w = p.head.weights(ctx)
-    loss_sum = head_loss(h, norm_w, head_w, targets, p.cfg.rms_norm_eps, p.chunk_tokens,
-                         plus_one=p.cfg.family.gemma)
-    p.layers.dev_docs.pop(("eval", s, m), None)
+    loss_sum = p.layers.head_loss(h, norm_w, head_w, targets, p.chunk_tokens)
+    p.layers.forget("eval", s, m)
     with p.lock:
         data.sums[m] = loss_sum

@@ -1,13 +1,24 @@
-"""What every call of a decoder layer shares: rotary tables, documents, the layer function.
+"""The model's math as the program calls it: embedding, decoder layers, head, and their backward.
 
-A decoder layer is a pure function of its input, its weights, the rotary tables and the
-config. :class:`LayerRunner` holds the tables (one set per rotary base: Gemma 3's sliding
-layers have their own), each packed micro-batch's documents on the device with the tables
-gathered at each token's position, and the layer function, eager or compiled by
-``torch.compile``; :meth:`LayerRunner.run` calls layer ``i`` of a micro-batch with them::
+A part chosen once per run (:func:`layer_runner`), so that no task body asks which layer path
+the model is on:
 
-    runner = LayerRunner(cfg, seq_len, device, dtype, compile_backend=None)
+- :class:`LayerRunner` (the native path): a decoder layer is a pure function of its input, its
+  weights, the rotary tables and the config. It holds the tables (one set per rotary base: Gemma
+  3's sliding layers have their own), each packed micro-batch's documents on the device with the
+  tables gathered at each token's position, and the layer function, eager or compiled by
+  ``torch.compile``.
+- :class:`GenericLayerRunner` (the generic path, :mod:`flowtrain.model.generic`):
+  transformers' own modules over the same weights. The embedding runs the decoder's own stem,
+  which also yields every layer's arguments (masks, rotary tables) for the micro-batch.
+
+Both answer the same calls::
+
+    runner = layer_runner(cfg, seq_len, device, dtype, compile_backend=None)
+    x = runner.embed("train", step, m, ids, docs, embed_weights)
     y = runner.run("train", step, i, m, x, weights)
+    loss_sum, dx, dnorm, dhead = runner.head_loss_and_grads(h, norm_w, head_w, targets, scale, chunk)
+    runner.embed_backward(step, m, dx, embed_grads)
 """
 
 from __future__ import annotations
@@ -17,7 +28,7 @@ from typing import Any
 
 import torch
 
-from ...model import decoder_layer, rope_tables
+from ...model import decoder_layer, default_chunk_tokens, embed, head_loss, head_loss_and_grads, rope_tables
 from ...model.attention import Documents, rotary_for
 from ...model.config import ModelConfig
 from ...model.gemma import embed_multiplier
@@ -55,6 +66,46 @@ class LayerRunner:
         #: packed micro-batches' documents and their gathered rotary tables, by (data, step, mb): data "train" or "eval"
         self.dev_docs: dict[tuple[str, int, int], tuple[Documents, dict]] = {}
 
+    def embed(self, data: str, s: int, m: int, ids: torch.Tensor, docs: Documents | None,
+              w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Layer 0's input for micro-batch ``m``'s token ids (on the device); the ids of a
+        training micro-batch stay for :meth:`embed_backward`."""
+        if data == "train":
+            self.dev_ids[(s, m)] = ids
+        self.place_documents(data, s, m, docs)
+        return embed(ids, w["embed_tokens"], self.embed_multiplier)
+
+    def embed_backward(self, s: int, m: int, dx: torch.Tensor, g: dict[str, torch.Tensor]) -> None:
+        """Scatter one micro-batch's input gradient ``dx`` into the embedding's gradient ``g``."""
+        ids = self.dev_ids.pop((s, m))
+        self.forget("train", s, m)
+        if self.embed_multiplier is not None:  # the multiplier, rounded as the forward used it
+            dx = dx * torch.tensor(self.embed_multiplier, dtype=dx.dtype, device=dx.device)
+        if self.cfg.pad_token_id is not None:
+            # transformers' nn.Embedding(padding_idx=pad_token_id): looking up the padding
+            # token's row adds nothing to its gradient (a tied head's part still does).
+            dx = dx.masked_fill((ids == self.cfg.pad_token_id)[..., None], 0)
+        g["embed_tokens"].index_add_(0, ids.reshape(-1), dx.reshape(-1, dx.shape[-1]).float())
+
+    def forget(self, data: str, s: int, m: int) -> None:
+        """Drop what micro-batch ``m`` of ``data`` left on the device for its layers."""
+        self.dev_docs.pop((data, s, m), None)
+
+    def head_loss_and_grads(self, h: torch.Tensor, norm_w: torch.Tensor, head_w: torch.Tensor,
+                            targets: torch.Tensor, scale: float, chunk_tokens: int | None,
+                            weight_grads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                         torch.Tensor | None]:
+        """Final norm, head and cross-entropy, forward and backward:
+        :func:`flowtrain.model.functional.head_loss_and_grads`."""
+        return head_loss_and_grads(h, norm_w, head_w, targets, self.cfg.rms_norm_eps, scale, chunk_tokens,
+                                   plus_one=self.cfg.family.gemma, weight_grads=weight_grads)
+
+    def head_loss(self, h: torch.Tensor, norm_w: torch.Tensor, head_w: torch.Tensor, targets: torch.Tensor,
+                  chunk_tokens: int | None) -> torch.Tensor:
+        """The summed cross-entropy of held-out tokens (fp32 scalar)."""
+        return head_loss(h, norm_w, head_w, targets, self.cfg.rms_norm_eps, chunk_tokens,
+                         plus_one=self.cfg.family.gemma)
+
     def place_documents(self, data: str, s: int, m: int, docs: Documents | None) -> None:
         """Move a packed micro-batch's documents to the device with its rotary tables gathered
         at each token's position; every layer of the micro-batch reads them (:meth:`run`)."""
@@ -72,3 +123,79 @@ class LayerRunner:
         if router is not None:
             return self.layer_fn(x, w, cos, sin, self.cfg, docs, self.cfg.layer_window(i), router)
         return self.layer_fn(x, w, cos, sin, self.cfg, docs, self.cfg.layer_window(i))
+
+
+class GenericLayerRunner(LayerRunner):
+    """The generic path's calls (:mod:`flowtrain.model.generic.calls`), with what each
+    micro-batch's stem left for its layers: their arguments, and for the embedding's backward
+    the token ids and positions."""
+
+    def __init__(self, cfg: ModelConfig, seq_len: int, device: torch.device, dtype: torch.dtype,
+                 compile_backend: str | None) -> None:
+        from ...model.generic.calls import GenericCalls
+        from ...model.generic.skeleton import skeleton
+
+        assert cfg.hf_json is not None
+        self.cfg = cfg
+        self.device = device
+        self.non_blocking = device.type == "cuda"
+        self.calls = GenericCalls(skeleton(cfg.hf_json), device)
+        self.embed_multiplier = None
+        #: each micro-batch's layer arguments, by (data, step, micro-batch)
+        self.layer_kwargs: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
+        #: each training micro-batch's stem output under autograd and the embedding's leaves,
+        #: for the embedding's backward (an embedding's backward reads the token ids, not the
+        #: weights, so no slot stays for it)
+        self.stem_graphs: dict[tuple[int, int], tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
+        self.dev_ids = {}
+        self.dev_docs = {}
+        self.layer_fn = self.calls.layer if compile_backend is None else torch.compile(
+            self.calls.layer, backend=compile_backend, dynamic=False)
+
+    def embed(self, data: str, s: int, m: int, ids: torch.Tensor, docs: Documents | None,
+              w: dict[str, torch.Tensor]) -> torch.Tensor:
+        positions = docs.positions.to(self.device, non_blocking=self.non_blocking) if docs is not None else None
+        training = data == "train"
+        with torch.set_grad_enabled(training):
+            leaves = {k: v.detach().requires_grad_(training) for k, v in w.items()}
+            stem = self.calls.stem(ids, positions, leaves)
+        self.layer_kwargs[(data, s, m)] = stem.layer_kwargs
+        if training:
+            self.stem_graphs[(s, m)] = (stem.hidden, leaves)
+        return stem.hidden.detach()
+
+    def embed_backward(self, s: int, m: int, dx: torch.Tensor, g: dict[str, torch.Tensor]) -> None:
+        hidden, leaves = self.stem_graphs.pop((s, m))
+        self.forget("train", s, m)
+        grads = torch.autograd.grad(hidden, list(leaves.values()), dx, allow_unused=True)
+        for key, grad in zip(leaves, grads):
+            if grad is not None:
+                g[key].add_(grad.float())
+
+    def forget(self, data: str, s: int, m: int) -> None:
+        self.layer_kwargs.pop((data, s, m), None)
+
+    def head_loss_and_grads(self, h: torch.Tensor, norm_w: torch.Tensor, head_w: torch.Tensor,
+                            targets: torch.Tensor, scale: float, chunk_tokens: int | None,
+                            weight_grads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                         torch.Tensor | None]:
+        chunk = chunk_tokens or default_chunk_tokens(head_w.shape[0])
+        return self.calls.head_loss_and_grads(h, norm_w, head_w, targets, scale, chunk, weight_grads)
+
+    def head_loss(self, h: torch.Tensor, norm_w: torch.Tensor, head_w: torch.Tensor, targets: torch.Tensor,
+                  chunk_tokens: int | None) -> torch.Tensor:
+        return self.calls.head_loss(h, norm_w, head_w, targets, chunk_tokens or default_chunk_tokens(head_w.shape[0]))
+
+    def place_documents(self, data: str, s: int, m: int, docs: Documents | None) -> None:
+        raise AssertionError("the generic path places documents in its stem")
+
+    def run(self, data: str, s: int, i: int, m: int, x: torch.Tensor, w: Any,
+            router: RouterTap | None = None) -> torch.Tensor:
+        return self.layer_fn(i, x, w, self.layer_kwargs[(data, s, m)][i])  # type: ignore[no-any-return]
+
+
+def layer_runner(cfg: ModelConfig, seq_len: int, device: torch.device, dtype: torch.dtype,
+                 compile_backend: str | None) -> LayerRunner:
+    """The runner of the model's layer path: native, or generic (transformers' modules)."""
+    cls = GenericLayerRunner if cfg.generic else LayerRunner
+    return cls(cfg, seq_len, device, dtype, compile_backend)

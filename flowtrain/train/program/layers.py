@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from ...graph.tasks import Backward, Embed, EmbedBackward, Forward, Recompute
-from ...model import bind, embed
+from ...model import bind
 from ...model.saved_attention import AttentionRecord, recording, replaying
 from ...runtime.engine import TaskContext
 from ..kept import backward_kept
@@ -44,13 +44,10 @@ def run_embed(p: StepProgram, task: Embed, ctx: TaskContext) -> None:
     evaluating = task.phase == "eval"
     data = p.evals[s] if evaluating else p.steps[s]
     ids = data.ids[m].to(p.device, non_blocking=p.slots.non_blocking)
-    if not evaluating:
-        p.layers.dev_ids[(s, m)] = ids
-    p.layers.place_documents("eval" if evaluating else "train", s, m, data.docs[m])
     embed_state = p.state.embed
-    w = bind(p.slots.weights(embed_state, ctx), embed_state.flat_map)["embed_tokens"]
+    w = bind(p.slots.weights(embed_state, ctx), embed_state.flat_map)
     inputs = p.store.eval_inputs if evaluating else p.store.inputs
-    inputs.put((s, 0, m), embed(ids, w, p.layers.embed_multiplier))
+    inputs.put((s, 0, m), p.layers.embed("eval" if evaluating else "train", s, m, ids, data.docs[m], w))
 
 
 @HANDLERS.register("forward", "recompute")
@@ -115,15 +112,8 @@ def run_embed_backward(p: StepProgram, task: EmbedBackward, ctx: TaskContext) ->
     """Scatter one micro-batch's input gradient into the embedding's gradient."""
     s, m = task.step, task.micro_batch
     dx = p.store.grads.take((s, -1, m))
-    ids = p.layers.dev_ids.pop((s, m))
-    p.layers.dev_docs.pop(("train", s, m), None)
     emb = p.state.embed
-    g = bind(p.slots.grads(emb, ctx), emb.flat_map)["embed_tokens"]
-    if p.layers.embed_multiplier is not None:  # the multiplier, rounded as the forward used it
-        dx = dx * torch.tensor(p.layers.embed_multiplier, dtype=dx.dtype, device=dx.device)
-    if p.cfg.pad_token_id is not None:
-        # transformers' nn.Embedding(padding_idx=pad_token_id): looking up the padding
-        # token's row adds nothing to its gradient (a tied head's part still does).
-        dx = dx.masked_fill((ids == p.cfg.pad_token_id)[..., None], 0)
-    g.index_add_(0, ids.reshape(-1), dx.reshape(-1, dx.shape[-1]).float())
-    p.finite.poison(g, s, "embed", m)
+    g = bind(p.slots.grads(emb, ctx), emb.flat_map)
+    p.layers.embed_backward(s, m, dx, g)
+    for grad in g.values():
+        p.finite.poison(grad, s, "embed", m)

@@ -1,0 +1,233 @@
+"""Calling transformers' modules over flowtrain's weights: the generic path's layer math.
+
+A :class:`GenericCalls` holds, for one device, what every call shares: the
+:func:`~flowtrain.model.generic.skeleton.skeleton` and its buffers moved to the device. Each of
+its calls is ``torch.func.functional_call`` over the model's own module with the weights given
+as views of a flat buffer, so the same module serves every layer's weights in any slot:
+
+- :meth:`GenericCalls.stem` runs the decoder's own forward with its layers replaced by recorders
+  that stop it at the final norm. What it yields is exactly what transformers hands each layer:
+  layer 0's input (the embedding, scaled where the model scales it) and each layer's keyword
+  arguments (its mask: full, sliding, chunked, or none for linear-attention and state-space
+  layers; rotary tables; positions). Packed documents are told by positions that restart at
+  each document, which transformers turns into block-causal masks.
+- :meth:`GenericCalls.layer` runs decoder layer ``i`` with those arguments.
+- :meth:`GenericCalls.head_loss_and_grads` runs the final norm and the causal LM's own output
+  step (its logit scaling or soft-capping included) over a chunk of tokens at a time, with
+  the cross-entropy transformers' loss computes (fp32 logits, summed over non-ignored targets).
+
+Backward passes are autograd through the same calls.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.func import functional_call
+
+from .skeleton import Skeleton
+
+__all__ = ["GenericCalls", "Stem"]
+
+IGNORE_INDEX = -100
+
+
+class _Stop(Exception):
+    """Raised by the stand-in final norm: the stem has seen every layer's arguments."""
+
+
+class _Recorder(nn.Module):
+    """Stands in for decoder layer ``index`` in the stem: keeps its input (layer 0's) and its
+    keyword arguments, hands the input on unchanged. Attributes the decoder reads from a layer
+    (``attention_type``, ...) come from the real layer."""
+
+    def __init__(self, layer: nn.Module, index: int, sink: list[Any]) -> None:
+        super().__init__()
+        object.__setattr__(self, "_layer", layer)
+        object.__setattr__(self, "_index", index)
+        object.__setattr__(self, "_sink", sink)
+        # what the decoder indexes the layer's output as: a tuple (hidden, ...) or the tensor
+        returns = str(inspect.signature(type(layer).forward).return_annotation).lower()
+        object.__setattr__(self, "_as_tuple", "tuple" in returns)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_layer"), name)
+
+    def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
+        if args:
+            raise TypeError(f"{type(self._layer).__name__} is called with positional arguments beyond the "
+                            "hidden states; the generic layer path passes keywords only")
+        if self._index == 0:
+            self._sink.append(hidden_states)
+        self._sink.append(kwargs)
+        return (hidden_states,) if self._as_tuple else hidden_states  # type: ignore[return-value]
+
+
+class _StopAtNorm(nn.Module):
+    def forward(self, *args: Any, **kwargs: Any) -> Tensor:
+        raise _Stop
+
+
+class _GivenHidden(nn.Module):
+    """Stands in for the decoder in the causal LM's forward: the final norm of the hidden
+    states it is handed as ``inputs_embeds``. Attributes the causal LM reads from its decoder
+    (Falcon-H1's ``lm_head_multiplier``) come from the real one."""
+
+    def __init__(self, decoder: nn.Module, norm_attr: str) -> None:
+        super().__init__()
+        object.__setattr__(self, "_decoder", decoder)
+        self.norm_attr = norm_attr
+        self._modules[norm_attr] = decoder.get_submodule(norm_attr)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_decoder"), name)
+
+    def forward(self, *args: Any, inputs_embeds: Tensor, **kwargs: Any) -> Any:
+        from transformers.modeling_outputs import MoeModelOutputWithPast
+
+        return MoeModelOutputWithPast(last_hidden_state=getattr(self, self.norm_attr)(inputs_embeds))
+
+
+class Stem:
+    """One micro-batch's stem output: layer 0's input and every layer's keyword arguments."""
+
+    def __init__(self, hidden: Tensor, layer_kwargs: list[dict[str, Any]]) -> None:
+        self.hidden = hidden
+        self.layer_kwargs = layer_kwargs
+
+
+def _tail(name: str, prefix: str) -> str:
+    return name[len(prefix) + 1:] if prefix else name
+
+
+class GenericCalls:
+    """The generic path's calls on one device; see the module docstring."""
+
+    def __init__(self, sk: Skeleton, device: torch.device) -> None:
+        self.sk = sk
+        self.device = device
+        dec = sk.decoder
+        layers_attr = _tail(sk.layers_name, sk.decoder_name)
+        self._layers_attr = layers_attr
+        #: each layer's buffers on the device (rarely any), by layer
+        self._layer_buffers = [{n: b.to(device) for n, b in layer.named_buffers()} for layer in sk.layers]
+        #: the decoder's own buffers (rotary frequencies, embedding scales) on the device
+        self._decoder_buffers = {n: b.to(device) for n, b in dec.named_buffers()
+                                 if not n.startswith(layers_attr + ".")}
+        self._embed_names = [_tail(n, sk.decoder_name) for _, n, _ in sk.units[0]]
+        self._embed_keys = [k for k, _, _ in sk.units[0]]
+        # the causal LM's output step with the decoder replaced by the final norm alone
+        lm = copy.copy(sk.model)
+        lm._modules = dict(sk.model._modules)
+        decoder_attr = sk.decoder_name.split(".")[0]
+        if "." in sk.decoder_name or decoder_attr not in lm._modules:
+            raise ValueError(f"the decoder {sk.decoder_name} is not a child of {type(sk.model).__name__}")
+        lm._modules[decoder_attr] = _GivenHidden(dec, sk.norm_attr)
+        self._head_module = lm
+        self._norm_name = f"{decoder_attr}.{sk.norm_attr}.weight"
+        self._lm_head_name = f"{sk.head_name or _output_name(sk)}.weight"
+
+    # ---------------------------------------------------------------- stem
+    def _stem_module(self, sink: list[Any]) -> nn.Module:
+        dec = copy.copy(self.sk.decoder)
+        dec._modules = dict(self.sk.decoder._modules)
+        dec._modules[self._layers_attr] = nn.ModuleList(
+            [_Recorder(layer, i, sink) for i, layer in enumerate(self.sk.layers)])
+        dec._modules[self.sk.norm_attr] = _StopAtNorm()
+        return dec
+
+    def stem(self, ids: Tensor, positions: Tensor | None, embed: Mapping[str, Tensor]) -> Stem:
+        """Layer 0's input and each layer's arguments for token ids (batch, seq); ``positions``
+        (each token's position in its document) where rows hold packed documents. Under
+        autograd where ``embed``'s tensors require grad."""
+        sink: list[Any] = []
+        params = {name: embed[key] for name, key in zip(self._embed_names, self._embed_keys)}
+        params.update(self._decoder_buffers)
+        kwargs: dict[str, Any] = {"input_ids": ids, "use_cache": False}
+        if positions is not None:
+            kwargs["position_ids"] = positions
+        try:
+            functional_call(self._stem_module(sink), params, (), kwargs, strict=False)
+        except _Stop:
+            pass
+        if len(sink) != len(self.sk.layers) + 1:
+            raise RuntimeError(f"the stem of {type(self.sk.model).__name__} saw {len(sink) - 1} of "
+                               f"{len(self.sk.layers)} layers")
+        return Stem(sink[0], sink[1:])
+
+    # ---------------------------------------------------------------- layers
+    def layer(self, i: int, x: Tensor, w: Mapping[str, Tensor], kwargs: dict[str, Any]) -> Tensor:
+        """Decoder layer ``i`` over ``x`` (batch, seq, hidden) with weights ``w`` (its
+        parameters by their names in the layer) and the stem's arguments for it."""
+        params = dict(w)
+        params.update(self._layer_buffers[i])
+        out = functional_call(self.sk.layers[i], params, (x,), kwargs, strict=True)
+        return out[0] if isinstance(out, tuple) else out
+
+    # ---------------------------------------------------------------- head
+    def logits(self, h: Tensor, norm_w: Tensor, head_w: Tensor) -> Tensor:
+        """The causal LM's logits for hidden states ``h`` (batch, tokens, hidden)."""
+        params = {self._norm_name: norm_w, self._lm_head_name: head_w}
+        out = functional_call(self._head_module, params, (), {"inputs_embeds": h}, strict=False)
+        return out.logits
+
+    def head_loss_and_grads(self, hidden: Tensor, norm_w: Tensor, head_w: Tensor, targets: Tensor, scale: float,
+                            chunk_tokens: int, weight_grads: bool = True
+                            ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
+        """``(loss_sum, d_hidden, d_norm_w, d_head_w)`` as
+        :func:`flowtrain.model.functional.head_loss_and_grads` returns them, one chunk of
+        ``chunk_tokens`` tokens at a time."""
+        x = hidden.reshape(-1, hidden.shape[-1])
+        t = targets.reshape(-1)
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        d_x = torch.empty_like(x)
+        d_norm = torch.zeros_like(norm_w, dtype=torch.float32) if weight_grads else None
+        d_head = torch.zeros_like(head_w) if weight_grads else None
+        nw = norm_w.detach().requires_grad_(weight_grads)
+        hw = head_w.detach().requires_grad_(weight_grads)
+        for start in range(0, x.shape[0], chunk_tokens):
+            with torch.enable_grad():
+                xc = x[start:start + chunk_tokens].detach().requires_grad_(True)
+                tc = t[start:start + chunk_tokens]
+                logits = self.logits(xc[None], nw, hw)[0].float()
+                ce = F.cross_entropy(logits, tc, ignore_index=IGNORE_INDEX, reduction="sum")
+                inputs = [xc, nw, hw] if weight_grads else [xc]
+                grads = torch.autograd.grad(ce * scale, inputs)
+            loss += ce.detach()
+            d_x[start:start + chunk_tokens] = grads[0]
+            if d_norm is not None and d_head is not None:
+                d_norm += grads[1].float()
+                d_head += grads[2]
+        return loss, d_x.view_as(hidden), (d_norm.to(norm_w.dtype) if d_norm is not None else None), d_head
+
+    @torch.no_grad()
+    def head_loss(self, hidden: Tensor, norm_w: Tensor, head_w: Tensor, targets: Tensor, chunk_tokens: int) -> Tensor:
+        """The summed cross-entropy over non-ignored targets (fp32 scalar)."""
+        x = hidden.reshape(-1, hidden.shape[-1])
+        t = targets.reshape(-1)
+        loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
+        for start in range(0, x.shape[0], chunk_tokens):
+            logits = self.logits(x[start:start + chunk_tokens][None], norm_w, head_w)[0].float()
+            loss += F.cross_entropy(logits, t[start:start + chunk_tokens], ignore_index=IGNORE_INDEX, reduction="sum")
+        return loss
+
+
+def _output_name(sk: Skeleton) -> str:
+    """A tied model's output embedding's name in the causal LM (its weight is the input's)."""
+    head = getattr(sk.model, "get_output_embeddings")()
+    for name, module in sk.model.named_modules():
+        if module is head:
+            return name
+    raise ValueError("no output embedding")
