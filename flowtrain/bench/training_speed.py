@@ -83,7 +83,7 @@ def run_model(args: argparse.Namespace) -> dict:
     from ..train.config.run_config import load_model_config
 
     _check_model_args(args)
-    cfg_m, _ = load_model_config(args.model)
+    cfg_m, _ = load_model_config(args.model, args.layer_path)
     cfg, metrics, recorder, plans, peak = _train(args, cfg_m.vocab_size)
     adapters = adapter_numel(cfg_m, run_request(cfg)) if cfg.lora else None
     active = adapter_active_numel(cfg_m, run_request(cfg)) if cfg.lora else None

@@ -22,7 +22,7 @@ __all__ = ["MEMORY_FIELDS", "KERNEL_FIELDS", "add_arguments", "config_from_args"
 #: the placement and memory fields that ``plan`` and ``bench --model`` take as ``train`` does
 MEMORY_FIELDS = ("layout", "resident", "gpu_mem", "host_mem", "chunk_tokens", "activations", "checkpoint_every")
 #: the kernel choices ``bench --model`` takes as ``train`` does
-KERNEL_FIELDS = ("compile", "attention_backend")
+KERNEL_FIELDS = ("compile", "attention_backend", "layer_path")
 
 
 #: settings below ``TrainConfig`` that an error can name (the step graph's, the planner's), as

@@ -467,14 +467,12 @@ class ModelConfig(msgspec.Struct, frozen=True):
 
     def attention_layers(self) -> int:
         """Layers whose tokens attend over the sequence (their score and value products cost
-        ``6 h S`` per token): every layer, but on the generic path not the linear-attention or
-        state-space layers its ``layer_types`` name."""
-        if not self.generic or self.hf_json is None:
+        ``6 h S`` per token): every layer, but on the generic path not the linear-attention,
+        state-space or recurrent layers its ``layer_types`` name."""
+        if not self.generic or self.layer_types is None:
             return self.num_layers
-        types = json.loads(self.hf_json).get("layer_types")
-        if not isinstance(types, list) or len(types) != self.num_layers:
-            return self.num_layers
-        return sum(1 for t in types if "attention" in str(t) and "linear" not in str(t))
+        linear = ("linear", "mamba", "ssm", "recurrent", "conv")
+        return sum(1 for t in self.layer_types if not any(w in t for w in linear))
 
 
 def short_repr(v: Any, limit: int = 80) -> str:

@@ -15,7 +15,7 @@ import msgspec
 from ..errors import ConfigError
 from .config import ModelConfig, RopeScaling
 
-__all__ = ["PRESETS", "preset"]
+__all__ = ["HF_PRESETS", "PRESETS", "preset"]
 
 _LLAMA3_SCALING = RopeScaling(
     rope_type="llama3",
@@ -127,6 +127,36 @@ def _long_context(base: ModelConfig, positions: int) -> ModelConfig:
 #: One sequence of up to 262,144 tokens on Llama-3-8B's shape, 524,288 on llama-3b's.
 PRESETS["llama-8b-256k"] = _long_context(PRESETS["llama-8b"], 262144)
 PRESETS["llama-3b-512k"] = _long_context(PRESETS["llama-3b"], 524288)
+
+
+#: Models the generic layer path runs (:mod:`flowtrain.model.generic`), by name: their
+#: ``config.json`` as transformers reads it (a preset of a family without native layer math).
+HF_PRESETS: dict[str, dict] = {
+    # Qwen3.5-9B's text model: 32 layers, every 4th full attention (16 heads of 256, 4 KV heads,
+    # gated output), the others gated delta-net linear attention (16 key heads, 32 value heads of
+    # 128); SwiGLU of 12,288; a 248,320-token vocabulary.
+    "qwen3.5-9b": {
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 248320,
+        "hidden_size": 4096, "intermediate_size": 12288, "num_hidden_layers": 32, "num_attention_heads": 16,
+        "num_key_value_heads": 4, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+        "linear_key_head_dim": 128, "linear_value_head_dim": 128, "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 4, "max_position_embeddings": 262144, "rms_norm_eps": 1e-6,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000.0, "partial_rotary_factor": 0.25},
+        "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": 248044, "pad_token_id": None,
+    },
+    # Its first 16 layers (4 of them full attention): the largest part whose fp32 weights and
+    # Adam state an all-on-GPU run holds on one H200, for comparing with transformers alone.
+    "qwen3.5-9b-16l": {},
+    # The same layers at a CPU test's size.
+    "qwen3.5-tiny": {
+        "architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "vocab_size": 256,
+        "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "head_dim": 16, "linear_num_key_heads": 2, "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16, "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4,
+        "full_attention_interval": 2, "max_position_embeddings": 4096, "tie_word_embeddings": False,
+    },
+}
+HF_PRESETS["qwen3.5-9b-16l"] = {**HF_PRESETS["qwen3.5-9b"], "num_hidden_layers": 16}
 
 
 def preset(name: str) -> ModelConfig:

@@ -42,6 +42,13 @@ def _token(config: Any, name: str) -> int | None:
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
+def _layer_types(config: Any, layers: int) -> tuple[str, ...] | None:
+    types = getattr(config, "layer_types", None)
+    if isinstance(types, (list, tuple)) and len(types) == layers and all(isinstance(t, str) for t in types):
+        return tuple(types)
+    return None
+
+
 def generic_config(d: dict[str, Any]) -> ModelConfig:
     """The model ``config.json`` (``d``) describes, on the generic layer path; a
     :class:`ConfigError` naming the part where the path cannot run it."""
@@ -67,6 +74,7 @@ def generic_config(d: dict[str, Any]) -> ModelConfig:
         eos_token_id=_token(c, "eos_token_id"),
         pad_token_id=_token(c, "pad_token_id"),
         architecture=type(sk.model).__name__,
+        layer_types=_layer_types(c, len(sk.layers)),
         layer_path="generic",
         hf_json=text,
         generic_units=sk.units,

@@ -22,7 +22,7 @@ from ...model.adapters import DEFAULT_TARGETS, LoraSpec
 from ...model.config import ModelConfig
 from ...model.hf_config import from_hf, to_hf
 from ...model.model_dir import read_config
-from ...model.presets import PRESETS, preset
+from ...model.presets import HF_PRESETS, PRESETS, preset
 from ...plan.memory import compile_backend  # noqa: F401 - re-exported: what --compile runs
 from ..distributed import DEFAULT_TIMEOUT_S as DIST_TIMEOUT_S
 from . import defaults
@@ -67,7 +67,7 @@ class TrainConfig(msgspec.Struct, kw_only=True):
     """
 
     model: Annotated[str | None, Setting(
-        f"Hugging Face model directory or preset ({', '.join(PRESETS)}); default: tiny, or the resumed "
+        f"Hugging Face model directory or preset ({', '.join([*PRESETS, *HF_PRESETS])}); default: tiny, or the resumed "
         "checkpoint's model")] = None
     data: Annotated[str | None, Setting(
         ".jsonl (rows of text, prompt+completion, messages, or input_ids[+labels]), .txt or .npy; default: the "
@@ -304,12 +304,14 @@ def load_model_config(model: str, layer_path: str = "auto") -> tuple[ModelConfig
     """A preset name or a Hugging Face model directory, on the layer path ``layer_path``
     (:data:`flowtrain.model.hf_config.LAYER_PATHS`)."""
     path = Path(model)
+    if model in HF_PRESETS and not path.is_dir():
+        return from_hf(HF_PRESETS[model], "generic" if layer_path == "auto" else layer_path), None
     if model in PRESETS and not path.is_dir():
         cfg = preset(model)
         return (from_hf(to_hf(cfg), layer_path) if layer_path != "auto" else cfg), None
     if not path.exists():
         raise CheckpointError(
-            f"--model {model!r} is neither a directory nor a preset (presets: {', '.join(sorted(PRESETS))})"
+            f"--model {model!r} is neither a directory nor a preset (presets: {', '.join(sorted([*PRESETS, *HF_PRESETS]))})"
         )
     if not path.is_dir():
         raise CheckpointError(f"--model {model!r} is a file; give the model's directory (config.json + safetensors)")
