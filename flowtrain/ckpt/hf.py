@@ -38,7 +38,7 @@ from torch import Tensor
 from flowtrain.errors import CheckpointError, FlowtrainError
 from flowtrain.model.config import ModelConfig
 from flowtrain.model.model_dir import CONFIG_NAME, read_config  # re-exported
-from flowtrain.model.flat_map import FlatMap, bind, hub_tensors
+from flowtrain.model.flat_map import FlatMap, bind, hub_form, hub_tensors
 from ..model.hf_config import from_hf, to_hf
 
 __all__ = ["checkpoint_dtype", "hf_config_text", "load_into", "read_config", "save_hf", "shard_tensors",
@@ -122,10 +122,12 @@ def load_into(
     if not path.is_dir():
         raise CheckpointError(f"model directory {str(path)!r} does not exist or is not a directory")
     targets: dict[str, tuple[tuple[int, ...], Callable[[Tensor], Any]]] = {}
+    fused = any(e.parts for lay in layouts for e in lay.entries)
+    present = _checkpoint_names(path) if fused else set()
     for layout, flat in zip(layouts, flats):
         views = bind(flat, layout)
         for e in layout.entries:
-            for name, shape, index in hub_tensors(e):
+            for name, shape, index in hub_form(e, present):
                 view = views[e.key] if index is None else views[e.key][index]
                 targets[name] = (shape, view.copy_)
     if any(e.stacked for lay in layouts for e in lay.entries):

@@ -151,6 +151,9 @@ class ModelConfig(msgspec.Struct, frozen=True):
     hf_json: str | None = None
     #: the generic path: each unit's tensors, embed, layers, head: (key, checkpoint name, shape)
     generic_units: tuple[tuple[tuple[str, str, tuple[int, ...]], ...], ...] = ()
+    #: the generic path: weights transformers fuses from one checkpoint tensor per expert (name ->
+    #: per-expert name templates, :attr:`flowtrain.model.flat_map.Entry.parts`)
+    generic_parts: tuple[tuple[str, tuple[str, ...]], ...] = ()
 
     def __post_init__(self) -> None:
         # head_dim is always an int after construction; None only means "derive it".

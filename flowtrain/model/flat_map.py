@@ -35,7 +35,8 @@ if TYPE_CHECKING:
 
 from flowtrain.model.config import ModelConfig
 
-__all__ = ["ALIGN", "Entry", "FlatMap", "bind", "hub_tensors", "model_flat_maps", "unit_numel_max", "unit_seed"]
+__all__ = ["ALIGN", "Entry", "FlatMap", "HubIndex", "bind", "hub_form", "hub_tensors", "model_flat_maps", "unit_numel_max",
+           "unit_seed"]
 
 ALIGN = 64  # elements; 128 bytes in bf16, 256 in fp32
 
@@ -51,11 +52,34 @@ class Entry(msgspec.Struct, frozen=True):
     numel: int
     #: one checkpoint tensor per index of the first dimension, named ``name.format(index)``
     stacked: bool = False
+    #: the generic path's fused experts (transformers keeps ``experts.gate_up_proj`` (experts,
+    #: 2 inter, hidden) where the Hub has ``experts.E.gate_proj.weight`` and ``up_proj``): expert
+    #: ``e``'s rows ``[j n, (j + 1) n)`` of the second dimension are checkpoint tensor
+    #: ``parts[j].format(e)``, n being that dimension over ``len(parts)``
+    parts: tuple[str, ...] = ()
 
 
-def hub_tensors(entry: Entry) -> list[tuple[str, tuple[int, ...], int | None]]:
+#: where a checkpoint tensor goes in its entry: all of it (None), one expert (its index), or
+#: one part of one expert (the index and the rows of the second dimension)
+HubIndex = int | tuple[int, slice] | None
+
+
+def hub_form(entry: Entry, present: set[str]) -> list[tuple[str, tuple[int, ...], HubIndex]]:
+    """:func:`hub_tensors` as the checkpoint whose tensor names are ``present`` holds them: a
+    fused entry may be stored fused, under its own name (as transformers keeps it in memory)."""
+    if entry.parts and entry.name in present and entry.parts[0].format(0) not in present:
+        return [(entry.name, entry.shape, None)]
+    return hub_tensors(entry)
+
+
+def hub_tensors(entry: Entry) -> list[tuple[str, tuple[int, ...], HubIndex]]:
     """``(checkpoint name, shape, index)`` of each tensor a checkpoint stores for ``entry``:
-    itself (index None), or for a stacked entry one per expert (its index in the stack)."""
+    itself (index None), for a stacked entry one per expert (its index in the stack), for a
+    fused entry one per expert and part (``entry.parts``)."""
+    if entry.parts:
+        n = entry.shape[1] // len(entry.parts)
+        return [(part.format(e), (n, *entry.shape[2:]), (e, slice(j * n, (j + 1) * n)))
+                for e in range(entry.shape[0]) for j, part in enumerate(entry.parts)]
     if not entry.stacked:
         return [(entry.name, entry.shape, None)]
     return [(entry.name.format(i), entry.shape[1:], i) for i in range(entry.shape[0])]
@@ -173,10 +197,14 @@ def model_flat_maps(cfg: ModelConfig) -> list[FlatMap]:
     """
     cfg.validate()
     if cfg.generic:  # the units transformers' model has (flowtrain.model.generic)
-        units = cfg.generic_units
-        return [_pack("embed", None, units[0]),
+        units, parts = cfg.generic_units, dict(cfg.generic_parts)
+        maps = [_pack("embed", None, units[0]),
                 *(_pack("layer", i, spec) for i, spec in enumerate(units[1:-1])),
                 _pack("head", None, units[-1])]
+        if not parts:
+            return maps
+        return [msgspec.structs.replace(m, entries=tuple(msgspec.structs.replace(e, parts=parts.get(e.name, ()))
+                                                         for e in m.entries)) for m in maps]
     h, v = cfg.hidden_size, cfg.vocab_size
     maps = [_pack("embed", None, [("embed_tokens", "model.embed_tokens.weight", (v, h))])]
     maps += [_pack("layer", i, _layer_specs(cfg, i)) for i in range(cfg.num_layers)]

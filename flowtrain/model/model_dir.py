@@ -20,7 +20,7 @@ from typing import Any
 
 from ..errors import CheckpointError
 from .config import ModelConfig, short_repr
-from .flat_map import hub_tensors, model_flat_maps
+from .flat_map import FlatMap, hub_form, model_flat_maps
 from .hf_config import from_hf
 
 __all__ = ["CONFIG_NAME", "check_weight_headers", "read_config"]
@@ -89,13 +89,13 @@ def check_weight_headers(model_dir: str | os.PathLike[str], cfg: ModelConfig, *,
         if require:
             raise CheckpointError(f"{str(path)!r} has neither {_WEIGHTS_NAME} nor {_INDEX_NAME}")
         return
-    expected = {name: shape for lay in model_flat_maps(cfg) for e in lay.entries for name, shape, _ in hub_tensors(e)}
+    maps = model_flat_maps(cfg)
     if index.is_file():
         weight_map = _read_json(index)
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index} is not a valid safetensors index: it has no 'weight_map' object")
-        expected = _fused_experts_expected(cfg, expected, set(weight_map))
+        expected = _fused_experts_expected(cfg, _expected(maps, set(weight_map)), set(weight_map))
         files: dict[Path, list[str]] = {}
         for name in expected:
             if not isinstance(weight_map.get(name), str):
@@ -103,7 +103,7 @@ def check_weight_headers(model_dir: str | os.PathLike[str], cfg: ModelConfig, *,
             files.setdefault(path / weight_map[name], []).append(name)
     else:
         header, _ = _safetensors_header(path / _WEIGHTS_NAME)
-        expected = _fused_experts_expected(cfg, expected, set(header))
+        expected = _fused_experts_expected(cfg, _expected(maps, set(header)), set(header))
         files = {path / _WEIGHTS_NAME: list(expected)}
     for file, names in files.items():
         if not file.is_file():
@@ -111,6 +111,12 @@ def check_weight_headers(model_dir: str | os.PathLike[str], cfg: ModelConfig, *,
         header, data_bytes = _safetensors_header(file)
         for name in names:
             _check_tensor(file, name, header.get(name), expected[name], data_bytes)
+
+
+def _expected(maps: list[FlatMap], present: set[str]) -> dict[str, tuple[int, ...]]:
+    """Every checkpoint tensor the flat maps hold, by name, with its shape (a generic model's
+    fused experts in whichever form the checkpoint with tensors ``present`` keeps them)."""
+    return {name: shape for lay in maps for e in lay.entries for name, shape, _ in hub_form(e, present)}
 
 
 def _fused_experts_expected(cfg: ModelConfig, expected: dict[str, tuple[int, ...]], present: set[str]

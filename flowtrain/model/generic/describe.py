@@ -49,6 +49,41 @@ def _layer_types(config: Any, layers: int) -> tuple[str, ...] | None:
     return None
 
 
+def _conversions(model_type: str) -> list[tuple[tuple[str, ...], str]]:
+    """transformers' rules that fuse one checkpoint tensor per expert into a stacked weight,
+    as ``(source patterns, target)``: only rules that stack experts along the first dimension
+    (and concatenate the sources along the second), the form :attr:`Entry.parts
+    <flowtrain.model.flat_map.Entry.parts>` reads."""
+    try:
+        from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    except ImportError:
+        return []
+    rules = []
+    for rule in get_checkpoint_conversion_mapping(model_type) or []:
+        ops = [(type(op).__name__, getattr(op, "dim", None)) for op in getattr(rule, "operations", [])]
+        targets = list(getattr(rule, "target_patterns", []))
+        sources = tuple(getattr(rule, "source_patterns", []))
+        if type(rule).__name__ == "WeightConverter" and len(targets) == 1 and ops in (
+                [("MergeModulelist", 0)], [("MergeModulelist", 0), ("Concatenate", 1)]) and all(
+                s.count("*") == 1 for s in sources) and len(sources) == (2 if len(ops) == 2 else 1):
+            rules.append((sources, targets[0]))
+    return rules
+
+
+def _expert_parts(model_type: str, layers: tuple) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """For each layer weight transformers fuses from per-expert checkpoint tensors, its name
+    and the checkpoint's per-expert name templates."""
+    rules = _conversions(model_type)
+    found = []
+    for unit in layers:
+        for _, name, shape in unit:
+            for sources, target in rules:
+                if name.endswith(target) and len(shape) >= 2 and shape[1] % len(sources) == 0:
+                    prefix = name[: len(name) - len(target)]
+                    found.append((name, tuple(prefix + s.replace("*", "{}") for s in sources)))
+    return tuple(found)
+
+
 def generic_config(d: dict[str, Any]) -> ModelConfig:
     """The model ``config.json`` (``d``) describes, on the generic layer path; a
     :class:`ConfigError` naming the part where the path cannot run it."""
@@ -78,4 +113,5 @@ def generic_config(d: dict[str, Any]) -> ModelConfig:
         layer_path="generic",
         hf_json=text,
         generic_units=sk.units,
+        generic_parts=_expert_parts(c.model_type, sk.units[1:-1]),
     ).validate()
