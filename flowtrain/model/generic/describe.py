@@ -113,5 +113,5 @@ def generic_config(d: dict[str, Any]) -> ModelConfig:
         layer_path="generic",
         hf_json=text,
         generic_units=sk.units,
-        generic_parts=_expert_parts(c.model_type, sk.units[1:-1]),
+        generic_parts=_expert_parts(str(d.get("model_type")), sk.units[1:-1]),
     ).validate()
