@@ -130,10 +130,10 @@ def check_with_model(cfg: TrainConfig, mcfg: ModelConfig) -> None:
     within its positions, LoRA targets it has, skipped experts it has)."""
     if defaults.seq_len_given(cfg.seq_len):  # else the data decides, within the model's positions
         mcfg.check_seq_len(cfg.seq_len)
-    _check_lora(cfg, mcfg)
     if cfg.lora and mcfg.generic:
         raise ConfigError(f"{{lora_rank}}: LoRA adapters sit in the native layer; {mcfg.architecture} runs on the generic "
                           "layer path, which trains the whole model", named=True)
+    _check_lora(cfg, mcfg)
     if cfg.skip_idle_experts and not mcfg.sparse_layers():
         raise ConfigError("{skip_idle_experts} is for a mixture of experts: the model has no layer with experts",
                           named=True)
