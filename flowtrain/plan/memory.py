@@ -395,7 +395,10 @@ def _gpu_items(cfg: ModelConfig, req: RunRequest, device: torch.device, cbytes: 
         "layer_work": layer_work_bytes(cfg, tokens, cbytes, compiled, grouped, frozen_base=lora),
         # fp32 logits and their softmax in place, the bf16 gradient, the head's gradient
         # before accumulation, and the micro-batch's hidden-state gradient.
-        "loss_chunks": min(chunk_tokens, tokens) * cfg.vocab_size * (4 + 4 + cbytes) + 2 * hidden
+        # (the generic path's head runs under autograd: the logits in the compute dtype and in
+        # fp32, the saved log-softmax, and the gradient in both dtypes)
+        "loss_chunks": min(chunk_tokens, tokens) * cfg.vocab_size * ((12 + 2 * cbytes) if cfg.generic else (8 + cbytes))
+        + 2 * hidden
         + (0 if lora else cbytes * cfg.vocab_size * cfg.hidden_size),
     }
     if lora:
@@ -431,6 +434,8 @@ def layer_work_bytes(cfg: ModelConfig, tokens: int, cbytes: int, compiled: bool,
     its graph at attention, so its planner counts eager bytes (:mod:`.attention`). On the
     H200 the count is within 10% of the measured peak of every run of the GPU gate
     (docs/bench/history/2026-12-05-gpu-gate-runs.md)."""
+    if cfg.generic:
+        return _generic_layer_work(cfg, tokens, cbytes)
     h, f = cfg.hidden_size, cfg.intermediate_size
     q = cfg.num_heads * cfg.head_size
     kv = cfg.num_kv_heads * cfg.head_size
@@ -444,6 +449,21 @@ def layer_work_bytes(cfg: ModelConfig, tokens: int, cbytes: int, compiled: bool,
     if cfg.moe:  # the larger of a sparse layer's routing and experts and a dense layer's MLP
         return work + _moe_mlp_work(cfg, layers, tokens, cbytes, mlp_units, grouped, frozen_base, compiled)
     return work + cbytes * max((lay.numel for lay in layers), default=0) + _dense_mlp_work(cfg, tokens, cbytes, mlp_units)
+
+
+def _generic_layer_work(cfg: ModelConfig, tokens: int, cbytes: int) -> int:
+    """A layer on the generic path: what autograd saves in the largest layer kind's forward,
+    measured per token on the meta device (:mod:`flowtrain.model.generic.activations`), the
+    gradients flowing back through it (four hidden states a token), and its weight gradient in
+    the compute dtype."""
+    import torch
+
+    from ..model.generic.activations import saved_bytes_per_token
+
+    saved = max(saved_bytes_per_token(cfg, torch.bfloat16 if cbytes == 2 else torch.float32).values())
+    layers = [lay for lay in unit_flat_maps(cfg) if lay.unit == "layer"]
+    return (math.ceil(tokens * saved) + tokens * 4 * cfg.hidden_size * cbytes
+            + cbytes * max((lay.numel for lay in layers), default=0))
 
 
 def _dense_mlp_work(cfg: ModelConfig, tokens: int, cbytes: int, mlp_units: int) -> int:
@@ -536,7 +556,14 @@ def kept_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, compiled: bool = 
     formula 1.48.
 
     ``grouped``: a mixture of experts' layers run the grouped experts, which keep less than the
-    loop (:func:`~flowtrain.plan.experts.expert_kept_bytes_per_token`)."""
+    loop (:func:`~flowtrain.plan.experts.expert_kept_bytes_per_token`).
+
+    On the generic path: the largest layer kind's saved bytes, measured on the meta device
+    (:mod:`flowtrain.model.generic.activations`)."""
+    if cfg.generic:
+        from ..model.generic.activations import saved_bytes_per_token
+
+        return math.ceil(max(saved_bytes_per_token(cfg, dtype).values()))
     c = dtype.itemsize
     h, f = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_size, cfg.num_kv_heads * cfg.head_size
