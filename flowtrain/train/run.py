@@ -97,7 +97,7 @@ def build_state(run: Run) -> tuple[HostState, StepProgram]:
         node_barrier()  # the node's processes filled the shared state alike; none trains before all are done
     program = StepProgram(state, device=run.device, dtype=run.dtype, seq_len=cfg.seq_len,
                           checkpoint_every=cfg.checkpoint_every, budgets=plan.budgets, adamw=adamw_config(cfg),
-                          chunk_tokens=plan.chunk_tokens, compile_backend=compile_backend(cfg.compile, run.device.type),
+                          chunk_tokens=plan.chunk_tokens, compile_backend=_layer_compile(cfg, run),
                           undo_bytes=int(cfg.undo_mem * 2**30) // spec.share, world=run.world,
                           owned=spec.owned_by(run.world.local_rank), seed=cfg.seed)
     program.reserve_offloaded(spec.offload, spec.micro_batches, cfg.micro_batch_size)
@@ -174,6 +174,14 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
             save_final_model(state, cfg.out, run.tokenizer_dir, source_dir=run.source_dir, save_dtype=cfg.save_dtype,
                              merge=cfg.merge, base_model=cfg.model)
         return metrics
+
+
+def _layer_compile(cfg: TrainConfig, run: Run) -> str | None:
+    """The torch.compile backend of the decoder layer: ``--compile``'s, but on the generic layer
+    path ``auto`` stays eager (transformers' modules are compiled only where asked for by name)."""
+    if run.mcfg.generic and cfg.compile == "auto":
+        return None
+    return compile_backend(cfg.compile, run.device.type)
 
 
 def _write_trace(run: Run, recorder: TraceRecorder) -> None:
