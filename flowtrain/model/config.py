@@ -468,6 +468,19 @@ class ModelConfig(msgspec.Struct, frozen=True):
                 n += size * per_token // experts if experts and len(shape) == 3 and shape[0] == experts else size
         return n + sum(math.prod(s) for u in (self.generic_units[0], self.generic_units[-1]) for _, _, s in u)
 
+    @property
+    def separates_documents(self) -> bool:
+        """Whether every layer keeps packed documents apart. A native layer and an attention
+        layer do (their masks restart at each document); on the generic path a linear-attention,
+        state-space or hybrid layer carries its state from one document into the next, so rows
+        of such a model hold one example each (``layer_types``, or config keys of such layers)."""
+        if not self.generic:
+            return True
+        if self.layer_types is not None:
+            return all("attention" in t and "linear" not in t for t in self.layer_types)
+        keys = json.loads(self.hf_json or "{}")
+        return not any(k.startswith(("mamba", "ssm", "linear_", "conv_", "recurrent")) for k in keys)
+
     def attention_layers(self) -> int:
         """Layers whose tokens attend over the sequence (their score and value products cost
         ``6 h S`` per token): every layer, but on the generic path not the linear-attention,

@@ -202,9 +202,12 @@ def _load_eval(cfg: TrainConfig, mcfg: ModelConfig, tokenizer_dir: Path | None) 
 def _read(path: str, cfg: TrainConfig, mcfg: ModelConfig, tokenizer_dir: Path | None, seq_len: int | FromData,
           long_examples: str | None = None) -> Sequences:
     """A data file read as the run reads its data: the model's ids, the run's tokenizer and
-    packing, and ``long_examples`` (default: the run's)."""
+    packing (none for a model whose layers carry state from one packed document into the next:
+    :attr:`~flowtrain.model.config.ModelConfig.separates_documents`), and ``long_examples``
+    (default: the run's)."""
+    packing = cfg.packing and mcfg.separates_documents
     return load_sequences(path, seq_len, mcfg.vocab_size, tokenizer_dir=tokenizer_dir, pad_id=mcfg.pad_token_id or 0,
-                          eos_id=mcfg.eos_token_id, byte_tokenizer=cfg.byte_tokenizer, packing=cfg.packing,
+                          eos_id=mcfg.eos_token_id, byte_tokenizer=cfg.byte_tokenizer, packing=packing,
                           long_examples=long_examples or cfg.long_examples)
 
 

@@ -7,7 +7,10 @@ transformers itself, fp32 on the CPU.
 
 from __future__ import annotations
 
+import types
+
 import pytest
+import torch
 
 transformers = pytest.importorskip("transformers")
 
@@ -71,3 +74,45 @@ def test_lora_on_the_generic_path_is_refused_in_one_line(tmp_path, capsys):
 def test_saved_attention_on_the_generic_path_is_refused_in_one_line(tmp_path, capsys):
     err = _refused(tmp_path, capsys, "--activations", "attention")
     assert len(err) == 1 and "generic layer path" in err[0] and "--activations" in err[0], err
+
+
+@pytest.mark.parametrize("arch", ["LlamaForCausalLM", "Gemma2ForCausalLM", "Qwen3_5ForCausalLM"])
+def test_packed_rows_train_like_each_example_alone(tmp_path, arch):
+    """Packed documents on the generic path: positions restart at each document, which
+    transformers turns into block-causal masks; the weights are transformers' trained on every
+    example alone. Qwen3.5's linear-attention layers would carry their state from one document
+    into the next: its rows hold one example each, and train like them too."""
+    from test_families import _rel_errs
+    from test_packing_vs_hf import ROWS, SEQ, STEPS as PACKED_STEPS, _documents, _examples, _reference
+
+    from flowtrain.data.source import load_sequences
+    from flowtrain.model import read_config
+
+    if arch == "LlamaForCausalLM":
+        from test_train_vs_hf import make_checkpoint
+
+        def build(path):
+            return make_checkpoint(path, layers=2, seed=5)
+    else:
+        def build(path):
+            return make_family(path, arch, seed=5)
+    build(tmp_path / "model")
+    _examples(tmp_path / "data.jsonl", seed=6)
+    separates = read_config(tmp_path / "model", layer_path="generic").separates_documents
+    assert separates == (arch != "Qwen3_5ForCausalLM")
+    loaded = load_sequences(tmp_path / "data.jsonl", SEQ, 64, cache_dir=tmp_path / "cache", packing=separates)
+    assert (loaded.positions is not None) == separates
+    positions = loaded.positions if separates else torch.arange(SEQ).expand(len(loaded), SEQ)  # a row, one example
+    seqs = types.SimpleNamespace(input_ids=loaded.input_ids, targets=loaded.targets, positions=positions)
+    most = max(len(_documents(i, t, p)) for i, t, p in zip(seqs.input_ids, seqs.targets, seqs.positions))
+    assert most >= 3 if separates else most == 1
+    ref = _reference(build(tmp_path / "ref"), seqs, lr=0.01, wd=0.1)
+    assert main(["train", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "data.jsonl"),
+                 "--steps", str(PACKED_STEPS), "--batch-size", str(ROWS), "--micro-batch-size", "1",
+                 "--seq-len", str(SEQ), "--no-shuffle", "--lr", "0.01", "--weight-decay", "0.1",
+                 "--betas", "0.9,0.95", "--eps", "1e-6", "--device", "cpu", "--precision", "fp32",
+                 "--out", str(tmp_path / "out"), "--no-progress", "--lr-schedule", "constant",
+                 "--warmup-steps", "0", "--weight-decay-skip", "none", "--layer-path", "generic"]) == 0
+    ours = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
+    for tensor, err in _rel_errs(ours, ref).items():
+        assert err < 1e-4, f"{tensor}: relative error {err:.2e}"
