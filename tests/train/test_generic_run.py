@@ -116,3 +116,25 @@ def test_packed_rows_train_like_each_example_alone(tmp_path, arch):
     ours = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
     for tensor, err in _rel_errs(ours, ref).items():
         assert err < 1e-4, f"{tensor}: relative error {err:.2e}"
+
+
+def test_two_processes_train_the_weights_of_one(tmp_path):
+    """Data parallel on the generic path (torchrun, gloo, the CPU): two processes with half the
+    micro-batches each write the weights one process writes."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    run = ["--model", "qwen3.5-tiny", "--steps", "2", "--batch-size", "4", "--micro-batch-size", "1", "--seq-len", "32",
+           "--device", "cpu", "--precision", "fp32", "--lr", "1e-3", "--no-progress"]
+    assert main(["train", *run, "--out", str(tmp_path / "one")]) == 0
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           "-m", "flowtrain", "train", *run, "--out", str(tmp_path / "two")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    one, two = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
+    assert one.keys() == two.keys()
+    for name, ref in one.items():
+        err = float((two[name] - ref).norm() / ref.norm())
+        assert err <= 1e-5, f"{name}: relative error {err:.2e}"

@@ -2,13 +2,15 @@
 
 transformers knows how each of its modules starts (``_init_weights``: normal matrices, norms
 at one, or at zero where a norm scales by ``1 + weight``); this module asks it, one unit at a
-time, on a CPU copy of that unit's modules alone, with a generator seeded by ``(seed, unit)``
-(:func:`flowtrain.model.flat_map.unit_seed`), so a unit always gets the same numbers, in any order.
+time, on a CPU copy of that unit's modules alone, with torch's generator seeded by ``(seed, unit)``
+(:func:`flowtrain.model.flat_map.unit_seed`), so a unit always gets the same numbers, in any order
+(units initialised by several threads take turns: the generator is global).
 """
 
 from __future__ import annotations
 
 import copy
+import threading
 
 import torch
 from torch import Tensor, nn
@@ -18,6 +20,10 @@ from ..flat_map import FlatMap, bind, unit_seed
 from .skeleton import skeleton
 
 __all__ = ["init_generic_unit"]
+
+#: transformers' initialisers draw from torch's global generator: one unit at a time, so that
+#: units initialised by a pool of threads still draw each from its own seed
+_GLOBAL_GENERATOR = threading.Lock()
 
 
 def _unit_modules(cfg: ModelConfig, flat_map: FlatMap) -> dict[str, nn.Module]:
@@ -44,7 +50,7 @@ def init_generic_unit(flat: Tensor, flat_map: FlatMap, cfg: ModelConfig, seed: i
     views = bind(flat, flat_map)
     by_name = {e.name: e.key for e in flat_map.entries}
     flat[: flat_map.numel].zero_()
-    with torch.random.fork_rng(devices=[]):
+    with _GLOBAL_GENERATOR, torch.random.fork_rng(devices=[]):
         torch.manual_seed(unit_seed(seed, flat_map))
         for prefix, module in _unit_modules(cfg, flat_map).items():
             real = copy.deepcopy(module).to_empty(device="cpu")
