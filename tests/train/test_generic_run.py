@@ -138,3 +138,30 @@ def test_two_processes_train_the_weights_of_one(tmp_path):
     for name, ref in one.items():
         err = float((two[name] - ref).norm() / ref.norm())
         assert err <= 1e-5, f"{name}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("where", ["layer.1", "embed", "head"])
+def test_a_poisoned_step_is_left_out_exactly(tmp_path, monkeypatch, where):
+    """A non-finite gradient in step 2 of 3 on the generic path: the step is skipped, and the
+    model written is the one trained on steps 1 and 3 alone."""
+    import json
+
+    from flowtrain.train.nonfinite import INJECT_ENV
+
+    make_family(tmp_path / "model", "Gemma2ForCausalLM")
+    rows = make_data(tmp_path / "data.jsonl")
+    per_step = len(rows) // STEPS
+    (tmp_path / "without.jsonl").write_text("".join(json.dumps({"input_ids": r}) + "\n"
+                                                    for r in rows[:per_step] + rows[2 * per_step:]))
+    args = ["train", "--model", str(tmp_path / "model"), "--batch-size", str(per_step), "--micro-batch-size", "2",
+            "--seq-len", "12", "--no-shuffle", "--lr", "0.01", "--device", "cpu", "--precision", "fp32",
+            "--no-progress", "--lr-schedule", "constant", "--warmup-steps", "0", "--no-packing"]
+    assert main([*args, "--data", str(tmp_path / "without.jsonl"), "--steps", "2", "--out", str(tmp_path / "ref")]) == 0
+    monkeypatch.setenv(INJECT_ENV, f"step=1,where={where}")
+    assert main([*args, "--data", str(tmp_path / "data.jsonl"), "--steps", "3", "--out", str(tmp_path / "out"),
+                 "--metrics", str(tmp_path / "m.jsonl")]) == 0
+    skipped = [json.loads(x).get("skipped", False) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert skipped == [False, True, False]
+    ref = dict(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ref").named_parameters())
+    for name, p in transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").named_parameters():
+        assert p.detach().equal(ref[name].detach()), name
