@@ -79,9 +79,6 @@ class LoraSpec(msgspec.Struct, frozen=True):
             raise ValueError(f"LoRA rank must be at least 1 (got {self.rank})")
         if not self.targets:
             raise ValueError("LoRA needs at least one target")
-        unknown = sorted(set(self.targets) - set(DEFAULT_TARGETS))
-        if unknown:
-            raise ValueError(f"unknown LoRA target {', '.join(unknown)}; choose from {', '.join(DEFAULT_TARGETS)}")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"LoRA dropout must be in [0, 1) (got {self.dropout})")
         if self.fused_rank is not None and self.fused_rank < 1:
@@ -91,7 +88,12 @@ class LoraSpec(msgspec.Struct, frozen=True):
         """Raise ``ValueError`` where the targets cannot adapt ``cfg`` as PEFT would: half of a
         mixture of experts' stacked gate-and-up weight (``gate_proj`` and ``up_proj`` go
         together), dropout on a router or stacked experts (PEFT does not run it), and targets
-        that reach no weight of the model (a dense model's router alone)."""
+        that reach no weight of the model (a dense model's router alone). On the generic layer
+        path a target is any linear map of the layers by its module's name (``q_proj``,
+        ``in_proj_qkvz``), as PEFT's ``target_modules`` matches it, without dropout."""
+        if cfg.generic:
+            return self._check_generic(cfg)
+        self.check_known()
         if cfg.sparse_layers():
             if ("gate_proj" in self.targets) != ("up_proj" in self.targets):
                 raise ValueError("LoRA targets gate_proj and up_proj are one stacked weight in a mixture of experts "
@@ -109,6 +111,51 @@ class LoraSpec(msgspec.Struct, frozen=True):
                              "needs layers with experts)")
 
 
+    def check_known(self) -> None:
+        """Raise ``ValueError`` for a target no native layer has."""
+        unknown = sorted(set(self.targets) - set(DEFAULT_TARGETS))
+        if unknown:
+            raise ValueError(f"unknown LoRA target {', '.join(unknown)}; choose from {', '.join(DEFAULT_TARGETS)}")
+
+    def _check_generic(self, cfg: ModelConfig) -> None:
+        maps = model_flat_maps(cfg)[1:-1]
+        names = sorted({_module(e.key).rsplit(".", 1)[-1] for lay in maps for e in lay.entries if _linear(e.key, e.shape)})
+        missing = [t for t in self.targets if t not in names and t not in DEFAULT_TARGETS]
+        if missing:
+            raise ValueError(f"LoRA target {', '.join(missing)}: no linear map of {cfg.architecture}'s layers is called "
+                             f"that; its maps are {', '.join(names)}")
+        if self.dropout:
+            raise ValueError("LoRA dropout is not run on the generic layer path: leave out the dropout")
+        if not any(lay.entries for lay in adapter_flat_maps(cfg, self)):
+            raise ValueError(f"LoRA targets {','.join(self.targets)}: nothing in {cfg.architecture}'s layers to adapt; "
+                             f"its linear maps are {', '.join(names)}")
+
+
+def _module(key: str) -> str:
+    """The module a generic layer's parameter belongs to (``self_attn.q_proj.weight`` ->
+    ``self_attn.q_proj``)."""
+    return key.removesuffix(".weight")
+
+
+def _linear(key: str, shape: tuple[int, ...]) -> bool:
+    """Whether a generic layer's parameter is a linear map's weight (a matrix called weight)."""
+    return key.endswith(".weight") and len(shape) == 2
+
+
+def _generic_specs(cfg: ModelConfig, spec: LoraSpec, lay: FlatMap) -> list[tuple[str, str, tuple[int, ...]]]:
+    """A generic layer's adapters: for each linear map whose module's name is a target,
+    ``{module}.lora_A`` (rank, in) and ``{module}.lora_B`` (out, rank), named as PEFT saves them."""
+    specs: list[tuple[str, str, tuple[int, ...]]] = []
+    for base in lay.entries:
+        module = _module(base.key)
+        if _linear(base.key, base.shape) and module.rsplit(".", 1)[-1] in spec.targets:
+            stem = "base_model.model." + base.name.removesuffix(".weight")
+            n_out, n_in = base.shape
+            specs += [(f"{module}.lora_A", f"{stem}.lora_A.weight", (spec.rank, n_in)),
+                      (f"{module}.lora_B", f"{stem}.lora_B.weight", (n_out, spec.rank))]
+    return specs
+
+
 def adapter_flat_maps(cfg: ModelConfig, spec: LoraSpec) -> list[FlatMap]:
     """One adapter flat map per decoder layer (unit ``"adapter"``, ``layer`` i): for each target
     the layer has, ``{target}.lora_A`` (rank, in) then ``{target}.lora_B`` (out, rank), each
@@ -116,6 +163,9 @@ def adapter_flat_maps(cfg: ModelConfig, spec: LoraSpec) -> list[FlatMap]:
     ``router``, ``experts_gate_up`` and ``experts_down`` adapters instead of the MLP's
     (:func:`_sparse_specs`)."""
     spec.validate()
+    if cfg.generic:
+        return [_pack("adapter", lay.layer, _generic_specs(cfg, spec, lay)) for lay in model_flat_maps(cfg)[1:-1]]
+    spec.check_known()
     sparse_model = bool(cfg.sparse_layers())
     out = []
     for lay in model_flat_maps(cfg)[1:-1]:

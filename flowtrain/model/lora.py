@@ -92,8 +92,9 @@ def merge_adapter(base: Tensor, base_layout: FlatMap, adapter: Tensor, adapter_l
         if key in _EXPERT_STACKS:
             _merge_experts(a[f"{key}.lora_A"], a[f"{key}.lora_B"], [w[t] for t in _EXPERT_STACKS[key]], scale)
         else:
+            target = key if key in w else f"{key}.weight"  # the generic path's keys name the module
             delta = a[f"{key}.lora_B"].float() @ a[f"{key}.lora_A"].float()
-            w[key].copy_(w[key].float() + scale * delta)
+            w[target].copy_(w[target].float() + scale * delta)
 
 
 _EXPERT_STACKS = {"experts_gate_up": ("experts_gate", "experts_up"), "experts_down": ("experts_down",)}

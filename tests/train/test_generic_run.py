@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 from generic_models import make_family
 from test_eval import hf_eval_loss, make_eval_rows, read_metrics
-from test_train_vs_hf import STEPS, make_data, run_flowtrain
+from test_train_vs_hf import STEPS, make_data, reference_train, run_flowtrain
 
 from flowtrain.cli import main
 
@@ -66,9 +66,14 @@ def _refused(tmp_path, capsys, *flags):
     return capsys.readouterr().err.strip().splitlines()
 
 
-def test_lora_on_the_generic_path_is_refused_in_one_line(tmp_path, capsys):
-    err = _refused(tmp_path, capsys, "--lora-rank", "4")
-    assert len(err) == 1 and "generic layer path" in err[0] and "--lora-rank" in err[0], err
+def test_lora_dropout_on_the_generic_path_is_refused_in_one_line(tmp_path, capsys):
+    err = _refused(tmp_path, capsys, "--lora-rank", "4", "--lora-dropout", "0.1")
+    assert len(err) == 1 and "generic layer path" in err[0] and "--lora-dropout" in err[0], err
+
+
+def test_a_lora_target_the_model_lacks_is_refused_naming_its_maps(tmp_path, capsys):
+    err = _refused(tmp_path, capsys, "--lora-rank", "4", "--lora-targets", "q_proj,wq")
+    assert len(err) == 1 and "--lora-targets wq" in err[0] and "o_proj" in err[0], err
 
 
 def test_saved_attention_on_the_generic_path_is_refused_in_one_line(tmp_path, capsys):
@@ -165,3 +170,49 @@ def test_a_poisoned_step_is_left_out_exactly(tmp_path, monkeypatch, where):
     ref = dict(transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ref").named_parameters())
     for name, p in transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").named_parameters():
         assert p.detach().equal(ref[name].detach()), name
+
+
+@pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated:FutureWarning")
+def test_lora_over_a_hybrid_family_matches_peft(tmp_path):
+    """LoRA on the generic path (Qwen3.5: linear-attention and full-attention layers, adapters on
+    maps the native layer does not have): the adapter flowtrain writes, read back by PEFT, is
+    PEFT + AdamW's after three steps, and the base is untouched."""
+    peft = pytest.importorskip("peft")
+    from test_lora_train import TARGETS, lora_args
+
+    from flowtrain.model import read_config
+
+    make_family(tmp_path / "model", "Qwen3_5ForCausalLM")
+    rows = make_data(tmp_path / "data.jsonl")
+    targets = [*TARGETS, "in_proj_qkv", "out_proj"]  # the linear-attention layers' maps too
+    config = peft.LoraConfig(r=4, lora_alpha=8.0, lora_dropout=0.0, target_modules=targets)
+    ref = peft.get_peft_model(make_family(None, "Qwen3_5ForCausalLM"), config)
+    mine = [n for n, _ in ref.named_parameters() if "lora_" in n]
+    assert any("linear_attn.in_proj_qkv" in n for n in mine) and any("self_attn.q_proj" in n for n in mine)
+    # the reference starts from flowtrain's fresh adapters (A drawn as PEFT draws it, B zero)
+    from flowtrain.model.adapters import LoraSpec, adapter_flat_maps
+    from flowtrain.model.lora import init_adapter
+    from flowtrain.train.config import defaults
+
+    cfg = read_config(tmp_path / "model")
+    params = dict(ref.named_parameters())
+    with torch.no_grad():
+        for lay in adapter_flat_maps(cfg, LoraSpec(4, 8.0, tuple(targets))):
+            flat = torch.zeros(lay.numel)
+            init_adapter(flat, lay, defaults.SEED)
+            for e in lay.entries:
+                name = e.name.replace(".lora_A.weight", ".lora_A.default.weight").replace(
+                    ".lora_B.weight", ".lora_B.default.weight")
+                params[name].copy_(flat[e.offset:e.offset + e.numel].view(e.shape))
+    reference_train(ref, rows, lr=0.01, wd=0.1, betas=(0.9, 0.95), eps=1e-6,
+                    groups=lambda m: [p for p in m.parameters() if p.requires_grad])
+    assert main(lora_args(tmp_path / "data.jsonl", tmp_path / "out", "--model", str(tmp_path / "model"),
+                          "--lora-rank", "4", "--lora-alpha", "8", "--lora-targets", ",".join(targets))) == 0
+    ours = {n: p.detach() for n, p in peft.PeftModel.from_pretrained(make_family(None, "Qwen3_5ForCausalLM"),
+                                                                     tmp_path / "out").named_parameters()}
+    theirs = {n: p.detach() for n, p in ref.named_parameters()}
+    assert ours.keys() == theirs.keys()
+    for name, r in theirs.items():
+        err = float((ours[name] - r).norm() / max(float(r.norm()), 1e-12))
+        assert err < 1e-4, f"{name}: relative error {err:.2e}"
+    assert max(float(theirs[n].norm()) for n in theirs if "lora_B" in n) > 0  # the adapters moved

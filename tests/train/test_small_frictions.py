@@ -50,13 +50,13 @@ def test_help_and_the_readme_name_every_preset_and_help_shows_defaults(capsys):
 
     import pytest
 
-    from flowtrain.model.presets import PRESETS
+    from flowtrain.model.presets import HF_PRESETS, PRESETS
 
     readme = (Path(__file__).parents[2] / "README.md").read_text()
-    listed = re.search(r"or a preset \(([^)]*)\)", readme).group(1)
-    assert re.findall(r"`([^`]+)`", listed) == list(PRESETS)
+    listed = re.search(r"named by a preset \(([^)]*)\)", readme).group(1)
+    assert re.findall(r"`([^`]+)`", listed) == [*PRESETS, *HF_PRESETS]
     with pytest.raises(SystemExit):
         main(["train", "--help"])
     text = " ".join(capsys.readouterr().out.split())
-    assert all(name in text for name in PRESETS)
+    assert all(name in text for name in [*PRESETS, *HF_PRESETS])
     assert "optimizer steps (default: 200)" in text and "tokens per sequence (default: 128)" in text

@@ -100,6 +100,43 @@ class _GivenHidden(nn.Module):
         return MoeModelOutputWithPast(last_hidden_state=getattr(self, self.norm_attr)(inputs_embeds))
 
 
+class _LoraLinear(nn.Module):
+    """A linear map with a LoRA adapter, run as PEFT runs it unmerged:
+    ``x W^T + b + scale (x A^T) B^T``, the adapter cast to the input's dtype (as
+    :func:`flowtrain.model.lora.project` runs a native layer's). Its parameters are the map's
+    own (``weight``, ``bias``) and ``lora_A``, ``lora_B``; ``lora_scale`` a buffer: all given
+    by the call."""
+
+    def __init__(self, base: nn.Linear) -> None:
+        super().__init__()
+        self.in_features, self.out_features = base.in_features, base.out_features
+        self.weight = base.weight
+        self.bias = base.bias
+        self.lora_A = nn.Parameter(torch.empty(0, device="meta"))
+        self.lora_B = nn.Parameter(torch.empty(0, device="meta"))
+        self.register_buffer("lora_scale", torch.empty((), device="meta"))
+
+    def forward(self, x: Tensor) -> Tensor:
+        dt = x.dtype
+        scale: Tensor = self.get_buffer("lora_scale")
+        y = F.linear(x, self.weight, self.bias)
+        return y + F.linear(F.linear(x, self.lora_A.to(dt)), self.lora_B.to(dt)) * scale.to(dt)
+
+
+def _with_adapters(layer: nn.Module, modules: tuple[str, ...]) -> nn.Module:
+    """A copy of ``layer`` (parameters on meta: no memory) whose linear maps ``modules`` carry
+    adapters."""
+    layer = copy.deepcopy(layer)
+    for name in modules:
+        parent_name, _, child = name.rpartition(".")
+        parent = layer.get_submodule(parent_name) if parent_name else layer
+        base = parent.get_submodule(child)
+        if not isinstance(base, nn.Linear):
+            raise ValueError(f"LoRA adapts linear maps; {name} is a {type(base).__name__}")
+        setattr(parent, child, _LoraLinear(base))
+    return layer
+
+
 class Stem:
     """One micro-batch's stem output: layer 0's input and every layer's keyword arguments."""
 
@@ -115,9 +152,13 @@ def _tail(name: str, prefix: str) -> str:
 class GenericCalls:
     """The generic path's calls on one device; see the module docstring."""
 
-    def __init__(self, sk: Skeleton, device: torch.device) -> None:
+    def __init__(self, sk: Skeleton, device: torch.device, adapted: dict[int, tuple[str, ...]] | None = None) -> None:
         self.sk = sk
         self.device = device
+        #: the layers as called: the skeleton's, or copies whose maps ``adapted[i]`` carry LoRA adapters
+        self.layers = [_with_adapters(layer, adapted[i]) if adapted and adapted.get(i) else layer
+                       for i, layer in enumerate(sk.layers)]
+        self.adapted = adapted or {}
         dec = sk.decoder
         layers_attr = _tail(sk.layers_name, sk.decoder_name)
         self._layers_attr = layers_attr
@@ -170,10 +211,13 @@ class GenericCalls:
     # ---------------------------------------------------------------- layers
     def layer(self, i: int, x: Tensor, w: Mapping[str, Tensor], kwargs: dict[str, Any]) -> Tensor:
         """Decoder layer ``i`` over ``x`` (batch, seq, hidden) with weights ``w`` (its
-        parameters by their names in the layer) and the stem's arguments for it."""
-        params = dict(w)
+        parameters by their names in the layer; with LoRA also ``{map}.lora_A``, ``{map}.lora_B``
+        and ``lora_scale``) and the stem's arguments for it."""
+        params = {k: v for k, v in w.items() if k != "lora_scale"}
         params.update(self._layer_buffers[i])
-        out = functional_call(self.sk.layers[i], params, (x,), kwargs, strict=True)
+        for module in self.adapted.get(i, ()):  # LoRA's scale, one 0-d tensor, for each adapted map
+            params[f"{module}.lora_scale"] = w["lora_scale"]
+        out = functional_call(self.layers[i], params, (x,), kwargs, strict=True)
         return out[0] if isinstance(out, tuple) else out
 
     # ---------------------------------------------------------------- head

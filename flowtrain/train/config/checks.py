@@ -118,7 +118,8 @@ def _check_lora(cfg: TrainConfig, mcfg: ModelConfig) -> None:
         try:
             spec.check_model(mcfg)
         except ValueError as e:
-            flags = str(e).replace("LoRA targets", "{lora_targets}").replace("LoRA dropout", "{lora_dropout}")
+            flags = (str(e).replace("LoRA targets", "{lora_targets}").replace("LoRA target", "{lora_targets}")
+                     .replace("LoRA dropout", "{lora_dropout}"))
             raise ConfigError(flags, named=True) from None
     if cfg.merge and not cfg.out:
         raise ConfigError("{merge} writes the merged model to {out}: give {out} DIR", named=True)
@@ -130,9 +131,6 @@ def check_with_model(cfg: TrainConfig, mcfg: ModelConfig) -> None:
     within its positions, LoRA targets it has, skipped experts it has)."""
     if defaults.seq_len_given(cfg.seq_len):  # else the data decides, within the model's positions
         mcfg.check_seq_len(cfg.seq_len)
-    if cfg.lora and mcfg.generic:
-        raise ConfigError(f"{{lora_rank}}: LoRA adapters sit in the native layer; {mcfg.architecture} runs on the generic "
-                          "layer path, which trains the whole model", named=True)
     _check_lora(cfg, mcfg)
     if cfg.skip_idle_experts and not mcfg.sparse_layers():
         raise ConfigError("{skip_idle_experts} is for a mixture of experts: the model has no layer with experts",

@@ -85,7 +85,8 @@ class StepProgram:
         self.slots = Slots(state, budgets, device=self.device, dtype=dtype, lora=state.lora is not None)
         self.training = trained_part(state, self.slots, seed=seed)
         self.head = head_part(state, self.slots, trains=self.training.head_trains)
-        self.layers = layer_runner(self.cfg, seq_len, self.device, dtype, compile_backend)
+        self.layers = layer_runner(self.cfg, seq_len, self.device, dtype, compile_backend,
+                                   [a.flat_map for a in state.adapters] if state.lora is not None else None)
         self.acts = OffloadedActivations(self.device)
         self.finite = Finiteness(state, self.slots, self.head, undo_bytes=undo_bytes, inject=inject_nonfinite)
         self.experts = Experts(state, self.device)

@@ -31,6 +31,7 @@ import torch
 from ...model import decoder_layer, default_chunk_tokens, embed, head_loss, head_loss_and_grads, rope_tables
 from ...model.attention import Documents, rotary_for
 from ...model.config import ModelConfig
+from ...model.flat_map import FlatMap
 from ...model.gemma import embed_multiplier
 from ...model.moe import RouterTap
 
@@ -50,8 +51,11 @@ class LayerRunner:
     """What every call of a decoder layer shares, and the call itself."""
 
     def __init__(self, cfg: ModelConfig, seq_len: int, device: torch.device, dtype: torch.dtype,
-                 compile_backend: str | None) -> None:
+                 compile_backend: str | None, embed_trains: bool = True) -> None:
         self.cfg = cfg
+        #: whether the embedding takes a gradient (not under LoRA): only then do a micro-batch's
+        #: ids stay for its backward
+        self.embed_trains = embed_trains
         self.device = device
         self.non_blocking = device.type == "cuda"
         #: rotary (cos, sin) tables by "is this a Gemma 3 sliding layer" (its own base)
@@ -70,7 +74,7 @@ class LayerRunner:
               w: dict[str, torch.Tensor]) -> torch.Tensor:
         """Layer 0's input for micro-batch ``m``'s token ids (on the device); the ids of a
         training micro-batch stay for :meth:`embed_backward`."""
-        if data == "train":
+        if data == "train" and self.embed_trains:
             self.dev_ids[(s, m)] = ids
         self.place_documents(data, s, m, docs)
         return embed(ids, w["embed_tokens"], self.embed_multiplier)
@@ -128,10 +132,12 @@ class LayerRunner:
 class GenericLayerRunner(LayerRunner):
     """The generic path's calls (:mod:`flowtrain.model.generic.calls`), with what each
     micro-batch's stem left for its layers: their arguments, and for the embedding's backward
-    the token ids and positions."""
+    its graph (only where the embedding trains: LoRA's base takes no gradient). ``adapted``:
+    by layer, the linear maps that carry LoRA adapters."""
 
     def __init__(self, cfg: ModelConfig, seq_len: int, device: torch.device, dtype: torch.dtype,
-                 compile_backend: str | None) -> None:
+                 compile_backend: str | None, adapted: dict[int, tuple[str, ...]] | None = None,
+                 embed_trains: bool = True) -> None:
         from ...model.generic.calls import GenericCalls
         from ...model.generic.skeleton import skeleton
 
@@ -139,7 +145,8 @@ class GenericLayerRunner(LayerRunner):
         self.cfg = cfg
         self.device = device
         self.non_blocking = device.type == "cuda"
-        self.calls = GenericCalls(skeleton(cfg.hf_json), device)
+        self.calls = GenericCalls(skeleton(cfg.hf_json), device, adapted)
+        self.embed_trains = embed_trains
         self.embed_multiplier = None
         #: each micro-batch's layer arguments, by (data, step, micro-batch)
         self.layer_kwargs: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
@@ -155,7 +162,7 @@ class GenericLayerRunner(LayerRunner):
     def embed(self, data: str, s: int, m: int, ids: torch.Tensor, docs: Documents | None,
               w: dict[str, torch.Tensor]) -> torch.Tensor:
         positions = docs.positions.to(self.device, non_blocking=self.non_blocking) if docs is not None else None
-        training = data == "train"
+        training = data == "train" and self.embed_trains
         with torch.set_grad_enabled(training):
             leaves = {k: v.detach().requires_grad_(training) for k, v in w.items()}
             stem = self.calls.stem(ids, positions, leaves)
@@ -195,7 +202,12 @@ class GenericLayerRunner(LayerRunner):
 
 
 def layer_runner(cfg: ModelConfig, seq_len: int, device: torch.device, dtype: torch.dtype,
-                 compile_backend: str | None) -> LayerRunner:
-    """The runner of the model's layer path: native, or generic (transformers' modules)."""
-    cls = GenericLayerRunner if cfg.generic else LayerRunner
-    return cls(cfg, seq_len, device, dtype, compile_backend)
+                 compile_backend: str | None, adapters: list[FlatMap] | None = None) -> LayerRunner:
+    """The runner of the model's layer path: native, or generic (transformers' modules), with
+    LoRA's ``adapters`` (their flat maps, by layer) where the run trains them."""
+    if not cfg.generic:
+        return LayerRunner(cfg, seq_len, device, dtype, compile_backend, embed_trains=adapters is None)
+    adapted = None if adapters is None else {
+        lay.layer: tuple(e.key.removesuffix(".lora_A") for e in lay.entries if e.key.endswith(".lora_A"))
+        for lay in adapters if lay.layer is not None}
+    return GenericLayerRunner(cfg, seq_len, device, dtype, compile_backend, adapted, embed_trains=adapters is None)

@@ -105,6 +105,8 @@ def run_backward(p: StepProgram, task: Backward, ctx: TaskContext) -> None:
             dx = backward_into(outputs, grad_outputs, x, leaves, p.training.trained(i).flat_map, grads, first)
     if p.training.hands_input_grad(i):
         p.store.grads.put((s, i - 1, m), dx)
+    elif i == 0:  # no embedding backward follows (LoRA): what the micro-batch left for its layers goes now
+        p.layers.forget("train", s, m)
 
 
 @HANDLERS.register("embed_backward")
