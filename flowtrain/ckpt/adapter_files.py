@@ -198,6 +198,8 @@ def _targets(config: dict[str, Any], path: Path, cfg: ModelConfig | None) -> tup
     pattern says otherwise; PEFT gives ``gate_proj`` and ``up_proj`` converted into it twice ``r``)."""
     modules = config.get("target_modules")
     _check_layers(config, path, cfg, regex=isinstance(modules, str) and modules.lower() != "all-linear")
+    if cfg is not None and cfg.generic:
+        return _generic_targets(config, path, cfg), False
     model = cfg
     if isinstance(modules, str) and modules.lower() == "all-linear":  # every linear map, a router and experts
         modules, cfg = list(DEFAULT_TARGETS), None
@@ -234,6 +236,32 @@ def _targets(config: dict[str, Any], path: Path, cfg: ModelConfig | None) -> tup
         targets = _without_excluded(targets, config["exclude_modules"], model, path)
     known = [t for t in DEFAULT_TARGETS if t in targets]  # in one order, whatever order the file lists them in
     return tuple(known + [t for t in dict.fromkeys(targets) if t not in known]), direct
+
+
+def _generic_targets(config: dict[str, Any], path: Path, cfg: ModelConfig) -> tuple[str, ...]:
+    """The targets of an adapter over a model on the generic layer path: the names of the
+    layers' linear maps that ``target_modules`` reaches as PEFT matches it (a list of names,
+    whole or as their last parts; a pattern against the whole module name; ``all-linear``)."""
+    from ..model.flat_map import model_flat_maps
+
+    maps = {e.name.removesuffix(".weight") for lay in model_flat_maps(cfg)[1:-1] for e in lay.entries
+            if e.name.endswith(".weight") and len(e.shape) == 2}
+    modules = config.get("target_modules")
+    if config.get("target_parameters") or not _is_off(config.get("exclude_modules"), None):
+        raise CheckpointError(f"{path}: target_parameters and exclude_modules are PEFT settings flowtrain does not run "
+                              f"over {cfg.architecture} (the generic layer path)")
+    if isinstance(modules, str) and modules.lower() == "all-linear":
+        reached = maps
+    elif isinstance(modules, str):
+        regex = _regex("target_modules", modules, path)
+        reached = {m for m in maps if regex.fullmatch(m)}
+    elif isinstance(modules, list) and all(isinstance(n, str) for n in modules):
+        reached = {m for m in maps if any(m == n or m.endswith("." + n) for n in modules)}
+    else:
+        raise CheckpointError(f"{path}: target_modules {modules!r}: give the maps as a list of names")
+    if not reached:
+        raise CheckpointError(f"{path}: target_modules {modules!r} reaches no linear map of {cfg.architecture}'s layers")
+    return tuple(sorted({m.rsplit(".", 1)[-1] for m in reached}))
 
 
 def _check_layers(config: dict[str, Any], path: Path, cfg: ModelConfig | None, regex: bool) -> None:

@@ -216,3 +216,21 @@ def test_lora_over_a_hybrid_family_matches_peft(tmp_path):
         err = float((ours[name] - r).norm() / max(float(r.norm()), 1e-12))
         assert err < 1e-4, f"{name}: relative error {err:.2e}"
     assert max(float(theirs[n].norm()) for n in theirs if "lora_B" in n) > 0  # the adapters moved
+
+
+def test_lora_resumes_and_starts_from_an_adapter_folder(tmp_path):
+    """On the generic path a LoRA run resumed from its checkpoint writes the adapter of the
+    uninterrupted run, and ``--adapter`` reads the adapter folder it wrote (its target_modules
+    name the linear-attention maps by their paths)."""
+    from safetensors.torch import load_file
+
+    run = ["train", "--model", "qwen3.5-tiny", "--lora-rank", "4", "--lora-targets", "q_proj,in_proj_qkv,down_proj",
+           "--seq-len", "32", "--batch-size", "2", "--device", "cpu", "--no-progress"]
+    assert main([*run, "--steps", "2", "--save-every", "1", "--out", str(tmp_path / "a")]) == 0
+    assert main([*run, "--steps", "2", "--resume", str(tmp_path / "a" / "checkpoint-1"), "--out", str(tmp_path / "b")]) == 0
+    a, b = (load_file(tmp_path / d / "adapter_model.safetensors") for d in ("a", "b"))
+    assert a.keys() == b.keys() and any("linear_attn.in_proj_qkv" in k for k in a)
+    assert all(a[k].equal(b[k]) for k in a)
+    assert main(["train", "--model", "qwen3.5-tiny", "--adapter", str(tmp_path / "a"), "--steps", "1", "--seq-len", "32",
+                 "--batch-size", "2", "--device", "cpu", "--no-progress", "--out", str(tmp_path / "c")]) == 0
+    assert load_file(tmp_path / "c" / "adapter_model.safetensors").keys() == a.keys()

@@ -87,7 +87,8 @@ def _expert_parts(model_type: str, layers: tuple) -> tuple[tuple[str, tuple[str,
 def generic_config(d: dict[str, Any]) -> ModelConfig:
     """The model ``config.json`` (``d``) describes, on the generic layer path; a
     :class:`ConfigError` naming the part where the path cannot run it."""
-    d = {k: v for k, v in d.items() if k not in ("transformers_version", "_name_or_path")}
+    # what says how a file was stored or made, not what the model is
+    d = {k: v for k, v in d.items() if k not in ("transformers_version", "_name_or_path", "dtype", "torch_dtype")}
     text = json.dumps(d, sort_keys=True)
     sk = skeleton(text)
     c = sk.model.config
