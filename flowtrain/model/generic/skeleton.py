@@ -79,7 +79,8 @@ def _transformers() -> Any:
     try:
         import transformers
     except ImportError:
-        raise ConfigError("the generic layer path runs transformers' modules: pip install transformers") from None
+        raise ConfigError("the generic layer path runs transformers' modules: pip install 'flowtrain[generic]' "
+                          "(transformers 5)") from None
     return transformers
 
 
