@@ -234,3 +234,15 @@ def test_lora_resumes_and_starts_from_an_adapter_folder(tmp_path):
     assert main(["train", "--model", "qwen3.5-tiny", "--adapter", str(tmp_path / "a"), "--steps", "1", "--seq-len", "32",
                  "--batch-size", "2", "--device", "cpu", "--no-progress", "--out", str(tmp_path / "c")]) == 0
     assert load_file(tmp_path / "c" / "adapter_model.safetensors").keys() == a.keys()
+
+
+def test_a_load_balancing_loss_the_path_cannot_add_is_refused(tmp_path, capsys):
+    """A mixture of experts whose config asks for the load-balancing loss is refused before
+    loading, rather than trained without it."""
+    make_family(tmp_path / "model", "GptOssForCausalLM", output_router_logits=True)
+    make_data(tmp_path / "data.jsonl")
+    capsys.readouterr()
+    assert main(["train", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "data.jsonl"), "--steps", "1",
+                 "--seq-len", "12", "--device", "cpu", "--no-progress"]) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "output_router_logits" in err[0], err
