@@ -5,7 +5,9 @@ a layer transformers runs is whatever its module does. This module runs each kin
 forward under autograd, on the meta device (shapes, no memory, no time) at a few tokens, and counts
 the bytes of every tensor autograd saves for the backward (a view counted once, with its base).
 The count grows with the tokens; :func:`saved_bytes_per_token` is its slope, measured between two
-token counts so that what does not grow (a layer's own constants) drops out::
+token counts so that what does not grow (a layer's own constants) drops out. On the meta device
+attention runs its reference form, which saves the (tokens x tokens) probabilities; a GPU's fused
+kernels keep none (only a log-sum-exp per row), so those are left out of the count::
 
     saved_bytes_per_token(cfg, torch.bfloat16)     # {layer index: bytes per token}, per layer kind
 """
@@ -49,6 +51,8 @@ def _saved_bytes(calls: GenericCalls, stem: GenericCalls, i: int, tokens: int, h
 
     def pack(t: Tensor) -> Any:
         base = t._base if t._base is not None else t
+        if base.dim() >= 2 and base.shape[-1] == base.shape[-2] == tokens:
+            return t  # a (tokens x tokens) attention matrix: on a GPU fused attention keeps none
         if base is not x and not isinstance(base, torch.nn.Parameter) and id(base) not in seen:
             if not any(base is w for w in weights.values()):
                 seen[id(base)] = base.numel() * base.element_size()
