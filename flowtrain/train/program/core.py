@@ -11,8 +11,8 @@ kind is registered with (:data:`~.registry.HANDLERS`)::
 The parts, each chosen once per run: :class:`~.slots.Slots` (the slot pools' buffers),
 :mod:`.training` (the whole model, or LoRA's adapters), :mod:`.tied` (the head's own matrix
 or the embedding's), :class:`~.experts.Experts` (the load-balancing loss, idle experts),
-:class:`~.finiteness.Finiteness` (non-finite steps), :class:`~.layer_runner.LayerRunner` (rotary
-tables, documents, the layer function) and :class:`~.slots.OffloadedActivations`.
+:class:`~.finiteness.Finiteness` (non-finite steps), :class:`~.layer_runner.LayerRunner` (the layer
+path's math: rotary tables, documents and the layer function, or transformers' modules) and :class:`~.slots.OffloadedActivations`.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 A part chosen once per run (:func:`layer_runner`), so that no task body asks which layer path
 the model is on:
 
-- :class:`LayerRunner` (the native path): a decoder layer is a pure function of its input, its
+- :class:`NativeLayerRunner` (the native path): a decoder layer is a pure function of its input, its
   weights, the rotary tables and the config. It holds the tables (one set per rotary base: Gemma
   3's sliding layers have their own), each packed micro-batch's documents on the device with the
   tables gathered at each token's position, and the layer function, eager or compiled by
@@ -12,7 +12,7 @@ the model is on:
   transformers' own modules over the same weights. The embedding runs the decoder's own stem,
   which also yields every layer's arguments (masks, rotary tables) for the micro-batch.
 
-Both answer the same calls::
+Both answer :class:`LayerRunner`'s calls::
 
     runner = layer_runner(cfg, seq_len, device, dtype, compile_backend=None)
     x = runner.embed("train", step, m, ids, docs, embed_weights)
@@ -48,16 +48,58 @@ def _layer_function(compile_backend: str | None) -> Any:  # the layer, or torch.
 
 
 class LayerRunner:
-    """What every call of a decoder layer shares, and the call itself."""
+    """The calls the program makes of the model's math, and what the two kinds share: the
+    config, the device, and whether the embedding takes a gradient (not under LoRA: then nothing
+    stays for an embedding backward)."""
+
+    def __init__(self, cfg: ModelConfig, device: torch.device, embed_trains: bool) -> None:
+        self.cfg = cfg
+        self.device = device
+        self.non_blocking = device.type == "cuda"
+        self.embed_trains = embed_trains
+
+    def embed(self, data: str, s: int, m: int, ids: torch.Tensor, docs: Documents | None,
+              w: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Layer 0's input for micro-batch ``m``'s token ids (on the device) of the ``data``
+        (``"train"`` or ``"eval"``, held-out) of step ``s``; what its layers and the embedding's
+        backward need stays until :meth:`forget`."""
+        raise NotImplementedError
+
+    def embed_backward(self, s: int, m: int, dx: torch.Tensor, g: dict[str, torch.Tensor]) -> None:
+        """Add one micro-batch's embedding gradient, from its input gradient ``dx``, into ``g``."""
+        raise NotImplementedError
+
+    def forget(self, data: str, s: int, m: int) -> None:
+        """Drop what micro-batch ``m`` of ``data`` left on the device for its layers."""
+        raise NotImplementedError
+
+    def run(self, data: str, s: int, i: int, m: int, x: torch.Tensor, w: Any,
+            router: RouterTap | None = None) -> torch.Tensor:
+        """Decoder layer ``i`` of micro-batch ``m`` of ``data`` of step ``s`` over ``x`` with
+        weights ``w`` (and, for a native mixture of experts, the tap its routing goes to)."""
+        raise NotImplementedError
+
+    def head_loss_and_grads(self, h: torch.Tensor, norm_w: torch.Tensor, head_w: torch.Tensor,
+                            targets: torch.Tensor, scale: float, chunk_tokens: int | None,
+                            weight_grads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                                         torch.Tensor | None]:
+        """Final norm, head and cross-entropy, forward and backward: ``(loss_sum, d_hidden,
+        d_norm_w, d_head_w)`` as :func:`flowtrain.model.functional.head_loss_and_grads` returns
+        them."""
+        raise NotImplementedError
+
+    def head_loss(self, h: torch.Tensor, norm_w: torch.Tensor, head_w: torch.Tensor, targets: torch.Tensor,
+                  chunk_tokens: int | None) -> torch.Tensor:
+        """The summed cross-entropy of held-out tokens (fp32 scalar)."""
+        raise NotImplementedError
+
+
+class NativeLayerRunner(LayerRunner):
+    """The native path: rotary tables, documents and flowtrain's own layer function."""
 
     def __init__(self, cfg: ModelConfig, seq_len: int, device: torch.device, dtype: torch.dtype,
                  compile_backend: str | None, embed_trains: bool = True) -> None:
-        self.cfg = cfg
-        #: whether the embedding takes a gradient (not under LoRA): only then do a micro-batch's
-        #: ids stay for its backward
-        self.embed_trains = embed_trains
-        self.device = device
-        self.non_blocking = device.type == "cuda"
+        super().__init__(cfg, device, embed_trains)
         #: rotary (cos, sin) tables by "is this a Gemma 3 sliding layer" (its own base)
         self.rope = {local: rope_tables(cfg, seq_len, device, dtype, local)
                      for local in {False, any(map(cfg.layer_rope_local, range(cfg.num_layers)))}}
@@ -72,16 +114,13 @@ class LayerRunner:
 
     def embed(self, data: str, s: int, m: int, ids: torch.Tensor, docs: Documents | None,
               w: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Layer 0's input for micro-batch ``m``'s token ids (on the device); the ids of a
-        training micro-batch stay for :meth:`embed_backward`."""
-        if data == "train" and self.embed_trains:
+        if data == "train" and self.embed_trains:  # the ids, for the embedding's backward
             self.dev_ids[(s, m)] = ids
         self.place_documents(data, s, m, docs)
         return embed(ids, w["embed_tokens"], self.embed_multiplier)
 
     def embed_backward(self, s: int, m: int, dx: torch.Tensor, g: dict[str, torch.Tensor]) -> None:
-        """Scatter one micro-batch's input gradient ``dx`` into the embedding's gradient ``g``."""
-        ids = self.dev_ids.pop((s, m))
+        ids = self.dev_ids.pop((s, m))  # scattered into the rows they looked up
         self.forget("train", s, m)
         if self.embed_multiplier is not None:  # the multiplier, rounded as the forward used it
             dx = dx * torch.tensor(self.embed_multiplier, dtype=dx.dtype, device=dx.device)
@@ -92,21 +131,17 @@ class LayerRunner:
         g["embed_tokens"].index_add_(0, ids.reshape(-1), dx.reshape(-1, dx.shape[-1]).float())
 
     def forget(self, data: str, s: int, m: int) -> None:
-        """Drop what micro-batch ``m`` of ``data`` left on the device for its layers."""
         self.dev_docs.pop((data, s, m), None)
 
     def head_loss_and_grads(self, h: torch.Tensor, norm_w: torch.Tensor, head_w: torch.Tensor,
                             targets: torch.Tensor, scale: float, chunk_tokens: int | None,
                             weight_grads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                                          torch.Tensor | None]:
-        """Final norm, head and cross-entropy, forward and backward:
-        :func:`flowtrain.model.functional.head_loss_and_grads`."""
         return head_loss_and_grads(h, norm_w, head_w, targets, self.cfg.rms_norm_eps, scale, chunk_tokens,
                                    plus_one=self.cfg.family.gemma, weight_grads=weight_grads)
 
     def head_loss(self, h: torch.Tensor, norm_w: torch.Tensor, head_w: torch.Tensor, targets: torch.Tensor,
                   chunk_tokens: int | None) -> torch.Tensor:
-        """The summed cross-entropy of held-out tokens (fp32 scalar)."""
         return head_loss(h, norm_w, head_w, targets, self.cfg.rms_norm_eps, chunk_tokens,
                          plus_one=self.cfg.family.gemma)
 
@@ -119,9 +154,7 @@ class LayerRunner:
 
     def run(self, data: str, s: int, i: int, m: int, x: torch.Tensor, w: Any,
             router: RouterTap | None = None) -> torch.Tensor:
-        """Decoder layer ``i`` of micro-batch ``m`` of the ``data`` (``"train"`` or ``"eval"``,
-        held-out) of step ``s``: its documents, rotary tables and window
-        (and, for a mixture of experts, the tap its routing goes to)."""
+        # the micro-batch's documents and rotary tables, the layer's window
         docs, rope = self.dev_docs.get((data, s, m), (None, self.rope))
         cos, sin = rope[self.cfg.layer_rope_local(i)]
         if router is not None:
@@ -135,27 +168,20 @@ class GenericLayerRunner(LayerRunner):
     its graph (only where the embedding trains: LoRA's base takes no gradient). ``adapted``:
     by layer, the linear maps that carry LoRA adapters."""
 
-    def __init__(self, cfg: ModelConfig, seq_len: int, device: torch.device, dtype: torch.dtype,
-                 compile_backend: str | None, adapted: dict[int, tuple[str, ...]] | None = None,
-                 embed_trains: bool = True) -> None:
+    def __init__(self, cfg: ModelConfig, device: torch.device, compile_backend: str | None,
+                 adapted: dict[int, tuple[str, ...]] | None = None, embed_trains: bool = True) -> None:
         from ...model.generic.calls import GenericCalls
         from ...model.generic.skeleton import skeleton
 
         assert cfg.hf_json is not None
-        self.cfg = cfg
-        self.device = device
-        self.non_blocking = device.type == "cuda"
+        super().__init__(cfg, device, embed_trains)
         self.calls = GenericCalls(skeleton(cfg.hf_json), device, adapted)
-        self.embed_trains = embed_trains
-        self.embed_multiplier = None
         #: each micro-batch's layer arguments, by (data, step, micro-batch)
         self.layer_kwargs: dict[tuple[str, int, int], list[dict[str, Any]]] = {}
         #: each training micro-batch's stem output under autograd and the embedding's leaves,
         #: for the embedding's backward (an embedding's backward reads the token ids, not the
         #: weights, so no slot stays for it)
         self.stem_graphs: dict[tuple[int, int], tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
-        self.dev_ids = {}
-        self.dev_docs = {}
         self.layer_fn = self.calls.layer if compile_backend is None else torch.compile(
             self.calls.layer, backend=compile_backend, dynamic=False)
 
@@ -193,9 +219,6 @@ class GenericLayerRunner(LayerRunner):
                   chunk_tokens: int | None) -> torch.Tensor:
         return self.calls.head_loss(h, norm_w, head_w, targets, chunk_tokens or default_chunk_tokens(head_w.shape[0]))
 
-    def place_documents(self, data: str, s: int, m: int, docs: Documents | None) -> None:
-        raise AssertionError("the generic path places documents in its stem")
-
     def run(self, data: str, s: int, i: int, m: int, x: torch.Tensor, w: Any,
             router: RouterTap | None = None) -> torch.Tensor:
         return self.layer_fn(i, x, w, self.layer_kwargs[(data, s, m)][i])  # type: ignore[no-any-return]
@@ -206,8 +229,8 @@ def layer_runner(cfg: ModelConfig, seq_len: int, device: torch.device, dtype: to
     """The runner of the model's layer path: native, or generic (transformers' modules), with
     LoRA's ``adapters`` (their flat maps, by layer) where the run trains them."""
     if not cfg.generic:
-        return LayerRunner(cfg, seq_len, device, dtype, compile_backend, embed_trains=adapters is None)
+        return NativeLayerRunner(cfg, seq_len, device, dtype, compile_backend, embed_trains=adapters is None)
     adapted = None if adapters is None else {
         lay.layer: tuple(e.key.removesuffix(".lora_A") for e in lay.entries if e.key.endswith(".lora_A"))
         for lay in adapters if lay.layer is not None}
-    return GenericLayerRunner(cfg, seq_len, device, dtype, compile_backend, adapted, embed_trains=adapters is None)
+    return GenericLayerRunner(cfg, device, compile_backend, adapted, embed_trains=adapters is None)

@@ -1,8 +1,8 @@
 """Handlers of a layer's compute: ``embed``, ``forward``, ``recompute``, ``backward``, ``embed_backward``.
 
 A decoder layer is a pure function of its input, its weights (views of a slot, or its own
-copy), the rotary tables and the config; :class:`~.layer_runner.LayerRunner` holds what every
-call shares. Activations pass between tasks through the program's
+copy), and what every call shares (the rotary tables, the config; on the generic path the
+stem's arguments): the run's :class:`~.layer_runner.LayerRunner`, native or generic, holds it. Activations pass between tasks through the program's
 :class:`~flowtrain.train.activations.ActivationStore`, keyed ``(step, layer, micro_batch)``:
 the input of layer ``i`` is kept from the forward pass where it starts a checkpoint segment
 (:func:`~flowtrain.graph.compiler.checkpoint_layers`) and rebuilt by ``recompute`` otherwise.
