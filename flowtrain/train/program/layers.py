@@ -2,7 +2,8 @@
 
 A decoder layer is a pure function of its input, its weights (views of a slot, or its own
 copy), and what every call shares (the rotary tables, the config; on the generic path the
-stem's arguments): the run's :class:`~.layer_runner.LayerRunner`, native or generic, holds it. Activations pass between tasks through the program's
+stem's arguments): the run's :class:`~.layer_runner.LayerRunner`, native or generic, holds it.
+Activations pass between tasks through the program's
 :class:`~flowtrain.train.activations.ActivationStore`, keyed ``(step, layer, micro_batch)``:
 the input of layer ``i`` is kept from the forward pass where it starts a checkpoint segment
 (:func:`~flowtrain.graph.compiler.checkpoint_layers`) and rebuilt by ``recompute`` otherwise.
