@@ -178,7 +178,7 @@ class GenericCalls:
         lm._modules[decoder_attr] = _GivenHidden(dec, sk.norm_attr)
         self._head_module = lm
         self._norm_name = f"{decoder_attr}.{sk.norm_attr}.weight"
-        self._lm_head_name = f"{sk.head_name or _output_name(sk)}.weight"
+        self._lm_head_name = f"{sk.output_name}.weight"
 
     # ---------------------------------------------------------------- stem
     def _stem_module(self, sink: list[Any]) -> nn.Module:
@@ -266,12 +266,3 @@ class GenericCalls:
             logits = self.logits(x[start:start + chunk_tokens][None], norm_w, head_w)[0].float()
             loss += F.cross_entropy(logits, t[start:start + chunk_tokens], ignore_index=IGNORE_INDEX, reduction="sum")
         return loss
-
-
-def _output_name(sk: Skeleton) -> str:
-    """A tied model's output embedding's name in the causal LM (its weight is the input's)."""
-    head = getattr(sk.model, "get_output_embeddings")()
-    for name, module in sk.model.named_modules():
-        if module is head:
-            return name
-    raise ValueError("no output embedding")

@@ -35,8 +35,7 @@ def _unit_modules(cfg: ModelConfig, flat_map: FlatMap) -> dict[str, nn.Module]:
         return {f"{sk.layers_name}.{flat_map.layer}": sk.layers[flat_map.layer]}
     if flat_map.unit == "embed":
         return {sk.embed_name: sk.model.get_submodule(sk.embed_name)}
-    norm = f"{sk.decoder_name}.{sk.norm_attr}".lstrip(".")
-    modules = {norm: sk.model.get_submodule(norm)}
+    modules = {sk.norm_name: sk.model.get_submodule(sk.norm_name)}
     if sk.head_name is not None:
         modules[sk.head_name] = sk.model.get_submodule(sk.head_name)
     return modules

@@ -24,6 +24,7 @@ The weights live in flowtrain's flat buffers; the modules are only called over t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import json
 from collections.abc import Iterator
@@ -52,8 +53,19 @@ class Skeleton:
     layers_name: str                 # "model.layers"
     embed_name: str                  # the input embedding's qualified name ("model.embed_tokens")
     norm_attr: str                   # the final norm's attribute on the decoder ("norm")
-    head_name: str | None            # the output embedding's ("lm_head"); None when tied
+    output_name: str                 # the output embedding's qualified name ("lm_head")
+    tied: bool                       # whether the output embedding's weight is the input's
     units: tuple[UnitSpec, ...]      # embed, each layer, head: what the flat maps hold
+
+    @property
+    def norm_name(self) -> str:
+        """The final norm's qualified name ("model.norm")."""
+        return f"{self.decoder_name}.{self.norm_attr}".lstrip(".")
+
+    @property
+    def head_name(self) -> str | None:
+        """The output embedding's qualified name where it holds its own weight; None when tied."""
+        return None if self.tied else self.output_name
 
 
 @contextlib.contextmanager
@@ -150,12 +162,13 @@ def _build(d_json: str) -> Skeleton:
     if head is None:
         raise ConfigError(f"{arch}: the generic layer path found no output embedding (lm_head)")
     tied = head.weight is embedding.weight
-    head_name = None if tied else _qualified(model, head)
+    output_name = _qualified(model, head)
     norm_attr = _final_norm(decoder, layers, embedding, arch)
-    _refuse_strays(model, {embed_name, layers_name, f"{decoder_name}.{norm_attr}".lstrip("."), head_name}, arch)
-    units = _units(model, embedding, embed_name, layers, layers_name, decoder.get_submodule(norm_attr),
-                   f"{decoder_name}.{norm_attr}".lstrip("."), head, head_name, arch)
-    return Skeleton(model, decoder, decoder_name, layers, layers_name, embed_name, norm_attr, head_name, units)
+    sk = Skeleton(model, decoder, decoder_name, layers, layers_name, embed_name, norm_attr, output_name, tied, ())
+    _refuse_strays(model, {embed_name, layers_name, sk.norm_name, sk.head_name}, arch)
+    units = _units(embedding, embed_name, layers, layers_name, decoder.get_submodule(norm_attr), sk.norm_name, head,
+                   sk.head_name, arch)
+    return dataclasses.replace(sk, units=units)
 
 
 def _final_norm(decoder: nn.Module, layers: nn.Module, embedding: nn.Module, arch: str) -> str:
@@ -174,7 +187,7 @@ def _refuse_strays(model: nn.Module, parts: set[str | None], arch: str) -> None:
                               "the head; the generic layer path cannot place it")
 
 
-def _units(model: nn.Module, embedding: nn.Module, embed_name: str, layers: nn.ModuleList, layers_name: str,
+def _units(embedding: nn.Module, embed_name: str, layers: nn.ModuleList, layers_name: str,
            norm: nn.Module, norm_name: str, head: nn.Module, head_name: str | None, arch: str) -> tuple[UnitSpec, ...]:
     embed = [("embed_tokens" if n == "weight" else n, f"{embed_name}.{n}", tuple(p.shape))
              for n, p in embedding.named_parameters()]
