@@ -42,29 +42,37 @@ class _Stop(Exception):
     """Raised by the stand-in final norm: the stem has seen every layer's arguments."""
 
 
-class _Recorder(nn.Module):
+class _StandIn(nn.Module):
+    """A module standing in for ``real`` in a copy of the model: an attribute it lacks is the
+    real one's (a decoder reads ``attention_type`` of its layers, Falcon-H1's causal LM
+    ``lm_head_multiplier`` of its decoder)."""
+
+    def __init__(self, real: nn.Module) -> None:
+        super().__init__()
+        object.__setattr__(self, "_real", real)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(object.__getattribute__(self, "_real"), name)
+
+
+class _Recorder(_StandIn):
     """Stands in for decoder layer ``index`` in the stem: keeps its input (layer 0's) and its
-    keyword arguments, hands the input on unchanged. Attributes the decoder reads from a layer
-    (``attention_type``, ...) come from the real layer."""
+    keyword arguments, hands the input on unchanged."""
 
     def __init__(self, layer: nn.Module, index: int, sink: list[Any]) -> None:
-        super().__init__()
-        object.__setattr__(self, "_layer", layer)
+        super().__init__(layer)
         object.__setattr__(self, "_index", index)
         object.__setattr__(self, "_sink", sink)
         # what the decoder indexes the layer's output as: a tuple (hidden, ...) or the tensor
         returns = str(inspect.signature(type(layer).forward).return_annotation).lower()
         object.__setattr__(self, "_as_tuple", "tuple" in returns)
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(object.__getattribute__(self, "_layer"), name)
-
     def forward(self, hidden_states: Tensor, *args: Any, **kwargs: Any) -> Tensor:
         if args:
-            raise TypeError(f"{type(self._layer).__name__} is called with positional arguments beyond the "
+            raise TypeError(f"{type(self._real).__name__} is called with positional arguments beyond the "
                             "hidden states; the generic layer path passes keywords only")
         if self._index == 0:
             self._sink.append(hidden_states)
@@ -77,22 +85,14 @@ class _StopAtNorm(nn.Module):
         raise _Stop
 
 
-class _GivenHidden(nn.Module):
+class _GivenHidden(_StandIn):
     """Stands in for the decoder in the causal LM's forward: the final norm of the hidden
-    states it is handed as ``inputs_embeds``. Attributes the causal LM reads from its decoder
-    (Falcon-H1's ``lm_head_multiplier``) come from the real one."""
+    states it is handed as ``inputs_embeds``."""
 
     def __init__(self, decoder: nn.Module, norm_attr: str) -> None:
-        super().__init__()
-        object.__setattr__(self, "_decoder", decoder)
+        super().__init__(decoder)
         self.norm_attr = norm_attr
         self._modules[norm_attr] = decoder.get_submodule(norm_attr)
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            return getattr(object.__getattribute__(self, "_decoder"), name)
 
     def forward(self, *args: Any, inputs_embeds: Tensor, **kwargs: Any) -> Any:
         from transformers.modeling_outputs import MoeModelOutputWithPast
