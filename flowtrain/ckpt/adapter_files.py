@@ -40,7 +40,7 @@ from safetensors import SafetensorError, safe_open
 from torch import Tensor
 
 from flowtrain.errors import CheckpointError
-from flowtrain.model.adapters import DEFAULT_TARGETS, LoraSpec, adapter_flat_maps
+from flowtrain.model.adapters import DEFAULT_TARGETS, LoraSpec, adapter_flat_maps, linear_maps
 from flowtrain.model.config import ModelConfig
 from flowtrain.model.flat_map import FlatMap, bind
 
@@ -242,10 +242,7 @@ def _generic_targets(config: dict[str, Any], path: Path, cfg: ModelConfig) -> tu
     """The targets of an adapter over a model on the generic layer path: the names of the
     layers' linear maps that ``target_modules`` reaches as PEFT matches it (a list of names,
     whole or as their last parts; a pattern against the whole module name; ``all-linear``)."""
-    from ..model.flat_map import model_flat_maps
-
-    maps = {e.name.removesuffix(".weight") for lay in model_flat_maps(cfg)[1:-1] for e in lay.entries
-            if e.name.endswith(".weight") and len(e.shape) == 2}
+    maps = set(linear_maps(cfg))
     modules = config.get("target_modules")
     if config.get("target_parameters") or not _is_off(config.get("exclude_modules"), None):
         raise CheckpointError(f"{path}: target_parameters and exclude_modules are PEFT settings flowtrain does not run "

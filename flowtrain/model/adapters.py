@@ -37,7 +37,7 @@ import msgspec
 from flowtrain.model.config import ModelConfig
 from flowtrain.model.flat_map import FlatMap, _pack, model_flat_maps
 
-__all__ = ["DEFAULT_TARGETS", "SPARSE_TARGETS", "LoraSpec", "adapter_flat_maps"]
+__all__ = ["DEFAULT_TARGETS", "SPARSE_TARGETS", "LoraSpec", "adapter_flat_maps", "linear_maps"]
 
 #: every linear map of attention and of the MLP, and a mixture of experts' router
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "router")
@@ -118,8 +118,7 @@ class LoraSpec(msgspec.Struct, frozen=True):
             raise ValueError(f"unknown LoRA target {', '.join(unknown)}; choose from {', '.join(DEFAULT_TARGETS)}")
 
     def _check_generic(self, cfg: ModelConfig) -> None:
-        maps = model_flat_maps(cfg)[1:-1]
-        names = sorted({_module(e.key).rsplit(".", 1)[-1] for lay in maps for e in lay.entries if _linear(e.key, e.shape)})
+        names = sorted({m.rsplit(".", 1)[-1] for m in linear_maps(cfg)})
         missing = [t for t in self.targets if t not in names and t not in DEFAULT_TARGETS]
         if missing:
             raise ValueError(f"LoRA target {', '.join(missing)}: no linear map of {cfg.architecture}'s layers is called "
@@ -129,6 +128,12 @@ class LoraSpec(msgspec.Struct, frozen=True):
         if not any(lay.entries for lay in adapter_flat_maps(cfg, self)):
             raise ValueError(f"LoRA targets {','.join(self.targets)}: nothing in {cfg.architecture}'s layers to adapt; "
                              f"its linear maps are {', '.join(names)}")
+
+
+def linear_maps(cfg: ModelConfig) -> list[str]:
+    """The full module names of every linear map in a generic model's layers
+    (``model.layers.0.linear_attn.in_proj_qkv``), as PEFT matches ``target_modules`` against them."""
+    return [_module(e.name) for lay in model_flat_maps(cfg)[1:-1] for e in lay.entries if _linear(e.key, e.shape)]
 
 
 def _module(key: str) -> str:
