@@ -47,15 +47,16 @@ def _saved_bytes(calls: GenericCalls, stem: GenericCalls, i: int, tokens: int, h
     ids = torch.zeros(1, tokens, dtype=torch.long)
     kwargs = _to_meta(stem.stem(ids, None, embed).layer_kwargs[i])
     x = torch.empty(1, tokens, hidden, dtype=dtype, device="meta", requires_grad=True)
+    # the layer's input and weights are held anyway (a checkpoint, the slot): not the layer's to save
+    held = {id(x), *map(id, weights.values())}
     seen: dict[int, int] = {}
 
     def pack(t: Tensor) -> Any:
         base = t._base if t._base is not None else t
         if base.dim() >= 2 and base.shape[-1] == base.shape[-2] == tokens:
             return t  # a (tokens x tokens) attention matrix: on a GPU fused attention keeps none
-        if base is not x and not isinstance(base, torch.nn.Parameter) and id(base) not in seen:
-            if not any(base is w for w in weights.values()):
-                seen[id(base)] = base.numel() * base.element_size()
+        if id(base) not in held:
+            seen[id(base)] = base.numel() * base.element_size()
         return t
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
