@@ -28,10 +28,19 @@ RUN = ["--model", "tiny", "--steps", "3", "--batch-size", "8", "--micro-batch-si
        "--device", "cpu", "--precision", "fp32", "--lr", "1e-3", "--no-progress"]
 
 
-def _torchrun(tmp_path: Path, out: str, *extra: str, n: int = 2) -> subprocess.CompletedProcess:
+def torchrun(tmp_path: Path, out: str, *extra: str, n: int = 2, run: list[str] = RUN) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={n}",
-           "-m", "flowtrain", "train", *RUN, "--out", str(tmp_path / out), *extra]
+           "-m", "flowtrain", "train", *run, "--out", str(tmp_path / out), *extra]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300, cwd=tmp_path)
+
+
+def assert_same_models(one: Path, two: Path) -> None:
+    """The models two runs wrote hold the same tensors, each to 1e-5 relative."""
+    a, b = load_file(one / "model.safetensors"), load_file(two / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name, ref in a.items():
+        err = float((b[name] - ref).norm() / ref.norm())
+        assert err <= 1e-5, f"{name}: relative error {err:.2e}"
 
 
 RESIDENT = ["--resident", "embed,head,layer.1"]
@@ -46,14 +55,10 @@ SLOW = pytest.mark.slow
 ], ids=["double_buffer", "double_buffer-clip", "sequential", "sequential-clip", "resident", "resident-clip"])
 def test_two_processes_train_the_weights_of_one_with_the_same_global_batch(tmp_path, policy, clip, placement):
     assert main(["train", *RUN, "--out", str(tmp_path / "one"), "--policy", policy, *clip, *placement]) == 0
-    proc = _torchrun(tmp_path, "two", "--policy", policy, *clip, *placement, "--trace", str(tmp_path / "trace.json"),
+    proc = torchrun(tmp_path, "two", "--policy", policy, *clip, *placement, "--trace", str(tmp_path / "trace.json"),
                      "--metrics", str(tmp_path / "metrics.jsonl"))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    one, two = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
-    assert one.keys() == two.keys()
-    for name, ref in one.items():
-        err = float((two[name] - ref).norm() / ref.norm())
-        assert err <= 1e-5, f"{name}: relative error {err:.2e}"
+    assert_same_models(tmp_path / "one", tmp_path / "two")
     # rank 0 reports once, for the whole batch; each rank traces its own share
     assert proc.stdout.count("done: 3 steps") == 1
     assert proc.stdout.count("processes  2 (torchrun), each running 4 of the 8 sequences of a step; "
@@ -99,7 +104,7 @@ def test_a_process_takes_its_consecutive_share_of_the_micro_batches():
     (["--micro-batch-size", "8"], "does not split into 2 processes"),
 ])
 def test_a_batch_or_placement_the_processes_cannot_share_ends_in_one_line(tmp_path, extra, needle):
-    proc = _torchrun(tmp_path, "bad", *extra)
+    proc = torchrun(tmp_path, "bad", *extra)
     assert proc.returncode != 0
     errors = [line for line in proc.stderr.splitlines() if line.startswith("flowtrain: error:")]
     assert errors and needle in errors[0], proc.stderr[-2000:]
@@ -323,7 +328,7 @@ def test_two_processes_train_the_adapters_of_one(tmp_path, extra):
     end as one process's on the same global batch."""
     lora = ["--lora-rank", "4", *extra]
     assert main(["train", *RUN, "--out", str(tmp_path / "one"), *lora]) == 0
-    proc = _torchrun(tmp_path, "two", *lora, "--trace", str(tmp_path / "trace.json"))
+    proc = torchrun(tmp_path, "two", *lora, "--trace", str(tmp_path / "trace.json"))
     assert proc.returncode == 0, proc.stderr[-3000:]
     one = load_file(tmp_path / "one" / "adapter_model.safetensors")
     two = load_file(tmp_path / "two" / "adapter_model.safetensors")

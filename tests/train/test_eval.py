@@ -63,6 +63,12 @@ def test_eval_loss_matches_hf(tmp_path, placement, tied):
     """Two policies and a resident mix (tied and not): the last held-out loss is transformers'
     loss on the saved model, to 1e-5 relative."""
     make_checkpoint(tmp_path / "model", tied=tied)
+    assert_eval_matches_hf(tmp_path, *placement)
+
+
+def assert_eval_matches_hf(tmp_path, *placement):
+    """Train the model in ``tmp_path / "model"`` with a held-out loss every 2 steps: the last
+    one is transformers' loss on the model saved, to 1e-5 relative, and the first differs."""
     make_data(tmp_path / "data.jsonl")
     rows = make_eval_rows(tmp_path / "eval.jsonl")
     run_flowtrain(tmp_path / "model", tmp_path / "data.jsonl", tmp_path / "out", "--eval-data",

@@ -15,7 +15,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from generic_models import make_family
-from test_eval import hf_eval_loss, make_eval_rows, read_metrics
+from test_eval import assert_eval_matches_hf
 from test_train_vs_hf import STEPS, make_data, reference_train, run_flowtrain
 
 from flowtrain.cli import main
@@ -27,15 +27,7 @@ from flowtrain.cli import main
 ])
 def test_eval_loss_matches_transformers(tmp_path, arch, placement):
     make_family(tmp_path / "model", arch)
-    make_data(tmp_path / "data.jsonl")
-    rows = make_eval_rows(tmp_path / "eval.jsonl")
-    run_flowtrain(tmp_path / "model", tmp_path / "data.jsonl", tmp_path / "out", "--eval-data",
-                  str(tmp_path / "eval.jsonl"), "--eval-every", "2", "--metrics", str(tmp_path / "m.jsonl"), *placement)
-    _, evals = read_metrics(tmp_path / "m.jsonl")
-    assert [e["step"] for e in evals] == [2, STEPS]
-    ref, n = hf_eval_loss(tmp_path / "out", rows)
-    assert evals[-1]["eval_tokens"] == n
-    assert abs(evals[-1]["eval_loss"] - ref) <= 1e-5 * abs(ref), (evals[-1], ref)
+    assert_eval_matches_hf(tmp_path, *placement)
 
 
 def test_resume_continues_to_the_same_weights(tmp_path):
@@ -126,23 +118,14 @@ def test_packed_rows_train_like_each_example_alone(tmp_path, arch):
 def test_two_processes_train_the_weights_of_one(tmp_path):
     """Data parallel on the generic path (torchrun, gloo, the CPU): two processes with half the
     micro-batches each write the weights one process writes."""
-    import subprocess
-    import sys
-
-    from safetensors.torch import load_file
+    from test_data_parallel import torchrun, assert_same_models
 
     run = ["--model", "qwen3.5-tiny", "--steps", "2", "--batch-size", "4", "--micro-batch-size", "1", "--seq-len", "32",
            "--device", "cpu", "--precision", "fp32", "--lr", "1e-3", "--no-progress"]
     assert main(["train", *run, "--out", str(tmp_path / "one")]) == 0
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           "-m", "flowtrain", "train", *run, "--out", str(tmp_path / "two")],
-                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    proc = torchrun(tmp_path, "two", run=run)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    one, two = load_file(tmp_path / "one" / "model.safetensors"), load_file(tmp_path / "two" / "model.safetensors")
-    assert one.keys() == two.keys()
-    for name, ref in one.items():
-        err = float((two[name] - ref).norm() / ref.norm())
-        assert err <= 1e-5, f"{name}: relative error {err:.2e}"
+    assert_same_models(tmp_path / "one", tmp_path / "two")
 
 
 @pytest.mark.parametrize("where", ["layer.1", "embed", "head"])
