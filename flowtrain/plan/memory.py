@@ -394,10 +394,10 @@ def _gpu_items(cfg: ModelConfig, req: RunRequest, device: torch.device, cbytes: 
         "recompute": (k - 1) * live_mbs * hidden,
         "layer_work": layer_work_bytes(cfg, tokens, cbytes, compiled, grouped, frozen_base=lora),
         # fp32 logits and their softmax in place, the bf16 gradient, the head's gradient
-        # before accumulation, and the micro-batch's hidden-state gradient.
-        # (the generic path's head runs under autograd: the logits in the compute dtype and in
-        # fp32, the saved log-softmax, and the gradient in both dtypes)
-        "loss_chunks": min(chunk_tokens, tokens) * cfg.vocab_size * ((12 + 2 * cbytes) if cfg.generic else (8 + cbytes))
+        # before accumulation, and the micro-batch's hidden-state gradient (the generic path's
+        # head runs under autograd: measured, :func:`_generic_head_bytes_per_token`).
+        "loss_chunks": min(chunk_tokens, tokens) * (_generic_head_bytes_per_token(cfg, cbytes) if cfg.generic
+                                                    else cfg.vocab_size * (8 + cbytes))
         + 2 * hidden
         + (0 if lora else cbytes * cfg.vocab_size * cfg.hidden_size),
     }
@@ -452,18 +452,27 @@ def layer_work_bytes(cfg: ModelConfig, tokens: int, cbytes: int, compiled: bool,
 
 
 def _generic_layer_work(cfg: ModelConfig, tokens: int, cbytes: int) -> int:
-    """A layer on the generic path: what autograd saves in the largest layer kind's forward,
-    measured per token on the meta device (:mod:`flowtrain.model.generic.activations`), the
-    gradients flowing back through it (four hidden states a token), and its weight gradient in
-    the compute dtype."""
+    """A layer on the generic path: the most its largest layer kind holds at once over its
+    forward and backward, measured per token on the meta device
+    (:mod:`flowtrain.model.generic.activations`), and its weight gradient in the compute dtype."""
     import torch
 
-    from ..model.generic.activations import saved_bytes_per_token
+    from ..model.generic.activations import layer_bytes_per_token
 
-    saved = max(saved_bytes_per_token(cfg, torch.bfloat16 if cbytes == 2 else torch.float32).values())
+    work = max(b.work for b in layer_bytes_per_token(cfg, torch.bfloat16 if cbytes == 2 else torch.float32).values())
     layers = [lay for lay in unit_flat_maps(cfg) if lay.unit == "layer"]
-    return (math.ceil(tokens * saved) + tokens * 4 * cfg.hidden_size * cbytes
-            + cbytes * max((lay.numel for lay in layers), default=0))
+    return math.ceil(tokens * work) + cbytes * max((lay.numel for lay in layers), default=0)
+
+
+def _generic_head_bytes_per_token(cfg: ModelConfig, cbytes: int) -> int:
+    """The generic head's loss chunk per token: the most its norm, output embedding, logit
+    soft-capping where the model has it, cross-entropy and their backward hold at once,
+    measured on the meta device (:func:`flowtrain.model.generic.activations.head_bytes_per_token`)."""
+    import torch
+
+    from ..model.generic.activations import head_bytes_per_token
+
+    return math.ceil(head_bytes_per_token(cfg, torch.bfloat16 if cbytes == 2 else torch.float32))
 
 
 def _dense_mlp_work(cfg: ModelConfig, tokens: int, cbytes: int, mlp_units: int) -> int:
@@ -541,6 +550,20 @@ def live_micro_batches(req: RunRequest) -> int:
     return req.batch_size // req.micro_batch_size if req.order == "layer" else 1
 
 
+def kept_bytes_per_token_by_layer(cfg: ModelConfig, dtype: torch.dtype, compiled: bool = False,
+                                  grouped: bool = False) -> list[int]:
+    """:func:`kept_bytes_per_token` of each decoder layer, in order. Native layers all keep the
+    same; on the generic path each layer keeps what its own kind saves (a hybrid model's
+    linear-attention layers differ from its attention layers, a model that interleaves experts
+    with dense layers keeps less in the dense ones)."""
+    if cfg.generic:
+        from ..model.generic.activations import layer_bytes_per_token
+
+        by_layer = layer_bytes_per_token(cfg, dtype)
+        return [math.ceil(by_layer[i].saved) for i in range(cfg.num_layers)]
+    return [kept_bytes_per_token(cfg, dtype, compiled, grouped)] * cfg.num_layers
+
+
 def kept_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, compiled: bool = False, grouped: bool = False) -> int:
     """Device bytes one token's kept activations take in one decoder layer: the saved tensors
     of the layer's forward under autograd (norm statistics in fp32, q, k and v before and after
@@ -561,9 +584,9 @@ def kept_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, compiled: bool = 
     On the generic path: the largest layer kind's saved bytes, measured on the meta device
     (:mod:`flowtrain.model.generic.activations`)."""
     if cfg.generic:
-        from ..model.generic.activations import saved_bytes_per_token
+        from ..model.generic.activations import layer_bytes_per_token
 
-        return math.ceil(max(saved_bytes_per_token(cfg, dtype).values()))
+        return math.ceil(max(b.saved for b in layer_bytes_per_token(cfg, dtype).values()))
     c = dtype.itemsize
     h, f = cfg.hidden_size, cfg.intermediate_size
     q, kv = cfg.num_heads * cfg.head_size, cfg.num_kv_heads * cfg.head_size

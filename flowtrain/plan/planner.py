@@ -54,7 +54,7 @@ from .memory import (
     compile_backend,
     count_bytes,
     gpu_peak,
-    kept_bytes_per_token,
+    kept_bytes_per_token_by_layer,
     layer_work_bytes,
     live_micro_batches,
     offload_act_slots,
@@ -287,8 +287,8 @@ def plan_activations(plan: Plan, cfg: ModelConfig, req: RunRequest, dtype: torch
     _check_activations(req)
     compiled = compile_backend(req.compile, plan.device) == "inductor"
     grouped = runs_grouped(cfg, req, plan.device, dtype)
-    per_layer = (kept_bytes_per_token(cfg, dtype, compiled, grouped) * req.micro_batch_size * req.seq_len
-                 * live_micro_batches(req))
+    tokens = req.micro_batch_size * req.seq_len * live_micro_batches(req)
+    per_layer = [b * tokens for b in kept_bytes_per_token_by_layer(cfg, dtype, compiled, grouped)]
     L = cfg.num_layers
     if mode == "keep":
         n = L
@@ -296,15 +296,16 @@ def plan_activations(plan: Plan, cfg: ModelConfig, req: RunRequest, dtype: torch
         n = 0
     elif plan.gpu_limit is None:
         n = L
-    else:
-        free = plan.gpu_limit - plan.gpu_total
-        n = max(0, min(L, free // per_layer)) if per_layer else L
+    else:  # the most top layers whose kept bytes fit
+        free, n = plan.gpu_limit - plan.gpu_total, 0
+        while n < L and sum(per_layer[L - n - 1:]) <= free:
+            n += 1
     if n == 0:
         return plan
     # A kept layer's input is no checkpoint any more: its graph holds what backward needs.
     checkpoints = plan.gpu.get("checkpoints", 0) * (L - n) // L
     plan.spec = msgspec.structs.replace(plan.spec, keep=tuple(range(L - n, L)))
-    plan.gpu = {**plan.gpu, "checkpoints": checkpoints, "kept_activations": n * per_layer}
+    plan.gpu = {**plan.gpu, "checkpoints": checkpoints, "kept_activations": sum(per_layer[L - n:])}
     return plan
 
 
