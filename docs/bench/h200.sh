@@ -74,6 +74,7 @@ for job in "$@"; do
     8bm) bench 8bm --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 8 --order micro --resident embed,head --steps 3 --warmup 1 --host-mem 118 ;;  # flowtrain plan --machine h200's choice
     8bgen) bench 8bgen --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 --resident none --layer-path generic ;;  # transformers' Llama layer over the same stream
     q35) bench q35 --model qwen3.5-9b-16l --seq-len 4096 --batch-size 16 --micro-batch-size ${MBQ:-4} --steps 3 --warmup 1 --host-mem 118 ;;  # the generic path, hybrid linear attention
+    genplan) log genplan; timeout 300 python3 docs/bench/generic_plan.py "$OUT/generic-plan.jsonl" 2>&1 | grep '^{' | tee -a "$OUT/log.txt" ;;  # each generic family's plan against the allocator
     q35full) bench q35full --model qwen3.5-9b --seq-len 4096 --batch-size 16 --micro-batch-size ${MBQ:-4} --steps 3 --warmup 1 --host-mem 118 ;;  # the whole 9B model
     q35hf) log "hf_anchor qwen3.5-9b-16l"; (timeout 300 python3 docs/bench/hf_anchor.py qwen3.5-9b-16l 4096 ${MBQ:-4} 4 $((16 / ${MBQ:-4})) 2>&1 | grep -v Warning | tail -3) | tee -a "$OUT/log.txt" ;;  # transformers alone, all on the GPU
     8bauto) bench 8bauto --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 ${EXTRA8:-} ;;
