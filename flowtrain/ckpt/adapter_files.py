@@ -362,7 +362,7 @@ def _by_path(modules: list[Any], cfg: ModelConfig | None, path: Path) -> list[st
 def read_adapter(adapter_dir: str | os.PathLike[str], cfg: ModelConfig
                  ) -> tuple[LoraSpec, list[FlatMap], list[Tensor]]:
     """A PEFT adapter for the model ``cfg``: its spec, its layouts and one fp32 buffer per
-    layer. Every tensor the layouts name must be there with its shape, and no other."""
+    layer. Every tensor the layouts name must be there with its shape, finite, and no other."""
     spec = read_spec(adapter_dir, cfg)
     layouts = adapter_flat_maps(cfg, spec)
     path = Path(adapter_dir) / ADAPTER_WEIGHTS
@@ -380,6 +380,8 @@ def read_adapter(adapter_dir: str | os.PathLike[str], cfg: ModelConfig
                 t = f.get_tensor(name)
                 if tuple(t.shape) != e.shape:
                     raise CheckpointError(f"{path}: {name} has shape {tuple(t.shape)}, the model needs {e.shape}")
+                if t.is_floating_point() and not bool(torch.isfinite(t).all()):  # training would only spread it
+                    raise CheckpointError(f"{path}: the adapter weight {name} holds NaN or inf")
                 bind(flat, lay)[e.key].copy_(t)
     except (OSError, SafetensorError) as e:
         raise CheckpointError(f"cannot read {path}: {e}") from None

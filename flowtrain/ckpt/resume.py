@@ -53,11 +53,13 @@ def settings_of(cfg) -> dict:
 
 
 def trainer_state(cfg, *, steps_done: int, skipped: int, consecutive: int, data: str,
-                  last_loss: float | None, lineage: dict | None = None, schedule: dict | None = None) -> dict:
+                  last_loss: float | None, lineage: dict | None = None, schedule: dict | None = None,
+                  base: str | None = None) -> dict:
     """The JSON-able run state stored in a checkpoint after ``steps_done`` steps; ``lineage``
     (:meth:`~flowtrain.ckpt.checkpoints.Lineage.to_json`) says which run wrote it and which
     runs that one descends from; ``schedule`` (:meth:`ContinuedSchedule.record`) how the
-    learning rate goes on."""
+    learning rate goes on; ``base`` a LoRA run's base weights' fingerprint
+    (:func:`~flowtrain.model.model_dir.weights_fingerprint`), which the checkpoint does not hold."""
     settings = settings_of(cfg)
     return {
         "format": FORMAT,
@@ -70,6 +72,7 @@ def trainer_state(cfg, *, steps_done: int, skipped: int, consecutive: int, data:
         "rng": {"torch": base64.b64encode(torch.get_rng_state().numpy().tobytes()).decode()},
         **({"lineage": lineage} if lineage is not None else {}),
         **({"schedule": schedule} if schedule is not None else {}),
+        **({"base": {"fingerprint": base}} if base is not None else {}),
     }
 
 

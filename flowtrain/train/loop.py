@@ -270,7 +270,7 @@ class TrainingLoop:
         self.program.checkpoints.pop(s, None)
         ts = trainer_state(self.cfg, steps_done=s + 1, skipped=self.skipped, consecutive=self.consecutive,
                            data=self.run.data_fp, last_loss=m.loss, lineage=self.lineage.to_json(),
-                           schedule=self.run.schedule.record())
+                           schedule=self.run.schedule.record(), base=self.run.base_fp)
         self.last_saved = writer.finish(ts, extra_files=tokenizer_files(self.run.tokenizer_dir))
         self.last_saved_step = s + 1
         if self.cfg.save_total_limit:  # this run's line only: another run's checkpoints are not ours

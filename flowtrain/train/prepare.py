@@ -28,7 +28,7 @@ from ..data.source import FromData, Sequences, default_corpus_path, load_sequenc
 from ..errors import CheckpointError, ConfigError, PlanError
 from ..model import ModelConfig, read_config
 from ..model.config import MLP_CHUNK_TOKENS
-from ..model.model_dir import check_weight_headers
+from ..model.model_dir import check_weight_headers, weights_fingerprint
 from ..model.presets import PRESETS
 from ..plan.buffer_sizes import check_units_fit
 from ..plan.memory import Plan
@@ -80,6 +80,9 @@ class Run:
     #: LoRA: the base's weights (a model folder; None for a preset's seeded ones), which no
     #: checkpoint of the run holds
     base_dir: Path | None = None
+    #: LoRA over a model folder: its weights' fingerprint, which every checkpoint records
+    #: (:func:`~flowtrain.model.model_dir.weights_fingerprint`)
+    base_fp: str | None = None
     eval_seqs: Sequences | None = None  # the held-out set of --eval-data
     world: World = field(default_factory=World)  # the data-parallel processes (torchrun)
 
@@ -116,6 +119,7 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
             check_weight_headers(base_dir, mcfg, require=True)
     elif model_dir is not None:  # a folder without weights, or with a tensor missing: refused before allocating
         check_weight_headers(model_dir, mcfg, require=True)
+    base_fp = _lora_base(cfg, base_dir, resume_from, resume_state)
     check_with_model(cfg, mcfg)
     cfg = _with_lora_spec(cfg, mcfg)
     device = resolve_device(cfg.device)
@@ -142,7 +146,21 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
         raise PlanError(plan.refusal())
     return Run(cfg, mcfg, model_dir, device, dtype, plan, schedule, seqs, data_fp, resume_from, resume_state,
                tokenizer_dir=tokenizer_dir, source_dir=_source_dir(model_dir, resume_state), eval_seqs=eval_seqs,
-               world=world, base_dir=base_dir)
+               world=world, base_dir=base_dir, base_fp=base_fp)
+
+
+def _lora_base(cfg: TrainConfig, base_dir: Path | None, resume_from: Path | None, resume_state: dict) -> str | None:
+    """A LoRA run's base weights' fingerprint (None for full training or a preset's seeded
+    base); resuming, the checkpoint's adapters must have been trained over the same weights."""
+    if not cfg.lora or base_dir is None:
+        return None
+    fp = weights_fingerprint(base_dir)
+    saved = resume_state.get("base", {}).get("fingerprint") if isinstance(resume_state.get("base"), dict) else None
+    if resume_from is not None and saved is not None and saved != fp:
+        raise ConfigError(f"{{resume}} {resume_from}: its adapters were trained over other base weights than those in "
+                          f"{base_dir} (same config.json, different weights); name the base they were trained over "
+                          f"with {{model}}", named=True)
+    return fp
 
 
 def _resumed_lora(cfg: TrainConfig, resume_state: dict, resume_from: Path | None) -> TrainConfig:

@@ -553,3 +553,47 @@ def test_bench_records_where_the_adapters_lived(setup, tmp_path, state, where):
     row = json.loads(out.read_text())
     assert (row["lora_state"], row["lora_rank"]) == (where, 4)
     assert (row["budgets"]["grads"] > 0) == (where == "host")  # host adapters' gradients leave in slots
+
+
+def test_resume_over_changed_base_weights_is_refused(setup, tmp_path, capsys):
+    """The checkpoint holds the adapters, not the base: resumed over a base whose weights
+    changed (same config.json), the adapters would be trained on for other weights. The
+    checkpoint records the base's fingerprint; a resume over other weights is refused in one
+    line, over the same weights (copied elsewhere) it goes on."""
+    d, _, _ = setup
+    run_lora(d / "model", d / "data.jsonl", tmp_path / "saved", "--lora-rank", "4", "--save-every", "2")
+    ckpt = tmp_path / "saved" / "checkpoint-2"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert len(state["base"]["fingerprint"]) == 64
+    from safetensors.torch import load_file, save_file
+
+    changed = tmp_path / "changed"
+    shutil.copytree(d / "model", changed)
+    weights = load_file(changed / "model.safetensors")
+    name = next(n for n in weights if "layers.1.mlp.down_proj" in n)
+    weights[name] = weights[name] * 1.5  # a fine-tune of one matrix
+    save_file(weights, changed / "model.safetensors", metadata={"format": "pt"})
+    resume = ("--resume", str(ckpt), "--steps", "4")
+    assert main(lora_args(d / "data.jsonl", tmp_path / "o", *resume, "--model", str(changed))) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "other base weights" in err[0] and str(changed) in err[0], err
+    assert not (tmp_path / "o").exists()
+    same = tmp_path / "same"
+    shutil.copytree(d / "model", same)
+    assert main(lora_args(d / "data.jsonl", tmp_path / "o2", *resume, "--model", str(same))) == 0
+
+
+def test_an_adapter_holding_nan_is_refused(setup, tmp_path, capsys):
+    d, _, _ = setup
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad"
+    shutil.copytree(d / "adapter", bad)
+    tensors = load_file(bad / "adapter_model.safetensors")
+    name = sorted(tensors)[3]
+    tensors[name][0, 0] = float("nan")
+    save_file(tensors, bad / "adapter_model.safetensors", metadata={"format": "pt"})
+    assert main(lora_args(d / "data.jsonl", tmp_path / "out", "--model", str(d / "model"), "--adapter", str(bad))) != 0
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "holds NaN or inf" in err[0] and name in err[0], err
+    assert not (tmp_path / "out").exists()
