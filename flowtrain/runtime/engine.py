@@ -32,7 +32,9 @@ moment, in this order:
    half-updated) and their fences set as failed, so that every fence ever made ends up set.
 
 A watchdog (``task_timeout``) fails the engine with ``StepFailed(task, TimeoutError(...))`` when
-one job has run longer than that, and the engine then stops as above. What a caller sees::
+one job has run longer than that, and the engine then stops as above. It ticks at most once a
+second; a tick that comes late by more than its period finds a process that did not run (stopped
+by SIGSTOP or a suspended machine): that time is no job's, and running jobs are credited with it. What a caller sees::
 
     engine = Engine(program, policy, grace=5.0, task_timeout=600.0)
     try:
@@ -165,6 +167,7 @@ class Engine:
         self._loop: asyncio.AbstractEventLoop | None = None
         self._wake: asyncio.Event | None = None
         self._watchdog: asyncio.TimerHandle | None = None
+        self._watchdog_due = (0.0, 0.0)  # when the next tick is due, and its period
 
     # ---- lifecycle ----------------------------------------------------------------------
     async def __aenter__(self) -> "Engine":
@@ -466,6 +469,7 @@ class Engine:
         if self.task_timeout is None or self._stopped:
             return
         period = min(max(self.task_timeout / 4, 0.01), 1.0)
+        self._watchdog_due = (time.perf_counter() + period, period)
         self._watchdog = self._event_loop.call_later(period, self._check_timeouts)
 
     def _check_timeouts(self) -> None:
@@ -474,8 +478,12 @@ class Engine:
         now = time.perf_counter()
         limit = self.task_timeout
         assert limit is not None, "the watchdog runs only with a task_timeout (_arm_watchdog)"
+        due, period = self._watchdog_due
+        late = now - due if now - due > period else 0.0  # the process was stopped: no job ran
         for lane in self._lane_list:
             for task, fence in lane.running():
+                if late and fence.began and fence.began < due:
+                    fence.began += late
                 began = fence.began
                 if task is not None and began and now - began > limit and not fence.is_set():
                     self._abort_lanes()

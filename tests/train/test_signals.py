@@ -145,6 +145,30 @@ def test_an_injected_fault_names_its_task_and_keeps_the_last_checkpoint(tmp_path
     assert proc.returncode == 0, err
 
 
+# As ANNOUNCE_HANGS, but the "hung" task goes on once the file $FLOWTRAIN_TEST_GO exists.
+UNTIL_GO = """        while not os.path.exists(os.environ["FLOWTRAIN_TEST_GO"]):
+            __import__("time").sleep(0.02)
+        return True"""
+HELD_UNTIL_GO = ANNOUNCE_HANGS.replace("        return super().wait(timeout)", UNTIL_GO)
+
+
+def test_a_stopped_process_is_no_hung_task(tmp_path):
+    """SIGSTOP for twice the task timeout while a task runs, then SIGCONT: the task has not run
+    for that time, so the watchdog does not fail it; the run ends normally."""
+    hanging, go = tmp_path / "hanging", tmp_path / "go"
+    env = {k: v for k, v in os.environ.items() if k not in ("FLOWTRAIN_DEBUG", "FLOWTRAIN_FAULT")}
+    env.update(FLOWTRAIN_FAULT="backward@step=1:hang", FLOWTRAIN_TEST_HANGING=str(hanging), FLOWTRAIN_TEST_GO=str(go))
+    proc = subprocess.Popen([sys.executable, "-c", HELD_UNTIL_GO, "train", *TINY, "--steps", "3", "--task-timeout", "3"],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    wait_for_lines(hanging, 1, proc)  # the backward runs (held)
+    proc.send_signal(signal.SIGSTOP)
+    time.sleep(6.0)  # the stop itself, not a wait on the process
+    proc.send_signal(signal.SIGCONT)
+    go.touch()
+    _, err = finish(proc)
+    assert proc.returncode == 0 and "did not finish" not in err, err
+
+
 @SLOW  # the in-process cousin: test_cancel.py::test_the_watchdog_fails_the_run_naming_the_hung_task
 def test_a_hung_task_is_named_by_the_watchdog(tmp_path):
     proc = start("--steps", "6", "--task-timeout", "2", env={"FLOWTRAIN_FAULT": "backward@step=1:hang"})
