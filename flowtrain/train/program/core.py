@@ -161,6 +161,7 @@ class StepProgram:
         if unfetched is not None:
             self.unfetched[step] = unfetched
         self.store.check_empty(step)  # every hand-off of the step taken: no device memory left behind
+        self.layers.check_empty(step)  # and every micro-batch's ids, documents and layer arguments dropped
         if data.check.error is not None:
             raise NonFiniteError(data.check.error)
         return loss, norm, data.check.skipped
@@ -197,6 +198,7 @@ class StepProgram:
         evaluation: the micro-batches' fp32 sums added in micro-batch order, then divided."""
         data = self.evals.pop(step)
         self.store.check_empty(step, evaluation=True)
+        self.layers.check_empty(step, evaluation=True)
         total = torch.zeros((), dtype=torch.float32)
         for m in sorted(data.sums):
             total += data.sums[m].cpu()

@@ -73,6 +73,28 @@ class LayerRunner:
         """Drop what micro-batch ``m`` of ``data`` left on the device for its layers."""
         raise NotImplementedError
 
+    def tables(self) -> dict[str, dict[tuple, Any]]:
+        """What the runner holds per micro-batch, by name; keys ``(data, step, micro_batch)``,
+        or ``(step, micro_batch)`` for what only training micro-batches leave."""
+        return {}
+
+    def held(self, step: int, data: str = "train") -> dict[str, list[tuple]]:
+        """The keys still held of ``step``'s micro-batches of ``data``, by table (empty ones
+        left out)."""
+        def of_step(key: tuple) -> bool:
+            return key[:2] == (data, step) if len(key) == 3 else data == "train" and key[0] == step
+
+        return {name: keys for name, table in self.tables().items() if (keys := [k for k in table if of_step(k)])}
+
+    def check_empty(self, step: int, evaluation: bool = False) -> None:
+        """Raise if anything of ``step`` (or of its evaluation) is still held once it has ended:
+        whichever task used a micro-batch's ids, documents or arguments last has to drop them,
+        or every step would leave them behind on the device."""
+        left = self.held(step, "eval" if evaluation else "train")
+        if left:
+            what = "the evaluation after step" if evaluation else "step"
+            raise AssertionError(f"layer runner: {what} {step} ended holding {left}")
+
     def run(self, data: str, s: int, i: int, m: int, x: torch.Tensor, w: Any,
             router: RouterTap | None = None) -> torch.Tensor:
         """Decoder layer ``i`` of micro-batch ``m`` of ``data`` of step ``s`` over ``x`` with
@@ -132,6 +154,9 @@ class NativeLayerRunner(LayerRunner):
 
     def forget(self, data: str, s: int, m: int) -> None:
         self.dev_docs.pop((data, s, m), None)
+
+    def tables(self) -> dict[str, dict[tuple, Any]]:
+        return {"token ids": self.dev_ids, "documents": self.dev_docs}
 
     def head_loss_and_grads(self, h: torch.Tensor, norm_w: torch.Tensor, head_w: torch.Tensor,
                             targets: torch.Tensor, scale: float, chunk_tokens: int | None,
@@ -207,6 +232,9 @@ class GenericLayerRunner(LayerRunner):
 
     def forget(self, data: str, s: int, m: int) -> None:
         self.layer_kwargs.pop((data, s, m), None)
+
+    def tables(self) -> dict[str, dict[tuple, Any]]:
+        return {"layer arguments": self.layer_kwargs, "embedding graphs": self.stem_graphs}
 
     def head_loss_and_grads(self, h: torch.Tensor, norm_w: torch.Tensor, head_w: torch.Tensor,
                             targets: torch.Tensor, scale: float, chunk_tokens: int | None,
