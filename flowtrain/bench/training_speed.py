@@ -6,11 +6,11 @@ reports the steps after ``--warmup`` (excluded: compilation, allocator growth, f
 
     flowtrain bench --model llama-3b --seq-len 4096 --batch-size 4 --micro-batch-size 4 --steps 8
 
-Model FLOPs per token are ``6 N + 6 L h S`` (weights, and causal attention at half of
-``12 L h S``), recompute not counted, the same definition as the all-on-GPU and DeepSpeed baseline trainers use;
-for a mixture of experts N is the active parameters (the router and the top-k experts of each
-sparse layer, not every expert: :func:`flowtrain.model.counts.model_flops_per_token`); with
-``--lora-rank`` the frozen base counts ``4 N`` and the adapters ``6 N_adapter``.
+Model FLOPs per token are :func:`flowtrain.model.counts.model_flops_per_token`'s, as MFU
+counts them: 6 per weight a token multiplies by (the input embedding left out; of a mixture of
+experts the router and the top-k experts of each sparse layer) and ``6 L (heads x head_dim) S``
+for causal attention, recompute not counted; with ``--lora-rank`` the frozen base counts 4 a
+weight and the adapters 6.
 Busy fractions come from the executed trace: for each lane, the union of its tasks' intervals
 over the measured window, so they say where the time went. Beside the measured peaks (host RSS,
 GPU ``max_memory_allocated``, and the whole process's device memory as ``nvidia-smi`` would

@@ -149,13 +149,15 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
         return -(-n // chunks)
 
     def model_flops_per_token(self) -> float:
-        """flowtrain's and the benchmarks' convention: 6 N + 6 L h S (recompute not counted; N
-        a mixture of experts' active parameters; LoRA: 4 N + 6 N_adapter + 6 L h S:
-        :func:`flowtrain.model.counts.model_flops_per_token`)."""
-        attention = 6.0 * self.layers * self.hidden * self.seq_len
+        """flowtrain's and the benchmarks' convention, :func:`flowtrain.model.counts.model_flops_per_token`:
+        6 N_matmul + 6 L (heads x head_dim) S, N_matmul the weights a token multiplies by (the
+        input embedding left out, a tied matrix counted once as the head; a mixture of experts'
+        active ones); LoRA: 4 N_matmul + 6 N_adapter + the same attention."""
+        n = self.params - (0 if self.tied else self.vocab * self.hidden)
+        attention = 6.0 * self.layers * self.heads * self.head_dim * self.seq_len
         if self.adapter_params:
-            return 4.0 * self.params + 6.0 * self.adapter_params + attention
-        return 6.0 * self.params + attention
+            return 4.0 * n + 6.0 * self.adapter_params + attention
+        return 6.0 * n + attention
 
 
 def _eff(dim: float, half: float) -> float:

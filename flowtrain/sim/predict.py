@@ -45,7 +45,7 @@ def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1, world: int = 
     adapters = adapter_active_numel(cfg, req) if getattr(req, "lora_rank", 0) else 0
     layer_numel = max((lay.numel for lay in layouts if lay.unit == "layer"), default=0)
     # model FLOPs count the weights a token multiplies by: a mixture of experts' active ones
-    params = cfg.active_parameters() if cfg.moe else sum(e.numel for lay in layouts for e in lay.entries)
+    params = cfg.active_parameters() if cfg.moe or cfg.generic else sum(e.numel for lay in layouts for e in lay.entries)
     compute_bytes = 2 if plan.device == "cuda" else 4
     # a sparse layer's experts cost about a dense MLP as wide as the k experts a token runs through
     sparse = bool(cfg.moe and cfg.sparse_layers())

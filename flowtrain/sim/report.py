@@ -35,11 +35,13 @@ class Summary(msgspec.Struct, kw_only=True):
     critical_chain: list[tuple[str, str, int, float]]
     #: seconds of the chain per lane (the lanes that set the step time)
     critical_by_lane: dict[str, float]
+    #: model FLOPs per trained token (:func:`flowtrain.model.counts.model_flops_per_token`)
+    model_flops_per_token: float = 0.0
 
     def to_dict(self) -> dict:
         return {
             "step_seconds": round(self.step_seconds, 4), "tokens_per_s": round(self.tokens_per_s, 1),
-            "model_tflops": round(self.model_tflops, 1),
+            "model_tflops": round(self.model_tflops, 1), "model_flops_per_token": round(self.model_flops_per_token),
             "busy_fraction": {k: round(v, 4) for k, v in self.busy_fraction.items()},
             "step_ends": [round(t, 4) for t in self.step_ends],
             "critical_by_lane": {k: round(v, 4) for k, v in self.critical_by_lane.items()},
@@ -69,7 +71,7 @@ def summarize(steps: Sequence[Sequence[TaskRecord]], tokens_per_step: int, flops
     for lane, _, _, s in chain:
         by_lane[lane] = by_lane.get(lane, 0.0) + s
     return Summary(step_seconds=step_s, step_ends=ends, tokens_per_s=tok_s, model_tflops=tok_s * flops_per_token / 1e12,
-                   busy_fraction=busy, critical_chain=chain, critical_by_lane=by_lane)
+                   busy_fraction=busy, critical_chain=chain, critical_by_lane=by_lane, model_flops_per_token=flops_per_token)
 
 
 def critical_chain(records: Sequence[TaskRecord], cause: dict[Task, Task | None],

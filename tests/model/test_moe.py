@@ -212,18 +212,23 @@ def test_presets_have_the_published_sizes():
     assert PRESETS["qwen3-moe-12l"].num_layers == 12 and PRESETS["mixtral-4l"].num_layers == 4
 
 
-def test_model_flops_count_active_parameters():
-    """6 N + 6 L h S per token, N the active parameters of a mixture of experts (the dense
-    definition, the sum of every weight, is unchanged)."""
+def test_model_flops_count_what_a_token_multiplies_by():
+    """6 N_matmul + 6 L (heads x head_dim) S per token, as MFU counts them: N_matmul every weight
+    but the input embedding (a lookup), the active ones of a mixture of experts; a tied matrix
+    counts once, as the head. The attention term is the query heads' width, not the hidden size."""
     from flowtrain.model.counts import model_flops_per_token
 
-    dense = PRESETS["llama-8b"]
+    dense = PRESETS["llama-8b"]  # untied: a 128,256 x 4,096 embedding and head
     n = sum(e.numel for lay in model_flat_maps(dense) for e in lay.entries)
-    assert model_flops_per_token(dense, 4096) == 6.0 * n + 6.0 * 32 * 4096 * 4096
-    moe = PRESETS["qwen3-30b-a3b"]
+    assert model_flops_per_token(dense, 4096) == 6.0 * (n - 128256 * 4096) + 6.0 * 32 * (32 * 128) * 4096
+    tied = PRESETS["gemma3-1b"]  # one matrix, counted as the head; 4 heads of 256 over a hidden size of 1,152
+    n = sum(e.numel for lay in model_flat_maps(tied) for e in lay.entries)
+    assert tied.tie_word_embeddings and model_flops_per_token(tied, 4096) == 6.0 * n + 6.0 * 26 * (4 * 256) * 4096
+    moe = PRESETS["qwen3-30b-a3b"]  # 32 heads of 128 over a hidden size of 2,048
     inactive = 48 * (128 - 8) * 3 * 2048 * 768
     assert moe.active_parameters() == moe.num_parameters() - inactive
-    assert model_flops_per_token(moe, 4096) == 6.0 * (moe.num_parameters() - inactive) + 6.0 * 48 * 2048 * 4096
+    assert model_flops_per_token(moe, 4096) == (6.0 * (moe.num_parameters() - inactive - 151936 * 2048)
+                                                + 6.0 * 48 * (32 * 128) * 4096)
 
 
 def test_dense_families_refuse_expert_fields():

@@ -240,3 +240,18 @@ def test_plan_with_a_machine_where_nothing_fits_names_no_fastest(capsys):
     assert main(argv) == 1
     text = capsys.readouterr().out
     assert "no configuration tried fits on rtx3080-10gb" in text and "fastest predicted" not in text
+
+
+@pytest.mark.parametrize("model, seq", [("llama-8b", 4096), ("qwen3-moe-12l", 4096), ("gemma3-1b", 2048)])
+def test_simulate_reports_the_model_flops_of_the_convention(model, seq, capsys):
+    """The simulator's FLOPs per token are the one count every report uses
+    (flowtrain.model.counts): the input embedding left out, attention at heads x head_dim."""
+    from flowtrain.model.counts import model_flops_per_token
+    from flowtrain.model.presets import PRESETS
+
+    assert main(["simulate", "--model", model, "--seq-len", str(seq), "--batch-size", "2", "--micro-batch-size", "1",
+                 "--host-mem", "500", "--machine", "h200", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    want = model_flops_per_token(PRESETS[model], seq)
+    assert out["model_flops_per_token"] == pytest.approx(want, rel=1e-6)
+    assert out["model_tflops"] == pytest.approx(out["tokens_per_s"] * want / 1e12, abs=0.06)
