@@ -62,17 +62,33 @@ class _Tally:
 
 
 class LoadBalance:
-    """Tallies, loss and backward weights of the load-balancing loss, per (step, micro-batch)."""
+    """Tallies, loss and backward weights of the load-balancing loss, per (step, micro-batch),
+    over the sparse layers ``layers`` (:meth:`of_model`)."""
 
-    def __init__(self, cfg: ModelConfig) -> None:
-        self.coef = cfg.router_aux_loss_coef
-        self.experts = cfg.num_experts
-        self.k = cfg.num_experts_per_tok
-        self.layers = len(cfg.sparse_layers())
+    def __init__(self, coef: float, experts: int, k: int, layers: Sequence[int]) -> None:
+        self.coef = coef
+        self.experts = experts
+        self.k = k
+        self.sparse = frozenset(layers)
+        self.layers = len(self.sparse)
         self._tallies: dict[tuple[int, int], _Tally] = {}
         self._micro_batches: dict[int, int] = {}
         #: probabilities of kept forwards (their graph alive), for their backward
         self._kept: dict[tuple[int, int, int], Tensor] = {}
+
+    @classmethod
+    def of_model(cls, cfg: ModelConfig) -> "LoadBalance | None":
+        """The loss ``cfg`` trains with (None: none): a native mixture of experts' where its
+        config sets ``output_router_logits``, or what transformers adds on the generic path
+        (:func:`flowtrain.model.generic.routing.load_balance_of`)."""
+        if cfg.generic:
+            from ..model.generic.routing import load_balance_of
+
+            spec = load_balance_of(cfg.hf_json) if cfg.hf_json is not None else None
+            return None if spec is None or not spec.layers else cls(spec.coef, spec.experts, spec.k, spec.layers)
+        if cfg.moe and cfg.output_router_logits and cfg.sparse_layers():
+            return cls(cfg.router_aux_loss_coef, cfg.num_experts, cfg.num_experts_per_tok, cfg.sparse_layers())
+        return None
 
     def begin(self, step: int, targets: Sequence[Tensor], device: torch.device, micro_batches: int) -> None:
         """This process's micro-batches' targets (their real tokens are counted) and how many

@@ -219,13 +219,20 @@ def test_lora_resumes_and_starts_from_an_adapter_folder(tmp_path):
     assert load_file(tmp_path / "c" / "adapter_model.safetensors").keys() == a.keys()
 
 
-def test_a_load_balancing_loss_the_path_cannot_add_is_refused(tmp_path, capsys):
-    """A mixture of experts whose config asks for the load-balancing loss is refused before
-    loading, rather than trained without it."""
+def test_a_load_balancing_loss_whose_routers_cannot_be_found_is_refused(tmp_path, capsys, monkeypatch):
+    """A mixture of experts whose config asks for the load-balancing loss, where transformers
+    names no router modules to read it from, is refused before loading, rather than trained
+    without it."""
+    transformers = pytest.importorskip("transformers")
+
     make_family(tmp_path / "model", "GptOssForCausalLM", output_router_logits=True)
     make_data(tmp_path / "data.jsonl")
+    from flowtrain.model.generic.routing import load_balance_of
+
+    monkeypatch.setattr(transformers.GptOssForCausalLM, "_can_record_outputs", {})
+    load_balance_of.cache_clear()  # what this process found before, with the real recorder
     capsys.readouterr()
     assert main(["train", "--model", str(tmp_path / "model"), "--data", str(tmp_path / "data.jsonl"), "--steps", "1",
                  "--seq-len", "12", "--device", "cpu", "--no-progress"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
-    assert len(err) == 1 and "output_router_logits" in err[0], err
+    assert len(err) == 1 and "output_router_logits" in err[0] and "cannot find its routers" in err[0], err

@@ -33,7 +33,8 @@ def test_tallied_loss_and_per_layer_gradients_match_transformers(micro_batches):
     want = cfg.router_aux_loss_coef * load_balancing_loss_func(tuple(logits), E, cfg.num_experts_per_tok, mask)
     want_grads = torch.autograd.grad(want, logits)
 
-    lb = LoadBalance(cfg)
+    lb = LoadBalance.of_model(cfg)
+    assert lb is not None
     lb.begin(0, [targets], torch.device("cpu"), micro_batches)
     for i, lg in zip(layers, logits):  # the forward: no gradient
         probs = torch.softmax(lg.detach(), -1)

@@ -167,3 +167,32 @@ def straight_and_resumed(tmp_path, **settings):
         for f in files:
             a, b = load_file(f), load_file(tmp_path / "b" / sub / f.name)
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f.name
+
+
+# ---- the generic layer path: transformers' own modules, its load-balancing loss ---------------
+
+
+@pytest.mark.parametrize("name, extra", [("qwen3-moe-raw-topk-tied", ()), ("qwen3-moe-dense-layer", ()),
+                                         ("qwen3-moe-dense-layer", ("--activations", "keep"))])
+def test_generic_path_matches_hf_adamw_with_load_balancing(tmp_path, name, extra):
+    """Families with native layer math forced onto the generic path: the routers' logits come
+    from transformers' router modules, the load-balancing loss is the native path's."""
+    ref, losses, ours = _train_both(tmp_path, name, 2, "--layer-path", "generic", *extra)
+    assert_same_weights(tmp_path / "out", ref)
+    assert ours == pytest.approx(losses, rel=1e-5)
+
+
+@pytest.mark.parametrize("arch", ["Qwen3NextForCausalLM", "GptOssForCausalLM"])
+def test_generic_families_train_with_their_load_balancing_loss(tmp_path, arch):
+    """Families without native layer math whose config asks for the loss: trained as
+    transformers + AdamW with coef * aux_loss per micro-batch (over their number)."""
+    from generic_models import make_family
+
+    spec = dict(output_router_logits=True, router_aux_loss_coef=COEF)
+    make_family(tmp_path / "model", arch, seed=3, **spec)
+    rows = make_data(tmp_path / "data.jsonl", vocab=64, seed=12)
+    ref, losses = reference_train(make_family(None, arch, seed=3, **spec), rows, 2)
+    run_flowtrain(tmp_path / "model", tmp_path / "data.jsonl", tmp_path / "out", "--metrics", str(tmp_path / "m.jsonl"))
+    assert_same_weights(tmp_path / "out", ref)
+    ours = [json.loads(line)["loss"] for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert ours == pytest.approx(losses, rel=1e-5)

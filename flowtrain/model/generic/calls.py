@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 import inspect
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import torch
@@ -209,15 +209,24 @@ class GenericCalls:
         return Stem(sink[0], sink[1:])
 
     # ---------------------------------------------------------------- layers
-    def layer(self, i: int, x: Tensor, w: Mapping[str, Tensor], kwargs: dict[str, Any]) -> Tensor:
+    def layer(self, i: int, x: Tensor, w: Mapping[str, Tensor], kwargs: dict[str, Any],
+              router: tuple[type[nn.Module], Callable[[Any], None]] | None = None) -> Tensor:
         """Decoder layer ``i`` over ``x`` (batch, seq, hidden) with weights ``w`` (its
         parameters by their names in the layer; with LoRA also ``{map}.lora_A``, ``{map}.lora_B``
-        and ``lora_scale``) and the stem's arguments for it."""
+        and ``lora_scale``) and the stem's arguments for it. ``router``: ``(class, call)``, the
+        call made with the output of each of the layer's modules of that class (the
+        load-balancing loss reads the routing from it)."""
         params = {k: v for k, v in w.items() if k != "lora_scale"}
         params.update(self._layer_buffers[i])
         for module in self.adapted.get(i, ()):  # LoRA's scale, one 0-d tensor, for each adapted map
             params[f"{module}.lora_scale"] = w["lora_scale"]
-        out = functional_call(self.layers[i], params, (x,), kwargs, strict=True)
+        hooks = [] if router is None else [m.register_forward_hook(lambda _m, _in, out: router[1](out))
+                                           for m in self.layers[i].modules() if isinstance(m, router[0])]
+        try:
+            out = functional_call(self.layers[i], params, (x,), kwargs, strict=True)
+        finally:
+            for hook in hooks:
+                hook.remove()
         return out[0] if isinstance(out, tuple) else out
 
     # ---------------------------------------------------------------- head

@@ -19,6 +19,7 @@ from typing import Any
 from flowtrain.errors import ConfigError
 
 from ..config import ModelConfig
+from .routing import load_balance_of
 from .skeleton import skeleton
 
 __all__ = ["generic_config"]
@@ -91,10 +92,7 @@ def generic_config(d: dict[str, Any]) -> ModelConfig:
     d = {k: v for k, v in d.items() if k not in ("transformers_version", "_name_or_path", "dtype", "torch_dtype")}
     text = json.dumps(d, sort_keys=True)
     sk = skeleton(text)
-    if getattr(sk.model.config, "output_router_logits", False):
-        raise ConfigError(f"config.json of {type(sk.model).__name__} sets output_router_logits (train with the "
-                          "load-balancing loss); the generic layer path does not add it yet: set it to false to train "
-                          "without it")
+    load_balance_of(text)  # output_router_logits: routers flowtrain cannot find are refused now
     c = sk.model.config
     vocab, hidden = sk.units[0][0][2]
     heads = _int(c, "num_attention_heads", default=1)

@@ -32,7 +32,7 @@ class Experts:
     def __init__(self, state: HostState, device: torch.device) -> None:
         cfg = self.cfg = state.cfg
         #: a mixture of experts trained with its load-balancing loss (output_router_logits)
-        self.balance = LoadBalance(cfg) if cfg.moe and cfg.output_router_logits and cfg.sparse_layers() else None
+        self.balance = LoadBalance.of_model(cfg)
         #: the sparse layers that skip idle experts, and what each step's routing tells them
         self.idle = IdleExperts(state, device)
 
@@ -58,7 +58,7 @@ class Experts:
         counts, and where the layer skips idle experts, its real tokens per expert (None:
         neither)."""
         taps = []
-        if self.balance is not None and self.cfg.layer_sparse(i):
+        if self.balance is not None and i in self.balance.sparse:
             taps.append(self.balance.counting(s, i, m))
         if i in self.idle:
             taps.append(self.idle.tap(s, i, m, targets))
@@ -76,7 +76,7 @@ class Experts:
 
     def balance_of(self, i: int) -> LoadBalance | None:
         """The load-balancing loss where layer ``i`` is sparse and trained with it."""
-        return self.balance if self.cfg.layer_sparse(i) else None
+        return self.balance if self.balance is not None and i in self.balance.sparse else None
 
     # ---- gradients
     def offload_ranges(self, task: Task, micro_batches: int, lo: int, hi: int) -> list[Range]:

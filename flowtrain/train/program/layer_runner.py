@@ -196,6 +196,7 @@ class GenericLayerRunner(LayerRunner):
     def __init__(self, cfg: ModelConfig, device: torch.device, compile_backend: str | None,
                  adapted: dict[int, tuple[str, ...]] | None = None, embed_trains: bool = True) -> None:
         from ...model.generic.calls import GenericCalls
+        from ...model.generic.routing import load_balance_of
         from ...model.generic.skeleton import skeleton
 
         assert cfg.hf_json is not None
@@ -209,6 +210,9 @@ class GenericLayerRunner(LayerRunner):
         self.stem_graphs: dict[tuple[int, int], tuple[torch.Tensor, dict[str, torch.Tensor]]] = {}
         self.layer_fn = self.calls.layer if compile_backend is None else torch.compile(
             self.calls.layer, backend=compile_backend, dynamic=False)
+        #: the load-balancing loss transformers adds for this model (None: none), whose routers
+        #: a training forward's router tap reads
+        self.balance = load_balance_of(cfg.hf_json)
 
     def embed(self, data: str, s: int, m: int, ids: torch.Tensor, docs: Documents | None,
               w: dict[str, torch.Tensor]) -> torch.Tensor:
@@ -249,7 +253,13 @@ class GenericLayerRunner(LayerRunner):
 
     def run(self, data: str, s: int, i: int, m: int, x: torch.Tensor, w: Any,
             router: RouterTap | None = None) -> torch.Tensor:
-        return self.layer_fn(i, x, w, self.layer_kwargs[(data, s, m)][i])  # type: ignore[no-any-return]
+        kwargs = self.layer_kwargs[(data, s, m)][i]
+        if router is None or self.balance is None:
+            return self.layer_fn(i, x, w, kwargs)  # type: ignore[no-any-return]
+        from ...model.generic.routing import routing_of
+
+        spec = self.balance  # the layer's routers hand their routing to the tap
+        return self.calls.layer(i, x, w, kwargs, (spec.router, lambda out: router(*routing_of(spec, out))))
 
 
 def layer_runner(cfg: ModelConfig, seq_len: int, device: torch.device, dtype: torch.dtype,
