@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import codecs
 import json
+import os
 from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,8 +60,16 @@ from flowtrain.data import text as data_text
 from flowtrain.data.text import ChatTemplate, Encoder
 from flowtrain.errors import DataError
 
-# Text rows are handed to the tokenizer this many at a time (it encodes a batch in parallel).
+# Text rows are handed to the tokenizer this many at a time (it encodes a batch in parallel),
+# and at most about this many bytes of lines: a batch of long rows must not add up to gigabytes.
 _ENCODE_BATCH = 1024
+_ENCODE_BATCH_BYTES = 8 << 20
+#: Most bytes one ``.jsonl`` line may have. A row is parsed whole (JSON has no streaming
+#: reader in the standard library), which costs a few times its size, so a longer line is
+#: refused, naming it, before it is parsed: 16 MiB is about 4 M tokens of English text or 2 M
+#: token ids, beyond the context any model is trained at (a row that long cannot be learnt
+#: whole), while a mistake (a whole corpus on one line) would otherwise cost tens of GB.
+MAX_LINE_BYTES = 16 << 20
 # Bytes read from a .txt file at a time, and ids of a 1-D .npy checked and handed on at a time.
 _READ_BYTES = 1 << 20
 _NPY_CHUNK = 1 << 22
@@ -124,22 +133,30 @@ def _txt_pieces(path: Path, vocab_size: int, enc: Encoder) -> Iterator[Piece]:
         check_ids(ids, vocab_size, f"{path}", hint)
         yield Piece(ids)
         return
-    # Long: the pieces bare, the template (BOS, ...) around the whole once, as encode_document.
+    yield from _document_pieces(enc, [first] + ([second] if second is not None else []), texts, vocab_size,
+                                f"{path}", hint)
+
+
+def _document_pieces(enc: Encoder, head: list[str], rest: Iterator[str], vocab_size: int, where: str,
+                     hint: str) -> Iterator[Piece]:
+    """A long document, given as its pieces (``head``, then ``rest``), as ``encode_document``
+    encodes it: the pieces bare, the template (BOS, ...) around the whole once."""
     prefix, suffix = enc.template_ids()
-    done, pending = 0, [first] + ([second] if second is not None else [])
-    parts: Iterable[np.ndarray] = _encode_in_batches(enc, pending, texts)
-    for ids in _framed(prefix, parts, suffix):
-        check_ids(ids, vocab_size, f"{path}", hint, offset=done)
+    done = 0
+    for ids in _framed(prefix, _encode_in_batches(enc, head, rest), suffix):
+        check_ids(ids, vocab_size, where, hint, offset=done)
         yield Piece(ids, starts=done == 0)
         done += len(ids)
 
 
 def _encode_in_batches(enc: Encoder, head: list[str], rest: Iterator[str]) -> Iterator[np.ndarray]:
-    """``encode_bare`` of every text, a few at a time (the tokenizer runs a batch in parallel)."""
-    batch = list(head)
+    """``encode_bare`` of every text, a few at a time: the tokenizer runs a batch in parallel,
+    one text a core, and each text of a batch costs tens of times its size while it is encoded
+    (about 100 MB for a piece of ``CHUNK_CHARS``), so a batch has one piece per core, at most 8."""
+    batch, most = list(head), max(1, min(8, os.cpu_count() or 1))
     for text in rest:
         batch.append(text)
-        if len(batch) >= 8:
+        if len(batch) >= most:
             yield from enc.encode_bare(batch)
             batch = []
     if batch:
@@ -193,8 +210,8 @@ def read_jsonl(
     probe.close()  # the first line decides the form; the file is read from the top below
     if first is None:
         raise DataError(f"{path} has no JSON lines; each line must look like {_JSONL_EXAMPLE}")
-    form = first[2]
-    lines = _lines(path, form=(form, first[0]))
+    form = first.form
+    lines = _lines(path, form=(form, first.no))
     if form == "input_ids":
         return Parsed("rows", _id_rows(path, lines, vocab_size))
     if form == "text":
@@ -225,46 +242,84 @@ def holds_conversations(path: Path) -> bool:
         return False
     finally:
         lines.close()
-    return first is not None and first[2] == "messages"
+    return first is not None and first.form == "messages"
 
 
-def _lines(path: Path, form: tuple[str, int] | None = None) -> Generator[tuple[int, dict, str], None, None]:
-    """(line number, row, form) for each non-blank line; with ``form`` (the file's form and the
-    line that set it), a row of another form is refused."""
+class _Line(NamedTuple):
+    no: int  # 1-based
+    obj: dict
+    form: str  # one of _FORMS' values
+    size: int  # bytes
+
+
+def _lines(path: Path, form: tuple[str, int] | None = None) -> Generator[_Line, None, None]:
+    """Each non-blank line, parsed; with ``form`` (the file's form and the line that set it), a
+    row of another form is refused. A line over :data:`MAX_LINE_BYTES` is refused unparsed."""
+    for line_no, raw in _raw_lines(path):
+        if raw.isspace():
+            continue
+        obj = _parse_line(path, line_no, raw)
+        this = _FORMS.get(frozenset(obj))
+        if this is None:
+            keys = ", ".join(sorted(obj)) or "no keys"
+            raise DataError(
+                f"{path} line {line_no} has {keys}, which is none of the accepted row forms; "
+                f"each line must look like {_JSONL_EXAMPLE}"
+            )
+        if form is not None and this != form[0]:
+            raise DataError(
+                f"{path} mixes \"{form[0]}\" rows (line {form[1]}) and \"{this}\" rows (line "
+                f"{line_no}); keep one form per file: convert the rows or split the file"
+            )
+        yield _Line(line_no, obj, this, len(raw))
+
+
+def _raw_lines(path: Path) -> Iterator[tuple[int, bytes]]:
+    """(line number, bytes) of each line, holding at most :data:`MAX_LINE_BYTES` (+1) of one:
+    a longer line is measured to its end in blocks and refused, naming its size."""
     with path.open("rb") as f:
-        for line_no, raw in enumerate(f, start=1):
-            if not raw.strip():
-                continue
-            obj = _parse_line(path, line_no, raw)
-            this = _FORMS.get(frozenset(obj))
-            if this is None:
-                keys = ", ".join(sorted(obj)) or "no keys"
+        line_no = 0
+        while raw := f.readline(MAX_LINE_BYTES + 1):
+            line_no += 1
+            if len(raw) > MAX_LINE_BYTES and not raw.endswith(b"\n"):
+                size = len(raw)
+                del raw
+                while (block := f.readline(_READ_BYTES)) and not block.endswith(b"\n"):
+                    size += len(block)
+                size += len(block)
                 raise DataError(
-                    f"{path} line {line_no} has {keys}, which is none of the accepted row forms; "
-                    f"each line must look like {_JSONL_EXAMPLE}"
+                    f"{path} line {line_no} has {size:,} bytes, more than the {_bytes(MAX_LINE_BYTES)} one "
+                    "row may have (a row is read whole); split it into rows of a few MB (a long text into "
+                    "several text rows, or into a .txt file of its own, which is read in pieces)"
                 )
-            if form is not None and this != form[0]:
-                raise DataError(
-                    f"{path} mixes \"{form[0]}\" rows (line {form[1]}) and \"{this}\" rows (line "
-                    f"{line_no}); keep one form per file: convert the rows or split the file"
-                )
-            yield line_no, obj, this
+            yield line_no, raw
 
 
-def _batched(lines: Iterator[tuple[int, dict, str]]) -> Iterator[list[tuple[int, dict]]]:
+def _bytes(n: int) -> str:
+    return f"{n >> 20} MiB" if n % (1 << 20) == 0 else f"{n:,} bytes"
+
+
+def _batched(lines: Iterator[_Line]) -> Iterator[list[tuple[int, dict]]]:
+    """(line number, row) in batches of at most ``_ENCODE_BATCH`` rows and about
+    ``_ENCODE_BATCH_BYTES`` bytes (a single longer row is a batch of its own)."""
     batch: list[tuple[int, dict]] = []
-    for line_no, obj, _ in lines:
-        batch.append((line_no, obj))
+    size = 0
+    for line in lines:
+        if batch and size + line.size > _ENCODE_BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+        batch.append((line.no, line.obj))
+        size += line.size
         if len(batch) == _ENCODE_BATCH:
             yield batch
-            batch = []
+            batch, size = [], 0
     if batch:
         yield batch
 
 
-def _id_rows(path: Path, lines: Iterator[tuple[int, dict, str]], vocab_size: int) -> Iterator[Piece]:
+def _id_rows(path: Path, lines: Iterator[_Line], vocab_size: int) -> Iterator[Piece]:
     """``input_ids`` rows taken as given; ``labels``, where a row has them, aligned with them."""
-    for line_no, obj, _ in lines:
+    for line_no, obj, _, _ in lines:
         ids = _id_row(path, line_no, obj["input_ids"], vocab_size)
         if "labels" not in obj:
             yield Piece(ids, row=line_no)
@@ -287,18 +342,26 @@ def _id_rows(path: Path, lines: Iterator[tuple[int, dict, str]], vocab_size: int
 
 
 def _text_rows(
-    path: Path, lines: Iterator[tuple[int, dict, str]], vocab_size: int, enc: Encoder
+    path: Path, lines: Iterator[_Line], vocab_size: int, enc: Encoder
 ) -> Iterator[Piece]:
+    """Each row a document; one longer than ``CHUNK_CHARS`` characters is tokenised in pieces,
+    as a ``.txt`` file is, so its tokenizing costs the memory of a piece, not of the row."""
     hint = _tokenizer_hint(enc, vocab_size)
     for batch in _batched(lines):
         texts = [_string(path, line_no, obj, "text") for line_no, obj in batch]
-        for (line_no, _), ids in zip(batch, enc.encode_many(texts)):
+        short = iter(enc.encode_many([t for t in texts if len(t) <= data_text.CHUNK_CHARS]))
+        for (line_no, _), text in zip(batch, texts):
+            if len(text) > data_text.CHUNK_CHARS:
+                yield from _document_pieces(enc, [], data_text.split_stream([text]), vocab_size,
+                                            f"{path} line {line_no}", hint)
+                continue
+            ids = next(short)
             check_ids(ids, vocab_size, f"{path} line {line_no}", hint)
             yield Piece(ids)
 
 
 def _prompt_rows(
-    path: Path, lines: Iterator[tuple[int, dict, str]], vocab_size: int, enc: Encoder
+    path: Path, lines: Iterator[_Line], vocab_size: int, enc: Encoder
 ) -> Iterator[Piece]:
     """Template prefix + prompt (no loss), then completion + EOS (loss)."""
     prefix, _ = enc.template_ids()
@@ -316,12 +379,12 @@ def _prompt_rows(
 
 
 def _chat_rows(
-    path: Path, lines: Iterator[tuple[int, dict, str]], vocab_size: int, enc: Encoder,
+    path: Path, lines: Iterator[_Line], vocab_size: int, enc: Encoder,
     template: ChatTemplate,
 ) -> Iterator[Piece]:
     """Each conversation rendered whole; labels on the assistant turns only (see the module)."""
     hint = _tokenizer_hint(enc, vocab_size)
-    for line_no, obj, _ in lines:
+    for line_no, obj, _, _ in lines:
         where = f"{path} line {line_no}"
         messages = _messages(where, obj["messages"])
         tools = _tools(where, obj.get("tools"))

@@ -62,7 +62,8 @@ TOKENIZER_FILES = (
 _FOREIGN_TOKENIZERS = ("tokenizer.model", "vocab.json")
 
 # Long documents are encoded in pieces of about this many characters (split where a line
-# starts), so tokenizers can work on them in parallel without holding one giant Encoding.
+# starts), so tokenizers can work on them in parallel without holding one giant Encoding
+# (a tokenizers Encoding of a text takes tens of times its size).
 CHUNK_CHARS = 1 << 20
 
 #: Most characters a chat template may produce for one rendering, or build on its way there.
@@ -583,8 +584,10 @@ def split_stream(blocks: Iterable[str]) -> Iterator[str]:
     """The pieces of :func:`_split_lines` for text that arrives in ``blocks`` (any sizes).
 
     A piece ends at the first newline at or after CHUNK_CHARS - 1 characters that a non-blank
-    line follows, so the cuts do not depend on how the text was read; at most about one piece
-    (plus a block) is held at a time. Yields no empty pieces.
+    line follows; where no line starts before 2 * CHUNK_CHARS characters (one very long line),
+    it ends before the first space from CHUNK_CHARS on, else there: so a piece has at most 2 *
+    CHUNK_CHARS characters, and the cuts do not depend on how the text was read. At most
+    about one piece (plus a block) is held at a time. Yields no empty pieces.
     """
     buf, scan = "", 0  # scan: where the search for the next cut goes on (all before it failed)
     for block in blocks:
@@ -604,11 +607,20 @@ def _next_cut(buf: str, scan: int) -> int | None:
     """Where the piece at the start of ``buf`` ends, or None when more text must come first."""
     if len(buf) <= CHUNK_CHARS:
         return None
+    most = 2 * CHUNK_CHARS
     at = max(CHUNK_CHARS - 1, scan)
     while True:
-        newline = buf.find("\n", at)
-        if newline < 0 or newline + 1 >= len(buf):
+        newline = buf.find("\n", at, most)
+        if newline < 0:
+            break
+        if newline + 1 >= len(buf):
             return None  # no cut yet: a later block may bring it (or the end makes one piece)
         if not buf[newline + 1].isspace():
             return newline + 1
         at = newline + 1
+    if len(buf) <= most:
+        return None  # a line may still start before ``most``
+    # No line starts in [CHUNK_CHARS, most): cut before the next space (a word's start to most
+    # tokenizers), else anywhere
+    space = buf.find(" ", CHUNK_CHARS, most)
+    return space if space > 0 else most
