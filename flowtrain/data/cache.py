@@ -69,7 +69,8 @@ __all__ = ["CACHE_ENV", "FORMAT", "RowWriter", "Rows", "cache_root", "cached", "
 
 #: The version of the folder layout; a new one never reads an old folder. 2: checksums.
 #: 3: a report of what the build did to the examples (and examples spooled whole first).
-#: 4: long text rows tokenised in pieces, a piece at most 2 * CHUNK_CHARS characters.
+#: 4: long text rows tokenised in pieces, a piece at most 2 * CHUNK_CHARS characters; rows
+#: without a target counted in the report.
 FORMAT = 4
 #: Tokens buffered by a :class:`RowWriter` before they go to disk, and read at a time to hash.
 _BLOCK_TOKENS = 1 << 22

@@ -101,11 +101,14 @@ class Spooled:
     """Pass 1 of a ``rows`` file: every example that has a target, whole, in two scratch files
     of raw int64 (its ids, its targets ``labels[t + 1]`` with the last -100), and per example
     its length, its number of targets and its row in the file. Examples without a single target
-    (under 2 tokens, or no loss after the first) teach nothing and are left out here."""
+    (under 2 tokens, or no loss after the first) teach nothing and are left out here, counted
+    (``untrained``, and the row of the first in ``first_untrained``) so that a run can say so."""
 
     def __init__(self, pieces: Iterable[Piece], scratch: Path) -> None:
         self.files = [scratch / "examples.ids", scratch / "examples.targets"]
         lengths, targets, rows = (array("q") for _ in range(3))
+        self.untrained = 0  # examples left out for having no target
+        self.first_untrained: int | None = None  # the row of the first (Piece.row)
         with self.files[0].open("wb") as f_ids, self.files[1].open("wb") as f_targets:
             for piece in pieces:
                 labels = piece.labels if piece.labels is not None else piece.ids
@@ -113,6 +116,9 @@ class Spooled:
                 shifted[:-1] = labels[1:]
                 count = int((shifted != IGNORE_INDEX).sum())
                 if count == 0:
+                    self.untrained += 1
+                    if self.first_untrained is None:
+                        self.first_untrained = piece.row
                     continue
                 f_ids.write(piece.ids.tobytes())
                 f_targets.write(shifted.tobytes())

@@ -160,6 +160,8 @@ class DataReport:
     cut: tuple[int, int] = (0, 0)  # (examples cut at seq_len, target tokens they lost)
     dropped: tuple[int, int] = (0, 0)  # (examples longer than seq_len left out, their target tokens)
     first_dropped: str | None = None  # e.g. "line 7 (97 tokens)"
+    untrained: int = 0  # rows: examples left out for having no target (no token with a loss)
+    first_untrained: str | None = None  # e.g. "line 3"
     mask: str | None = None  # messages: "generation" (its {% generation %} marks) or "turns"
 
     @classmethod
@@ -330,8 +332,10 @@ def _build_rows(path: Path, parsed: Parsed, folder: Path, seq_len: int | FromDat
     entries of the files written and the report."""
     spooled = data_pack.Spooled(parsed.pieces, folder)
     try:
+        untrained = (f"{parsed.row_name} {spooled.first_untrained}" if spooled.first_untrained is not None
+                     else None)
         if not len(spooled):
-            raise _no_rows(path, None)
+            raise _no_rows(path, None, untrained=(spooled.untrained, untrained), chat=parsed.mask is not None)
         length = seq_len if isinstance(seq_len, int) else seq_len.for_examples(spooled.longest)
         fitted = data_pack.fit(spooled, length, drop_long=drop)
         first = (f"{parsed.row_name} {fitted.first_dropped[0]} ({fitted.first_dropped[1]:,} tokens)"
@@ -341,7 +345,8 @@ def _build_rows(path: Path, parsed: Parsed, folder: Path, seq_len: int | FromDat
                   "capped": not isinstance(seq_len, int) and length < spooled.longest,
                   "widened": not isinstance(seq_len, int) and length > seq_len.for_examples(spooled.longest, own=True),
                   "cut": [fitted.cut_count, fitted.cut_lost], "dropped": [fitted.dropped_count, fitted.dropped_lost],
-                  "first_dropped": first, "mask": parsed.mask}
+                  "first_dropped": first, "untrained": spooled.untrained, "first_untrained": untrained,
+                  "mask": parsed.mask}
         if not len(fitted.keep):
             if fitted.dropped_count and long_examples in ("error", "auto"):
                 raise _long_examples_error(path, DataReport.from_index(report), length)
@@ -356,7 +361,16 @@ def _build_rows(path: Path, parsed: Parsed, folder: Path, seq_len: int | FromDat
         spooled.remove()
 
 
-def _no_rows(path: Path, seq_len: int | None, dropped: int = 0) -> DataError:
+def _no_rows(path: Path, seq_len: int | None, dropped: int = 0, untrained: tuple[int, str | None] = (0, None),
+             chat: bool = False) -> DataError:
+    count, first = untrained
+    if count:
+        turns = " (conversations are trained on their \"assistant\" turns only)" if chat else ""
+        return DataError(
+            f"{path} has no usable sequences: every one of its {count:,} row{'s' if count != 1 else ''} (the first "
+            f"at {first}) has fewer than 2 tokens or no token with a loss{turns}, and predicting a next token "
+            "needs at least 2"
+        )
     if dropped:
         return DataError(
             f"{path} has no usable sequences: every example with a target is longer than --seq-len {seq_len} "

@@ -85,8 +85,9 @@ _MASK_RULES = {
 
 def data_description(seqs: "Sequences") -> str:
     """What the sequences hold, for the ``data`` line: ``1,204 sequences of 512 tokens, 402,113
-    target tokens``, and for a file of examples the examples, the length's origin, the chat
-    mask rule and the examples longer than seq_len cut or dropped (``flowtrain.data.source``)."""
+    target tokens``, and for a file of examples the examples (and the rows left out for having
+    no target), the length's origin, the chat mask rule and the examples longer than seq_len cut
+    or dropped (``flowtrain.data.source``)."""
     n, seq = seqs.input_ids.shape
     report = seqs.report
     targets = f"{seqs.num_targets():,} target tokens"
@@ -99,7 +100,10 @@ def data_description(seqs: "Sequences") -> str:
                   f" (from the data: the longest held-out example, rounded up; the longest here has "
                   f"{report.longest:,} tokens)" if report.widened else
                   f" (from the data: the longest example, {report.longest:,} tokens, rounded up)")
-    parts = [f"{_count(report.examples, 'example')} in {_count(n, 'sequence')} of {seq} tokens{origin}, {targets}"]
+    untrained = (f" ({_count(report.untrained, 'row')} with no trained tokens left out: the first at "
+                 f"{report.first_untrained})" if report.untrained else "")
+    parts = [f"{_count(report.examples, 'example')}{untrained} in {_count(n, 'sequence')} of {seq} tokens{origin}, "
+             f"{targets}"]
     if report.mask in _MASK_RULES:
         parts.append(_MASK_RULES[report.mask])
     (cut, cut_lost), (dropped, dropped_lost) = report.cut, report.dropped
