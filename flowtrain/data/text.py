@@ -34,6 +34,7 @@ with one line instead of ending the process in a RecursionError or MemoryError.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Callable, Iterable, Iterator
 from datetime import datetime
@@ -173,21 +174,46 @@ class TokenizerEncoder:
             return self.encode_many([text])[0]
         # Encode the pieces bare and put the template (BOS, ...) around the whole once.
         # Only the few seams between pieces may tokenize differently from a single call.
-        pieces = self._tokenizer.encode_batch(_split_lines(text), add_special_tokens=False)
         prefix, suffix = self.template_ids()
-        ids = [prefix, *(np.asarray(p.ids, dtype=np.int64) for p in pieces), suffix]
-        return np.concatenate(ids)
+        return np.concatenate([prefix, self._encode_long(text)[0], suffix])
 
     def encode_bare(self, texts: list[str]) -> list[np.ndarray]:
-        encodings = self._tokenizer.encode_batch(texts, add_special_tokens=False)
-        return [np.asarray(e.ids, dtype=np.int64) for e in encodings]
+        """As one call would, but a text over CHUNK_CHARS characters is encoded in pieces."""
+        encodings = iter(self._tokenizer.encode_batch([t for t in texts if len(t) <= CHUNK_CHARS],
+                                                      add_special_tokens=False))
+        return [np.asarray(next(encodings).ids, dtype=np.int64) if len(t) <= CHUNK_CHARS
+                else self._encode_long(t)[0] for t in texts]
 
     def encode_offsets(self, text: str) -> tuple[np.ndarray, np.ndarray]:
         """The call transformers makes in ``apply_chat_template`` (``add_special_tokens=False``),
-        with the encoding's character offsets, which its assistant mask reads."""
+        with the encoding's character offsets, which its assistant mask reads (a text over
+        CHUNK_CHARS characters in pieces, their offsets counted in the whole)."""
+        if len(text) > CHUNK_CHARS:
+            return self._encode_long(text)
         encoding = self._tokenizer.encode_batch([text], add_special_tokens=False)[0]
         offsets = np.asarray(encoding.offsets, dtype=np.int64).reshape(-1, 2)
         return np.asarray(encoding.ids, dtype=np.int64), offsets
+
+    def _encode_long(self, text: str) -> tuple[np.ndarray, np.ndarray]:
+        """``text`` encoded bare in the pieces of :func:`split_stream`, one per core at a time (at
+        most 8): an Encoding costs tens of times its text, so one of a whole long text could
+        take gigabytes. Its ids and ``(n, 2)`` character offsets in ``text``."""
+        ids, offsets, start = [], [], 0
+        group: list[str] = []
+        pieces = split_stream([text])
+        most = max(1, min(8, os.cpu_count() or 1))
+        while True:
+            piece = next(pieces, None)
+            if piece is not None:
+                group.append(piece)
+            if group and (piece is None or len(group) == most):
+                for p, e in zip(group, self._tokenizer.encode_batch(group, add_special_tokens=False)):
+                    ids.append(np.asarray(e.ids, dtype=np.int64))
+                    offsets.append(np.asarray(e.offsets, dtype=np.int64).reshape(-1, 2) + start)
+                    start += len(p)
+                group = []
+            if piece is None:
+                return np.concatenate(ids), np.concatenate(offsets)
 
     def template_ids(self) -> tuple[np.ndarray, np.ndarray]:
         """The special ids the tokenizer's template puts before and after a document."""

@@ -165,3 +165,34 @@ def test_a_batch_of_rows_is_bounded_in_bytes(tmp_path, monkeypatch):
     pieces = list(read_jsonl(path, 256, lambda: Recording(None)).pieces)
     assert len(pieces) == 20
     assert max(batches) <= 1000 and len(batches) > 2  # prompts and completions of a few rows at a time
+
+
+def test_the_tokenizer_encodes_a_long_text_in_pieces_with_the_ids_and_offsets_of_one_call(tmp_path, monkeypatch):
+    from test_data import make_tokenizer
+
+    from flowtrain.data.text import TokenizerEncoder
+
+    make_tokenizer(tmp_path / "model")
+    enc = TokenizerEncoder(tmp_path / "model" / "tokenizer.json", None)
+    text = " ".join(["the cat sat on a mat"] * 40)  # 819 characters, one line
+    whole = enc._tokenizer.encode(text, add_special_tokens=False)
+    seen = []
+
+    class Recording:  # the tokenizer, recording the longest text each call hands it
+        def __init__(self, tokenizer):
+            self.tokenizer = tokenizer
+
+        def __getattr__(self, name):
+            return getattr(self.tokenizer, name)
+
+        def encode_batch(self, texts, add_special_tokens):
+            seen.append(max(map(len, texts), default=0))
+            return self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+
+    monkeypatch.setattr(data_text, "CHUNK_CHARS", 64)
+    enc._tokenizer = Recording(enc._tokenizer)
+    ids, offsets = enc.encode_offsets(text)
+    assert ids.tolist() == whole.ids and offsets.tolist() == [list(o) for o in whole.offsets]
+    assert [a.tolist() for a in enc.encode_bare(["a cat", text])] == [enc.encode_bare(["a cat"])[0].tolist(), whole.ids]
+    assert enc.encode_document(text).tolist() == [1, *whole.ids]  # the template's <s> once, in front
+    assert max(seen) <= 2 * 64
