@@ -3,7 +3,9 @@
 Every reader returns :class:`Parsed`: how the ids are to be used, and an *iterator* of
 :class:`Piece` that reads, tokenises and checks the file as it is drawn, so a file of any size
 passes through a bounded amount of memory (a batch of lines, or a piece of text of about
-``CHUNK_CHARS`` characters, at a time)::
+``CHUNK_CHARS`` characters, at a time). A ``.jsonl`` row is parsed whole, so one line may have
+at most :data:`MAX_LINE_BYTES`; a longer one is refused before it is parsed, naming it. A long
+text (a row's text, completion or conversation) is tokenised in pieces all the same::
 
     parsed = read_jsonl(path, vocab_size, encoder)
     for piece in parsed.pieces:          # (ids, labels, starts), one row or document part each

@@ -15,7 +15,9 @@ are token *streams*: documents are tokenised, joined with the EOS token between 
 into windows of exactly ``seq_len`` tokens (a final tail of 2 or more tokens is kept, padded).
 ``.jsonl`` rows with ``input_ids`` and the rows of a 2-D ``.npy`` are *sequences as they
 stand*, learnt whole: padded, or, longer than ``seq_len``, cut or dropped (see below).
-Sequences under 2 tokens or without a single target teach nothing and are dropped.
+Sequences under 2 tokens or without a single target teach nothing and are left out, counted
+(:attr:`DataReport.untrained`, the first in :attr:`DataReport.first_untrained`); a file of
+nothing else raises DataError saying so.
 Formats live in :mod:`~flowtrain.data.files`, tokenizers and chat templates in
 :mod:`~flowtrain.data.text`.
 
