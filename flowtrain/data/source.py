@@ -317,7 +317,16 @@ def load_sequences(
             index, report = _build_rows(path, parsed, folder, seq_len, pad_id, packing, drop, long_examples)
         return {**index, "kind": parsed.kind, "text": bool(text), "source": str(path.absolute()), "report": report}
 
-    rows = data_cache.open_rows(data_cache.cached(path, settings, tokenizer_dir, build, cache_dir))
+    def build_or_say(folder: Path) -> dict:
+        try:
+            return build(folder)
+        except MemoryError:  # under a memory limit (ulimit, a container): one line, no half-built cache
+            raise DataError(
+                f"ran out of memory reading {path} into token rows; give the run more memory, or split its "
+                "longest rows (docs/training.md, \"How long a row may be\")"
+            ) from None
+
+    rows = data_cache.open_rows(data_cache.cached(path, settings, tokenizer_dir, build_or_say, cache_dir))
     if rows.index["text"]:
         check_encoder(tokenizer_dir, vocab_size, byte_tokenizer)  # the errors a miss would raise
     report = DataReport.from_index(rows.index["report"])

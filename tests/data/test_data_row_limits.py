@@ -196,3 +196,19 @@ def test_the_tokenizer_encodes_a_long_text_in_pieces_with_the_ids_and_offsets_of
     assert [a.tolist() for a in enc.encode_bare(["a cat", text])] == [enc.encode_bare(["a cat"])[0].tolist(), whole.ids]
     assert enc.encode_document(text).tolist() == [1, *whole.ids]  # the template's <s> once, in front
     assert max(seen) <= 2 * 64
+
+
+def test_running_out_of_memory_while_reading_is_one_data_error_and_no_cache(tmp_path, monkeypatch):
+    from flowtrain.data import pack as data_pack
+
+    def no_memory(*args, **kwargs):
+        raise MemoryError  # what numpy raises when a limit (ulimit -v, a container) refuses an array
+
+    monkeypatch.setattr(data_pack, "stream_rows", no_memory)
+    path = tmp_path / "d.jsonl"
+    path.write_text(json.dumps({"text": "some text"}) + "\n")
+    with pytest.raises(DataError) as info:
+        load_sequences(path, seq_len=4, vocab_size=256)
+    assert str(info.value) == (f"ran out of memory reading {path} into token rows; give the run more memory, or "
+                               "split its longest rows (docs/training.md, \"How long a row may be\")")
+    assert not list((tmp_path / "cache" / "data").iterdir())  # the half-built folder is gone
