@@ -36,7 +36,7 @@ from ..plan.request import run_request
 from ..policy import resolve_policy
 from ..sim.choose_plan import plan_and_choose
 from .config import defaults
-from .config.checks import check_compile_backend, check_fields, check_output_paths, check_with_model
+from .config.checks import check_compile_backend, check_fields, check_inputs_kept, check_output_paths, check_with_model
 from .config.run_config import TrainConfig, load_model_config, lora_spec, precision_bytes
 from .config.settings import check_values
 from .distributed import World, local_share, world_from_env
@@ -100,6 +100,7 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
         check_free(cfg.out)  # another run writing there: refuse before reading or checking it
     resume_from, resume_state = _find_resume(cfg)
     cfg = _resumed_lora(cfg, resume_state, resume_from)
+    check_inputs_kept(cfg, resume=resume_from)  # before the rules below, which a resume relaxes for --out
     check_output_paths(cfg.out, cfg.overwrite, cfg.trace, cfg.metrics, resume=resume_from)
     _check_nothing_replaced(cfg, resume_from, resume_state)
     model = cfg.model or (str(resume_from) if resume_from else "tiny")

@@ -50,7 +50,8 @@ if TYPE_CHECKING:
     from ...model.config import ModelConfig
     from .run_config import TrainConfig
 
-__all__ = ["check_compile_backend", "check_fields", "check_output_file", "check_output_paths", "check_with_model"]
+__all__ = ["check_compile_backend", "check_fields", "check_inputs_kept", "check_output_file", "check_output_paths",
+           "check_with_model"]
 
 #: integer fields with an upper bound too: (name -> a function giving the bound, and why)
 _INT_MAXIMA = {
@@ -198,6 +199,41 @@ def _inside(p: Path, folder: Path) -> bool:
     """Whether ``p`` is ``folder`` or below it, symlinks resolved."""
     p, folder = _real(p), _real(folder)
     return p == folder or folder in p.parents
+
+
+def check_inputs_kept(cfg: TrainConfig, resume: str | os.PathLike[str] | None = None) -> None:
+    """Refuse, in one line and before anything is written, an output path that would write over
+    or into something the run reads. The outputs are ``--out`` (a folder), ``--metrics`` and
+    ``--trace``; the inputs are ``--data``, ``--eval-data``, ``--model`` (a folder), ``--adapter``,
+    ``--tokenizer`` and ``resume``, the checkpoint folder being resumed (resolved: with
+    ``--resume RUN``, RUN's newest ``checkpoint-N``). An output that is an input, lies inside one
+    or holds one is refused, symbolic links and relative paths resolved; only inputs that exist
+    count (a missing one is refused where it is read).
+
+    One case is no overlap: ``--out RUN`` holding the resumed ``RUN/checkpoint-N`` itself. The
+    run writes the final model's files at the top of RUN and checkpoints of later steps beside
+    the old ones (one it would replace is refused by ``prepare``), never into ``checkpoint-N``:
+    that is how a run goes on in its own folder (``--resume RUN --out RUN``)."""
+    inputs = [(flag, _real(Path(p))) for flag, p in (
+        ("--data", cfg.data), ("--eval-data", cfg.eval_data), ("--model", cfg.model), ("--adapter", cfg.adapter),
+        ("--tokenizer", cfg.tokenizer), ("--resume", resume)) if p is not None and os.path.exists(p)]
+    outputs = [(flag, p, _real(Path(p))) for flag, p in (("--out", cfg.out), ("--metrics", cfg.metrics),
+                                                         ("--trace", cfg.trace)) if p]
+    for out_flag, given, o in outputs:
+        for in_flag, i in inputs:
+            if in_flag == "--resume" and out_flag == "--out" and o == i.parent:
+                continue  # --resume RUN --out RUN: later checkpoints go beside it, none into it
+            what = f"{i}, the checkpoint this run resumes from" if in_flag == "--resume" else \
+                f"{in_flag} {i}, which this run reads"
+            if o == i:
+                where, fix = "is", "another path"
+            elif i in o.parents:
+                where, fix = "lies inside", "a path outside it"
+            elif o in i.parents:
+                where, fix = "holds", "a folder that does not hold it"
+            else:
+                continue
+            raise ConfigError(f"{out_flag} {given} {where} {what}; writing there would change it: give {out_flag} {fix}")
 
 
 def _check_out(out: Path, overwrite: bool, resume: Path | None) -> None:
