@@ -34,11 +34,12 @@ from __future__ import annotations
 import fcntl
 import os
 import socket
+from collections.abc import Callable
 from pathlib import Path
 
 from ..errors import ConfigError
 
-__all__ = ["LOCK_NAME", "OutLock", "check_free"]
+__all__ = ["LOCK_NAME", "OutLock", "check_free", "lock_file"]
 
 #: The lock file's name inside ``--out``.
 LOCK_NAME = ".flowtrain.lock"
@@ -59,22 +60,33 @@ def _holder(fd: int) -> str:
 def _lock(path: Path, create: bool, out: Path) -> int | None:
     """A descriptor of ``path`` holding its exclusive lock; None when there is no such file and
     ``create`` is false. Raises ConfigError when another open file holds the lock."""
+    def refusal(fd: int) -> ConfigError:
+        return ConfigError(f"{{out}} {out} is in use by another flowtrain run ({_holder(fd)}); wait for it to end, "
+                           f"or give this run another {{out}}", named=True)
+
+    return lock_file(path, os.O_RDWR | os.O_CREAT if create else None, refusal)
+
+
+def lock_file(path: str | os.PathLike[str], flags: int | None, refusal: Callable[[int], Exception]) -> int | None:
+    """A descriptor of ``path`` opened with ``flags`` (None: read-only, a probe that creates
+    nothing) holding its exclusive ``flock``; None when a probe finds no file. Raises
+    ``refusal(fd)`` when another open file holds the lock. Retries where the path stopped
+    naming the file it locked (its holder deleted or replaced it meanwhile)."""
     while True:
         try:
             # flock needs no write access: a probe opens read-only, so another user's lock file
             # still tells whose it is
-            fd = os.open(path, (os.O_RDWR | os.O_CREAT if create else os.O_RDONLY) | os.O_CLOEXEC, 0o644)
+            fd = os.open(path, (os.O_RDONLY if flags is None else flags) | os.O_CLOEXEC, 0o644)
         except FileNotFoundError:
-            if create:
+            if flags is not None:
                 raise
             return None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
-            who = _holder(fd)
+            error = refusal(fd)
             os.close(fd)
-            raise ConfigError(f"{{out}} {out} is in use by another flowtrain run ({who}); wait for it to end, "
-                              f"or give this run another {{out}}", named=True) from None
+            raise error from None
         except BaseException:
             os.close(fd)
             raise

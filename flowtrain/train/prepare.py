@@ -40,6 +40,7 @@ from .config.checks import check_compile_backend, check_fields, check_inputs_kep
 from .config.run_config import TrainConfig, load_model_config, lora_spec, precision_bytes
 from .config.settings import check_values
 from .distributed import World, local_share, world_from_env
+from .metrics_file import check_metrics_free
 from .optimizer import AdamWConfig, LRSchedule
 
 __all__ = ["Run", "adamw_config", "prefer_expandable_segments", "prepare", "resolve_defaults", "resolve_device",
@@ -98,6 +99,7 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
     cfg = msgspec.structs.replace(cfg, out=resolve_out(cfg.out))  # a symlink: write in the real folder
     if cfg.out:
         check_free(cfg.out)  # another run writing there: refuse before reading or checking it
+    check_metrics_free(cfg.metrics)  # the same for the --metrics file
     resume_from, resume_state = _find_resume(cfg)
     cfg = _resumed_lora(cfg, resume_state, resume_from)
     check_inputs_kept(cfg, resume=resume_from)  # before the rules below, which a resume relaxes for --out

@@ -27,6 +27,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+from typing import TextIO
 
 import msgspec
 
@@ -79,7 +80,7 @@ class Reporter:
     the bar, ``"lines"`` for plain lines (``--no-progress``), False for nothing printed at all.
     """
 
-    def __init__(self, *, total: int, first: int = 0, metrics: str | None = None,
+    def __init__(self, *, total: int, first: int = 0, metrics: TextIO | None = None,
                  progress: bool | str | None = None, quiet: bool = False) -> None:
         #: nothing printed (``progress=False``, or a data-parallel process other than rank 0);
         #: the ``--metrics`` lines are written all the same
@@ -90,8 +91,10 @@ class Reporter:
             from tqdm import tqdm
 
             self.bar = tqdm(total=total, initial=first, unit="step", dynamic_ncols=True)
-        # Appended to on a resume, so one file holds the whole run's curve.
-        self.metrics = open(metrics, "a" if first else "w") if metrics else None
+        #: the ``--metrics`` file, opened, locked and (on a resume) cut back to the checkpoint's
+        #: steps by :class:`~flowtrain.train.metrics_file.MetricsFile`, so one file holds the
+        #: whole run's curve, each step once
+        self.metrics = metrics
         self.every = max(1, (total - first) // 20)
         self.first = first
         self.total = total

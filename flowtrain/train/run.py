@@ -43,6 +43,7 @@ from ..runtime.trace import Instrument, TraceRecorder, lane_busy, write_chrome_t
 from .distributed import World, join, leave, node_barrier, world_from_env
 from .host_state import HostState, return_freed_memory
 from .loop import TrainingLoop
+from .metrics_file import MetricsFile
 from .out_of_memory import gpu_out_of_memory
 from .pinning import unpin_all
 from .prepare import Run, adamw_config, prefer_expandable_segments, prepare
@@ -128,6 +129,10 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
         run = prepare(cfg, world)
         if cfg.out:  # held until the final model is in place; taken before the clean-up below
             held.enter_context(OutLock(cfg.out))
+        metrics_file = None
+        if cfg.metrics:  # held, like --out, until the run ends; a resume's later steps dropped
+            metrics_file = held.enter_context(
+                MetricsFile(cfg.metrics, resumed_at=run.first_step if run.resume_from is not None else None))
         join(world, run.device.type, cfg.dist_timeout)
         if on_plan:
             on_plan(run.plan)
@@ -146,7 +151,8 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
             raise gpu_out_of_memory("setting up the run's GPU buffers", e, run.plan) from e
         gc.freeze()  # the model and torch's objects are long-lived: keep full collections off them
         recorder = TraceRecorder() if cfg.trace else None
-        reporter = Reporter(total=cfg.steps, first=run.first_step, metrics=cfg.metrics, progress=cfg.progress,
+        reporter = Reporter(total=cfg.steps, first=run.first_step,
+                            metrics=metrics_file.file if metrics_file is not None else None, progress=cfg.progress,
                             quiet=not world.leader)
         shutdown.say = reporter.say
         for line in summary_lines(run):
