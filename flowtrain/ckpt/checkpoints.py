@@ -90,6 +90,7 @@ __all__ = [
     "FORMAT_VERSION",
     "CheckpointWriter",
     "Lineage",
+    "is_leftover",
     "latest_checkpoint",
     "load_training_state",
     "prune",
@@ -418,6 +419,14 @@ def _complete(root: Path) -> list[tuple[int, Path]]:
         if m and p.is_dir() and (p / MANIFEST_NAME).is_file():
             found.append((int(m.group(1)), p))
     return sorted(found)
+
+
+def is_leftover(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a folder that :func:`remove_stale` deletes: a save or a prune that a
+    killed run left unfinished (``.checkpoint-N.tmp-*``, ``.checkpoint-N.del-*``). An overwritten
+    checkpoint moved aside (``.old-*``) is no leftover: it is moved back."""
+    m = _HIDDEN.fullmatch(Path(path).name)
+    return m is not None and m.group(2) != "old" and Path(path).is_dir()
 
 
 def remove_stale(root: str | os.PathLike[str]) -> list[Path]:

@@ -306,3 +306,28 @@ def test_the_lock_cleans_up_after_itself(tmp_path):
     (out / LOCK_NAME).write_text("999999999 elsewhere\n")  # a dead run's file: nobody holds it
     check_free(out)
     assert names(out) == []
+
+
+def test_a_crashed_saves_leftovers_do_not_make_out_non_empty(tmp_path):
+    """A run killed (SIGKILL) while writing checkpoint-2 leaves only its unfinished save (and its
+    lock file, which nobody holds) in --out: a new run there without --overwrite is not refused
+    as "not empty", and removes them; a folder holding anything else still is refused."""
+    out, metrics = tmp_path / "out", tmp_path / "m.jsonl"
+    first = start("--steps", "50", "--save-every", "2", "--out", str(out), "--metrics", str(metrics),
+                  env={"FLOWTRAIN_FAULT": "cpu_adam@step=1:hang"})
+    try:
+        # step 1 is reported once step 2 (which saves) is in the engine: its save has begun
+        wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 1, first, "step 1 reported")
+    finally:
+        first.kill()
+        first.communicate()
+    left = [n for n in names(out) if n != LOCK_NAME]
+    assert len(left) == 1 and left[0].startswith(".checkpoint-2.tmp-"), names(out)
+    (out / left[0] / "note.txt").write_text("x")  # what is inside an unfinished save does not matter
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / ".checkpoint-2.tmp-abc").mkdir()
+    (tmp_path / "busy" / "notes.txt").write_text("mine")
+    refused(train("--steps", "1", "--out", str(tmp_path / "busy")), "exists and is not empty")
+    ok(train("--steps", "2", "--save-every", "2", "--out", str(out)))
+    assert names(out) == ["checkpoint-2", "config.json", "model.safetensors"]
+    assert (tmp_path / "busy" / "notes.txt").read_text() == "mine"

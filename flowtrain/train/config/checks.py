@@ -23,7 +23,8 @@ What the paths must allow, and why:
 - ``--out`` is a folder: the model is written into a temporary folder beside it and renamed into
   place, and checkpoints go to ``OUT/checkpoint-STEP``. So it must not be a file; if it exists,
   it and its parent must be writable, and it must be empty unless ``overwrite`` or the run
-  resumes from a checkpoint inside it; if it does not exist, its nearest existing ancestor
+  resumes from a checkpoint inside it (a killed run's unfinished saves, ``.checkpoint-N.tmp-*``,
+  do not count: the run removes them); if it does not exist, its nearest existing ancestor
   must be a writable folder (the folders are created when the model is saved, not here).
 - ``--trace`` and ``--metrics`` are files opened as they are: not folders, not the same file,
   and their folder must already exist and be writable (nothing creates it).
@@ -243,9 +244,15 @@ def _check_out(out: Path, overwrite: bool, resume: Path | None) -> None:
         _check_creatable("--out", out)
         return
     try:
-        non_empty = any(out.iterdir())
+        entries = list(out.iterdir())
     except OSError as e:
         raise ConfigError(f"{{out}} {out} cannot be read ({e.strerror})", named=True) from None
+    if entries:  # (checkpoints imports torch: only where there is something to look at)
+        from ...ckpt.checkpoints import is_leftover
+
+        # a killed run's unfinished save is no content: the run removes it once it holds --out
+        entries = [p for p in entries if not is_leftover(p)]
+    non_empty = bool(entries)
     if non_empty and not overwrite and not (resume is not None and _inside(resume, out)):
         raise ConfigError(f"{{out}} {out} exists and is not empty; choose another directory or add {{overwrite}}", named=True)
     _check_writable("--out", out, out)  # checkpoints are written inside it
