@@ -21,7 +21,8 @@ checkpoints are cleaned up until it ends, and::
   now (the same check as ``--out``'s lock) and tries again, meeting the lock.
 - Every write is one whole line, appended (``O_APPEND``).
 
-The path is resolved first (symbolic links followed), so the rename replaces the file, not a link.
+The rename goes to the path resolved (symbolic links followed), so it replaces the file, not a
+link. A device or a pipe (``/dev/null``) is written to as it is: not locked, emptied nor rewritten.
 """
 
 from __future__ import annotations
@@ -79,7 +80,10 @@ class MetricsFile:
 
     def __init__(self, path: str | os.PathLike[str], resumed_at: int | None = None) -> None:
         self.path = Path(os.path.realpath(path))
-        fd = lock_file(self.path, os.O_RDWR | os.O_CREAT | os.O_APPEND, _refusal(Path(path)))
+        if os.path.exists(path) and not os.path.isfile(path):  # a device or pipe (/dev/null): written as it is
+            self.file: TextIO = open(path, "a", encoding="utf-8")
+            return
+        fd = lock_file(path, os.O_RDWR | os.O_CREAT | os.O_APPEND, _refusal(Path(path)))
         assert fd is not None  # (a file is created where there is none)
         try:
             self._remove_stale_temp()
@@ -90,7 +94,7 @@ class MetricsFile:
         except BaseException:
             os.close(fd)
             raise
-        self.file: TextIO = os.fdopen(fd, "a", encoding="utf-8")
+        self.file = os.fdopen(fd, "a", encoding="utf-8")
 
     def __enter__(self) -> "MetricsFile":
         return self
@@ -108,11 +112,12 @@ class MetricsFile:
     def _remove_stale_temp(self) -> None:
         """A run killed while rewriting the file left its temporary file: nobody else rewrites
         it while we hold the lock."""
-        for p in self.path.parent.glob(self._temp_prefix() + "*"):
-            try:
-                p.unlink()
-            except OSError:
-                pass
+        for p in self.path.parent.iterdir():
+            if p.name.startswith(self._temp_prefix()):
+                try:
+                    p.unlink()
+                except OSError:
+                    pass
 
     def _keep(self, fd: int, steps: int) -> int:
         """Drop the lines a resume after ``steps`` steps does not keep (:func:`kept_lines`), by

@@ -87,6 +87,13 @@ def test_two_writers_on_one_file(tmp_path):
     assert path.read_text() == '{"step": 1}\n{"step": 2}\n{"step": 3, "loss": 1.0}\n'
 
 
+def test_a_device_is_written_as_it_is():
+    """``--metrics /dev/null`` (or a pipe) is neither locked nor emptied: two runs may share it."""
+    with MetricsFile(os.devnull) as a, MetricsFile(os.devnull, resumed_at=3) as b:
+        a.file.write('{"step": 1}\n')
+        b.file.write('{"step": 4}\n')
+
+
 def test_a_resume_rewrites_the_file_and_the_lock_follows(tmp_path):
     """Dropping lines renames a locked copy over the file: a writer that opened the old file
     finds the path moved on and meets the lock there."""
