@@ -16,9 +16,10 @@ Read it in this order:
    ``flowtrain.train.prepare.resolve_defaults``), ``seq_len`` by the data (``SeqLenDefault``).
 3. **Checks** (:mod:`.checks`): ``check_fields`` refuses a value its declaration does not
    accept (:func:`~.settings.check_values`) and what a declaration cannot say (upper bounds,
-   the seed's range, a micro-batch that does not divide the batch); ``check_compile_backend``
-   and ``check_output_paths`` come before anything is read; ``check_with_model`` checks how
-   the fields go together and with the model. Each refusal is one
+   the seed's range, a micro-batch that does not divide the batch); ``check_compile_backend``,
+   ``check_inputs_kept`` (no output on an input) and ``check_output_paths`` come before anything
+   is read; ``check_with_model`` checks how the fields go together and with the model. Each
+   refusal is one
    :class:`~flowtrain.errors.ConfigError` line that names the field in braces (``{lr}``):
    ``lr`` in Python, ``--lr`` on the command line.
 4. **Flags** (``flowtrain/cli/flags.py``): argparse flags generated from the fields; the
@@ -28,13 +29,15 @@ Read it in this order:
 The path a run's settings take::
 
     flowtrain train --lr 1e-4 ...    cli/train.py       config_from_args: TrainConfig(**flag values)
-    train(cfg) -> prepare(cfg)       train/prepare.py   check_compile_backend, check_output_paths,
-                                                        load_model_config, resolve_defaults,
+    train(cfg) -> prepare(cfg)       train/prepare.py   check_compile_backend, check_inputs_kept,
+                                                        check_output_paths, load_model_config,
+                                                        resolve_defaults,
                                                         check_fields, check_with_model
     flowtrain plan / simulate        cli/plan.py        checked_request: the same TrainConfig and
                                                         checks, so they accept what train does
 
 None of these modules imports torch (``check_compile_backend`` asks torch.compile only about
-a backend other than auto, none or eager): ``flowtrain plan``, ``simulate`` and every
+a backend other than auto, none or eager, and ``check_output_paths`` the checkpoint module only
+about a non-empty ``--out``): ``flowtrain plan``, ``simulate`` and every
 ``--help`` read them without it.
 """
