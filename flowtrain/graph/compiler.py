@@ -34,10 +34,11 @@ import networkx as nx
 
 from ..errors import ConfigError
 from .cross_step import cross_step_edges
-from .spec import StepSpec, checkpoint_layers, trained_units, units
+from .spec import MAX_LAYER_PASSES, StepSpec, check_layer_passes, checkpoint_layers, trained_units, units
 from .step_builder import StepBuilder
 
-__all__ = ["StepSpec", "checkpoint_layers", "compile_step", "compile_steps", "cross_step_edges", "trained_units", "units"]
+__all__ = ["MAX_LAYER_PASSES", "StepSpec", "check_layer_passes", "checkpoint_layers", "compile_step", "compile_steps",
+           "cross_step_edges", "trained_units", "units"]
 
 
 def compile_step(spec: StepSpec, step: int = 0) -> nx.DiGraph:
@@ -47,6 +48,7 @@ def compile_step(spec: StepSpec, step: int = 0) -> nx.DiGraph:
     Layer-major, all micro-batches go through each stage together, and each layer's gradient is
     handed off as soon as its backward is done. Micro-batch-major, each micro-batch runs forward
     and backward alone, and the gradients are handed off once every micro-batch has added to them.
+    A spec of more than :data:`MAX_LAYER_PASSES` layer passes is refused before a task is built.
     """
     spec.validate()
     s = StepBuilder(spec, step)
@@ -68,9 +70,12 @@ def compile_step(spec: StepSpec, step: int = 0) -> nx.DiGraph:
 
 
 def compile_steps(spec: StepSpec, steps: int) -> nx.DiGraph:
-    """``steps`` consecutive steps in one graph, linked by :func:`cross_step_edges`."""
+    """``steps`` consecutive steps in one graph, linked by :func:`cross_step_edges`; refused
+    before a task is built where they would hold more than :data:`MAX_LAYER_PASSES` layer passes."""
     if steps < 1:
         raise ConfigError(f"steps must be at least 1 (got {steps})")
+    spec.validate()
+    check_layer_passes(spec.layers, spec.micro_batches, steps)
     graph = compile_step(spec, 0)
     for s in range(1, steps):
         nxt = compile_step(spec, s)

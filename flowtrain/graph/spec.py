@@ -29,6 +29,31 @@ from ..errors import ConfigError
 from .tasks import Unit
 
 
+#: The most layer passes (decoder layers x micro-batches) one graph may hold. Each pass is a
+#: ``forward`` and a ``backward`` task, and up to six more (a ``recompute``, an activation's
+#: ``offload_act`` and ``fetch_act``, and micro-batch-major three weight fetches). At the bound,
+#: 32 layers x 4,096 micro-batches, a step measured 365,000 tasks, 0.6 GB and 15 s to build on one
+#: core layer-major, and 700,000 tasks, 0.8 GB and 21 s micro-batch-major with offloaded
+#: checkpoints; the planner builds one per candidate. Real runs stay below it (126 layers and
+#: 1,024 micro-batches: 129,024 passes); ``--batch-size 1000000`` in micro-batches of 8 through
+#: 2 layers (250,000 passes) was 11 GB and over ten minutes of building before this bound.
+MAX_LAYER_PASSES = 1 << 17
+
+
+def check_layer_passes(layers: int, micro_batches: int, steps: int = 1) -> None:
+    """Refuse, by integer arithmetic before a task is built, a graph of more than
+    :data:`MAX_LAYER_PASSES` layer passes a step (``steps`` steps: that many times as many).
+    Names the fields in braces, as :meth:`StepSpec.validate` does."""
+    passes = layers * micro_batches * steps
+    if passes > MAX_LAYER_PASSES:
+        many, fewer = ((f" x {steps:,} steps", "micro-batches, layers or steps") if steps > 1
+                       else ("", "micro-batches or layers"))
+        raise ConfigError(
+            f"{{layers}} {layers:,} x {{micro_batches}} {micro_batches:,}{many} is {passes:,} layer passes (a forward "
+            f"and a backward task each, and more), more than the {MAX_LAYER_PASSES:,} one graph may hold (at the bound "
+            f"it takes about a gigabyte and half a minute to build): give fewer {fewer}", named=True)
+
+
 def checkpoint_layers(layers: int, checkpoint_every: int) -> frozenset[int]:
     """The layers whose input the forward keeps for the backward, each the start of a segment
     the backward rebuilds from: every ``checkpoint_every``-th layer from layer 0. The compiler's
@@ -131,6 +156,7 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
         for name in ("layers", "micro_batches", "checkpoint_every"):
             if getattr(self, name) < 1:
                 raise ConfigError(f"{{{name}}} must be at least 1 (got {getattr(self, name)})", named=True)
+        check_layer_passes(self.layers, self.micro_batches)  # before anything is built per layer
         if self.order not in ("layer", "micro"):
             raise ConfigError(f"{{order}} must be 'layer' or 'micro' (got {self.order!r})", named=True)
         valid = {"embed", "head", *(f"layer.{i}" for i in range(self.layers))}
