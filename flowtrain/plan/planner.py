@@ -34,18 +34,19 @@ layers save their attention output (:mod:`.attention`).
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, Callable
 
 import msgspec
 
 from ..errors import ConfigError
-from ..graph.compiler import StepSpec, compile_step
+from ..graph.compiler import MAX_LAYER_PASSES, StepSpec, compile_step
 from ..graph.tasks import ACTS, GRADS, HOST_GRADS, WEIGHTS
 from ..model.config import ModelConfig, default_chunk_tokens
 from .adapters import host_adapters
 from .attention import attention_pays, forward_flops_saved, plan_saved_attention
 from .experts import runs_grouped
-from .buffer_sizes import LAYOUTS, grad_chunks, staging_numel
+from .buffer_sizes import LAYOUTS, grad_chunks, host_memory_total, staging_numel
 from .memory import (
     ACTIVATIONS,
     Plan,
@@ -66,7 +67,8 @@ from .suggest import suggest
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["Chooser", "never_resident", "plan_activations", "plan_once", "plan_run"]
+__all__ = ["BATCH_BYTES_PER_TOKEN", "Chooser", "check_step_size", "most_micro_batches", "never_resident", "plan_activations", "plan_once",
+           "plan_run"]
 
 
 def _layout(req: RunRequest) -> str:
@@ -474,6 +476,7 @@ def plan_run(cfg: ModelConfig, req: RunRequest, *, device: torch.device, dtype: 
     if req.batch_size < 1 or req.micro_batch_size < 1 or req.batch_size % req.micro_batch_size:
         raise ConfigError(f"{{micro_batch_size}} {req.micro_batch_size} does not divide {{batch_size}} {req.batch_size}",
                           named=True)
+    check_step_size(cfg, req)
     host_limit, gpu_limit = budget_limits(req, device, local_gpu)
 
     def plan_one(r: RunRequest) -> Plan:
@@ -485,8 +488,7 @@ def plan_run(cfg: ModelConfig, req: RunRequest, *, device: torch.device, dtype: 
     else:
         req, plan, order_choice, memory_choice = choose(req, plan_one)
     plan.order_choice, plan.memory_choice = order_choice, memory_choice
-    divisors = [b for b in range(req.batch_size, 0, -1) if req.batch_size % b == 0]
-    for b in divisors:
+    for b in _micro_batch_sizes(req.batch_size, most_micro_batches(cfg)):
         trial = plan if b == req.micro_batch_size else plan_once(
             cfg, msgspec.structs.replace(req, micro_batch_size=b), device, dtype, policy, host_limit, gpu_limit)
         if trial.fits:
@@ -496,3 +498,51 @@ def plan_run(cfg: ModelConfig, req: RunRequest, *, device: torch.device, dtype: 
         plan.suggestions = suggest(plan, req, policy,
                                    lambda r, pol: plan_once(cfg, r, device, dtype, pol, host_limit, gpu_limit))
     return plan
+
+
+def most_micro_batches(cfg: ModelConfig) -> int:
+    """The most micro-batches a step of ``cfg`` may have: its step graph holds at most
+    :data:`~flowtrain.graph.spec.MAX_LAYER_PASSES` layer passes (layers x micro-batches)."""
+    return max(1, MAX_LAYER_PASSES // cfg.num_layers)
+
+
+#: Host bytes per token of a step's batch that no run goes below: its input and target ids, int64
+#: (``flowtrain.data.source.Batch``), copied out of the data for every step.
+BATCH_BYTES_PER_TOKEN = 16
+
+
+def check_step_size(cfg: ModelConfig, req: RunRequest) -> None:
+    """Refuse, in one line naming the settings, a step whose batch the host could not hold (its
+    token ids alone, :data:`BATCH_BYTES_PER_TOKEN` a token, against ``--host-mem`` or all of this
+    machine's memory) or of more micro-batches than its graph may hold
+    (:func:`most_micro_batches`), by integer arithmetic before any candidate plan compiles a
+    graph: ``--batch-size`` 1,000,000 in micro-batches of 8 was 125,000 micro-batches, whose
+    graph took 11 GB and ten minutes to build, printing nothing."""
+    host = int(req.host_mem * 2**30) if req.host_mem is not None else host_memory_total()
+    ids = req.batch_size * req.seq_len * BATCH_BYTES_PER_TOKEN
+    if host is not None and ids > host:
+        source = "{host_mem}" if req.host_mem is not None else "all of this machine's memory"
+        raise ConfigError(
+            f"{{batch_size}} {req.batch_size:,} sequences of {{seq_len}} {req.seq_len:,} tokens: the step's token ids "
+            f"alone ({BATCH_BYTES_PER_TOKEN} bytes a token: {ids / 2**30:,.1f} GiB) are more than the host could hold "
+            f"({host / 2**30:,.1f} GiB, {source}); give a smaller {{batch_size}}", named=True)
+    n = req.batch_size // req.micro_batch_size
+    most = most_micro_batches(cfg)
+    if n <= most:
+        return
+    share = f" (this process's share of {req.processes})" if req.processes > 1 else ""
+    raise ConfigError(
+        f"{{batch_size}} {req.batch_size:,}{share} in micro-batches of {{micro_batch_size}} {req.micro_batch_size:,} is "
+        f"{n:,} micro-batches a step; through the model's {cfg.num_layers:,} layers its graph would hold "
+        f"{n * cfg.num_layers:,} layer passes, more than the {MAX_LAYER_PASSES:,} a step may hold (at most "
+        f"{most:,} micro-batches): give a {{micro_batch_size}} of at least {-(-req.batch_size // most):,} or a smaller "
+        f"{{batch_size}}", named=True)
+
+
+def _micro_batch_sizes(batch_size: int, most: int) -> Iterator[int]:
+    """The divisors of ``batch_size`` that make at most ``most`` micro-batches, largest first:
+    found from the micro-batch counts, so a batch of 10**12 sequences costs ``most`` divisions,
+    not 10**12."""
+    for n in range(1, min(most, batch_size) + 1):
+        if batch_size % n == 0:
+            yield batch_size // n
