@@ -59,11 +59,14 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
            "simulate); from a computer without a GPU, plan for that machine's GPU and memory")
 
 
-def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: float | None) -> tuple:
+def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: float | None,
+                    fields: tuple[str, ...] = PLAN_FIELDS) -> tuple:
     """``(model config, model folder, request, processes)`` of the run ``args`` describe, checked
     as ``flowtrain train`` checks it (the same ``TrainConfig`` and checks, so plan and simulate
     accept and refuse exactly what train does); with ``--nproc-per-node``/``--nnodes`` the
-    request is one process's share of the batch and of the node's host memory. No torch."""
+    request is one process's share of the batch and of the node's host memory. ``fields``: the
+    ``TrainConfig`` fields the command takes (``simulate`` adds ``steps`` and ``adam_workers``),
+    each checked as train checks it. No torch."""
     from ..errors import ConfigError
     from ..plan.buffer_sizes import check_units_fit
     from ..plan.request import run_request
@@ -71,7 +74,7 @@ def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: f
     from ..train.distributed import local_share
     from ..train.config.run_config import TrainConfig, load_model_config
 
-    tc = TrainConfig(**{**config_values(args, PLAN_FIELDS), "gpu_mem": gpu_mem, "host_mem": host_mem})
+    tc = TrainConfig(**{**config_values(args, fields), "gpu_mem": gpu_mem, "host_mem": host_mem})
     check_fields(tc)
     cfg, model_dir = load_model_config(args.model, tc.layer_path)
     cfg.validate()
@@ -88,8 +91,10 @@ def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: f
     return cfg, model_dir, run_request(local, model_dir, processes, share=args.nproc_per_node), processes
 
 
-def plan_for(args: argparse.Namespace, machine, with_predictions: bool = False) -> tuple:  # machine: a Machine
-    """The model, request and memory plan of ``args`` on ``machine``: plan's checks, then
+def plan_for(args: argparse.Namespace, machine, with_predictions: bool = False,  # machine: a Machine
+             fields: tuple[str, ...] = PLAN_FIELDS) -> tuple:
+    """The model, request and memory plan of ``args`` on ``machine``: plan's checks (of the
+    ``TrainConfig`` ``fields`` the command takes: :func:`checked_request`), then
     ``plan_and_choose`` for a GPU with the machine's memory unless --gpu-mem/--host-mem say otherwise
     (never capped by a GPU of the machine this runs on: the plan is for ``machine``); what
     ``flowtrain simulate`` predicts the speed of. With ``with_predictions``, also the planner's
@@ -101,7 +106,7 @@ def plan_for(args: argparse.Namespace, machine, with_predictions: bool = False) 
 
     gpu_mem = args.gpu_mem if args.gpu_mem is not None else own_plan_card(machine.gpu_mem_gib)
     host_mem = args.host_mem if args.host_mem is not None else machine.host_mem_gib
-    cfg, _, req, _ = checked_request(args, gpu_mem, host_mem)
+    cfg, _, req, _ = checked_request(args, gpu_mem, host_mem, fields)
     req = msgspec.structs.replace(req, grouped_experts=machine.grouped_mm)  # its GPU's, not this computer's
     device = Target("cuda")  # the machine's GPU, planned for without torch
     dtype = Precision(precision_bytes(args.precision, device.type))

@@ -9,6 +9,8 @@ time, how busy each lane is and the critical chain::
     flowtrain simulate --model qwen-14b ... --machine gh200 --json --trace sim.json   # viz opens sim.json
 
 ``--device`` is ignored (the machine is the device); ``--precision`` applies as on a GPU.
+The run's settings are checked as ``flowtrain train`` checks them (``--adam-workers`` 0 is
+refused here as there), and ``--steps`` is bounded as ``flowtrain graph --steps`` is.
 Machines: a shipped name (``flowtrain simulate --list-machines`` names them) or a machine file
 (``flowtrain probe`` writes one for the machine it runs on).
 """
@@ -19,9 +21,10 @@ import argparse
 import json
 
 from .flags import add_config_flags
+from .plan import PLAN_FIELDS
 from .train import flag_of
 
-__all__ = ["add_arguments", "flag_of", "run"]
+__all__ = ["SIMULATE_FIELDS", "add_arguments", "flag_of", "run"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -50,6 +53,27 @@ class _ListMachines(argparse.Action):
         parser.exit()
 
 
+#: the fields of ``TrainConfig`` that ``simulate`` takes: plan's, and the steps and CPU Adam
+#: workers, each checked as train checks it
+SIMULATE_FIELDS = (*PLAN_FIELDS, "steps", "adam_workers")
+
+
+def _check_steps(args: argparse.Namespace, plan) -> None:  # plan: a Plan
+    """The simulated steps hold at most as many layer passes as one graph may
+    (:data:`~flowtrain.graph.spec.MAX_LAYER_PASSES`, ``flowtrain graph --steps``'s bound; the
+    simulator keeps every step's records), and always the 2 steps a steady step needs."""
+    from ..errors import ConfigError
+    from ..graph.spec import MAX_LAYER_PASSES
+
+    per_step = plan.spec.layers * plan.spec.micro_batches
+    most = max(2, MAX_LAYER_PASSES // per_step)
+    if args.steps > most:
+        raise ConfigError(
+            f"{{steps}} {args.steps:,} of {plan.spec.micro_batches:,} micro-batches through {plan.spec.layers:,} layers "
+            f"are {args.steps * per_step:,} layer passes to simulate, more than the {MAX_LAYER_PASSES:,} a graph may "
+            f"hold: give at most {{steps}} {most:,}", named=True)
+
+
 def run(args: argparse.Namespace) -> int:
     from ..errors import ConfigError
     from ..sim.machine import load_machine
@@ -58,9 +82,10 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 2:
         raise ConfigError(f"{{steps}} must be at least 2 to see a steady step (got {args.steps})", named=True)
     machine = load_machine(args.machine)
-    cfg, req, plan, _, _, predictions = plan_for(args, machine, with_predictions=True)
+    cfg, req, plan, _, _, predictions = plan_for(args, machine, with_predictions=True, fields=SIMULATE_FIELDS)
     if not plan.fits:
         raise ConfigError(f"on {machine.name}: {plan.refusal()}")
+    _check_steps(args, plan)
     # the planner may have predicted this plan already, choosing the order or the memory settings
     pred = predictions.prediction(req, plan, machine, adam_workers=args.adam_workers, steps=args.steps,
                                   world=req.processes, nodes=args.nnodes)

@@ -255,3 +255,27 @@ def test_simulate_reports_the_model_flops_of_the_convention(model, seq, capsys):
     want = model_flops_per_token(PRESETS[model], seq)
     assert out["model_flops_per_token"] == pytest.approx(want, rel=1e-6)
     assert out["model_tflops"] == pytest.approx(out["tokens_per_s"] * want / 1e12, abs=0.06)
+
+
+TINY = ["--model", "tiny", "--seq-len", "64", "--batch-size", "2", "--micro-batch-size", "1"]
+
+
+@pytest.mark.parametrize("workers, says", [
+    ("0", "--adam-workers must be at least 1 (got 0)"),
+    ("100000000", "--adam-workers must be at most"),
+])
+def test_simulate_checks_adam_workers_as_train_does(capsys, workers, says):
+    """``--adam-workers 0`` ended in ``ValueError: task cpu_adam head c0 takes no slot`` and 10**8
+    predicted 0 tokens/s with exit status 0; train refuses both, and simulate now shares its check."""
+    assert main(["train", *TINY, "--adam-workers", workers]) == 2
+    train_says = capsys.readouterr().err.strip()
+    assert main(["simulate", *TINY, "--adam-workers", workers]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and says in err[0] and err[0] == train_says, (err, train_says)
+
+
+def test_simulate_bounds_its_steps_as_graph_does(capsys):
+    assert main(["simulate", *TINY, "--steps", "100000"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--steps 100,000 of 2 micro-batches through 2 layers are 400,000 layer passes" in err[0]
+    assert "give at most --steps 32,768" in err[0]
