@@ -9,6 +9,9 @@ time, how busy each lane is and the critical chain::
     flowtrain simulate --model qwen-14b ... --machine gh200 --json --trace sim.json   # viz opens sim.json
 
 ``--device`` is ignored (the machine is the device); ``--precision`` applies as on a GPU.
+``--gpu-mem``/``--host-mem`` below the machine's cap the plan as train's do; above it they ask
+"what if this machine had more memory?": the prediction is for a machine that does not exist,
+and the output says so in a line of its own (``what_if`` in ``--json``), naming both sizes.
 The run's settings are checked as ``flowtrain train`` checks them (``--adam-workers`` 0 is
 refused here as there), and ``--steps`` is bounded as ``flowtrain graph --steps`` is.
 Machines: a shipped name (``flowtrain simulate --list-machines`` names them) or a machine file
@@ -24,7 +27,7 @@ from .flags import add_config_flags
 from .plan import PLAN_FIELDS
 from .train import flag_of
 
-__all__ = ["SIMULATE_FIELDS", "add_arguments", "flag_of", "run"]
+__all__ = ["SIMULATE_FIELDS", "add_arguments", "flag_of", "run", "what_if"]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -58,6 +61,18 @@ class _ListMachines(argparse.Action):
 SIMULATE_FIELDS = (*PLAN_FIELDS, "steps", "adam_workers")
 
 
+def what_if(args: argparse.Namespace, machine) -> list[str]:  # machine: a Machine
+    """Where ``--gpu-mem`` or ``--host-mem`` give the machine more memory than its file says it
+    has: one line each, naming both sizes (the prediction is for a machine that does not exist)."""
+    out = []
+    for flag, given, has, what in (("--gpu-mem", args.gpu_mem, machine.gpu_mem_gib, "GPU"),
+                                   ("--host-mem", args.host_mem, machine.host_mem_gib, "host memory")):
+        if given is not None and given > has:
+            out.append(f"what-if: {flag} {given:g} GiB is more than the {has:g} GiB of {machine.name}'s {what}: the "
+                       f"plan and the prediction are for that machine with {given:g} GiB, which it does not have")
+    return out
+
+
 def _check_steps(args: argparse.Namespace, plan) -> None:  # plan: a Plan
     """The simulated steps hold at most as many layer passes as one graph may
     (:data:`~flowtrain.graph.spec.MAX_LAYER_PASSES`, ``flowtrain graph --steps``'s bound; the
@@ -86,6 +101,7 @@ def run(args: argparse.Namespace) -> int:
     if not plan.fits:
         raise ConfigError(f"on {machine.name}: {plan.refusal()}")
     _check_steps(args, plan)
+    notes = what_if(args, machine)
     # the planner may have predicted this plan already, choosing the order or the memory settings
     pred = predictions.prediction(req, plan, machine, adam_workers=args.adam_workers, steps=args.steps,
                                   world=req.processes, nodes=args.nnodes)
@@ -101,11 +117,15 @@ def run(args: argparse.Namespace) -> int:
                                               "host_gib": round(plan.host_total / 2**30, 2),
                                               "host_gib_per_node": round(plan.host_node_total / 2**30, 2),
                                               "placement_choice": plan.memory_choice}}
+    if notes:
+        out["what_if"] = notes
     if args.json:
         print(json.dumps(out, indent=1))
     else:
         from ..sim.report import format_summary
 
+        for line in notes:
+            print(line)
         res = plan.spec.resident
         print(format_summary(pred.summary, header=(
             f"{args.model} on {machine.name} ({machine.description}): layout {plan.layout}, "

@@ -274,6 +274,26 @@ def test_simulate_checks_adam_workers_as_train_does(capsys, workers, says):
     assert len(err) == 1 and says in err[0] and err[0] == train_says, (err, train_says)
 
 
+def test_simulate_says_where_memory_is_a_what_if(capsys):
+    """``--gpu-mem 1000`` on a 10 GB card planned 130 GiB there and predicted twice its speed
+    without a word. Memory above the machine's is a what-if the output names; below it, a cap as
+    in train, with nothing to say."""
+    argv = ["simulate", *TINY, "--machine", "rtx3080-10gb"]
+    assert main([*argv, "--gpu-mem", "1000", "--host-mem", "100"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0] == ("what-if: --gpu-mem 1000 GiB is more than the 10 GiB of rtx3080-10gb's GPU: the plan and the "
+                        "prediction are for that machine with 1000 GiB, which it does not have")
+    assert not lines[1].startswith("what-if") and "predicted:" in "\n".join(lines)
+    assert main([*argv, "--host-mem", "1000", "--json"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["what_if"] == ["what-if: --host-mem 1000 GiB is more than the 128 GiB of rtx3080-10gb's host memory: "
+                              "the plan and the prediction are for that machine with 1000 GiB, which it does not have"]
+    assert main([*argv, "--gpu-mem", "8", "--host-mem", "64", "--json"]) == 0
+    assert "what_if" not in json.loads(capsys.readouterr().out)
+    assert main([*argv, "--gpu-mem", "8"]) == 0
+    assert "what-if" not in capsys.readouterr().out
+
+
 def test_simulate_bounds_its_steps_as_graph_does(capsys):
     assert main(["simulate", *TINY, "--steps", "100000"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
