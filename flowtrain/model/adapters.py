@@ -110,6 +110,37 @@ class LoraSpec(msgspec.Struct, frozen=True):
             raise ValueError(f"LoRA targets {','.join(self.targets)}: nothing in this model to adapt (a router "
                              "needs layers with experts)")
 
+    def check_rank(self, cfg: ModelConfig) -> None:
+        """Raise ``ValueError`` where a rank is larger than the smaller side of a linear map it
+        adapts: the update ``B A`` of a map of (out, in) has rank at most ``min(out, in)``, so a
+        larger rank only adds parameters that cannot change it (a stacked expert's map is one
+        expert's). Asked of ranks a run's flags give (``--lora-rank``), not of an adapter file's:
+        PEFT trains such adapters, and one must still load. A router is held to its input side alone: its output is one number per expert
+        (8 in Mixtral), and PEFT's ``all-linear``, like flowtrain's default targets, adapts it at
+        the run's rank. Names the rank, the map with the smallest bound, and its sides."""
+        worst: dict[str, tuple[int, str, int | None, int, int]] = {}  # which rank -> its tightest map
+        for lay in adapter_flat_maps(cfg, self):
+            shapes = {e.key: e.shape for e in lay.entries}
+            for key, (rows, n_in) in shapes.items():
+                if not key.endswith(".lora_A"):
+                    continue
+                target = key.removesuffix(".lora_A")
+                n_out = shapes[f"{target}.lora_B"][0]
+                experts = cfg.num_experts if target.startswith("experts_") else 1
+                bound = n_in if target == "router" else min(n_out, n_in)
+                which = "LoRA gate-and-up rank" if target == "experts_gate_up" else "LoRA rank"
+                if rows // experts > bound and (which not in worst or bound < worst[which][0]):
+                    worst[which] = (bound, target, lay.layer, n_out, n_in)
+        for which, (bound, target, layer, n_out, n_in) in worst.items():
+            rank = self.gate_up_rank if which == "LoRA gate-and-up rank" else self.rank
+            side = "input side" if target == "router" else "smaller side"
+            stacked = {"experts_gate_up": ("each expert's gate_up_proj", "gate_proj and up_proj"),
+                       "experts_down": ("each expert's down_proj", "down_proj")}
+            shown, named = stacked.get(target, (target, target))
+            raise ValueError(
+                f"{which} {rank} is larger than the {side} of a linear map it adapts: {shown} of layer {layer} is "
+                f"{n_out} x {n_in} (out x in), so its update has rank at most {bound}; give a rank of at most {bound}, "
+                f"or leave {named} out of the LoRA targets")
 
     def check_known(self) -> None:
         """Raise ``ValueError`` for a target no native layer has."""

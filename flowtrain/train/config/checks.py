@@ -120,9 +120,11 @@ def _check_lora(cfg: TrainConfig, mcfg: ModelConfig) -> None:
     if spec is not None:
         try:
             spec.check_model(mcfg)
+            spec.check_rank(mcfg)  # a rank no adapted map can use (an --adapter file's is PEFT's own)
         except ValueError as e:
             flags = (str(e).replace("LoRA targets", "{lora_targets}").replace("LoRA target", "{lora_targets}")
-                     .replace("LoRA dropout", "{lora_dropout}"))
+                     .replace("LoRA dropout", "{lora_dropout}").replace("LoRA gate-and-up rank", "{lora_gate_up_rank}")
+                     .replace("LoRA rank", "{lora_rank}"))
             raise ConfigError(flags, named=True) from None
     if cfg.merge and not cfg.out:
         raise ConfigError("{merge} writes the merged model to {out}: give {out} DIR", named=True)
