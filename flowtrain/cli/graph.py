@@ -1,4 +1,9 @@
-"""``flowtrain graph``: compile one step and write it as node-link JSON."""
+"""``flowtrain graph``: compile one step and write it as node-link JSON.
+
+``--layers`` x ``--micro-batches`` x ``--steps`` is bounded by
+:data:`~flowtrain.graph.spec.MAX_LAYER_PASSES` (131,072 layer passes, about a gigabyte and half
+a minute of building at most), refused in one line before a task is built.
+"""
 
 from __future__ import annotations
 
