@@ -37,7 +37,7 @@ from torch import Tensor
 
 from flowtrain.errors import CheckpointError, FlowtrainError
 from flowtrain.model.config import ModelConfig
-from flowtrain.model.model_dir import CONFIG_NAME, read_config  # re-exported
+from flowtrain.model.model_dir import CONFIG_NAME, as_model_names, model_renames, read_config  # CONFIG_NAME, read_config: re-exported
 from flowtrain.model.flat_map import FlatMap, bind, hub_form, hub_tensors
 from ..model.hf_config import from_hf, to_hf
 
@@ -123,13 +123,15 @@ def load_into(
         raise CheckpointError(f"model directory {str(path)!r} does not exist or is not a directory")
     targets: dict[str, tuple[tuple[int, ...], Callable[[Tensor], Any]]] = {}
     fused = any(e.parts for lay in layouts for e in lay.entries)
-    present = _checkpoint_names(path) if fused else set()
+    stored = _checkpoint_names(path) if fused or cfg.generic else set()
+    renames = model_renames(cfg, stored)  # names transformers renames on loading (generic path)
+    present = as_model_names(stored, renames) if renames else stored
     for layout, flat in zip(layouts, flats):
         views = bind(flat, layout)
         for e in layout.entries:
             for name, shape, index in hub_form(e, present):
                 view = views[e.key] if index is None else views[e.key][index]
-                targets[name] = (shape, view.copy_)
+                targets[renames.get(name, name)] = (shape, view.copy_)
     if any(e.stacked for lay in layouts for e in lay.entries):
         _accept_fused_experts(path, layouts, flats, targets)
 

@@ -106,8 +106,11 @@ GEMMA_THETA = (1e6, 1e4)  # its rope_theta (global layers) and rope_local_base_f
 
 
 def unsupported(arch: object) -> str:
-    """The error line for an architecture that is no family's: it lists those that are."""
+    """The error line for an architecture that is no family's: it lists those that are, and
+    says what the generic layer path takes."""
+    hint = ("; a vision-language model trains through its text model: give a config.json of its text_config, "
+            "with that model's ...ForCausalLM as its architecture") if str(arch).endswith("ForConditionalGeneration") else ""
     return (
-        f"unsupported architecture {arch!r}: flowtrain trains "
-        f"{', '.join(FAMILIES)}"
+        f"unsupported architecture {arch!r}: flowtrain trains {', '.join(FAMILIES)} natively, and any decoder-only "
+        f"...ForCausalLM transformers has on its generic layer path{hint}"
     )

@@ -24,7 +24,7 @@ from .config import ModelConfig, short_repr
 from .flat_map import FlatMap, hub_form, model_flat_maps
 from .hf_config import from_hf
 
-__all__ = ["CONFIG_NAME", "check_weight_headers", "read_config", "weights_fingerprint"]
+__all__ = ["CONFIG_NAME", "as_model_names", "check_weight_headers", "model_renames", "read_config", "weights_fingerprint"]
 
 #: A Hugging Face model directory's configuration file.
 CONFIG_NAME = "config.json"
@@ -96,7 +96,7 @@ def check_weight_headers(model_dir: str | os.PathLike[str], cfg: ModelConfig, *,
         weight_map = weight_map.get("weight_map") if isinstance(weight_map, dict) else None
         if not isinstance(weight_map, dict):
             raise CheckpointError(f"{index} is not a valid safetensors index: it has no 'weight_map' object")
-        expected = _fused_experts_expected(cfg, _expected(maps, set(weight_map)), set(weight_map))
+        expected = _as_stored(cfg, maps, set(weight_map))
         files: dict[Path, list[str]] = {}
         for name in expected:
             if not isinstance(weight_map.get(name), str):
@@ -104,7 +104,7 @@ def check_weight_headers(model_dir: str | os.PathLike[str], cfg: ModelConfig, *,
             files.setdefault(path / weight_map[name], []).append(name)
     else:
         header, _ = _safetensors_header(path / _WEIGHTS_NAME)
-        expected = _fused_experts_expected(cfg, _expected(maps, set(header)), set(header))
+        expected = _as_stored(cfg, maps, set(header))
         files = {path / _WEIGHTS_NAME: list(expected)}
     for file, names in files.items():
         if not file.is_file():
@@ -155,6 +155,32 @@ def _pieces(lo: int, hi: int) -> list[tuple[int, int]]:
         return [(lo, hi - lo)]
     step = (hi - lo - _PRINT_PIECE) // (_PRINT_PIECES - 1)
     return [(lo + i * step, _PRINT_PIECE) for i in range(_PRINT_PIECES)]
+
+
+def _as_stored(cfg: ModelConfig, maps: list[FlatMap], present: set[str]) -> dict[str, tuple[int, ...]]:
+    """Every tensor the checkpoint with tensors ``present`` must hold for ``cfg``, under the
+    checkpoint's own names (on the generic path, names transformers renames on loading are
+    looked up as stored: :mod:`flowtrain.model.generic.renames`), with its shape."""
+    renames = model_renames(cfg, present)
+    model_names = as_model_names(present, renames) if renames else present
+    expected = _fused_experts_expected(cfg, _expected(maps, model_names), model_names)
+    return {renames.get(n, n): shape for n, shape in expected.items()}
+
+
+def model_renames(cfg: ModelConfig, present: set[str]) -> dict[str, str]:
+    """``{the model's name: the checkpoint's}`` where a generic model's checkpoint names a tensor
+    as transformers renames it on loading (empty on the native path)."""
+    if not cfg.generic or cfg.hf_json is None:
+        return {}
+    from .generic.renames import checkpoint_renames
+
+    return checkpoint_renames(str(json.loads(cfg.hf_json).get("model_type")), present)
+
+
+def as_model_names(present: set[str], renames: dict[str, str]) -> set[str]:
+    """The checkpoint names ``present`` as the model names them."""
+    back = {ckpt: model for model, ckpt in renames.items()}
+    return {back.get(n, n) for n in present}
 
 
 def _expected(maps: list[FlatMap], present: set[str]) -> dict[str, tuple[int, ...]]:

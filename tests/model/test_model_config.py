@@ -96,6 +96,7 @@ def _hf(**changes):
     "d, needle",
     [
         (_hf(architectures=["GPT2LMHeadModel"]), "unsupported architecture 'GPT2LMHeadModel'"),
+        (_hf(architectures=["Qwen3_5ForConditionalGeneration"]), "give a config.json of its text_config"),
         (_hf(architectures=None, model_type="gpt2"), "unsupported architecture 'gpt2'"),
         ({k: v for k, v in _hf().items() if k != "hidden_size"}, "hidden_size"),
         (_hf(hidden_act="gelu"), "hidden_act 'gelu'"),

@@ -236,3 +236,28 @@ def test_a_load_balancing_loss_whose_routers_cannot_be_found_is_refused(tmp_path
                  "--seq-len", "12", "--device", "cpu", "--no-progress"]) != 0
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "output_router_logits" in err[0] and "cannot find its routers" in err[0], err
+
+
+def test_a_checkpoint_under_names_transformers_renames_trains_as_the_plain_one(tmp_path):
+    """A text model saved inside a vision-language one names its tensors ``model.language_model.``
+    where the text model has ``model.``; transformers renames them on loading (its conversion
+    rules for the model type), and so does the generic path: both checkpoints train to the same
+    model, written under the model's own names."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    make_family(tmp_path / "plain", "Qwen3_5ForCausalLM")
+    shutil.copytree(tmp_path / "plain", tmp_path / "prefixed")
+    weights = load_file(tmp_path / "plain" / "model.safetensors")
+    renamed = {n.replace("model.", "model.language_model.", 1) if n.startswith("model.") else n: t
+               for n, t in weights.items()}
+    assert any(n.startswith("model.language_model.layers.") for n in renamed)
+    save_file(renamed, tmp_path / "prefixed" / "model.safetensors", metadata={"format": "pt"})
+    make_data(tmp_path / "data.jsonl", vocab=64)
+    for name in ("plain", "prefixed"):
+        run_flowtrain(tmp_path / name, tmp_path / "data.jsonl", tmp_path / f"out-{name}")
+    a, b = (load_file(tmp_path / f"out-{name}" / "model.safetensors") for name in ("plain", "prefixed"))
+    assert a.keys() == b.keys() == weights.keys()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert any(not torch.equal(a[k], weights[k]) for k in a)  # trained

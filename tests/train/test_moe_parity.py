@@ -172,11 +172,13 @@ def straight_and_resumed(tmp_path, **settings):
 # ---- the generic layer path: transformers' own modules, its load-balancing loss ---------------
 
 
-@pytest.mark.parametrize("name, extra", [("qwen3-moe-raw-topk-tied", ()), ("qwen3-moe-dense-layer", ()),
+@pytest.mark.parametrize("name, extra", [("mixtral", ()), ("qwen3-moe-raw-topk-tied", ()), ("qwen3-moe-dense-layer", ()),
                                          ("qwen3-moe-dense-layer", ("--activations", "keep"))])
 def test_generic_path_matches_hf_adamw_with_load_balancing(tmp_path, name, extra):
     """Families with native layer math forced onto the generic path: the routers' logits come
-    from transformers' router modules, the load-balancing loss is the native path's."""
+    from transformers' router modules, the load-balancing loss is the native path's. Mixtral's
+    checkpoint names its experts' block ``block_sparse_moe``, which transformers renames ``mlp``
+    on loading: read under the stored names."""
     ref, losses, ours = _train_both(tmp_path, name, 2, "--layer-path", "generic", *extra)
     assert_same_weights(tmp_path / "out", ref)
     assert ours == pytest.approx(losses, rel=1e-5)
