@@ -128,9 +128,17 @@ def _config(spec: LoraSpec, layouts: Sequence[FlatMap], base_model: str | None) 
     return {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": spec.rank, "lora_alpha": spec.alpha,
             "lora_dropout": spec.dropout, "target_modules": sorted(keys - set(names)),
             "target_parameters": parameters or None, "rank_pattern": ranks, "alpha_pattern": alphas,
-            "base_model_name_or_path": base_model, "inference_mode": True, "init_lora_weights": True,
+            "base_model_name_or_path": _reference(base_model), "inference_mode": True, "init_lora_weights": True,
             "layers_pattern": None, "revision": None, "use_rslora": spec.rslora, "layers_to_transform": None,
             "exclude_modules": None, **_UNSUPPORTED}
+
+
+def _reference(base_model: str | None) -> str | None:
+    """How the adapter names its base for PEFT: a local folder by its absolute path (a relative
+    one would resolve against wherever the adapter is loaded from), a Hub id or preset as given."""
+    if base_model is not None and os.path.isdir(base_model):
+        return os.path.abspath(base_model)
+    return base_model
 
 
 def adapter_config_text(spec: LoraSpec, layouts: Sequence[FlatMap], base_model: str | None = None) -> str:

@@ -104,6 +104,12 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     try:
         return int(args._run(args) or 0)
+    except BrokenPipeError:
+        if args.command == "train":  # a run whose output went nowhere: say so, as any other failure
+            print("flowtrain: error: standard output was closed (broken pipe)", file=sys.stderr)
+            return 1
+        _quiet_stdout()  # `flowtrain simulate ... | head -1`: the reader has what it wanted
+        return 0
     except Interrupted as exc:
         if os.environ.get("RANK", "0") == "0":  # data parallel: rank 0 says it for all
             print(f"flowtrain: {exc}", file=sys.stderr)
@@ -118,6 +124,14 @@ def main(argv: list[str] | None = None) -> int:
             if isinstance(exc, PeerLost):
                 exit_after_peer_lost(_exit_status(exc))
         return _exit_status(exc)
+
+
+def _quiet_stdout() -> None:
+    """Point standard output at /dev/null: what is still buffered for a reader that has gone
+    would fail again at exit."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _exit_status(exc: BaseException) -> int:

@@ -66,3 +66,21 @@ def test_flowtrain_debug_shows_the_traceback(tmp_path):
     # the exception itself names the field, as the Python API spells it
     assert "Traceback" in proc.stderr and "ConfigError: lr must be a finite number >= 0 (got nan)" in proc.stderr
     assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("command", [["simulate", "--model", "tiny", "--seq-len", "64", "--batch-size", "2",
+                                      "--micro-batch-size", "1", "--machine", "h200"],
+                                     ["plan", "--model", "tiny", "--seq-len", "64", "--batch-size", "2"]])
+def test_a_reader_that_stops_early_is_no_error(command):
+    """``flowtrain simulate ... | head -1``: the reader closed the pipe before the output was
+    written; the command ends quietly with status 0 (the pipe is closed here before the child
+    writes anything, so the child always meets it)."""
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", "flowtrain.cli", *command], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE)
+    proc.stdout.close()
+    with proc.stderr:
+        err = proc.stderr.read().decode()
+    assert proc.wait(timeout=300) == 0 and err == "", err

@@ -597,3 +597,17 @@ def test_an_adapter_holding_nan_is_refused(setup, tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "holds NaN or inf" in err[0] and name in err[0], err
     assert not (tmp_path / "out").exists()
+
+
+def test_the_adapter_names_a_local_base_by_its_absolute_path(setup, tmp_path, monkeypatch):
+    """``--model`` given relative: PEFT, loading the adapter from another folder, still finds
+    the base (AutoPeftModelForCausalLM reads base_model_name_or_path)."""
+    d, _, _ = setup
+    shutil.copytree(d / "model", tmp_path / "base")
+    monkeypatch.chdir(tmp_path)
+    assert main(lora_args(d / "data.jsonl", tmp_path / "out", "--model", "base", "--lora-rank", "4")) == 0
+    config = json.loads((tmp_path / "out" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(tmp_path / "base")
+    monkeypatch.chdir(d)  # where "base" names nothing
+    model = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "out")
+    assert any("lora_A" in n for n, _ in model.named_parameters())
