@@ -17,7 +17,9 @@ weights after that step, and how many tokens that is::
 
     {"step": 7, "eval_loss": 3.1416, "eval_tokens": 12345}
 
-On the terminal it is a line ``step 7/100  eval_loss 3.1416  (12,345 tokens)``. Through the
+On the terminal it is a line ``step 7/100  eval_loss 3.1416  (12,345 tokens)``. Without a
+terminal (or with ``--no-progress``) a step's line comes every twentieth of the run, and at
+least once a minute. Through the
 Python API the same numbers are on the step's :class:`StepMetrics` (``eval_loss``,
 ``eval_tokens``), filled before ``on_step`` sees it.
 """
@@ -27,9 +29,15 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
+from collections.abc import Callable
 from typing import TextIO
 
 import msgspec
+
+#: Without a terminal (plain lines), a step's line comes at least this often, however long a
+#: twentieth of the run takes.
+LINE_EVERY_S = 60.0
 
 
 class StepMetrics(msgspec.Struct):
@@ -81,7 +89,8 @@ class Reporter:
     """
 
     def __init__(self, *, total: int, first: int = 0, metrics: TextIO | None = None,
-                 progress: bool | str | None = None, quiet: bool = False) -> None:
+                 progress: bool | str | None = None, quiet: bool = False,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         #: nothing printed (``progress=False``, or a data-parallel process other than rank 0);
         #: the ``--metrics`` lines are written all the same
         self.quiet = quiet or progress is False
@@ -98,6 +107,10 @@ class Reporter:
         self.every = max(1, (total - first) // 20)
         self.first = first
         self.total = total
+        #: plain lines come every ``every`` steps, and at least once a ``LINE_EVERY_S`` seconds
+        #: where steps are slow (a line every 5% of a long run of slow steps could be hours apart)
+        self.clock = clock
+        self.last_line = clock()
 
     def step(self, m: StepMetrics) -> None:
         if self.metrics:
@@ -107,7 +120,9 @@ class Reporter:
             self.bar.set_postfix(loss=_num(m.loss, ".4f"), tok_s=f"{m.tokens_per_s:,.0f}",
                                  **({"skipped": "yes"} if m.skipped else {}))
             self.bar.update(1)
-        elif not self.quiet and (m.skipped or (m.step - 1 - self.first) % self.every == 0 or m.step == self.total):
+        elif not self.quiet and (m.skipped or (m.step - 1 - self.first) % self.every == 0 or m.step == self.total
+                                 or self.clock() - self.last_line >= LINE_EVERY_S):
+            self.last_line = self.clock()
             print(
                 f"step {m.step}/{self.total}  loss {_num(m.loss, '.4f')}  grad_norm {_num(m.grad_norm, '.3f')}  "
                 f"{m.tokens_per_s:,.0f} tok/s  lr {m.lr:.3g}" + ("  skipped: not finite, weights unchanged" if m.skipped else ""),
