@@ -23,6 +23,8 @@ import time
 
 import pytest
 
+import test_signals as signals
+
 from flowtrain.cli import main
 from flowtrain.errors import ConfigError
 from flowtrain.train.metrics_file import MetricsFile, check_metrics_free, kept_lines
@@ -31,20 +33,13 @@ TINY = ["--model", "tiny", "--seq-len", "16", "--batch-size", "2", "--micro-batc
         "--no-progress", "--lr-schedule", "constant"]
 
 
-def _env(extra=None):
-    e = {k: v for k, v in os.environ.items() if k not in ("FLOWTRAIN_DEBUG", "FLOWTRAIN_FAULT")}
-    e.update(extra or {})
-    return e
-
-
 def start(*args, env=None):
-    return subprocess.Popen([sys.executable, "-m", "flowtrain.cli", "train", *TINY, *args], env=_env(env),
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return signals.start(*args, env=env, argv=TINY)
 
 
 def train(*args):
-    return subprocess.run([sys.executable, "-m", "flowtrain.cli", "train", *TINY, *args], env=_env(),
-                          capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "flowtrain.cli", "train", *TINY, *args],
+                          env=signals.start_env(), capture_output=True, text=True, timeout=300)
 
 
 def wait_for(condition, proc, what, timeout=120.0):

@@ -54,9 +54,15 @@ sys.exit(main())
 """
 
 
-def start(*args, env=None, argv=TINY, announce_hangs=False):
+def start_env(env=None):
+    """This process's environment without debug or fault settings, plus ``env``."""
     e = {k: v for k, v in os.environ.items() if k not in ("FLOWTRAIN_DEBUG", "FLOWTRAIN_FAULT")}
     e.update(env or {})
+    return e
+
+
+def start(*args, env=None, argv=TINY, announce_hangs=False):
+    e = start_env(env)
     launcher = ["-c", ANNOUNCE_HANGS] if announce_hangs else ["-m", "flowtrain.cli"]
     return subprocess.Popen([sys.executable, *launcher, "train", *argv, *args], env=e,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -156,8 +162,8 @@ def test_a_stopped_process_is_no_hung_task(tmp_path):
     """SIGSTOP for twice the task timeout while a task runs, then SIGCONT: the task has not run
     for that time, so the watchdog does not fail it; the run ends normally."""
     hanging, go = tmp_path / "hanging", tmp_path / "go"
-    env = {k: v for k, v in os.environ.items() if k not in ("FLOWTRAIN_DEBUG", "FLOWTRAIN_FAULT")}
-    env.update(FLOWTRAIN_FAULT="backward@step=1:hang", FLOWTRAIN_TEST_HANGING=str(hanging), FLOWTRAIN_TEST_GO=str(go))
+    env = start_env(dict(FLOWTRAIN_FAULT="backward@step=1:hang", FLOWTRAIN_TEST_HANGING=str(hanging),
+                         FLOWTRAIN_TEST_GO=str(go)))
     proc = subprocess.Popen([sys.executable, "-c", HELD_UNTIL_GO, "train", *TINY, "--steps", "3", "--task-timeout", "3"],
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     wait_for_lines(hanging, 1, proc)  # the backward runs (held)

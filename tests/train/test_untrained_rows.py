@@ -12,6 +12,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 from test_data_finetune import CONVERSATIONS, VOCAB, make_tokenizer, write_jsonl
+from test_finetune_long_examples import make_qwen3, train_args
 
 from flowtrain.cli import main
 from flowtrain.data.source import load_sequences
@@ -32,18 +33,6 @@ def _data_cache(tmp_path, monkeypatch):
 def chats(trained_at: set[int], total: int) -> list[dict]:
     """``total`` rows, the ones at the 0-based positions in ``trained_at`` trained, the rest not."""
     return [{"messages": TRAINED if i in trained_at else UNTRAINED} for i in range(total)]
-
-
-def make_qwen3(folder):
-    from test_finetune_end_to_end import make_qwen3 as make
-
-    make(folder)
-    return folder
-
-
-def train_args(tmp_path, data, *extra):
-    return ["train", "--model", str(tmp_path / "qwen3"), "--data", str(data), "--steps", "1", "--batch-size", "2",
-            "--micro-batch-size", "1", "--device", "cpu", "--no-progress", *extra]
 
 
 def test_rows_without_a_trained_token_are_counted_with_the_first(tmp_path):
