@@ -97,8 +97,6 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
     micro_batch_size: int
     layer_numel: int
     numel: dict[str, int] = {}
-    params: int = 0
-    tied: bool = False
     chunk_tokens: int = 4096
     compute_bytes: int = 2
     fetch_bytes: int = 4
@@ -126,6 +124,9 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
     #: a layer (:func:`~flowtrain.plan.adapters.adapter_active_outputs`)
     lora_rank: int = 0
     adapter_outputs: float = 0
+    #: model FLOPs per trained token, the one count every report uses
+    #: (:func:`flowtrain.model.counts.model_flops_per_token`; 0 in a shape built by hand)
+    flops_per_token: float = 0.0
 
     @property
     def per_node(self) -> int:
@@ -148,16 +149,6 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
         chunks = self.grad_chunks.get(key, 1) if task.chunk is not None else 1
         return -(-n // chunks)
 
-    def model_flops_per_token(self) -> float:
-        """flowtrain's and the benchmarks' convention, :func:`flowtrain.model.counts.model_flops_per_token`:
-        6 N_matmul + 6 L (heads x head_dim) S, N_matmul the weights a token multiplies by (the
-        input embedding left out, a tied matrix counted once as the head; a mixture of experts'
-        active ones); LoRA: 4 N_matmul + 6 N_adapter + the same attention."""
-        n = self.params - (0 if self.tied else self.vocab * self.hidden)
-        attention = 6.0 * self.layers * self.heads * self.head_dim * self.seq_len
-        if self.adapter_params:
-            return 4.0 * n + 6.0 * self.adapter_params + attention
-        return 6.0 * n + attention
 
 
 def _eff(dim: float, half: float) -> float:

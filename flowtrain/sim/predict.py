@@ -36,6 +36,7 @@ class Prediction(msgspec.Struct, kw_only=True):
 def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1, world: int = 1, nodes: int = 1) -> Shape:
     """The :class:`Shape` of model ``cfg`` (a ``ModelConfig``) run under ``plan`` for ``req``."""
     from ..model import model_flat_maps
+    from ..model.counts import model_flops_per_token
 
     from ..plan.adapters import adapter_active_numel, adapter_active_outputs, layer_adapter_numels
 
@@ -44,8 +45,6 @@ def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1, world: int = 
     numel.update({f"adapter.{i}": n for i, n in enumerate(layer_adapter_numels(cfg, req))})  # with LoRA
     adapters = adapter_active_numel(cfg, req) if getattr(req, "lora_rank", 0) else 0
     layer_numel = max((lay.numel for lay in layouts if lay.unit == "layer"), default=0)
-    # model FLOPs count the weights a token multiplies by: a mixture of experts' active ones
-    params = cfg.active_parameters() if cfg.moe or cfg.generic else sum(e.numel for lay in layouts for e in lay.entries)
     compute_bytes = 2 if plan.device == "cuda" else 4
     # a sparse layer's experts cost about a dense MLP as wide as the k experts a token runs through
     sparse = bool(cfg.moe and cfg.sparse_layers())
@@ -53,7 +52,7 @@ def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1, world: int = 
     return Shape(hidden=cfg.hidden_size, intermediate=intermediate, layers=cfg.num_layers,
                  heads=cfg.num_heads, kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim, vocab=cfg.vocab_size,
                  seq_len=req.seq_len, micro_batch_size=req.micro_batch_size, layer_numel=layer_numel, numel=numel,
-                 params=params, tied=cfg.tie_word_embeddings, chunk_tokens=plan.chunk_tokens,
+                 chunk_tokens=plan.chunk_tokens,
                  compute_bytes=compute_bytes,
                  fetch_bytes=compute_bytes if adapters else 2 if plan.layout == "stream-bf16" else 4,
                  refresh=plan.layout == "stream-bf16", grad_chunks=dict(plan.spec.grad_chunks),
@@ -62,7 +61,8 @@ def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1, world: int = 
                  experts=cfg.num_experts if sparse else 0, experts_per_token=cfg.num_experts_per_tok if sparse else 0,
                  owned=plan.spec.owned_by(0), adapter_params=adapters,  # the simulated process is the node's first
                  lora_rank=getattr(req, "lora_rank", 0) or 0,
-                 adapter_outputs=adapter_active_outputs(cfg, req) if adapters else 0.0)
+                 adapter_outputs=adapter_active_outputs(cfg, req) if adapters else 0.0,
+                 flops_per_token=model_flops_per_token(cfg, req.seq_len, adapters or None))
 
 
 def predict_shape(shape: Shape, plan: Any, machine: Machine, policy: Any = "double_buffer", *,
@@ -71,7 +71,7 @@ def predict_shape(shape: Shape, plan: Any, machine: Machine, policy: Any = "doub
     costs = CostModel(machine, shape)
     sim = VirtualRun(costs, WithBudgets(resolve_policy(policy), plan.budgets), cpu_workers=shape.adam_workers)
     records = sim.run_steps(plan.spec, steps=steps)
-    summary = summarize(records, batch_size * shape.seq_len, shape.model_flops_per_token(), sim.cause)
+    summary = summarize(records, batch_size * shape.seq_len, shape.flops_per_token, sim.cause)
     return Prediction(summary=summary, records=records, shape=shape, machine=machine.name)
 
 

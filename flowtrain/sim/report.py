@@ -6,7 +6,7 @@ the gap after the first step (nothing overlapped its start, which that gap still
 tokens/s and model TFLOP/s follow from it, and a lane's busy fraction is its busy time
 (:func:`~flowtrain.runtime.trace.lane_busy`) over the steps after the first::
 
-    summary = summarize(steps_records, tokens_per_step, shape.model_flops_per_token(), sim.cause)
+    summary = summarize(steps_records, tokens_per_step, shape.flops_per_token, sim.cause)
     summary.tokens_per_s, summary.busy_fraction["compute"], summary.critical_chain[:3]
 
 The *critical chain* walks back from the last task of the last step: at each task, to what its

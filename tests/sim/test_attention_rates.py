@@ -26,7 +26,7 @@ PROBE = {"cudnn": [(4096, 496.0), (32768, 560.0), (131072, 546.0), (262144, 534.
          "flash": [(4096, 266.0), (32768, 325.0), (131072, 328.0), (262144, 326.0), (524288, 318.0)]}
 #: llama-8b's layer (32 heads, 8 KV heads, head_dim 128) at one sequence of ``seq_len`` tokens
 LLAMA8B = dict(hidden=4096, intermediate=14336, layers=32, heads=32, kv_heads=8, head_dim=128, vocab=128256,
-               micro_batch_size=1, layer_numel=218_112_000, params=8_030_261_248)
+               micro_batch_size=1, layer_numel=218_112_000)
 
 
 def shape(seq_len: int, backend: str = "auto") -> Shape:

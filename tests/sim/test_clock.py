@@ -133,7 +133,7 @@ def test_hundred_layers_sixteen_micro_batches_jump_from_event_to_event(monkeypat
     monkeypatch.setattr(Scheduler, "poll", lambda self: polls.append(1) or real_poll(self))
     machine = load_machine("h200")
     shape = Shape(hidden=8192, intermediate=28672, layers=100, heads=64, kv_heads=8, head_dim=128, vocab=128256,
-                  seq_len=4096, micro_batch_size=1, layer_numel=855_654_400, params=87_000_000_000,
+                  seq_len=4096, micro_batch_size=1, layer_numel=855_654_400,
                   numel={"embed": 1_050_673_152, "head": 1_050_681_344})
     spec = StepSpec(layers=100, micro_batches=16, staged=True, grad_chunks={"embed": 3, "head": 3})
     policy = resolve_policy("double_buffer")

@@ -18,7 +18,7 @@ TRACE = Path(__file__).parents[2] / "docs" / "bench" / "2026-12-02" / "w1-trace.
 #: llama-3b at W1's shape (4 x 4096 tokens per micro-batch); numel as the layout pads them; the
 #: W1 trace these tests compare with ran the flash attention kernel
 W1 = Shape(hidden=3072, intermediate=8192, layers=28, heads=24, kv_heads=8, head_dim=128, vocab=128256,
-           seq_len=4096, micro_batch_size=4, layer_numel=100_669_440, params=3_606_752_256,
+           seq_len=4096, micro_batch_size=4, layer_numel=100_669_440,
            numel={"embed": 394_002_432, "head": 394_005_504}, chunk_tokens=2048, attention_backend="flash")
 
 
