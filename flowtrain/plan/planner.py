@@ -300,7 +300,8 @@ def plan_activations(plan: Plan, cfg: ModelConfig, req: RunRequest, dtype: torch
         n = L
     else:  # the most top layers whose kept bytes fit
         free, n = plan.gpu_limit - plan.gpu_total, 0
-        while n < L and sum(per_layer[L - n - 1:]) <= free:
+        while n < L and per_layer[L - n - 1] <= free:
+            free -= per_layer[L - n - 1]
             n += 1
     if n == 0:
         return plan

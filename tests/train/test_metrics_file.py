@@ -19,11 +19,14 @@ import os
 import signal
 import subprocess
 import sys
-import time
+from pathlib import Path
 
 import pytest
 
 import test_signals as signals
+
+sys.path.insert(0, str(Path(__file__).parents[1] / "ckpt"))
+from test_out_folder import wait_for
 
 from flowtrain.cli import main
 from flowtrain.errors import ConfigError
@@ -40,15 +43,6 @@ def start(*args, env=None):
 def train(*args):
     return subprocess.run([sys.executable, "-m", "flowtrain.cli", "train", *TINY, *args],
                           env=signals.start_env(), capture_output=True, text=True, timeout=300)
-
-
-def wait_for(condition, proc, what, timeout=120.0):
-    """Poll for an event the run signals by writing a file; fail at once if it died."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, f"never saw {what}"
-        time.sleep(0.02)
 
 
 def steps(path) -> list[int]:
