@@ -86,3 +86,26 @@ def test_the_gate_runs_every_test_that_needs_a_gpu():
         assert name in lists["GPU_FILES"] or name in lists["GPU_MARKED"], f"{name} has GPU tests the gate does not run"
         if name in lists["GPU_MARKED"]:
             assert all_marked, f"{name}: a GPU test is not marked gpu, so -m gpu leaves it out"
+
+
+def test_results_from_another_card_meet_that_cards_baseline(tmp_path, capsys):
+    """An H100 plans to its own memory: its results are judged against the H100's numbers, not
+    the H200's, and results naming no card in ``cards`` against the top level."""
+    jobs = {"w1": {"tokens_per_s": 1000}}
+    baseline = {"commit": "h200", "jobs": jobs, "cards": {"H100": {"commit": "h100", "jobs": {"w1": {"tokens_per_s": 800}}}}}
+    (tmp_path / "baseline.json").write_text(json.dumps(baseline))
+    for gpu, want in (("NVIDIA H100 80GB HBM3", 0), ("NVIDIA H200", 1)):
+        (tmp_path / "results.jsonl").write_text(json.dumps(_row("w1", tokens_per_s=820.0, gpu=gpu)) + "\n")
+        assert _gate().main([str(tmp_path / "results.jsonl"), str(tmp_path / "baseline.json")]) == want
+        assert f"on {gpu} (baseline {'h100' if want == 0 else 'h200'})" in capsys.readouterr().out
+
+
+def test_recording_on_a_card_writes_only_that_cards_baseline(tmp_path):
+    baseline = {"commit": "h200", "jobs": {"w1": {"tokens_per_s": 1000}},
+                "cards": {"H100": {"commit": "h100", "jobs": {"w1": {"tokens_per_s": 800}}}}}
+    (tmp_path / "baseline.json").write_text(json.dumps(baseline))
+    (tmp_path / "results.jsonl").write_text(json.dumps(_row("w1", tokens_per_s=850.0, gpu="NVIDIA H100 PCIe")) + "\n")
+    _gate().main([str(tmp_path / "results.jsonl"), str(tmp_path / "baseline.json"), "--record", "new"])
+    saved = json.loads((tmp_path / "baseline.json").read_text())
+    assert saved["jobs"]["w1"]["tokens_per_s"] == 1000 and saved["commit"] == "h200"
+    assert saved["cards"]["H100"] == {"commit": "new", "jobs": {"w1": {"tokens_per_s": 850.0}}}

@@ -6,7 +6,9 @@ JSON line to ``$OUT/results.jsonl``, then calls this script::
     python3 docs/bench/gate.py $OUT/results.jsonl docs/bench/gate-baseline.json
 
 It prints one line per job and exits 1 if any job failed, ran out of memory, ran more than
-``SLOWER`` below its baseline tokens/s, allocated more GPU memory than its plan, was planned more
+``SLOWER`` below its baseline tokens/s (the baseline of the card the results ran on: the
+top-level ``jobs`` are the H200's, ``cards`` holds others by a part of their name, such as
+``"H100"``), allocated more GPU memory than its plan, was planned more
 than ``PLAN_ERROR`` away from what it measured, or (where the baseline names a bound) took more
 device memory as a whole process than the card it stands for allows. A job of the gate with no
 line in the results failed too. ``--record COMMIT`` writes the measured numbers as the new
@@ -36,6 +38,20 @@ def load_results(path: Path) -> dict[str, dict]:
             row = json.loads(line)
             out[row["job"]] = row
     return out
+
+
+def card_of(results: dict[str, dict]) -> str | None:
+    """The GPU the benchmarks ran on, as ``flowtrain bench`` names it (``None`` if no job says)."""
+    return next((row["gpu"] for row in results.values() if row.get("gpu")), None)
+
+
+def baseline_for(baseline: dict, card: str | None) -> dict:
+    """The baseline section for ``card``: the entry of ``cards`` whose key is part of its name,
+    else the top level (the H200's). A section has ``commit`` and ``jobs``."""
+    for key, section in baseline.get("cards", {}).items():
+        if card and key in card:
+            return section
+    return baseline
 
 
 def check(job: str, row: dict | None, base: dict) -> list[str]:
@@ -82,22 +98,25 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("baseline", type=Path)
     ap.add_argument("--record", metavar="COMMIT", help="write these results as the new baseline")
     args = ap.parse_args(argv)
-    baseline = json.loads(args.baseline.read_text())
+    whole = json.loads(args.baseline.read_text())
     results = load_results(args.results)
+    card = card_of(results)
+    baseline = baseline_for(whole, card)
     jobs = baseline["jobs"]
     if args.record:
         for job, row in results.items():
             if job in jobs and job != "tests" and not row.get("failed"):
                 jobs[job]["tokens_per_s"] = row["tokens_per_s"]
         baseline["commit"] = args.record
-        args.baseline.write_text(json.dumps(baseline, indent=1) + "\n")
+        args.baseline.write_text(json.dumps(whole, indent=1) + "\n")
         print(f"recorded {args.baseline} at {args.record}")
     failed = 0
     for job, base in jobs.items():
         bad = check(job, results.get(job), base)
         failed += bool(bad)
         print(line(job, results.get(job), base, bad))
-    print(f"gate: {len(jobs) - failed} passed, {failed} failed (baseline {baseline.get('commit', '?')})")
+    print(f"gate: {len(jobs) - failed} passed, {failed} failed on {card or 'an unnamed card'} "
+          f"(baseline {baseline.get('commit', '?')})")
     return 1 if failed else 0
 
 
