@@ -31,6 +31,14 @@ anchor() {  # MODE GA STEPS [SIZE MICRO]: the baseline trainer (default llama-3b
   log "anchor $1 ${4:-3b} mb${5:-4} ga$2"
   (cd .anchors && OUT=$OUT timeout 400 python3 llama_train.py "$1" "${4:-3b}" 4096 "${5:-4}" "$3" "$2" 2>&1 | grep -v Warning | tail -3) | tee -a "$OUT/log.txt"
 }
+mtrun() {  # SHAPE SEQ "BATCHES" STEPS: MegaTrain (docs/bench/megatrain_run.py) at the first batch that fits
+  local b
+  for b in $3; do
+    log "megatrain $1, sequence $2, batch $b"
+    timeout ${MTT:-420} python3 docs/bench/megatrain_run.py "$1" "$2" "$b" "$4" 2>>"$OUT/log.txt" | tail -1 | tee -a "$RES"
+    tail -1 "$RES" | grep -q '"failed"' || break
+  done
+}
 # The GPU tests: files whose tests need one (or compare it with the CPU), and files of CPU tests
 # with some marked `gpu` (tests/test_gpu_gate.py checks that every GPU test is in one of them).
 GPU_FILES="tests/train/test_gpu.py tests/model/test_model_gpu.py tests/model/test_attention.py tests/train/test_saved_attention.py tests/model/test_lora_experts.py tests/test_gpu_peak.py"
@@ -122,6 +130,12 @@ for job in "$@"; do
     8bpack) bench 8bpack --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 --resident none --data /tmp/chat-llama.jsonl ;;
     8bstream) bench 8bstream --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 --resident none --data /tmp/chat-llama.npy ;;
     probe) log probe; timeout 240 $FT probe --out "$OUT/h200-probe.json" 2>&1 | tail -5 | tee -a "$OUT/log.txt" ;;
+    mt7b)  # MegaTrain beside flowtrain on MegaTrain's own configuration: Qwen2.5-7B's shape, 158 x 1024
+      mtrun qwen2.5-7b 1024 "${MTB:-158 79}" 3
+      BT=300 bench ft7b --model qwen2.5-7b --seq-len 1024 --batch-size 158 --micro-batch-size 79 --steps 3 --warmup 1 --host-mem 118 ;;
+    mt8b)  # the same on this project's llama-8b configuration, 16 x 4096
+      mtrun llama-3.1-8b 4096 "${MTB:-16 8}" 3
+      BT=300 bench ft8b --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 --resident none ;;
     ckpt)  # checkpoint cost and exact resume: llama-1b (a 3b/8b checkpoint outgrows the 64 GiB disk)
       C="--model llama-1b --seq-len 4096 --batch-size 4 --micro-batch-size 4 --steps 10 --compile none --no-progress"
       log "ckpt: no saves"; $FT train $C --metrics "$OUT/ckpt-plain.jsonl" 2>&1 | tail -2 | tee -a "$OUT/log.txt"

@@ -57,6 +57,13 @@ PRESETS: dict[str, ModelConfig] = {
         num_heads=32, num_kv_heads=8, rope_theta=500000.0, max_position_embeddings=8192,
         bos_token_id=128000, eos_token_id=128001,
     ),
+    # Qwen2.5-7B's shape (untied): the system this project follows measures itself on it.
+    "qwen2.5-7b": ModelConfig(
+        vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
+        num_heads=28, num_kv_heads=4, qkv_bias=True, rope_theta=1000000.0, rms_norm_eps=1e-6,
+        max_position_embeddings=32768, bos_token_id=151643, eos_token_id=151643,
+        architecture="Qwen2ForCausalLM",
+    ),
     # Qwen2.5-14B's shape.
     "qwen-14b": ModelConfig(
         vocab_size=152064, hidden_size=5120, intermediate_size=13824, num_layers=48,
