@@ -74,6 +74,12 @@ SOFTWARE = {
     # LoRA: output-sized elements moved per adapted map and token in the forward (the adapter's
     # product written, read back with the map's own output, their sum written), counted, not fitted
     "ew_adapter": 4.0,
+    # GEMMs and fused attention inside a training step run at this share of the rates a probe of
+    # each kernel alone measures (the machine's matmul_tflops and attention_tflops); 1: as probed
+    "in_step": 1.0,
+    # a layer's and the head's backward GEMMs (input and weight gradients) per FLOP against the
+    # forward's rate; 1: the same rate
+    "gemm_backward": 1.0,
 }
 
 
@@ -207,21 +213,22 @@ class CostModel:
         T, h, i = s.tokens, s.hidden, s.intermediate
         q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
         gemms = (self.gemm_seconds(T, q, h) + 2 * self.gemm_seconds(T, kv, h) + self.gemm_seconds(T, h, q)
-                 + self._mlp_gemm_seconds())
+                 + self._mlp_gemm_seconds()) / sw["in_step"]
+        bwd_gemms = gemms / sw["gemm_backward"]  # one pass of the backward's GEMMs (input or weight gradients)
         attn_flops = 2.0 * T * s.seq_len * q
         fwd_tflops, bwd_tflops = self.attention_tflops
-        attn_fwd = attn_flops / (fwd_tflops * 1e12)
-        attn_bwd = sw["attention_bwd_ratio"] * attn_flops / (bwd_tflops * 1e12)
+        attn_fwd = attn_flops / (fwd_tflops * 1e12 * sw["in_step"])
+        attn_bwd = sw["attention_bwd_ratio"] * attn_flops / (bwd_tflops * 1e12 * sw["in_step"])
         routed = sw["ew_routed"] * s.experts_per_token * h if s.experts else 0.0
         ew = self.hbm_seconds(T * s.compute_bytes * (sw["ew_hidden"] * h + sw["ew_intermediate"] * i + routed))
         forward = gemms + attn_fwd + ew
         if s.adapter_params:  # a frozen base: input gradients only, and the adapters' own work
             adapters = self._adapter_seconds()
             forward += adapters
-            backward = forward + gemms + attn_bwd + 2 * ew + 2 * adapters
+            backward = forward + bwd_gemms + attn_bwd + 2 * ew + 2 * adapters
         else:
             accumulate = self.hbm_seconds(s.layer_numel * (s.compute_bytes + 8))
-            backward = forward + 2 * gemms + attn_bwd + 2 * ew + accumulate
+            backward = forward + 2 * bwd_gemms + attn_bwd + 2 * ew + accumulate
         return {"forward": forward, "backward": backward, "gemms": gemms, "attention": attn_fwd + attn_bwd,
                 "attention_forward": attn_fwd}
 
@@ -253,8 +260,9 @@ class CostModel:
     def _loss_seconds(self, backward: bool) -> float:
         s = self.s
         T, chunk = s.tokens, min(s.chunk_tokens, s.tokens)
-        products = 1 if not backward else 2 if s.adapter_params else 3  # a frozen head: no weight gradient
-        gemms = products * self.gemm_seconds(chunk, s.vocab, s.hidden, count=T / chunk)
+        bwd_products = 0 if not backward else 1 if s.adapter_params else 2  # a frozen head: no weight gradient
+        gemms = (1 + bwd_products / self.sw["gemm_backward"]) * self.gemm_seconds(
+            chunk, s.vocab, s.hidden, count=T / chunk) / self.sw["in_step"]
         passes = self.sw["loss_logit_passes"] if backward else 3.0
         return gemms + self.hbm_seconds(passes * T * s.vocab * 4)
 

@@ -1,27 +1,33 @@
-"""The simulator against every benchmarked H200 run (docs/benchmarks.md): tokens/s within 15%,
-with each run's own placement and slot budgets (flowtrain.sim.validate); a run whose table row
-names what the simulator does not model is held to that: it must still miss."""
+"""The simulator against every benchmarked H200 run (docs/benchmarks.md): tokens/s within the
+error the run's row of docs/bench/measured_runs.json holds it to (``within``), with each run's own
+placement and slot budgets (flowtrain.sim.validate); a run whose row names what the simulator
+does not model is held to that: it must still miss. A deterministic computation over the
+checked-in table and result files, not a timing test."""
 
 from __future__ import annotations
 
 import pytest
 
-from flowtrain.sim.validate import RUNS, measured_runs, predict_run
+from flowtrain.sim.validate import RUNS, TABLE, measured_runs, predict_run, table
 
 RESULTS = measured_runs()
 
 
-def test_every_run_is_found():
+def test_every_run_is_found_and_its_measurement_is_the_result_lines():
     assert [name for name, _, _ in RESULTS] == [name for name, *_ in RUNS]
+    measured = {e["run"]: e["measured_tokens_per_s"] for e in table(TABLE)}
+    assert all(row["tokens_per_s"] == measured[name] for name, row, _ in RESULTS)
+    assert len(set(measured)) == len(measured)  # one row a name
 
 
 @pytest.mark.parametrize("name, row, extra", RESULTS, ids=[r[0] for r in RESULTS])
-def test_predicted_tokens_per_s_within_15_percent(name, row, extra):
+def test_predicted_tokens_per_s_within_the_runs_bound(name, row, extra):
     r = predict_run(row, extra)
+    assert r["within"] <= 0.15
     if r["not_modelled"]:  # the table names the miss; once the simulator catches up, say so there
-        assert r["error"] > 0.15, r
+        assert r["error"] > r["within"], r
         return
-    assert abs(r["error"]) < 0.15, r
+    assert abs(r["error"]) < r["within"], r
     # and the lane that bounds it is the one the run's busy fractions point at, or one nearly as
     # busy (a step that waits on CPU Adam while the GPU computes 0.68 of it: either may be on
     # the chain more)
