@@ -41,7 +41,8 @@ FORMAT = 1
 #: the command line spells it as its flag)
 MUST_MATCH = ("batch_size", "seq_len", "lr", "weight_decay", "betas", "eps", "grad_clip", "warmup_steps",
               "lr_schedule", "min_lr", "seed", "shuffle", "packing", "weight_decay_skip", "lora_rank", "lora_alpha",
-              "lora_targets", "lora_dropout", "lora_gate_up_rank", "lora_rslora", "skip_idle_experts")
+              "lora_targets", "lora_dropout", "lora_gate_up_rank", "lora_rslora", "skip_idle_experts",
+              "objective", "dpo_beta", "dpo_loss")
 #: Learning-rate schedules whose rates depend on ``--steps``: they decay until the last step.
 DECAYING = ("cosine", "linear")
 

@@ -234,6 +234,9 @@ class Batch:
     #: an example (or the padding) starts; attention must not cross a restart. None: not packed,
     #: every row is one sequence at positions 0..seq_len-1.
     positions: torch.Tensor | None = None
+    #: (batch_size,) int64: which rows of the data set these are (read by preference training,
+    #: whose reference log-probabilities are kept per row); None where nobody asked
+    rows: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return self.input_ids.shape[0]
@@ -246,7 +249,8 @@ class Batch:
                 f"{len(self)}; pick a divisor of {len(self)}", named=True)
         return [
             Batch(self.input_ids[i : i + micro_batch_size], self.targets[i : i + micro_batch_size],
-                  None if self.positions is None else self.positions[i : i + micro_batch_size])
+                  None if self.positions is None else self.positions[i : i + micro_batch_size],
+                  None if self.rows is None else self.rows[i : i + micro_batch_size])
             for i in range(0, len(self), micro_batch_size)
         ]
 
@@ -433,7 +437,7 @@ def _parse(path: Path, vocab_size: int, encoder, tokenizer_dir) -> Parsed:
 
 
 def step_batches(
-    seqs: Sequences, batch_size: int, *, shuffle: bool, seed: int, start_step: int = 0
+    seqs: Sequences, batch_size: int, *, shuffle: bool, seed: int, start_step: int = 0, pairs: bool = False
 ) -> Iterator[Batch]:
     """Yield full batches forever, epoch after epoch.
 
@@ -443,7 +447,17 @@ def step_batches(
     epoch continues into the next epoch's order, so no sequence is starved (with fewer
     sequences than ``batch_size`` a batch spans several epochs). ``start_step`` skips that
     many batches without building them, for resuming a run.
+
+    ``pairs`` (preference pairs, :mod:`flowtrain.data.preference`): rows ``2p`` and ``2p + 1``
+    are one pair and stay together, next to each other, in that order; the pairs are what is
+    shuffled, and ``batch_size`` (rows) must be even. Each batch then says which rows it holds
+    (:attr:`Batch.rows`).
     """
+    if pairs:
+        if batch_size < 2 or batch_size % 2 or len(seqs) % 2:
+            raise ConfigError(f"{{batch_size}} {batch_size} counts sequences, two per preference pair: it must be "
+                              "even", named=True)
+        return _pair_batches(seqs, batch_size, shuffle, seed, start_step)
     if batch_size < 1:
         raise ConfigError(f"{{batch_size}} {batch_size} must be at least 1", named=True)
     if start_step < 0:
@@ -467,6 +481,20 @@ def _batches(
         rows, order = order[:batch_size], order[batch_size:]
         positions = None if seqs.positions is None else seqs.positions[rows]
         yield Batch(seqs.input_ids[rows], seqs.targets[rows], positions)  # copies: rows read here
+
+
+def _pair_batches(seqs: Sequences, batch_size: int, shuffle: bool, seed: int, start_step: int) -> Iterator[Batch]:
+    """:func:`_batches` over pairs: each pair's two rows together, in order."""
+    n, per = len(seqs) // 2, batch_size // 2
+    epoch, offset = divmod(start_step * per, n)
+    order = _epoch_order(n, epoch, shuffle, seed)[offset:]
+    while True:
+        while len(order) < per:
+            epoch += 1
+            order = torch.cat([order, _epoch_order(n, epoch, shuffle, seed)])
+        chosen, order = order[:per], order[per:]
+        rows = torch.stack([2 * chosen, 2 * chosen + 1], dim=1).reshape(-1)
+        yield Batch(seqs.input_ids[rows], seqs.targets[rows], None, rows)
 
 
 def default_corpus_path() -> Path:

@@ -29,7 +29,7 @@ from flowtrain.model.presets import PRESETS, preset
 #: plain data, so ``flowtrain plan`` and ``flowtrain simulate`` read a model without torch.
 _LAZY = {
     "IGNORE_INDEX": "functional", "decoder_layer": "functional", "embed": "functional", "head_loss": "functional",
-    "head_loss_and_grads": "functional", "rms_norm": "functional", "rope_tables": "functional",
+    "head_loss_and_grads": "functional", "head_token_logprobs": "functional", "rms_norm": "functional", "rope_tables": "functional",
     "init_unit": "init",
 }
 
@@ -56,6 +56,7 @@ __all__ = [
     "embed",
     "head_loss",
     "head_loss_and_grads",
+    "head_token_logprobs",
     "init_unit",
     "model_flat_maps",
     "preset",

@@ -44,6 +44,7 @@ __all__ = [
     "embed",
     "head_loss",
     "head_loss_and_grads",
+    "head_token_logprobs",
     "inv_freq",
     "rms_norm",
     "rope_tables",
@@ -201,13 +202,39 @@ def head_loss(
 
 
 @torch.no_grad()
+def head_token_logprobs(
+    hidden: Tensor,  # (batch, seq, hidden) compute dtype
+    norm_w: Tensor,  # (hidden,)
+    head_w: Tensor,  # (vocab, hidden)
+    targets: Tensor,  # (batch, seq) int64, IGNORE_INDEX (-100) = ignore
+    eps: float,
+    chunk_tokens: int | None = None,
+    plus_one: bool = False,
+) -> Tensor:
+    """Each target's log-probability, ``(batch, seq)`` fp32, 0 where ignored: minus
+    :func:`head_loss`'s per-token terms, chunk by chunk (what preference and policy losses
+    read; ``plus_one`` as there)."""
+    x = hidden.reshape(-1, hidden.shape[-1])
+    t = targets.reshape(-1)
+    step = _step(chunk_tokens, head_w.shape[0])
+    out = torch.zeros(t.shape, dtype=torch.float32, device=hidden.device)
+    norm = gemma_rms_norm if plus_one else rms_norm
+    for start in range(0, x.shape[0], step):
+        n = norm(x[start : start + step], norm_w, eps)
+        logits, lse, safe_t, valid = _logits_and_ce(n, head_w, t[start : start + step])
+        picked = logits.gather(1, safe_t[:, None]).squeeze(1)
+        out[start : start + step] = torch.where(valid, picked - lse, 0.0)
+    return out.view(targets.shape)
+
+
+@torch.no_grad()
 def head_loss_and_grads(
     hidden: Tensor,  # (batch, seq, hidden) compute dtype
     norm_w: Tensor,  # (hidden,)
     head_w: Tensor,  # (vocab, hidden)
     targets: Tensor,  # (batch, seq) int64, already shifted; -100 = ignore
     eps: float,
-    scale: float,
+    scale: float | Tensor,  # a number, or (batch, seq) fp32: one weight per token
     chunk_tokens: int | None = None,
     plus_one: bool = False,
     weight_grads: bool = True,
@@ -218,6 +245,8 @@ def head_loss_and_grads(
     sum (fp32 scalar); the gradients are of ``loss_sum * scale`` and have their inputs'
     shapes and dtypes. Ignored positions get zero gradient. No host synchronisation.
     Without ``weight_grads`` (a frozen head) the last two are None and not computed.
+    ``scale`` may be a tensor of the targets' shape: the gradients are then those of
+    ``sum(scale * ce)`` over the tokens (a preference or policy loss's weights, any sign).
 
     Per chunk of rows ``x`` (c, hidden), with ``r = rsqrt(mean(x^2) + eps)``,
     ``xh = x * r`` and ``n = norm_w * xh``, ``logits = n @ head_w.T``:
@@ -237,6 +266,7 @@ def head_loss_and_grads(
     d_x = torch.empty_like(x)
     d_head = torch.zeros_like(head_w) if weight_grads else None
     d_norm = torch.zeros(norm_w.shape, dtype=torch.float32, device=norm_w.device) if weight_grads else None
+    per_token = scale.reshape(-1) if isinstance(scale, Tensor) else None
     for start in range(0, x.shape[0], step):
         xc, tc = x[start : start + step], t[start : start + step]
         xf = xc.float()
@@ -256,7 +286,8 @@ def head_loss_and_grads(
         # softmax - onehot, in place over the fp32 logits, then row weights (0 if ignored).
         probs = logits.sub_(lse[:, None]).exp_()
         probs.scatter_add_(1, safe_t[:, None], torch.full_like(lse[:, None], -1.0))
-        probs.mul_((valid.float() * scale)[:, None])
+        weight = scale if per_token is None else per_token[start : start + step]
+        probs.mul_((valid.float() * weight)[:, None])
         g = probs.to(dt)
         del logits, probs
 

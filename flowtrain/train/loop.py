@@ -26,6 +26,7 @@ let it overlap step ``s``) before step ``s`` is waited for and reported
 from __future__ import annotations
 
 import asyncio
+import base64
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -94,6 +95,12 @@ class TrainingLoop:
         self.waiting: OpenStep | None = None
         #: the held-out micro-batches (ids, targets)
         self.eval_batches = _eval_micro_batches(run.eval_seqs, self.cfg.micro_batch_size)
+        #: DPO: the reference's summed completion log-probability of every row of the data
+        #: ((rows,) fp32), computed before the first step or read back from the resumed checkpoint
+        self.reference: torch.Tensor | None = None
+        if self.cfg.objective == "dpo":
+            program.preference = (self.cfg.dpo_beta, self.cfg.dpo_loss)
+            self.reference = read_reference(rs, len(run.seqs)) if run.resume_from is not None else None
 
     # ---- the loop -------------------------------------------------------------------------
     async def main(self) -> list[StepMetrics]:
@@ -103,11 +110,14 @@ class TrainingLoop:
         engine = Engine(program, policy, device=str(run.device), cpu_workers=cfg.adam_workers,
                         instruments=self.hooks, task_timeout=cfg.task_timeout)
         self.shutdown.attach(asyncio.get_running_loop(), asyncio.current_task())  # type: ignore[arg-type]
-        batches = step_batches(run.seqs, cfg.batch_size, shuffle=cfg.shuffle, seed=cfg.seed, start_step=run.first_step)
+        batches = step_batches(run.seqs, cfg.batch_size, shuffle=cfg.shuffle, seed=cfg.seed, start_step=run.first_step,
+                               pairs=cfg.objective == "dpo")
         # two steps in flight; a step's saves hold back the next step's Adam of their unit
         stream = StepStream(self.spec, in_flight=2, link=lambda prev, graph: save_edges(prev.data.saves, graph))
         try:
             async with engine:
+                if cfg.objective == "dpo" and self.reference is None:
+                    await self._reference_pass(engine)
                 self.t_last = time.perf_counter()
                 for s in range(run.first_step, cfg.steps):
                     if await self._stop_agreed():
@@ -156,14 +166,42 @@ class TrainingLoop:
         # this process's share of the step (all of it on one process); the loss is averaged
         # over the whole step's targets either way
         mbs = self.run.world.share(batch.micro_batches(cfg.micro_batch_size))
-        self.program.begin_step(s, [mb.input_ids for mb in mbs], [mb.targets for mb in mbs], self.run.schedule(s),
-                                [mb.positions for mb in mbs], n_targets=batch.num_targets())
+        if self.reference is not None:  # DPO: the loss is the mean over the step's pairs
+            self.program.begin_step(s, [mb.input_ids for mb in mbs], [mb.targets for mb in mbs], self.run.schedule(s),
+                                    n_targets=len(batch) // 2,
+                                    reference=[self.reference[mb.rows] for mb in mbs])  # type: ignore[index]
+        else:
+            self.program.begin_step(s, [mb.input_ids for mb in mbs], [mb.targets for mb in mbs], self.run.schedule(s),
+                                    [mb.positions for mb in mbs], n_targets=batch.num_targets())
         graph = compile_step(self.spec, step=s)
         saves = []
         if self._saves_after(s):
             saves = add_saves(graph, self.spec)
             self._open_checkpoint(s)
         engine.add(graph, stream.push(s, graph, _Added(saves, int(batch.input_ids.numel()))))
+
+    # ---- DPO's reference ----------------------------------------------------------------------
+    async def _reference_pass(self, engine: Engine) -> None:
+        """Every row's reference log-probability, before the first step changes a weight: the
+        forward-only graph of an evaluation (:mod:`flowtrain.graph.evaluation`) over the data, a
+        step's rows at a time, with the initial weights (under LoRA the base without its
+        adapters, which no step changes). Its time is not counted in any step's tokens/s."""
+        seqs, rows = self.run.seqs, self.cfg.batch_size
+        mbs, s = self.cfg.micro_batch_size, self.run.first_step
+        started = time.perf_counter()
+        parts = []
+        for start in range(0, len(seqs), rows):
+            ids, targets = seqs.input_ids[start:start + rows], seqs.targets[start:start + rows]
+            cut = range(0, len(ids), mbs)
+            self.program.begin_eval(s, [ids[i:i + mbs] for i in cut], [targets[i:i + mbs] for i in cut],
+                                    reference=True)
+            graph = compile_eval(self.spec, s, len(cut))
+            engine.add(graph)
+            await engine.wait(graph)
+            parts.append(self.program.end_reference(s))
+        self.reference = torch.cat(parts)
+        self.reporter.say(f"reference log-probabilities of {len(seqs) // 2:,} pairs computed in "
+                          f"{time.perf_counter() - started:.1f} s")
 
     # ---- held-out loss ----------------------------------------------------------------------
     def _evaluates_after(self, s: int) -> bool:
@@ -220,7 +258,8 @@ class TrainingLoop:
         seconds, self.t_last = now - self.t_last, now
         m = StepMetrics(step=s + 1, loss=loss, tokens=tokens, seconds=seconds,
                         tokens_per_s=tokens / seconds if seconds > 0 else 0.0, lr=self.run.schedule(s),
-                        grad_norm=grad_norm, skipped=skipped, experts_unfetched=self.program.unfetched.pop(s, None))
+                        grad_norm=grad_norm, skipped=skipped, experts_unfetched=self.program.unfetched.pop(s, None),
+                        rewards=self.program.rewards.pop(s, None))
         self.metrics.append(m)
         self._count_skipped(m)
         if s in self.writers:
@@ -271,6 +310,8 @@ class TrainingLoop:
         ts = trainer_state(self.cfg, steps_done=s + 1, skipped=self.skipped, consecutive=self.consecutive,
                            data=self.run.data_fp, last_loss=m.loss, lineage=self.lineage.to_json(),
                            schedule=self.run.schedule.record(), base=self.run.base_fp)
+        if self.reference is not None:  # DPO: the reference is the initial weights, which no checkpoint holds
+            ts["reference_logps"] = base64.b64encode(self.reference.numpy().astype("<f4").tobytes()).decode()
         self.last_saved = writer.finish(ts, extra_files=tokenizer_files(self.run.tokenizer_dir))
         self.last_saved_step = s + 1
         if self.cfg.save_total_limit:  # this run's line only: another run's checkpoints are not ours
@@ -312,6 +353,24 @@ class TrainingLoop:
                     f"one asked for was written, and no --save-every {self.cfg.save_every} checkpoint was due yet)")
         tail = f"; task {stuck[0]} was still running and was abandoned" if stuck else ""
         return Interrupted(signum, f"stopped by {signal_name(signum)} after step {done}: {what}{tail}")
+
+
+def read_reference(state: dict, rows: int) -> torch.Tensor:
+    """A DPO checkpoint's reference log-probabilities, one per row of the data."""
+    import numpy as np
+
+    from ..errors import CheckpointError
+
+    text = state.get("reference_logps")
+    try:
+        values = np.frombuffer(base64.b64decode(text, validate=True), dtype="<f4") if isinstance(text, str) else None
+    except (ValueError, TypeError):
+        values = None
+    if values is None or len(values) != rows:
+        raise CheckpointError("the checkpoint holds no reference log-probabilities for the data's "
+                              f"{rows // 2:,} pairs (trainer_state.json's reference_logps); it was not written by a "
+                              "DPO run on this data")
+    return torch.from_numpy(values.astype(np.float32))
 
 
 def _eval_micro_batches(seqs, micro_batch_size: int) -> tuple[list, list, list]:

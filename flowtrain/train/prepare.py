@@ -24,6 +24,7 @@ from ..ckpt.adapter_files import read_spec
 from ..ckpt.out_lock import check_free
 from ..ckpt.output import resolve_out, resolve_save_dtype
 from ..ckpt.resume import ContinuedSchedule, check_compatible, resumed_schedule, steps_done
+from ..data.preference import load_pairs
 from ..data.source import FromData, Sequences, default_corpus_path, load_sequences
 from ..errors import CheckpointError, ConfigError, PlanError
 from ..model import ModelConfig, read_config
@@ -110,6 +111,7 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
     base_dir = model_dir
     cfg = resolve_defaults(cfg, pretrained=model_dir is not None, saved=resume_state.get("settings"))
     check_fields(cfg)
+    _check_objective(cfg)
     mcfg.validate()
     check_units_fit(mcfg, cfg.host_mem, None if cfg.gpu_mem is None else int(cfg.gpu_mem * 2**30))  # before sizing anything
     if resume_from is not None:
@@ -232,8 +234,29 @@ def _read(path: str, cfg: TrainConfig, mcfg: ModelConfig, tokenizer_dir: Path | 
                           long_examples=long_examples or cfg.long_examples)
 
 
+def _check_objective(cfg: TrainConfig) -> None:
+    """DPO's batches hold whole pairs: two sequences each, in one micro-batch."""
+    if cfg.objective != "dpo":
+        return
+    if cfg.data is None:
+        raise ConfigError("{objective} dpo trains on preference pairs: give them with {data} (a .jsonl of TRL's "
+                          "prompt/chosen/rejected rows)", named=True)
+    for name, value in (("batch_size", cfg.batch_size), ("micro_batch_size", cfg.micro_batch_size)):
+        if value % 2:
+            raise ConfigError(f"{{{name}}} {value} counts sequences, and {{objective}} dpo puts the two of each "
+                              "preference pair in one micro-batch: give an even number", named=True)
+    if cfg.eval_data is not None:
+        raise ConfigError("{eval_data} is a held-out cross-entropy, which {objective} dpo does not report yet; "
+                          "leave it out", named=True)
+
+
 def _read_data(cfg: TrainConfig, mcfg: ModelConfig, tokenizer_dir: Path | None, seq_len: int | FromData) -> Sequences:
-    """``--data`` (the bundled corpus without it) read as the run reads it."""
+    """``--data`` (the bundled corpus without it) read as the run reads it: preference pairs
+    for ``--objective dpo`` (:mod:`flowtrain.data.preference`)."""
+    if cfg.objective == "dpo":
+        assert cfg.data is not None  # _check_objective's
+        return load_pairs(cfg.data, seq_len, mcfg.vocab_size, tokenizer_dir, pad_id=mcfg.pad_token_id or 0,
+                          eos_id=mcfg.eos_token_id, byte_tokenizer=cfg.byte_tokenizer)
     return _read(cfg.data or str(default_corpus_path()), cfg, mcfg, tokenizer_dir, seq_len)
 
 

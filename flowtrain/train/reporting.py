@@ -61,6 +61,10 @@ class StepMetrics(msgspec.Struct):
     #: step's fetches (forward, recompute, backward) left in host memory, the idle experts'
     #: before the recompute and backward; None (and not on the ``--metrics`` line) otherwise
     experts_unfetched: float | None = None
+    #: DPO: the step's mean rewards by TRL's names (``rewards/chosen``, ``rewards/rejected``,
+    #: ``rewards/margins``, ``rewards/accuracies``), each a key of its own on the ``--metrics``
+    #: line; None (and not there) otherwise
+    rewards: dict[str, float] | None = None
 
 
 #: fields of :class:`StepMetrics` that ``--metrics`` writes on a line of their own (:meth:`Reporter.eval`)
@@ -70,10 +74,20 @@ _EVAL_FIELDS = ("eval_loss", "eval_tokens")
 def metrics_json(m: StepMetrics) -> str:
     """One JSON line; non-finite numbers become ``null``. The held-out loss is not on it: it
     has a line of its own, written when the evaluation is done."""
+    fields = msgspec.to_builtins(m)
+    fields.update(fields.pop("rewards") or {})
     data = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-            for k, v in msgspec.to_builtins(m).items()
+            for k, v in fields.items()
             if k not in _EVAL_FIELDS and not (k == "experts_unfetched" and v is None)}
     return json.dumps(data, allow_nan=False)
+
+
+def _rewards_text(m: StepMetrics) -> str:
+    """DPO's margin and accuracy on a progress line (nothing for other runs)."""
+    if not m.rewards:
+        return ""
+    return (f"  margin {_num(m.rewards['rewards/margins'], '.4f')}  "
+            f"acc {_num(m.rewards['rewards/accuracies'], '.2f')}")
 
 
 def _num(x: float, fmt: str) -> str:
@@ -117,7 +131,9 @@ class Reporter:
             self.metrics.write(metrics_json(m) + "\n")
             self.metrics.flush()
         if self.bar is not None:
-            self.bar.set_postfix(loss=_num(m.loss, ".4f"), tok_s=f"{m.tokens_per_s:,.0f}",
+            extra = ({"margin": _num(m.rewards["rewards/margins"], ".4f"),
+                      "acc": _num(m.rewards["rewards/accuracies"], ".2f")} if m.rewards else {})
+            self.bar.set_postfix(loss=_num(m.loss, ".4f"), tok_s=f"{m.tokens_per_s:,.0f}", **extra,
                                  **({"skipped": "yes"} if m.skipped else {}))
             self.bar.update(1)
         elif not self.quiet and (m.skipped or (m.step - 1 - self.first) % self.every == 0 or m.step == self.total
@@ -125,7 +141,7 @@ class Reporter:
             self.last_line = self.clock()
             print(
                 f"step {m.step}/{self.total}  loss {_num(m.loss, '.4f')}  grad_norm {_num(m.grad_norm, '.3f')}  "
-                f"{m.tokens_per_s:,.0f} tok/s  lr {m.lr:.3g}" + ("  skipped: not finite, weights unchanged" if m.skipped else ""),
+                f"{m.tokens_per_s:,.0f} tok/s  lr {m.lr:.3g}" + _rewards_text(m) + ("  skipped: not finite, weights unchanged" if m.skipped else ""),
                 flush=True,
             )
 

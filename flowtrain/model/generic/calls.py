@@ -236,14 +236,15 @@ class GenericCalls:
         out = functional_call(self._head_module, params, (), {"inputs_embeds": h}, strict=False)
         return out.logits
 
-    def head_loss_and_grads(self, hidden: Tensor, norm_w: Tensor, head_w: Tensor, targets: Tensor, scale: float,
-                            chunk_tokens: int, weight_grads: bool = True
+    def head_loss_and_grads(self, hidden: Tensor, norm_w: Tensor, head_w: Tensor, targets: Tensor,
+                            scale: float | Tensor, chunk_tokens: int, weight_grads: bool = True
                             ) -> tuple[Tensor, Tensor, Tensor | None, Tensor | None]:
         """``(loss_sum, d_hidden, d_norm_w, d_head_w)`` as
         :func:`flowtrain.model.functional.head_loss_and_grads` returns them, one chunk of
-        ``chunk_tokens`` tokens at a time."""
+        ``chunk_tokens`` tokens at a time (``scale`` a number or one weight per token)."""
         x = hidden.reshape(-1, hidden.shape[-1])
         t = targets.reshape(-1)
+        per_token = scale.reshape(-1) if isinstance(scale, Tensor) else None
         loss = torch.zeros((), dtype=torch.float32, device=hidden.device)
         d_x = torch.empty_like(x)
         d_norm = torch.zeros_like(norm_w, dtype=torch.float32) if weight_grads else None
@@ -255,15 +256,33 @@ class GenericCalls:
                 xc = x[start:start + chunk_tokens].detach().requires_grad_(True)
                 tc = t[start:start + chunk_tokens]
                 logits = self.logits(xc[None], nw, hw)[0].float()
-                ce = F.cross_entropy(logits, tc, ignore_index=IGNORE_INDEX, reduction="sum")
+                if per_token is None:
+                    ce = F.cross_entropy(logits, tc, ignore_index=IGNORE_INDEX, reduction="sum")
+                    weighted = ce * scale
+                else:
+                    terms = F.cross_entropy(logits, tc, ignore_index=IGNORE_INDEX, reduction="none")
+                    ce, weighted = terms.sum(), (terms * per_token[start:start + chunk_tokens]).sum()
                 inputs = [xc, nw, hw] if weight_grads else [xc]
-                grads = torch.autograd.grad(ce * scale, inputs)
+                grads = torch.autograd.grad(weighted, inputs)
             loss += ce.detach()
             d_x[start:start + chunk_tokens] = grads[0]
             if d_norm is not None and d_head is not None:
                 d_norm += grads[1].float()
                 d_head += grads[2]
         return loss, d_x.view_as(hidden), (d_norm.to(norm_w.dtype) if d_norm is not None else None), d_head
+
+    @torch.no_grad()
+    def head_token_logprobs(self, hidden: Tensor, norm_w: Tensor, head_w: Tensor, targets: Tensor,
+                            chunk_tokens: int) -> Tensor:
+        """Each target's log-probability, ``targets``' shape, fp32, 0 where ignored."""
+        x = hidden.reshape(-1, hidden.shape[-1])
+        t = targets.reshape(-1)
+        out = torch.zeros(t.shape, dtype=torch.float32, device=hidden.device)
+        for start in range(0, x.shape[0], chunk_tokens):
+            logits = self.logits(x[start:start + chunk_tokens][None], norm_w, head_w)[0].float()
+            out[start:start + chunk_tokens] = -F.cross_entropy(logits, t[start:start + chunk_tokens],
+                                                               ignore_index=IGNORE_INDEX, reduction="none")
+        return out.view(targets.shape)
 
     @torch.no_grad()
     def head_loss(self, hidden: Tensor, norm_w: Tensor, head_w: Tensor, targets: Tensor, chunk_tokens: int) -> Tensor:

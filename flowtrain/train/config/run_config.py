@@ -30,9 +30,9 @@ from .settings import Setting
 
 
 #: the groups of ``flowtrain train --help``, in the order shown (None: the first, untitled)
-DATA, OPTIMIZER, SCHEDULE, MEMORY, KERNELS, OUTPUT, SAFETY, EVAL, LORA = (
+DATA, OPTIMIZER, SCHEDULE, MEMORY, KERNELS, OUTPUT, SAFETY, EVAL, LORA, PREFERENCE = (
     "data and batches", "optimizer", "run and schedule", "memory and placement", "kernels",
-    "output", "checkpoints and safety", "held-out loss", "LoRA adapters")
+    "output", "checkpoints and safety", "held-out loss", "LoRA adapters", "preference training")
 _BOTH = "default: {} for a model folder, {} for a preset (random weights); a resumed run keeps its own"
 _SCRATCH, _TUNE = defaults.FROM_SCRATCH, defaults.FINE_TUNE
 
@@ -279,6 +279,21 @@ class TrainConfig(msgspec.Struct, kw_only=True):
     merge: Annotated[bool, Setting(
         "with LoRA: write the merged model (base + adapters, in --save-dtype) to --out instead of the adapter",
         group=LORA)] = False
+
+    objective: Annotated[Literal["sft", "dpo"], Setting(
+        "what the run minimises: sft (next-token cross-entropy over the target tokens) or dpo (direct preference "
+        "optimisation over --data's preference pairs, TRL's rows: prompt/chosen/rejected as strings or messages, or "
+        "prompt_input_ids/chosen_input_ids/rejected_input_ids; --batch-size and --micro-batch-size then count "
+        "sequences, two per pair, and must be even; the reference is the initial weights, or under LoRA the base "
+        "without adapters, whose log-probabilities are computed once before the first step)",
+        group=PREFERENCE)] = "sft"
+    dpo_beta: Annotated[float, Setting(
+        "DPO's beta: how far the policy may move from the reference (TRL's default 0.1)", gt=0.0,
+        group=PREFERENCE)] = 0.1
+    dpo_loss: Annotated[Literal["sigmoid", "ipo"], Setting(
+        "DPO's loss, as TRL's loss_type: sigmoid (-log sigmoid(beta * margin), log-probabilities summed over each "
+        "completion) or ipo ((margin - 1 / (2 beta))^2, log-probabilities averaged over each completion's tokens)",
+        group=PREFERENCE)] = "sigmoid"
 
     def __post_init__(self) -> None:
         """The default micro-batch resolved against the batch, as a plain ``int`` from here on."""

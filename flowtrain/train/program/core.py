@@ -107,6 +107,10 @@ class StepProgram:
         #: per finished step, the fraction of the sparse layers' expert weights its fetches left
         #: in host memory (the caller pops it: flowtrain.train.loop)
         self.unfetched: dict[int, float] = {}
+        #: DPO's ``(beta, loss type)`` (flowtrain.train.objectives); None: next-token cross-entropy
+        self.preference: tuple[float, str] | None = None
+        #: per finished DPO step, its mean rewards by TRL's names (the caller pops it)
+        self.rewards: dict[int, dict[str, float]] = {}
         self.lock = threading.Lock()
 
     # ---- the engine's entry point ----------------------------------------------------------
@@ -125,11 +129,17 @@ class StepProgram:
 
     # ---- step boundaries -----------------------------------------------------------------
     def begin_step(self, step: int, micro_ids: list[torch.Tensor], micro_targets: list[torch.Tensor], lr: float,
-                   micro_positions: list[torch.Tensor | None] | None = None, n_targets: int | None = None) -> None:
+                   micro_positions: list[torch.Tensor | None] | None = None, n_targets: int | None = None,
+                   reference: list[torch.Tensor] | None = None) -> None:
         """Hand over one step's micro-batches (CPU int64 tensors, (b, seq) each), and where rows
         are packed, each token's position inside its document (0 where one starts).
         ``n_targets``: the target tokens the loss is averaged over, where these micro-batches are
-        this process's share of a larger step (data parallel); by default theirs."""
+        this process's share of a larger step (data parallel); by default theirs.
+        ``reference`` (DPO, :attr:`preference` set): per micro-batch, the reference's summed
+        completion log-probability of each row ((rows,) fp32), pairs in consecutive rows; the
+        loss is then averaged over ``n_targets`` pairs (by default the micro-batches')."""
+        if reference is not None and n_targets is None:
+            n_targets = sum(len(t) for t in micro_targets) // 2
         if n_targets is None:
             n_targets = int(sum(int((t != -100).sum()) for t in micro_targets))
         if n_targets == 0:
@@ -139,6 +149,7 @@ class StepProgram:
             micro_targets = [t.pin_memory() for t in micro_targets]
         docs = documents(micro_positions, len(micro_ids))
         self.steps[step] = StepData(micro_ids, micro_targets, n_targets, lr, self.finite.new_check(step), docs)
+        self.steps[step].reference = reference
         self.experts.begin(step, micro_targets, self.device, len(micro_ids) * self.world.size)
 
     def end_step(self, step: int) -> tuple[float, float, bool]:
@@ -155,6 +166,13 @@ class StepProgram:
                 aux = aux.detach().clone()
                 all_reduce_sum(aux, metrics=True)
             loss += float(aux)
+        if data.rewards is not None:  # DPO: the step's mean rewards, over every process's pairs
+            sums = data.rewards.detach().clone()
+            if self.world.parallel:
+                all_reduce_sum(sums, metrics=True)
+            values = (sums.cpu() / data.n_targets).tolist()
+            self.rewards[step] = dict(zip(("rewards/chosen", "rewards/rejected", "rewards/margins",
+                                           "rewards/accuracies"), values))
         norm = data.total_norm if data.total_norm is not None else self.total_norm(data)
         self.finite.settle(data)  # a no-op where verify_step or grad_norm has settled the step
         unfetched = self.experts.end(step)
@@ -184,14 +202,17 @@ class StepProgram:
         return total
 
     def begin_eval(self, step: int, micro_ids: list[torch.Tensor], micro_targets: list[torch.Tensor],
-                   micro_positions: list[torch.Tensor | None] | None = None) -> None:
+                   micro_positions: list[torch.Tensor | None] | None = None, reference: bool = False) -> None:
         """Hand over the held-out micro-batches (CPU int64 tensors, (b, seq) each) of the
-        evaluation that reads the weights after ``step`` (positions as in :meth:`begin_step`)."""
+        evaluation that reads the weights after ``step`` (positions as in :meth:`begin_step`).
+        ``reference``: a reference pass (DPO) instead, whose result :meth:`end_reference` reads:
+        each row's summed target log-probability, under LoRA without the adapters."""
         n_targets = int(sum(int((t != -100).sum()) for t in micro_targets))
         if self.slots.pin:
             micro_ids = [t.pin_memory() for t in micro_ids]
             micro_targets = [t.pin_memory() for t in micro_targets]
-        self.evals[step] = EvalData(micro_ids, micro_targets, n_targets, documents(micro_positions, len(micro_ids)))
+        self.evals[step] = EvalData(micro_ids, micro_targets, n_targets, documents(micro_positions, len(micro_ids)),
+                                    reference=reference)
 
     def end_eval(self, step: int) -> tuple[float, int]:
         """``(mean CE over every held-out target token, number of those tokens)`` of a finished
@@ -203,6 +224,14 @@ class StepProgram:
         for m in sorted(data.sums):
             total += data.sums[m].cpu()
         return float(total) / data.n_targets, data.n_targets
+
+    def end_reference(self, step: int) -> torch.Tensor:
+        """A finished reference pass's summed log-probability of each row, in row order
+        (``(rows,)`` fp32 on the CPU)."""
+        data = self.evals.pop(step)
+        self.store.check_empty(step, evaluation=True)
+        self.layers.check_empty(step, evaluation=True)
+        return torch.cat([data.sums[m].cpu() for m in range(len(data.ids))])
 
     def reserve_offloaded(self, layers: Iterable[int], micro_batches: int, rows: int) -> None:
         """Allocate, before the first step, the host buffer of every checkpoint the step graph

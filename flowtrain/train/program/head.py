@@ -12,7 +12,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+import torch
+
 from ...graph.tasks import EvalLoss, Loss
+from ...model.functional import IGNORE_INDEX
+from ..objectives import dpo_step_loss, loss_and_grad
 from ...runtime.engine import TaskContext
 from .registry import HANDLERS
 
@@ -31,8 +35,13 @@ def run_loss(p: StepProgram, task: Loss, ctx: TaskContext) -> None:
     targets = data.targets[m].to(p.device, non_blocking=p.slots.non_blocking)
     trains = p.training.head_trains  # with LoRA the head takes no gradient: only the hidden state's
     norm_w, head_w = p.head.weights(ctx)
-    loss_sum, d_h, d_norm, d_head = p.layers.head_loss_and_grads(
-        h, norm_w, head_w, targets, 1.0 / data.n_targets, p.chunk_tokens, weight_grads=trains)
+    if data.reference is not None:  # DPO: the pairs' loss of the tokens' log-probabilities
+        loss_sum, scale = _preference(p, data, m, h, norm_w, head_w, targets)
+        _, d_h, d_norm, d_head = p.layers.head_loss_and_grads(
+            h, norm_w, head_w, targets, scale, p.chunk_tokens, weight_grads=trains)
+    else:
+        loss_sum, d_h, d_norm, d_head = p.layers.head_loss_and_grads(
+            h, norm_w, head_w, targets, 1.0 / data.n_targets, p.chunk_tokens, weight_grads=trains)
     loss_sum = p.finite.poison(loss_sum, s, "loss", m)
     if trains:
         assert d_norm is not None and d_head is not None
@@ -48,15 +57,35 @@ def run_loss(p: StepProgram, task: Loss, ctx: TaskContext) -> None:
     p.store.grads.put((s, L - 1, m), d_h)
 
 
+def _preference(p: StepProgram, data, m: int, h, norm_w, head_w, targets) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch's summed DPO loss and each token's weight on its cross-entropy (the
+    loss's gradient with respect to the token's log-probability, negated, over the step's
+    pairs): :mod:`flowtrain.train.objectives`."""
+    assert data.reference is not None and p.preference is not None
+    beta, loss_type = p.preference
+    logp = p.layers.head_token_logprobs(h, norm_w, head_w, targets, p.chunk_tokens)
+    mask = (targets != IGNORE_INDEX).float()
+    ref = data.reference[m].to(p.device, non_blocking=p.slots.non_blocking)
+    rewards = torch.zeros(4, dtype=torch.float32, device=p.device)
+    loss_sum, g = loss_and_grad(lambda lp: dpo_step_loss(lp, mask, ref, beta, loss_type, rewards), logp)
+    with p.lock:
+        data.rewards = rewards if data.rewards is None else data.rewards + rewards
+    return loss_sum, g.mul_(-1.0 / data.n_targets)  # n_targets: the step's pairs
+
+
 @HANDLERS.register("eval_loss")
 def run_eval_loss(p: StepProgram, task: EvalLoss, ctx: TaskContext) -> None:
-    """Forward only: final norm, head and the summed CE of one held-out micro-batch (fp32)."""
+    """Forward only: final norm, head and the summed CE of one held-out micro-batch (fp32);
+    in a reference pass (DPO), each row's summed target log-probability instead."""
     s, m = task.step, task.micro_batch
     data = p.evals[s]
     h = p.store.eval_inputs.take((s, p.cfg.num_layers, m))
     targets = data.targets[m].to(p.device, non_blocking=p.slots.non_blocking)
     norm_w, head_w = p.head.weights(ctx)
-    loss_sum = p.layers.head_loss(h, norm_w, head_w, targets, p.chunk_tokens)
+    if data.reference:
+        loss_sum = p.layers.head_token_logprobs(h, norm_w, head_w, targets, p.chunk_tokens).sum(-1)
+    else:
+        loss_sum = p.layers.head_loss(h, norm_w, head_w, targets, p.chunk_tokens)
     p.layers.forget("eval", s, m)
     with p.lock:
         data.sums[m] = loss_sum

@@ -28,7 +28,8 @@ from typing import Any
 
 import torch
 
-from ...model import decoder_layer, default_chunk_tokens, embed, head_loss, head_loss_and_grads, rope_tables
+from ...model import (decoder_layer, default_chunk_tokens, embed, head_loss, head_loss_and_grads, head_token_logprobs,
+                      rope_tables)
 from ...model.attention import Documents, rotary_for
 from ...model.config import ModelConfig
 from ...model.flat_map import FlatMap
@@ -102,7 +103,7 @@ class LayerRunner:
         raise NotImplementedError
 
     def head_loss_and_grads(self, h: torch.Tensor, norm_w: torch.Tensor, head_w: torch.Tensor,
-                            targets: torch.Tensor, scale: float, chunk_tokens: int | None,
+                            targets: torch.Tensor, scale: float | torch.Tensor, chunk_tokens: int | None,
                             weight_grads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                                          torch.Tensor | None]:
         """Final norm, head and cross-entropy, forward and backward: ``(loss_sum, d_hidden,
@@ -113,6 +114,11 @@ class LayerRunner:
     def head_loss(self, h: torch.Tensor, norm_w: torch.Tensor, head_w: torch.Tensor, targets: torch.Tensor,
                   chunk_tokens: int | None) -> torch.Tensor:
         """The summed cross-entropy of held-out tokens (fp32 scalar)."""
+        raise NotImplementedError
+
+    def head_token_logprobs(self, h: torch.Tensor, norm_w: torch.Tensor, head_w: torch.Tensor, targets: torch.Tensor,
+                            chunk_tokens: int | None) -> torch.Tensor:
+        """Each target's log-probability, ``targets``' shape, fp32, 0 where ignored."""
         raise NotImplementedError
 
 
@@ -159,7 +165,7 @@ class NativeLayerRunner(LayerRunner):
         return {"token ids": self.dev_ids, "documents": self.dev_docs}
 
     def head_loss_and_grads(self, h: torch.Tensor, norm_w: torch.Tensor, head_w: torch.Tensor,
-                            targets: torch.Tensor, scale: float, chunk_tokens: int | None,
+                            targets: torch.Tensor, scale: float | torch.Tensor, chunk_tokens: int | None,
                             weight_grads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                                          torch.Tensor | None]:
         return head_loss_and_grads(h, norm_w, head_w, targets, self.cfg.rms_norm_eps, scale, chunk_tokens,
@@ -169,6 +175,11 @@ class NativeLayerRunner(LayerRunner):
                   chunk_tokens: int | None) -> torch.Tensor:
         return head_loss(h, norm_w, head_w, targets, self.cfg.rms_norm_eps, chunk_tokens,
                          plus_one=self.cfg.family.gemma)
+
+    def head_token_logprobs(self, h: torch.Tensor, norm_w: torch.Tensor, head_w: torch.Tensor, targets: torch.Tensor,
+                            chunk_tokens: int | None) -> torch.Tensor:
+        return head_token_logprobs(h, norm_w, head_w, targets, self.cfg.rms_norm_eps, chunk_tokens,
+                                   plus_one=self.cfg.family.gemma)
 
     def place_documents(self, data: str, s: int, m: int, docs: Documents | None) -> None:
         """Move a packed micro-batch's documents to the device with its rotary tables gathered
@@ -241,7 +252,7 @@ class GenericLayerRunner(LayerRunner):
         return {"layer arguments": self.layer_kwargs, "embedding graphs": self.stem_graphs}
 
     def head_loss_and_grads(self, h: torch.Tensor, norm_w: torch.Tensor, head_w: torch.Tensor,
-                            targets: torch.Tensor, scale: float, chunk_tokens: int | None,
+                            targets: torch.Tensor, scale: float | torch.Tensor, chunk_tokens: int | None,
                             weight_grads: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None,
                                                          torch.Tensor | None]:
         chunk = chunk_tokens or default_chunk_tokens(head_w.shape[0])
@@ -250,6 +261,11 @@ class GenericLayerRunner(LayerRunner):
     def head_loss(self, h: torch.Tensor, norm_w: torch.Tensor, head_w: torch.Tensor, targets: torch.Tensor,
                   chunk_tokens: int | None) -> torch.Tensor:
         return self.calls.head_loss(h, norm_w, head_w, targets, chunk_tokens or default_chunk_tokens(head_w.shape[0]))
+
+    def head_token_logprobs(self, h: torch.Tensor, norm_w: torch.Tensor, head_w: torch.Tensor, targets: torch.Tensor,
+                            chunk_tokens: int | None) -> torch.Tensor:
+        return self.calls.head_token_logprobs(h, norm_w, head_w, targets,
+                                              chunk_tokens or default_chunk_tokens(head_w.shape[0]))
 
     def run(self, data: str, s: int, i: int, m: int, x: torch.Tensor, w: Any,
             router: RouterTap | None = None) -> torch.Tensor:

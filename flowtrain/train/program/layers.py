@@ -57,7 +57,8 @@ def run_forward(p: StepProgram, task: Forward | Recompute, ctx: TaskContext) -> 
     """A layer's forward pass; as ``recompute`` (in backward) its input is always kept."""
     s, i, m = task.step, task.layer, task.micro_batch
     if task.phase == "eval":  # nothing is kept for a backward, and no dropout
-        w = p.training.layer_weights(i, ctx)
+        # a reference pass (DPO) under LoRA reads the base without its adapters
+        w = p.training.base_weights(i, ctx) if p.evals[s].reference else p.training.layer_weights(i, ctx)
         x = p.store.eval_inputs.take((s, i, m))
         p.store.eval_inputs.put((s, i + 1, m), p.layers.run("eval", s, i, m, x, w))
         return

@@ -33,6 +33,11 @@ class StepData:
         self.total_norm: float | None = None
         self.tied_summed = False
         self.check = check  # is the step finite: see flowtrain.train.nonfinite
+        #: DPO: per micro-batch the reference's summed completion log-probability of each row
+        #: ((rows,) fp32); None for next-token cross-entropy
+        self.reference: list[torch.Tensor] | None = None
+        #: DPO: the step's summed chosen and rejected rewards, margins and accuracies ((4,) fp32)
+        self.rewards: torch.Tensor | None = None
 
     @property
     def micro_batches(self) -> int:
@@ -43,12 +48,15 @@ class EvalData:
     """Host-side inputs and per-micro-batch CE sums of one held-out loss evaluation."""
 
     def __init__(self, ids: list[torch.Tensor], targets: list[torch.Tensor], n_targets: int,
-                 docs: list[Documents | None]) -> None:
+                 docs: list[Documents | None], reference: bool = False) -> None:
         self.ids = ids
         self.targets = targets
         self.docs = docs
         self.n_targets = n_targets
-        self.sums: dict[int, torch.Tensor] = {}  # micro-batch -> fp32 CE sum (device scalar)
+        #: a reference pass (DPO): per row, the summed log-probability of its targets, with the
+        #: weights as they were before training (under LoRA: the base without its adapters)
+        self.reference = reference
+        self.sums: dict[int, torch.Tensor] = {}  # micro-batch -> fp32 CE sum (device scalar), or per row
 
 
 def documents(positions: list[torch.Tensor | None] | None, n: int) -> list[Documents | None]:

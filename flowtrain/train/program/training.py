@@ -70,6 +70,10 @@ class WholeModel:
         """Layer ``i``'s weights as its math reads them, bound from its slot (or its own copy)."""
         return bind(self.flat(i, ctx), self.state.unit("layer", i).flat_map)
 
+    def base_weights(self, i: int, ctx: TaskContext) -> dict[str, torch.Tensor]:
+        """Layer ``i``'s own weights, without LoRA's adapters (DPO's reference under LoRA)."""
+        return WholeModel.layer_weights(self, i, ctx)
+
     def backward_weights(self, i: int, ctx: TaskContext,
                          dropout: Dropout) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
         """``(leaves, weights)`` of a backward's rebuild: what takes the gradient, and the
