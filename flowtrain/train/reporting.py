@@ -141,7 +141,8 @@ class Reporter:
             self.last_line = self.clock()
             print(
                 f"step {m.step}/{self.total}  loss {_num(m.loss, '.4f')}  grad_norm {_num(m.grad_norm, '.3f')}  "
-                f"{m.tokens_per_s:,.0f} tok/s  lr {m.lr:.3g}" + _rewards_text(m) + ("  skipped: not finite, weights unchanged" if m.skipped else ""),
+                f"{m.tokens_per_s:,.0f} tok/s  lr {m.lr:.3g}" + _rewards_text(m)
+                + ("  skipped: not finite, weights unchanged" if m.skipped else ""),
                 flush=True,
             )
 
