@@ -32,7 +32,7 @@ __all__ = ["PLAN_FIELDS", "add_arguments", "checked_request", "flag_of", "format
 
 #: the fields of ``TrainConfig`` that ``plan`` (and ``simulate``) take, with train's flags,
 #: defaults and checks
-PLAN_FIELDS = ("model", "data", "tokenizer", "byte_tokenizer", "seq_len", "batch_size",
+PLAN_FIELDS = ("model", "data", "data_columns", "tokenizer", "byte_tokenizer", "seq_len", "batch_size",
                "micro_batch_size", "order", "grad_clip", "precision", "device", "policy", "attention_backend", "layer_path",
                *MEMORY_FIELDS, "lora_rank", "lora_targets", "lora_state", "skip_idle_experts")
 

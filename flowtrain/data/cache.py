@@ -13,9 +13,10 @@ Training never deletes a finished cache folder; ``flowtrain cache`` lists the fo
 sizes and ``flowtrain cache --clean [--max-gb G]`` removes them, least recently used first
 (:mod:`~flowtrain.data.cache_entries`; every load marks its folder used).
 
-**Key.** A folder is named by a sha256 over the data file's bytes, the bytes of every tokenizer
+**Key.** A folder is named by a sha256 over the data file's bytes (a ``datasets`` folder's:
+every file in it, by name), the bytes of every tokenizer
 file of the model (``tokenizer.json``, ``tokenizer_config.json``, ``chat_template.jinja``, ...),
-every setting that changes the rows (``seq_len`` or how the data chooses it, ``packing``,
+every setting that changes the rows (``seq_len`` or how the data chooses it, the column map, ``packing``,
 ``long_examples`` as built: ``"error"`` builds what ``"drop"`` does, ``vocab_size``, pad and
 EOS ids, ``byte_tokenizer``, the text piece size), the versions of ``tokenizers`` and
 ``jinja2`` and :data:`FORMAT`. Same key, same rows; change anything and a new folder is built.
@@ -62,6 +63,7 @@ import numpy as np
 import torch
 
 from flowtrain.data.cache_entries import CACHE_ENV, alive, cache_root, touch
+from flowtrain.data.tables import files_of
 from flowtrain.data.text import tokenizer_files
 from flowtrain.errors import DataError
 
@@ -83,7 +85,8 @@ def cache_key(path: Path, settings: dict, tokenizer_dir: str | Path | None) -> s
     meta = {"format": FORMAT, "byteorder": sys.byteorder, "settings": settings,
             "versions": {name: _version(name) for name in ("tokenizers", "jinja2")}}
     h.update(json.dumps(meta, sort_keys=True).encode())
-    for name, file in [("data", path)] + [(f.name, f) for f in tokenizer_files(tokenizer_dir)]:
+    data = [("data", path)] if not path.is_dir() else [(f"data/{f.relative_to(path)}", f) for f in files_of(path)]
+    for name, file in data + [(f.name, f) for f in tokenizer_files(tokenizer_dir)]:
         with file.open("rb") as f:
             h.update(f"{name}:{hashlib.file_digest(f, 'sha256').hexdigest()};".encode())
     return h.hexdigest()[:32]

@@ -17,7 +17,12 @@ text (a row's text, completion or conversation) is tokenised in pieces all the s
 * ``kind="rows"``: sequences as they stand, each cut at seq_len or padded, with ``labels``
   (aligned with the ids as in transformers: ``labels[t]`` is what position ``t`` is, -100 where
   no loss is taken; None means every token is learnt). ``.jsonl`` rows with ``input_ids``
-  (optionally ``labels``), ``prompt`` + ``completion`` or ``messages``; a 2-D ``.npy``.
+  (optionally ``labels``), ``prompt`` + ``completion``, ``messages``, or the alpaca and
+  ShareGPT rows that :mod:`~flowtrain.data.rows` reads as ``messages``; a 2-D ``.npy``.
+
+A Parquet or Arrow file, or a ``datasets`` folder (:mod:`~flowtrain.data.tables`), holds the
+same rows as a ``.jsonl`` file, one per table row, and is read the same way, an error naming
+the row (``data.parquet row 6``, counted from 0).
 
 **Fine-tuning rows.** ``{"prompt": p, "completion": c}`` is the tokenizer's template prefix
 (BOS), ``p`` and ``c`` encoded each on its own (so a token never straddles the boundary), and
@@ -59,6 +64,8 @@ from typing import Literal, NamedTuple, cast
 import numpy as np
 
 from flowtrain.data import text as data_text
+from flowtrain.data.rows import CONVERSATION_FORMS, ROW_EXAMPLE, ColumnMap, row_form
+from flowtrain.data.tables import is_table, table_rows
 from flowtrain.data.text import ChatTemplate, Encoder
 from flowtrain.errors import DataError
 
@@ -76,25 +83,9 @@ MAX_LINE_BYTES = 16 << 20
 _READ_BYTES = 1 << 20
 _NPY_CHUNK = 1 << 22
 
-_JSONL_EXAMPLE = (
-    '{"text": "..."}, {"prompt": "...", "completion": "..."}, {"messages": [{"role": ..., '
-    '"content": ...}, ...]} (+ "tools": [...]), {"input_ids": [1, 2, 3]} or {"input_ids": [...], "labels": [...]}'
-)
+_JSONL_EXAMPLE = ROW_EXAMPLE
 
 IGNORE_INDEX = -100  # a target that is not one: torch's and Hugging Face's ignore_index
-
-# The keys a row may hold, and the form they make; any other key set is refused, so a typo
-# ("label", "response") never trains on what it was meant to mask. ``input_ids`` with ``text``
-# is a pre-tokenized row that kept its text for reading; the ids are what counts.
-_FORMS = {
-    frozenset({"text"}): "text",
-    frozenset({"prompt", "completion"}): "prompt/completion",
-    frozenset({"messages"}): "messages",
-    frozenset({"messages", "tools"}): "messages",
-    frozenset({"input_ids"}): "input_ids",
-    frozenset({"input_ids", "labels"}): "input_ids",
-    frozenset({"input_ids", "text"}): "input_ids",
-}
 
 
 class Piece(NamedTuple):
@@ -113,7 +104,8 @@ class Parsed:
     kind: Literal["stream", "rows"]
     pieces: Iterator[Piece]  # lazy: reading, tokenising and checking happen as it is drawn
     eos_id: int | None = None  # separator between stream documents, when the tokenizer has one
-    row_name: str = "line"  # what Piece.row counts: "line" (1-based, .jsonl) or "row" (0-based, .npy)
+    #: what Piece.row counts: "line" (1-based, .jsonl) or "row" (0-based, .npy and tables)
+    row_name: str = "line"
     #: messages rows: "generation" (the template's {% generation %} marks) or "turns" (turn by turn)
     mask: str | None = None
 
@@ -200,80 +192,110 @@ def read_jsonl(
     vocab_size: int,
     encoder: Callable[[], Encoder],
     chat_template: Callable[[], ChatTemplate | None] = lambda: None,
+    columns: ColumnMap | None = None,
 ) -> Parsed:
-    """JSON lines, one object each, in one of the forms of ``_JSONL_EXAMPLE``.
+    """Rows, one object each, in one of the forms of ``_JSONL_EXAMPLE``: the lines of a
+    ``.jsonl`` file, or the rows of a table (:mod:`~flowtrain.data.tables`: Parquet, Arrow, a
+    ``datasets`` folder), read through the column map ``columns`` (:mod:`~flowtrain.data.rows`).
 
-    ``text`` rows are documents (a stream); every other form gives one sequence per row. One
-    file holds one form (``input_ids`` rows with and without ``labels`` count as one); the first
-    line decides, and a line of another form is refused when it is reached.
+    ``text`` rows are documents (a stream); every other form gives one sequence per row; alpaca
+    and ShareGPT rows are conversations, read as the ``messages`` rows they mean. One file holds
+    one form (``input_ids`` rows with and without ``labels`` count as one); the first row
+    decides, and a row of another form is refused when it is reached.
     """
-    probe = _lines(path)
+    row_name = "row" if is_table(path) else "line"
+    probe = _lines(path, columns=columns)
     first = next(probe, None)
-    probe.close()  # the first line decides the form; the file is read from the top below
+    probe.close()  # the first row decides the form; the file is read from the top below
     if first is None:
-        raise DataError(f"{path} has no JSON lines; each line must look like {_JSONL_EXAMPLE}")
+        raise DataError(f"{path} has no {'rows' if row_name == 'row' else 'JSON lines'}; each "
+                        f"{row_name} must look like {_JSONL_EXAMPLE}")
     form = first.form
-    lines = _lines(path, form=(form, first.no))
+    lines = _lines(path, form=(form, first.no), columns=columns)
     if form == "input_ids":
-        return Parsed("rows", _id_rows(path, lines, vocab_size))
+        return Parsed("rows", _id_rows(lines, vocab_size), row_name=row_name)
     if form == "text":
         enc = encoder()
-        return Parsed("stream", _text_rows(path, lines, vocab_size, enc), enc.eos_id)
+        return Parsed("stream", _text_rows(lines, vocab_size, enc), enc.eos_id)
     if form == "prompt/completion":
-        return Parsed("rows", _prompt_rows(path, lines, vocab_size, encoder()))
+        return Parsed("rows", _prompt_rows(lines, vocab_size, encoder()), row_name=row_name)
     template = chat_template()
     if template is None:
         raise DataError(
-            f"{path} holds \"messages\" rows, but the model's tokenizer has no chat template "
+            f"{path} holds {_FORM_NAMES[form]} rows, but the model's tokenizer has no chat template "
             "(chat_template in tokenizer_config.json, or chat_template.jinja); pass --tokenizer "
             "DIR with one, or write the rows as prompt/completion"
         )
     mask = "generation" if template.has_generation else "turns"
-    return Parsed("rows", _chat_rows(path, lines, vocab_size, encoder(), template), mask=mask)
+    return Parsed("rows", _chat_rows(lines, vocab_size, encoder(), template), mask=mask, row_name=row_name)
 
 
-def holds_conversations(path: Path) -> bool:
-    """Whether ``path`` is a ``.jsonl`` of ``messages`` rows, by its first line (False for a
-    file that is not, or whose first line cannot be read: reading it fails later, properly)."""
-    if path.suffix.lower() != ".jsonl":
+_FORM_NAMES = {"messages": "\"messages\"", "alpaca": "alpaca (conversation)", "sharegpt": "ShareGPT (conversation)"}
+
+
+def holds_conversations(path: Path, columns: ColumnMap | None = None) -> bool:
+    """Whether ``path`` holds conversations (``messages``, alpaca or ShareGPT rows), by its first
+    row (False for a file that does not, or whose first row cannot be read: reading it fails
+    later, properly)."""
+    if path.suffix.lower() != ".jsonl" and not is_table(path):
         return False
-    lines = _lines(path)
+    lines = _lines(path, columns=columns)
     try:
         first = next(lines, None)
     except (DataError, OSError):
         return False
     finally:
         lines.close()
-    return first is not None and first.form == "messages"
+    return first is not None and first.form in CONVERSATION_FORMS
 
 
 class _Line(NamedTuple):
-    no: int  # 1-based
+    no: int  # a line (1-based) or a table's row (0-based)
+    where: str  # "data.jsonl line 7", "data.parquet row 6": how an error names it
     obj: dict
-    form: str  # one of _FORMS' values
-    size: int  # bytes
+    form: str  # one of rows.FORMS' values
+    size: int  # bytes (about, for a table's row)
 
 
-def _lines(path: Path, form: tuple[str, int] | None = None) -> Generator[_Line, None, None]:
-    """Each non-blank line, parsed; with ``form`` (the file's form and the line that set it), a
-    row of another form is refused. A line over :data:`MAX_LINE_BYTES` is refused unparsed."""
+def _lines(path: Path, form: tuple[str, int] | None = None,
+           columns: ColumnMap | None = None) -> Generator[_Line, None, None]:
+    """Each row, read through ``columns``: each non-blank line of a ``.jsonl`` file, parsed, or
+    each row of a table; with ``form`` (the file's form and the row that set it), a row of
+    another form is refused. A line over :data:`MAX_LINE_BYTES` is refused unparsed."""
+    table = is_table(path)
+    name = "row" if table else "line"
+    for no, obj, size in (_table_objects(path) if table else _jsonl_objects(path)):
+        where = f"{path} {name} {no}"
+        this, obj = row_form(obj, where, columns, table=table)
+        if form is not None and this != form[0]:
+            raise DataError(
+                f"{path} mixes \"{form[0]}\" rows ({name} {form[1]}) and \"{this}\" rows ({name} "
+                f"{no}); keep one form per file: convert the rows or split the file"
+            )
+        yield _Line(no, where, obj, this, size)
+
+
+def _jsonl_objects(path: Path) -> Iterator[tuple[int, dict, int]]:
     for line_no, raw in _raw_lines(path):
         if raw.isspace():
             continue
-        obj = _parse_line(path, line_no, raw)
-        this = _FORMS.get(frozenset(obj))
-        if this is None:
-            keys = ", ".join(sorted(obj)) or "no keys"
-            raise DataError(
-                f"{path} line {line_no} has {keys}, which is none of the accepted row forms; "
-                f"each line must look like {_JSONL_EXAMPLE}"
-            )
-        if form is not None and this != form[0]:
-            raise DataError(
-                f"{path} mixes \"{form[0]}\" rows (line {form[1]}) and \"{this}\" rows (line "
-                f"{line_no}); keep one form per file: convert the rows or split the file"
-            )
-        yield _Line(line_no, obj, this, len(raw))
+        yield line_no, _parse_line(path, line_no, raw), len(raw)
+
+
+def _table_objects(path: Path) -> Iterator[tuple[int, dict, int]]:
+    for row, obj in table_rows(path):
+        yield row, obj, _size(obj)
+
+
+def _size(value: object) -> int:
+    """About the bytes ``value`` takes as JSON (for batching rows by size)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(len(k) + _size(v) for k, v in value.items())
+    if isinstance(value, list):
+        return 8 * len(value) if value and isinstance(value[0], int) else sum(_size(v) for v in value)
+    return 8
 
 
 def _raw_lines(path: Path) -> Iterator[tuple[int, bytes]]:
@@ -301,16 +323,16 @@ def _bytes(n: int) -> str:
     return f"{n >> 20} MiB" if n % (1 << 20) == 0 else f"{n:,} bytes"
 
 
-def _batched(lines: Iterator[_Line]) -> Iterator[list[tuple[int, dict]]]:
-    """(line number, row) in batches of at most ``_ENCODE_BATCH`` rows and about
-    ``_ENCODE_BATCH_BYTES`` bytes (a single longer row is a batch of its own)."""
-    batch: list[tuple[int, dict]] = []
+def _batched(lines: Iterator[_Line]) -> Iterator[list[_Line]]:
+    """Rows in batches of at most ``_ENCODE_BATCH`` rows and about ``_ENCODE_BATCH_BYTES``
+    bytes (a single longer row is a batch of its own)."""
+    batch: list[_Line] = []
     size = 0
     for line in lines:
         if batch and size + line.size > _ENCODE_BATCH_BYTES:
             yield batch
             batch, size = [], 0
-        batch.append((line.no, line.obj))
+        batch.append(line)
         size += line.size
         if len(batch) == _ENCODE_BATCH:
             yield batch
@@ -319,17 +341,17 @@ def _batched(lines: Iterator[_Line]) -> Iterator[list[tuple[int, dict]]]:
         yield batch
 
 
-def _id_rows(path: Path, lines: Iterator[_Line], vocab_size: int) -> Iterator[Piece]:
+def _id_rows(lines: Iterator[_Line], vocab_size: int) -> Iterator[Piece]:
     """``input_ids`` rows taken as given; ``labels``, where a row has them, aligned with them."""
-    for line_no, obj, _, _ in lines:
-        ids = _id_row(path, line_no, obj["input_ids"], vocab_size)
+    for line_no, where, obj, _, _ in lines:
+        ids = _id_row(where, obj["input_ids"], vocab_size)
         if "labels" not in obj:
             yield Piece(ids, row=line_no)
             continue
-        lab = _int_list(path, line_no, "labels", obj["labels"])
+        lab = _int_list(where, "labels", obj["labels"])
         if len(lab) != len(ids):
             raise DataError(
-                f"{path} line {line_no}: \"labels\" has {len(lab)} entries but \"input_ids\" has "
+                f"{where}: \"labels\" has {len(lab)} entries but \"input_ids\" has "
                 f"{len(ids)}; labels are aligned with input_ids (labels[t] for position t, "
                 "-100 where no loss is taken)"
             )
@@ -337,57 +359,48 @@ def _id_rows(path: Path, lines: Iterator[_Line], vocab_size: int) -> Iterator[Pi
         if bad.size:
             pos = int(bad[0])
             raise DataError(
-                f"{path} line {line_no}: label {lab[pos]} at position {pos} is neither -100 nor "
+                f"{where}: label {lab[pos]} at position {pos} is neither -100 nor "
                 f"inside the model's vocabulary 0..{vocab_size - 1}"
             )
         yield Piece(ids, lab, row=line_no)
 
 
-def _text_rows(
-    path: Path, lines: Iterator[_Line], vocab_size: int, enc: Encoder
-) -> Iterator[Piece]:
+def _text_rows(lines: Iterator[_Line], vocab_size: int, enc: Encoder) -> Iterator[Piece]:
     """Each row a document; one longer than ``CHUNK_CHARS`` characters is tokenised in pieces,
     as a ``.txt`` file is, so its tokenizing costs the memory of a piece, not of the row."""
     hint = _tokenizer_hint(enc, vocab_size)
     for batch in _batched(lines):
-        texts = [_string(path, line_no, obj, "text") for line_no, obj in batch]
+        texts = [_string(line.where, line.obj, "text") for line in batch]
         short = iter(enc.encode_many([t for t in texts if len(t) <= data_text.CHUNK_CHARS]))
-        for (line_no, _), text in zip(batch, texts):
+        for line, text in zip(batch, texts):
             if len(text) > data_text.CHUNK_CHARS:
-                yield from _document_pieces(enc, [], data_text.split_stream([text]), vocab_size,
-                                            f"{path} line {line_no}", hint)
+                yield from _document_pieces(enc, [], data_text.split_stream([text]), vocab_size, line.where, hint)
                 continue
             ids = next(short)
-            check_ids(ids, vocab_size, f"{path} line {line_no}", hint)
+            check_ids(ids, vocab_size, line.where, hint)
             yield Piece(ids)
 
 
-def _prompt_rows(
-    path: Path, lines: Iterator[_Line], vocab_size: int, enc: Encoder
-) -> Iterator[Piece]:
+def _prompt_rows(lines: Iterator[_Line], vocab_size: int, enc: Encoder) -> Iterator[Piece]:
     """Template prefix + prompt (no loss), then completion + EOS (loss)."""
     prefix, _ = enc.template_ids()
     end = np.array([] if enc.eos_id is None else [enc.eos_id], dtype=np.int64)
     hint = _tokenizer_hint(enc, vocab_size)
     for batch in _batched(lines):
-        prompts = enc.encode_bare([_string(path, n, obj, "prompt") for n, obj in batch])
-        completions = enc.encode_bare([_string(path, n, obj, "completion") for n, obj in batch])
-        for (line_no, _), prompt, completion in zip(batch, prompts, completions):
+        prompts = enc.encode_bare([_string(line.where, line.obj, "prompt") for line in batch])
+        completions = enc.encode_bare([_string(line.where, line.obj, "completion") for line in batch])
+        for line, prompt, completion in zip(batch, prompts, completions):
             ids = np.concatenate([prefix, prompt, completion, end])
-            check_ids(ids, vocab_size, f"{path} line {line_no}", hint)
+            check_ids(ids, vocab_size, line.where, hint)
             lab = ids.copy()
             lab[: len(prefix) + len(prompt)] = IGNORE_INDEX
-            yield Piece(ids, lab, row=line_no)
+            yield Piece(ids, lab, row=line.no)
 
 
-def _chat_rows(
-    path: Path, lines: Iterator[_Line], vocab_size: int, enc: Encoder,
-    template: ChatTemplate,
-) -> Iterator[Piece]:
+def _chat_rows(lines: Iterator[_Line], vocab_size: int, enc: Encoder, template: ChatTemplate) -> Iterator[Piece]:
     """Each conversation rendered whole; labels on the assistant turns only (see the module)."""
     hint = _tokenizer_hint(enc, vocab_size)
-    for line_no, obj, _, _ in lines:
-        where = f"{path} line {line_no}"
+    for line_no, where, obj, _, _ in lines:
         messages = _messages(where, obj["messages"])
         tools = _tools(where, obj.get("tools"))
         try:
@@ -465,11 +478,11 @@ def _is_prefix(part: np.ndarray, whole: np.ndarray) -> bool:
     return len(part) <= len(whole) and bool(np.array_equal(whole[: len(part)], part))
 
 
-def _string(path: Path, line_no: int, obj: dict, key: str) -> str:
+def _string(where: str, obj: dict, key: str) -> str:
     value = obj[key]
     if not isinstance(value, str):
         raise DataError(
-            f"{path} line {line_no}: \"{key}\" is a {type(value).__name__}, not a string; "
+            f"{where}: \"{key}\" is a {type(value).__name__}, not a string; "
             "write it as one JSON string"
         )
     return value
@@ -563,14 +576,14 @@ def _parse_line(path: Path, line_no: int, raw: bytes) -> dict:
     return obj
 
 
-def _id_row(path: Path, line_no: int, value: object, vocab_size: int) -> np.ndarray:
+def _id_row(where: str, value: object, vocab_size: int) -> np.ndarray:
     """One ``input_ids`` value as an int64 array, checked for type and range."""
-    row = _int_list(path, line_no, "input_ids", value)
-    check_ids(row, vocab_size, f"{path} line {line_no}", _NPY_HINT)
+    row = _int_list(where, "input_ids", value)
+    check_ids(row, vocab_size, where, _NPY_HINT)
     return row
 
 
-def _int_list(path: Path, line_no: int, key: str, value: object) -> np.ndarray:
+def _int_list(where: str, key: str, value: object) -> np.ndarray:
     if isinstance(value, list) and not value:
         return np.zeros(0, dtype=np.int64)  # dropped later, like every row under 2 tokens
     try:
@@ -579,7 +592,7 @@ def _int_list(path: Path, line_no: int, key: str, value: object) -> np.ndarray:
         row = None
     if row is None or row.ndim != 1 or row.dtype.kind not in "iu":
         raise DataError(
-            f"{path} line {line_no}: \"{key}\" must be a flat list of integers such as "
+            f"{where}: \"{key}\" must be a flat list of integers such as "
             f"[1, 2, 3], not {_preview(value)}"
         )
     return row.astype(np.int64)

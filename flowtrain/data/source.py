@@ -95,6 +95,8 @@ from flowtrain.data.files import (
     read_npy,
     read_txt,
 )
+from flowtrain.data.rows import ColumnMap
+from flowtrain.data.tables import TABLE_SUFFIXES, is_dataset_folder
 from flowtrain.data.text import (
     TOKENIZER_FILES,
     check_encoder,
@@ -120,7 +122,8 @@ __all__ = [
     "tokenizer_files",
 ]
 
-_FORMATS = (".jsonl", ".txt", ".npy")
+_FORMATS = (".jsonl", ".txt", ".npy", *TABLE_SUFFIXES)
+_ACCEPTED = "pass a .jsonl, .txt, .npy, .parquet or .arrow file, or a datasets folder (save_to_disk)"
 
 #: What ``long_examples`` may say about an example longer than seq_len (see the module).
 LONG_EXAMPLES = ("auto", "error", "drop", "truncate")
@@ -275,8 +278,12 @@ def load_sequences(
     packing: bool = True,
     long_examples: str = "truncate",
     cache_dir: str | Path | None = None,
+    columns: ColumnMap | None = None,
 ) -> Sequences:
-    """Read a ``.jsonl``, ``.txt`` or ``.npy`` file into :class:`Sequences`, through the cache.
+    """Read a ``.jsonl``, ``.txt``, ``.npy``, ``.parquet`` or ``.arrow`` file, or a ``datasets``
+    folder, into :class:`Sequences`, through the cache. ``columns`` maps row keys to the
+    columns that hold them (:func:`~flowtrain.data.rows.parse_columns`; None: the keys as
+    they are).
 
     Text is tokenised with ``tokenizer_dir/tokenizer.json`` when there is one; as UTF-8 bytes
     when ``tokenizer_dir`` is None (a preset) or ``byte_tokenizer`` is set; a ``tokenizer_dir``
@@ -298,10 +305,12 @@ def load_sequences(
     path = _check_file(Path(path))
     chosen = (seq_len if isinstance(seq_len, int)
               else ["from the data", seq_len.stream, seq_len.most, seq_len.multiple, seq_len.least])
-    drop = long_examples in ("drop", "error") or (long_examples == "auto" and holds_conversations(path))
+    drop = long_examples in ("drop", "error") or (long_examples == "auto" and holds_conversations(path, columns))
     settings = {"seq_len": chosen, "packing": packing, "long_examples": "drop" if drop else "truncate",
                 "vocab_size": vocab_size, "pad_id": pad_id, "eos_id": eos_id, "byte_tokenizer": byte_tokenizer,
                 "chunk_chars": data_text.CHUNK_CHARS}
+    if columns is not None:  # (only then: the key of every other file stays what it was)
+        settings["columns"] = [list(c) for c in columns]
     text: list[bool] = []  # set when text is tokenised: a cached load checks the tokenizer again
 
     @functools.cache
@@ -310,7 +319,7 @@ def load_sequences(
         return make_encoder(tokenizer_dir, vocab_size, eos_id, byte_tokenizer)
 
     def build(folder: Path) -> dict:
-        parsed = _parse(path, vocab_size, encoder, tokenizer_dir)
+        parsed = _parse(path, vocab_size, encoder, tokenizer_dir, columns)
         if parsed.kind == "stream":
             length = seq_len if isinstance(seq_len, int) else seq_len.for_stream()
             with data_cache.RowWriter(folder, length, positions=False) as out:
@@ -413,24 +422,30 @@ def _long_examples_error(path: Path, report: DataReport, seq_len: int) -> DataEr
 
 def _check_file(path: Path) -> Path:
     if not path.exists():
-        raise DataError(f"data file {path} does not exist; pass a .jsonl, .txt or .npy file")
+        raise DataError(f"data file {path} does not exist; {_ACCEPTED}")
+    if is_dataset_folder(path):
+        return path
     if not path.is_file():
-        raise DataError(f"data path {path} is not a file; pass a .jsonl, .txt or .npy file")
+        raise DataError(f"data path {path} is not a file nor a datasets folder (no state.json or "
+                        f"dataset_dict.json in it); {_ACCEPTED}")
     suffix = path.suffix.lower()
     if suffix not in _FORMATS:
         raise DataError(
             f"data file {path} has an unknown extension {suffix or '(none)'!r}; use .jsonl "
-            "(text or input_ids rows), .txt (plain text) or .npy (token ids)"
+            "(text, prompt/completion, messages, alpaca, ShareGPT or input_ids rows), .txt (plain text), "
+            ".npy (token ids), or .parquet / .arrow (the rows of a .jsonl as a table)"
         )
     if path.stat().st_size == 0:
         raise DataError(f"data file {path} is empty; give it some text or token ids")
     return path
 
 
-def _parse(path: Path, vocab_size: int, encoder, tokenizer_dir) -> Parsed:
+def _parse(path: Path, vocab_size: int, encoder, tokenizer_dir, columns: ColumnMap | None) -> Parsed:
     suffix = path.suffix.lower()
-    if suffix == ".jsonl":
-        return read_jsonl(path, vocab_size, encoder, lambda: load_chat_template(tokenizer_dir))
+    if suffix == ".jsonl" or suffix in TABLE_SUFFIXES or path.is_dir():
+        return read_jsonl(path, vocab_size, encoder, lambda: load_chat_template(tokenizer_dir), columns)
+    if columns is not None:
+        raise DataError(f"--data-columns maps the columns of rows, but {path} is a {suffix} file, which has none")
     if suffix == ".txt":
         return read_txt(path, vocab_size, encoder)
     return read_npy(path, vocab_size)

@@ -25,6 +25,7 @@ from ..ckpt.out_lock import check_free
 from ..ckpt.output import resolve_out, resolve_save_dtype
 from ..ckpt.resume import ContinuedSchedule, check_compatible, resumed_schedule, steps_done
 from ..data.preference import load_pairs
+from ..data.rows import ColumnMap, parse_columns
 from ..data.source import FromData, Sequences, default_corpus_path, load_sequences
 from ..errors import CheckpointError, ConfigError, PlanError
 from ..model import ModelConfig, read_config
@@ -231,7 +232,24 @@ def _read(path: str, cfg: TrainConfig, mcfg: ModelConfig, tokenizer_dir: Path | 
     packing = cfg.packing and mcfg.separates_documents
     return load_sequences(path, seq_len, mcfg.vocab_size, tokenizer_dir=tokenizer_dir, pad_id=mcfg.pad_token_id or 0,
                           eos_id=mcfg.eos_token_id, byte_tokenizer=cfg.byte_tokenizer, packing=packing,
-                          long_examples=long_examples or cfg.long_examples)
+                          long_examples=long_examples or cfg.long_examples, columns=_columns(cfg.data_columns))
+
+
+def _columns(value: object) -> ColumnMap | None:
+    """``--data-columns`` as the data reads it; the Python API may also give the flag's text or
+    a ``{key: column}`` dict."""
+    if value is None:
+        return None
+    if isinstance(value, str):
+        text = value
+    elif isinstance(value, dict):
+        text = ",".join(f"{k}={v}" for k, v in value.items())
+    else:
+        text = ",".join(f"{k}={v}" for k, v in value)  # type: ignore[attr-defined]
+    try:
+        return parse_columns(text)
+    except ValueError as e:
+        raise ConfigError(str(e).replace("--data-columns", "{data_columns}"), named=True) from None
 
 
 def _check_objective(cfg: TrainConfig) -> None:

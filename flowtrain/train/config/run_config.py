@@ -18,6 +18,7 @@ from typing import Annotated, Literal
 import msgspec
 
 from ...errors import CheckpointError, ConfigError
+from ...data.rows import parse_columns
 from ...model.adapters import DEFAULT_TARGETS, LoraSpec
 from ...model.config import ModelConfig
 from ...model.hf_config import from_hf, to_hf
@@ -70,8 +71,14 @@ class TrainConfig(msgspec.Struct, kw_only=True):
         f"Hugging Face model directory or preset ({', '.join([*PRESETS, *HF_PRESETS])}); default: tiny, or the resumed "
         "checkpoint's model")] = None
     data: Annotated[str | None, Setting(
-        ".jsonl (rows of text, prompt+completion, messages, or input_ids[+labels]), .txt or .npy; default: the "
-        "bundled corpus", group=DATA)] = None
+        ".jsonl of rows (text, prompt+completion, messages, alpaca instruction+input+output, ShareGPT "
+        "conversations, or input_ids[+labels]), the same rows as .parquet, .arrow or a datasets folder "
+        "(save_to_disk; needs pip install 'flowtrain[data]'), .txt or .npy; default: the bundled corpus",
+        group=DATA)] = None
+    data_columns: Annotated[tuple[tuple[str, str], ...] | None, Setting(
+        "read the rows from columns of other names, KEY=COLUMN,... (e.g. instruction=question,output=answer; a KEY "
+        "alone keeps the column of that name); each row is then read from exactly these columns, others ignored",
+        parse=parse_columns, metavar="KEY=COLUMN,...", group=DATA)] = None
     tokenizer: Annotated[str | None, Setting(
         "folder with tokenizer.json (+ tokenizer_config.json with a chat template) for text data; default: the model "
         "folder's", metavar="DIR", group=DATA)] = None
