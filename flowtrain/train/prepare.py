@@ -43,6 +43,7 @@ from .config.run_config import TrainConfig, load_model_config, lora_spec, precis
 from .config.settings import check_values
 from .distributed import World, local_share, world_from_env
 from .metrics_file import check_metrics_free
+from .reporters import check_trackers
 from .optimizer import AdamWConfig, LRSchedule
 
 __all__ = ["Run", "adamw_config", "prefer_expandable_segments", "prepare", "resolve_defaults", "resolve_device",
@@ -98,6 +99,7 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
     """Check every input and output, read the resumed checkpoint's state, load and tokenise the
     data and plan memory: everything that bad input can make fail, before any large allocation."""
     check_compile_backend(cfg.compile)
+    check_trackers(cfg.report_to)  # a tracker's library missing: one line before anything is read
     cfg = msgspec.structs.replace(cfg, out=resolve_out(cfg.out))  # a symlink: write in the real folder
     if cfg.out:
         check_free(cfg.out)  # another run writing there: refuse before reading or checking it

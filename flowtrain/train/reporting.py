@@ -30,10 +30,12 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TextIO
 
 import msgspec
+
+from .reporters import Tracker, step_values
 
 #: Without a terminal (plain lines), a step's line comes at least this often, however long a
 #: twentieth of the run takes.
@@ -104,7 +106,7 @@ class Reporter:
 
     def __init__(self, *, total: int, first: int = 0, metrics: TextIO | None = None,
                  progress: bool | str | None = None, quiet: bool = False,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic, trackers: Sequence[Tracker] = ()) -> None:
         #: nothing printed (``progress=False``, or a data-parallel process other than rank 0);
         #: the ``--metrics`` lines are written all the same
         self.quiet = quiet or progress is False
@@ -125,11 +127,18 @@ class Reporter:
         #: where steps are slow (a line every 5% of a long run of slow steps could be hours apart)
         self.clock = clock
         self.last_line = clock()
+        #: ``--report-to``'s experiment trackers (:mod:`~flowtrain.train.reporters`), fed the
+        #: numbers of every ``--metrics`` line (whoever opened them closes them)
+        self.trackers = list(trackers)
+        self.skipped_steps = 0
 
     def step(self, m: StepMetrics) -> None:
         if self.metrics:
             self.metrics.write(metrics_json(m) + "\n")
             self.metrics.flush()
+        self.skipped_steps += m.skipped
+        for t in self.trackers:
+            t.log(m.step, step_values(m.loss, m.lr, m.grad_norm, m.tokens_per_s, m.skipped, self.skipped_steps))
         if self.bar is not None:
             extra = ({"margin": _num(m.rewards["rewards/margins"], ".4f"),
                       "acc": _num(m.rewards["rewards/accuracies"], ".2f")} if m.rewards else {})
@@ -155,6 +164,8 @@ class Reporter:
             value = loss if math.isfinite(loss) else None
             self.metrics.write(json.dumps({"step": m.step, "eval_loss": value, "eval_tokens": tokens}, allow_nan=False) + "\n")
             self.metrics.flush()
+        for t in self.trackers:
+            t.log(m.step, {"eval/loss": loss})
         self.say(f"step {m.step}/{self.total}  eval_loss {_num(loss, '.4f')}  ({tokens:,} tokens)")
 
     def say(self, line: str) -> None:
@@ -171,3 +182,4 @@ class Reporter:
             self.bar.close()
         if self.metrics:
             self.metrics.close()
+

@@ -34,7 +34,7 @@ from ..ckpt import checkpoints
 from ..ckpt.adapter_files import read_adapter
 from ..ckpt.out_lock import OutLock
 from ..ckpt.output import remove_stale_temp, resolve_out, save_final_model
-from ..ckpt.resume import restore_rng
+from ..ckpt.resume import restore_rng, settings_of
 from ..graph.tasks import GRADS, HOST_GRADS, WEIGHTS
 from ..model.attention import attention_backends
 from ..plan.memory import Plan, cap_gpu_memory
@@ -48,6 +48,7 @@ from .out_of_memory import gpu_out_of_memory
 from .pinning import unpin_all
 from .prepare import Run, adamw_config, prefer_expandable_segments, prepare
 from .program import StepProgram
+from .reporters import close_trackers, open_trackers
 from .reporting import Reporter, StepMetrics
 from .config.run_config import TrainConfig, compile_backend, lora_spec
 from .shared_state import remove_stale, shared_dir
@@ -67,7 +68,7 @@ def for_rank(cfg: TrainConfig, world: World) -> TrainConfig:
         p = Path(cfg.trace)
         trace = str(p.with_name(f"{p.stem}.rank{world.rank}{p.suffix or '.json'}"))
     return msgspec.structs.replace(cfg, out=None, metrics=None, progress=False, save_every=None,
-                                   save_total_limit=None, trace=trace)
+                                   save_total_limit=None, trace=trace, report_to=None)
 
 
 def build_state(run: Run) -> tuple[HostState, StepProgram]:
@@ -151,9 +152,11 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
             raise gpu_out_of_memory("setting up the run's GPU buffers", e, run.plan) from e
         gc.freeze()  # the model and torch's objects are long-lived: keep full collections off them
         recorder = TraceRecorder() if cfg.trace else None
+        trackers = open_trackers(cfg.report_to, cfg.logging_dir, settings_of(run.cfg))
+        held.callback(close_trackers, trackers)
         reporter = Reporter(total=cfg.steps, first=run.first_step,
                             metrics=metrics_file.file if metrics_file is not None else None, progress=cfg.progress,
-                            quiet=not world.leader)
+                            quiet=not world.leader, trackers=trackers)
         shutdown.say = reporter.say
         for line in summary_lines(run):
             reporter.say(line)

@@ -26,6 +26,7 @@ from ...model.model_dir import read_config
 from ...model.presets import HF_PRESETS, PRESETS, preset
 from ...plan.memory import compile_backend  # noqa: F401 - re-exported: what --compile runs
 from ..distributed import DEFAULT_TIMEOUT_S as DIST_TIMEOUT_S
+from ..reporters import parse_report_to
 from . import defaults
 from .settings import Setting
 
@@ -216,6 +217,14 @@ class TrainConfig(msgspec.Struct, kw_only=True):
         "write one JSON line per step here (and one per held-out loss)", group=OUTPUT)] = None
     trace: Annotated[str | None, Setting(
         "write the executed tasks as Chrome trace JSON here", group=OUTPUT)] = None
+    report_to: Annotated[tuple[str, ...] | None, Setting(
+        "also log each step (loss, learning rate, grad norm, tokens/s, skipped steps, held-out loss) and the run's "
+        "settings to these experiment trackers, comma-separated: tensorboard, wandb, trackio, mlflow, or none (the "
+        "default); each needs its library: pip install 'flowtrain[tensorboard]' (or [wandb], ...)",
+        parse=parse_report_to, metavar="TRACKERS", group=OUTPUT)] = None
+    logging_dir: Annotated[str | None, Setting(
+        "where --report-to tensorboard writes its event files (and mlflow its runs, wandb its local files); "
+        "default: runs/DATE_TIME_HOST", metavar="DIR", group=OUTPUT)] = None
     #: None: a progress bar on a terminal, plain lines otherwise; True: the bar; "lines": plain
     #: lines (``--no-progress``); False: nothing printed while the run trains (the returned
     #: metrics, ``on_step`` and ``metrics`` still get every step)
