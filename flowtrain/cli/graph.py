@@ -12,6 +12,7 @@ import argparse
 from ..errors import ConfigError
 from ..graph.compiler import StepSpec, compile_steps
 from ..graph.export import write_graph
+from ..plan.buffer_sizes import state_bytes_text
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,7 +24,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--grad-clip", action="store_true", help="include the global gradient norm before Adam")
     p.add_argument("--resident", default="", metavar="UNITS",
                    help="comma-separated units kept on the device with their Adam there (embed, head, layer.N)")
-    p.add_argument("--staged", action="store_true", help="gradients leave through host staging slots (12 B/param layout)")
+    p.add_argument("--staged", action="store_true", help="gradients leave through host staging slots (the staged layout, "
+                   f"{state_bytes_text('staged')})")
     p.add_argument("--grad-chunks", action="append", default=[], metavar="UNIT=N",
                    help="with --staged: a unit whose gradient passes in N staging chunks (repeatable)")
     p.add_argument("--keep", default="", metavar="LAYERS",

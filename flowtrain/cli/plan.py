@@ -191,9 +191,12 @@ def format_plan(model: str, plan) -> str:  # plan: a Plan
     from ..train.summary import describe_activations
 
     count = f"{plan.params / 1e9:.2f} B" if plan.params >= 1e8 else f"{plan.params / 1e6:.2f} M"
-    what = "LoRA over the frozen base" if plan.spec.lora else f"layout {plan.layout}"
-    lines = [f"{model}: {count} parameters, {what} "
-             f"({plan.host_state_bytes_per_param:.2f} host bytes of state per parameter), device {plan.device}"]
+    from ..plan.buffer_sizes import state_bytes_text
+
+    what = (f"LoRA over the frozen base ({plan.state_bytes_per_param:.2f} host bytes per parameter: the base in the "
+            "compute dtype, the adapters' state)" if plan.spec.lora
+            else f"layout {plan.layout} ({state_bytes_text(plan.layout)})")
+    lines = [f"{model}: {count} parameters, {what}, device {plan.device}"]
     res = plan.spec.resident
     adapters = ("the adapters are in host memory, fetched with their layer, CPU AdamW" if plan.spec.host_adapters
                 else "the adapters are, with their Adam")

@@ -26,6 +26,20 @@ LAYOUTS = ("staged", "full", "stream-bf16")
 #: Bytes of training state per parameter that no layout goes below: the fp32 master weight and
 #: Adam's two fp32 moments (where the unit is streamed or resident).
 STATE_BYTES_PER_PARAM = 12
+#: The one "bytes per parameter" figure flowtrain states (the README, ``flowtrain plan``'s header
+#: and hints, ``--layout``'s help): host bytes of training state per streamed parameter in each
+#: layout, and what they are. The rest of a run's host memory (staging, checkpoints waiting for
+#: their backward, the process) does not grow with the model and is counted on its own lines.
+LAYOUT_STATE_BYTES = {"staged": STATE_BYTES_PER_PARAM, "full": STATE_BYTES_PER_PARAM + 4,
+                      "stream-bf16": STATE_BYTES_PER_PARAM + 2}
+LAYOUT_STATE_WHAT = {"staged": "fp32 master weight, Adam m and v",
+                     "full": "fp32 master weight, Adam m and v, fp32 gradient",
+                     "stream-bf16": "fp32 master weight, Adam m and v, bf16 streaming copy"}
+
+
+def state_bytes_text(layout: str) -> str:
+    """``"12 host bytes per parameter: fp32 master weight, Adam m and v"``: how the figure is said."""
+    return f"{LAYOUT_STATE_BYTES[layout]} host bytes per parameter: {LAYOUT_STATE_WHAT[layout]}"
 
 
 def units_by_size(cfg: "ModelConfig") -> list[tuple[int, str]]:

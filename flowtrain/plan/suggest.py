@@ -19,6 +19,7 @@ from typing import Any, Callable
 
 import msgspec
 
+from .buffer_sizes import LAYOUT_STATE_BYTES
 from .memory import HOST_FILL, GiB, Plan, card_for
 from .request import RunRequest
 
@@ -46,7 +47,8 @@ def _changes(plan: Plan, req: RunRequest, policy: Any) -> list[tuple[str, RunReq
     if req.layout == "full" or (req.layout == "auto" and plan.layout == "full" and not req.grad_clip):
         out.append(("--layout staged", replace(req, layout="staged"), policy))
     if req.grad_clip:
-        out.append(("no --grad-clip (gradients staged: 12 bytes per parameter instead of 16)",
+        out.append((f"no --grad-clip (the staged layout: {LAYOUT_STATE_BYTES['staged']} host bytes per parameter "
+                    f"instead of {LAYOUT_STATE_BYTES['full']})",
                     replace(req, grad_clip=False), policy))
     if policy != "sequential":
         out.append(("--policy sequential", req, "sequential"))
@@ -58,9 +60,7 @@ def _largest_model(plan: Plan) -> str:
     (master weights, Adam, gradient buffers, streaming copy) scaled, the rest (the process,
     staging, activations) as planned."""
     assert plan.host_limit is not None
-    scaled = ("master", "adam", "gradients", "streaming_copy", "base", "adapters")  # LoRA: its base and adapters
-    copies = plan.node_processes if plan.spec.lora else 1  # LoRA's processes each keep their own
-    per_param = copies * sum(plan.host.get(k, 0) for k in scaled) / plan.params
+    per_param = plan.state_bytes_per_param
     fixed = plan.host_node_total - per_param * plan.params
     most = max(0.0, (plan.host_limit - fixed) / per_param)
     what = "for LoRA's frozen base and adapters" if plan.spec.lora else f"in the {plan.layout} layout"

@@ -24,6 +24,7 @@ from ...model.config import ModelConfig
 from ...model.hf_config import from_hf, to_hf
 from ...model.model_dir import read_config
 from ...model.presets import HF_PRESETS, PRESETS, preset
+from ...plan.buffer_sizes import state_bytes_text
 from ...plan.memory import compile_backend  # noqa: F401 - re-exported: what --compile runs
 from ..distributed import DEFAULT_TIMEOUT_S as DIST_TIMEOUT_S
 from ..reporters import parse_report_to
@@ -37,6 +38,11 @@ DATA, OPTIMIZER, SCHEDULE, MEMORY, KERNELS, OUTPUT, SAFETY, EVAL, LORA, PREFEREN
     "output", "checkpoints and safety", "held-out loss", "LoRA adapters", "preference training")
 _BOTH = "default: {} for a model folder, {} for a preset (random weights); a resumed run keeps its own"
 _SCRATCH, _TUNE = defaults.FROM_SCRATCH, defaults.FINE_TUNE
+
+
+def _state(layout: str) -> str:
+    """A layout's host bytes per parameter, as ``--help`` says it (the one figure: %% for argparse)."""
+    return state_bytes_text(layout)
 
 
 def _betas(text: str) -> tuple[float, float]:
@@ -171,8 +177,9 @@ class TrainConfig(msgspec.Struct, kw_only=True):
 
     #: host state layout: "auto" (staged, or full with --grad-clip), "staged", "full", "stream-bf16"
     layout: Annotated[Literal["auto", "staged", "full", "stream-bf16"], Setting(
-        "host state layout: staged (12 B/param), full (16, needed by --grad-clip), stream-bf16 (14, half the PCIe "
-        "bytes); auto: staged, or full with --grad-clip", group=MEMORY)] = "auto"
+        f"host state layout: staged ({_state('staged')}), full ({_state('full')}; needed by --grad-clip), "
+        f"stream-bf16 ({_state('stream-bf16')}; half the bytes over PCIe); auto: staged, or full with --grad-clip",
+        group=MEMORY)] = "auto"
     #: units kept on the device with their Adam there: "auto" (the planner decides), "none",
     #: or comma-separated unit keys ("embed,head,layer.0")
     resident: Annotated[str, Setting(
