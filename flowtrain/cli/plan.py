@@ -136,6 +136,10 @@ def run(args: argparse.Namespace) -> int:
         if args.data is not None and not defaults.seq_len_given(args.seq_len):
             print(f"seq-len {req.seq_len}, as train takes it from {args.data}")
         print(format_plan(args.model, plan))
+        if args.host_mem is None:
+            from ..plan.memory import host_memory_note
+
+            print(host_memory_note(plan.host_limit))
         if choice:
             print(choice.explain())
     return 0 if plan.fits else 1

@@ -29,7 +29,6 @@ and Adam, and LoRA's own terms (``adapters``, ``lora_work``) are :mod:`.adapters
 from __future__ import annotations
 
 import math
-import os
 from typing import TYPE_CHECKING, NamedTuple
 
 import msgspec
@@ -41,7 +40,7 @@ from ..model.config import MLP_CHUNK_TOKENS, ModelConfig
 from ..model.flat_map import FlatMap, model_flat_maps
 from .adapters import adapter_slot_numel, host_adapters, lora_gpu_bytes, lora_host_bytes
 from .experts import dense_mlp_layers, expert_bytes_per_token, expert_kept_bytes_per_token, runs_grouped
-from .buffer_sizes import LANDING_NUMEL, LAYOUT_STATE_BYTES, grad_chunks, slot_numel, staging_numel, undo_arena_bytes
+from .buffer_sizes import LANDING_NUMEL, LAYOUT_STATE_BYTES, grad_chunks, host_memory_total, slot_numel, staging_numel, undo_arena_bytes
 from .request import RunRequest
 
 if TYPE_CHECKING:
@@ -225,26 +224,46 @@ class Plan(msgspec.Struct, kw_only=True):
 
 
 # ---- limits -------------------------------------------------------------------------------
-def host_available() -> int | None:
-    """Bytes of host memory available now (MemAvailable), or None where unknown."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    try:
-        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    except (ValueError, OSError, AttributeError):
+#: Without ``--host-mem``, the share of this machine's memory left to the system and other
+#: programs (at least :data:`HOST_RESERVE_MIN`): see :func:`host_usable`.
+HOST_RESERVE = 0.10
+HOST_RESERVE_MIN = 2 * GiB
+
+
+def host_usable() -> int | None:
+    """Bytes of this machine's memory a run may plan for without ``--host-mem``: all of it
+    (``MemTotal``) less a fixed reserve for the system and other programs, a tenth of it and at
+    least 2 GiB; None where the total is unknown.
+
+    Why not what is free now (``MemAvailable``): it moves from one second to the next with the
+    page cache and every other program, so consecutive plans of one run disagreed (15.18, 14.95,
+    14.56, 14.30 GiB on one machine) and a change one plan suggested did not fit the next. The
+    total less a fixed reserve reads the same every time, so ``flowtrain plan`` and the run that
+    follows agree; on a machine whose other programs hold more than the reserve, ``--host-mem``
+    says how much is the run's."""
+    total = host_memory_total()
+    if total is None:
         return None
+    return total - max(int(total * HOST_RESERVE), HOST_RESERVE_MIN)
+
+
+def host_memory_note(limit: int | None) -> str:
+    """How the usable host memory was read without ``--host-mem``, for ``flowtrain plan``."""
+    total = host_memory_total()
+    if total is None or limit is None:
+        return "host memory: no limit known on this machine (--host-mem GiB plans for one)"
+    usable = host_usable()
+    assert usable is not None
+    return (f"host memory usable: {limit / GiB:.1f} GiB, this machine's {total / GiB:.1f} GiB less a reserve of "
+            f"{(total - usable) / GiB:.1f} GiB for the system and other programs ({HOST_RESERVE:.0%}, at least "
+            f"{HOST_RESERVE_MIN / GiB:.0f} GiB), {HOST_FILL:.0%} of the rest planned; --host-mem GiB plans for another")
 
 
 def budget_limits(req: RunRequest, device: torch.device, local_gpu: bool) -> tuple[int | None, int | None]:
     """The usable host and GPU bytes: what the request says, else what is free here; the GPU
     never more than is free on this machine's GPU now, nor more than its card as ``--gpu-mem``
     would count it, unless the plan is for another machine (``local_gpu=False``)."""
-    host = int(req.host_mem * GiB) if req.host_mem is not None else host_available()
+    host = int(req.host_mem * GiB) if req.host_mem is not None else host_usable()
     caps = [] if req.gpu_mem is None else [capped_budget(allocator_share(req.gpu_mem))]
     if device.type == "cuda" and local_gpu:
         import torch

@@ -164,7 +164,7 @@ def test_lora_processes_of_a_node_each_count_their_own_base(capsys):
     assert json.loads(capsys.readouterr().out)["host_fits"]
     assert main([*argv, "--nproc-per-node", "2"]) == 1  # the two bases do not fit
     two = json.loads(capsys.readouterr().out)
-    assert not two["host_fits"] and "host bytes per parameter for LoRA's frozen base" in " ".join(two["suggestions"])
+    assert not two["host_fits"] and "host bytes of state per parameter)" in " ".join(two["suggestions"])
 
 
 def test_adapter_work_counts_in_a_layers_phases_not_beside_the_loss():

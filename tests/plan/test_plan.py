@@ -221,16 +221,19 @@ def test_plan_refuses_what_train_refuses(capsys, args, needle):
 @pytest.mark.parametrize("extra", [{}, {"checkpoint_every": 4}])
 def test_advice_is_a_change_that_fits_and_never_the_setting_in_use(extra):
     """8b in 10 GB at 16 sequences of one per micro-batch, recomputing from checkpoints on the
-    GPU, does not fit: offloading them or the batch size is the lever (fewer micro-batches, fewer
-    layer inputs kept), and each suggestion, applied, fits."""
+    GPU, does not fit: offloading them is the first lever, the one change the plan names, and,
+    applied, it fits; the batch size is the lever where offloading is not in the list (fewer
+    micro-batches, fewer layer inputs kept)."""
+    from flowtrain.plan.suggest import _changes
+
     kw = dict(batch_size=16, micro_batch_size=1, gpu_mem=10, activations="recompute", **extra)
     p = plan(**kw)
-    assert not p.fits and p.suggestions
-    assert p.suggestions[0] == "use --activations offload" and plan(**{**kw, "activations": "offload"}).fits
-    batch = [s for s in p.suggestions if s.startswith("use --batch-size")]
-    assert batch, p.suggestions
-    assert plan(**{**kw, "batch_size": int(batch[0].split()[-1])}).fits
-    assert not any(f"--checkpoint-every {kw.get('checkpoint_every', 1)}" in s for s in p.suggestions)
+    assert not p.fits
+    assert p.suggestions == ["use --activations offload"] and plan(**{**kw, "activations": "offload"}).fits
+    changes = [text for text, _, _ in _changes(p, RunRequest(seq_len=4096, host_mem=118.0, **kw), "double_buffer")]
+    batch = [c for c in changes if c.startswith("--batch-size")]
+    assert batch and any(plan(**{**kw, "batch_size": int(c.split()[-1])}).fits for c in batch)
+    assert f"--activation-checkpoint-every {kw.get('checkpoint_every', 1)}" not in changes
 
 
 def test_advice_does_not_repeat_the_policy_in_use():

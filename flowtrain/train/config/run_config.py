@@ -189,7 +189,8 @@ class TrainConfig(msgspec.Struct, kw_only=True):
         "the GPU's memory as nvidia-smi shows it (a '10 GB' card: 10); the whole process stays within it less 0.5 "
         "GiB for the display, CUDA's own share included (enforced)", gt=0.0, metavar="GiB", group=MEMORY)] = None
     host_mem: Annotated[float | None, Setting(
-        "host memory to plan for (default: what is available)", gt=0.0, metavar="GiB", group=MEMORY)] = None
+        "host memory to plan for (default: this machine's less a reserve for the system and other programs, a tenth "
+        "of it and at least 2 GiB)", gt=0.0, metavar="GiB", group=MEMORY)] = None
     chunk_tokens: Annotated[int | None, Setting(
         "tokens per loss chunk (default: planned)", ge=1, group=MEMORY)] = None
     #: what a layer keeps for its backward (--activations): "keep" (a layer's backward reuses its forward's activations, held
