@@ -1,4 +1,4 @@
-"""The ``flowtrain`` command line: a thin dispatcher over the package.
+"""The ``flowtrain`` command line: one subcommand per module, imported where it runs.
 
 Subcommands: ``train`` (the product), ``graph`` (compile a step DAG to JSON), ``plan`` (memory
 plan), ``viz`` (HTML report of graphs and traces), ``bench`` (benchmarks), ``simulate``
@@ -32,6 +32,17 @@ from collections.abc import Callable
 
 from ..errors import ConfigError, FlowtrainError, Interrupted
 
+#: what ``flowtrain --help`` opens with: for users
+DESCRIPTION = """\
+Train large language models in full precision on one GPU far too small for them: the weights,
+fp32 master copy and Adam state live in host memory and stream through the GPU layer by layer.
+
+  flowtrain train                       a tiny model on the bundled corpus, on the CPU (a first look)
+  flowtrain train --model DIR --data chats.jsonl --out tuned/   fine-tune a Hugging Face model folder
+  flowtrain plan --model DIR --seq-len 4096 --batch-size 16      will it fit? where every byte goes
+
+`flowtrain COMMAND --help` lists a command's flags."""
+
 #: subcommand -> module with ``add_arguments(parser)`` and ``run(args) -> int``
 COMMANDS = {
     "train": ("flowtrain.cli.train", "train a model (with no arguments: a tiny model on the bundled corpus)"),
@@ -52,7 +63,8 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
     module is imported to add its arguments and its ``run``: the others stay bare, since
     importing all of them would cost the seconds that torch takes to import.
     """
-    parser = argparse.ArgumentParser(prog="flowtrain", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="flowtrain", description=DESCRIPTION,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module, help_text) in COMMANDS.items():
         p = sub.add_parser(name, help=help_text, description=help_text, formatter_class=_ShowDefaults)
@@ -63,12 +75,15 @@ def build_parser(command: str | None = None) -> argparse.ArgumentParser:
 
 class _ShowDefaults(argparse.HelpFormatter):
     """``--help`` shows every option's default that its text does not already state (none for
-    options off unless given, or decided by the run where their text says how)."""
+    options off unless given, or decided by the run where their text says how, nor for a switch
+    such as ``--no-shuffle``, whose default is not giving it: "(default: True)" there reads as
+    "no shuffling by default")."""
 
     def _get_help_string(self, action: argparse.Action) -> str:
         text = action.help or ""
         default = action.default
-        if "default" in text or default in (None, False, argparse.SUPPRESS) or not action.option_strings:
+        switch = isinstance(action, argparse._StoreConstAction)
+        if "default" in text or default in (None, False, argparse.SUPPRESS) or not action.option_strings or switch:
             return text
         shown = ",".join(map(str, default)) if isinstance(default, (list, tuple)) else default
         return f"{text} (default: {shown})".strip()

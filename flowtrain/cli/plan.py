@@ -202,9 +202,11 @@ def format_plan(model: str, plan) -> str:  # plan: a Plan
             else f"layout {plan.layout} ({state_bytes_text(plan.layout)})")
     lines = [f"{model}: {count} parameters, {what}, device {plan.device}"]
     res = plan.spec.resident
+    device = "GPU" if plan.device == "cuda" else "device"  # on the CPU, "resident" means in its own memory
     adapters = ("the adapters are in host memory, fetched with their layer, CPU AdamW" if plan.spec.host_adapters
                 else "the adapters are, with their Adam")
-    where = f"base units resident on the GPU ({adapters})" if plan.spec.lora else "resident on the GPU (Adam there)"
+    where = (f"base units resident on the {device} ({adapters})" if plan.spec.lora
+             else f"resident on the {device} (Adam there)")
     lines.append(f"{where}: {', '.join(res) if res else 'none'}")
     lines.append(f"micro-batch order: {plan.spec.order}" + (f" ({plan.order_choice})" if plan.order_choice else ""))
     lines.append(f"activations: {describe_activations(plan.spec)}")
@@ -215,12 +217,12 @@ def format_plan(model: str, plan) -> str:  # plan: a Plan
                     else ""))
     for title, part, total, limit, ok in (("host", plan.host, plan.host_total, plan.host_limit, plan.host_fits),
                                           ("GPU", plan.gpu, plan.gpu_total, plan.gpu_limit, plan.gpu_fits)):
-        lines.append(f"{title} memory:")
+        lines.append(f"{title if title == 'host' or plan.device == 'cuda' else 'device'} memory:")
         for k, v in part.items():
             if v:
                 lines.append(f"  {k:<16}{v / GiB:8.2f} GiB")
         if title == "host" and plan.device == "cpu":
-            lines.append(f"  {'(GPU items)':<16}{plan.gpu_total / GiB:8.2f} GiB  (on the CPU they are host memory)")
+            lines.append(f"  {'(device items)':<16}{plan.gpu_total / GiB:8.2f} GiB  (on the CPU they are host memory)")
         if title == "host" and plan.spec.share > 1:
             lines.append(f"  {'one process':<16}{total / GiB:8.2f} GiB (master and adam shared by the node's "
                          f"{plan.spec.share} processes)")

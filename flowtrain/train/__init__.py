@@ -8,7 +8,25 @@ The Python entry point (imported on first use, so ``import flowtrain`` stays lig
 
 from __future__ import annotations
 
+import sys
+import types
+from typing import Any
+
 __all__ = ["TrainConfig", "StepMetrics", "train"]
+
+
+class _Callable(types.ModuleType):
+    """This package, callable as :func:`flowtrain.train.run.train`: ``flowtrain.train`` is both
+    this package and, for ``from flowtrain import TrainConfig, train``, the function (a package
+    attribute of the same name as a subpackage is the subpackage once it is imported)."""
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from .run import train
+
+        return train(*args, **kwargs)
+
+
+sys.modules[__name__].__class__ = _Callable
 
 
 def __getattr__(name: str):

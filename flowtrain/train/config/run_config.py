@@ -113,7 +113,8 @@ class TrainConfig(msgspec.Struct, kw_only=True):
         f"sequences per micro-batch (default {defaults.MICRO_BATCH_SIZE}, or the largest number below it that "
         "divides --batch-size)", ge=1, group=DATA)] = defaults.MICRO_BATCH_SIZE
     shuffle: Annotated[bool, Setting(
-        "sequences in file order", flag="--no-shuffle", const=False, group=DATA)] = True
+        "sequences in file order; default: shuffled, in a new order each epoch drawn from --seed", flag="--no-shuffle",
+        const=False, group=DATA)] = True
     seed: Annotated[int, Setting("seed for initialisation and shuffling", group=DATA)] = defaults.SEED
 
     steps: Annotated[int, Setting("optimizer steps", ge=1, group=SCHEDULE)] = defaults.STEPS
