@@ -561,7 +561,7 @@ def _parse_line(path: Path, line_no: int, raw: bytes) -> dict:
     except RecursionError:  # the parser recurses once per level: [[[[...]]]] ends it
         raise DataError(
             f"{path} line {line_no} nests its JSON too deeply to read; a row is one object of "
-            f"strings and flat lists, such as {_JSONL_EXAMPLE}"
+            'strings and flat lists, such as {"text": "..."} or {"messages": [{"role": "user", "content": "..."}]}'
         ) from None
     except json.JSONDecodeError as exc:
         raise DataError(
