@@ -19,7 +19,7 @@ weights after that step, and how many tokens that is::
 
 On the terminal it is a line ``step 7/100  eval_loss 3.1416  (12,345 tokens)``. Without a
 terminal (or with ``--no-progress``) a step's line comes every twentieth of the run, and at
-least once a minute. Through the
+least every 30 seconds. Through the
 Python API the same numbers are on the step's :class:`StepMetrics` (``eval_loss``,
 ``eval_tokens``), filled before ``on_step`` sees it.
 """
@@ -38,8 +38,9 @@ import msgspec
 from .reporters import Tracker, step_values
 
 #: Without a terminal (plain lines), a step's line comes at least this often, however long a
-#: twentieth of the run takes.
-LINE_EVERY_S = 60.0
+#: twentieth of the run takes: a step prints where waiting for the next one (as long as this one)
+#: would leave more than this since the last line.
+LINE_EVERY_S = 30.0
 
 
 class StepMetrics(msgspec.Struct):
@@ -126,7 +127,7 @@ class Reporter:
         #: plain lines come every ``every`` steps, and at least once a ``LINE_EVERY_S`` seconds
         #: where steps are slow (a line every 5% of a long run of slow steps could be hours apart)
         self.clock = clock
-        self.last_line = clock()
+        self.last_line = self.last_step = clock()
         #: ``--report-to``'s experiment trackers (:mod:`~flowtrain.train.reporters`), fed the
         #: numbers of every ``--metrics`` line (whoever opened them closes them)
         self.trackers = list(trackers)
@@ -145,9 +146,11 @@ class Reporter:
             self.bar.set_postfix(loss=_num(m.loss, ".4f"), tok_s=f"{m.tokens_per_s:,.0f}", **extra,
                                  **({"skipped": "yes"} if m.skipped else {}))
             self.bar.update(1)
-        elif not self.quiet and (m.skipped or (m.step - 1 - self.first) % self.every == 0 or m.step == self.total
-                                 or self.clock() - self.last_line >= LINE_EVERY_S):
-            self.last_line = self.clock()
+        now = self.clock()
+        since, self.last_step = now - self.last_step, now  # this step's time: a guess of the next one's
+        if self.bar is None and not self.quiet and (m.skipped or (m.step - 1 - self.first) % self.every == 0
+                                                    or m.step == self.total or now - self.last_line + since > LINE_EVERY_S):
+            self.last_line = now
             print(
                 f"step {m.step}/{self.total}  loss {_num(m.loss, '.4f')}  grad_norm {_num(m.grad_norm, '.3f')}  "
                 f"{m.tokens_per_s:,.0f} tok/s  lr {m.lr:.3g}" + _rewards_text(m)

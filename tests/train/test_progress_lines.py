@@ -1,5 +1,5 @@
 """Plain progress lines (no terminal, or ``--no-progress``): every twentieth of the run, and at
-least once a minute where steps are slow."""
+least every 30 seconds where a twentieth of the run takes longer."""
 
 from __future__ import annotations
 
@@ -17,6 +17,16 @@ def _lines(capsys, total: int, seconds_a_step: float, steps: int) -> list[str]:
         now[0] += seconds_a_step
         reporter.step(_metrics(s))
     return [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+
+
+def test_a_long_run_of_fast_steps_prints_a_line_at_least_every_30_seconds(capsys):
+    """100,000 steps of 0.4 s: every twentieth would be a line every 5,000 steps (33 minutes)."""
+    assert LINE_EVERY_S <= 30.0
+    lines = _lines(capsys, total=100_000, seconds_a_step=0.4, steps=3000)
+    steps = [int(line.split()[1].split("/")[0]) for line in lines]
+    assert steps[0] == 1
+    gaps = [(b - a) * 0.4 for a, b in zip(steps, steps[1:])]
+    assert len(gaps) >= 3000 * 0.4 / 30.0 - 1 and max(gaps) <= 30.0 + 1e-9
 
 
 def test_slow_steps_print_a_line_at_least_once_a_minute(capsys):
