@@ -2,7 +2,7 @@
 
     flowtrain viz sequential.json double_buffer.json --out report.html --png report.png
     flowtrain viz trace.json --png trace.png      # the PNG alone: no report.html
-    flowtrain viz trace.json --steps 2:6          # summaries over steps 2 to 5
+    flowtrain viz trace.json --steps 2:5          # summaries over training steps 2 to 5
     flowtrain viz step.json --policy lookahead --out graph.html
 
 Each INPUT is a trace (Chrome trace JSON from ``write_chrome_trace`` or ``flowtrain train
@@ -34,8 +34,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--policy", default=None, help="policy whose planned order graphs show (default: double_buffer)")
     p.add_argument("--title", default="flowtrain schedule report", help="report title")
     p.add_argument("--steps", metavar="A:B", default=None,
-                   help="window the summaries cover, like a Python slice of step numbers: '1:' from step 1, "
-                        "'2:6' steps 2-5, '3' step 3 (default: leave out the first step and warm-up)")
+                   help="window the summaries cover, steps counted from 1 as training counts them: '2:5' steps "
+                        "2 to 5, '2:' from step 2, '3' step 3 (default: leave out the first step and warm-up)")
     p.add_argument("--min-gap-ms", type=float, default=None,
                    help="mark compute gaps longer than this (default: 5%% of the median compute task)")
 

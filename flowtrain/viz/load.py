@@ -20,6 +20,11 @@ by ``1e9`` (equal integers, equal seconds; order kept). Anything
 malformed raises :class:`~flowtrain.errors.DataError` naming the file and what to fix; the
 visualizer is written against the format, not against one producer, so fields it can do without
 (``deps``, ``reads``, ``slot``, ``bytes``, ...) may be missing.
+
+**Steps count from 1.** A trace's ``args.step`` counts from 0 (the compiled graph's step); viz
+numbers steps as training's progress lines, metrics file and ``checkpoint-N`` do, from 1, so
+a task of ``"step": 0`` is in step 1, and a name's step suffix follows (``fetch L3 s0`` is
+``fetch L3 s1``). Every trace, old or new, is read this way.
 """
 
 from __future__ import annotations
@@ -54,7 +59,7 @@ class TraceTask(msgspec.Struct, frozen=True, kw_only=True):
     lane_name: str  # the row: compute, h2d, d2h, cpu:N, io:N
     start: float
     end: float
-    step: int = 0
+    step: int = 1  # counted from 1, as training's progress lines and checkpoint-N count
     unit: str | None = None
     layer: int | None = None
     micro_batch: int | None = None
@@ -201,19 +206,20 @@ def _task_fields(ev: Any, n: int, src: str) -> dict:
     if not isinstance(args, dict):
         raise DataError(f"{where}: args must be an object")
     kind = str(args.get("kind") or ev.cat or ev.name or "task")
+    step = _opt_int(args.get("step"), "args.step", where) or 0
     lane_name = args.get("lane_name")
     deps = args.get("deps") or []
     if not isinstance(deps, list):
         raise DataError(f"{where}: args.deps must be a list of task ids")
     return dict(
         id=str(args["id"]) if args.get("id") is not None else f"#{n}",
-        name=str(ev.name or kind),
+        name=_renumber(str(ev.name or kind), step),
         kind=kind,
         lane=None if args.get("lane") is None else str(args["lane"]),
         lane_name=None if lane_name is None else str(lane_name),
         start=ns(ts),
         end=ns(ts + dur),
-        step=_opt_int(args.get("step"), "args.step", where) or 0,
+        step=step + 1,  # the file counts from 0
         unit=None if args.get("unit") is None else str(args["unit"]),
         layer=_opt_int(args.get("layer"), "args.layer", where),
         micro_batch=_opt_int(args.get("micro_batch"), "args.micro_batch", where),
@@ -224,6 +230,13 @@ def _task_fields(ev: Any, n: int, src: str) -> dict:
         bytes=_opt_int(args.get("bytes"), "args.bytes", where) or 0,
         deps=tuple(str(d) for d in deps),
     )
+
+
+def _renumber(name: str, step: int) -> str:
+    """A task's name with its step suffix counted from 1 as the page counts: ``forward L3 m1
+    s2`` (the file's step 2) is ``forward L3 m1 s3``; a name without one is kept."""
+    head, _, last = name.rpartition(" ")
+    return f"{head} s{step + 1}" if head and last == f"s{step}" else name
 
 
 def _phase_and_activations(kind: str, args: dict) -> dict[str, str | None]:

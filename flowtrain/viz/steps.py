@@ -11,14 +11,15 @@ by reason, slot-seconds, tasks, bytes) is kept per step. A window of steps is th
 rows, which is also how the page's brush recomputes its summary::
 
     rows = step_stats(trace, gaps, uses)          # one StepStats per step, in step order
-    win = choose_window(rows, "1:")               # steps 1.. (None: the default window)
+    win = choose_window(rows, "2:")               # steps 2.. (None: the default window)
     s = window_summary(rows, win, budgets)        # step time, busy %, overlap, idle, slots
     print(win.label, s.step_time, s.busy_fraction["compute"])
 
-``--steps A:B`` reads like a Python slice of step numbers: ``1:`` is every step from 1 on,
-``2:5`` is steps 2, 3 and 4, ``3`` is step 3 alone. By default the first step is left out, and
-so is any step at the start that took more than three times the median step (warm-up); a
-warm-up step later on is kept but flagged.
+Steps are numbered from 1, as training's progress lines and ``checkpoint-N`` number them.
+``--steps A:B`` is steps A to B, both included: ``1:5`` is training steps 1 to 5, ``2:`` every
+step from 2 on, ``:3`` steps up to 3, ``3`` step 3 alone. By default the first step is left
+out, and so is any step at the start that took more than three times the median step
+(warm-up); a warm-up step later on is kept but flagged.
 
 **Busy, idle and tail.** Compute's time in a step is cut three ways that add up to the step:
 *busy* (its tasks), *idle* (gaps before compute's last task of the trace) and *tail* (after
@@ -240,16 +241,16 @@ def _slot_numbers(trace: Trace, uses: Sequence[SlotUse], cuts: Sequence[float]):
 
 
 def parse_steps(text: str) -> tuple[int | None, int | None]:
-    """``"A:B"`` (either side may be empty) or ``"A"`` as (first, stop); stop is exclusive."""
+    """``"A:B"`` (either side may be empty) or ``"A"`` as (first, last), both included."""
     a, colon, b = text.partition(":")
     try:
         first = int(a) if a.strip() else None
-        stop = (int(b) if b.strip() else None) if colon else (first + 1 if first is not None else None)
+        last = (int(b) if b.strip() else None) if colon else first
     except ValueError:
-        raise ConfigError(f"--steps {text}: expected A:B, A: or :B with step numbers (e.g. --steps 1:)") from None
-    if first is not None and stop is not None and stop <= first:
-        raise ConfigError(f"--steps {text}: the window is empty (B must be greater than A)")
-    return first, stop
+        raise ConfigError(f"--steps {text}: expected A:B, A: or :B with step numbers (e.g. --steps 2:)") from None
+    if first is not None and last is not None and last < first:
+        raise ConfigError(f"--steps {text}: the window is empty (B must be at least A)")
+    return first, last
 
 
 def default_window(rows: Sequence[StepStats]) -> Window:
@@ -269,8 +270,8 @@ def choose_window(rows: Sequence[StepStats], steps: str | None = None, source: s
     ``source`` (the trace's file) is named in the error when the trace has none of the steps."""
     if steps is None:
         return default_window(rows)
-    first, stop = parse_steps(steps)
-    idx = [i for i, r in enumerate(rows) if (first is None or r.step >= first) and (stop is None or r.step < stop)]
+    first, last = parse_steps(steps)
+    idx = [i for i, r in enumerate(rows) if (first is None or r.step >= first) and (last is None or r.step <= last)]
     if not idx:
         have = f"{rows[0].step}\u2013{rows[-1].step}" if rows else "none"
         where = f"{source}: " if source else ""

@@ -42,7 +42,7 @@ def test_busy_overlap_and_steps():
     assert (o.copy, o.compute_copy, o.copy_hidden) == (approx(us(35)), approx(us(10)), approx(10 / 35))
     # cpu [45,60) against compute: [45,47) and [50,55)
     assert (o.cpu, o.compute_cpu, o.cpu_hidden) == (approx(us(15)), approx(us(7)), approx(7 / 15))
-    assert [(p.step, p.start, p.end, p.tasks) for p in s.steps] == [(0, 0.0, us(60), 9), (1, us(60), us(80), 2)]
+    assert [(p.step, p.start, p.end, p.tasks) for p in s.steps] == [(1, 0.0, us(60), 9), (2, us(60), us(80), 2)]
     assert s.step_time == approx(us(20))
     assert s.bytes_per_lane == {"h2d": 300, "compute": 0, "d2h": 50, "cpu:0": 0}
     assert s.idle_compute == approx(us(33))  # 80 - 47

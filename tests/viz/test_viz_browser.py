@@ -191,7 +191,7 @@ window.addEventListener("load", function () {
   var F = window.ftViz, b = document.getElementById("ft-brush"), r = b.getBoundingClientRect();
   var n = F.panels[0].tr.steps.length, before = F.panels.map(function (p) { return JSON.parse(p.el.getAttribute("data-window")); });
   function at(i) { return { clientX: r.left + (i + 0.5) * r.width / n, clientY: r.top + r.height / 2, bubbles: true }; }
-  b.dispatchEvent(new MouseEvent("mousedown", at(2)));                  // drag from step 2 back to step 1
+  b.dispatchEvent(new MouseEvent("mousedown", at(2)));                  // drag from step 3 back to step 2
   window.dispatchEvent(new MouseEvent("mousemove", at(1)));
   window.dispatchEvent(new MouseEvent("mouseup", at(1)));
   F.redraw();
@@ -219,16 +219,16 @@ def numbers(w: dict) -> dict:
 
 
 def test_the_window_brush_recomputes_every_summary(chromium, tmp_path, cpu_traces):
-    """Real training traces (4 steps): the page opens on the default window (steps 1-3) and a
-    drag across the brush from step 2 to step 1 makes steps 1-2 the window of both traces; the
-    page's sums match Python's numbers for the same windows."""
+    """Real training traces (4 steps, numbered 1-4 as training numbers them): the page opens on
+    the default window (steps 2-4) and a drag across the brush from step 3 to step 2 makes steps
+    2-3 the window of both traces; the page's sums match Python's numbers for the same windows."""
     page = write_report(tmp_path / "report.html", [load_input(p) for p in cpu_traces])
     got = run_script(chromium, tmp_path, page, BRUSH_JS)
     for before, after, text, path in zip(got["before"], got["after"], got["text"], cpu_traces):
         assert numbers(before) == pytest.approx(expected(path, None), rel=1e-6, abs=1e-3)
-        assert (before["first"], before["last"]) == (1, 3)
-        assert numbers(after) == pytest.approx(expected(path, "1:3"), rel=1e-6, abs=1e-3)
-        assert text.startswith("window: steps 1\u20132 (2 of 4, ") and "brushed" in text
+        assert (before["first"], before["last"]) == (2, 4)
+        assert numbers(after) == pytest.approx(expected(path, "2:3"), rel=1e-6, abs=1e-3)
+        assert text.startswith("window: steps 2\u20133 (2 of 4, ") and "brushed" in text
     longest = max(w["end"] - w["start"] for w in got["after"])
     for w, shift in zip(got["after"], got["shift"]):  # each trace counted from its own window's start
         assert w["start"] - shift == 0 and got["view"][0] < 0 < w["end"] - shift <= got["view"][1]
@@ -374,7 +374,7 @@ def test_the_page_tells_the_truth_about_an_h200_run(chromium, tmp_path, cpu_trac
     assert "weights budget 6 (inferred)" in got["panels"][0]["summary"]  # W1's file records no budgets
     assert "(inferred)" not in got["panels"][1]["summary"]  # a train trace records them
     bars, rows = got["bars"], views[0].rows
-    assert [b["step"] for b in bars] == [0, 1, 2, 3] and bars[0]["cut"] and not any(b["cut"] for b in bars[1:])
+    assert [b["step"] for b in bars] == [1, 2, 3, 4] and bars[0]["cut"] and not any(b["cut"] for b in bars[1:])
     assert all(b["h"] > 0.8 * 34 for b in bars[1:])  # 0.69-0.81 s of a 0.81 s scale: tall bars, not 3-px lines
     assert [b["label"] for b in bars] == [fmt_time(r.duration).replace("µ", "\u00b5") for r in rows]
     tip = got["gapTip"]

@@ -101,3 +101,12 @@ def test_ids_reused_across_runs_resolve_to_the_latest_earlier_task():
     for t in tr.tasks:
         for d in tr.dep_indices[t.index]:
             assert (d < half) == (t.index < half) and tr.tasks[d].start <= t.start
+
+
+def test_steps_and_step_suffixes_count_from_one():
+    """A trace's ``args.step`` counts from 0, training's progress lines from 1: viz follows
+    training, in the step and in a name's step suffix (and leaves other names alone)."""
+    tr = trace_from_json(doc(ev("forward L3 m1 s0", "compute", 0, 5, kind="forward", step=0),
+                             ev("fetch L3 s1", "h2d", 5, 6, kind="fetch", step=1),
+                             ev("s1", "compute", 6, 8, kind="forward", step=1)))
+    assert [(t.name, t.step) for t in tr.tasks] == [("forward L3 m1 s1", 1), ("fetch L3 s2", 2), ("s1", 2)]

@@ -49,9 +49,9 @@ def test_report_holds_every_task_lane_slot_and_gap():
         "zero_grad waited for a grads slot", "forward had all it needed (launch overhead)"]
     assert [g["p"] for g in t["gaps"]] == [1, 2, 3, 0]
     # each step's additive numbers, for the page to sum over a window; the default window
-    assert [(r["step"], r["s"], r["e"], r["warm"]) for r in t["steps"]] == [(0, 0, 70, True), (1, 70, 80, False)]
+    assert [(r["step"], r["s"], r["e"], r["warm"]) for r in t["steps"]] == [(1, 0, 70, True), (2, 70, 80, False)]
     assert t["steps"][0]["busy"]["compute"] == 37 and t["steps"][0]["why"]["fetch"] == 25
-    assert t["window"] == {"first": 1, "last": 1, "why": "steady state: leaves out warm-up step 0"}
+    assert t["window"] == {"first": 2, "last": 2, "why": "steady state: leaves out warm-up step 1"}
     # slots in use per pool against the budgets, and bytes held per place
     assert t["budgets"] == {"grads": 1, "weights": 2}
     assert t["occ"]["weights"] == [[0, 1], [10, 2], [30, 1], [40, 0], [60, 1], [80, 0]]
@@ -61,7 +61,7 @@ def test_report_holds_every_task_lane_slot_and_gap():
 
 def test_steps_choose_the_first_window():
     page = render_report([hand_trace()], steps=":")
-    assert page_data(page)["traces"][0]["window"] == {"first": 0, "last": 1, "why": "--steps :"}
+    assert page_data(page)["traces"][0]["window"] == {"first": 1, "last": 2, "why": "--steps :"}
 
 
 def test_several_traces_share_one_scale_and_get_compared():
@@ -117,7 +117,7 @@ def test_cli_writes_html_and_png(tmp_path, capsys):
     (["GRAPH", "--policy", "nope"], "unknown policy 'nope'"),
     (["TRACE", "--min-gap-ms", "-1"], "--min-gap-ms must be at least 0"),
     (["TRACE", "--steps", "3:2"], "--steps 3:2: the window is empty"),
-    (["TRACE", "--steps", "4:"], "--steps 4:: no such steps in the trace (it has steps 0\u20130)"),
+    (["TRACE", "--steps", "4:"], "--steps 4:: no such steps in the trace (it has steps 1\u20131)"),
 ])
 def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch, args, message):
     monkeypatch.chdir(tmp_path)
@@ -130,15 +130,16 @@ def test_cli_errors_are_one_line(tmp_path, capsys, monkeypatch, args, message):
 
 def test_cli_says_which_window_its_numbers_cover(tmp_path, capsys):
     """Step times set by hand (an engine's would decide by the machine's load which steps are
-    warm-up): step 0 fifty times the others, so the default window leaves it out."""
+    warm-up): step 1 fifty times the others, so the default window leaves it out. The file counts
+    steps from 0, viz from 1, as training does: ``--steps 2:2`` is the file's step 1."""
     trace = tmp_path / "t.json"
     trace.write_text(json.dumps(doc(ev("a0", "compute", 0, 1000, step=0), ev("a1", "compute", 1000, 1020, step=1),
                                     ev("a2", "compute", 1020, 1040, step=2))))
-    assert main(["viz", str(trace), "--out", str(tmp_path / "r.html"), "--steps", "1:2"]) == 0
+    assert main(["viz", str(trace), "--out", str(tmp_path / "r.html"), "--steps", "2:2"]) == 0
     out = capsys.readouterr().out
-    assert "step 1 (1 of 3 steps, 20 \u00b5s)" in out and "step time" in out and "compute busy" in out
+    assert "step 2 (1 of 3 steps, 20 \u00b5s)" in out and "step time" in out and "compute busy" in out
     assert main(["viz", str(trace), "--out", str(tmp_path / "r.html")]) == 0
-    assert "steps 1\u20132 (2 of 3 steps, 40 \u00b5s)" in capsys.readouterr().out  # by default: all but the first
+    assert "steps 2\u20133 (2 of 3 steps, 40 \u00b5s)" in capsys.readouterr().out  # by default: all but the first
 
 
 def test_cli_window_of_an_engine_trace_is_the_one_its_steps_give(tmp_path, capsys):
@@ -151,16 +152,16 @@ def test_cli_window_of_an_engine_trace_is_the_one_its_steps_give(tmp_path, capsy
     tr = load_input(trace)
     window = default_window(step_stats(tr, compute_gaps(tr), slot_uses(tr)))
     assert main(["viz", str(trace), "--out", str(tmp_path / "r.html")]) == 0
-    assert window.label in capsys.readouterr().out and window.first >= 1
+    assert window.label in capsys.readouterr().out and window.first >= 2
 
 
 def test_png_spans_the_window():
     from flowtrain.viz.html import TraceView
     from flowtrain.viz.png import _trace_figure
 
-    (ax,) = _trace_figure([TraceView(hand_trace(), steps="1:")]).axes
-    lo, hi = ax.get_xlim()  # ms from the window's start; step 1 runs from 70 to 80 us
+    (ax,) = _trace_figure([TraceView(hand_trace(), steps="2:")]).axes
+    lo, hi = ax.get_xlim()  # ms from the window's start; step 2 runs from 70 to 80 us
     assert -0.001 < lo < 0 and 0.010 < hi < 0.0102
-    assert "step 1 (1 of 2 steps" in ax.get_title(loc="left")
+    assert "step 2 (1 of 2 steps" in ax.get_title(loc="left")
     (wide,) = _trace_figure([TraceView(hand_trace(), steps=":")]).axes
     assert 0.080 < wide.get_xlim()[1] < 0.081  # both steps: 80 us

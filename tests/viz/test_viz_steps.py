@@ -39,11 +39,12 @@ def test_split_cuts_spans_at_step_ends():
 
 
 def test_each_step_starts_at_its_first_compute_task():
-    """hand_trace: step 1's first compute task, uD, starts at 70 us; its prefetch fD (60-70)
-    ran while step 0 was still on the clock, so it is counted in step 0."""
+    """hand_trace: step 2's first compute task, uD, starts at 70 us; its prefetch fD (60-70)
+    ran while step 1 was still on the clock, so it is counted in step 1. (The file's ``step``
+    counts from 0, viz from 1, as training does.)"""
     r0, r1 = rows_of(hand_trace())
-    assert (r0.step, r0.start, r0.end, r0.warmup) == (0, 0.0, us(70), True)
-    assert (r1.step, r1.start, r1.end, r1.warmup) == (1, us(70), us(80), False)
+    assert (r0.step, r0.start, r0.end, r0.warmup) == (1, 0.0, us(70), True)
+    assert (r1.step, r1.start, r1.end, r1.warmup) == (2, us(70), us(80), False)
     assert r0.tasks == {"h2d": 3, "compute": 5, "d2h": 1, "cpu:0": 1} and r1.tasks == {"compute": 1}
     assert r0.busy["compute"] == approx(us(37)) and r1.busy["compute"] == approx(us(10))
     assert r0.idle_by_reason == {"fetch": approx(us(25)), "slot": approx(us(5)), "host": approx(us(3))}
@@ -55,7 +56,7 @@ def test_each_step_starts_at_its_first_compute_task():
 def test_the_default_window_leaves_out_the_first_step():
     rows = rows_of(hand_trace())
     w = choose_window(rows)
-    assert (w.first, w.last, w.steps, w.total) == (1, 1, 1, 2) and w.label == "step 1 (1 of 2 steps, 10 µs)"
+    assert (w.first, w.last, w.steps, w.total) == (2, 2, 1, 2) and w.label == "step 2 (1 of 2 steps, 10 µs)"
     s = window_summary(rows, w, {"weights": 2, "grads": 1})
     assert s.step_time == approx(us(10)) and s.busy_fraction["compute"] == approx(1.0)
     assert s.overlap.copy_hidden == 0.0 and s.idle_compute == 0.0
@@ -77,7 +78,7 @@ def test_a_window_of_every_step_is_the_whole_trace_summary():
 
 
 def test_a_slow_step_is_flagged_as_warm_up_and_left_out_at_the_start():
-    """Steps of 10 us, except step 1 (100 us): steps 0 and 1 are warm-up, the window is 2..4."""
+    """Steps of 10 us, except step 2 (100 us): steps 1 and 2 are warm-up, the window is 3..5."""
     events, t = [], 0
     for step, d in enumerate((10, 100, 10, 10, 10)):
         events.append(ev(f"f{step}", "compute", t, t + d, kind="forward", step=step))
@@ -85,22 +86,25 @@ def test_a_slow_step_is_flagged_as_warm_up_and_left_out_at_the_start():
     rows = rows_of(trace_from_json(doc(*events)))
     assert [r.warmup for r in rows] == [True, True, False, False, False]
     w = choose_window(rows)
-    assert (w.first, w.last) == (2, 4) and "warm-up steps 0, 1" in w.why
+    assert (w.first, w.last) == (3, 5) and "warm-up steps 1, 2" in w.why
     assert step_table(rows)["step time"] == (approx(us(10)), approx(us(10)), approx(us(100)))
 
 
-@pytest.mark.parametrize("text, want", [("1:", (1, None)), (":3", (None, 3)), ("2:5", (2, 5)), ("3", (3, 4))])
-def test_steps_read_like_a_slice(text, want):
+@pytest.mark.parametrize("text, want", [("1:", (1, None)), (":3", (None, 3)), ("2:5", (2, 5)), ("3", (3, 3)),
+                                        ("4:4", (4, 4))])
+def test_steps_are_a_range_of_training_steps_both_ends_included(text, want):
     assert parse_steps(text) == want
 
 
 def test_steps_choose_the_window():
     rows = rows_of(hand_trace())
-    assert (choose_window(rows, "0:1").first, choose_window(rows, "0:1").last) == (0, 0)
-    assert choose_window(rows, ":").steps == 2
+    assert (choose_window(rows, "1:1").first, choose_window(rows, "1:1").last) == (1, 1)
+    assert (choose_window(rows, "1:2").first, choose_window(rows, "1:2").last) == (1, 2)  # 1..2, both
+    assert (choose_window(rows, "2").first, choose_window(rows, "2").steps) == (2, 1)
+    assert choose_window(rows, ":").steps == 2 and choose_window(rows, "0:").steps == 2
     with pytest.raises(ConfigError, match="no such steps in the trace"):
         choose_window(rows, "5:")
-    with pytest.raises(ConfigError, match="B must be greater than A"):
+    with pytest.raises(ConfigError, match="B must be at least A"):
         parse_steps("3:2")
     with pytest.raises(ConfigError, match="expected A:B"):
         parse_steps("a:b")

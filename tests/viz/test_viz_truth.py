@@ -62,8 +62,8 @@ def test_the_10gb_trace_shows_no_pool_over_its_budget():
     assert round((free["ts"] + free["dur"]) * 1000) == round(take["ts"] * 1000)  # ...the instants are one
 
     tr = load_input(GATE)
-    end = next(t for t in tr.tasks if t.name == "backward L24 m6 s2").end
-    assert next(t for t in tr.tasks if t.name == "fetch_act L23 m0 s2").start == end
+    end = next(t for t in tr.tasks if t.name == "backward L24 m6 s3").end  # the file's step 2 is step 3
+    assert next(t for t in tr.tasks if t.name == "fetch_act L23 m0 s3").start == end
     view = TraceView(tr)
     assert view.budgets == {"acts": 2, "grads": 2, "host_grads": 3, "weights": 2}
     assert all(n <= view.budgets[pool] for pool, n in peaks(tr).items()) and peaks(tr)["acts"] == 2
@@ -155,7 +155,7 @@ def test_every_compute_task_lies_in_its_own_steps_band():
     tr = load_input(W1)
     view = TraceView(tr)
     band = {r.step: r for r in view.rows}
-    assert [r.step for r in view.rows] == [0, 1, 2, 3]
+    assert [r.step for r in view.rows] == [1, 2, 3, 4]  # the file's steps 0-3, counted from 1
     for t in tr.by_lane["compute"]:
         assert band[t.step].start <= t.start < band[t.step].end, t.name
     for r in view.rows[1:]:
@@ -174,7 +174,7 @@ def test_the_brush_is_scaled_without_the_warm_up_step():
 
 
 def tail_trace():
-    """Compute 0-40 with a gap 20-25 in step 0, 50-60 in step 1; step 1's Adam runs 60-90 on
+    """Compute 0-40 with a gap 20-25 in step 1, 50-60 in step 2; step 2's Adam runs 60-90 on
     the CPU after compute's last task: a 30 us tail."""
     return trace_from_json(doc(
         ev("f0", "compute", 0, 20, kind="forward"),
@@ -208,7 +208,7 @@ def test_the_headline_busy_is_the_per_step_figures_weighted_by_time(source):
     view = TraceView(tr)
     rows = view.rows
     for a, b in itertools.combinations_with_replacement(range(len(rows)), 2):
-        win = choose_window(rows, f"{rows[a].step}:{rows[b].step + 1}")
+        win = choose_window(rows, f"{rows[a].step}:{rows[b].step}")
         s = window_summary(rows, win, view.budgets)
         rs = window_rows(rows, win)
         assert s.busy["compute"] + s.idle_compute + s.tail == approx(s.duration, rel=1e-12, abs=1e-12)
@@ -252,7 +252,7 @@ def test_a_steps_error_names_the_trace_file(tmp_path, capsys, monkeypatch):
     (tmp_path / "run.json").write_text(json.dumps(doc(ev("a", "compute", 0, 1))))
     assert main(["viz", "run.json", "--steps", "9:"]) == 2
     err = capsys.readouterr().err
-    assert "run.json: --steps 9:: no such steps in the trace (it has steps 0\u20130)" in err and err.count("\n") == 1
+    assert "run.json: --steps 9:: no such steps in the trace (it has steps 1\u20131)" in err and err.count("\n") == 1
 
 
 @pytest.mark.parametrize("flags", [["--png", "missing-folder/out.png"], ["--out", "missing-folder/r.html"],
