@@ -239,13 +239,16 @@ def bench_trace_meta(args: argparse.Namespace, cfg: TrainConfig, plans: list, re
     as warm-up."""
     import torch
 
+    from ..train.config.run_config import load_model_config
     from ..train.run import trace_meta
     from ..train.prepare import resolve_dtype
 
     if not plans:  # the run stopped before it was planned: what is known
         return {"policy": args.policy, "model": args.model, "warmup": args.warmup}
     device = torch.device(plans[-1].device)
-    return {**trace_meta(cfg, plans[-1], device, resolve_dtype(args.precision, device), records), "warmup": args.warmup}
+    mcfg, _ = load_model_config(args.model, cfg.layer_path)
+    meta = trace_meta(cfg, plans[-1], device, resolve_dtype(args.precision, device), records, mcfg)
+    return {**meta, "warmup": args.warmup}
 
 
 def gpu_memory(torch) -> dict:  # torch: the module, imported by the caller

@@ -35,8 +35,12 @@ from ..ckpt.adapter_files import read_adapter
 from ..ckpt.out_lock import OutLock
 from ..ckpt.output import remove_stale_temp, resolve_out, save_final_model
 from ..ckpt.resume import restore_rng, settings_of
-from ..graph.tasks import GRADS, HOST_GRADS, WEIGHTS
+from ..graph.tasks import ACTS, GRADS, HOST_GRADS, WEIGHTS
 from ..model.attention import attention_backends
+from ..model.config import ModelConfig
+from ..model.counts import model_flops_per_token
+from ..plan.adapters import adapter_active_numel
+from ..plan.request import run_request
 from ..plan.memory import Plan, cap_gpu_memory
 from ..runtime.engine import use_uvloop
 from ..runtime.trace import Instrument, TraceRecorder, lane_busy, write_chrome_trace
@@ -196,7 +200,7 @@ def _layer_compile(cfg: TrainConfig, run: Run) -> str | None:
 def _write_trace(run: Run, recorder: TraceRecorder) -> None:
     assert run.cfg.trace is not None  # a recorder runs only where --trace names a file
     write_chrome_trace(run.cfg.trace, recorder.records, meta=trace_meta(run.cfg, run.plan, run.device, run.dtype,
-                                                                       recorder.records))
+                                                                       recorder.records, run.mcfg))
 
 
 def run_mode(cfg: TrainConfig, plan: Plan) -> str:
@@ -207,11 +211,15 @@ def run_mode(cfg: TrainConfig, plan: Plan) -> str:
     return "every parameter" + ("; experts no token reached are not updated" if cfg.skip_idle_experts else "")
 
 
-def trace_meta(cfg: TrainConfig, plan: Plan, device: torch.device, dtype: torch.dtype, records: Sequence) -> dict:
+def trace_meta(cfg: TrainConfig, plan: Plan, device: torch.device, dtype: torch.dtype, records: Sequence,
+               mcfg: ModelConfig) -> dict:
     """What a trace file records about its run (``flowtrain train --trace`` and ``flowtrain bench
     --trace`` alike): the settings, the plan's slot budgets, the bytes of a slot of each pool
     and where each pool lives, the memory limits, the plan's peaks (``planned``) and, on a GPU,
-    the peaks measured so far (``measured``), which the visualizer draws memory against."""
+    the peaks measured so far (``measured``), which the visualizer draws memory against; and the
+    model FLOPs of a token (:func:`~flowtrain.model.counts.model_flops_per_token`, as MFU counts
+    them) and the tokens of a step of this process, from which it reports model FLOP/s."""
+    adapters = adapter_active_numel(mcfg, run_request(cfg)) if cfg.lora else None
     meta = {
         "policy": cfg.policy, "budgets": plan.budgets, "model": cfg.model or "", "device": str(device),
         "mode": run_mode(cfg, plan),
@@ -221,12 +229,23 @@ def trace_meta(cfg: TrainConfig, plan: Plan, device: torch.device, dtype: torch.
         # what the visualizer draws memory against: bytes per slot, where each pool lives, limits
         "slot_bytes": {pool: size // max(plan.budgets.get(pool, 1), 1) for pool, size in (
             (WEIGHTS, plan.gpu.get("weight_slots", 0)), (GRADS, plan.gpu.get("grad_slots", 0)),
-            (HOST_GRADS, plan.host.get("staging", 0)))},
+            (HOST_GRADS, plan.host.get("staging", 0)))} | _acts_slot_bytes(plan),
         "pool_memory": {pool: "pinned" if pool == HOST_GRADS else "gpu" for pool in plan.budgets},
         "capacities": {"gpu": plan.gpu_limit, "host": plan.host_limit},
         "planned": {"gpu": plan.gpu_total, "host": plan.host_total},
+        "model_flops_per_token": model_flops_per_token(mcfg, cfg.seq_len, adapters),
+        "tokens_per_step": plan.spec.micro_batches * cfg.micro_batch_size * cfg.seq_len,
     }
     if device.type == "cuda":
         meta["measured"] = {"gpu_peak": torch.cuda.max_memory_allocated(device),
                             "gpu_reserved_peak": torch.cuda.max_memory_reserved(device)}
     return meta
+
+
+def _acts_slot_bytes(plan: Plan) -> dict[str, int]:
+    """The bytes of an ``acts`` slot where the plan offloads checkpoints: one micro-batch's
+    checkpoint of one layer (the plan's offloaded bytes over its layers and micro-batches)."""
+    offloaded, layers = plan.host.get("offloaded_activations", 0), len(plan.spec.offload)
+    if ACTS not in plan.budgets or not offloaded or not layers:
+        return {}
+    return {ACTS: offloaded // (layers * plan.spec.micro_batches)}

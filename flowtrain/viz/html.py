@@ -37,6 +37,7 @@ from .analysis import (
     slot_uses,
 )
 from .assets import CSS, GUARD_JS
+from .compute import SLOW_LAYER, ComputeTable, KindTime, compute_table, flops_per_step, kind_steps, step_payload
 from .graphview import CRITICAL, KIND_COLORS, REASON_COLORS, color, graph_section
 from .load import GraphInput, Trace
 from .memory import Memory, caption, memory
@@ -51,6 +52,7 @@ from .steps import (
     window_summary,
 )
 from .summary_js import SUMMARY_JS
+from .tables_js import TABLES_JS
 
 _CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
         "img-src data:; base-uri 'none'; form-action 'none'")
@@ -80,6 +82,8 @@ class TraceView:
         self.rows: list[StepStats] = step_stats(trace, self.gaps, self.uses)
         self.window: Window = choose_window(self.rows, steps, source=trace.path or trace.name)
         self.summary: WindowSummary = window_summary(self.rows, self.window, self.budgets)
+        self.kinds: dict[int, dict[str, KindTime]] = kind_steps(trace)  # compute time by kind, per step
+        self.compute: ComputeTable = compute_table(trace, self.kinds, self.window)
         self.memory: Memory = memory(trace, self.uses)
 
 
@@ -123,7 +127,8 @@ def _step_rows(view: TraceView) -> list[dict]:
              "co": _us(r.copy), "cu": _us(r.compute_cpu), "cp": _us(r.cpu), "idle": _us(r.idle_compute),
              "tail": _us(r.tail),
              "why": {k: _us(v) for k, v in r.idle_by_reason.items()},
-             "area": {k: _us(v) for k, v in r.slot_seconds.items()}, "peak": r.peak_slots}
+             "area": {k: _us(v) for k, v in r.slot_seconds.items()}, "peak": r.peak_slots,
+             "ck": step_payload(view.kinds.get(r.step, {}))}
             for r in view.rows]
 
 
@@ -166,6 +171,7 @@ def trace_payload(view: TraceView, kinds: list[str]) -> dict:
         "memUnknown": list(mem.unknown),
         "memCaption": caption(mem),
         "caps": mem.capacities,
+        "flopsPerStep": flops_per_step(tr),
     }
 
 
@@ -226,6 +232,7 @@ def render_report(inputs: Sequence[Trace | GraphInput], policy: str | Policy = "
         "kinds": kinds,
         "colors": [color(k) for k in kinds],
         "critical": CRITICAL,
+        "slowLayer": SLOW_LAYER,
         "traces": [trace_payload(v, kinds) for v in views],
     }
     parts = [f"<h1>{_esc(title)}</h1>",
@@ -240,7 +247,7 @@ def render_report(inputs: Sequence[Trace | GraphInput], policy: str | Policy = "
         parts.append(graph_section(g.graph, policy, title=g.name, cost=gcost))
     if views:
         scripts = (f'<script type="application/json" id="ft-data">{_json_script(payload)}</script>'
-                   f"<script>{GANTT_JS}</script><script>{SUMMARY_JS}</script>")
+                   f"<script>{GANTT_JS}</script><script>{TABLES_JS}</script><script>{SUMMARY_JS}</script>")
     else:
         scripts = ("<script>document.documentElement.setAttribute('data-ft-render-ms', performance.now().toFixed(1));"
                    "document.documentElement.setAttribute('data-ft-lanes', '[]');"

@@ -48,6 +48,7 @@ SUMMARY_JS = r"""
     w.active = w.dur - w.tail;  // busy + idle: the time compute had work coming
     w.computeBusy = computeBusy(w.busy.compute || 0, w.active);
     w.copyHidden = w.co ? w.cc / w.co : 0; w.cpuHidden = w.cp ? w.cu / w.cp : 0;
+    w.compute = F.foldCompute(p, w);
     return w;
   }
   function windowLabel(p, w) {
@@ -111,6 +112,7 @@ SUMMARY_JS = r"""
           ", peak " + (w.peak[pl] || 0) + ", mean " + ((w.area[pl] || 0) / w.dur).toFixed(2);
       }).join("; ") + "</div>");
     }
+    h.push(F.computeHtml(p, w.compute));
     var lanes = tr.lanes.map(function (l) {
       var gbs = laneKind(l) === "h2d" || laneKind(l) === "d2h" ? F.rate(w.bytes[l] || 0, w.busy[l] || 0) : "";
       return "<tr><td>" + esc(l) + "</td><td>" + (w.tasks[l] || 0) + "</td><td>" + fmtTime(w.busy[l] || 0) + "</td><td>" +
@@ -149,7 +151,9 @@ SUMMARY_JS = r"""
       first: w.rows[0].step, last: w.rows[w.n - 1].step, steps: w.n, start: w.s, end: w.e, stepTime: w.stepTime,
       busy: w.frac, computeBusy: w.computeBusy, busyUs: w.busy.compute || 0, tail: w.tail,
       copyHidden: w.copyHidden, idle: w.idle, why: w.why, peak: w.peak,
-      patterns: patternRows(p, w).map(function (g) { return [p.tr.patterns[g.p].text, g.n]; }) } : { steps: 0 }));
+      patterns: patternRows(p, w).map(function (g) { return [p.tr.patterns[g.p].text, g.n]; }),
+      compute: w.compute.kinds.map(function (o) { return { kind: o.kind, tasks: o.n, us: o.t, share: o.share, slow: o.slow }; }),
+      flops: w.compute.flops } : { steps: 0 }));
     Array.prototype.forEach.call(box.querySelectorAll("tr.pattern"), function (row) {
       row.addEventListener("click", function () { nextGap(p, +row.getAttribute("data-p"), w); });
     });
@@ -180,6 +184,10 @@ SUMMARY_JS = r"""
       row("copy hidden by compute", function (w) { return pct(w.copyHidden); }) +
       row("compute idle per step", function (w) { return fmtTime(w.idle / w.n); }) +
       row("tail (after compute's last task)", function (w) { return fmtTime(w.tail); }) +
+      row("model FLOP/s", function (w) { return w.compute.flops !== null ? F.fmtFlops(w.compute.flops) + "/s" : "not recorded"; }) +
+      row("compute by kind", function (w) {
+        return w.compute.kinds.slice(0, 3).map(function (o) { return esc(o.kind) + " " + pct(o.share); }).join(", ");
+      }) +
       row("largest idle reason", function (w) {
         var r = Object.keys(w.why).sort(function (a, b) { return w.why[b] - w.why[a]; })[0];
         return r && w.why[r] > 0 ? esc(r) + " " + fmtTime(w.why[r]) : "none";

@@ -210,12 +210,14 @@ def expected(path: Path, steps: str | None) -> dict:
     v = TraceView(load_input(path), steps=steps)
     s = v.summary
     return {"first": v.window.first, "last": v.window.last, "stepTime": s.step_time * 1e6,
-            "compute": s.busy_fraction["compute"], "copyHidden": s.overlap.copy_hidden, "idle": s.idle_compute * 1e6}
+            "compute": s.busy_fraction["compute"], "copyHidden": s.overlap.copy_hidden, "idle": s.idle_compute * 1e6,
+            "flops": v.compute.model_flops, **{f"share of {r.kind}": r.share for r in v.compute.kinds}}
 
 
 def numbers(w: dict) -> dict:
     return {"first": w["first"], "last": w["last"], "stepTime": w["stepTime"], "compute": w["busy"]["compute"],
-            "copyHidden": w["copyHidden"], "idle": w["idle"]}
+            "copyHidden": w["copyHidden"], "idle": w["idle"], "flops": w["flops"],
+            **{f"share of {k['kind']}": k["share"] for k in w["compute"]}}
 
 
 def test_the_window_brush_recomputes_every_summary(chromium, tmp_path, cpu_traces):

@@ -78,7 +78,7 @@ def test_task_names_cannot_break_out_of_the_data_block():
     tr = trace_from_json(doc(ev(evil, "compute", 0, 5, kind="forward")))
     page = render_report([tr])
     assert page_data(page)["traces"][0]["t"]["name"] == [evil]
-    assert "<script>alert(1)" not in page and page.count("</script>") == 4
+    assert "<script>alert(1)" not in page and page.count("</script>") == 5
 
 
 def test_small_graphs_are_drawn_and_large_ones_tabled():

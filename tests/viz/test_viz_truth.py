@@ -137,13 +137,21 @@ def test_a_bench_trace_carries_what_a_train_trace_does(tmp_path, monkeypatch, ca
     bench = json.loads(Path("bench.json").read_text())["otherData"]["flowtrain"]
     train = json.loads(Path("train.json").read_text())["otherData"]["flowtrain"]
     assert set(bench) == set(train) | {"warmup"} and bench["warmup"] == 1
-    for key in ("budgets", "slot_bytes", "pool_memory", "planned", "layout", "precision", "policy", "device"):
+    for key in ("budgets", "slot_bytes", "pool_memory", "planned", "layout", "precision", "policy", "device",
+                "model_flops_per_token", "tokens_per_step"):
         assert bench[key] == train[key], key
+    from flowtrain.model import preset
+    from flowtrain.model.counts import model_flops_per_token
+
+    assert train["model_flops_per_token"] == model_flops_per_token(preset("tiny"), 64)  # the one count
+    assert train["tokens_per_step"] == 4 * 64
     assert set(bench["capacities"]) == {"gpu", "host"}  # the host's limit follows its free memory of the moment
     assert bench["pool_memory"] == {"weights": "gpu", "grads": "gpu", "host_grads": "pinned"}
     view = TraceView(load_input("bench.json"))
     assert view.inferred == [] and view.budgets == bench["budgets"]
     assert "planned" in caption(view.memory) and "records no peak" not in caption(view.memory)
+    assert view.compute.model_flops == approx(4 * 64 * train["model_flops_per_token"] * view.window.steps
+                                              / (view.window.end - view.window.start))
 
 
 # ---- steps, the brush, and busy + idle + tail ------------------------------------------------
