@@ -230,10 +230,15 @@ def blockers(trace: Trace, uses: Sequence[SlotUse] | None = None) -> list[Wait |
     return out
 
 
+def a_slot(pool: str | None) -> str:
+    """``a weights slot``, ``an acts slot``."""
+    return f"{'an' if (pool or 'x')[0] in 'aeiou' else 'a'} {pool} slot"
+
+
 def describe_wait(trace: Trace, w: Wait) -> str:
     other = trace.tasks[w.task]
     if w.cause == "slot":
-        return f"a {w.pool} slot, freed when {other.name} finished"
+        return f"{a_slot(w.pool)}, freed when {other.name} finished"
     if w.cause == "lane":
         return f"its lane ({other.lane_name}), busy with {other.name}"
     return other.name
@@ -308,15 +313,41 @@ def _explain(trace: Trace, task: TraceTask, idle_since: float, waits: Sequence[W
         text = f"{task.name} had all it needed before the lane went idle (launch overhead)"
         pattern = f"{task.kind} had all it needed (launch overhead)"
     else:
-        text = f"{task.name} waited for " + ", which waited for ".join(words)
-        pattern = f"{task.kind} waited for " + ", which waited for ".join(kinds)
+        text = f"{task.name} waited for " + ", which waited for ".join(_collapse_words(trace, chain, words))
+        pattern = f"{task.kind} waited for " + ", which waited for ".join(_collapse(kinds))
     return Gap(idle_since, task.start, task.index, reason, tuple(chain), text, pattern)
+
+
+def _collapse(links: list[str]) -> list[str]:
+    """Repeated links said once: ``its lane (cpu)`` three times in a row is ``its lane (cpu) ×3``."""
+    out: list[tuple[str, int]] = []
+    for link in links:
+        if out and out[-1][0] == link:
+            out[-1] = (link, out[-1][1] + 1)
+        else:
+            out.append((link, 1))
+    return [link if n == 1 else f"{link} \u00d7{n}" for link, n in out]
+
+
+def _collapse_words(trace: Trace, chain: list[int], words: list[str]) -> list[str]:
+    """Consecutive waits for the same lane said once, naming each task it was busy with:
+    ``its lane (cpu:0), busy with A, then B, then C``."""
+    out: list[str] = []
+    prev_lane = None
+    for i, w in zip(chain, words):
+        lane = trace.tasks[i].lane_name if w.startswith("its lane (") else None
+        if lane is not None and lane == prev_lane:
+            out[-1] += f", then {trace.tasks[i].name}"
+        else:
+            out.append(w)
+        prev_lane = lane
+    return out
 
 
 def _wait_kind(trace: Trace, w: Wait) -> str:
     """What ``w`` waited for, by kind rather than by task: the same for every layer and step."""
     if w.cause == "slot":
-        return f"a {w.pool} slot"
+        return a_slot(w.pool)
     if w.cause == "lane":
         return f"its lane ({trace.tasks[w.task].lane})"
     return trace.tasks[w.task].kind

@@ -44,7 +44,7 @@ details { margin: 6px 0; } summary { cursor: pointer; color: #335; }
 tr.pattern { cursor: pointer; } tr.pattern:hover td { background: #eef3fb; }
 tr.warm td { color: #a0522d; }
 .whichwin { font-size: 12px; color: #335; margin: 4px 0; }
-td.layers { text-align: left; } .slow { color: #b03a2e; font-weight: 600; }
+td.layers, td.verdict { text-align: left; } td.verdict { max-width: 520px; } .slow { color: #b03a2e; font-weight: 600; }
 .flopsline { margin: 0 0 8px; }
 """
 

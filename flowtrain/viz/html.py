@@ -53,6 +53,7 @@ from .steps import (
 )
 from .summary_js import SUMMARY_JS
 from .tables_js import TABLES_JS
+from .verdicts import GapVerdict, gap_verdicts
 
 _CSP = ("default-src 'none'; script-src 'unsafe-inline'; style-src 'unsafe-inline'; "
         "img-src data:; base-uri 'none'; form-action 'none'")
@@ -85,6 +86,7 @@ class TraceView:
         self.kinds: dict[int, dict[str, KindTime]] = kind_steps(trace)  # compute time by kind, per step
         self.compute: ComputeTable = compute_table(trace, self.kinds, self.window)
         self.memory: Memory = memory(trace, self.uses)
+        self.verdicts: list[GapVerdict] = gap_verdicts(trace, self.gaps, self.waits, self.budgets, self.memory)
 
 
 def _why(view: TraceView, i: int) -> str:
@@ -132,12 +134,17 @@ def _step_rows(view: TraceView) -> list[dict]:
             for r in view.rows]
 
 
-def _gap_payload(view: TraceView) -> tuple[list[dict], list[dict]]:
+def _gap_payload(view: TraceView) -> tuple[list[dict], list[dict], list[dict]]:
+    """The gaps, their patterns and their verdicts (each gap names its pattern ``p`` and its
+    verdict ``v``, with ``vb`` the verdict's copy lane busy inside the gap, in us)."""
     patterns = gap_patterns(view.gaps)
     which = {id(g): n for n, (_, _, gs) in enumerate(patterns) for g in gs}
+    keys = list(dict.fromkeys(v.key for v in view.verdicts))
+    first = {v.key: v for v in reversed(view.verdicts)}
     gaps = [{"s": _us(g.start), "e": _us(g.end), "c": color(g.reason), "r": g.reason, "text": g.text,
-             "p": which[id(g)]} for g in view.gaps]
-    return gaps, [{"text": p, "r": r, "c": color(r)} for p, r, _ in patterns]
+             "p": which[id(g)], "v": keys.index(v.key), "vb": _us(v.lane_busy)} for g, v in zip(view.gaps, view.verdicts)]
+    verdicts = [{"key": k, "text": first[k].text, "lane": first[k].lane} for k in keys]
+    return gaps, [{"text": p, "r": r, "c": color(r)} for p, r, _ in patterns], verdicts
 
 
 def trace_payload(view: TraceView, kinds: list[str]) -> dict:
@@ -148,7 +155,7 @@ def trace_payload(view: TraceView, kinds: list[str]) -> dict:
         slots.setdefault((u.pool, u.slot), []).append({
             "s": _us(u.start), "e": _us(u.end), "c": color(tasks[u.holder].kind), "pool": u.pool,
             "slot": u.slot, "h": u.holder, "n": len(u.readers)})
-    gaps, patterns = _gap_payload(view)
+    gaps, patterns, verdicts = _gap_payload(view)
     mem = view.memory
     w = view.window
     return {
@@ -158,6 +165,7 @@ def trace_payload(view: TraceView, kinds: list[str]) -> dict:
         "slots": [{"pool": p, "slot": s, "iv": iv} for (p, s), iv in sorted(slots.items())],
         "gaps": gaps,
         "patterns": patterns,
+        "verdicts": verdicts,
         "gapLane": "compute",
         "minGap": _us(view.min_gap),
         "crit": view.chain,

@@ -76,14 +76,28 @@ SUMMARY_JS = r"""
     });
   }
 
-  function patternRows(p, w) { // the window's gaps, grouped by pattern
+  // The window's gaps, grouped by pattern; each pattern's verdict is the one of most idle time
+  // among its gaps (Python's flowtrain.viz.verdicts.pattern_verdicts), with its copy lane's busy share.
+  function patternRows(p, w) {
     var groups = {};
     p.tr.gaps.forEach(function (g) {
       if (!w.n || g.e <= w.s || g.s >= w.e) return;
-      var d = Math.min(g.e, w.e) - Math.max(g.s, w.s), o = groups[g.p] || (groups[g.p] = { p: g.p, n: 0, total: 0, longest: 0 });
+      var d = Math.min(g.e, w.e) - Math.max(g.s, w.s), o = groups[g.p] || (groups[g.p] = { p: g.p, n: 0, total: 0, longest: 0, by: {} });
       o.n += 1; o.total += d; o.longest = Math.max(o.longest, d);
+      var v = o.by[g.v] || (o.by[g.v] = { t: 0, busy: 0, gap: 0 });
+      v.t += d; v.busy += g.vb; v.gap += g.e - g.s;
     });
-    return Object.keys(groups).map(function (k) { return groups[k]; }).sort(function (a, b) { return b.total - a.total; });
+    return Object.keys(groups).map(function (k) {
+      var o = groups[k], best = null;
+      Object.keys(o.by).forEach(function (v) {
+        var key = p.tr.verdicts[v].key, bk = best === null ? null : p.tr.verdicts[best].key;
+        if (best === null || o.by[v].t > o.by[best].t || (o.by[v].t === o.by[best].t && key > bk)) best = v;
+      });
+      var vd = p.tr.verdicts[best], b = o.by[best];
+      o.verdict = vd.text + (vd.lane && b.gap > 0 ? " (" + vd.lane + " busy " + Math.round(100 * b.busy / b.gap) + "% of these gaps)" : "");
+      o.vkey = vd.key;
+      return o;
+    }).sort(function (a, b) { return b.total - a.total; });
   }
 
   function summaryHtml(p, w) {
@@ -135,10 +149,11 @@ SUMMARY_JS = r"""
     var pr = patternRows(p, w);
     if (pr.length) {
       h.push("<table class=patterns><tr><th>compute idle, by pattern (click: zoom to the next gap)</th><th>gaps</th>" +
-             "<th>total</th><th>longest</th></tr>" + pr.map(function (g) {
+             "<th>total</th><th>longest</th><th>what bounds it</th></tr>" + pr.map(function (g) {
                var pat = tr.patterns[g.p];
                return "<tr class=pattern data-p=" + g.p + "><td><span class=sw style='background:" + pat.c + "'></span>" +
-                 esc(pat.text) + "</td><td>" + g.n + "</td><td>" + fmtTime(g.total) + "</td><td>" + fmtTime(g.longest) + "</td></tr>";
+                 esc(pat.text) + "</td><td>" + g.n + "</td><td>" + fmtTime(g.total) + "</td><td>" + fmtTime(g.longest) +
+                 "</td><td class=verdict data-verdict='" + esc(g.vkey) + "'>" + esc(g.verdict) + "</td></tr>";
              }).join("") + "</table>");
     }
     return h.join("");
@@ -151,7 +166,7 @@ SUMMARY_JS = r"""
       first: w.rows[0].step, last: w.rows[w.n - 1].step, steps: w.n, start: w.s, end: w.e, stepTime: w.stepTime,
       busy: w.frac, computeBusy: w.computeBusy, busyUs: w.busy.compute || 0, tail: w.tail,
       copyHidden: w.copyHidden, idle: w.idle, why: w.why, peak: w.peak,
-      patterns: patternRows(p, w).map(function (g) { return [p.tr.patterns[g.p].text, g.n]; }),
+      patterns: patternRows(p, w).map(function (g) { return [p.tr.patterns[g.p].text, g.n, g.verdict]; }),
       compute: w.compute.kinds.map(function (o) { return { kind: o.kind, tasks: o.n, us: o.t, share: o.share, slow: o.slow }; }),
       flops: w.compute.flops } : { steps: 0 }));
     Array.prototype.forEach.call(box.querySelectorAll("tr.pattern"), function (row) {

@@ -373,6 +373,11 @@ def test_the_page_tells_the_truth_about_an_h200_run(chromium, tmp_path, cpu_trac
         assert p["start"] - 0.03 * longest < p["v0"] < p["start"] < p["end"] <= p["v1"]
         assert p["window"]["computeBusy"] == pytest.approx(v.summary.compute_busy, rel=1e-9)
         assert f"compute busy {100 * v.summary.compute_busy:.1f}% of busy + idle (per step: median" in p["summary"]
+    from flowtrain.viz.verdicts import pattern_verdicts
+
+    for p, v in zip(got["panels"], views):  # each stall pattern's verdict, as Python gives it
+        want = pattern_verdicts(v.gaps, v.verdicts, v.window.start, v.window.end)
+        assert {text: verdict for text, _, verdict in p["window"]["patterns"]} == want and want
     assert "weights budget 6 (inferred)" in got["panels"][0]["summary"]  # W1's file records no budgets
     assert "(inferred)" not in got["panels"][1]["summary"]  # a train trace records them
     bars, rows = got["bars"], views[0].rows
