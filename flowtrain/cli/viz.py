@@ -20,7 +20,7 @@ import argparse
 from pathlib import Path
 
 from ..errors import ConfigError
-from ..viz.html import TraceView, write_report
+from ..viz.html import trace_views, write_report
 from ..viz.load import GraphInput, Trace, load_input
 from ..viz.steps import fmt_time, parse_steps
 
@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
     if args.steps is not None:
         parse_steps(args.steps)  # a malformed window fails before anything is read
     min_gap = None if args.min_gap_ms is None else args.min_gap_ms * 1e-3
-    views = [TraceView(t, min_gap, args.steps) for t in traces]
+    views = trace_views(traces, min_gap, args.steps)  # each trace that has the --steps on them
     counts = ((len(traces), "trace"), (len(graphs), "graph"))
     what = ", ".join(f"{n} {k}{'s' if n != 1 else ''}" for n, k in counts if n)
     html = args.out or (None if args.png else "report.html")  # write only what was asked for
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
         s = v.summary
         print(f"  {v.trace.label}: {v.window.label}: step time {fmt_time(s.step_time)}, "
               f"compute busy {100 * s.compute_busy:.1f}% of busy + idle, "
-              f"copy hidden {100 * s.overlap.copy_hidden:.1f}%")
+              f"copy hidden {100 * s.overlap.copy_hidden:.1f}%" + (f" ({v.window.why})" if v.missed else ""))
     if args.png:
         from ..viz.png import write_png
 

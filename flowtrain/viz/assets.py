@@ -21,14 +21,14 @@ tr.crit td { background: #fde8e8; }
 .sw { display: inline-block; width: 11px; height: 11px; margin-right: 5px; vertical-align: -1px;
       border: 1px solid rgba(0,0,0,.3); }
 .legend span.item { margin-right: 12px; white-space: nowrap; }
-.toolbar { position: sticky; top: 0; background: #fff; padding: 6px 0; z-index: 2;
+.toolbar { position: sticky; top: 0; background: #fff; padding: 3px 0; z-index: 2;
            border-bottom: 1px solid #eee; }
-/* Scrolling (a gap pattern's click, a link) stops under the sticky toolbar, never behind it:
-   the page script keeps --ft-bar at the toolbar's height. */
-html { scroll-padding-top: var(--ft-bar, 0px); }
+/* Scrolling (a gap pattern's click, a link) stops under the sticky toolbar and a panel's sticky
+   title, never behind them: the page script keeps --ft-bar at the toolbar's height and
+   --ft-title at a title's. */
+html { scroll-padding-top: calc(var(--ft-bar, 0px) + var(--ft-title, 0px)); }
 .toolbar button { margin-right: 4px; }
 .panel { margin: 10px 0 18px; }
-.panel h2 { margin-top: 8px; }
 canvas.gantt { display: block; width: 100%; cursor: grab; border: 1px solid #e5e5e5; }
 canvas.gantt.dragging { cursor: grabbing; }
 .info { min-height: 1.4em; font-size: 12px; background: #f7f7f9; padding: 4px 8px; margin-top: 4px; }
@@ -39,8 +39,15 @@ canvas.gantt.dragging { cursor: grabbing; }
 .tablebox { overflow: auto; max-height: 620px; }
 .cols { display: flex; flex-wrap: wrap; gap: 18px; }
 details { margin: 6px 0; } summary { cursor: pointer; color: #335; }
-.brushbox { margin-top: 4px; }
-#ft-brush { display: block; width: 100%; height: 58px; cursor: crosshair; border: 1px solid #e5e5e5; }
+.toolbar .controls { white-space: nowrap; overflow: hidden; text-overflow: ellipsis; }
+.toolbar button { padding: 1px 6px; }
+.brushrow { display: flex; align-items: center; gap: 6px; margin-top: 2px; }
+.brushrow .bl { flex: 0 0 170px; overflow: hidden; text-overflow: ellipsis; white-space: nowrap; font-size: 11px; color: #333; }
+.brushrow .bw { flex: 0 0 auto; font-size: 11px; min-width: 70px; }
+canvas.brush { display: block; flex: 1 1 auto; min-width: 0; height: 20px; cursor: crosshair; border: 1px solid #e5e5e5; }
+/* each panel's title stays in view, just under the toolbar, while its chart and tables scroll */
+.panel h2 { position: sticky; top: var(--ft-bar, 0px); background: #fff; z-index: 1; margin: 0; padding: 6px 0 4px; }
+.legend { margin: 4px 0; }
 tr.pattern { cursor: pointer; } tr.pattern:hover td { background: #eef3fb; }
 tr.warm td { color: #a0522d; }
 .whichwin { font-size: 12px; color: #335; margin: 4px 0; }

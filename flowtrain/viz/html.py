@@ -18,6 +18,9 @@ import json
 from pathlib import Path
 from typing import Sequence
 
+import msgspec
+
+from ..errors import ConfigError
 from ..policy import Policy
 from .analysis import (
     Gap,
@@ -48,6 +51,8 @@ from .steps import (
     WindowSummary,
     brush_scale,
     choose_window,
+    default_window,
+    parse_steps,
     step_stats,
     window_summary,
 )
@@ -69,9 +74,12 @@ def _us(seconds: float) -> float:
 
 class TraceView:
     """A trace with everything the report shows about it, computed once. ``steps`` is the
-    ``--steps`` window (``None``: the default steady-state window)."""
+    ``--steps`` window (``None``: the default steady-state window). With ``fallback``, a trace
+    that has none of those steps gets its default window instead, which says why (``missed``);
+    without, it is a :class:`ConfigError`."""
 
-    def __init__(self, trace: Trace, min_gap: float | None = None, steps: str | None = None) -> None:
+    def __init__(self, trace: Trace, min_gap: float | None = None, steps: str | None = None,
+                 fallback: bool = False) -> None:
         self.trace = trace
         self.uses: list[SlotUse] = slot_uses(trace)
         self.waits: list[Wait | None] = blockers(trace, self.uses)
@@ -81,12 +89,33 @@ class TraceView:
         self.budgets = pool_budgets(trace, self.uses)
         self.inferred: list[str] = inferred_budgets(trace, self.budgets)  # pools the trace gives no budget for
         self.rows: list[StepStats] = step_stats(trace, self.gaps, self.uses)
-        self.window: Window = choose_window(self.rows, steps, source=trace.path or trace.name)
+        self.missed = False  # --steps names none of this trace's steps: it shows its default window
+        try:
+            self.window: Window = choose_window(self.rows, steps, source=trace.path or trace.name)
+        except ConfigError:
+            if not fallback or steps is None:
+                raise
+            parse_steps(steps)  # a malformed --steps is an error whatever the trace
+            w = default_window(self.rows)
+            have = f"{self.rows[0].step}\u2013{self.rows[-1].step}"
+            self.window = msgspec.structs.replace(w, why=f"--steps {steps} is not in this trace (it has steps {have}), "
+                                                        f"so its {w.why}")
+            self.missed = True
         self.summary: WindowSummary = window_summary(self.rows, self.window, self.budgets)
         self.kinds: dict[int, dict[str, KindTime]] = kind_steps(trace)  # compute time by kind, per step
         self.compute: ComputeTable = compute_table(trace, self.kinds, self.window)
         self.memory: Memory = memory(trace, self.uses)
         self.verdicts: list[GapVerdict] = gap_verdicts(trace, self.gaps, self.waits, self.budgets, self.memory)
+
+
+def trace_views(traces: Sequence[Trace], min_gap: float | None = None, steps: str | None = None) -> list[TraceView]:
+    """One :class:`TraceView` per trace, each on the ``--steps`` window where it has those
+    steps, else on its default window (the page says so); an error only when no trace has
+    them."""
+    views = [TraceView(t, min_gap, steps, fallback=True) for t in traces]
+    if views and all(v.missed for v in views):
+        choose_window(views[0].rows, steps, source=views[0].trace.path or views[0].trace.name)  # raises
+    return views
 
 
 def _why(view: TraceView, i: int) -> str:
@@ -193,16 +222,20 @@ def _panel(n: int, v: TraceView) -> str:
             '<div class=summary></div></section>')
 
 
-def _toolbar(kinds: Sequence[str], reasons: Sequence[str]) -> str:
-    return ('<div class=toolbar id="ft-toolbar"><button data-act=reset>reset</button>'
+def _toolbar(views: Sequence[TraceView]) -> str:
+    """The sticky toolbar, kept small: one line of controls, then one brush row per trace (its
+    steps as bars: drag across them to choose that trace's window). The legend is below it."""
+    rows = "".join(
+        f'<div class=brushrow data-panel={n}><span class=bl title="{_esc(v.trace.label)}">{_esc(v.trace.label)}</span>'
+        f'<canvas class=brush id="ft-brush-{n}" aria-label="steps of {_esc(v.trace.label)}: drag to choose its window">'
+        f'</canvas><b class=bw id="ft-window-{n}"></b></div>' for n, v in enumerate(views))
+    return ('<div class=toolbar id="ft-toolbar"><div class=controls><button data-act=reset>reset</button>'
             '<button data-act=in>zoom in</button><button data-act=out>zoom out</button> '
             '<label><input type=checkbox data-act=crit> critical chain</label> '
-            '<label>align at step <select data-act=align><option value="">(time)</option></select></label> '
-            '<span class=small>wheel: zoom &middot; drag or shift+wheel: pan &middot; double-click: reset '
-            '&middot; click a task for its dependencies &middot; view <span id="ft-span"></span></span>'
-            '<div class=brushbox><span class=small>window (drag across steps; the summaries follow):</span> '
-            '<b id="ft-window"></b><canvas id="ft-brush" aria-label="steps: drag to choose the window">'
-            '</canvas></div>' + _legend(kinds, reasons) + "</div>")
+            '<label>align at <select data-act=align><option value="">(time)</option></select></label> '
+            '<span class=small title="wheel: zoom; drag or shift+wheel: pan; double-click: reset; click a task for its '
+            'dependencies; drag across a trace\'s steps below to choose its window">view <span id="ft-span"></span>'
+            '</span></div>' + rows + "</div>")
 
 
 def _legend(kinds: Sequence[str], reasons: Sequence[str]) -> str:
@@ -230,7 +263,7 @@ def render_report(inputs: Sequence[Trace | GraphInput], policy: str | Policy = "
     ``views`` are the traces' :class:`TraceView` when the caller has them already."""
     traces = [x for x in inputs if isinstance(x, Trace)]
     graphs = [x for x in inputs if isinstance(x, GraphInput)]
-    views = list(views) if views is not None else [TraceView(t, min_gap, steps) for t in traces]
+    views = list(views) if views is not None else trace_views(traces, min_gap, steps)
     known = list(KIND_COLORS)  # legend order: the palette's, then unknown kinds by name
     kinds = sorted({t.kind for tr in traces for t in tr.tasks},
                    key=lambda k: (k not in known, known.index(k) if k in known else 0, k))
@@ -246,7 +279,8 @@ def render_report(inputs: Sequence[Trace | GraphInput], policy: str | Policy = "
     parts = [f"<h1>{_esc(title)}</h1>",
              "<p class=small>inputs: " + ", ".join(_esc(x.path or x.name) for x in inputs) + "</p>"]
     if views:
-        parts.append(_toolbar(kinds, reasons))
+        parts.append(_toolbar(views))
+        parts.append(_legend(kinds, reasons))
         parts.append('<section id="ft-compare"></section>')
         parts += [_panel(n, v) for n, v in enumerate(views)]
     cost = mean_durations(traces) if traces else None

@@ -525,8 +525,10 @@ GANTT_JS = r"""
   function resizeAll() { panels.forEach(function (p) { p.resize(); }); drawAll(); }
 
   var bar = document.getElementById("ft-toolbar");
-  function barHeight() { // the sticky toolbar's height: scrolling stops short of it (CSS --ft-bar)
-    root.style.setProperty("--ft-bar", (bar.offsetHeight + 6) + "px");
+  function barHeight() { // the sticky toolbar's and titles' heights: scrolling stops short of them (CSS)
+    root.style.setProperty("--ft-bar", (bar.offsetHeight + 4) + "px");
+    var h2 = document.querySelector(".panel h2");
+    root.style.setProperty("--ft-title", (h2 ? h2.offsetHeight : 0) + "px");
   }
   // Scroll a panel's chart to just under the toolbar, so that its top lanes are in view.
   function reveal(p) { barHeight(); p.canvas.scrollIntoView({ block: "start" }); }

@@ -18,7 +18,7 @@ from typing import Sequence
 from ..errors import ConfigError
 from .analysis import critical_path
 from .graphview import CRITICAL, KIND_COLORS, MAX_DRAWN, color, positions, short_label
-from .html import TraceView
+from .html import TraceView, trace_views
 from .load import GraphInput, Trace
 from .steps import fmt_time
 
@@ -164,7 +164,7 @@ def write_png(path: str | Path, inputs: Sequence[Trace | GraphInput], min_gap: f
     if not traces and not graphs:
         raise ConfigError("nothing to draw: give at least one trace or graph")
     if traces:
-        fig = _trace_figure(list(views) if views is not None else [TraceView(t, min_gap, steps) for t in traces])
+        fig = _trace_figure(list(views) if views is not None else trace_views(traces, min_gap, steps))
     else:
         fig = _graph_figure(graphs[0])
     p = Path(path)

@@ -4,7 +4,8 @@
 (sums of the per-step rows Python computed in :mod:`flowtrain.viz.steps`, so every number
 covers the window and says which), the per-step and comparison tables, the gap patterns (a
 click zooms to the next gap of the pattern and scrolls its chart into view) and "align at
-step". It adds ``setWindow(first, last)`` and ``align(step)`` to ``window.ftViz``, writes each
+step". It adds ``setWindow(first, last, which)`` (one trace's window, or every trace's) and
+``align(step)`` to ``window.ftViz``, writes each
 panel's numbers into its ``data-window`` (for tests and the console), and, when done,
 ``data-ft-render-ms`` and ``data-ft-ready`` on ``<html>``.
 
@@ -212,64 +213,83 @@ SUMMARY_JS = r"""
   function renderAll() {
     var ws = panels.map(renderPanel);
     renderCompare(ws);
-    var ref = panels[0], label = document.getElementById("ft-window");
-    if (label) label.textContent = ref.win.first === ref.win.last ? "step " + ref.win.first : "steps " + ref.win.first + "\u2013" + ref.win.last;
-    drawBrush();
+    panels.forEach(function (p, n) {
+      var label = document.getElementById("ft-window-" + n);
+      if (label) label.textContent = (p.win.first === p.win.last ? "step " + p.win.first : "steps " + p.win.first + "\u2013" + p.win.last) +
+        (p.missed ? " *" : "");
+      if (label && p.missed) label.title = p.tr.window.why;
+    });
+    drawBrushes();
     F.schedule();
   }
 
-  // ---- the brush: one bar per step of the trace with the most steps; drag across steps -------
-  var ref = panels.reduce(function (a, p) { return p.tr.steps.length > a.tr.steps.length ? p : a; }, panels[0]);
-  var brush = document.getElementById("ft-brush"), refSteps = ref.tr.steps;
-  var drag = null;
-  function brushIndex(ev) {
-    var r = brush.getBoundingClientRect(), n = refSteps.length;
-    return Math.min(n - 1, Math.max(0, Math.floor((ev.clientX - r.left) / r.width * n)));
-  }
-  // Bars are scaled to the longest step that is not warm-up (brushMax): a warm-up step ten
-  // times longer is drawn cut at full height (white notches) rather than flattening the rest.
-  // Each bar is labelled with its step and its time where they fit; F.brushBars says what was drawn.
-  function drawBrush(sel) {
-    var dpr = window.devicePixelRatio || 1, W = brush.clientWidth || 600, H = 58, TOP = 24, n = refSteps.length;
+  // ---- the brushes: one row per trace, a bar per step of it; drag across steps to choose its window
+  // Bars are scaled to the trace's longest step that is not warm-up (brushMax): a warm-up step ten
+  // times longer is drawn cut at full height (white notches) rather than flattening the rest. Each
+  // bar is labelled with its step and its time where they fit (on a white halo, readable on any
+  // bar); F.brushBars[n] says what was drawn for trace n.
+  var BRUSH_H = 20;
+  F.brushBars = [];
+  F.brushH = BRUSH_H;
+  function drawBrush(p, n, sel) {
+    var brush = p.brush, steps = p.tr.steps, dpr = window.devicePixelRatio || 1, W = brush.clientWidth || 600, H = BRUSH_H;
     brush.width = Math.round(W * dpr); brush.height = Math.round(H * dpr);
-    var ctx = brush.getContext("2d"), bw = W / Math.max(n, 1), most = Math.max(ref.tr.brushMax, 1e-3), bars = [];
+    var ctx = brush.getContext("2d"), bw = W / Math.max(steps.length, 1), most = Math.max(p.tr.brushMax, 1e-3), bars = [];
     ctx.setTransform(dpr, 0, 0, dpr, 0, 0);
-    ctx.font = "10px sans-serif"; ctx.textBaseline = "middle";
-    var a = sel ? sel[0] : panels[0].win.first, b = sel ? sel[1] : panels[0].win.last;
-    refSteps.forEach(function (r, i) {
+    ctx.font = "9px sans-serif"; ctx.textBaseline = "middle"; ctx.lineJoin = "round";
+    var a = sel ? sel[0] : p.win.first, b = sel ? sel[1] : p.win.last;
+    steps.forEach(function (r, i) {
       var d = r.e - r.s, inw = r.step >= a && r.step <= b, cut = d > most * 1.0001;
-      var h = Math.max(3, (H - TOP) * Math.min(d / most, 1)), x = i * bw, label = fmtTime(d);
+      var h = Math.max(3, H * Math.min(d / most, 1)), x = i * bw, label = fmtTime(d);
       ctx.fillStyle = inw ? "#dce8f8" : "#fff"; ctx.fillRect(x, 0, bw, H);
       ctx.fillStyle = r.warm ? "#e8a25a" : (inw ? "#2a6bd1" : "#9db4d3");
       ctx.fillRect(x + 1, H - h, Math.max(bw - 2, 1), h);
-      if (cut) { ctx.fillStyle = "#fff"; ctx.fillRect(x + 1, H - h + 4, Math.max(bw - 2, 1), 2); ctx.fillRect(x + 1, H - h + 8, Math.max(bw - 2, 1), 2); }
-      ctx.fillStyle = "#333";
-      var stepText = String(r.step), shown = ctx.measureText(label).width + 4 <= bw;
-      if (ctx.measureText(stepText).width + 4 <= bw) ctx.fillText(stepText, x + 2, 7);
-      if (shown) ctx.fillText(label, x + 2, 18);
-      bars.push({ step: r.step, h: h, label: shown ? label : "", cut: cut, time: d });
+      if (cut) { ctx.fillStyle = "#fff"; ctx.fillRect(x + 1, H - h + 3, Math.max(bw - 2, 1), 2); ctx.fillRect(x + 1, H - h + 7, Math.max(bw - 2, 1), 2); }
+      var both = r.step + "  " + label, stepText = String(r.step), text = "";
+      if (ctx.measureText(both).width + 6 <= bw) text = both; else if (ctx.measureText(stepText).width + 4 <= bw) text = stepText;
+      if (text) {
+        ctx.strokeStyle = "rgba(255,255,255,.9)"; ctx.lineWidth = 3; ctx.strokeText(text, x + 3, H / 2);
+        ctx.fillStyle = "#111"; ctx.fillText(text, x + 3, H / 2);
+      }
+      bars.push({ step: r.step, h: h, label: text === both ? label : "", cut: cut, time: d });
     });
-    F.brushBars = bars;
-    brush.title = refSteps.map(function (r) { return "step " + r.step + ": " + fmtTime(r.e - r.s); }).join("\n");
+    F.brushBars[n] = bars;
+    brush.title = p.tr.label + "\n" + steps.map(function (r) { return "step " + r.step + ": " + fmtTime(r.e - r.s); }).join("\n");
   }
-  function setWindow(first, last) {
-    panels.forEach(function (p) { p.win = { first: Math.min(first, last), last: Math.max(first, last), why: "brushed" }; p.marked = null; });
+  function drawBrushes() { panels.forEach(function (p, n) { if (p.brush) drawBrush(p, n); }); }
+  // One trace's window: the others keep theirs (each is chosen in its own steps).
+  function setWindow(first, last, which) {
+    var chosen = which === undefined ? panels : [panels[which]];
+    chosen.forEach(function (p) { p.win = { first: Math.min(first, last), last: Math.max(first, last), why: "brushed" }; p.marked = null; p.missed = false; });
     renderAll();
     if (F.state.aligned === "window") { align("window"); return; }  // each trace from its own window's start
-    var sp = panels[0].windowSpan();
-    if (sp) F.show(sp[0] - panels[0].shift, sp[1] - panels[0].shift);
+    var sp = chosen[0].windowSpan();
+    if (sp) F.show(sp[0] - chosen[0].shift, sp[1] - chosen[0].shift);
   }
-  brush.addEventListener("mousedown", function (ev) { drag = brushIndex(ev); drawBrush([refSteps[drag].step, refSteps[drag].step]); });
+  var drag = null;  // { n: the trace, i: the step index where the drag began }
+  function brushIndex(p, ev) {
+    var r = p.brush.getBoundingClientRect(), m = p.tr.steps.length;
+    return Math.min(m - 1, Math.max(0, Math.floor((ev.clientX - r.left) / r.width * m)));
+  }
+  panels.forEach(function (p, n) {
+    p.brush = document.getElementById("ft-brush-" + n);
+    p.missed = /is not in this trace/.test(p.tr.window.why);
+    if (!p.brush) return;
+    p.brush.addEventListener("mousedown", function (ev) {
+      drag = { n: n, i: brushIndex(p, ev) };
+      var st = p.tr.steps[drag.i].step; drawBrush(p, n, [st, st]);
+    });
+  });
   window.addEventListener("mousemove", function (ev) {
     if (drag === null) return;
-    var j = brushIndex(ev);
-    drawBrush([refSteps[Math.min(drag, j)].step, refSteps[Math.max(drag, j)].step]);
+    var p = panels[drag.n], j = brushIndex(p, ev), st = p.tr.steps;
+    drawBrush(p, drag.n, [st[Math.min(drag.i, j)].step, st[Math.max(drag.i, j)].step]);
   });
   window.addEventListener("mouseup", function (ev) {
     if (drag === null) return;
-    var j = brushIndex(ev), i = drag;
+    var n = drag.n, p = panels[n], j = brushIndex(p, ev), i = drag.i, st = p.tr.steps;
     drag = null;
-    setWindow(refSteps[Math.min(i, j)].step, refSteps[Math.max(i, j)].step);
+    setWindow(st[Math.min(i, j)].step, st[Math.max(i, j)].step, n);
   });
 
   // ---- align at step: every trace's time counts from the start of that step ------------------
@@ -277,7 +297,8 @@ SUMMARY_JS = r"""
   var sel = document.querySelector("#ft-toolbar [data-act=align]");
   var winOpt = document.createElement("option");
   winOpt.value = "window"; winOpt.textContent = "window start"; sel.appendChild(winOpt);
-  refSteps.forEach(function (r) {
+  var ref = panels.reduce(function (a, p) { return p.tr.steps.length > a.tr.steps.length ? p : a; }, panels[0]);
+  ref.tr.steps.forEach(function (r) {
     var o = document.createElement("option"); o.value = String(r.step); o.textContent = "step " + r.step; sel.appendChild(o);
   });
   function align(step) {
@@ -302,6 +323,7 @@ SUMMARY_JS = r"""
 
   F.setWindow = setWindow; F.align = align; F.fold = fold;
   panels.forEach(function (p) { p.win.why = p.tr.window.why; });
+  window.addEventListener("resize", drawBrushes);
   renderAll();
   // Open on the window (double-click or reset: everything); several traces each on its own
   // window, counted from its start, so that none is shown inside another's warm-up.

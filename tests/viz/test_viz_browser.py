@@ -188,15 +188,22 @@ def test_zoom_pan_hover_and_click(chromium, tmp_path, cpu_traces):
 
 BRUSH_JS = r"""
 window.addEventListener("load", function () {
-  var F = window.ftViz, b = document.getElementById("ft-brush"), r = b.getBoundingClientRect();
-  var n = F.panels[0].tr.steps.length, before = F.panels.map(function (p) { return JSON.parse(p.el.getAttribute("data-window")); });
-  function at(i) { return { clientX: r.left + (i + 0.5) * r.width / n, clientY: r.top + r.height / 2, bubbles: true }; }
-  b.dispatchEvent(new MouseEvent("mousedown", at(2)));                  // drag from step 3 back to step 2
-  window.dispatchEvent(new MouseEvent("mousemove", at(1)));
-  window.dispatchEvent(new MouseEvent("mouseup", at(1)));
+  var F = window.ftViz;
+  function windows() { return F.panels.map(function (p) { return JSON.parse(p.el.getAttribute("data-window")); }); }
+  function drag(k) {  // on trace k's own brush, from step 3 back to step 2
+    var b = document.getElementById("ft-brush-" + k), r = b.getBoundingClientRect(), n = F.panels[k].tr.steps.length;
+    function at(i) { return { clientX: r.left + (i + 0.5) * r.width / n, clientY: r.top + r.height / 2, bubbles: true }; }
+    b.dispatchEvent(new MouseEvent("mousedown", at(2)));
+    window.dispatchEvent(new MouseEvent("mousemove", at(1)));
+    window.dispatchEvent(new MouseEvent("mouseup", at(1)));
+  }
+  var before = windows();
+  drag(0);
+  var one = windows();  // the first trace's window moved; the second kept its own
+  drag(1);
   F.redraw();
   document.documentElement.setAttribute("data-test", JSON.stringify({
-    before: before, after: F.panels.map(function (p) { return JSON.parse(p.el.getAttribute("data-window")); }),
+    before: before, one: one, after: windows(), bars: F.brushBars.map(function (b) { return b.length; }),
     text: F.panels.map(function (p) { return p.el.querySelector(".whichwin").textContent; }),
     view: [F.view.x0, F.view.x1], shift: F.panels.map(function (p) { return p.shift; }) }));
 });
@@ -221,11 +228,15 @@ def numbers(w: dict) -> dict:
 
 
 def test_the_window_brush_recomputes_every_summary(chromium, tmp_path, cpu_traces):
-    """Real training traces (4 steps, numbered 1-4 as training numbers them): the page opens on
-    the default window (steps 2-4) and a drag across the brush from step 3 to step 2 makes steps
-    2-3 the window of both traces; the page's sums match Python's numbers for the same windows."""
+    """Real training traces (4 steps, numbered 1-4 as training numbers them), one brush row
+    each: the page opens on the default window (steps 2-4); a drag across the first trace's
+    brush from step 3 to step 2 makes steps 2-3 its window and leaves the second's, and the same
+    drag on the second's does the same for it; the page's sums match Python's numbers for the
+    same windows."""
     page = write_report(tmp_path / "report.html", [load_input(p) for p in cpu_traces])
     got = run_script(chromium, tmp_path, page, BRUSH_JS)
+    assert got["bars"] == [4, 4]
+    assert (got["one"][0]["first"], got["one"][0]["last"]) == (2, 3) and got["one"][1] == got["before"][1]
     for before, after, text, path in zip(got["before"], got["after"], got["text"], cpu_traces):
         assert numbers(before) == pytest.approx(expected(path, None), rel=1e-6, abs=1e-3)
         assert (before["first"], before["last"]) == (2, 4)
@@ -335,7 +346,7 @@ window.addEventListener("load", function () {
     out.panels.push({ shift: p.shift, v0: p.v0(), v1: p.v1(), start: w.start, end: w.end, window: w,
                       summary: p.el.querySelector(".summary").textContent, aligned: F.state.aligned });
   });
-  out.bars = F.brushBars;
+  out.bars = F.brushBars[0]; out.brushH = F.brushH;
   var p = F.panels[0], T = p.tr.t, c = p.canvas;
   var w0 = out.panels[0], gap = p.tr.gaps.filter(function (g) { return g.s >= w0.start && g.e <= w0.end; })
     .sort(function (a, b) { return (b.e - b.s) - (a.e - a.s); })[0];  // the window's longest gap
@@ -382,7 +393,7 @@ def test_the_page_tells_the_truth_about_an_h200_run(chromium, tmp_path, cpu_trac
     assert "(inferred)" not in got["panels"][1]["summary"]  # a train trace records them
     bars, rows = got["bars"], views[0].rows
     assert [b["step"] for b in bars] == [1, 2, 3, 4] and bars[0]["cut"] and not any(b["cut"] for b in bars[1:])
-    assert all(b["h"] > 0.8 * 34 for b in bars[1:])  # 0.69-0.81 s of a 0.81 s scale: tall bars, not 3-px lines
+    assert all(b["h"] > 0.8 * got["brushH"] for b in bars[1:])  # 0.69-0.81 s of a 0.81 s scale: tall bars, not 3-px lines
     assert [b["label"] for b in bars] == [fmt_time(r.duration).replace("µ", "\u00b5") for r in rows]
     tip = got["gapTip"]
     m = re.search(r"from step (\d+) \+([\d.]+) (\w+) to \+([\d.]+) (\w+)", tip)
@@ -403,9 +414,11 @@ window.addEventListener("load", function () {
   var w = JSON.parse(p.el.getAttribute("data-window"));
   var g = p.tr.gaps.filter(function (x) { return x.p === pat && x.e > w.start && x.s < w.end; })[p.cursor];
   out.after = p.canvas.getBoundingClientRect().top; out.bar = bar.getBoundingClientRect().bottom;
+  var title = p.el.querySelector("h2").getBoundingClientRect(); out.title = [title.top, title.bottom];
   out.height = window.innerHeight; out.view = [p.v0(), p.v1()]; out.gap = [g.s, g.e];
   F.panels[0].canvas.scrollIntoView();  // any scroll to a chart stops under the toolbar
   out.first = F.panels[0].canvas.getBoundingClientRect().top; out.bar0 = bar.getBoundingClientRect().bottom;
+  var t0 = F.panels[0].el.querySelector("h2").getBoundingClientRect(); out.title0 = [t0.top, t0.bottom];
   document.documentElement.setAttribute("data-test", JSON.stringify(out));
 });
 """
@@ -415,6 +428,48 @@ def test_a_gap_pattern_click_brings_its_chart_into_view_under_the_toolbar(chromi
     page = write_report(tmp_path / "report.html", [load_input(p) for p in cpu_traces[::-1]])
     got = run_script(chromium, tmp_path, page, SCROLL_JS, "--window-size=1300,700")
     assert got["before"] < 0 or got["before"] > got["height"]  # the chart was out of view
-    assert got["bar"] - 1 <= got["after"] < got["bar"] + 20  # now just under the sticky toolbar
+    # now just under the sticky toolbar and the panel's title, which stays in view
+    assert got["bar"] - 1 <= got["title"][0] < got["bar"] + 10 and got["title"][1] - 1 <= got["after"] < got["title"][1] + 30
     assert got["view"][0] < got["gap"][0] < got["gap"][1] < got["view"][1]  # and zoomed to the gap
-    assert got["bar0"] - 1 <= got["first"] < got["bar0"] + 20
+    assert got["bar0"] - 1 <= got["title0"][0] < got["bar0"] + 10 and got["title0"][1] - 1 <= got["first"] < got["title0"][1] + 30
+
+
+SEVERAL_JS = r"""
+window.addEventListener("load", function () {
+  var F = window.ftViz, bar = document.getElementById("ft-toolbar"), out = { titles: [] };
+  out.toolbar = bar.getBoundingClientRect().height; out.height = window.innerHeight;
+  out.bars = F.brushBars.map(function (b) { return b.map(function (x) { return x.step; }); });
+  out.windows = F.panels.map(function (p) { return JSON.parse(p.el.getAttribute("data-window")); });
+  out.which = F.panels.map(function (p) { return p.el.querySelector(".whichwin").textContent; });
+  F.panels.forEach(function (p) {  // scrolled into the middle of each panel, its title is in view, on top
+    var r = p.el.getBoundingClientRect();
+    window.scrollTo(0, window.scrollY + r.top + r.height / 2 - window.innerHeight / 2);
+    var h = p.el.querySelector("h2"), t = h.getBoundingClientRect();
+    var hit = document.elementFromPoint(t.left + 20, (t.top + t.bottom) / 2);
+    out.titles.push({ top: t.top, bottom: t.bottom, bar: bar.getBoundingClientRect().bottom, onTop: h.contains(hit),
+                      text: h.textContent });
+  });
+  document.documentElement.setAttribute("data-test", JSON.stringify(out));
+});
+"""
+
+
+def test_several_traces_each_get_a_brush_a_window_and_a_title_in_view(chromium, tmp_path, cpu_traces):
+    """Three traces, two of them 4 steps long and one of 3 (an engine run), opened with
+    --steps 4:4: one brush row per trace with its own steps, the 4-step traces on step 4 and the
+    short one on its steady state, saying why; in an 800x600 window the toolbar takes at most a
+    fifth of the height, and each panel's title stays in view while its panel is scrolled."""
+    from flowtrain.viz.html import trace_views
+
+    short = engine_trace_file(tmp_path / "short.json", layers=2, steps=3)
+    paths = [FIXTURES / "w1-adam-order-steps0-3.json", cpu_traces[0], short]
+    views = trace_views([load_input(p) for p in paths], steps="4:4")
+    page = write_report(tmp_path / "report.html", [v.trace for v in views], views=views)
+    got = run_script(chromium, tmp_path, page, SEVERAL_JS, "--window-size=800,600")
+    assert got["bars"] == [[r.step for r in v.rows] for v in views] and [len(b) for b in got["bars"]] == [4, 4, 3]
+    assert [(w["first"], w["last"]) for w in got["windows"]] == [(4, 4), (4, 4), (views[2].window.first, 3)]
+    assert "--steps 4:4 is not in this trace (it has steps 1\u20133)" in got["which"][2]
+    assert got["toolbar"] <= 0.2 * 600, got["toolbar"]  # of the window (its viewport is shorter still)
+    for t, v in zip(got["titles"], views):
+        assert t["bar"] - 1 <= t["top"] and t["bottom"] <= got["height"] and t["onTop"], t
+        assert v.trace.label in t["text"]

@@ -165,3 +165,34 @@ def test_png_spans_the_window():
     assert "step 2 (1 of 2 steps" in ax.get_title(loc="left")
     (wide,) = _trace_figure([TraceView(hand_trace(), steps=":")]).axes
     assert 0.080 < wide.get_xlim()[1] < 0.081  # both steps: 80 us
+
+
+def steps_trace(n: int, name: str):
+    """``n`` steps of one 10 us forward each (the file's steps 0..n-1: viz's 1..n)."""
+    return trace_from_json(doc(*(ev(f"f{i}", "compute", 10 * i, 10 * i + 10, kind="forward", step=i)
+                                 for i in range(n))), name=name)
+
+
+def test_steps_apply_to_each_trace_that_has_them(tmp_path, capsys):
+    """Two traces of different lengths: --steps 4:5 is the long one's window; the short one,
+    which has no step 4, keeps its steady state and says so; no trace with them is an error."""
+    from flowtrain.errors import ConfigError
+    from flowtrain.viz.html import trace_views
+
+    short, long = steps_trace(3, "short"), steps_trace(6, "long")
+    a, b = trace_views([short, long], steps="4:5")
+    assert (b.window.first, b.window.last, b.missed) == (4, 5, False)
+    assert (a.window.first, a.window.last, a.missed) == (2, 3, True)
+    assert a.window.why.startswith("--steps 4:5 is not in this trace (it has steps 1\u20133), so its steady state")
+    page = page_data(render_report([short, long], steps="4:5"))
+    assert [t["window"]["first"] for t in page["traces"]] == [2, 4] and "not in this trace" in page["traces"][0]["window"]["why"]
+    with pytest.raises(ConfigError, match="short: --steps 7:: no such steps in the trace"):
+        trace_views([short, long], steps="7:")
+    for tr in (short, long):
+        (tmp_path / f"{tr.name}.json").write_text(json.dumps(doc(*(ev(f"f{i}", "compute", 10 * i, 10 * i + 10,
+                                                                     kind="forward", step=i)
+                                                                  for i in range(len(tr.tasks))))))
+    assert main(["viz", str(tmp_path / "short.json"), str(tmp_path / "long.json"), "--steps", "4:5",
+                 "--out", str(tmp_path / "r.html")]) == 0
+    out = capsys.readouterr().out
+    assert "steps 4\u20135 (2 of 6 steps" in out and "(--steps 4:5 is not in this trace (it has steps 1\u20133)" in out
