@@ -47,6 +47,16 @@ GANTT_JS = r"""
     while (Math.abs(b) >= 1024 && i < 4) { b /= 1024; i++; }
     return (i ? b.toFixed(1) : String(Math.round(b))) + " " + u[i];
   }
+  // "23.512 s \u2013 23.518 s": both ends in one unit, with the digits that tell them apart
+  function fmtSpan(a, b) {
+    var m = Math.max(Math.abs(a), Math.abs(b)), unit = "\u00b5s", scale = 1;
+    if (m >= 1e6) { unit = "s"; scale = 1e6; } else if (m >= 1e3) { unit = "ms"; scale = 1e3; }
+    var apart = Math.ceil(-Math.log10(Math.max(b - a, 1e-3) / scale) - 1e-9);
+    var sig = 2 - Math.floor(Math.log10(Math.max(m / scale, 1e-9)) + 1e-9);
+    var digits = Math.min(9, Math.max(0, apart, sig));
+    function f(x) { return (x < 0 ? "\u2212" : "") + (Math.abs(x) / scale).toFixed(digits); }
+    return f(a) + " \u2013 " + f(b) + " " + unit;
+  }
   function fmtOffset(us, res) { // "+512.3 ms": the unit that fits |us|, digits down to res (us)
     var a = Math.abs(us), unit = "\u00b5s", scale = 1;
     if (a >= 1e6) { unit = "s"; scale = 1e6; } else if (a >= 1e3) { unit = "ms"; scale = 1e3; }
@@ -175,8 +185,7 @@ GANTT_JS = r"""
       else if (row.type === "mem") self.drawMem(row);
       else self.drawItems(row);
     });
-    ctx.fillStyle = "#111"; ctx.font = "11px sans-serif"; ctx.textBaseline = "middle";
-    labels.forEach(function (l) { ctx.fillText(l[2], l[0], l[1]); });
+    this.drawLabels(labels);
     if (this.marked) this.markGaps(this.marked);
     if (state.critical) this.outline(this.tr.crit, D.critical, true);
     if (this.selected >= 0) {
@@ -227,13 +236,17 @@ GANTT_JS = r"""
 
   Panel.prototype.drawTicks = function () {
     var ctx = this.ctx, v0 = this.v0(), v1 = this.v1(), origin = this.shift, rel = state.aligned !== null;
-    var step = niceStep(v1 - v0, (this.width - GUTTER - RPAD) / 90);
+    var step = niceStep(v1 - v0, (this.width - GUTTER - RPAD) / 90), right = this.width - RPAD;
     ctx.font = "11px sans-serif"; ctx.textBaseline = "middle";
     ctx.strokeStyle = "rgba(0,0,0,.07)"; ctx.fillStyle = "#555"; ctx.lineWidth = 1;
+    this.ticks = [];
     for (var t = Math.ceil((v0 - origin) / step) * step; t + origin <= v1; t += step) {
-      var x = Math.round(this.X(t + origin)) + 0.5;
+      var x = Math.round(this.X(t + origin)) + 0.5, text = tickLabel(Math.abs(t) < step * 1e-6 ? 0 : t, step, rel);
+      var tw = ctx.measureText(text).width, at = x + 3 + tw <= right ? x + 3 : x - 3 - tw;  // the last one left of its line
       ctx.beginPath(); ctx.moveTo(x, AXIS - 12); ctx.lineTo(x, this.height); ctx.stroke();
-      ctx.fillText(tickLabel(Math.abs(t) < step * 1e-6 ? 0 : t, step, rel), x + 3, 9);
+      if (at < GUTTER) continue;
+      ctx.fillText(text, at, 9);
+      this.ticks.push({ x: x, left: at, right: at + tw, text: text });
     }
   };
 
@@ -259,10 +272,7 @@ GANTT_JS = r"""
       }
       ctx.fillStyle = colors[T.k[i]];
       ctx.fillRect(x, y, w > 3 ? w - 1 : w, h);
-      if (w > 42) {
-        var name = T.name[i], fit = Math.floor((w - 6) / 6.2);
-        if (fit >= 3) labels.push([Math.max(x, GUTTER) + 3, y + h / 2, name.length > fit ? name.slice(0, fit - 1) + "\u2026" : name]);
-      }
+      if (w > 30) labels.push({ x: x, y: y, w: w > 3 ? w - 1 : w, h: h, name: T.name[i], bg: colors[T.k[i]] });
     }
     if (bins) {
       for (var p = 0; p < W; p++) {
@@ -279,6 +289,38 @@ GANTT_JS = r"""
       }
     }
     row.drawn = drawn;
+  };
+
+  // Task names on their bars: cut (with an ellipsis) to what fits, clipped to the bar all the
+  // same, in white or near-black, whichever contrasts more with the bar. this.labels says what
+  // was drawn (for tests).
+  function luminance(hex) {
+    var c = [1, 3, 5].map(function (i) {
+      var v = parseInt(hex.slice(i, i + 2), 16) / 255;
+      return v <= 0.04045 ? v / 12.92 : Math.pow((v + 0.055) / 1.055, 2.4);
+    });
+    return 0.2126 * c[0] + 0.7152 * c[1] + 0.0722 * c[2];
+  }
+  function contrast(a, b) { return (Math.max(a, b) + 0.05) / (Math.min(a, b) + 0.05); }
+  Panel.prototype.drawLabels = function (labels) {
+    var ctx = this.ctx, right = this.width - RPAD, drawn = [];
+    ctx.font = "11px sans-serif"; ctx.textBaseline = "middle";
+    labels.forEach(function (l) {
+      var x0 = Math.max(l.x, GUTTER), x1 = Math.min(l.x + l.w, right), room = x1 - x0 - 6, text = l.name;
+      if (room < 14) return;
+      if (ctx.measureText(text).width > room) {
+        while (text.length > 1 && ctx.measureText(text + "\u2026").width > room) text = text.slice(0, -1);
+        text += "\u2026";
+        if (ctx.measureText(text).width > room) return;
+      }
+      var bg = luminance(l.bg), fg = contrast(bg, 1) >= contrast(bg, luminance("#111111")) ? "#ffffff" : "#111111";
+      ctx.save(); ctx.beginPath(); ctx.rect(x0, l.y, x1 - x0, l.h); ctx.clip();
+      ctx.fillStyle = fg; ctx.fillText(text, x0 + 3, l.y + l.h / 2);
+      ctx.restore();
+      drawn.push({ x0: x0, x1: x1, text: text, width: ctx.measureText(text).width, fg: fg, bg: l.bg,
+                   contrast: contrast(bg, luminance(fg)) });
+    });
+    this.labels = drawn;
   };
 
   Panel.prototype.drawItems = function (row) {
@@ -518,7 +560,7 @@ GANTT_JS = r"""
   function drawAll() {
     panels.forEach(function (p) { p.draw(); });
     var span = document.getElementById("ft-span");
-    if (span) span.textContent = fmtTime(view.x0) + " \u2013 " + fmtTime(view.x1) + (state.aligned === null ? "" :
+    if (span) span.textContent = fmtSpan(view.x0, view.x1) + (state.aligned === null ? "" :
       " from each trace's " + (state.aligned === "window" ? "window" : "step " + state.aligned) + " start");
     if (window.ftViz && window.ftViz.onDraw) window.ftViz.onDraw();
   }
@@ -542,7 +584,7 @@ GANTT_JS = r"""
   // for the summary script, tests and the console
   window.ftViz = { D: D, view: view, FULL: FULL, state: state, panels: panels, redraw: drawAll, reset: reset,
                    zoomAt: zoomAt, show: show, schedule: schedule, fmtTime: fmtTime, fmtBytes: fmtBytes,
-                   fmtOffset: fmtOffset, rate: rate, esc: esc, reveal: reveal, barHeight: barHeight };
+                   fmtOffset: fmtOffset, fmtSpan: fmtSpan, rate: rate, esc: esc, reveal: reveal, barHeight: barHeight };
   resizeAll();
   root.setAttribute("data-ft-lanes", JSON.stringify(panels.map(function (p) {
     return { trace: p.tr.label, lanes: JSON.parse(p.canvas.getAttribute("data-drawn")) };

@@ -56,11 +56,19 @@ def _rows(view: TraceView) -> list[tuple[str, str, object]]:
     return rows
 
 
+#: Horizontal pixels of a trace's axes in the picture, at least: a task is drawn no narrower
+#: than the window over this, one pixel.
+AXES_PIXELS = 1250
+
+
 def _draw_trace(ax, view: TraceView, width: float) -> None:
-    """One trace's rows, in ms from the start of its window, which spans ``width`` seconds."""
+    """One trace's rows, in ms from the start of its window, which spans ``width`` seconds.
+    Every task is at least a pixel wide and drawn without an outline or anti-aliased edges, so
+    back-to-back thin tasks make a solid bar: a busy lane looks as busy as it was."""
     rows = _rows(view)
     tr = view.trace
     off = view.window.start
+    pixel = 1.015 * width * 1e3 / AXES_PIXELS  # ms: the x range is 1.015 windows wide
 
     def ms(t: float) -> float:
         return (t - off) * 1e3
@@ -73,20 +81,20 @@ def _draw_trace(ax, view: TraceView, width: float) -> None:
         spans: dict[str, list[tuple[float, float]]] = {}
         if kind == "lane" and isinstance(key, str):
             for t in tr.by_lane[key]:
-                spans.setdefault(t.kind, []).append((ms(t.start), max(t.duration * 1e3, width * 0.1)))
+                spans.setdefault(t.kind, []).append((ms(t.start), max(t.duration * 1e3, pixel)))
             height, alpha = 0.8, 1.0
         elif kind == "gap":
             for g in view.gaps:
-                spans.setdefault(g.reason, []).append((ms(g.start), g.duration * 1e3))
+                spans.setdefault(g.reason, []).append((ms(g.start), max(g.duration * 1e3, pixel)))
             height, alpha = 0.45, 1.0
         else:
             for u in view.uses:
                 if (u.pool, u.slot) == key:
-                    spans.setdefault(tr.tasks[u.holder].kind, []).append((ms(u.start), (u.end - u.start) * 1e3))
+                    spans.setdefault(tr.tasks[u.holder].kind, []).append((ms(u.start), max((u.end - u.start) * 1e3, pixel)))
             height, alpha = 0.5, 0.7
         for k, ss in spans.items():
-            ax.broken_barh(ss, (y - height / 2, height), facecolors=color(k), edgecolor="white",
-                           linewidth=0.3, alpha=alpha)
+            ax.broken_barh(ss, (y - height / 2, height), facecolors=color(k), edgecolor="none",
+                           linewidth=0, alpha=alpha, antialiased=False)
     ax.set_yticks(range(len(rows)), [r[0] for r in rows], fontsize=8)
     ax.set_ylim(len(rows) - 0.4, -0.6)
     ax.set_xlim(-0.005 * width * 1e3, 1.01 * width * 1e3)

@@ -473,3 +473,36 @@ def test_several_traces_each_get_a_brush_a_window_and_a_title_in_view(chromium, 
     for t, v in zip(got["titles"], views):
         assert t["bar"] - 1 <= t["top"] and t["bottom"] <= got["height"] and t["onTop"], t
         assert v.trace.label in t["text"]
+
+
+POLISH_JS = r"""
+window.addEventListener("load", function () {
+  var F = window.ftViz, p = F.panels[0], T = p.tr.t, out = {};
+  F.reset(); F.redraw();
+  out.ticks = p.ticks; out.width = p.width;
+  var lane = p.rows[0], i = lane.idx[Math.floor(lane.idx.length / 2)];  // a compute task, a few times wider than its name
+  F.show(T.s[i] - (T.e[i] - T.s[i]) * 2, T.e[i] + (T.e[i] - T.s[i]) * 2); F.redraw();
+  out.labels = p.labels; out.zoomTicks = p.ticks;
+  F.show(23.512e6, 23.518e6); F.redraw();   // deep zoom, 23.5 s into a run
+  out.span = document.getElementById("ft-span").textContent;
+  document.documentElement.setAttribute("data-test", JSON.stringify(out));
+});
+"""
+
+
+def test_labels_fit_with_contrast_ticks_stay_in_the_chart_and_deep_zoom_has_digits(chromium, tmp_path, cpu_traces):
+    """Task names are cut to their bar and drawn in whichever of white or near-black contrasts
+    more with it (at least 4.5:1); every tick label lies inside the chart, the last one too;
+    the view's span at deep zoom tells its ends apart ("23.512 s - 23.518 s")."""
+    page = write_report(tmp_path / "report.html", [load_input(cpu_traces[1])])
+    got = run_script(chromium, tmp_path, page, POLISH_JS)
+    assert got["labels"], "no task was labelled when zoomed to a few tasks"
+    for lab in got["labels"]:
+        assert lab["width"] <= lab["x1"] - lab["x0"] - 6 + 0.5, lab  # fits its bar
+        assert lab["contrast"] >= 4.5, lab
+    assert any(lab["fg"] == "#ffffff" for lab in got["labels"]) or all(lab["contrast"] >= 4.5 for lab in got["labels"])
+    for ticks in (got["ticks"], got["zoomTicks"]):
+        assert len(ticks) >= 3
+        assert all(128 <= t["left"] and t["right"] <= got["width"] - 12 for t in ticks), ticks
+    m = re.fullmatch(r"view (\S+) – (\S+) s.*", "view " + got["span"])
+    assert m and m.group(1) != m.group(2) and float(m.group(1)) == pytest.approx(23.512, abs=2e-3), got["span"]

@@ -11,7 +11,7 @@ from viz_helpers import doc, engine_trace_file, ev, hand_trace
 from flowtrain.cli import main
 from flowtrain.graph import StepSpec, compile_steps
 from flowtrain.graph.export import graph_to_json
-from flowtrain.viz.graphview import MAX_DRAWN, graph_section
+from flowtrain.viz.graphview import MAX_DRAWN, color, graph_section
 from flowtrain.viz.html import render_report
 from flowtrain.viz.load import GraphInput, trace_from_json
 
@@ -196,3 +196,26 @@ def test_steps_apply_to_each_trace_that_has_them(tmp_path, capsys):
                  "--out", str(tmp_path / "r.html")]) == 0
     out = capsys.readouterr().out
     assert "steps 4\u20135 (2 of 6 steps" in out and "(--steps 4:5 is not in this trace (it has steps 1\u20133)" in out
+
+
+def test_png_draws_a_busy_lane_busy():
+    """3,000 back-to-back tasks of 10 us in the window (each well under a pixel) draw the
+    compute row solid: no white edges or gaps between thin tasks, every pixel column inked."""
+    import numpy as np
+
+    from flowtrain.viz.html import TraceView
+    from flowtrain.viz.png import _trace_figure
+
+    kinds = ("forward", "backward")
+    events = [ev("w", "compute", 0, 30000, kind="forward", step=0)]  # step 1: warm-up, left out
+    events += [ev(f"t{i}", "compute", 30000 + 10 * i, 30010 + 10 * i, kind=kinds[i % 2], step=1) for i in range(3000)]
+    fig = _trace_figure([TraceView(trace_from_json(doc(*events)))])
+    fig.canvas.draw()
+    (ax,) = fig.axes
+    img = np.asarray(fig.canvas.buffer_rgba())[:, :, :3].astype(int)
+    to_px = ax.transData.transform
+    (x0, y), (x1, _) = to_px((0, 0)), to_px((30.0, 0))  # the window: 0 to 30 ms, the compute row at y = 0
+    row = img[img.shape[0] - int(round(y)), int(np.ceil(x0)) + 1:int(np.floor(x1)) - 1]
+    colours = {tuple(int(c[i:i + 2], 16) for i in (1, 3, 5)) for c in (color("forward"), color("backward"))}
+    inked = [tuple(p) in colours for p in row]
+    assert sum(inked) == len(inked), f"{len(inked) - sum(inked)} of {len(inked)} columns not a task's colour"
