@@ -136,6 +136,11 @@ for job in "$@"; do
     mt8b)  # the same on this project's llama-8b configuration, 16 x 4096
       mtrun llama-3.1-8b 4096 "${MTB:-16 8}" 3
       BT=300 bench ft8b --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 --resident none ;;
+    dpo8b10)  # DPO on llama-8b on a 10 GB card: 8 pairs a step, 2,048 prompt + 2,040 completion tokens each (random ids)
+      python3 -c "import json, random; r = random.Random(0); ids = lambda n: [r.randrange(128256) for _ in range(n)]; print('\n'.join(json.dumps({'prompt_input_ids': ids(2048), 'chosen_input_ids': ids(2040), 'rejected_input_ids': ids(2040)}) for _ in range(32)))" >/tmp/prefs.jsonl
+      log "dpo8b10: flowtrain train --model llama-8b --objective dpo, 16 x 4096, --gpu-mem 10"
+      timeout ${BT:-420} $FT train --model llama-8b --objective dpo --data /tmp/prefs.jsonl --seq-len 4096 --batch-size 16 \
+        --micro-batch-size 2 --steps 3 --host-mem 118 --gpu-mem 10 --no-progress --metrics "$OUT/dpo8b10-metrics.jsonl" 2>&1 | tail -9 | tee -a "$OUT/log.txt" ;;
     ckpt)  # checkpoint cost and exact resume: llama-1b (a 3b/8b checkpoint outgrows the 64 GiB disk)
       C="--model llama-1b --seq-len 4096 --batch-size 4 --micro-batch-size 4 --steps 10 --compile none --no-progress"
       log "ckpt: no saves"; $FT train $C --metrics "$OUT/ckpt-plain.jsonl" 2>&1 | tail -2 | tee -a "$OUT/log.txt"
