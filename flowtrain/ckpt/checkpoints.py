@@ -594,7 +594,8 @@ def load_training_state(path: str | os.PathLike[str], state: RestorableState[_Un
         _check_header(ckpt / expected[i], unit.flat_map)
     state.load_checkpoint(ckpt, units)  # masters, refused if not finite
     for i, unit in enumerate(units):
-        _load_moments(ckpt / expected[i], unit)
+        with state.filling(unit) as filled:  # a unit whose state is on disk: written back after
+            _load_moments(ckpt / expected[i], filled)
     state.refresh_copies()
     return ckpt
 

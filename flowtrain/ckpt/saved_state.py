@@ -15,6 +15,7 @@ satisfy these protocols by their shape (mypy checks it wherever training passes 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Protocol, Self, TypeVar
 
@@ -81,6 +82,11 @@ class RestorableState(Protocol[U]):
 
     def refresh_copies(self) -> None:
         """Bring every compute or streaming copy of a master up to date."""
+        ...
+
+    def filling(self, unit: U) -> AbstractContextManager[SavedUnit]:
+        """The unit as its moments are filled in place: the unit itself, or where its state
+        lives elsewhere (on disk), a stand-in whose tensors go back there when the block ends."""
         ...
 
 

@@ -35,7 +35,10 @@ class GraphBuilder:
     """Adds nodes in serial order and edges with a ``reads`` flag; ``g`` is the graph."""
 
     def __init__(self, spec: StepSpec, step: int) -> None:
-        self.g = nx.DiGraph(spec=msgspec.to_builtins(spec))
+        data = msgspec.to_builtins(spec)
+        if not spec.disk:  # a graph without a disk tier reads as it did before the tier existed
+            del data["disk"], data["disk_ahead"]
+        self.g = nx.DiGraph(spec=data)
         self.step = step
 
     def node(self, cls: type[Task], **fields: Unpack[TaskFields]) -> Task:

@@ -66,6 +66,7 @@ def compile_step(spec: StepSpec, step: int = 0) -> nx.DiGraph:
             s.hand_off_layer(i)
     s.hand_off_embed()
     s.optimizer()
+    s.place_disk_reads()
     return s.g
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 from typing import Iterable
 
 from .spec import StepSpec
-from .tasks import WEIGHT_READERS, CpuAdam, Fetch, GpuAdam, SyncStep, Task, VerifyStep
+from .tasks import WEIGHT_READERS, CpuAdam, Fetch, GpuAdam, ReadState, SyncStep, Task, VerifyStep, WriteState
 
 
 def cross_step_edges(earlier: Iterable[Task], later: Iterable[Task], spec: StepSpec) -> list[tuple[Task, Task]]:
@@ -30,13 +30,18 @@ def cross_step_edges(earlier: Iterable[Task], later: Iterable[Task], spec: StepS
     streamed unit, every weight-reading task of a resident one. With tied embeddings the head
     also reads the embedding matrix, so it waits for both. Every ``fetch`` also waits for the
     step's ``verify_step``, which may put streamed units back, and its ``sync_step`` where the
-    processes share the state (another process may have updated the unit). Executors that
+    processes share the state (another process may have updated the unit). A unit's state on
+    disk is read again (``read_state``, each chunk's) only once the earlier step's
+    ``write_state`` of it has put it back. Executors that
     receive steps one at a time add these themselves. With LoRA, every task that runs layer i
     also reads its adapters: it waits for their ``gpu_adam``."""
     adams: dict[tuple[str | None, int | None], list[Task]] = {}
     verify = []
+    writes: dict[tuple[str | None, int | None, int | None], Task] = {}
     for t in earlier:
-        if isinstance(t, (CpuAdam, GpuAdam)):
+        if isinstance(t, WriteState):
+            writes[(t.unit, t.layer, t.chunk)] = t
+        elif isinstance(t, (CpuAdam, GpuAdam)):
             adams.setdefault((t.unit, t.layer), []).append(t)
         elif isinstance(t, (VerifyStep, SyncStep)):
             verify.append(t)
@@ -51,4 +56,8 @@ def cross_step_edges(earlier: Iterable[Task], later: Iterable[Task], spec: StepS
             edges += [(a, t) for a in adams.get(("adapter", t.layer), [])]
         if isinstance(t, Fetch):
             edges += [(v, t) for v in verify]
+        if isinstance(t, ReadState):  # after the earlier write, and any undo the step's verdict made
+            edges += [(v, t) for v in verify]
+            if (w := writes.get((t.unit, t.layer, t.chunk))) is not None:
+                edges.append((w, t))
     return edges

@@ -36,20 +36,21 @@ from typing import Iterable
 import networkx as nx
 
 from .spec import StepSpec, trained_units
-from .tasks import CpuAdam, GpuAdam, ReduceGrad, SaveUnit, SyncStep, Task, check_shape
+from .tasks import CpuAdam, GpuAdam, ReduceGrad, SaveUnit, SyncStep, Task, WriteState, check_shape
 
 ADAM_KINDS = (CpuAdam, GpuAdam)
 
 
 def add_saves(graph: nx.DiGraph, spec: StepSpec, step: int | None = None) -> list[Task]:
     """Add a ``save`` task per trained unit (with LoRA, per adapter) to one step's graph, after every Adam task of that unit
-    (all of its gradient chunks); returns them, bottom unit first. ``step`` defaults to the
+    (all of its gradient chunks) and, where its state is on disk, every ``write_state`` of it;
+    returns them, bottom unit first. ``step`` defaults to the
     graph's; into an empty graph (a step already finished) the saves go with no edges."""
     step = next(iter(graph)).step if step is None else step
     adams: dict[tuple[str | None, int | None], list[Task]] = {}
     syncs = [t for t in graph if isinstance(t, SyncStep)]
     for t in graph:
-        if isinstance(t, ADAM_KINDS):
+        if isinstance(t, ADAM_KINDS + (WriteState,)):
             adams.setdefault((t.unit, t.layer), []).append(t)
     saves: list[Task] = []
     for unit, layer in trained_units(spec):

@@ -109,6 +109,14 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
     #: the micro-batches it serves), whose routing says which experts to copy; the layer's
     #: gradient and Adam skip the idle ones. See :mod:`flowtrain.graph.step_builder`.
     skip_idle_experts: tuple[int, ...] = ()
+    #: streamed units whose optimizer state lives on disk (``--state-dir``): each one's
+    #: ``cpu_adam`` (each chunk's, staged) reads it from a ``read_state`` (a ``host_state``
+    #: staging slot) and a ``write_state`` puts it back (see :mod:`flowtrain.graph.step_builder`).
+    disk: tuple[str, ...] = ()
+    #: how many of those reads run ahead of the Adam that needs them: the ``host_state``
+    #: staging slots a policy must give (the compiler places the reads that far ahead on the
+    #: ``disk`` lane, which issues in order).
+    disk_ahead: int = 2
 
     @property
     def offload_lag(self) -> int:
@@ -199,6 +207,7 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
         if any(c < 1 for c in self.grad_chunks.values()):
             raise ConfigError(f"{{grad_chunks}} must be at least 1 (got {self.grad_chunks})", named=True)
         self._validate_skip_idle_experts()
+        self._validate_disk()
         if self.host_adapters and not self.lora:
             raise ConfigError("adapters in host memory ({host_adapters}) are LoRA's: give {lora} with them", named=True)
         resident_layers = [u for u in self.resident if u.startswith("layer.")]
@@ -206,6 +215,24 @@ class StepSpec(msgspec.Struct, frozen=True, kw_only=True):
             raise ConfigError(f"adapters in host memory ({{host_adapters}}) come with their layer's fetch: leave "
                               f"{', '.join(resident_layers)} out of {{resident}}", named=True)
         return self
+
+    def _validate_disk(self) -> None:
+        if not self.disk:
+            return
+        if self.lora or self.share > 1:
+            raise ConfigError("optimizer state on disk ({disk}) is for a whole model's training in one process per "
+                              "node, not LoRA or processes sharing the host state", named=True)
+        if self.disk_ahead < 1:
+            raise ConfigError(f"{{disk_ahead}} must be at least 1 (got {self.disk_ahead})", named=True)
+        valid = {"embed", "head", *(f"layer.{i}" for i in range(self.layers))}
+        bad = sorted(set(self.disk) - valid) + sorted(k for k in self.disk if k in self.resident)
+        if bad or len(set(self.disk)) != len(self.disk):
+            raise ConfigError(f"units on disk ({{disk}}) {bad or list(self.disk)} must be distinct streamed units of "
+                              f"this model (embed, layer.0..layer.{self.layers - 1}, head; not resident)", named=True)
+
+    def on_disk(self, unit: str, layer: int | None) -> bool:
+        """Whether a unit's optimizer state lives on disk (:attr:`disk`)."""
+        return bool(self.disk) and self.unit_key(unit, layer) in self.disk
 
     def _validate_skip_idle_experts(self) -> None:
         bad = sorted(i for i in self.skip_idle_experts if not 0 <= i < self.layers)

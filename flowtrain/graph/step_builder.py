@@ -54,6 +54,19 @@ per-unit host gradient exists. A unit larger than one staging slot (the embeddin
 is offloaded and updated in ``grad_chunks[key]`` pieces, each a pair ``offload_grad c<k>`` ->
 ``cpu_adam c<k>``.
 
+Optimizer state on disk (``disk``): a streamed unit named there keeps its Adam moments (and
+perhaps its fp32 master) in a file. Each of its ``cpu_adam`` tasks (one per staging chunk)
+reads a host staging slot that a ``read_state`` filled from the file, and a ``write_state``
+after it puts the slot back into the file::
+
+    read_state L3 ==> cpu_adam L3 -> write_state L3        (read_state L3 ==> write_state L3)
+
+The ``disk`` lane issues in order, so where its tasks stand in the serial order is what makes
+the reads run ahead: the first ``disk_ahead`` reads (in the order the Adam tasks come) open the
+step, before its first fetch, and every later read follows the write ``disk_ahead`` places
+before it, whose slot it will take. So the disk reads a unit's state while the layers below
+it still run their forward and backward, and ``disk_ahead`` staging slots are enough.
+
 Idle experts (``skip_idle_experts``): a sparse layer named there leaves alone the experts that no token of
 the step was routed to, as ``torch.optim.AdamW`` skips a parameter without a gradient. Which
 experts those are is known once its forwards have run, so the layer's ``recompute`` and
@@ -85,11 +98,13 @@ from .tasks import (
     Loss,
     OffloadAct,
     OffloadGrad,
+    ReadState,
     Recompute,
     ReduceGrad,
     SyncStep,
     Task,
     VerifyStep,
+    WriteState,
     ZeroGrad,
 )
 
@@ -386,8 +401,15 @@ class StepBuilder(GraphBuilder):
         else:
             after = []
             for off in offs:
+                read = (self.node(ReadState, unit=unit, layer=layer, chunk=off.chunk)
+                        if self.spec.on_disk(unit, layer) else None)
                 t = self.node(CpuAdam, unit=unit, layer=layer, chunk=off.chunk)
                 self.dep(off, t, reads=off.takes is not None)
+                if read is not None:  # the state comes from disk and goes back after the update
+                    self.reads(read, t)
+                    write = self.node(WriteState, unit=unit, layer=layer, chunk=off.chunk)
+                    self.dep(t, write)
+                    self.reads(read, write)
                 after.append(t)
         for t in after:
             if norm is not None:
@@ -395,6 +417,29 @@ class StepBuilder(GraphBuilder):
             if self.spec.tied and unit == "embed" and not self.spec.is_resident(unit, layer):
                 for h in self.head_hand_off:
                     self.dep(h, t)  # the tied matrix also has the head's gradient
+
+    def place_disk_reads(self) -> None:
+        """Move each ``read_state`` to where the ``disk`` lane should issue it (module
+        docstring): the first ``disk_ahead`` to the start of the step, each later one right
+        after the ``write_state`` that frees the slot it takes. A read has no dependency inside
+        the step, so the order stays topological."""
+        if not self.spec.disk:
+            return
+        nodes = list(self.g.nodes)
+        reads = [t for t in nodes if isinstance(t, ReadState)]  # in the order the Adam tasks come
+        writes = [t for t in nodes if isinstance(t, WriteState)]
+        ahead = self.spec.disk_ahead
+        follows = {writes[i]: reads[i + ahead] for i in range(len(reads) - ahead)}
+        order = reads[:ahead]
+        for t in nodes:
+            if not isinstance(t, ReadState):
+                order.append(t)
+                if t in follows:
+                    order.append(follows[t])
+        g = self.g.__class__(**self.g.graph)
+        g.add_nodes_from(order)
+        g.add_edges_from(self.g.edges(data=True))
+        self.g = g
 
     def after_all(self, cls: type[Task], gradients: list[Task]) -> Task:
         """One task after every gradient of the step (each ``offload_grad``, or each resident

@@ -30,8 +30,9 @@ its ``layer`` is an ``int``; its ``unit`` is ``"layer"`` by default and can be n
 - ``chunk``: for ``offload_grad`` and ``cpu_adam`` under the staged gradient layout, which
   piece of the unit's gradient passes through one host staging slot (``None`` otherwise).
 
-Each kind knows its **lane** (``h2d``, ``compute``, ``d2h``, ``cpu``, ``io`` for disk
-writes, ``net`` for collectives between data-parallel processes, or ``sync`` for the
+Each kind knows its **lane** (``h2d``, ``compute``, ``d2h``, ``cpu``, ``io`` for checkpoint
+writes, ``disk`` for the optimizer state that lives on disk (``--state-dir``), ``net`` for
+collectives between data-parallel processes, or ``sync`` for the
 processes of a node that share one host copy of the state) and which buffer **pool** it takes a
 slot from (``takes``). A task that takes a slot holds it until every task that *reads* the slot
 (an edge marked ``reads=True`` in the graph) has been launched; the next task granted that slot
@@ -46,7 +47,7 @@ from typing import Any, ClassVar, Final, Literal, Mapping, TypedDict, cast
 
 import msgspec
 
-Lane = Literal["h2d", "compute", "d2h", "cpu", "io", "net", "sync"]
+Lane = Literal["h2d", "compute", "d2h", "cpu", "io", "disk", "net", "sync"]
 #: ``"adapter"``: a decoder layer's LoRA adapters (``StepSpec.lora``), resident on the device
 Unit = Literal["embed", "layer", "head", "adapter"]
 #: ``phase`` is the pass of the step a task serves or belongs to, each value allowed on its
@@ -78,7 +79,9 @@ DEVICE_LANES: frozenset[str] = frozenset({"h2d", "compute", "d2h", "net"})
 #: ``sync`` is a host thread for the step's short bookkeeping that other work waits on: the
 #: verdict on its finiteness (``verify_step``) and, where the processes of a node share the
 #: host state, their barrier (``sync_step``). Neither queues behind a long ``cpu_adam``.
-LANES: tuple[str, ...] = ("h2d", "compute", "d2h", "cpu", "io", "net", "sync")
+#: ``disk`` is a host thread that reads and writes the optimizer state kept on disk
+#: (``read_state``, ``write_state``), apart from the ``io`` lane's checkpoint writes.
+LANES: tuple[str, ...] = ("h2d", "compute", "d2h", "cpu", "io", "disk", "net", "sync")
 
 #: Buffer pools. ``weights``: slots that hold one unit's streamed weights on the device.
 #: ``grads``: device gradient accumulators, one unit each, held until offloaded.
@@ -87,10 +90,13 @@ LANES: tuple[str, ...] = ("h2d", "compute", "d2h", "cpu", "io", "net", "sync")
 #: per-unit host gradient).
 #: ``acts``: activation checkpoints brought back from host memory for backward (``fetch_act``),
 #: each held until the backward task that first reads it has been launched.
+#: ``host_state``: host staging slots that a ``read_state`` fills with one unit's (or one
+#: chunk's) optimizer state read from disk, read by its ``cpu_adam`` and its ``write_state``.
 WEIGHTS = "weights"
 GRADS = "grads"
 ACTS = "acts"
 HOST_GRADS = "host_grads"
+HOST_STATE = "host_state"
 
 
 class Task(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):
@@ -333,6 +339,31 @@ class CpuAdam(Task, frozen=True, kw_only=True, tag="cpu_adam"):
     lane: ClassVar[str] = "cpu"
 
 
+class ReadState(Task, frozen=True, kw_only=True, tag="read_state"):
+    """Read one unit's optimizer state kept on disk (``--state-dir``: its Adam moments, and
+    its fp32 master where that lives there too; with ``chunk``, one staging chunk's) into a
+    host staging slot, for its ``cpu_adam``. It takes the slot early in the step, so the read
+    runs while the layers below still compute."""
+
+    unit: Unit
+
+    scope: ClassVar[str] = "unit"
+
+    lane: ClassVar[str] = "disk"
+    takes: ClassVar[str | None] = HOST_STATE
+
+
+class WriteState(Task, frozen=True, kw_only=True, tag="write_state"):
+    """Write back what a ``read_state`` brought in, once the unit's (or chunk's) ``cpu_adam``
+    has updated it in the staging slot; the slot is free again when it is done."""
+
+    unit: Unit
+
+    scope: ClassVar[str] = "unit"
+
+    lane: ClassVar[str] = "disk"
+
+
 class GpuAdam(Task, frozen=True, kw_only=True, tag="gpu_adam"):
     """AdamW on a device-resident unit: its fp32 master and Adam state live in GPU memory, so
     the update runs there; it then refreshes the unit's compute-dtype copy and zeroes its
@@ -413,6 +444,8 @@ AnyTask = (
     | SyncStep
     | EvalLoss
     | SaveUnit
+    | ReadState
+    | WriteState
 )
 
 #: Every task class by its ``kind`` string.
@@ -440,6 +473,8 @@ KINDS: dict[str, type[Task]] = {
         SyncStep,
         EvalLoss,
         SaveUnit,
+        ReadState,
+        WriteState,
     )
 }
 
@@ -457,7 +492,7 @@ _SCOPE_FIELDS: dict[str, tuple[str, ...]] = {
     "step": (),
 }
 #: kinds whose tasks may name one chunk of a unit's gradient (the staged layout)
-_CHUNKED = frozenset(("offload_grad", "cpu_adam"))
+_CHUNKED = frozenset(("offload_grad", "cpu_adam", "read_state", "write_state"))
 #: the kinds that name a LoRA adapter unit: it is resident and only trained
 #: what names an adapter: a resident one's reduction, norm, Adam and save; streamed (in host
 #: memory), also its gradient slot, offload and CPU Adam (its weights come with its layer's fetch)
@@ -494,7 +529,7 @@ def check_shape(task: Task) -> None:
     if kind == "fetch" and task.phase is None:
         wrong.append("no phase (the pass it serves)")
     if task.chunk is not None and kind not in _CHUNKED:
-        wrong.append(f"chunk {task.chunk!r} (only offload_grad and cpu_adam name one)")
+        wrong.append(f"chunk {task.chunk!r} (only offload_grad, cpu_adam, read_state and write_state name one)")
     if wrong:
         raise ValueError(f"task {task.label}: " + "; ".join(wrong))
 

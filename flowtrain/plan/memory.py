@@ -137,6 +137,11 @@ class Plan(msgspec.Struct, kw_only=True):
     #: where ``--activations auto``, ``--layout auto`` or ``--resident auto`` took an alternative
     #: to the rules' plan because it was predicted faster (:mod:`flowtrain.sim.memory_choice`)
     memory_choice: str | None = None
+    #: units whose optimizer state lives in the state folder, by key: the fields there
+    #: (``--state-dir``; :mod:`flowtrain.plan.disk`)
+    disk: dict[str, tuple[str, ...]] = msgspec.field(default_factory=dict)
+    #: whether the run has a state folder at all (what ``to_dict`` then reports)
+    disk_tier: bool = False
 
     @property
     def host_total(self) -> int:
@@ -220,7 +225,7 @@ class Plan(msgspec.Struct, kw_only=True):
             # an older name: the --activations, --layout or --resident that prediction chose
             "placement_choice": self.memory_choice, "save_attention": list(self.spec.save_attention),
             "host_adapters": self.spec.host_adapters,
-        }
+        } | ({"disk": {k: list(v) for k, v in self.disk.items()}} if self.disk_tier else {})
 
 
 # ---- limits -------------------------------------------------------------------------------

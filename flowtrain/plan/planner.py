@@ -47,6 +47,7 @@ from .adapters import host_adapters
 from .attention import attention_pays, forward_flops_saved, plan_saved_attention
 from .experts import runs_grouped
 from .buffer_sizes import LAYOUTS, grad_chunks, host_memory_total, staging_numel
+from .disk import place_on_disk
 from .memory import (
     ACTIVATIONS,
     Plan,
@@ -192,7 +193,14 @@ def _backlog(cfg: ModelConfig, resident: tuple[str, ...], weights: bool = True) 
 
 
 def plan_once(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
-    """The plan for one micro-batch size (:func:`_plan_placed`). With LoRA and ``lora_state``
+    """The plan for one micro-batch size (:func:`_plan_placed`), with what the state folder
+    takes of it (:func:`~flowtrain.plan.disk.place_on_disk`, where ``--state-dir`` is given)."""
+    return place_on_disk(_plan_lora(cfg, req, device, dtype, policy, host_limit, gpu_limit), cfg, req,
+                         dtype.itemsize)
+
+
+def _plan_lora(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan:
+    """With LoRA and ``lora_state``
     auto, the adapters stay on the GPU where that plan fits, else go to host memory where that
     one fits (or, fitting neither, where the GPU's budget holds: host memory is then short)."""
     if req.lora_rank <= 0 or req.lora_state != "auto":

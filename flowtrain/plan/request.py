@@ -62,6 +62,10 @@ class RunRequest(msgspec.Struct, kw_only=True):
     #: whether the GPU runs a mixture of experts' grouped GEMMs (a plan for another machine:
     #: ``Machine.grouped_mm``); None asks this computer's GPU (:func:`.experts.runs_grouped`)
     grouped_experts: bool | None = None
+    #: ``--disk-state`` where ``--state-dir`` is given (``none`` without one): what of the
+    #: optimizer state lives on disk (:mod:`flowtrain.plan.disk`), and how many reads run ahead
+    disk_state: str = "none"
+    disk_ahead: int = 2
 
 
 def checkpoint_read_bytes(model_dir: str | os.PathLike[str] | None) -> int:
@@ -90,4 +94,5 @@ def run_request(cfg: Any, model_dir: str | os.PathLike[str] | None = None, proce
                       lora_gate_up_rank=getattr(cfg, "lora_gate_up_rank", None),
                       lora_dropout=getattr(cfg, "lora_dropout", 0.0) or 0.0,
                       lora_state=getattr(cfg, "lora_state", "auto"),
-                      skip_idle_experts=bool(getattr(cfg, "skip_idle_experts", False)))
+                      skip_idle_experts=bool(getattr(cfg, "skip_idle_experts", False)),
+                      disk_state=getattr(cfg, "disk_state", "none") if getattr(cfg, "state_dir", None) else "none")

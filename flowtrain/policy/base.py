@@ -24,7 +24,7 @@ import msgspec
 import networkx as nx
 
 from ..errors import ConfigError, CycleError
-from ..graph.tasks import ACTS, GRADS, HOST_GRADS, WEIGHTS, CpuAdam, Task
+from ..graph.tasks import ACTS, GRADS, HOST_GRADS, HOST_STATE, WEIGHTS, CpuAdam, Task
 
 
 class Proposal(msgspec.Struct, frozen=True):
@@ -162,13 +162,16 @@ def budgets(graph: nx.DiGraph, weights: int, grads: int, host_grads: int = 3) ->
     plus ``host_grads`` host staging slots where the graph's gradients are staged (one chunk
     in flight to the host while the CPU runs Adam on the one before, and one spare), and where
     checkpoints are offloaded, one ``acts`` slot more than must be back at once (the next
-    checkpoint is copied while the current one's backward runs)."""
+    checkpoint is copied while the current one's backward runs); where optimizer state lives
+    on disk, the ``host_state`` staging slots its reads run ahead by (``disk_ahead``)."""
     out = {WEIGHTS: weights, GRADS: max(grads, min_grad_slots(graph))}
     if any(t.takes == HOST_GRADS for t in graph):
         out[HOST_GRADS] = host_grads
     if any(t.takes == ACTS for t in graph):
         spec = graph.graph.get("spec", {})
         out[ACTS] = act_slots(spec.get("order", "layer"), spec.get("checkpoint_every", 1), spec.get("micro_batches", 1))
+    if any(t.takes == HOST_STATE for t in graph):
+        out[HOST_STATE] = graph.graph.get("spec", {}).get("disk_ahead", 2)
     return out
 
 

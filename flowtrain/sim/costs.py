@@ -133,6 +133,8 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
     #: model FLOPs per trained token, the one count every report uses
     #: (:func:`flowtrain.model.counts.model_flops_per_token`; 0 in a shape built by hand)
     flops_per_token: float = 0.0
+    #: units whose fp32 master is on disk beside their moments (``--disk-state``)
+    disk_master: frozenset[str] = frozenset()
 
     @property
     def per_node(self) -> int:
@@ -278,6 +280,13 @@ class CostModel:
                 return self.s.tokens * self.s.hidden * self.s.compute_bytes
         return 0
 
+    def disk_seconds(self, task: Task, gbps: float) -> float:
+        """Seconds of one ``read_state`` or ``write_state``: the unit's (or chunk's) moments,
+        and its master where that is on disk too, at ``gbps`` (the drive's rate with
+        ``disk_queue_depth`` requests in flight, as the run keeps them)."""
+        nbytes = self.s.unit_numel(task) * (12 if self.s.unit_key(task) in self.s.disk_master else 8)
+        return nbytes / (gbps * 1e9) + self.m.copy_latency_us * 1e-6
+
     def copy_seconds(self, task: Task, other_direction_busy: bool) -> float:
         """A copy's time: its bytes over its direction's rate, or its half of the duplex rate
         while the other direction is copying too."""
@@ -394,6 +403,16 @@ def _reduce_grad(c: CostModel, task: Task) -> float:
 @COSTS.register("save")
 def _save(c: CostModel, task: Task) -> float:
     return c.s.unit_numel(task) * 12 / (c.m.disk_write_gbps * 1e9)
+
+
+@COSTS.register("read_state")
+def _read_state(c: CostModel, task: Task) -> float:
+    return c.disk_seconds(task, c.m.disk_read_gbps)
+
+
+@COSTS.register("write_state")
+def _write_state(c: CostModel, task: Task) -> float:
+    return c.disk_seconds(task, c.m.disk_write_gbps)
 
 
 @COSTS.register("sync_step")

@@ -33,7 +33,9 @@ Fields, by the task kinds that use them (:mod:`flowtrain.sim.costs`):
 - optimizer: ``gpu_adam_gparams`` (fused AdamW on the device, G parameters/s),
   ``cpu_adam_gparams`` (fused AdamW on the host's fp32 state with all cores, G parameters/s),
   ``cpu_cast_gparams`` (the fp32 -> bf16 refresh of the stream-bf16 layout).
-- ``disk_write_gbps`` (``save``), ``launch_us`` (host time to issue one device task),
+- ``disk_write_gbps`` (``save``, and ``write_state`` of the state on disk), ``disk_read_gbps``
+  (``read_state``), both at ``disk_queue_depth`` requests in flight (what a run keeps: each
+  transfer is cut into 8 MiB pieces); ``launch_us`` (host time to issue one device task),
   ``sync_us`` (a completion travelling back to the event loop).
 - memory: ``gpu_mem_gib``, ``host_mem_gib`` (used when ``--gpu-mem``/``--host-mem`` are not given);
   ``grouped_mm`` (the GPU runs a mixture of experts' grouped GEMMs, which the plan counts
@@ -93,6 +95,8 @@ class Machine(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     cpu_adam_gparams: float = 2.0
     cpu_cast_gparams: float = 4.0
     disk_write_gbps: float = 0.4
+    disk_read_gbps: float = 1.0
+    disk_queue_depth: int = 4
     launch_us: float = 20.0
     sync_us: float = 50.0
     #: data parallel: all-reduce bus bandwidth between the GPUs of one node (GB/s; 0: their PCIe

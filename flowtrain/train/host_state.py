@@ -16,6 +16,10 @@ state lives in host memory and its weights cross PCIe to the GPU for every pass)
   ``fetch`` copies (half the PCIe bytes of fp32) and ``cpu_adam`` refreshes after each update.
 - ``compute``: a resident unit's compute-dtype copy (the master itself when computing in fp32).
 - ``steps``: Adam's step count, one per gradient chunk (chunks are updated independently).
+- ``disk_fields``: with a state folder (``--state-dir``), which of ``master``, ``exp_avg`` and
+  ``exp_avg_sq`` live in the unit's files there instead (:mod:`flowtrain.train.disk_state`);
+  those tensors are then empty here, and a unit whose master is on disk keeps a ``stream``
+  copy in the compute dtype (fp32 too, in an fp32 run) for its fetches.
 - ``expert_steps``: only in a sparse layer that skips idle experts (``StepSpec.skip_idle_experts``), each
   expert's own Adam step count, (experts,) fp32 (on the device where the layer is resident): an
   expert that no token reached in a step is not updated, so its count falls behind the layer's
@@ -49,7 +53,9 @@ Face checkpoint, so the model never exists twice in memory::
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Iterable
@@ -64,6 +70,7 @@ from ..model.adapters import LoraSpec, adapter_flat_maps
 from ..model.lora import init_adapter, merge_adapter
 from ..ckpt.adapter_files import save_adapter
 from ..plan.buffer_sizes import LAYOUTS, chunk_range, grad_chunks, slot_numel, staging_numel  # noqa: F401 - re-exported
+from .disk_state import StateStore, aligned_empty
 from .distributed import World
 from .pinning import pin as pin_in_place
 from .shared_state import SharedArena, aligned
@@ -126,13 +133,14 @@ class UnitState:
     """The flat tensors of one unit; see the module docstring for each field."""
 
     __slots__ = ("flat_map", "master", "exp_avg", "exp_avg_sq", "grad", "stream", "compute", "steps", "resident",
-                 "frozen", "expert_steps")
+                 "frozen", "expert_steps", "disk_fields")
 
     def __init__(self, layout: FlatMap, *, pin: bool, layout_name: str, resident: bool,
                  device: torch.device, dtype: torch.dtype, chunks: int, arena: SharedArena | None = None,
-                 frozen: bool = False, experts: int = 0) -> None:
+                 frozen: bool = False, experts: int = 0, disk_fields: tuple[str, ...] = ()) -> None:
         n = layout.numel
         self.flat_map = layout  # where each weight sits in the unit's flat buffers
+        self.disk_fields = disk_fields
         self.expert_steps = None
         if experts:  # on the device where resident; in the node's shared file where the state is
             self.expert_steps = (arena.take("plain", experts, torch.float32) if arena is not None and not resident
@@ -156,7 +164,14 @@ class UnitState:
             self.steps = [torch.zeros((), dtype=torch.float32, device=device)]
             return
         streams_copy = layout_name == "stream-bf16" and dtype != torch.float32
-        if arena is None:
+        if disk_fields:  # in the state folder's files; a master there leaves a compute copy here
+            empty = torch.empty(0, dtype=torch.float32)
+            on_disk = "master" in disk_fields
+            self.master = empty if on_disk else pinned_zeros(n, pin and not streams_copy)
+            self.stream = pinned_zeros(n, pin, dtype) if (streams_copy or on_disk) else None
+            self.exp_avg = self.exp_avg_sq = empty
+            self.steps = [torch.zeros((), dtype=torch.float32) for _ in range(chunks)]
+        elif arena is None:
             self.master = pinned_zeros(n, pin and not streams_copy)
             self.stream = pinned_zeros(n, pin, dtype) if streams_copy else None
             self.exp_avg = torch.zeros(n, dtype=torch.float32)
@@ -170,6 +185,10 @@ class UnitState:
             self.steps = [arena.take("plain", 1, torch.float32).view(()) for _ in range(chunks)]
         self.grad = pinned_zeros(n, pin) if layout_name == "full" else None
 
+    @property
+    def master_on_disk(self) -> bool:
+        return "master" in self.disk_fields
+
     def own_grad(self) -> torch.Tensor:
         """The unit's own fp32 gradient: a resident unit's on the device, the full layout's on
         the host. A staged unit has none (its gradient passes through the pinned ring)."""
@@ -179,9 +198,15 @@ class UnitState:
 
     def refresh_copies(self, lo: int = 0, hi: int | None = None) -> None:
         """Bring the compute / streaming copy of ``master[lo:hi]`` up to date."""
+        self.refresh_from(self.master[lo:hi], lo)
+
+    def refresh_from(self, master: torch.Tensor, lo: int = 0) -> None:
+        """Bring ``[lo, lo + len(master))`` of the compute / streaming copy up to date from
+        ``master`` (the unit's master there, or where it is on disk, the slot it was read into)."""
+        hi = lo + master.numel()
         for copy in (self.compute, self.stream):
             if copy is not None and copy is not self.master:
-                copy[lo:hi].copy_(self.master[lo:hi])
+                copy[lo:hi].copy_(master)
 
 
 class HostState:
@@ -198,13 +223,19 @@ class HostState:
         #: LoRA: what the adapters are, and each decoder layer's (fp32; resident, or streamed)
         self.lora = lora
         self.adapters = adapters or []
+        #: the state folder's files, where some units keep their state on disk (``--state-dir``;
+        #: :meth:`attach_store`)
+        self.store: StateStore | None = None
+        #: elements of one staging chunk (the units' files are one per chunk of this size)
+        self.stage_n = 0
+        self.chunks: dict[str, int] = {}
 
     @classmethod
     def create(cls, cfg: ModelConfig, *, pin: bool, layout: str = "full", resident: Iterable[str] = (),
                device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                chunks: dict[str, int] | None = None, world: World | None = None,
                lora: LoraSpec | None = None, skip_idle: Iterable[int] = (),
-               host_adapters: bool = False) -> "HostState":
+               host_adapters: bool = False, disk: dict[str, tuple[str, ...]] | None = None) -> "HostState":
         """Allocate every unit's state (zeros): ``resident`` unit keys on ``device``, the rest in
         host memory in ``layout``; ``chunks`` gives the staging chunks of large units. With a
         ``world`` of several processes on this node, the streamed units' state is the node's
@@ -212,7 +243,8 @@ class HostState:
         this at the same point. With ``lora`` the model's units are frozen, in ``dtype``, and
         each layer has its adapters on ``device`` (with ``host_adapters``, in host memory). The
         decoder layers in ``skip_idle`` (streamed, sparse) count each expert's Adam steps apart
-        (``expert_steps``)."""
+        (``expert_steps``). ``disk`` names, by unit key, the fields that live in the state folder
+        (:meth:`attach_store` makes the files)."""
         if layout not in LAYOUTS:
             raise ConfigError(f"{{layout}} must be one of {', '.join(LAYOUTS)} (got {layout!r})", named=True)
         res = set(resident)
@@ -226,16 +258,86 @@ class HostState:
         dev = torch.device(device)
         if skipping and lora is not None:
             raise ConfigError("layers that skip idle experts are in a run that trains the whole model")
+        disk = disk or {}
+        if disk and (arena is not None or lora is not None):
+            raise ConfigError("a state folder (--state-dir) is for a whole model's training in one process per node")
         units = [UnitState(lay, pin=pin, layout_name=layout, resident=lay.key in res, device=dev,
                            dtype=dtype, chunks=chunks.get(lay.key, 1), arena=arena, frozen=lora is not None,
-                           experts=cfg.num_experts if lay.key in skipping else 0)
+                           experts=cfg.num_experts if lay.key in skipping else 0,
+                           disk_fields=disk.get(lay.key, ()) if lay.key not in res else ())
                  for lay in layouts]
         # the adapters on the device, or with ``host_adapters`` streamed: in (pinned) host
         # memory with a whole gradient of their own (the full layout: a few MB a layer)
         adapters = [UnitState(lay, pin=pin and host_adapters, layout_name="full", resident=not host_adapters,
                               device=dev, dtype=torch.float32, chunks=1)
                     for lay in adapter_flat_maps(cfg, lora)] if lora is not None else []
-        return cls(cfg, units, layout, arena, lora, adapters)
+        state = cls(cfg, units, layout, arena, lora, adapters)
+        state.chunks = dict(chunks)
+        state.stage_n = staging_numel(layouts, res)
+        return state
+
+    # ---- the state folder --------------------------------------------------------------------
+    @property
+    def disk_units(self) -> list[UnitState]:
+        return [u for u in self.units if u.disk_fields]
+
+    def disk_files(self) -> list[tuple[str, int | None, int, tuple[str, ...]]]:
+        """``(key, chunk, numel, fields)`` of every file the state folder holds: one per unit,
+        or per staging chunk where the unit's Adam runs in chunks (the staged layout)."""
+        out: list[tuple[str, int | None, int, tuple[str, ...]]] = []
+        for u in self.disk_units:
+            for c in self.unit_chunks(u):
+                lo, hi = chunk_range(u.flat_map.numel, self.stage_n, c)
+                out.append((u.flat_map.key, c, hi - lo, u.disk_fields))
+        return out
+
+    def unit_chunks(self, u: UnitState) -> list[int | None]:
+        """The chunks a unit's ``cpu_adam`` runs over: ``[None]`` for the whole unit (the full
+        layout), else ``[0, 1, ...]``."""
+        if self.layout == "full":
+            return [None]
+        return list(range(self.chunks.get(u.flat_map.key, 1)))
+
+    def attach_store(self, store: StateStore) -> None:
+        """Take the state folder's files (made for :meth:`disk_files`); the units' disk fields
+        are filled by the initialisation or load that follows."""
+        self.store = store
+
+    def put_on_disk(self, u: UnitState, fields: dict[str, torch.Tensor], scratch: torch.Tensor | None = None) -> None:
+        """Write a whole unit's disk fields from memory (``fields`` by name, each ``numel``
+        elements; a missing one is zeros), chunk by chunk, and refresh its compute copy from a
+        master given."""
+        assert self.store is not None, "attach_store first"
+        key, n = u.flat_map.key, u.flat_map.numel
+        if scratch is None:
+            scratch = aligned_empty(self.store.slot_numel)
+        for c in self.unit_chunks(u):
+            lo, hi = chunk_range(n, self.stage_n, c)
+            self.store.fill(key, c, {k: v[lo:hi] for k, v in fields.items() if k in u.disk_fields}, scratch)
+        if "master" in fields:
+            u.refresh_from(fields["master"])
+
+    def from_disk(self, u: UnitState) -> dict[str, torch.Tensor]:
+        """A whole unit's disk fields as fresh tensors (a checkpoint's or the final model's)."""
+        assert self.store is not None
+        parts = [self.store.load(u.flat_map.key, c) for c in self.unit_chunks(u)]
+        return {k: torch.cat([p[k] for p in parts]) if len(parts) > 1 else parts[0][k] for k in u.disk_fields}
+
+    @contextlib.contextmanager
+    def filling(self, u: UnitState) -> Iterator["UnitState | DiskUnitView"]:
+        """``u`` as a checkpoint fills its moments in place; where its state is on disk, a
+        view of it read back, written to the files again once filled (one unit in memory)."""
+        if not u.disk_fields:
+            yield u
+            return
+        view = DiskUnitView(u, self.from_disk(u))
+        yield view
+        self.put_on_disk(u, {"master": view.master, "exp_avg": view.exp_avg, "exp_avg_sq": view.exp_avg_sq})
+
+    def saved_unit(self, u: UnitState) -> "UnitState | DiskUnitView":
+        """What a checkpoint writes of ``u``: the unit itself, or where its state is on disk a
+        view with that state read back (one unit in memory at a time)."""
+        return DiskUnitView(u, self.from_disk(u)) if u.disk_fields else u
 
     @property
     def flat_maps(self) -> list[FlatMap]:
@@ -272,10 +374,13 @@ class HostState:
     def init_random(self, seed: int) -> None:
         """Fresh weights, unit by unit, each unit from its own seeded generator: so the units are
         drawn on every core at once (a 32B model's 33 billion draws take minutes on one) and
-        the weights are the same whatever the order."""
-        workers = min(len(self.units), os.cpu_count() or 1)
+        the weights are the same whatever the order. A unit whose master is on disk is drawn
+        into a passing buffer and written there (one at a time: the model never is in memory)."""
+        in_memory = [u for u in self.units if not u.master_on_disk]
+        workers = max(1, min(len(in_memory), os.cpu_count() or 1))
         with ThreadPoolExecutor(workers) as pool:
-            list(pool.map(lambda u: init_unit(u.master, u.flat_map, self.cfg, seed), self.units))
+            list(pool.map(lambda u: init_unit(u.master, u.flat_map, self.cfg, seed), in_memory))
+        self._place_disk_units(lambda u, m: init_unit(m, u.flat_map, self.cfg, seed))
         self.init_adapters(seed)
         self.refresh_copies()
 
@@ -303,16 +408,44 @@ class HostState:
         directory, or from a checkpoint of this run (:attr:`trained`, the adapters with LoRA);
         weights that hold NaN or inf are refused (training from them would only spread it)."""
         units = self.units if units is None else units
-        load_into(model_dir, self.cfg, [u.flat_map for u in units], [u.master for u in units])
-        for u in units:
-            for name, view in unit_tensors(u.master, u.flat_map):
-                if not all_finite(view):
-                    raise CheckpointError(f"{model_dir}: the weight {name} ({u.flat_map.key}) holds NaN or inf")
+        in_memory = [u for u in units if not u.master_on_disk]
+        load_into(model_dir, self.cfg, [u.flat_map for u in in_memory], [u.master for u in in_memory])
+        for u in in_memory:
+            self._check_finite(model_dir, u, u.master)
+
+        def load_one(u: UnitState, master: torch.Tensor) -> None:  # a master on disk, through memory
+            load_into(model_dir, self.cfg, [u.flat_map], [master])
+            self._check_finite(model_dir, u, master)
+
+        self._place_disk_units(load_one, [u for u in units if u.disk_fields])
         self.refresh_copies()
+
+    @staticmethod
+    def _check_finite(model_dir: str | Path, u: UnitState, master: torch.Tensor) -> None:
+        for name, view in unit_tensors(master, u.flat_map):
+            if not all_finite(view):
+                raise CheckpointError(f"{model_dir}: the weight {name} ({u.flat_map.key}) holds NaN or inf")
+
+    def _place_disk_units(self, fill_master, units: list[UnitState] | None = None) -> None:
+        """Give each unit with state on disk its first contents: the master, filled by
+        ``fill_master(unit, buffer)`` into a passing buffer where it is on disk, and zero
+        moments."""
+        units = self.disk_units if units is None else units
+        if not units:
+            return
+        assert self.store is not None, "attach_store before the state is filled"
+        scratch = aligned_empty(self.store.slot_numel)
+        for u in units:
+            fields: dict[str, torch.Tensor] = {}
+            if u.master_on_disk:
+                fields["master"] = torch.empty(u.flat_map.numel, dtype=torch.float32)
+                fill_master(u, fields["master"])
+            self.put_on_disk(u, fields, scratch)
 
     def refresh_copies(self) -> None:
         for u in self.units:
-            u.refresh_copies()
+            if not u.master_on_disk:  # its copy is refreshed where the master passes through memory
+                u.refresh_copies()
 
     def save(self, out_dir: str | Path, dtype: torch.dtype = torch.float32, *, max_shard_bytes: int | None = None,
              source_config: dict | None = None, merge: bool = False, base_model: str | None = None) -> None:
@@ -325,5 +458,20 @@ class HostState:
             return
         if self.lora is not None:
             self.merge_adapters()
-        save_hf(out_dir, self.cfg, self.flat_maps, [u.master for u in self.units], dtype,
+        masters = [self.from_disk(u)["master"] if u.master_on_disk else u.master for u in self.units]
+        save_hf(out_dir, self.cfg, self.flat_maps, masters, dtype,
                 max_shard_bytes=max_shard_bytes, source_config=source_config)
+
+
+class DiskUnitView:
+    """A unit whose state is on disk as a checkpoint writes it: its own layout, step counts and
+    compute copy, with the fields read back from its files (``fields``)."""
+
+    def __init__(self, unit: UnitState, fields: dict[str, torch.Tensor]) -> None:
+        self.unit = unit
+        self.flat_map = unit.flat_map
+        self.master = fields.get("master", unit.master)
+        self.exp_avg = fields.get("exp_avg", unit.exp_avg)
+        self.exp_avg_sq = fields.get("exp_avg_sq", unit.exp_avg_sq)
+        self.steps = unit.steps
+        self.expert_steps = unit.expert_steps

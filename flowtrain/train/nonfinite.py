@@ -155,31 +155,46 @@ class UndoBudget:
 class Saved:
     """``[lo, hi)`` of one unit's master, m and v and the step count of its chunk, as they were
     before this step's update, copied into ``buf`` (``numel(hi - lo)`` fp32 elements); and a
-    sparse layer's per-expert step counts, where it keeps them (a few floats, copied aside)."""
+    sparse layer's per-expert step counts, where it keeps them (a few floats, copied aside).
+    Where the unit's state is on disk, ``pieces`` are the master, m and v of the range where the
+    update reads them (a staging slot, the master perhaps in memory) and ``put_back`` puts the
+    record back (:meth:`flowtrain.train.program.disk.DiskPart.restore`)."""
 
-    __slots__ = ("unit", "lo", "hi", "chunk", "buf", "expert_steps")
+    __slots__ = ("unit", "lo", "hi", "chunk", "buf", "expert_steps", "put_back")
 
-    def __init__(self, unit, lo: int, hi: int, chunk: int, buf: torch.Tensor) -> None:  # unit: host_state.UnitState
+    def __init__(self, unit, lo: int, hi: int, chunk: int, buf: torch.Tensor,  # unit: host_state.UnitState
+                 pieces: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None, put_back=None) -> None:
         self.unit, self.lo, self.hi, self.chunk, self.buf = unit, lo, hi, chunk, buf
+        self.put_back = put_back
         self.expert_steps = None if unit.expert_steps is None else unit.expert_steps.clone()
         n = hi - lo
-        for i, src in enumerate((unit.master, unit.exp_avg, unit.exp_avg_sq)):
-            buf[i * n : (i + 1) * n].copy_(src[lo:hi])
+        if pieces is None:
+            pieces = (unit.master[lo:hi], unit.exp_avg[lo:hi], unit.exp_avg_sq[lo:hi])
+        for i, src in enumerate(pieces):
+            buf[i * n : (i + 1) * n].copy_(src)
         buf[3 * n :].copy_(unit.steps[chunk].view(1))
 
     @staticmethod
     def numel(n: int) -> int:
         return undo_record_numel(n)
 
+    def fields(self) -> dict[str, torch.Tensor]:
+        """The recorded master, m and v of the range, by name."""
+        n = self.hi - self.lo
+        return {name: self.buf[i * n : (i + 1) * n] for i, name in enumerate(("master", "exp_avg", "exp_avg_sq"))}
+
     def restore(self) -> None:
         u, lo, hi, buf = self.unit, self.lo, self.hi, self.buf
         n = hi - lo
-        for i, dst in enumerate((u.master, u.exp_avg, u.exp_avg_sq)):
-            dst[lo:hi].copy_(buf[i * n : (i + 1) * n])
+        if self.put_back is not None:  # state on disk: wherever it is now, the slot or the file
+            self.put_back(self)
+        else:
+            for i, dst in enumerate((u.master, u.exp_avg, u.exp_avg_sq)):
+                dst[lo:hi].copy_(buf[i * n : (i + 1) * n])
+            u.refresh_copies(lo, hi)
         u.steps[self.chunk].view(1).copy_(buf[3 * n :])
         if self.expert_steps is not None:
             u.expert_steps.copy_(self.expert_steps)
-        u.refresh_copies(lo, hi)
 
 
 # ---- one step's bookkeeping ---------------------------------------------------------------

@@ -45,6 +45,7 @@ from ..plan.memory import Plan, cap_gpu_memory
 from ..runtime.engine import use_uvloop
 from ..runtime.trace import Instrument, TraceRecorder, lane_busy, write_chrome_trace
 from .distributed import World, join, leave, node_barrier, world_from_env
+from .disk_state import StateStore
 from .host_state import HostState, return_freed_memory
 from .loop import TrainingLoop
 from .metrics_file import MetricsFile
@@ -75,15 +76,23 @@ def for_rank(cfg: TrainConfig, world: World) -> TrainConfig:
                                    save_total_limit=None, trace=trace, report_to=None)
 
 
-def build_state(run: Run) -> tuple[HostState, StepProgram]:
-    """Allocate the host state and the device buffers the plan sized, and fill the weights."""
+def build_state(run: Run, held: contextlib.ExitStack | None = None) -> tuple[HostState, StepProgram]:
+    """Allocate the host state and the device buffers the plan sized, and fill the weights.
+    Where the plan puts state on disk, the state folder's files are made first (and removed
+    when ``held`` closes)."""
     cfg, plan = run.cfg, run.plan
     spec = plan.spec
     torch.manual_seed(cfg.seed)
     state = HostState.create(run.mcfg, pin=run.device.type == "cuda", layout=plan.layout, resident=spec.resident,
                              device=run.device, dtype=run.dtype, chunks=spec.grad_chunks,
                              world=run.world if spec.share > 1 else None, lora=lora_spec(cfg),
-                             skip_idle=spec.skip_idle_experts, host_adapters=spec.host_adapters)
+                             skip_idle=spec.skip_idle_experts, host_adapters=spec.host_adapters, disk=plan.disk)
+    if plan.disk:
+        assert cfg.state_dir is not None, "a plan puts state on disk only where --state-dir is given"
+        store = StateStore(Path(cfg.state_dir), state.disk_files())
+        if held is not None:
+            held.callback(store.close)
+        state.attach_store(store)
     if run.resume_from is not None:
         if state.lora is not None:  # the base first: the checkpoint holds the adapters
             if run.base_dir is None:
@@ -134,6 +143,8 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
         run = prepare(cfg, world)
         if cfg.out:  # held until the final model is in place; taken before the clean-up below
             held.enter_context(OutLock(cfg.out))
+        if cfg.state_dir and run.plan.disk:  # one run per state folder, as per --out
+            held.enter_context(OutLock(cfg.state_dir))
         metrics_file = None
         if cfg.metrics:  # held, like --out, until the run ends; a resume's later steps dropped
             metrics_file = held.enter_context(
@@ -151,7 +162,7 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
             # CPU Adam's threads leave cores to the lane launchers, waiters and the event loop.
             torch.set_num_threads(max(1, (os.cpu_count() or 2) - 3))
         try:
-            state, program = build_state(run)
+            state, program = build_state(run, held)
         except torch.OutOfMemoryError as e:  # the card holds less than the plan was made for
             raise gpu_out_of_memory("setting up the run's GPU buffers", e, run.plan) from e
         gc.freeze()  # the model and torch's objects are long-lived: keep full collections off them

@@ -44,6 +44,8 @@ for _kind, _color in {
     "gpu_adam": "#7b4173",
     "grad_sq_norm": "#e7969c",
     "save": "#17becf",
+    "read_state": "#8c564b",
+    "write_state": "#c49c94",
     "found_inf": "#8c6d31",
     "verify_step": "#637939",
     "eval_loss": "#d4a6c8",

@@ -124,7 +124,7 @@ def test_each_kind_requires_what_it_names_and_types_it():
     (CpuAdam(unit="embed", layer=3), "layer 3 (only a decoder layer's tasks name one)"),
     (CpuAdam(unit="layer", layer=3, micro_batch=1), "micro_batch 1 (its kind names none)"),
     (OffloadGrad(unit="layer", layer=1, chunk=0), None),
-    (Forward(unit="layer", layer=1, micro_batch=0, chunk=2), "chunk 2 (only offload_grad and cpu_adam name one)"),
+    (Forward(unit="layer", layer=1, micro_batch=0, chunk=2), "chunk 2 (only offload_grad, cpu_adam, read_state and write_state name one)"),
     (GradNorm(unit="head"), "unit 'head' (a step-wide task names none)"),
     (Loss(unit="head", micro_batch=0), None),
     (Fetch(unit="head", phase="backward", micro_batch=1), None),

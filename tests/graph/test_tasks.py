@@ -31,7 +31,8 @@ from flowtrain.graph import (
     VerifyStep,
     ZeroGrad,
 )
-from flowtrain.graph.tasks import ACTS, FetchAct, OffloadAct, ReduceGrad, SyncStep, task_from_dict, task_to_dict
+from flowtrain.graph.tasks import (ACTS, HOST_STATE, FetchAct, OffloadAct, ReadState, ReduceGrad, SyncStep, WriteState,
+                                   task_from_dict, task_to_dict)
 
 #: kind -> (class, lane, pool it takes a slot from)
 CARD = {
@@ -56,6 +57,8 @@ CARD = {
     "fetch_act": (FetchAct, "h2d", ACTS),
     "reduce_grad": (ReduceGrad, "net", None),
     "sync_step": (SyncStep, "sync", None),
+    "read_state": (ReadState, "disk", HOST_STATE),
+    "write_state": (WriteState, "disk", None),
 }
 
 
@@ -84,7 +87,7 @@ def test_kind_lane_and_pool(kind):
     assert KINDS[kind] is cls
     assert (task.kind, task.lane, task.takes) == (kind, lane, takes)
     assert lane in LANES
-    assert (lane in DEVICE_LANES) == (lane not in ("cpu", "io", "sync"))
+    assert (lane in DEVICE_LANES) == (lane not in ("cpu", "io", "disk", "sync"))
 
 
 @pytest.mark.parametrize("kind", sorted(CARD))

@@ -23,6 +23,7 @@ from runtime_helpers import Recorder, check_slots, check_topological, lane_order
 
 from flowtrain.errors import DeadlockError, ScheduleError, StepFailed
 from flowtrain.graph import ACTS, GRADS, KINDS, WEIGHTS, compile_steps
+from flowtrain.graph.tasks import HOST_STATE
 from flowtrain.policy import Proposal, natural_order, resolve_policy
 from flowtrain.runtime import Scheduler
 
@@ -121,7 +122,7 @@ def test_a_failing_task_cancels_the_rest_and_leaves_nothing_running(graph, data)
         raise OSError("disk full")
 
     rec = Recorder({failing: boom})
-    roomy = {WEIGHTS: len(graph), GRADS: len(graph), ACTS: len(graph)}  # never short of slots
+    roomy = {WEIGHTS: len(graph), GRADS: len(graph), ACTS: len(graph), HOST_STATE: len(graph)}  # never short of slots
     with pytest.raises(StepFailed) as err:
         run(graph, rec, Budget(**roomy))
     assert err.value.task == failing and isinstance(err.value.__cause__, OSError)
@@ -135,7 +136,7 @@ def test_the_scheduler_refuses_exactly_the_non_topological_plans(graph, data):
     order = data.draw(st.permutations(list(graph)))
     position = {t: i for i, t in enumerate(order)}
     topological = all(position[u] < position[v] for u, v in graph.edges)
-    sched = Scheduler({WEIGHTS: 2, GRADS: 1, ACTS: 1})
+    sched = Scheduler({WEIGHTS: 2, GRADS: 1, ACTS: 1, HOST_STATE: 1})
     if not topological:
         with pytest.raises(ScheduleError, match="before its dependency"):
             sched.add(order, graph)
@@ -151,6 +152,6 @@ def test_the_scheduler_refuses_exactly_the_non_topological_plans(graph, data):
             if pending:
                 sched.complete(pending.pop(0))
     except DeadlockError:
-        assert not slots_suffice(order, graph, {WEIGHTS: 2, GRADS: 1, ACTS: 1})
+        assert not slots_suffice(order, graph, {WEIGHTS: 2, GRADS: 1, ACTS: 1, HOST_STATE: 1})
     else:
-        assert slots_suffice(order, graph, {WEIGHTS: 2, GRADS: 1, ACTS: 1})
+        assert slots_suffice(order, graph, {WEIGHTS: 2, GRADS: 1, ACTS: 1, HOST_STATE: 1})

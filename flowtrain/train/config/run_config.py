@@ -194,6 +194,14 @@ class TrainConfig(msgspec.Struct, kw_only=True):
         "of it and at least 2 GiB)", gt=0.0, metavar="GiB", group=MEMORY)] = None
     chunk_tokens: Annotated[int | None, Setting(
         "tokens per loss chunk (default: planned)", ge=1, group=MEMORY)] = None
+    state_dir: Annotated[str | None, Setting(
+        "a folder on a fast disk for the optimizer state host memory cannot hold (Adam moments first, then the fp32 "
+        "master; --disk-state says what); read and written each step beside the GPU's work, locked while the run "
+        "holds it, emptied when it ends (checkpoints hold the whole state)", metavar="DIR", group=MEMORY)] = None
+    disk_state: Annotated[Literal["auto", "moments", "all", "none"], Setting(
+        "with --state-dir, what lives there: moments (every streamed unit's Adam m and v, 8 bytes per parameter), all "
+        "(their fp32 master too, 12; a compute-dtype copy stays in host memory), none; auto (the default): only what "
+        "--host-mem cannot hold, moments first", group=MEMORY)] = "auto"
     #: what a layer keeps for its backward (--activations): "keep" (a layer's backward reuses its forward's activations, held
     #: on the GPU), "recompute" (backward runs the forward again from checkpoints on the GPU),
     #: "offload" (recompute, from checkpoints that wait in host memory), "attention" (recompute,

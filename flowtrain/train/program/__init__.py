@@ -16,6 +16,7 @@ module                      task kinds
 :mod:`.updates`             ``cpu_adam``, ``gpu_adam``, ``verify_step``
 :mod:`.act_offload`         ``offload_act``, ``fetch_act``
 :mod:`.saving`              ``save``, ``sync_step``
+:mod:`.disk`                ``read_state``, ``write_state`` (optimizer state on disk)
 ==========================  ================================================================
 
 Features are parts the handlers are composed with, each chosen once per run rather than
@@ -28,7 +29,7 @@ a model family: docs/concepts.md.
 """
 
 # each handler module enters its functions into HANDLERS when imported
-from . import act_offload, fetching, gradients, head, layers, saving, updates  # noqa: F401
+from . import act_offload, disk, fetching, gradients, head, layers, saving, updates  # noqa: F401
 from .core import StepProgram
 from .registry import HANDLERS, Handler
 

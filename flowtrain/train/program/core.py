@@ -33,6 +33,7 @@ from ..distributed import World, all_reduce_sum
 from ..host_state import HostState, UnitState
 from ..nonfinite import Injection
 from ..optimizer import AdamWConfig, no_decay_ranges
+from .disk import DiskPart
 from .experts import Experts
 from .finiteness import Finiteness
 from .layer_runner import layer_runner
@@ -88,6 +89,7 @@ class StepProgram:
         self.layers = layer_runner(self.cfg, seq_len, self.device, dtype, compile_backend,
                                    [a.flat_map for a in state.adapters] if state.lora is not None else None)
         self.acts = OffloadedActivations(self.device)
+        self.disk = DiskPart(state, budgets)
         self.finite = Finiteness(state, self.slots, self.head, undo_bytes=undo_bytes, inject=inject_nonfinite)
         self.experts = Experts(state, self.device)
         if self.experts.idle:  # an idle expert's part of a slot is never copied: never uninitialised memory

@@ -23,8 +23,8 @@ if TYPE_CHECKING:
 @HANDLERS.register("save")
 def run_save(p: StepProgram, task: SaveUnit, ctx: TaskContext) -> int:
     """Write one unit into its step's checkpoint; returns the bytes written."""
-    unit = p.unit(task)
-    p.checkpoints[task.step].write_unit(p.state.trained.index(unit), unit)
+    unit = p.unit(task)  # where its state is on disk, read back for the write (one unit at a time)
+    p.checkpoints[task.step].write_unit(p.state.trained.index(unit), p.state.saved_unit(unit))
     return 12 * unit.flat_map.numel
 
 

@@ -45,19 +45,22 @@ def run_cpu_adam(p: StepProgram, task: CpuAdam, ctx: TaskContext) -> None:
     if isinstance(verdict, str) and verdict == SKIP:
         return  # the step is known not finite
     no_decay = p.no_decay[unit.flat_map.key]
+    # the range's master, m and v: the unit's own, or where its state is on disk, the slot its
+    # read_state filled (p.disk)
+    master, m, v, put_back = p.disk.pieces(unit, task, lo, hi)
     try:
         if isinstance(verdict, torch.Tensor):  # not verified yet: keep what it was first
-            data.check.keep(Saved(unit, lo, hi, task.chunk or 0, verdict))
+            data.check.keep(Saved(unit, lo, hi, task.chunk or 0, verdict, (master, m, v), put_back))
         if data.clip is not None:
             grad.mul_(data.clip)
         if (i := p.experts.skipping(task)) is not None:  # each expert on its own step count
             assert (lo, hi) == (0, unit.flat_map.numel), "a layer that skips idle experts is one staging chunk"
             pieces = p.experts.idle.adam_pieces(task.step, i, data.micro_batches, unit, task.chunk)
-            adamw_pieces(unit.master, grad, unit.exp_avg, unit.exp_avg_sq, pieces, p.adamw, data.lr, no_decay=no_decay)
+            adamw_pieces(master, grad, m, v, pieces, p.adamw, data.lr, no_decay=no_decay)
         else:
-            adamw_step(unit.master[lo:hi], grad, unit.exp_avg[lo:hi], unit.exp_avg_sq[lo:hi],
-                       unit.steps[task.chunk or 0], p.adamw, data.lr, no_decay=[(a - lo, b - lo) for a, b in no_decay])
-        unit.refresh_copies(lo, hi)
+            adamw_step(master, grad, m, v, unit.steps[task.chunk or 0], p.adamw, data.lr,
+                       no_decay=[(a - lo, b - lo) for a, b in no_decay])
+        unit.refresh_from(master, lo)
     finally:
         data.check.updated()
 
