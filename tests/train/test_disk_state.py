@@ -121,3 +121,32 @@ def test_peak_memory_falls_by_half_the_state_moved(tmp_path):
     none, disk = peak("none"), peak("all")
     moved = 12 * disk["params"]
     assert none["hwm"] - disk["hwm"] >= moved / 2, (none, disk, moved)
+
+
+def test_resume_is_bit_exact_with_and_without_the_tier(tmp_path):
+    """Checkpoints hold the state on disk: a run with the tier saved at step 2, resumed with
+    or without it, ends where three steps without a state folder end."""
+    base, _ = _weights(tmp_path, "base")
+    train(TrainConfig(**TINY, out=str(tmp_path / "tier"), save_every=2, state_dir=str(tmp_path / "s"),
+                      disk_state="all"))
+    ckpt = str(tmp_path / "tier" / "checkpoint-2")
+    for name, kw in (("again", dict(state_dir=str(tmp_path / "s"), disk_state="all")), ("plain", {})):
+        got, _ = _weights(tmp_path, name, resume=ckpt, **kw)
+        for k in base:
+            assert torch.equal(base[k], got[k]), (name, k)
+
+
+def test_a_failing_write_ends_the_run_in_one_line_with_the_checkpoints_whole(tmp_path):
+    env = {**os.environ, "FLOWTRAIN_FAULT": "write_state@step=2:raise"}
+    env.pop("FLOWTRAIN_DEBUG", None)
+    out = subprocess.run([sys.executable, "-m", "flowtrain.cli", "train", "--model", "tiny", "--batch-size", "4",
+                          "--micro-batch-size", "2", "--seq-len", "32", "--device", "cpu", "--no-progress", "--steps",
+                          "4", "--save-every", "1", "--out", str(tmp_path / "out"), "--state-dir",
+                          str(tmp_path / "state"), "--disk-state", "all"], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode != 0
+    errors = [line for line in out.stderr.splitlines() if line.startswith("flowtrain: error")]
+    assert len(errors) == 1 and "write_state" in errors[0], out.stderr
+    assert "Traceback" not in out.stderr
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert not (tmp_path / "state").exists()
