@@ -33,7 +33,7 @@ from ..distributed import World, all_reduce_sum
 from ..host_state import HostState, UnitState
 from ..nonfinite import Injection
 from ..optimizer import AdamWConfig, no_decay_ranges
-from .disk import DiskPart
+from .disk_part import DiskPart
 from .experts import Experts
 from .finiteness import Finiteness
 from .layer_runner import layer_runner
