@@ -76,10 +76,10 @@ def for_rank(cfg: TrainConfig, world: World) -> TrainConfig:
                                    save_total_limit=None, trace=trace, report_to=None)
 
 
-def build_state(run: Run, held: contextlib.ExitStack | None = None) -> tuple[HostState, StepProgram]:
+def build_state(run: Run) -> tuple[HostState, StepProgram]:
     """Allocate the host state and the device buffers the plan sized, and fill the weights.
-    Where the plan puts state on disk, the state folder's files are made first (and removed
-    when ``held`` closes)."""
+    Where the plan puts state on disk, the state folder's files are made first
+    (``state.store``: the caller closes it, which removes them; here if this fails)."""
     cfg, plan = run.cfg, run.plan
     spec = plan.spec
     torch.manual_seed(cfg.seed)
@@ -89,10 +89,18 @@ def build_state(run: Run, held: contextlib.ExitStack | None = None) -> tuple[Hos
                              skip_idle=spec.skip_idle_experts, host_adapters=spec.host_adapters, disk=plan.disk)
     if plan.disk:
         assert cfg.state_dir is not None, "a plan puts state on disk only where --state-dir is given"
-        store = StateStore(Path(cfg.state_dir), state.disk_files())
-        if held is not None:
-            held.callback(store.close)
-        state.attach_store(store)
+        state.attach_store(StateStore(Path(cfg.state_dir), state.disk_files()))
+    try:
+        return _fill_state(run, state)
+    except BaseException:
+        if state.store is not None:
+            state.store.close()
+        raise
+
+
+def _fill_state(run: Run, state: HostState) -> tuple[HostState, StepProgram]:
+    cfg, plan = run.cfg, run.plan
+    spec = plan.spec
     if run.resume_from is not None:
         if state.lora is not None:  # the base first: the checkpoint holds the adapters
             if run.base_dir is None:
@@ -162,9 +170,11 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
             # CPU Adam's threads leave cores to the lane launchers, waiters and the event loop.
             torch.set_num_threads(max(1, (os.cpu_count() or 2) - 3))
         try:
-            state, program = build_state(run, held)
+            state, program = build_state(run)
         except torch.OutOfMemoryError as e:  # the card holds less than the plan was made for
             raise gpu_out_of_memory("setting up the run's GPU buffers", e, run.plan) from e
+        if state.store is not None:  # the state folder's files go when the run ends, however it ends
+            held.callback(state.store.close)
         gc.freeze()  # the model and torch's objects are long-lived: keep full collections off them
         recorder = TraceRecorder() if cfg.trace else None
         trackers = open_trackers(cfg.report_to, cfg.logging_dir, settings_of(run.cfg))
