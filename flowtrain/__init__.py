@@ -39,7 +39,8 @@ __version__ = "0.1.0"
 
 #: names imported on first use (they import torch and the trainer: ``import flowtrain`` and
 #: ``flowtrain --help`` stay quick)
-_LAZY = {"TrainConfig": "flowtrain.train.config.run_config", "StepMetrics": "flowtrain.train.reporting"}
+_LAZY = {"TrainConfig": "flowtrain.train.config.run_config", "StepMetrics": "flowtrain.train.reporting",
+         "PolicyTrainer": "flowtrain.train.policy_session"}
 
 
 def __getattr__(name: str) -> object:
@@ -52,7 +53,7 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'flowtrain' has no attribute {name!r}")
 
 __all__ = [
-    "TrainConfig", "train", "StepMetrics", "CheckpointError", "ConfigError", "CycleError", "DataError", "DeadlockError", "FlowtrainError",
+    "TrainConfig", "train", "StepMetrics", "PolicyTrainer", "CheckpointError", "ConfigError", "CycleError", "DataError", "DeadlockError", "FlowtrainError",
     "GpuOutOfMemory", "NonFiniteError", "PlanError", "ScheduleError", "SlotError", "StepFailed", "StepSpec",
     "compile_step", "compile_steps", "cross_step_edges", "Policy", "Proposal", "natural_order", "register_policy",
     "resolve_policy", "Engine", "Instrument", "TaskRecord", "TraceRecorder", "run_graph", "run_reference",

@@ -4,6 +4,11 @@ The Python entry point (imported on first use, so ``import flowtrain`` stays lig
 
     from flowtrain.train import TrainConfig, train
     metrics = train(TrainConfig(model="path/to/model", data="chats.jsonl", steps=100, out="tuned"))
+
+and for RL loops, one optimizer step a call (:mod:`flowtrain.train.policy_session`)::
+
+    with PolicyTrainer(TrainConfig(model="path/to/model", batch_size=8, steps=100)) as session:
+        out = session.step(input_ids, completion_mask, advantages)
 """
 
 from __future__ import annotations
@@ -12,7 +17,7 @@ import sys
 import types
 from typing import Any
 
-__all__ = ["TrainConfig", "StepMetrics", "train"]
+__all__ = ["TrainConfig", "StepMetrics", "train", "PolicyTrainer", "PolicyStep"]
 
 
 class _Callable(types.ModuleType):
@@ -30,6 +35,10 @@ sys.modules[__name__].__class__ = _Callable
 
 
 def __getattr__(name: str):
+    if name in ("PolicyTrainer", "PolicyStep"):  # RL loops: one step a call
+        from . import policy_session
+
+        return getattr(policy_session, name)
     if name in __all__:
         from . import run
 

@@ -384,6 +384,20 @@ class HostState:
         self.init_adapters(seed)
         self.refresh_copies()
 
+    def hf_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
+        """The model's tensors as they are now, by the Hub's names (fp32, on the CPU): views of
+        the masters, or under LoRA each layer's base with its adapters merged, a copy per layer
+        (the base stays as it is). A tied model's ``lm_head.weight`` is left out, as saved."""
+        for i, u in enumerate(self.units):
+            flat = u.master
+            if self.lora is not None and 0 < i <= len(self.adapters):
+                a = self.adapters[i - 1]
+                flat = flat.clone()
+                merge_adapter(flat, u.flat_map, a.master.cpu(), a.flat_map, self.lora.scale)
+            for name, t in unit_tensors(flat, u.flat_map):
+                if not (self.cfg.tie_word_embeddings and name == "lm_head.weight"):
+                    yield name, t
+
     def merge_adapters(self) -> None:
         """Add each layer's adapters into its base weights, in place (the base is then no
         longer the one the adapters were trained over: for the end of a run)."""

@@ -30,7 +30,7 @@ import base64
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable, NoReturn
 
 import networkx as nx
 import torch
@@ -103,17 +103,24 @@ class TrainingLoop:
             self.reference = read_reference(rs, len(run.seqs)) if run.resume_from is not None else None
 
     # ---- the loop -------------------------------------------------------------------------
-    async def main(self) -> list[StepMetrics]:
+    def engine(self) -> Engine:
+        """The run's engine, over its program, under its policy and the plan's budgets."""
         cfg, run = self.cfg, self.run
         policy = WithBudgets(resolve_policy(cfg.policy), run.plan.budgets)
-        program = faults_from_env(self.program)
-        engine = Engine(program, policy, device=str(run.device), cpu_workers=cfg.adam_workers,
-                        instruments=self.hooks, task_timeout=cfg.task_timeout)
+        return Engine(faults_from_env(self.program), policy, device=str(run.device), cpu_workers=cfg.adam_workers,
+                      instruments=self.hooks, task_timeout=cfg.task_timeout)
+
+    def stream(self) -> StepStream:
+        """Two steps in flight; a step's saves hold back the next step's Adam of their unit."""
+        return StepStream(self.spec, in_flight=2, link=lambda prev, graph: save_edges(prev.data.saves, graph))
+
+    async def main(self) -> list[StepMetrics]:
+        cfg, run = self.cfg, self.run
+        engine = self.engine()
         self.shutdown.attach(asyncio.get_running_loop(), asyncio.current_task())  # type: ignore[arg-type]
         batches = step_batches(run.seqs, cfg.batch_size, shuffle=cfg.shuffle, seed=cfg.seed, start_step=run.first_step,
                                pairs=cfg.objective == "dpo")
-        # two steps in flight; a step's saves hold back the next step's Adam of their unit
-        stream = StepStream(self.spec, in_flight=2, link=lambda prev, graph: save_edges(prev.data.saves, graph))
+        stream = self.stream()
         try:
             async with engine:
                 if cfg.objective == "dpo" and self.reference is None:
@@ -138,17 +145,35 @@ class TrainingLoop:
                 raise
             raise self._interrupted(saved=False, stuck=engine.stuck) from None
         except StepFailed as e:
-            if isinstance(e.__cause__, PeerLost):  # not the task's fault: say what happened to the peer
-                raise e.__cause__ from None
-            self._close_finished(engine, [*([self.waiting] if self.waiting else []), *stream.open])
-            if isinstance(e.__cause__, torch.OutOfMemoryError):  # the plan did not hold: say by how much, what to change
-                raise gpu_out_of_memory(f"task {e.task}", e.__cause__, self.run.plan) from e
-            raise
+            self._failed(e, engine, stream)
         finally:
             self.shutdown.detach()
         if self.shutdown.requested:
             raise self._interrupted(saved=True, stuck=[])
         return self.metrics
+
+    def _failed(self, e: StepFailed, engine: Engine, stream: StepStream) -> NoReturn:
+        """A task failed: close the steps that had finished whole, and raise what to tell."""
+        if isinstance(e.__cause__, PeerLost):  # not the task's fault: say what happened to the peer
+            raise e.__cause__ from None
+        self._close_finished(engine, [*([self.waiting] if self.waiting else []), *stream.open])
+        if isinstance(e.__cause__, torch.OutOfMemoryError):  # the plan did not hold: say by how much, what to change
+            raise gpu_out_of_memory(f"task {e.task}", e.__cause__, self.run.plan) from e
+        raise e
+
+    async def one_step(self, engine: Engine, stream: StepStream, s: int, begin: Callable[[], None],
+                       tokens: int) -> StepMetrics:
+        """Step ``s`` alone, start to end, its data handed to the program by ``begin`` (a
+        caller that needs each step's result before it makes the next, as an RL loop does):
+        added like every step of :meth:`main`, then waited for, checkpointed and reported."""
+        try:
+            begin()
+            self._add_graph(engine, stream, s, tokens)
+            for done in stream.drain():
+                await self._finish(engine, done)
+        except StepFailed as e:
+            self._failed(e, engine, stream)
+        return self.metrics[-1]
 
     async def _stop_agreed(self) -> bool:
         """Stop before the next step: this process was signalled, or, data parallel, any was
@@ -173,12 +198,17 @@ class TrainingLoop:
         else:
             self.program.begin_step(s, [mb.input_ids for mb in mbs], [mb.targets for mb in mbs], self.run.schedule(s),
                                     [mb.positions for mb in mbs], n_targets=batch.num_targets())
+        self._add_graph(engine, stream, s, int(batch.input_ids.numel()))
+
+    def _add_graph(self, engine: Engine, stream: StepStream, s: int, tokens: int) -> None:
+        """Step ``s``'s graph (its data handed to the program already), with its saves where a
+        checkpoint is due, into the engine behind the steps in flight."""
         graph = compile_step(self.spec, step=s)
         saves = []
         if self._saves_after(s):
             saves = add_saves(graph, self.spec)
             self._open_checkpoint(s)
-        engine.add(graph, stream.push(s, graph, _Added(saves, int(batch.input_ids.numel()))))
+        engine.add(graph, stream.push(s, graph, _Added(saves, tokens)))
 
     # ---- DPO's reference ----------------------------------------------------------------------
     async def _reference_pass(self, engine: Engine) -> None:
@@ -193,15 +223,23 @@ class TrainingLoop:
         for start in range(0, len(seqs), rows):
             ids, targets = seqs.input_ids[start:start + rows], seqs.targets[start:start + rows]
             cut = range(0, len(ids), mbs)
-            self.program.begin_eval(s, [ids[i:i + mbs] for i in cut], [targets[i:i + mbs] for i in cut],
-                                    reference=True)
-            graph = compile_eval(self.spec, s, len(cut))
-            engine.add(graph)
-            await engine.wait(graph)
-            parts.append(self.program.end_reference(s))
+            parts.append(await self.forward_only(engine, s, [ids[i:i + mbs] for i in cut],
+                                                 [targets[i:i + mbs] for i in cut], reference=True))
         self.reference = torch.cat(parts)
         self.reporter.say(f"reference log-probabilities of {len(seqs) // 2:,} pairs computed in "
                           f"{time.perf_counter() - started:.1f} s")
+
+    async def forward_only(self, engine: Engine, s: int, micro_ids: list[torch.Tensor],
+                           micro_targets: list[torch.Tensor], *, per_token: bool = False,
+                           reference: bool = False) -> torch.Tensor:
+        """The targets' log-probabilities with the weights after step ``s - 1`` (every step in
+        flight finished), forward only, through the evaluation graph: each row's sum, or with
+        ``per_token`` each token's ((rows, seq)); ``reference``: under LoRA without the adapters."""
+        self.program.begin_eval(s, micro_ids, micro_targets, reference=reference, per_token=per_token)
+        graph = compile_eval(self.spec, s, len(micro_ids))
+        engine.add(graph)
+        await engine.wait(graph)
+        return self.program.end_token_logprobs(s) if per_token else self.program.end_reference(s)
 
     # ---- held-out loss ----------------------------------------------------------------------
     def _evaluates_after(self, s: int) -> bool:
@@ -259,7 +297,7 @@ class TrainingLoop:
         m = StepMetrics(step=s + 1, loss=loss, tokens=tokens, seconds=seconds,
                         tokens_per_s=tokens / seconds if seconds > 0 else 0.0, lr=self.run.schedule(s),
                         grad_norm=grad_norm, skipped=skipped, experts_unfetched=self.program.unfetched.pop(s, None),
-                        rewards=self.program.rewards.pop(s, None))
+                        rewards=self.program.rewards.pop(s, None), policy=self.program.policy_metrics.pop(s, None))
         self.metrics.append(m)
         self._count_skipped(m)
         if s in self.writers:

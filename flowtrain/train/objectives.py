@@ -29,7 +29,10 @@ is larger (the accuracy), means over the step's pairs.
 **GRPO** (:func:`grpo_token_loss`), the per-token loss of TRL's ``GRPOTrainer``: with the
 ratio ``r = exp(logp - old_logp)`` and per-token advantages ``A``,
 ``-min(r A, clip(r, 1 - eps_low, 1 + eps_high) A)``, plus ``beta`` times the k3 estimate of
-the KL divergence to the reference, ``exp(ref - logp) - (ref - logp) - 1``.
+the KL divergence to the reference, ``exp(ref - logp) - (ref - logp) - 1``. A step's loss
+(:func:`policy_step_loss`) weighs each completion token's loss by its share of the step
+(:func:`policy_token_weights`): ``dapo`` (TRL's default) divides by the step's completion
+tokens, ``grpo`` averages each completion's tokens, then the completions.
 """
 
 from __future__ import annotations
@@ -40,10 +43,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["DPO_LOSSES", "dpo_losses", "dpo_step_loss", "grpo_token_loss", "loss_and_grad", "sequence_logps"]
+__all__ = ["DPO_LOSSES", "POLICY_LOSSES", "dpo_losses", "dpo_step_loss", "grpo_token_loss", "loss_and_grad",
+           "policy_step_loss", "policy_token_weights", "sequence_logps"]
 
 #: DPO losses flowtrain computes, as TRL names them (``loss_type``)
 DPO_LOSSES = ("sigmoid", "ipo")
+#: how a policy step's token losses are averaged, as TRL's ``GRPOConfig.loss_type`` names them
+POLICY_LOSSES = ("dapo", "grpo")
 
 
 def sequence_logps(logp: Tensor, mask: Tensor, loss_type: str) -> Tensor:
@@ -97,6 +103,44 @@ def grpo_token_loss(logp: Tensor, advantages: Tensor, old_logp: Tensor | None = 
         delta = ref_logp - logp
         loss = loss + beta * (torch.exp(delta) - delta - 1)
     return loss
+
+
+def policy_token_weights(mask: Tensor, loss_type: str = "dapo") -> Tensor:
+    """Each token's share of a policy step's loss, ``mask``'s shape (0 where ``mask`` is 0):
+    ``dapo`` one over the step's completion tokens (a token mean over the whole step, TRL's
+    ``loss_type="dapo"``), ``grpo`` one over (rows x the row's completion tokens) (each
+    completion's token mean, averaged over the completions)."""
+    mask = mask.float()
+    if loss_type == "dapo":
+        return mask / mask.sum().clamp_min(1)
+    if loss_type == "grpo":
+        return mask / (mask.sum(-1, keepdim=True).clamp_min(1) * mask.shape[0])
+    raise ValueError(f"the policy loss must be one of {', '.join(POLICY_LOSSES)} (got {loss_type!r})")
+
+
+def policy_step_loss(logp: Tensor, mask: Tensor, weights: Tensor, advantages: Tensor, old_logp: Tensor | None = None,
+                     ref_logp: Tensor | None = None, *, beta: float = 0.0, epsilon_low: float = 0.2,
+                     epsilon_high: float | None = None, sums: Tensor | None = None) -> Tensor:
+    """One micro-batch's share of a policy step's loss: :func:`grpo_token_loss` of each token
+    weighed by ``weights`` (:func:`policy_token_weights` of the whole step). ``sums``, where
+    given, ``(2,)``, gets the summed k3 KL over the tokens ``mask`` marks (0 without a
+    reference) and how many of them the clip held (TRL's ``clip_ratio/region_mean``: the ratio
+    below ``1 - eps_low`` with a negative advantage, or above ``1 + eps_high`` with a positive
+    one) added."""
+    per_token = grpo_token_loss(logp, advantages, old_logp, ref_logp, beta=beta, epsilon_low=epsilon_low,
+                                epsilon_high=epsilon_high)
+    if sums is not None:
+        with torch.no_grad():
+            m = mask.float()
+            kl = torch.zeros((), device=logp.device)
+            if ref_logp is not None:
+                delta = ref_logp - logp
+                kl = ((torch.exp(delta) - delta - 1) * m).sum()
+            ratio = torch.exp(logp - (logp if old_logp is None else old_logp))
+            high = epsilon_low if epsilon_high is None else epsilon_high
+            clipped = ((ratio < 1 - epsilon_low) & (advantages < 0)) | ((ratio > 1 + high) & (advantages > 0))
+            sums += torch.stack([kl, (clipped.float() * m).sum()])
+    return (per_token * weights).sum()
 
 
 def loss_and_grad(loss: Callable[[Tensor], Tensor], logp: Tensor) -> tuple[Tensor, Tensor]:

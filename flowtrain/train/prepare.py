@@ -95,9 +95,11 @@ class Run:
         return self.resume_state.get("step", 0)
 
 
-def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
+def prepare(cfg: TrainConfig, world: World | None = None, *, rows_given: bool = False) -> Run:
     """Check every input and output, read the resumed checkpoint's state, load and tokenise the
-    data and plan memory: everything that bad input can make fail, before any large allocation."""
+    data and plan memory: everything that bad input can make fail, before any large allocation.
+    ``rows_given``: no data is read, each step's rows come from the caller at ``seq_len``
+    (:class:`~flowtrain.train.policy_session.PolicyTrainer`)."""
     check_compile_backend(cfg.compile)
     check_trackers(cfg.report_to)  # a tracker's library missing: one line before anything is read
     cfg = msgspec.structs.replace(cfg, out=resolve_out(cfg.out))  # a symlink: write in the real folder
@@ -139,7 +141,8 @@ def prepare(cfg: TrainConfig, world: World | None = None) -> Run:
     resolve_policy(cfg.policy)
     resolve_save_dtype(cfg.save_dtype, model_dir)  # a bad name fails now, not after training
     tokenizer_dir = _tokenizer_dir(cfg, model_dir)
-    seqs = _read_data(cfg, mcfg, tokenizer_dir, _data_seq_len(cfg, mcfg, resume_state, tokenizer_dir))
+    seqs = (_no_rows(int(cfg.seq_len)) if rows_given
+            else _read_data(cfg, mcfg, tokenizer_dir, _data_seq_len(cfg, mcfg, resume_state, tokenizer_dir)))
     cfg = _with_data_seq_len(cfg, seqs)
     data_fp = seqs.fingerprint()  # from the data cache's index: no pass over the rows
     eval_seqs = _load_eval(cfg, mcfg, tokenizer_dir)
@@ -278,6 +281,12 @@ def _read_data(cfg: TrainConfig, mcfg: ModelConfig, tokenizer_dir: Path | None, 
         return load_pairs(cfg.data, seq_len, mcfg.vocab_size, tokenizer_dir, pad_id=mcfg.pad_token_id or 0,
                           eos_id=mcfg.eos_token_id, byte_tokenizer=cfg.byte_tokenizer)
     return _read(cfg.data or str(default_corpus_path()), cfg, mcfg, tokenizer_dir, seq_len)
+
+
+def _no_rows(seq_len: int) -> Sequences:
+    """The data of a run whose caller hands over each step's rows: none, at ``seq_len``."""
+    empty = torch.zeros((0, seq_len), dtype=torch.int64)
+    return Sequences(empty, empty.clone())
 
 
 def seq_len_of_data(cfg: TrainConfig, mcfg: ModelConfig, model_dir: Path | None) -> int:

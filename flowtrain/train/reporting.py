@@ -68,6 +68,11 @@ class StepMetrics(msgspec.Struct):
     #: ``rewards/margins``, ``rewards/accuracies``), each a key of its own on the ``--metrics``
     #: line; None (and not there) otherwise
     rewards: dict[str, float] | None = None
+    #: a policy step (:class:`~flowtrain.train.policy_session.PolicyTrainer`): the mean k3 KL
+    #: to the reference and the share of completion tokens the clip held, by TRL's names
+    #: (``kl``, ``clip_ratio/region_mean``), each a key of its own on the ``--metrics`` line;
+    #: None (and not there) otherwise
+    policy: dict[str, float] | None = None
 
 
 #: fields of :class:`StepMetrics` that ``--metrics`` writes on a line of their own (:meth:`Reporter.eval`)
@@ -79,6 +84,7 @@ def metrics_json(m: StepMetrics) -> str:
     has a line of its own, written when the evaluation is done."""
     fields = msgspec.to_builtins(m)
     fields.update(fields.pop("rewards") or {})
+    fields.update(fields.pop("policy") or {})
     data = {k: (None if isinstance(v, float) and not math.isfinite(v) else v)
             for k, v in fields.items()
             if k not in _EVAL_FIELDS and not (k == "experts_unfetched" and v is None)}

@@ -25,7 +25,7 @@ import contextlib
 import gc
 import os
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import msgspec
 import torch
@@ -148,40 +148,8 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
     with shutdown, contextlib.ExitStack() as held:
         if world.parallel:  # a process of the node killed while its shared files had names left them to us
             held.callback(remove_stale, shared_dir())
-        run = prepare(cfg, world)
-        if cfg.out:  # held until the final model is in place; taken before the clean-up below
-            held.enter_context(OutLock(cfg.out))
-        if cfg.state_dir and run.plan.disk:  # one run per state folder, as per --out
-            held.enter_context(OutLock(cfg.state_dir))
-        metrics_file = None
-        if cfg.metrics:  # held, like --out, until the run ends; a resume's later steps dropped
-            metrics_file = held.enter_context(
-                MetricsFile(cfg.metrics, resumed_at=run.first_step if run.resume_from is not None else None))
-        join(world, run.device.type, cfg.dist_timeout)
-        if on_plan:
-            on_plan(run.plan)
-        if cfg.out:
-            remove_stale_temp(cfg.out)
-            checkpoints.remove_stale(cfg.out)
-        return_freed_memory()
-        if run.device.type == "cuda":
-            if cfg.gpu_mem is not None:
-                cap_gpu_memory(run.device, cfg.gpu_mem)
-            # CPU Adam's threads leave cores to the lane launchers, waiters and the event loop.
-            torch.set_num_threads(max(1, (os.cpu_count() or 2) - 3))
-        try:
-            state, program = build_state(run)
-        except torch.OutOfMemoryError as e:  # the card holds less than the plan was made for
-            raise gpu_out_of_memory("setting up the run's GPU buffers", e, run.plan) from e
-        if state.store is not None:  # the state folder's files go when the run ends, however it ends
-            held.callback(state.store.close)
-        gc.freeze()  # the model and torch's objects are long-lived: keep full collections off them
-        recorder = TraceRecorder() if cfg.trace else None
-        trackers = open_trackers(cfg.report_to, cfg.logging_dir, settings_of(run.cfg))
-        held.callback(close_trackers, trackers)
-        reporter = Reporter(total=cfg.steps, first=run.first_step,
-                            metrics=metrics_file.file if metrics_file is not None else None, progress=cfg.progress,
-                            quiet=not world.leader, trackers=trackers)
+        opened = open_run(cfg, world, held, on_plan)
+        run, state, program, reporter, recorder = opened
         shutdown.say = reporter.say
         for line in summary_lines(run):
             reporter.say(line)
@@ -195,19 +163,84 @@ def train(cfg: TrainConfig, on_step: Callable[[StepMetrics], None] | None = None
                 node_barrier()  # every process is done with the shared state before rank 0 saves it
         finally:
             shutdown.restore_sync_handlers()
-            loop.abort_checkpoints()
-            reporter.close()
-            if run.device.type == "cuda":  # the run's copies are over: give the pinned pages back
-                unpin_all()
-            leave(world)
-            if recorder is not None:
-                _write_trace(run, recorder)
+            close_run(opened, loop)
         if cfg.out:
             shutdown.phase = (f"while writing the final model; --out {cfg.out} holds what it held before"
                               + (f" and {loop.last_saved.name}" if loop.last_saved is not None else ""))
-            save_final_model(state, cfg.out, run.tokenizer_dir, source_dir=run.source_dir, save_dtype=cfg.save_dtype,
-                             merge=cfg.merge, base_model=cfg.model)
+            save_model(run, state, cfg.out)
         return metrics
+
+
+class OpenRun(NamedTuple):
+    """A run ready for its loop: what :func:`open_run` prepared and built."""
+
+    run: Run
+    state: HostState
+    program: StepProgram
+    reporter: Reporter
+    recorder: TraceRecorder | None
+
+
+def open_run(cfg: TrainConfig, world: World, held: contextlib.ExitStack, on_plan: Callable | None = None, *,
+             rows_given: bool = False) -> OpenRun:
+    """Prepare a run (:func:`prepare`; ``rows_given`` as there), take its output folder and
+    metrics file (held by ``held`` until it ends), join the data-parallel group, and build its
+    state and reporter: everything before the loop, shared by :func:`train` and
+    :class:`~flowtrain.train.policy_session.PolicyTrainer`. :func:`close_run` undoes it."""
+    run = prepare(cfg, world, rows_given=rows_given)
+    if cfg.out:  # held until the final model is in place; taken before the clean-up below
+        held.enter_context(OutLock(cfg.out))
+    if cfg.state_dir and run.plan.disk:  # one run per state folder, as per --out
+        held.enter_context(OutLock(cfg.state_dir))
+    metrics_file = None
+    if cfg.metrics:  # held, like --out, until the run ends; a resume's later steps dropped
+        metrics_file = held.enter_context(
+            MetricsFile(cfg.metrics, resumed_at=run.first_step if run.resume_from is not None else None))
+    join(world, run.device.type, cfg.dist_timeout)
+    if on_plan:
+        on_plan(run.plan)
+    if cfg.out:
+        remove_stale_temp(cfg.out)
+        checkpoints.remove_stale(cfg.out)
+    return_freed_memory()
+    if run.device.type == "cuda":
+        if cfg.gpu_mem is not None:
+            cap_gpu_memory(run.device, cfg.gpu_mem)
+        # CPU Adam's threads leave cores to the lane launchers, waiters and the event loop.
+        torch.set_num_threads(max(1, (os.cpu_count() or 2) - 3))
+    try:
+        state, program = build_state(run)
+    except torch.OutOfMemoryError as e:  # the card holds less than the plan was made for
+        raise gpu_out_of_memory("setting up the run's GPU buffers", e, run.plan) from e
+    if state.store is not None:  # the state folder's files go when the run ends, however it ends
+        held.callback(state.store.close)
+    gc.freeze()  # the model and torch's objects are long-lived: keep full collections off them
+    recorder = TraceRecorder() if cfg.trace else None
+    trackers = open_trackers(cfg.report_to, cfg.logging_dir, settings_of(run.cfg))
+    held.callback(close_trackers, trackers)
+    reporter = Reporter(total=cfg.steps, first=run.first_step,
+                        metrics=metrics_file.file if metrics_file is not None else None, progress=cfg.progress,
+                        quiet=not world.leader, trackers=trackers)
+    return OpenRun(run, state, program, reporter, recorder)
+
+
+def close_run(opened: OpenRun, loop: TrainingLoop) -> None:
+    """After the loop, however it ended: checkpoints not completed removed, the reporter
+    closed, pinned pages given back, the data-parallel group left, the trace written."""
+    loop.abort_checkpoints()
+    opened.reporter.close()
+    if opened.run.device.type == "cuda":  # the run's copies are over: give the pinned pages back
+        unpin_all()
+    leave(opened.run.world)
+    if opened.recorder is not None:
+        _write_trace(opened.run, opened.recorder)
+
+
+def save_model(run: Run, state: HostState, out: str | Path) -> None:
+    """The model as it is now, in Hugging Face's format (or LoRA's adapters), into ``out``."""
+    cfg = run.cfg
+    save_final_model(state, out, run.tokenizer_dir, source_dir=run.source_dir, save_dtype=cfg.save_dtype,
+                     merge=cfg.merge, base_model=cfg.model)
 
 
 def _layer_compile(cfg: TrainConfig, run: Run) -> str | None:

@@ -39,7 +39,7 @@ from .finiteness import Finiteness
 from .layer_runner import layer_runner
 from .registry import HANDLERS
 from .slots import OffloadedActivations, Slots
-from .step_data import EvalData, StepData, documents
+from .step_data import EvalData, PolicyBatch, StepData, documents
 from .tied import head_part
 from .training import trained_part
 
@@ -113,6 +113,12 @@ class StepProgram:
         self.preference: tuple[float, str] | None = None
         #: per finished DPO step, its mean rewards by TRL's names (the caller pops it)
         self.rewards: dict[int, dict[str, float]] = {}
+        #: a policy loss's ``(beta, epsilon_low, epsilon_high)`` (flowtrain.train.objectives)
+        self.policy_loss: tuple[float, float, float | None] = (0.0, 0.2, None)
+        #: per finished policy step, its KL and clip ratio by TRL's names, and each target
+        #: token's log-probability before the update ((rows, seq) fp32); the caller pops them
+        self.policy_metrics: dict[int, dict[str, float]] = {}
+        self.token_logps: dict[int, torch.Tensor] = {}
         self.lock = threading.Lock()
 
     # ---- the engine's entry point ----------------------------------------------------------
@@ -132,14 +138,18 @@ class StepProgram:
     # ---- step boundaries -----------------------------------------------------------------
     def begin_step(self, step: int, micro_ids: list[torch.Tensor], micro_targets: list[torch.Tensor], lr: float,
                    micro_positions: list[torch.Tensor | None] | None = None, n_targets: int | None = None,
-                   reference: list[torch.Tensor] | None = None) -> None:
+                   reference: list[torch.Tensor] | None = None, policy: list[PolicyBatch] | None = None) -> None:
         """Hand over one step's micro-batches (CPU int64 tensors, (b, seq) each), and where rows
         are packed, each token's position inside its document (0 where one starts).
         ``n_targets``: the target tokens the loss is averaged over, where these micro-batches are
         this process's share of a larger step (data parallel); by default theirs.
         ``reference`` (DPO, :attr:`preference` set): per micro-batch, the reference's summed
         completion log-probability of each row ((rows,) fp32), pairs in consecutive rows; the
-        loss is then averaged over ``n_targets`` pairs (by default the micro-batches')."""
+        loss is then averaged over ``n_targets`` pairs (by default the micro-batches').
+        ``policy`` (a policy step): per micro-batch its tokens' weights, advantages and old and
+        reference log-probabilities; the weights already average the loss (``n_targets`` 1)."""
+        if policy is not None:
+            n_targets = 1
         if reference is not None and n_targets is None:
             n_targets = sum(len(t) for t in micro_targets) // 2
         if n_targets is None:
@@ -152,6 +162,7 @@ class StepProgram:
         docs = documents(micro_positions, len(micro_ids))
         self.steps[step] = StepData(micro_ids, micro_targets, n_targets, lr, self.finite.new_check(step), docs)
         self.steps[step].reference = reference
+        self.steps[step].policy = policy
         self.experts.begin(step, micro_targets, self.device, len(micro_ids) * self.world.size)
 
     def end_step(self, step: int) -> tuple[float, float, bool]:
@@ -175,6 +186,8 @@ class StepProgram:
             values = (sums.cpu() / data.n_targets).tolist()
             self.rewards[step] = dict(zip(("rewards/chosen", "rewards/rejected", "rewards/margins",
                                            "rewards/accuracies"), values))
+        if data.policy is not None:
+            self._end_policy(step, data)
         norm = data.total_norm if data.total_norm is not None else self.total_norm(data)
         self.finite.settle(data)  # a no-op where verify_step or grad_norm has settled the step
         unfetched = self.experts.end(step)
@@ -185,6 +198,17 @@ class StepProgram:
         if data.check.error is not None:
             raise NonFiniteError(data.check.error)
         return loss, norm, data.check.skipped
+
+    def _end_policy(self, step: int, data: StepData) -> None:
+        """A policy step's mean KL and clip ratio over its completion tokens, and its tokens'
+        log-probabilities in row order (one process: the session refuses data parallel)."""
+        assert data.policy is not None
+        tokens = sum(float((b.weights != 0).sum()) for b in data.policy)
+        sums = data.policy_sums.cpu() if data.policy_sums is not None else torch.zeros(2)
+        self.policy_metrics[step] = {"kl": float(sums[0]) / max(tokens, 1.0),
+                                     "clip_ratio/region_mean": float(sums[1]) / max(tokens, 1.0)}
+        if len(data.logps) == len(data.ids):
+            self.token_logps[step] = torch.cat([data.logps[m] for m in range(len(data.ids))])
 
     def total_norm(self, data: StepData) -> float:
         """The step's global gradient norm from every piece's squared norm (a tied embedding's
@@ -204,17 +228,20 @@ class StepProgram:
         return total
 
     def begin_eval(self, step: int, micro_ids: list[torch.Tensor], micro_targets: list[torch.Tensor],
-                   micro_positions: list[torch.Tensor | None] | None = None, reference: bool = False) -> None:
+                   micro_positions: list[torch.Tensor | None] | None = None, reference: bool = False,
+                   per_token: bool = False) -> None:
         """Hand over the held-out micro-batches (CPU int64 tensors, (b, seq) each) of the
         evaluation that reads the weights after ``step`` (positions as in :meth:`begin_step`).
         ``reference``: a reference pass (DPO) instead, whose result :meth:`end_reference` reads:
-        each row's summed target log-probability, under LoRA without the adapters."""
+        each row's summed target log-probability, under LoRA without the adapters.
+        ``per_token``: each target token's log-probability instead (:meth:`end_token_logprobs`),
+        with the adapters unless ``reference``."""
         n_targets = int(sum(int((t != -100).sum()) for t in micro_targets))
         if self.slots.pin:
             micro_ids = [t.pin_memory() for t in micro_ids]
             micro_targets = [t.pin_memory() for t in micro_targets]
         self.evals[step] = EvalData(micro_ids, micro_targets, n_targets, documents(micro_positions, len(micro_ids)),
-                                    reference=reference)
+                                    reference=reference, per_token=per_token)
 
     def end_eval(self, step: int) -> tuple[float, int]:
         """``(mean CE over every held-out target token, number of those tokens)`` of a finished
@@ -234,6 +261,11 @@ class StepProgram:
         self.store.check_empty(step, evaluation=True)
         self.layers.check_empty(step, evaluation=True)
         return torch.cat([data.sums[m].cpu() for m in range(len(data.ids))])
+
+    def end_token_logprobs(self, step: int) -> torch.Tensor:
+        """A finished ``per_token`` pass's log-probability of each target token, ``(rows,
+        seq)`` fp32 on the CPU, 0 where a target is ignored."""
+        return self.end_reference(step)
 
     def reserve_offloaded(self, layers: Iterable[int], micro_batches: int, rows: int) -> None:
         """Allocate, before the first step, the host buffer of every checkpoint the step graph

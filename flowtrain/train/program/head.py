@@ -16,7 +16,7 @@ import torch
 
 from ...graph.tasks import EvalLoss, Loss
 from ...model.functional import IGNORE_INDEX
-from ..objectives import dpo_step_loss, loss_and_grad
+from ..objectives import dpo_step_loss, loss_and_grad, policy_step_loss
 from ...runtime.engine import TaskContext
 from .registry import HANDLERS
 
@@ -35,8 +35,9 @@ def run_loss(p: StepProgram, task: Loss, ctx: TaskContext) -> None:
     targets = data.targets[m].to(p.device, non_blocking=p.slots.non_blocking)
     trains = p.training.head_trains  # with LoRA the head takes no gradient: only the hidden state's
     norm_w, head_w = p.head.weights(ctx)
-    if data.reference is not None:  # DPO: the pairs' loss of the tokens' log-probabilities
-        loss_sum, scale = _preference(p, data, m, h, norm_w, head_w, targets)
+    if data.reference is not None or data.policy is not None:  # a loss of the tokens' log-probabilities
+        pick = _preference if data.reference is not None else _policy
+        loss_sum, scale = pick(p, data, m, h, norm_w, head_w, targets)
         _, d_h, d_norm, d_head = p.layers.head_loss_and_grads(
             h, norm_w, head_w, targets, scale, p.chunk_tokens, weight_grads=trains)
     else:
@@ -73,16 +74,38 @@ def _preference(p: StepProgram, data, m: int, h, norm_w, head_w, targets) -> tup
     return loss_sum, g.mul_(-1.0 / data.n_targets)  # n_targets: the step's pairs
 
 
+def _policy(p: StepProgram, data, m: int, h, norm_w, head_w, targets) -> tuple[torch.Tensor, torch.Tensor]:
+    """One micro-batch's share of a policy step's loss (GRPO's, per token, weighed by each
+    token's share of the step) and each token's weight on its cross-entropy; the tokens'
+    log-probabilities are kept for the caller."""
+    assert data.policy is not None
+    beta, eps_low, eps_high = p.policy_loss
+    batch = data.policy[m].to(p.device, non_blocking=p.slots.non_blocking)
+    logp = p.layers.head_token_logprobs(h, norm_w, head_w, targets, p.chunk_tokens)
+    mask = targets != IGNORE_INDEX
+    sums = torch.zeros(2, dtype=torch.float32, device=p.device)
+    loss_sum, g = loss_and_grad(lambda lp: policy_step_loss(
+        lp, mask, batch.weights, batch.advantages, batch.old_logps, batch.ref_logps, beta=beta, epsilon_low=eps_low,
+        epsilon_high=eps_high, sums=sums), logp)
+    with p.lock:
+        data.policy_sums = sums if data.policy_sums is None else data.policy_sums + sums
+        data.logps[m] = logp.cpu()
+    return loss_sum, g.neg_()
+
+
 @HANDLERS.register("eval_loss")
 def run_eval_loss(p: StepProgram, task: EvalLoss, ctx: TaskContext) -> None:
     """Forward only: final norm, head and the summed CE of one held-out micro-batch (fp32);
-    in a reference pass (DPO), each row's summed target log-probability instead."""
+    in a reference pass (DPO), each row's summed target log-probability instead, or each
+    target token's (a policy's log-probabilities)."""
     s, m = task.step, task.micro_batch
     data = p.evals[s]
     h = p.store.eval_inputs.take((s, p.cfg.num_layers, m))
     targets = data.targets[m].to(p.device, non_blocking=p.slots.non_blocking)
     norm_w, head_w = p.head.weights(ctx)
-    if data.reference:
+    if data.per_token:
+        loss_sum = p.layers.head_token_logprobs(h, norm_w, head_w, targets, p.chunk_tokens)
+    elif data.reference:
         loss_sum = p.layers.head_token_logprobs(h, norm_w, head_w, targets, p.chunk_tokens).sum(-1)
     else:
         loss_sum = p.layers.head_loss(h, norm_w, head_w, targets, p.chunk_tokens)

@@ -9,6 +9,8 @@ squared gradient norms, the clip coefficient, the finiteness check) and
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ...model.attention import Documents
@@ -38,17 +40,43 @@ class StepData:
         self.reference: list[torch.Tensor] | None = None
         #: DPO: the step's summed chosen and rejected rewards, margins and accuracies ((4,) fp32)
         self.rewards: torch.Tensor | None = None
+        #: a policy step (:class:`PolicyBatch` per micro-batch); None otherwise
+        self.policy: list[PolicyBatch] | None = None
+        #: a policy step: its summed KL and clipped tokens ((2,) fp32), and per micro-batch each
+        #: target token's log-probability before the update ((rows, seq) fp32, on the CPU)
+        self.policy_sums: torch.Tensor | None = None
+        self.logps: dict[int, torch.Tensor] = {}
 
     @property
     def micro_batches(self) -> int:
         return len(self.ids)
 
 
+@dataclass
+class PolicyBatch:
+    """One micro-batch of a policy step (GRPO, REINFORCE), each ``(rows, seq)`` fp32 aligned
+    with its targets (0 where a target is ignored): each token's share of the step's loss, its
+    advantage, and the log-probabilities of the policy that generated it and of the reference
+    (None: this policy's own, detached; no KL term)."""
+
+    weights: torch.Tensor
+    advantages: torch.Tensor
+    old_logps: torch.Tensor | None = None
+    ref_logps: torch.Tensor | None = None
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> "PolicyBatch":
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=non_blocking)
+
+        return PolicyBatch(*(move(t) for t in (self.weights, self.advantages, self.old_logps,  # type: ignore[arg-type]
+                                               self.ref_logps)))
+
+
 class EvalData:
     """Host-side inputs and per-micro-batch CE sums of one held-out loss evaluation."""
 
     def __init__(self, ids: list[torch.Tensor], targets: list[torch.Tensor], n_targets: int,
-                 docs: list[Documents | None], reference: bool = False) -> None:
+                 docs: list[Documents | None], reference: bool = False, per_token: bool = False) -> None:
         self.ids = ids
         self.targets = targets
         self.docs = docs
@@ -56,6 +84,8 @@ class EvalData:
         #: a reference pass (DPO): per row, the summed log-probability of its targets, with the
         #: weights as they were before training (under LoRA: the base without its adapters)
         self.reference = reference
+        #: each target token's log-probability ((rows, seq) per micro-batch) instead of sums
+        self.per_token = per_token
         self.sums: dict[int, torch.Tensor] = {}  # micro-batch -> fp32 CE sum (device scalar), or per row
 
 
