@@ -165,7 +165,9 @@ class TrainingLoop:
                        tokens: int) -> StepMetrics:
         """Step ``s`` alone, start to end, its data handed to the program by ``begin`` (a
         caller that needs each step's result before it makes the next, as an RL loop does):
-        added like every step of :meth:`main`, then waited for, checkpointed and reported."""
+        added like every step of :meth:`main`, then waited for, checkpointed and reported. Its
+        time (and tokens/s) counts from this call: what the caller did in between is not in it."""
+        self.t_last = time.perf_counter()
         try:
             begin()
             self._add_graph(engine, stream, s, tokens)
