@@ -53,7 +53,8 @@ def __getattr__(name: str) -> object:
     raise AttributeError(f"module 'flowtrain' has no attribute {name!r}")
 
 __all__ = [
-    "TrainConfig", "train", "StepMetrics", "PolicyTrainer", "CheckpointError", "ConfigError", "CycleError", "DataError", "DeadlockError", "FlowtrainError",
+    "TrainConfig", "train", "StepMetrics", "PolicyTrainer",
+    "CheckpointError", "ConfigError", "CycleError", "DataError", "DeadlockError", "FlowtrainError",
     "GpuOutOfMemory", "NonFiniteError", "PlanError", "ScheduleError", "SlotError", "StepFailed", "StepSpec",
     "compile_step", "compile_steps", "cross_step_edges", "Policy", "Proposal", "natural_order", "register_policy",
     "resolve_policy", "Engine", "Instrument", "TaskRecord", "TraceRecorder", "run_graph", "run_reference",
