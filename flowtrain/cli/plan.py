@@ -12,6 +12,15 @@ Without a GPU here, ``--device cuda`` (the default when ``--gpu-mem`` is given) 
 on paper; with no ``--gpu-mem`` either, the GPU side is reported without a limit. With
 ``--machine`` it plans for that machine's GPU and memory (as ``flowtrain simulate`` does),
 counting a mixture of experts as that GPU runs its experts.
+
+With ``--state-dir`` it also shows the disk tier: which units' Adam moments and fp32 masters
+live in the folder, the bytes there, and the disk bandwidth a step needs (the bytes read and
+written each step over the step time the simulator predicts on ``--machine``, or on this GPU's
+machine model) against what the disk gives (``--disk-gbs``, else the machine file's rates,
+which ``flowtrain probe --state-dir DIR`` measures)::
+
+    flowtrain plan --model llama-8b --seq-len 4096 --batch-size 4 --micro-batch-size 2 --gpu-mem 10 \
+        --host-mem 32 --state-dir /nvme/state --machine rtx3080-10gb
 """
 
 from __future__ import annotations
@@ -34,7 +43,8 @@ __all__ = ["PLAN_FIELDS", "add_arguments", "checked_request", "flag_of", "format
 #: defaults and checks
 PLAN_FIELDS = ("model", "data", "data_columns", "tokenizer", "byte_tokenizer", "seq_len", "batch_size",
                "micro_batch_size", "order", "grad_clip", "precision", "device", "policy", "attention_backend", "layer_path",
-               *MEMORY_FIELDS, "lora_rank", "lora_targets", "lora_state", "skip_idle_experts")
+               *MEMORY_FIELDS, "lora_rank", "lora_targets", "lora_state", "skip_idle_experts",
+               "state_dir", "disk_state", "disk_gbs")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -125,17 +135,25 @@ def run(args: argparse.Namespace) -> int:
         from ..sim.machine import load_machine
 
         machine = load_machine(args.machine)
+    if machine is not None and args.disk_gbs is not None:
+        from ..sim.machine import with_disk_rate
+
+        machine = with_disk_rate(machine, args.disk_gbs)
     if machine is not None and args.device in ("auto", "cuda") and not torch.cuda.is_available():
-        req, plan, choice = _plan_elsewhere(args, machine)  # for that machine, from one without its GPU
+        req, plan, choice, cfg, predict_on = _plan_elsewhere(args, machine)  # for that machine, from one without its GPU
     else:
-        req, plan, choice = _plan_here(args, machine)
+        req, plan, choice, cfg, predict_on = _plan_here(args, machine)
+    disk = disk_report(args, cfg, req, plan, predict_on) if plan.disk_tier else None
     if args.json:
         print(json.dumps({"model": args.model, "seq_len": req.seq_len, **plan.to_dict(),
+                          **({"disk_io": disk[1]} if disk else {}),
                           **({"fastest": choice.to_dict()} if choice else {})}, indent=1))
     else:
         if args.data is not None and not defaults.seq_len_given(args.seq_len):
             print(f"seq-len {req.seq_len}, as train takes it from {args.data}")
         print(format_plan(args.model, plan))
+        if disk:
+            print("\n".join(disk[0]))
         if args.host_mem is None:
             from ..plan.memory import host_memory_note
 
@@ -145,9 +163,10 @@ def run(args: argparse.Namespace) -> int:
     return 0 if plan.fits else 1
 
 
-def _plan_here(args: argparse.Namespace, machine):  # machine: a Machine; returns (request, Plan, Choice)
+def _plan_here(args: argparse.Namespace, machine):  # machine: a Machine
     """The plan on this machine's device (its GPU's free memory a cap too); with ``machine``, the
-    fastest configuration that fits as the simulator predicts it there."""
+    fastest configuration that fits as the simulator predicts it there. Returns ``(request, Plan,
+    Choice, model config, machine to predict the step on)``."""
     import torch
 
     from ..sim.choose_plan import plan_and_choose
@@ -168,10 +187,19 @@ def _plan_here(args: argparse.Namespace, machine):  # machine: a Machine; return
 
         resolved = msgspec.structs.replace(req, order=plan.spec.order)  # --order auto, decided above
         choice = choose_fastest(cfg, resolved, machine, args.policy, device=device, dtype=dtype)
-    return req, plan, choice
+    predict_on = machine
+    if predict_on is None and device.type == "cuda" and plan.disk:
+        from ..sim.order_choice import this_gpu_machine
+
+        predict_on = this_gpu_machine()
+        if predict_on is not None and args.disk_gbs is not None:
+            from ..sim.machine import with_disk_rate
+
+            predict_on = with_disk_rate(predict_on, args.disk_gbs)
+    return msgspec.structs.replace(req, order=plan.spec.order), plan, choice, cfg, predict_on
 
 
-def _plan_elsewhere(args: argparse.Namespace, machine):  # machine: a Machine; returns (request, Plan, Choice)
+def _plan_elsewhere(args: argparse.Namespace, machine):  # machine: a Machine; returns as _plan_here
     """The plan for ``machine`` from a computer without a GPU: its GPU and host memory unless
     --gpu-mem/--host-mem say otherwise, as ``flowtrain simulate`` plans, and the fastest
     configuration that fits there."""
@@ -181,7 +209,68 @@ def _plan_elsewhere(args: argparse.Namespace, machine):  # machine: a Machine; r
     processes = args.nproc_per_node * args.nnodes
     choice = (choose_fastest(cfg, req, machine, args.policy, device=device, dtype=dtype, local_gpu=False)
               if processes == 1 else None)
-    return req, plan, choice
+    return req, plan, choice, cfg, machine
+
+
+#: the share of the predicted step the disk may be busy before it is taken to set the step
+DISK_SETS_STEP = 0.95
+
+
+def disk_report(args: argparse.Namespace, cfg, req, plan, machine) -> tuple[list[str], dict]:
+    """The disk tier of ``plan`` (a run with ``--state-dir``): lines for the text and the
+    ``disk_io`` entry of ``--json``. What lives in the folder and how much, the bytes read and
+    written each step, and, where the step time is predicted (``machine``, a fitting plan), the
+    bandwidth that needs against what the disk gives (``--disk-gbs``, else ``machine``'s)."""
+    from ..plan.disk import disk_traffic, unit_ranges
+    from ..plan.memory import GiB
+
+    t = disk_traffic(cfg, plan)
+    out: dict = {"state_dir": args.state_dir, "disk_state": args.disk_state, "bytes": t.held,
+                 "read_bytes_per_step": t.read, "written_bytes_per_step": t.written,
+                 "moments": list(t.moments), "masters": list(t.masters)}
+    lines = [f"disk tier (--state-dir {args.state_dir}, --disk-state {args.disk_state}):"]
+    if not plan.disk:
+        lines.append("  nothing on disk: host memory holds the whole state"
+                     + (" (LoRA and data-parallel runs keep no state on disk)" if plan.spec.lora or plan.spec.share > 1
+                        else ""))
+        return lines, out
+    lines.append(f"  moments on disk  {unit_ranges(t.moments)} ({len(t.moments)} units)")
+    lines.append(f"  masters on disk  {unit_ranges(t.masters)} ({len(t.masters)} units)")
+    lines.append(f"  on disk          {t.held / GiB:8.2f} GiB; each step reads {t.read / GiB:.2f} GiB and writes "
+                 f"{t.written / GiB:.2f} GiB")
+    if args.disk_gbs is not None:
+        read_gbps = write_gbps = args.disk_gbs
+        given = f"--disk-gbs {args.disk_gbs:g}"
+    elif machine is not None:
+        read_gbps, write_gbps = machine.disk_read_gbps, machine.disk_write_gbps
+        given = f"{machine.name}'s disk"
+    else:
+        read_gbps = write_gbps = None
+        given = None
+    step_s = None
+    if machine is not None and plan.fits and req.processes == 1:
+        from ..sim.predict import predict
+
+        step_s = predict(cfg, plan, req, machine, args.policy).summary.step_seconds
+    if read_gbps is not None and write_gbps is not None:
+        busy = t.seconds(read_gbps, write_gbps)
+        out.update(read_gbps=read_gbps, write_gbps=write_gbps, disk_seconds_per_step=round(busy, 4))
+        rates = f"{given} gives {read_gbps:g} GB/s read, {write_gbps:g} GB/s write"
+        if step_s is not None:
+            need = t.needs_gbps(step_s)
+            keeps = busy < DISK_SETS_STEP * step_s
+            out.update(step_seconds=round(step_s, 4), needs_gbps=round(need, 3), disk_keeps_up=keeps)
+            lines.append(f"  bandwidth        needs {need:.2f} GB/s at the step of {step_s:.1f} s predicted on "
+                         f"{machine.name}; {rates}: busy {busy:.1f} s of it ({busy / step_s:.0%}), "
+                         + ("keeps up" if keeps else "the disk sets the step (a faster disk or more --host-mem "
+                                                     "shortens it)"))
+        else:
+            lines.append(f"  bandwidth        {rates}: {busy:.1f} s of disk work per step, which steps shorter than "
+                         "that wait for (give --machine to predict the step)")
+    else:
+        lines.append("  bandwidth        give --disk-gbs N or --machine (flowtrain probe --state-dir DIR measures the "
+                     "disk) to compare with what the step needs")
+    return lines, out
 
 
 def _gib(n: int | None) -> str:

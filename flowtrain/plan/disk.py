@@ -105,3 +105,57 @@ def disk_bytes(cfg: ModelConfig, disk: dict[str, tuple[str, ...]]) -> int:
     """Bytes the state folder holds for ``disk`` (each unit's fields, fp32)."""
     maps = {lay.key: lay for lay in model_flat_maps(cfg)}
     return sum(4 * len(fields) * maps[key].numel for key, fields in disk.items())
+
+
+class DiskTraffic(msgspec.Struct, frozen=True, kw_only=True):
+    """What the state folder holds and moves each step under a plan (:func:`disk_traffic`)."""
+
+    #: bytes the folder holds (every disk-resident field, fp32)
+    held: int
+    #: bytes read and written each step: every unit's state is read before its Adam and written after
+    read: int
+    written: int
+    #: units whose moments, and whose fp32 masters, are on disk, in the order the step's Adam reaches them
+    moments: tuple[str, ...]
+    masters: tuple[str, ...]
+
+    def seconds(self, read_gbps: float, write_gbps: float) -> float:
+        """Seconds the disk is busy each step at these rates (reads and writes share one drive)."""
+        return self.read / (read_gbps * 1e9) + self.written / (write_gbps * 1e9)
+
+    def needs_gbps(self, step_s: float) -> float:
+        """GB/s, reads and writes together, that a step of ``step_s`` seconds needs of the disk."""
+        return (self.read + self.written) / step_s / 1e9
+
+
+def disk_traffic(cfg: ModelConfig, plan: Any) -> DiskTraffic:  # plan: a Plan
+    """:class:`DiskTraffic` of ``plan``'s state folder (nothing where it has none)."""
+    held = disk_bytes(cfg, plan.disk)
+    keys = adam_order(list(plan.disk))
+    return DiskTraffic(held=held, read=held, written=held,
+                       moments=tuple(k for k in keys if "exp_avg" in plan.disk[k]),
+                       masters=tuple(k for k in keys if "master" in plan.disk[k]))
+
+
+def unit_ranges(keys: tuple[str, ...] | list[str]) -> str:
+    """Unit keys in a short form: ``head, layer.31-0, embed`` (runs of layers as ranges)."""
+    out: list[str] = []
+    run: list[int] = []
+
+    def flush() -> None:
+        if run:
+            out.append(f"layer.{run[0]}" if len(run) == 1 else f"layer.{run[0]}-{run[-1]}")
+            run.clear()
+
+    for k in keys:
+        if k.startswith("layer.") and (not run or abs(int(k.split(".")[1]) - run[-1]) == 1
+                                       and (len(run) < 2 or int(k.split(".")[1]) - run[-1] == run[-1] - run[-2])):
+            run.append(int(k.split(".")[1]))
+            continue
+        flush()
+        if k.startswith("layer."):
+            run.append(int(k.split(".")[1]))
+        else:
+            out.append(k)
+    flush()
+    return ", ".join(out) if out else "none"

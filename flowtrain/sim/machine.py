@@ -191,3 +191,10 @@ def machine_for_gpu(gpu_name: str) -> Machine | None:
         if machine.gpu and machine.gpu == gpu_name:
             return machine
     return None
+
+
+def with_disk_rate(machine: Machine, gbps: float) -> Machine:
+    """``machine`` with a disk that reads and writes at ``gbps`` GB/s (``--disk-gbs``): the
+    state folder's, which ``read_state``, ``write_state`` and ``save`` are costed at."""
+    notes = {**machine.notes, "disk_read_gbps": f"--disk-gbs {gbps:g}", "disk_write_gbps": f"--disk-gbs {gbps:g}"}
+    return msgspec.structs.replace(machine, disk_read_gbps=gbps, disk_write_gbps=gbps, notes=notes)

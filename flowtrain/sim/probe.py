@@ -4,8 +4,10 @@ What it measures, each the way flowtrain's tasks do the work (median of a few re
 after a warm-up; GPU times from CUDA events):
 
 - CPU: fused AdamW over fp32 (torch's fused kernel, the one ``cpu_adam`` calls) in G
-  parameters/s, the fp32 -> bf16 cast of the stream-bf16 refresh, the disk's write rate (a file
-  written and fsynced in ``--disk-dir``), cores and host memory.
+  parameters/s, the fp32 -> bf16 cast of the stream-bf16 refresh, the disk's sequential write
+  and read rates in ``--state-dir`` (``--disk-dir``: a file of a few hundred MiB written, fsynced
+  and read back in 8 MiB pieces, four in flight, with ``O_DIRECT`` where the filesystem takes it,
+  as the disk tier's reads and writes go), cores and host memory.
 - GPU (when there is one): pinned host -> device, device -> host, and both at once (two
   streams), a bf16 GEMM at several square sizes (the largest rate is ``matmul_tflops``; how the
   small ones fall off gives ``matmul_half_dim``), causal SDPA attention forward and backward, the
@@ -17,6 +19,7 @@ On a machine without a GPU it measures the CPU parts, says so, and takes the GPU
 
     flowtrain probe --out h200-probe.json                       # on the H200
     flowtrain probe --quick --extends h200 --out cpu-box.json   # here: CPU parts only
+    flowtrain probe --state-dir /nvme/state --out desk.json    # the disk of the state folder too
     flowtrain simulate ... --machine h200-probe.json
 """
 
@@ -44,7 +47,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a("--extends", default=None, metavar="MACHINE",
       help="a shipped machine whose fields stand in for what is not measured here (e.g. the GPU's, without one)")
     a("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    a("--disk-dir", default=None, help="where to time a file write (default: the system's temporary folder)")
+    a("--state-dir", "--disk-dir", dest="disk_dir", default=None, metavar="DIR",
+      help="the folder whose disk to time (the --state-dir of the runs to come; default: the system's temporary "
+           "folder)")
     a("--quick", action="store_true", help="small sizes and few repetitions (seconds, less exact)")
 
 
@@ -140,20 +145,7 @@ def _probe_cpu(notes: dict[str, str], quick: bool, disk_dir: str | None) -> dict
     t = _median_seconds(lambda: b.copy_(p), 2 if quick else 5)
     out["cpu_cast_gparams"] = round(n / t / 1e9, 3)
     notes["cpu_cast_gparams"] = f"probe: fp32 -> bf16 copy of {n / 1e6:.0f}M elements, {t * 1e3:.1f} ms"
-    size = (16 if quick else 512) * MiB
-    buf = os.urandom(MiB) * (size // MiB)
-    with tempfile.TemporaryDirectory(dir=disk_dir) as tmp:
-        path = Path(tmp) / "probe.bin"
-
-        def write() -> None:
-            with open(path, "wb") as f:
-                f.write(buf)
-                f.flush()
-                os.fsync(f.fileno())
-
-        t = _median_seconds(write, 1 if quick else 3)
-    out["disk_write_gbps"] = round(size / t / 1e9, 3)
-    notes["disk_write_gbps"] = f"probe: {size // MiB} MiB written and fsynced in {t:.2f} s ({disk_dir or tempfile.gettempdir()})"
+    out.update(_probe_disk(notes, (64 if quick else 384) * MiB, 1 if quick else 2, disk_dir))
     try:
         with open("/proc/meminfo") as f:
             total = next(int(line.split()[1]) for line in f if line.startswith("MemTotal:"))
@@ -161,6 +153,76 @@ def _probe_cpu(notes: dict[str, str], quick: bool, disk_dir: str | None) -> dict
     except (OSError, StopIteration):
         pass
     return out
+
+
+#: bytes of one disk request, and requests in flight: as the disk tier's transfers go
+_PIECE = 8 * MiB
+_QUEUE_DEPTH = 4
+
+
+def _probe_disk(notes: dict[str, str], size: int, reps: int, folder: str | None) -> dict:
+    """The sequential write and read rates (GB/s) of the disk under ``folder``: a file of
+    ``size`` bytes written and fsynced, then read, in :data:`_PIECE` pieces with
+    :data:`_QUEUE_DEPTH` in flight, through ``O_DIRECT`` where the filesystem allows it (else
+    through the page cache, dropped before each read). The best of ``reps``; the file is removed."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    where = folder or tempfile.gettempdir()
+    buf = mmap.mmap(-1, size)  # page-aligned, as O_DIRECT asks
+    buf.write(os.urandom(MiB) * (size // MiB))
+    mem = memoryview(buf)
+    with tempfile.TemporaryDirectory(dir=folder, prefix="flowtrain-probe-") as tmp, \
+            ThreadPoolExecutor(_QUEUE_DEPTH) as pool:
+        path = Path(tmp) / "probe.bin"
+        direct = hasattr(os, "O_DIRECT")
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | (os.O_DIRECT if direct else 0), 0o600)
+        except OSError:  # the filesystem takes no direct I/O
+            direct = False
+            fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+        try:
+            def pieces(write: bool) -> None:
+                def one(lo: int) -> None:
+                    part = mem[lo: lo + _PIECE]
+                    done = 0
+                    while done < len(part):
+                        k = (os.pwritev if write else os.preadv)(fd, [part[done:]], lo + done)
+                        if k <= 0:
+                            raise OSError(f"{'wrote' if write else 'read'} nothing at {lo + done} of {path}")
+                        done += k
+                for f in [pool.submit(one, lo) for lo in range(0, size, _PIECE)]:
+                    f.result()
+
+            def write() -> None:
+                pieces(True)
+                os.fsync(fd)
+
+            def read() -> None:
+                if not direct:
+                    os.posix_fadvise(fd, 0, size, os.POSIX_FADV_DONTNEED)
+                pieces(False)
+
+            write()  # the file's blocks in place: the timed writes overwrite them, as the tier's do
+            t_write = min(_timed(write) for _ in range(reps))
+            t_read = min(_timed(read) for _ in range(reps))
+        finally:
+            os.close(fd)
+    mem.release()
+    buf.close()
+    how = (f"{size // MiB} MiB in {_PIECE // MiB} MiB pieces, {_QUEUE_DEPTH} in flight, "
+           f"{'O_DIRECT' if direct else 'through the page cache (no O_DIRECT here)'}, in {where}")
+    notes["disk_write_gbps"] = f"probe: written and fsynced, {how}"
+    notes["disk_read_gbps"] = f"probe: read, {how}"
+    notes["disk_queue_depth"] = "probe: the requests in flight the rates were measured at (as the disk tier keeps them)"
+    return {"disk_write_gbps": round(size / t_write / 1e9, 3), "disk_read_gbps": round(size / t_read / 1e9, 3),
+            "disk_queue_depth": _QUEUE_DEPTH}
+
+
+def _timed(fn: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
 
 
 # ---- the GPU ------------------------------------------------------------------------------------

@@ -202,6 +202,9 @@ class TrainConfig(msgspec.Struct, kw_only=True):
         "with --state-dir, what lives there: moments (every streamed unit's Adam m and v, 8 bytes per parameter), all "
         "(their fp32 master too, 12; a compute-dtype copy stays in host memory), none; auto (the default): only what "
         "--host-mem cannot hold, moments first", group=MEMORY)] = "auto"
+    disk_gbs: Annotated[float | None, Setting(
+        "the state folder's disk rate in GB/s, read and write alike, for the disk check of plan and simulate "
+        "(default: --machine's, as flowtrain probe measures it)", gt=0.0, metavar="GB/s", group=MEMORY)] = None
     #: what a layer keeps for its backward (--activations): "keep" (a layer's backward reuses its forward's activations, held
     #: on the GPU), "recompute" (backward runs the forward again from checkpoints on the GPU),
     #: "offload" (recompute, from checkpoints that wait in host memory), "attention" (recompute,
