@@ -212,15 +212,13 @@ def _plan_elsewhere(args: argparse.Namespace, machine):  # machine: a Machine; r
     return req, plan, choice, cfg, machine
 
 
-#: the share of the predicted step the disk may be busy before it is taken to set the step
-DISK_SETS_STEP = 0.95
-
-
-def disk_report(args: argparse.Namespace, cfg, req, plan, machine) -> tuple[list[str], dict]:
+def disk_report(args: argparse.Namespace, cfg, req, plan, machine, summary=None) -> tuple[list[str], dict]:
     """The disk tier of ``plan`` (a run with ``--state-dir``): lines for the text and the
     ``disk_io`` entry of ``--json``. What lives in the folder and how much, the bytes read and
-    written each step, and, where the step time is predicted (``machine``, a fitting plan), the
-    bandwidth that needs against what the disk gives (``--disk-gbs``, else ``machine``'s)."""
+    written each step, and, where the step is predicted (``machine``, a fitting plan), the
+    bandwidth that needs against what the disk gives (``--disk-gbs``, else ``machine``'s) and
+    whether the disk sets the step (most of the prediction's critical chain on the disk lane);
+    ``summary``: the prediction already made (``flowtrain simulate``'s)."""
     from ..plan.disk import disk_traffic, unit_ranges
     from ..plan.memory import GiB
 
@@ -247,23 +245,28 @@ def disk_report(args: argparse.Namespace, cfg, req, plan, machine) -> tuple[list
     else:
         read_gbps = write_gbps = None
         given = None
-    step_s = None
-    if machine is not None and plan.fits and req.processes == 1:
+    if summary is None and machine is not None and plan.fits and req.processes == 1:
         from ..sim.predict import predict
 
-        step_s = predict(cfg, plan, req, machine, args.policy).summary.step_seconds
+        summary = predict(cfg, plan, req, machine, args.policy).summary
+    step_s = summary.step_seconds if summary is not None else None
     if read_gbps is not None and write_gbps is not None:
         busy = t.seconds(read_gbps, write_gbps)
         out.update(read_gbps=read_gbps, write_gbps=write_gbps, disk_seconds_per_step=round(busy, 4))
         rates = f"{given} gives {read_gbps:g} GB/s read, {write_gbps:g} GB/s write"
         if step_s is not None:
             need = t.needs_gbps(step_s)
-            keeps = busy < DISK_SETS_STEP * step_s
-            out.update(step_seconds=round(step_s, 4), needs_gbps=round(need, 3), disk_keeps_up=keeps)
+            chain = sum(summary.critical_by_lane.values()) or 1.0
+            on_chain = summary.critical_by_lane.get("disk", 0.0) / chain
+            keeps = on_chain < 0.5
+            out.update(step_seconds=round(step_s, 4), needs_gbps=round(need, 3), disk_keeps_up=keeps,
+                       disk_busy_fraction=round(summary.busy_fraction.get("disk", 0.0), 4),
+                       disk_share_of_critical_chain=round(on_chain, 4))
             lines.append(f"  bandwidth        needs {need:.2f} GB/s at the step of {step_s:.1f} s predicted on "
-                         f"{machine.name}; {rates}: busy {busy:.1f} s of it ({busy / step_s:.0%}), "
-                         + ("keeps up" if keeps else "the disk sets the step (a faster disk or more --host-mem "
-                                                     "shortens it)"))
+                         f"{machine.name}; {rates}: busy {busy:.1f} s a step, "
+                         + ("hidden behind the GPU's work" if keeps else
+                            f"THE DISK SETS THE STEP ({on_chain:.0%} of its critical chain; a faster disk or "
+                            "more --host-mem shortens it)"))
         else:
             lines.append(f"  bandwidth        {rates}: {busy:.1f} s of disk work per step, which steps shorter than "
                          "that wait for (give --machine to predict the step)")

@@ -14,6 +14,14 @@ time, how busy each lane is and the critical chain::
 and the output says so in a line of its own (``what_if`` in ``--json``), naming both sizes.
 The run's settings are checked as ``flowtrain train`` checks them (``--adam-workers`` 0 is
 refused here as there), and ``--steps`` is bounded as ``flowtrain graph --steps`` is.
+With ``--state-dir`` the plan keeps what host memory cannot hold of the optimizer state on disk
+(``flowtrain plan`` shows what), and the prediction has the disk lane's reads and writes, at the
+machine file's disk rates (``--disk-gbs`` in their place); the output adds the disk tier's
+bytes and what the step needs of the disk (``disk_io`` in ``--json``)::
+
+    flowtrain simulate --machine rtx3080-10gb --model llama-8b --seq-len 4096 --batch-size 4 \
+        --micro-batch-size 2 --gpu-mem 10 --host-mem 32 --state-dir /nvme/state
+
 Machines: a shipped name (``flowtrain simulate --list-machines`` names them) or a machine file
 (``flowtrain probe`` writes one for the machine it runs on).
 """
@@ -97,6 +105,10 @@ def run(args: argparse.Namespace) -> int:
     if args.steps < 2:
         raise ConfigError(f"{{steps}} must be at least 2 to see a steady step (got {args.steps})", named=True)
     machine = load_machine(args.machine)
+    if args.disk_gbs is not None:
+        from ..sim.machine import with_disk_rate
+
+        machine = with_disk_rate(machine, args.disk_gbs)
     cfg, req, plan, _, _, predictions = plan_for(args, machine, with_predictions=True, fields=SIMULATE_FIELDS)
     if not plan.fits:
         raise ConfigError(f"on {machine.name}: {plan.refusal()}")
@@ -119,6 +131,12 @@ def run(args: argparse.Namespace) -> int:
                                               "placement_choice": plan.memory_choice}}
     if notes:
         out["what_if"] = notes
+    disk = None
+    if plan.disk_tier:
+        from .plan import disk_report
+
+        disk = disk_report(args, cfg, req, plan, machine, pred.summary)
+        out["disk_io"] = disk[1]
     if args.json:
         print(json.dumps(out, indent=1))
     else:
@@ -132,4 +150,6 @@ def run(args: argparse.Namespace) -> int:
             f"resident {len(res)} units, slots {plan.budgets}, GPU {plan.gpu_total / 2**30:.1f} GiB, "
             f"host {plan.host_total / 2**30:.1f} GiB"
             + (f" ({plan.memory_choice})" if plan.memory_choice else ""))))
+        if disk:
+            print("\n".join(disk[0]))
     return 0

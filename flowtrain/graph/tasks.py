@@ -97,6 +97,10 @@ GRADS = "grads"
 ACTS = "acts"
 HOST_GRADS = "host_grads"
 HOST_STATE = "host_state"
+#: how a ``read_state`` or ``write_state`` moves its bytes: in requests of ``STATE_PIECE`` bytes,
+#: ``STATE_QUEUE_DEPTH`` of them in flight (what the run does and the simulator costs)
+STATE_PIECE = 8 << 20
+STATE_QUEUE_DEPTH = 4
 
 
 class Task(msgspec.Struct, frozen=True, kw_only=True, tag_field="kind"):

@@ -38,7 +38,10 @@ it (:class:`~flowtrain.sim.machine.Machine`)::
   :meth:`CostModel.copy_seconds`.
 - ``cpu_adam``: parameters over the CPU's fused AdamW rate; with ``adam_workers`` jobs at once
   each gets that share of the cores. ``gpu_adam``: parameters over the device's AdamW rate.
-- ``save``: 12 bytes per parameter over the disk's write rate. ``reduce_grad`` (data parallel):
+- ``save``: 12 bytes per parameter over the disk's write rate. ``read_state``/``write_state``
+  (the optimizer state kept in ``--state-dir``): 8 bytes per parameter of the unit or chunk, 12
+  where its master is on disk too, over the disk's read or write rate
+  (:meth:`CostModel.disk_seconds`). ``reduce_grad`` (data parallel):
   a ring all-reduce of the unit's fp32 gradient, 2 (n - 1) / n of its bytes over the GPUs' link
   (``gpu_link_gbps``) or, across nodes, the network. Every device task adds the host's launch
   cost.
@@ -55,7 +58,7 @@ from collections.abc import Callable
 import msgspec
 
 from ..graph.registry import KindTable
-from ..graph.tasks import Task
+from ..graph.tasks import STATE_PIECE, STATE_QUEUE_DEPTH, Task
 from .machine import Machine
 
 #: flowtrain's kernels, not the machine's: fitted to the H200 W1 trace (see module docstring).
@@ -281,11 +284,16 @@ class CostModel:
         return 0
 
     def disk_seconds(self, task: Task, gbps: float) -> float:
-        """Seconds of one ``read_state`` or ``write_state``: the unit's (or chunk's) moments,
-        and its master where that is on disk too, at ``gbps`` (the drive's rate with
-        ``disk_queue_depth`` requests in flight, as the run keeps them)."""
+        """Seconds of one ``read_state`` or ``write_state``: the unit's (or chunk's) moments, 8
+        bytes per parameter, and its master where that is on disk too (``disk_master``: 12), at
+        ``gbps``, the drive's rate with ``disk_queue_depth`` requests in flight. The run keeps
+        up to :data:`~flowtrain.graph.tasks.STATE_QUEUE_DEPTH` pieces of ``STATE_PIECE`` bytes
+        in flight (fewer for a small transfer); with fewer than the machine's depth the rate
+        falls in proportion."""
         nbytes = self.s.unit_numel(task) * (12 if self.s.unit_key(task) in self.s.disk_master else 8)
-        return nbytes / (gbps * 1e9) + self.m.copy_latency_us * 1e-6
+        in_flight = min(STATE_QUEUE_DEPTH, -(-nbytes // STATE_PIECE))
+        rate = gbps * min(1.0, in_flight / max(1, self.m.disk_queue_depth))
+        return nbytes / (rate * 1e9) + self.m.copy_latency_us * 1e-6
 
     def copy_seconds(self, task: Task, other_direction_busy: bool) -> float:
         """A copy's time: its bytes over its direction's rate, or its half of the duplex rate

@@ -62,6 +62,7 @@ def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1, world: int = 
                  owned=plan.spec.owned_by(0), adapter_params=adapters,  # the simulated process is the node's first
                  lora_rank=getattr(req, "lora_rank", 0) or 0,
                  adapter_outputs=adapter_active_outputs(cfg, req) if adapters else 0.0,
+                 disk_master=frozenset(k for k, fields in plan.disk.items() if "master" in fields),
                  flops_per_token=model_flops_per_token(cfg, req.seq_len, adapters or None))
 
 

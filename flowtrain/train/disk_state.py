@@ -41,11 +41,12 @@ from typing import Iterable
 import torch
 
 from ..errors import FlowtrainError
+from ..graph.tasks import STATE_PIECE, STATE_QUEUE_DEPTH
 
 #: alignment of every transfer, offset and buffer (O_DIRECT asks for the logical block size)
 ALIGN = 4096
-#: bytes of one request; a transfer keeps ``queue_depth`` of them in flight
-PIECE = 8 << 20
+#: bytes of one request; a transfer keeps ``queue_depth`` of them in flight (the simulator's too)
+PIECE = STATE_PIECE
 #: the fields a unit may keep on disk, in file order
 FIELDS = ("master", "exp_avg", "exp_avg_sq")
 
@@ -98,7 +99,7 @@ class StateStore:
     which chunk's state sits in which staging slot between its read and its write."""
 
     def __init__(self, root: Path, units: Iterable[tuple[str, int | None, int, tuple[str, ...]]], *,
-                 queue_depth: int = 4, direct: bool = True) -> None:
+                 queue_depth: int = STATE_QUEUE_DEPTH, direct: bool = True) -> None:
         self.root = Path(root)
         self.queue_depth = max(1, queue_depth)
         self.run_dir = self.root / f"flowtrain-state-{os.getpid()}-{secrets.token_hex(3)}"
