@@ -93,12 +93,27 @@ def place_on_disk(plan: Any, cfg: ModelConfig, req: Any, compute_bytes: int) -> 
                 if limit is None or total(host, disk) <= limit:
                     break
                 move(key, fields)
+    note = _note(disk, order, mode, masters_free=copy_kept or compute_bytes < 4)
     if not disk:
-        return msgspec.structs.replace(plan, disk_tier=True)
+        return msgspec.structs.replace(plan, disk_tier=True, disk_note=note)
     host["disk_staging"] = staging(disk)
     spec = msgspec.structs.replace(spec, disk=tuple(k for k in order if k in disk), disk_ahead=ahead)
     budgets = {**plan.budgets, HOST_STATE: ahead}
-    return msgspec.structs.replace(plan, host=host, spec=spec, budgets=budgets, disk=disk, disk_tier=True)
+    return msgspec.structs.replace(plan, host=host, spec=spec, budgets=budgets, disk=disk, disk_tier=True,
+                                   disk_note=note)
+
+
+def _note(disk: dict[str, tuple[str, ...]], order: list[str], mode: str, masters_free: bool) -> str:
+    """What the state folder holds, in words, and what more ``--disk-state`` could put there."""
+    moments = sum(1 for f in disk.values() if "exp_avg" in f)
+    masters = sum(1 for f in disk.values() if "master" in f)
+    held = (f"the state folder holding the Adam moments of {moments} of {len(order)} streamed units"
+            + (f" and the fp32 masters of {masters}" if masters else ""))
+    if mode == "moments":
+        return held + " (--disk-state all or auto puts the masters there too)"
+    if masters == len(order) or (moments == len(order) and not masters_free):
+        return held + " (all the optimizer state there is to move)"
+    return held
 
 
 def disk_bytes(cfg: ModelConfig, disk: dict[str, tuple[str, ...]]) -> int:

@@ -142,6 +142,9 @@ class Plan(msgspec.Struct, kw_only=True):
     disk: dict[str, tuple[str, ...]] = msgspec.field(default_factory=dict)
     #: whether the run has a state folder at all (what ``to_dict`` then reports)
     disk_tier: bool = False
+    #: with a state folder, what the placement put there in words, and whether there was more
+    #: to move (what a refusal for host memory says; :func:`~flowtrain.plan.disk.place_on_disk`)
+    disk_note: str | None = None
 
     @property
     def host_total(self) -> int:
@@ -204,6 +207,10 @@ class Plan(msgspec.Struct, kw_only=True):
         if self.host_limit is not None and not self.host_fits:  # a limit is what it does not fit
             who = f" for {self.node_processes} processes" if self.node_processes > 1 else ""
             parts.append(f"host memory: needs {self.host_node_total / GiB:.1f} GiB{who}, {self.host_limit / GiB:.1f} GiB usable")
+            if self.disk_note:  # the state folder took what it could: what memory still holds
+                left = sorted(((k, v) for k, v in self.host.items() if v >= GiB // 10), key=lambda kv: -kv[1])
+                parts[-1] += (f", {self.disk_note}; left in host memory: "
+                              + ", ".join(f"{k} {v / GiB:.1f} GiB" for k, v in left))
         if self.gpu_limit is not None and not self.gpu_fits:
             parts.append(f"GPU memory: needs {self.gpu_total / GiB:.1f} GiB, {self.gpu_limit / GiB:.1f} GiB usable")
         fix = "; ".join(self.suggestions) or "use a smaller model"

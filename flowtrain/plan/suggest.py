@@ -106,7 +106,8 @@ def suggest(plan: Plan, req: RunRequest, policy: Any, plan_under: Callable[[RunR
     if not plan.host_fits:
         host = math.ceil(plan.host_node_total / GiB / HOST_FILL)
         out.append(f"run where about {host} GiB of host memory is free (--host-mem {host})")
-        out.append(_largest_model(plan))
+        if not plan.disk:  # with state on disk the refusal names what host memory still holds instead
+            out.append(_largest_model(plan))
     if not plan.gpu_fits:
         card = math.ceil(card_for(plan.gpu_total))
         out.append(f"a GPU of about {card} GiB (--gpu-mem {card})")
