@@ -43,8 +43,10 @@ def adam_order(keys: list[str]) -> list[str]:
 def place_on_disk(plan: Any, cfg: ModelConfig, req: Any, compute_bytes: int) -> Any:  # Plan -> Plan
     """``plan`` with its units' state placed as ``req.disk_state`` asks (module docstring)."""
     mode = getattr(req, "disk_state", "none")
-    if mode == "none" or req.lora_rank or req.share > 1:
+    if mode == "none":
         return plan
+    if req.lora_rank or req.share > 1:  # a state folder given, unused: the plan says so
+        return msgspec.structs.replace(plan, disk_tier=True)
     spec = plan.spec
     maps = {lay.key: lay for lay in model_flat_maps(cfg) if lay.key not in spec.resident}
     order = adam_order(list(maps))

@@ -98,3 +98,8 @@ def test_probe_writes_the_disk_rates_into_the_machine_file(tmp_path, capsys):
     from flowtrain.sim.machine import load_machine
 
     assert load_machine(out).disk_read_gbps == data["disk_read_gbps"]
+
+
+def test_a_lora_run_keeps_nothing_on_disk_and_says_so(tmp_path, capsys):
+    main(["plan", "--model", "tiny", "--device", "cpu", "--lora-rank", "4", "--state-dir", str(tmp_path)])
+    assert "nothing on disk: host memory holds the whole state (LoRA and data-parallel" in capsys.readouterr().out
