@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 from viz_helpers import doc, engine_trace_file, ev, hand_trace
@@ -219,3 +220,26 @@ def test_png_draws_a_busy_lane_busy():
     colours = {tuple(int(c[i:i + 2], 16) for i in (1, 3, 5)) for c in (color("forward"), color("backward"))}
     inked = [tuple(p) in colours for p in row]
     assert sum(inked) == len(inked), f"{len(inked) - sum(inked)} of {len(inked)} columns not a task's colour"
+
+
+def test_png_of_the_10gb_trace_draws_compute_as_busy_as_the_page_says():
+    """llama-8b under a 10 GB card (an H200 trace): the share of the compute row's pixel columns
+    the picture inks over the window is the compute-busy share the page states, within 3
+    points (a task narrower than a pixel is drawn one pixel wide)."""
+    import numpy as np
+
+    from flowtrain.viz.html import TraceView
+    from flowtrain.viz.png import _rows, _trace_figure
+    path = Path(__file__).parents[2] / "docs" / "bench" / "2026-12-04" / "gate-8b10o-trace.json"
+    view = TraceView(trace_from_json(json.loads(path.read_text()), path=str(path)))
+    fig = _trace_figure([view])
+    fig.canvas.draw()
+    (ax,) = fig.axes
+    img = np.asarray(fig.canvas.buffer_rgba())[:, :, :3].astype(int)
+    y = [key for _, _, key in _rows(view)].index("compute")
+    width_ms = (view.window.end - view.window.start) * 1e3
+    (x0, py), (x1, _) = ax.transData.transform((0, y)), ax.transData.transform((width_ms, y))
+    row = img[img.shape[0] - int(round(py)), int(np.ceil(x0)) + 1:int(np.floor(x1)) - 1]
+    colours = {tuple(int(c[i:i + 2], 16) for i in (1, 3, 5)) for c in map(color, {t.kind for t in view.trace.by_lane["compute"]})}
+    inked = sum(tuple(p) in colours for p in row) / len(row)
+    assert abs(inked - view.summary.compute_busy) <= 0.03, (inked, view.summary.compute_busy)
