@@ -117,6 +117,7 @@ def prepare(cfg: TrainConfig, world: World | None = None, *, rows_given: bool = 
     cfg = resolve_defaults(cfg, pretrained=model_dir is not None, saved=resume_state.get("settings"))
     check_fields(cfg)
     _check_objective(cfg)
+    _check_state_dir(cfg, world)
     mcfg.validate()
     check_units_fit(mcfg, cfg.host_mem, None if cfg.gpu_mem is None else int(cfg.gpu_mem * 2**30))  # before sizing anything
     if resume_from is not None:
@@ -255,6 +256,19 @@ def _columns(value: object) -> ColumnMap | None:
         return parse_columns(text)
     except ValueError as e:
         raise ConfigError(str(e).replace("--data-columns", "{data_columns}"), named=True) from None
+
+
+def _check_state_dir(cfg: TrainConfig, world: World | None) -> None:
+    """The disk tier holds full training's state of one process: a LoRA run's state is its small
+    adapters, and data-parallel processes would each want the whole folder."""
+    if cfg.state_dir is None:
+        return
+    if cfg.lora:
+        raise ConfigError("{state_dir} holds full training's optimizer state; a LoRA run keeps only its adapters' "
+                          "state, in host memory: leave it out", named=True)
+    if world is not None and world.parallel:
+        raise ConfigError("{state_dir} is for one training process; data-parallel runs keep their state in host "
+                          "memory: leave it out", named=True)
 
 
 def _check_objective(cfg: TrainConfig) -> None:

@@ -150,3 +150,18 @@ def test_a_failing_write_ends_the_run_in_one_line_with_the_checkpoints_whole(tmp
     assert "Traceback" not in out.stderr
     assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
     assert not (tmp_path / "state").exists()
+
+
+
+def test_a_lora_run_refuses_a_state_folder_in_one_line(tmp_path, capsys):
+    """A LoRA run keeps only its adapters' state: --state-dir would be silently unused, so it is
+    refused in one line naming the flag, before anything is written."""
+    from flowtrain.cli import main
+
+    out = tmp_path / "out"
+    code = main(["train", "--model", "tiny", "--steps", "1", "--batch-size", "2", "--micro-batch-size", "2",
+                 "--seq-len", "32", "--device", "cpu", "--no-progress", "--lora-rank", "4",
+                 "--state-dir", str(tmp_path / "state"), "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1 and "--state-dir" in err[0] and "LoRA" in err[0], err
+    assert not out.exists() and not (tmp_path / "state").exists()
