@@ -483,31 +483,31 @@ def step_batches(
     return _batches(seqs, batch_size, shuffle, seed, start_step)  # checks above run eagerly
 
 
-def _batches(
-    seqs: Sequences, batch_size: int, shuffle: bool, seed: int, start_step: int
-) -> Iterator[Batch]:
-    n = len(seqs)
-    epoch, offset = divmod(start_step * batch_size, n)
-    order = _epoch_order(n, epoch, shuffle, seed)[offset:]
-    while True:
-        while len(order) < batch_size:
-            epoch += 1
-            order = torch.cat([order, _epoch_order(n, epoch, shuffle, seed)])
-        rows, order = order[:batch_size], order[batch_size:]
-        positions = None if seqs.positions is None else seqs.positions[rows]
-        yield Batch(seqs.input_ids[rows], seqs.targets[rows], positions)  # copies: rows read here
-
-
-def _pair_batches(seqs: Sequences, batch_size: int, shuffle: bool, seed: int, start_step: int) -> Iterator[Batch]:
-    """:func:`_batches` over pairs: each pair's two rows together, in order."""
-    n, per = len(seqs) // 2, batch_size // 2
+def _epoch_chunks(n: int, per: int, shuffle: bool, seed: int, start_step: int) -> Iterator[torch.Tensor]:
+    """``per`` of ``n`` items a step, forever, epoch after epoch (:func:`_epoch_order`); a chunk
+    that reaches the end of an epoch continues into the next one's order. ``start_step`` skips
+    the chunks of the steps before it."""
     epoch, offset = divmod(start_step * per, n)
     order = _epoch_order(n, epoch, shuffle, seed)[offset:]
     while True:
         while len(order) < per:
             epoch += 1
             order = torch.cat([order, _epoch_order(n, epoch, shuffle, seed)])
-        chosen, order = order[:per], order[per:]
+        chunk, order = order[:per], order[per:]
+        yield chunk
+
+
+def _batches(
+    seqs: Sequences, batch_size: int, shuffle: bool, seed: int, start_step: int
+) -> Iterator[Batch]:
+    for rows in _epoch_chunks(len(seqs), batch_size, shuffle, seed, start_step):
+        positions = None if seqs.positions is None else seqs.positions[rows]
+        yield Batch(seqs.input_ids[rows], seqs.targets[rows], positions)  # copies: rows read here
+
+
+def _pair_batches(seqs: Sequences, batch_size: int, shuffle: bool, seed: int, start_step: int) -> Iterator[Batch]:
+    """:func:`_batches` over pairs: each pair's two rows together, in order."""
+    for chosen in _epoch_chunks(len(seqs) // 2, batch_size // 2, shuffle, seed, start_step):
         rows = torch.stack([2 * chosen, 2 * chosen + 1], dim=1).reshape(-1)
         yield Batch(seqs.input_ids[rows], seqs.targets[rows], None, rows)
 
