@@ -136,6 +136,18 @@ for job in "$@"; do
     mt8b)  # the same on this project's llama-8b configuration, 16 x 4096
       mtrun llama-3.1-8b 4096 "${MTB:-16 8}" 3
       BT=300 bench ft8b --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 --resident none ;;
+    w2r12) bench w2r12 $W --batch-size 16 --steps 5 --resident embed,head,$(seq -s, -f 'layer.%g' 0 9) ;;  # W2 with 10 layers resident
+    moer8) bench moer8 --model qwen3-moe-12l --seq-len 4096 --batch-size 16 --micro-batch-size ${MBM:-4} --steps 3 --warmup 1 --host-mem 118 --resident embed,head,$(seq -s, -f 'layer.%g' 0 7) ;;  # the MoE with 8 layers resident
+    diskspeed)  # the state folder's disk: 4 GiB written and read back with direct I/O
+      log diskspeed; df -h /tmp | tail -1 | tee -a "$OUT/log.txt"
+      dd if=/dev/zero of=/tmp/ddtest bs=16M count=256 oflag=direct 2>&1 | tail -1 | tee -a "$OUT/log.txt"
+      dd if=/tmp/ddtest of=/dev/null bs=16M iflag=direct 2>&1 | tail -1 | tee -a "$OUT/log.txt"; rm -f /tmp/ddtest ;;
+    8b10disk)  # llama-8b on a 10 GB card past host memory: what --host-mem cannot hold of the Adam state on disk
+      rm -rf /tmp/ftstate; mkdir -p /tmp/ftstate; df -h /tmp | tail -1 | tee -a "$OUT/log.txt"
+      (m=0; while sleep 2; do s=$(du -sb /tmp/ftstate 2>/dev/null | cut -f1); if [[ ${s:-0} -gt $m ]]; then m=$s; echo "$m" >"$OUT/8b10disk-bytes.txt"; fi; done) &
+      local_du=$!
+      BT=${BT:-480} bench 8b10disk --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size ${MB10:-2} --steps ${DSTEPS:-3} --warmup 1 --host-mem ${HM:-80} --gpu-mem 10 --state-dir /tmp/ftstate --trace "$OUT/8b10disk-trace.json"
+      kill $local_du; echo "state folder peak bytes: $(cat "$OUT/8b10disk-bytes.txt" 2>/dev/null)" | tee -a "$OUT/log.txt"; ls /tmp/ftstate | head -3 | tee -a "$OUT/log.txt" ;;
     dpo8b10)  # DPO on llama-8b on a 10 GB card: 8 pairs a step, 2,048 prompt + 2,040 completion tokens each (random ids)
       python3 -c "import json, random; r = random.Random(0); ids = lambda n: [r.randrange(128256) for _ in range(n)]; print('\n'.join(json.dumps({'prompt_input_ids': ids(2048), 'chosen_input_ids': ids(2040), 'rejected_input_ids': ids(2040)}) for _ in range(32)))" >/tmp/prefs.jsonl
       log "dpo8b10: flowtrain train --model llama-8b --objective dpo, 16 x 4096, --gpu-mem 10"

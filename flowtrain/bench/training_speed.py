@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 #: (its defaults below: a benchmark measures long sequences, a few steps)
 BENCH_FIELDS = ("data", "packing", "seq_len", "batch_size", "micro_batch_size", "steps", "precision", "device",
                 "adam_workers", "order", *MEMORY_FIELDS, *KERNEL_FIELDS, "lora_rank", "lora_alpha", "lora_targets",
-                "lora_state", "skip_idle_experts")
+                "lora_state", "skip_idle_experts", "state_dir", "disk_state", "disk_gbs")
 
 
 def add_model_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
