@@ -66,6 +66,31 @@ def flops_per_token(shape: str, seq: int) -> float:
     return 6 * (layers * per_layer + h * vocab) + 6 * layers * heads * head_dim * seq
 
 
+def random_model(auto, config):
+    """The model with random bf16 weights in seconds: built on the meta device, then each matrix a slice
+    of one random pool (transformers' own initialisation of 7B bf16 weights on the CPU takes minutes)."""
+    with torch.device("meta"):
+        model = auto.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+    model = model.to_empty(device="cpu")
+    pool = torch.randn(1 << 24, generator=torch.Generator().manual_seed(0)).mul_(0.02).to(torch.bfloat16)
+    offset = 0
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:  # norms' scales
+                p.fill_(1.0)
+                continue
+            flat = p.view(-1)
+            for start in range(0, flat.numel(), pool.numel()):
+                n = min(pool.numel(), flat.numel() - start)
+                first = min(n, pool.numel() - offset)
+                flat[start:start + first].copy_(pool[offset:offset + first])
+                flat[start + first:start + n].copy_(pool[:n - first])
+                offset = (offset + n) % pool.numel()
+    rotary = model.model.rotary_emb  # its inverse frequencies, a buffer to_empty left unset
+    model.model.rotary_emb = type(rotary)(config=config)
+    return model
+
+
 def run(shape: str, seq: int, batch: int, steps: int) -> dict:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from infinity import CPUMasterConfig, CPUMasterModel
@@ -74,7 +99,7 @@ def run(shape: str, seq: int, batch: int, steps: int) -> dict:
     t0 = time.perf_counter()
     torch.manual_seed(0)
     say(f"building {shape} in bf16 on the CPU", t0)
-    model = AutoModelForCausalLM.from_config(hf_config(shape), dtype=torch.bfloat16, attn_implementation="sdpa")
+    model = random_model(AutoModelForCausalLM, hf_config(shape))
     say("built; handing it to CPUMasterModel", t0)
     config = CPUMasterConfig(model_name=shape, dataset_path="random tokens", max_seq_len=seq, batch_size=batch, num_steps=steps,
                              learning_rate=1e-5, weight_decay=0.01, attn_implementation="sdpa",
