@@ -11,8 +11,9 @@ CPU Adam, which its own training script uses (``prepare-wheels.sh --deepspeed``)
 What it runs is MegaTrain's own training step, as its ``examples/sft/train.py`` does it:
 ``CPUMasterModel(model, config)``, ``forward_and_backward`` over the whole batch, gradient clipping
 to 1.0, ``DeepSpeedCPUAdam.step`` (AdamW mode) over ``get_parameters()``, then
-``_sync_params_to_gpu`` and ``zero_grad``. The model is built by transformers from the shape's
-config in bf16 (MegaTrain loads it so: its trained weights are bf16, the Adam moments fp32) with
+``_sync_params_to_gpu`` and ``zero_grad``. The model is transformers' model of the shape's config
+in bf16 (MegaTrain loads it so: its trained weights are bf16, the Adam moments fp32), random weights
+from one pool (:func:`random_model`: transformers' own initialisation takes minutes on the CPU), with
 PyTorch's scaled-dot-product attention (its configs ask for flash-attn 2, which the benchmark
 machine lacks). Model FLOPs per token follow docs/benchmarks.md ("Model FLOPs"): 6 x the weights a
 token multiplies by (no input embedding) + 6 x layers x heads x head_dim x sequence. MegaTrain's
