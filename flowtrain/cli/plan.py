@@ -21,6 +21,14 @@ which ``flowtrain probe --state-dir DIR`` measures)::
 
     flowtrain plan --model llama-8b --seq-len 4096 --batch-size 4 --micro-batch-size 2 --gpu-mem 10 \
         --host-mem 32 --state-dir /nvme/state --machine rtx3080-10gb
+
+With ``--objective dpo`` it also counts the reference pass that such a run makes before its first
+step (:func:`reference_report`): the pairs of ``--data`` it covers, read as train reads them,
+and the host memory their reference log-probabilities take, which the host total includes;
+without ``--data``, the pass per pair (``reference_pass`` in ``--json``)::
+
+    flowtrain plan --model llama-8b --objective dpo --data prefs.jsonl --seq-len 4096 --batch-size 16 \
+        --micro-batch-size 2 --gpu-mem 10
 """
 
 from __future__ import annotations
@@ -34,7 +42,8 @@ from ..train.config import defaults
 from .flags import add_config_flags, config_values
 from .train import MEMORY_FIELDS, flag_of
 
-__all__ = ["PLAN_FIELDS", "add_arguments", "checked_request", "flag_of", "format_plan", "plan_for", "run"]
+__all__ = ["PLAN_FIELDS", "add_arguments", "checked_request", "flag_of", "format_plan", "plan_for", "reference_report",
+           "run"]
 
 # The planner and the trainer import torch: they are imported where the command runs, so that
 # ``flowtrain plan --help`` stays instant.
@@ -44,7 +53,7 @@ __all__ = ["PLAN_FIELDS", "add_arguments", "checked_request", "flag_of", "format
 PLAN_FIELDS = ("model", "data", "data_columns", "tokenizer", "byte_tokenizer", "seq_len", "batch_size",
                "micro_batch_size", "order", "grad_clip", "precision", "device", "policy", "attention_backend", "layer_path",
                *MEMORY_FIELDS, "lora_rank", "lora_targets", "lora_state", "skip_idle_experts",
-               "state_dir", "disk_state", "disk_gbs")
+               "state_dir", "disk_state", "disk_gbs", "objective")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -57,6 +66,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    "multiple of 64) or 128 for text and without --data",
         "data": "the training data, to plan at the length train would take from it (read through the data cache, "
                 "so train does not tokenise it again); default: none, --seq-len or 128",
+        "objective": "the run's objective, as train's; dpo: also count the reference pass before the first step "
+                     "(the pairs of --data, the host memory of their reference log-probabilities; simulate: its time)",
     })
     a = p.add_argument
     a("--nproc-per-node", type=int, default=1, metavar="N",
@@ -86,19 +97,27 @@ def checked_request(args: argparse.Namespace, gpu_mem: float | None, host_mem: f
 
     tc = TrainConfig(**{**config_values(args, fields), "gpu_mem": gpu_mem, "host_mem": host_mem})
     check_fields(tc)
+    if tc.objective != "sft":  # (imports torch)
+        from ..train.prepare import check_objective
+
+        check_objective(tc, needs_data=False)  # a plan may describe a DPO run per pair
     cfg, model_dir = load_model_config(args.model, tc.layer_path)
     cfg.validate()
     check_units_fit(cfg, host_mem, None if gpu_mem is None else int(gpu_mem * 2**30))  # before sizing anything
-    if tc.data is not None:  # the length train would take from the data (this reads it: torch)
-        from ..train.prepare import seq_len_of_data
+    rows = 0
+    if tc.data is not None:  # the length train would take from the data, and its rows (this reads it: torch)
+        from ..train.prepare import data_rows
 
-        tc = msgspec.structs.replace(tc, seq_len=seq_len_of_data(tc, cfg, model_dir))
+        seq_len, rows = data_rows(tc, cfg, model_dir)
+        tc = msgspec.structs.replace(tc, seq_len=seq_len)
     check_with_model(tc, cfg)
     if args.nproc_per_node < 1 or args.nnodes < 1:
         raise ConfigError(f"--nproc-per-node and --nnodes must be at least 1 (got {args.nproc_per_node}, {args.nnodes})")
     processes = args.nproc_per_node * args.nnodes
     local = local_share(tc, processes)
-    return cfg, model_dir, run_request(local, model_dir, processes, share=args.nproc_per_node), processes
+    reference_rows = rows if tc.objective == "dpo" else 0  # DPO: every process keeps the whole data's reference
+    return (cfg, model_dir, run_request(local, model_dir, processes, share=args.nproc_per_node,
+                                        reference_rows=reference_rows), processes)
 
 
 def plan_for(args: argparse.Namespace, machine, with_predictions: bool = False,  # machine: a Machine
@@ -144,14 +163,18 @@ def run(args: argparse.Namespace) -> int:
     else:
         req, plan, choice, cfg, predict_on = _plan_here(args, machine)
     disk = disk_report(args, cfg, req, plan, predict_on) if plan.disk_tier else None
+    reference = reference_report(args, req) if args.objective == "dpo" else None
     if args.json:
         print(json.dumps({"model": args.model, "seq_len": req.seq_len, **plan.to_dict(),
                           **({"disk_io": disk[1]} if disk else {}),
+                          **({"reference_pass": reference[1]} if reference else {}),
                           **({"fastest": choice.to_dict()} if choice else {})}, indent=1))
     else:
         if args.data is not None and not defaults.seq_len_given(args.seq_len):
             print(f"seq-len {req.seq_len}, as train takes it from {args.data}")
         print(format_plan(args.model, plan))
+        if reference:
+            print(reference[0])
         if disk:
             print("\n".join(disk[0]))
         if args.host_mem is None:
@@ -274,6 +297,59 @@ def disk_report(args: argparse.Namespace, cfg, req, plan, machine, summary=None)
         lines.append("  bandwidth        give --disk-gbs N or --machine (flowtrain probe --state-dir DIR measures the "
                      "disk) to compare with what the step needs")
     return lines, out
+
+
+def reference_report(args: argparse.Namespace, req, reference=None) -> tuple[str, dict]:  # reference: a ReferencePass
+    """A DPO run's reference pass (``--objective dpo``): one line for the text and the
+    ``reference_pass`` entry of ``--json``. Before the first step every process runs the model
+    forward only over all of the data's pairs, a step's sequences (``--batch-size``) at a time,
+    and keeps each sequence's reference log-probability in host memory, fp32: the pairs as
+    train reads them from ``--data`` (``req.reference_rows``), their bytes, which the plan's host
+    total counts; without ``--data``, the same per pair. ``reference``: the simulator's
+    prediction of the pass (``flowtrain simulate``), which adds its seconds."""
+    from ..plan.memory import REFERENCE_BYTES_PER_ROW, reference_host_bytes
+
+    rows = req.reference_rows if args.data is not None else None
+    per_pass = req.batch_size * req.processes  # the whole step's sequences (req: one process's share)
+    processes = req.processes
+    out: dict = {"pairs": None if rows is None else rows // 2, "sequences": rows,
+                 "sequences_per_pass": per_pass, "micro_batch_size": req.micro_batch_size,
+                 "passes": None if rows is None else -(-rows // per_pass),
+                 "host_bytes": None if rows is None else reference_host_bytes(req),
+                 "host_bytes_per_pair": 2 * REFERENCE_BYTES_PER_ROW, "in_host_total": rows is not None,
+                 "processes": processes}
+    if rows is None:
+        what = f"one forward-only pass over all of --data's pairs before step 1, {per_pass} sequences at a time"
+    else:
+        what = (f"{rows // 2:,} pairs of {args.data}, forward only before step 1 in {out['passes']:,} passes of "
+                f"{per_pass} sequences")
+    if reference is not None:
+        per_pair = reference.seconds_per_pair
+        out.update(seconds=None if reference.seconds is None else _digits(reference.seconds),
+                   seconds_per_pass=_digits(reference.pass_seconds), seconds_per_pair=_digits(per_pair),
+                   seconds_per_1000_pairs=_digits(1000 * per_pair))
+        rate = f"{per_pair:.3g} s a pair, {1000 * per_pair:,.0f} s per 1,000 pairs"
+        what += (f", predicted {rate}" if reference.seconds is None
+                 else f", predicted {reference.seconds:,.1f} s ({rate})")
+    if rows is None:
+        what += f"; {2 * REFERENCE_BYTES_PER_ROW} bytes of host memory a pair (--data counts the pairs)"
+    else:
+        what += f"; their log-probabilities take {_bytes(out['host_bytes'])} of host memory, in the host total"
+    if processes > 1:
+        what += f"; each of the {processes} processes runs and keeps all of it"
+    return f"reference pass (DPO): {what}", out
+
+
+def _digits(x: float) -> float:
+    """``x`` to 6 significant digits (a small model's pass takes milliseconds)."""
+    return float(f"{x:.6g}")
+
+
+def _bytes(n: int) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
 
 
 def _gib(n: int | None) -> str:

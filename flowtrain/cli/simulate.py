@@ -22,6 +22,10 @@ bytes and what the step needs of the disk (``disk_io`` in ``--json``)::
     flowtrain simulate --machine rtx3080-10gb --model llama-8b --seq-len 4096 --batch-size 4 \
         --micro-batch-size 2 --gpu-mem 10 --host-mem 32 --state-dir /nvme/state
 
+With ``--objective dpo`` it also predicts the reference pass such a run makes before its first
+step, forward only over every pair of ``--data`` (per pair without it), as the simulator
+predicts any forward-only graph (``reference_pass`` in ``--json``; see ``flowtrain plan``).
+
 Machines: a shipped name (``flowtrain simulate --list-machines`` names them) or a machine file
 (``flowtrain probe`` writes one for the machine it runs on).
 """
@@ -137,6 +141,15 @@ def run(args: argparse.Namespace) -> int:
 
         disk = disk_report(args, cfg, req, plan, machine, pred.summary)
         out["disk_io"] = disk[1]
+    reference = None
+    if args.objective == "dpo":
+        from ..sim.predict import predict_reference_pass
+        from .plan import reference_report
+
+        ref = predict_reference_pass(pred.shape, plan, machine, args.policy, batch_size=req.batch_size * req.processes,
+                                     rows=req.reference_rows if args.data is not None else None)
+        reference = reference_report(args, req, ref)
+        out["reference_pass"] = reference[1]
     if args.json:
         print(json.dumps(out, indent=1))
     else:
@@ -150,6 +163,8 @@ def run(args: argparse.Namespace) -> int:
             f"resident {len(res)} units, slots {plan.budgets}, GPU {plan.gpu_total / 2**30:.1f} GiB, "
             f"host {plan.host_total / 2**30:.1f} GiB"
             + (f" ({plan.memory_choice})" if plan.memory_choice else ""))))
+        if reference:
+            print(reference[0])
         if disk:
             print("\n".join(disk[0]))
     return 0

@@ -15,7 +15,7 @@ layout), ``streaming_copy`` (2, stream-bf16), ``staging`` (the ring), ``tied_gra
 checkpoint file, mapped while it is read) and ``undo_record`` (without clipping: up to
 ``--undo-mem`` of the master, m and v that ``cpu_adam`` copies aside until the step is known
 finite; see :mod:`flowtrain.train.nonfinite`) and ``data`` (the token batches in use, see
-:func:`data_host_bytes`). GPU bytes: ``weight_slots``,
+:func:`data_host_bytes`); a DPO run adds ``reference_logps`` (:func:`reference_host_bytes`). GPU bytes: ``weight_slots``,
 ``landing`` (the fp32 piece buffer of casting fetches), ``grad_slots``, ``resident`` (master, m,
 v, gradient and compute copy: 18 bytes per parameter in bf16), ``checkpoints``, ``recompute``,
 ``layer_work`` (one layer under autograd), ``kept_activations`` (the layers whose forward
@@ -116,6 +116,18 @@ def data_host_bytes(req: RunRequest) -> int:
     return DATA_BATCHES * req.batch_size * req.seq_len * 3 * 8
 
 
+#: Host bytes a DPO run keeps per sequence of its data: the reference's summed log-probability
+#: of its completion, fp32 (two a pair; ``TrainingLoop.reference``)
+REFERENCE_BYTES_PER_ROW = 4
+
+
+def reference_host_bytes(req: RunRequest) -> int:
+    """Host bytes of a DPO run's reference log-probabilities: one fp32 per sequence of the whole
+    data, computed before the first step and kept for the run (every process keeps all of
+    them); 0 for any other run."""
+    return REFERENCE_BYTES_PER_ROW * req.reference_rows
+
+
 class Plan(msgspec.Struct, kw_only=True):
     device: str
     params: int
@@ -186,7 +198,7 @@ class Plan(msgspec.Struct, kw_only=True):
     @property
     def host_state_bytes_per_param(self) -> float:
         """Host bytes of model and optimizer state (runtime excluded) per model parameter."""
-        transient = sum(self.host.get(k, 0) for k in ("runtime", "checkpoint_load", "data"))
+        transient = sum(self.host.get(k, 0) for k in ("runtime", "checkpoint_load", "data", "reference_logps"))
         return (sum(self.host.values()) - transient) / self.params
 
     @property
@@ -399,6 +411,8 @@ def _host_items(cfg: ModelConfig, req: RunRequest, device: torch.device, cbytes:
             host["tied_gradient"] = 4 * layouts[0].numel
     host["runtime"] = RUNTIME_HOST["cuda" if device.type == "cuda" else "cpu"]
     host["data"] = data_host_bytes(req)
+    if req.reference_rows:
+        host["reference_logps"] = reference_host_bytes(req)
     if req.load_bytes:
         host["checkpoint_load"] = req.load_bytes
     if not req.grad_clip and streamed and not lora:

@@ -66,6 +66,10 @@ class RunRequest(msgspec.Struct, kw_only=True):
     #: optimizer state lives on disk (:mod:`flowtrain.plan.disk`), and how many reads run ahead
     disk_state: str = "none"
     disk_ahead: int = 2
+    #: ``--objective dpo``: the data's sequences (two a pair) whose reference log-probability
+    #: the run computes before its first step and keeps in host memory, fp32 each
+    #: (:func:`~.memory.reference_host_bytes`); 0 for every other run, or where the data is not known
+    reference_rows: int = 0
 
 
 def checkpoint_read_bytes(model_dir: str | os.PathLike[str] | None) -> int:
@@ -77,10 +81,11 @@ def checkpoint_read_bytes(model_dir: str | os.PathLike[str] | None) -> int:
 
 
 def run_request(cfg: Any, model_dir: str | os.PathLike[str] | None = None, processes: int = 1,
-                share: int = 1) -> RunRequest:
+                share: int = 1, reference_rows: int = 0) -> RunRequest:
     """The request of a ``TrainConfig`` (or anything with the same attributes); with several
     data-parallel ``processes``, ``cfg`` is one process's share (``distributed.local_share``),
-    ``share`` of them on each node sharing the host state."""
+    ``share`` of them on each node sharing the host state. ``reference_rows``: a DPO run's
+    sequences of data (every process computes and keeps the reference of all of them)."""
     return RunRequest(seq_len=int(cfg.seq_len), batch_size=cfg.batch_size, micro_batch_size=cfg.micro_batch_size,
                       checkpoint_every=cfg.checkpoint_every, activations=cfg.activations, order=cfg.order,
                       grad_clip=cfg.grad_clip is not None,
@@ -95,4 +100,5 @@ def run_request(cfg: Any, model_dir: str | os.PathLike[str] | None = None, proce
                       lora_dropout=getattr(cfg, "lora_dropout", 0.0) or 0.0,
                       lora_state=getattr(cfg, "lora_state", "auto"),
                       skip_idle_experts=bool(getattr(cfg, "skip_idle_experts", False)),
-                      disk_state=getattr(cfg, "disk_state", "none") if getattr(cfg, "state_dir", None) else "none")
+                      disk_state=getattr(cfg, "disk_state", "none") if getattr(cfg, "state_dir", None) else "none",
+                      reference_rows=reference_rows)

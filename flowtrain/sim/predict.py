@@ -9,6 +9,14 @@ with the plan's budgets, ``WithBudgets``), and summarizes them::
     pred = predict(cfg, plan, req, load_machine("h200"))
     pred.summary.tokens_per_s, pred.records    # records: one list per simulated step
 
+A DPO run's reference pass (``--objective dpo``: every sequence's log-probability under the
+initial weights, before the first step) is predicted the same way, as the trainer runs it: the
+forward-only graph of an evaluation (:func:`~flowtrain.graph.evaluation.compile_eval`), a
+step's rows at a time, each graph waited for before the next::
+
+    ref = predict_reference_pass(pred.shape, plan, machine, batch_size=16, rows=64)
+    ref.seconds, ref.seconds_per_pair             # 64 sequences: 4 graphs of 16
+
 It imports the model's layout code (which imports torch) only inside :func:`shape_of`.
 """
 
@@ -18,6 +26,7 @@ from typing import Any
 
 import msgspec
 
+from ..graph.evaluation import compile_eval
 from ..policy import WithBudgets, resolve_policy
 from ..runtime.trace import TaskRecord
 from .clock import VirtualRun
@@ -31,6 +40,49 @@ class Prediction(msgspec.Struct, kw_only=True):
     records: list[list[TaskRecord]]
     shape: Shape
     machine: str
+
+
+class ReferencePass(msgspec.Struct, kw_only=True):
+    """The predicted time of a DPO run's reference pass: one forward-only graph per
+    ``rows_per_pass`` sequences of the data (a step's), each waited for before the next."""
+
+    rows_per_pass: int
+    #: seconds of one graph of ``rows_per_pass`` sequences
+    pass_seconds: float
+    #: the data's sequences and the seconds of the whole pass over them (their full graphs and
+    #: the last, shorter one, simulated at its size); None where the data is not known
+    rows: int | None = None
+    seconds: float | None = None
+
+    @property
+    def seconds_per_pair(self) -> float:
+        """Seconds per preference pair (two sequences) of a full graph."""
+        return self.pass_seconds * 2 / self.rows_per_pass
+
+
+def _eval_graph_seconds(shape: Shape, plan: Any, machine: Machine, policy: Any, micro_batches: int) -> float:
+    """Seconds of one forward-only graph of ``micro_batches`` micro-batches, from idle lanes to
+    the host's knowing that its last task has ended."""
+    sim = VirtualRun(CostModel(machine, shape), WithBudgets(resolve_policy(policy), plan.budgets),
+                     cpu_workers=shape.adam_workers)
+    records = sim.run(compile_eval(plan.spec, 0, micro_batches))
+    return max(r.end for r in records) + sim.sync
+
+
+def predict_reference_pass(shape: Shape, plan: Any, machine: Machine, policy: Any = "double_buffer", *,
+                           batch_size: int, rows: int | None = None) -> ReferencePass:
+    """The reference pass of a DPO run of ``plan`` on ``machine``, ``shape`` that of its step's
+    prediction (:attr:`Prediction.shape`), as ``flowtrain.train.loop`` runs it: forward-only
+    graphs of ``batch_size`` sequences (a whole step's, on every process: each computes the
+    reference of all the data) in micro-batches of ``shape.micro_batch_size``, simulated with the
+    plan's budgets under ``policy``; with ``rows``, the whole pass over that many sequences."""
+    mbs = shape.micro_batch_size
+    full = _eval_graph_seconds(shape, plan, machine, policy, -(-batch_size // mbs))
+    if rows is None:
+        return ReferencePass(rows_per_pass=batch_size, pass_seconds=full)
+    passes, rest = divmod(rows, batch_size)
+    last = _eval_graph_seconds(shape, plan, machine, policy, -(-rest // mbs)) if rest else 0.0
+    return ReferencePass(rows_per_pass=batch_size, pass_seconds=full, rows=rows, seconds=passes * full + last)
 
 
 def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1, world: int = 1, nodes: int = 1) -> Shape:

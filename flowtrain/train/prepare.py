@@ -46,8 +46,8 @@ from .metrics_file import check_metrics_free
 from .reporters import check_trackers
 from .optimizer import AdamWConfig, LRSchedule
 
-__all__ = ["Run", "adamw_config", "prefer_expandable_segments", "prepare", "resolve_defaults", "resolve_device",
-           "resolve_dtype", "seq_len_of_data"]
+__all__ = ["Run", "adamw_config", "check_objective", "data_rows", "prefer_expandable_segments", "prepare",
+           "resolve_defaults", "resolve_device", "resolve_dtype", "seq_len_of_data"]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -116,7 +116,7 @@ def prepare(cfg: TrainConfig, world: World | None = None, *, rows_given: bool = 
     base_dir = model_dir
     cfg = resolve_defaults(cfg, pretrained=model_dir is not None, saved=resume_state.get("settings"))
     check_fields(cfg)
-    _check_objective(cfg)
+    check_objective(cfg)
     _check_state_dir(cfg, world)
     mcfg.validate()
     check_units_fit(mcfg, cfg.host_mem, None if cfg.gpu_mem is None else int(cfg.gpu_mem * 2**30))  # before sizing anything
@@ -152,8 +152,10 @@ def prepare(cfg: TrainConfig, world: World | None = None, *, rows_given: bool = 
         schedule = resumed_schedule(schedule.base, resume_state, where=str(resume_from))
     world = world or world_from_env()
     device, local = _data_parallel(cfg, world, device)
-    plan = plan_and_choose(mcfg, run_request(local, model_dir, world.size, share=world.local_size), device=device,
-                           dtype=dtype, policy=resolve_policy(cfg.policy))
+    reference_rows = len(seqs) if cfg.objective == "dpo" else 0  # every process keeps the whole data's
+    plan = plan_and_choose(mcfg, run_request(local, model_dir, world.size, share=world.local_size,
+                                             reference_rows=reference_rows),
+                           device=device, dtype=dtype, policy=resolve_policy(cfg.policy))
     if not plan.fits:
         raise PlanError(plan.refusal())
     return Run(cfg, mcfg, model_dir, device, dtype, plan, schedule, seqs, data_fp, resume_from, resume_state,
@@ -271,11 +273,13 @@ def _check_state_dir(cfg: TrainConfig, world: World | None) -> None:
                           "memory: leave it out", named=True)
 
 
-def _check_objective(cfg: TrainConfig) -> None:
-    """DPO's batches hold whole pairs: two sequences each, in one micro-batch."""
+def check_objective(cfg: TrainConfig, *, needs_data: bool = True) -> None:
+    """DPO's batches hold whole pairs: two sequences each, in one micro-batch. ``needs_data``:
+    refuse a DPO run without ``--data`` (``flowtrain plan`` and ``simulate`` take one, to
+    describe the run per pair)."""
     if cfg.objective != "dpo":
         return
-    if cfg.data is None:
+    if cfg.data is None and needs_data:
         raise ConfigError("{objective} dpo trains on preference pairs: give them with {data} (a .jsonl of TRL's "
                           "prompt/chosen/rejected rows)", named=True)
     for name, value in (("batch_size", cfg.batch_size), ("micro_batch_size", cfg.micro_batch_size)):
@@ -291,7 +295,7 @@ def _read_data(cfg: TrainConfig, mcfg: ModelConfig, tokenizer_dir: Path | None, 
     """``--data`` (the bundled corpus without it) read as the run reads it: preference pairs
     for ``--objective dpo`` (:mod:`flowtrain.data.preference`)."""
     if cfg.objective == "dpo":
-        assert cfg.data is not None  # _check_objective's
+        assert cfg.data is not None  # check_objective's
         return load_pairs(cfg.data, seq_len, mcfg.vocab_size, tokenizer_dir, pad_id=mcfg.pad_token_id or 0,
                           eos_id=mcfg.eos_token_id, byte_tokenizer=cfg.byte_tokenizer)
     return _read(cfg.data or str(default_corpus_path()), cfg, mcfg, tokenizer_dir, seq_len)
@@ -308,8 +312,15 @@ def seq_len_of_data(cfg: TrainConfig, mcfg: ModelConfig, model_dir: Path | None)
     chooses (:func:`_data_seq_len`); what ``flowtrain plan --data`` plans for. Reads the data as
     the run would, so data the run would refuse is refused here (through the cache, so the run
     that follows does not tokenise it again)."""
+    return data_rows(cfg, mcfg, model_dir)[0]
+
+
+def data_rows(cfg: TrainConfig, mcfg: ModelConfig, model_dir: Path | None) -> tuple[int, int]:
+    """``(seq_len, sequences)`` of ``cfg``'s data, read as the run reads it
+    (:func:`seq_len_of_data`): for ``--objective dpo`` its pairs' sequences, two a pair."""
     tokenizer_dir = _tokenizer_dir(cfg, model_dir)
-    return int(_read_data(cfg, mcfg, tokenizer_dir, _data_seq_len(cfg, mcfg, {}, tokenizer_dir)).seq_len)
+    seqs = _read_data(cfg, mcfg, tokenizer_dir, _data_seq_len(cfg, mcfg, {}, tokenizer_dir))
+    return int(seqs.seq_len), len(seqs)
 
 
 def _data_seq_len(cfg: TrainConfig, mcfg: ModelConfig, resume_state: dict,

@@ -179,9 +179,10 @@ def test_request_fields_match_train_config():
 
     # load_bytes is read from --model; processes and share from torchrun (or plan's --nproc-per-node);
     # grouped_experts from the GPU planned for (this one's, or --machine's file)
-    # disk_ahead: the reads of state on disk run ahead by the planner's own number
+    # disk_ahead: the reads of state on disk run ahead by the planner's own number;
+    # reference_rows: a DPO run's sequences, counted in --data
     request = {f.name for f in msgspec.structs.fields(RunRequest)} - {"load_bytes", "processes", "share", "grouped_experts",
-                                                                      "disk_ahead"}
+                                                                      "disk_ahead", "reference_rows"}
     assert request <= {f.name for f in msgspec.structs.fields(TrainConfig)}
 
 
