@@ -10,6 +10,7 @@ host memory of two processes.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -338,6 +339,34 @@ def test_two_processes_train_the_adapters_of_one(tmp_path, extra):
         assert err <= 1e-5, f"{name}: relative error {err:.2e}"
     assert proc.stdout.count("done: 3 steps") == 1 and "share one host copy" not in proc.stdout
     assert "reduce_grad adapter L1" in (tmp_path / "trace.json").read_text()
+
+
+def test_two_processes_train_the_dpo_weights_of_one(tmp_path):
+    """DPO under torchrun: each process computes the reference of every pair before the first
+    step, trains its share of the step's pairs (whole pairs: a micro-batch is one pair here), the
+    loss averaged over the whole step's pairs, and the weights and the step's rewards end as one
+    process's on the same global batch."""
+    pytest.importorskip("transformers")
+    from test_dpo import make_pairs
+    from test_train_vs_hf import make_checkpoint
+
+    make_checkpoint(tmp_path / "model")
+    make_pairs(tmp_path / "pairs.jsonl")  # 12 pairs: 3 steps of 4
+    dpo = ["--model", str(tmp_path / "model"), "--data", str(tmp_path / "pairs.jsonl"), "--objective", "dpo",
+           "--steps", "3", "--batch-size", "8", "--micro-batch-size", "2", "--seq-len", "16", "--no-shuffle",
+           "--device", "cpu", "--precision", "fp32", "--lr", "0.01", "--lr-schedule", "constant",
+           "--warmup-steps", "0", "--no-progress"]
+    assert main(["train", *dpo, "--out", str(tmp_path / "one"), "--metrics", str(tmp_path / "one.jsonl")]) == 0
+    proc = torchrun(tmp_path, "two", "--metrics", str(tmp_path / "two.jsonl"), run=dpo)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_same_models(tmp_path / "one", tmp_path / "two")
+    assert proc.stdout.count("reference log-probabilities of 12 pairs computed") == 1  # rank 0 says it
+    assert proc.stdout.count("done: 3 steps") == 1
+    one, two = ([json.loads(x) for x in (tmp_path / f"{n}.jsonl").read_text().splitlines()] for n in ("one", "two"))
+    assert len(one) == len(two) == 3
+    for a, b in zip(one, two):
+        for key in ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "rewards/accuracies"):
+            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-6), (a["step"], key)
 
 
 @pytest.mark.parametrize("resident", [[], pytest.param(["--resident", "layer.2"], marks=SLOW)],

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import copy
 import json
+import math
 
 import pytest
 import torch
@@ -139,6 +140,28 @@ def test_resume_is_bit_exact(setup, tmp_path):
     a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "whole").state_dict()
     b = transformers.AutoModelForCausalLM.from_pretrained(resumed).state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@pytest.mark.parametrize("where", ["loss", "layer.0"])
+def test_a_non_finite_step_is_skipped_and_the_run_goes_on_from_the_step_before(setup, tmp_path, monkeypatch, where):
+    """A NaN written into step 2's loss (known before any Adam) or layer 0's gradient (found
+    last, after the units above were updated and recorded): the step is skipped as SFT's is
+    (``tests/train/test_nonfinite.py``), and the run ends bit for bit where a run on the same
+    pairs without that step's ends: nothing of it reached the weights, Adam or the step count."""
+    d, rows, _ = setup
+    without = tmp_path / "without.jsonl"
+    without.write_text("".join(json.dumps(r) + "\n" for r in rows[:PAIRS] + rows[2 * PAIRS:]))
+    assert main(dpo_args(d / "model", without, tmp_path / "ref", "--steps", str(STEPS - 1))) == 0
+    monkeypatch.setenv("FLOWTRAIN_INJECT_NAN", f"step=1,where={where}")
+    metrics = tmp_path / "m.jsonl"
+    assert main(dpo_args(d / "model", d / "pairs.jsonl", tmp_path / "nan", "--metrics", str(metrics))) == 0
+    lines = [json.loads(x) for x in metrics.read_text().splitlines()]
+    assert [x["skipped"] for x in lines] == [False, True, False]
+    # the loss as computed (a NaN is written null)
+    assert lines[1]["loss"] is None if where == "loss" else math.isfinite(lines[1]["loss"])
+    a = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ref").state_dict()
+    b = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "nan").state_dict()
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def test_resume_refuses_another_beta(setup, tmp_path):
