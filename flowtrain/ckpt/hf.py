@@ -3,7 +3,9 @@
 A model directory holds ``config.json`` and either ``model.safetensors`` or a sharded
 ``model.safetensors.index.json`` plus its shards. Loading copies one tensor at a time into
 :func:`~flowtrain.model.flat_map.bind` views, so the model is never in memory twice;
-saving streams each tensor's bytes to disk in the safetensors format, for the same reason::
+saving streams each tensor's bytes to disk in the safetensors format, for the same reason (a unit
+not in memory, given as a function that reads it, is read when its tensors are written and let go
+after them)::
 
     cfg = read_config("Llama-3.2-1B")
     layouts = model_flat_maps(cfg)
@@ -27,7 +29,8 @@ import logging
 import math
 import os
 import struct
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from itertools import islice
 from pathlib import Path
 from typing import Any
 
@@ -211,7 +214,7 @@ def save_hf(
     out_dir: str | os.PathLike[str],
     cfg: ModelConfig,
     layouts: Sequence[FlatMap],
-    flats: Sequence[Tensor],
+    flats: Sequence[Tensor | Callable[[], Tensor]],
     dtype: torch.dtype = torch.float32,
     *,
     max_shard_bytes: int | None = None,
@@ -227,6 +230,11 @@ def save_hf(
     model is made whatever ``dtype`` is. Weight files of a differently saved model already in
     ``out_dir`` are removed, so the directory holds one consistent model.
 
+    A unit's entry of ``flats`` may be a function that gives its flat buffer (a unit whose
+    weights are not in memory: the masters of the disk tier): it is called when the unit's
+    first tensor is written and the buffer let go after its last, so such units are in memory
+    one at a time, and the files are the same as from the buffers themselves.
+
     ``source_config`` (the ``config.json`` dict of the checkpoint trained from) is written back
     with only the dtype changed; without it the config comes from ``cfg`` (:func:`hf_config_text`).
     """
@@ -239,19 +247,18 @@ def save_hf(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
 
-    tensors: list[tuple[str, Tensor]] = []
+    tensors: list[tuple[str, Tensor]] = []  # a unit given as a function: meta tensors, for the headers
     for layout, flat in zip(layouts, flats):
-        tensors += unit_tensors(flat, layout)
-    if cfg.tie_word_embeddings:
-        tensors = [(name, t) for name, t in tensors if name != "lm_head.weight"]
+        tensors += _saved(cfg, flat if isinstance(flat, Tensor) else torch.empty(layout.numel, device="meta"), layout)
     shards = shard_tensors(tensors, dtype, max_shard_bytes)
+    data = _saved_data(cfg, layouts, flats)
     names = [WEIGHTS_NAME] if len(shards) == 1 else [
         SHARD_NAME.format(i + 1, len(shards)) for i in range(len(shards))]
 
     tmp = out / "weights.partial"
     try:
         for name, shard in zip(names, shards):
-            write_safetensors(tmp, shard, dtype)
+            write_safetensors(tmp, shard, dtype, data=islice(data, len(shard)))
             os.replace(tmp, out / name)
         if len(shards) > 1:
             index = {"metadata": {"total_size": sum(_nbytes(t, dtype) for _, t in tensors)},
@@ -265,6 +272,23 @@ def save_hf(
     except OSError as e:
         tmp.unlink(missing_ok=True)
         raise CheckpointError(f"cannot write a checkpoint to {str(out)!r}: {e}") from e
+
+
+def _saved(cfg: ModelConfig, flat: Tensor, layout: FlatMap) -> list[tuple[str, Tensor]]:
+    """The tensors of one unit a saved model holds: all of them but a tied ``lm_head.weight``."""
+    return [(name, t) for name, t in unit_tensors(flat, layout)
+            if not (cfg.tie_word_embeddings and name == "lm_head.weight")]
+
+
+def _saved_data(cfg: ModelConfig, layouts: Sequence[FlatMap],
+                flats: Sequence[Tensor | Callable[[], Tensor]]) -> Iterator[Tensor]:
+    """The tensors :func:`save_hf` writes, in order, a unit's buffer taken (for a function:
+    called) at its first tensor and no longer referenced here once its last is handed out."""
+    for layout, flat in zip(layouts, flats):
+        views = [t for _, t in _saved(cfg, flat if isinstance(flat, Tensor) else flat(), layout)]
+        views.reverse()
+        while views:
+            yield views.pop()
 
 
 def shard_tensors(
@@ -382,6 +406,8 @@ def write_safetensors(
     tensors: Sequence[tuple[str, Tensor]],
     dtype: torch.dtype | None = None,
     metadata: dict[str, str] | None = None,
+    *,
+    data: Iterable[Tensor] | None = None,
 ) -> tuple[int, str]:
     """Write one safetensors file holding ``tensors``; return its size in bytes and sha256.
 
@@ -391,6 +417,10 @@ def write_safetensors(
     copied to the host piece by piece if it lives on a device, so no second copy of the
     tensors is made. The hash is computed from the same pieces as they are written, and the
     file is fsynced before returning. ``tensors`` must be contiguous (``bind`` views are).
+
+    With ``data``, ``tensors`` only describe the file (names, shapes, dtypes: meta tensors do)
+    and ``data`` gives each one's elements in the same order, taken as it is written and not
+    held after: so the caller can bring each from elsewhere just in time.
     """
     header: dict[str, object] = {"__metadata__": {"format": "pt", **(metadata or {})}}
     offset = 0
@@ -412,8 +442,13 @@ def write_safetensors(
         for chunk in (struct.pack("<Q", len(blob)), blob):
             f.write(chunk)
             digest.update(chunk)
-        for _, t in tensors:
-            _write_tensor(f, t, dtype or t.dtype, digest)
+        source = iter(data) if data is not None else (t for _, t in tensors)
+        for name, described in tensors:
+            given = next(source, None)
+            if given is None or given.shape != described.shape:
+                raise ValueError(f"write_safetensors: no data of the shape {tuple(described.shape)} for {name}")
+            _write_tensor(f, given, dtype or described.dtype, digest)
+            del given  # not held while the next one is brought
         f.flush()
         os.fsync(f.fileno())
     return 8 + len(blob) + offset, digest.hexdigest()
