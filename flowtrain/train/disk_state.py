@@ -10,6 +10,7 @@ parameter), which its ``cpu_adam`` refreshes as ever::
     store = StateStore(Path("/nvme/state"), units, queue_depth=4)   # files made, space reserved
     store.read(key, chunk, buf)        # read_state: the file into a host_state staging slot
     store.write(key, chunk, buf)       # write_state: the slot back into the file
+    store.read_field(key, chunk, "master", buf)   # one field alone: a checkpoint's, the final model's
     store.close()                      # the files removed
 
 A file holds the unit's fields one after another (``master`` where it is on disk, then
@@ -160,20 +161,24 @@ class StateStore:
         return f"{what}: {e.strerror or e}"
 
     # ---- transfers -----------------------------------------------------------------------
-    def _pieces(self, sf: StateFile, buf: torch.Tensor, write: bool) -> None:
-        nbytes = 4 * sf.numel
-        if buf.numel() < sf.numel or buf.dtype != torch.float32:
-            raise ValueError(f"a slot of {buf.numel()} fp32 elements cannot hold {sf.name}'s {sf.numel}")
-        mem = memoryview(buf[: sf.numel].numpy()).cast("B")  # type: ignore[arg-type]  # an ndarray is a buffer
+    def _pieces(self, sf: StateFile, buf: torch.Tensor, write: bool, start: int = 0, numel: int | None = None) -> None:
+        """Transfer ``numel`` elements (by default the whole file) between ``buf`` and the file
+        from its byte ``start`` (a multiple of :data:`ALIGN`)."""
+        numel = sf.numel if numel is None else numel
+        nbytes = 4 * numel
+        if buf.numel() < numel or buf.dtype != torch.float32:
+            raise ValueError(f"a slot of {buf.numel()} fp32 elements cannot hold {sf.name}'s {numel}")
+        mem = memoryview(buf[:numel].numpy()).cast("B")  # type: ignore[arg-type]  # an ndarray is a buffer
 
         def one(lo: int) -> None:
             view = mem[lo: min(nbytes, lo + PIECE)]
             done = 0
             while done < len(view):
                 part = view[done:]
-                k = os.pwritev(sf.fd, [part], lo + done) if write else os.preadv(sf.fd, [part], lo + done)
+                at = start + lo + done
+                k = os.pwritev(sf.fd, [part], at) if write else os.preadv(sf.fd, [part], at)
                 if k <= 0:
-                    raise OSError(errno.EIO, f"{'wrote' if write else 'read'} {done} of {len(view)} bytes at {lo}")
+                    raise OSError(errno.EIO, f"{'wrote' if write else 'read'} {done} of {len(view)} bytes at {start + lo}")
                 done += k
 
         starts = range(0, nbytes, PIECE)
@@ -186,7 +191,7 @@ class StateStore:
         if not sf.direct:  # through the page cache: written out, then dropped from it
             if write:
                 os.fdatasync(sf.fd)
-            os.posix_fadvise(sf.fd, 0, nbytes, os.POSIX_FADV_DONTNEED)
+            os.posix_fadvise(sf.fd, start, nbytes, os.POSIX_FADV_DONTNEED)
 
     def read(self, key: str, chunk: int | None, buf: torch.Tensor) -> dict[str, torch.Tensor]:
         """Read the file of ``(key, chunk)`` into ``buf`` (an aligned slot); returns each field's
@@ -220,11 +225,18 @@ class StateStore:
                 view.copy_(fields[name])
         self.write(key, chunk, buf)
 
-    def load(self, key: str, chunk: int | None) -> dict[str, torch.Tensor]:
-        """A chunk's fields as fresh tensors (for a checkpoint or the final model)."""
+    def read_field(self, key: str, chunk: int | None, field: str, buf: torch.Tensor) -> torch.Tensor:
+        """Read one field of the file of ``(key, chunk)``, and nothing else of it, into ``buf``
+        (aligned, at least :func:`field_numel` of the chunk's elements); returns its elements
+        there. How a checkpoint or the final model takes a unit's state back, a field at a time."""
         sf = self.files[(key, chunk)]
-        buf = aligned_empty(sf.numel)
-        return {k: v.clone() for k, v in self.read(key, chunk, buf).items()}
+        f = field_numel(sf.n)
+        try:
+            self._pieces(sf, buf, write=False, start=4 * f * sf.fields.index(field), numel=f)
+        except OSError as e:
+            raise DiskStateError(self._why(f"cannot read the {field} of {sf.name} from {sf.path}", e)) from e
+        self.read_bytes += 4 * f
+        return buf[: sf.n]
 
     def close(self) -> None:
         """Close and remove every file and the run's folder. Safe to call twice."""

@@ -54,6 +54,7 @@ Face checkpoint, so the model never exists twice in memory::
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -70,7 +71,7 @@ from ..model.adapters import LoraSpec, adapter_flat_maps
 from ..model.lora import init_adapter, merge_adapter
 from ..ckpt.adapter_files import save_adapter
 from ..plan.buffer_sizes import LAYOUTS, chunk_range, grad_chunks, slot_numel, staging_numel  # noqa: F401 - re-exported
-from .disk_state import StateStore, aligned_empty
+from .disk_state import ALIGN as DISK_ALIGN, StateStore, aligned_empty, field_numel
 from .distributed import World
 from .pinning import pin as pin_in_place
 from .shared_state import SharedArena, aligned
@@ -317,11 +318,31 @@ class HostState:
         if "master" in fields:
             u.refresh_from(fields["master"])
 
-    def from_disk(self, u: UnitState) -> dict[str, torch.Tensor]:
-        """A whole unit's disk fields as fresh tensors (a checkpoint's or the final model's)."""
+    def from_disk(self, u: UnitState, fields: Iterable[str] | None = None) -> dict[str, torch.Tensor]:
+        """A whole unit's disk fields (those of ``fields`` only, where given) as fresh tensors: a
+        checkpoint's state, or the final model's master. Each field is read alone, chunk by chunk,
+        straight into its tensor where the chunk starts on a 4 KiB boundary of it (always for a
+        unit in one file), else through a buffer of one chunk: memory holds the fields asked
+        for, and only for a unit in unaligned chunks one chunk's field more."""
         assert self.store is not None
-        parts = [self.store.load(u.flat_map.key, c) for c in self.unit_chunks(u)]
-        return {k: torch.cat([p[k] for p in parts]) if len(parts) > 1 else parts[0][k] for k in u.disk_fields}
+        key, n = u.flat_map.key, u.flat_map.numel
+        names = [k for k in u.disk_fields if fields is None or k in fields]
+        out = {k: aligned_empty(field_numel(n)) for k in names}
+        scratch: torch.Tensor | None = None
+        for c in self.unit_chunks(u):  # in order: a chunk read in place pads into the next one's start
+            lo, hi = chunk_range(n, self.stage_n, c)
+            for k in names:
+                if lo % (DISK_ALIGN // 4) == 0:
+                    self.store.read_field(key, c, k, out[k][lo:])
+                    continue
+                if scratch is None:
+                    scratch = aligned_empty(field_numel(self.stage_n))
+                out[k][lo:hi].copy_(self.store.read_field(key, c, k, scratch))
+        return {k: v[:n] for k, v in out.items()}
+
+    def master_of(self, u: UnitState) -> torch.Tensor:
+        """The unit's fp32 master: its own, or where it is on disk a fresh tensor read back."""
+        return self.from_disk(u, ("master",))["master"] if u.master_on_disk else u.master
 
     @contextlib.contextmanager
     def filling(self, u: UnitState) -> Iterator["UnitState | DiskUnitView"]:
@@ -387,16 +408,21 @@ class HostState:
     def hf_tensors(self) -> Iterable[tuple[str, torch.Tensor]]:
         """The model's tensors as they are now, by the Hub's names (fp32, on the CPU): views of
         the masters, or under LoRA each layer's base with its adapters merged, a copy per layer
-        (the base stays as it is). A tied model's ``lm_head.weight`` is left out, as saved."""
+        (the base stays as it is). A tied model's ``lm_head.weight`` is left out, as saved. A
+        master on disk is read back when its unit comes, and no longer referenced here once the
+        unit's last tensor is handed out (one such unit in memory, for a consumer that copies)."""
         for i, u in enumerate(self.units):
-            flat = u.master
+            flat = self.master_of(u)
             if self.lora is not None and 0 < i <= len(self.adapters):
                 a = self.adapters[i - 1]
                 flat = flat.clone()
                 merge_adapter(flat, u.flat_map, a.master.cpu(), a.flat_map, self.lora.scale)
-            for name, t in unit_tensors(flat, u.flat_map):
-                if not (self.cfg.tie_word_embeddings and name == "lm_head.weight"):
-                    yield name, t
+            tensors = [(name, t) for name, t in unit_tensors(flat, u.flat_map)
+                       if not (self.cfg.tie_word_embeddings and name == "lm_head.weight")]
+            del flat
+            tensors.reverse()
+            while tensors:
+                yield tensors.pop()
 
     def merge_adapters(self) -> None:
         """Add each layer's adapters into its base weights, in place (the base is then no
@@ -472,7 +498,8 @@ class HostState:
             return
         if self.lora is not None:
             self.merge_adapters()
-        masters = [self.from_disk(u)["master"] if u.master_on_disk else u.master for u in self.units]
+        # a master on disk is read back as its unit's tensors are written: one unit in memory
+        masters = [functools.partial(self.master_of, u) if u.master_on_disk else u.master for u in self.units]
         save_hf(out_dir, self.cfg, self.flat_maps, masters, dtype,
                 max_shard_bytes=max_shard_bytes, source_config=source_config)
 

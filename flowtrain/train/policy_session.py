@@ -206,6 +206,7 @@ class PolicyTrainer:
                                   "transformers model of the session's architecture (or load session.save's folder)")
             theirs[name].copy_(t)
             copied.add(name)
+            del t  # a unit read back from disk: let go before the next is read
         tied = {"lm_head.weight"} if self._opened.run.mcfg.tie_word_embeddings else set()
         missed = [n for n, p in model.named_parameters() if n not in copied and n not in tied]
         if missed:

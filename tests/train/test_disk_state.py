@@ -3,8 +3,9 @@
 Each check runs real training steps on the CPU in fp32: with ``--disk-state all`` or
 ``moments`` the model after three steps is bit for bit the one trained without a state folder;
 while the run trains, the folder holds at least 8 bytes per parameter (read from inside a
-``write_state`` task, so there is no race with the run's start or end); and a process that
-moves its state to disk peaks lower in resident memory by at least half the bytes moved.
+``write_state`` task, so there is no race with the run's start or end); a process that
+moves its state to disk peaks lower in resident memory by at least half the bytes moved; and the
+final model reads the masters on disk back one unit at a time into the same files as from memory.
 """
 
 from __future__ import annotations
@@ -13,16 +14,23 @@ import json
 import os
 import subprocess
 import sys
+import weakref
 from pathlib import Path
 
+import msgspec
 import pytest
 import torch
 from safetensors.torch import load_file
 
 from flowtrain.graph import StepSpec, compile_step, compile_steps
 from flowtrain.graph.tasks import ReadState, WriteState
+from flowtrain.model import model_flat_maps
+from flowtrain.model.presets import PRESETS
+from flowtrain.plan.buffer_sizes import grad_chunks, staging_numel
 from flowtrain.policy import natural_order
 from flowtrain.runtime.trace import Instrument
+from flowtrain.train.disk_state import FIELDS, StateStore, field_numel
+from flowtrain.train.host_state import HostState
 from flowtrain.train.run import TrainConfig, train
 
 TINY = dict(model="tiny", steps=3, batch_size=4, micro_batch_size=2, seq_len=32, progress=False, device="cpu",
@@ -165,3 +173,98 @@ def test_a_lora_run_refuses_a_state_folder_in_one_line(tmp_path, capsys):
     err = capsys.readouterr().err.strip().splitlines()
     assert code != 0 and len(err) == 1 and "--state-dir" in err[0] and "LoRA" in err[0], err
     assert not out.exists() and not (tmp_path / "state").exists()
+
+
+def _tier_and_plain(tmp_path: Path, layout: str, intermediate: int) -> tuple[HostState, HostState]:
+    """The same seeded model twice: in memory, and with the masters of the layers and the head and
+    every unit's moments on disk (the embedding's master stays in memory). vocab 2048 makes the
+    embedding and the head larger than a layer, so the staged layout takes them in chunks: of a
+    4 KiB multiple with ``intermediate`` 170 (read in place), not with 172 (through a buffer)."""
+    cfg = msgspec.structs.replace(PRESETS["tiny"], vocab_size=2048, intermediate_size=intermediate)
+    layouts = model_flat_maps(cfg)
+    stage_n = staging_numel(layouts)
+    assert (stage_n % 1024 == 0) == (intermediate == 170), stage_n
+    chunks = grad_chunks(layouts, (), stage_n) if layout == "staged" else {}
+    assert layout == "full" or chunks, chunks
+    disk = {lay.key: ("exp_avg", "exp_avg_sq") if lay.key == "embed" else FIELDS for lay in layouts}
+    plain = HostState.create(cfg, pin=False, layout=layout, chunks=chunks)
+    tier = HostState.create(cfg, pin=False, layout=layout, chunks=chunks, disk=disk)
+    tier.attach_store(StateStore(tmp_path / "state", tier.disk_files()))
+    plain.init_random(0)
+    tier.init_random(0)
+    return tier, plain
+
+
+def _count_held_masters(monkeypatch) -> list[int]:
+    """Record, at each read of a unit's master from disk, how many masters read before are still
+    held (alive through any view of them)."""
+    held: list[int] = []
+    earlier: list[weakref.ref] = []
+    read = HostState.from_disk
+
+    def from_disk(self, u, *args, **kwargs):
+        out = read(self, u, *args, **kwargs)
+        if "master" in out:
+            held.append(sum(r() is not None for r in earlier))
+            m = out["master"]
+            earlier.append(weakref.ref(m if m._base is None else m._base))  # a view's storage lives with its base
+        return out
+
+    monkeypatch.setattr(HostState, "from_disk", from_disk)
+    return held
+
+
+@pytest.mark.parametrize(("layout", "intermediate"), [("full", 172), ("staged", 172), ("staged", 170)])
+def test_final_save_reads_the_masters_on_disk_one_unit_at_a_time(tmp_path, monkeypatch, layout, intermediate):
+    """The final model holds one disk unit's master in memory at a time (each read only once the
+    one before is let go), sharded or not, and its files are byte for byte those of the same
+    model saved from memory; so do the weights exported tensor by tensor."""
+    tier, plain = _tier_and_plain(tmp_path, layout, intermediate)
+    try:
+        held = _count_held_masters(monkeypatch)
+        for shard in (None, 100_000):  # 100 kB: units cut across shards
+            before = len(held)
+            tier.save(tmp_path / f"tier-{shard}", max_shard_bytes=shard)
+            assert len(held) - before == len(tier.units) - 1, held  # every master on disk, read once
+            plain.save(tmp_path / f"plain-{shard}", max_shard_bytes=shard)
+            files = sorted(p.name for p in (tmp_path / f"plain-{shard}").iterdir())
+            assert files == sorted(p.name for p in (tmp_path / f"tier-{shard}").iterdir())
+            assert (shard is None) == (files == ["config.json", "model.safetensors"]), files
+            for name in files:
+                assert (tmp_path / f"tier-{shard}" / name).read_bytes() == (tmp_path / f"plain-{shard}" / name).read_bytes()
+        assert held and max(held) == 0, held
+
+        held.clear()
+        got = {}
+        for name, t in tier.hf_tensors():  # the weights exported tensor by tensor: the same way
+            got[name] = t.clone()
+            del t
+        assert held and max(held) == 0, held
+        want = dict(plain.hf_tensors())
+        assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
+    finally:
+        assert tier.store is not None
+        tier.store.close()
+
+
+@pytest.mark.parametrize(("layout", "intermediate"), [("full", 172), ("staged", 172), ("staged", 170)])
+def test_a_unit_reads_back_what_was_put_on_disk(tmp_path, layout, intermediate):
+    """Every field of every unit on disk comes back whole, chunk by chunk, in place or through a
+    buffer; asked for the master only, only the master is read."""
+    tier, _ = _tier_and_plain(tmp_path, layout, intermediate)
+    assert tier.store is not None
+    try:
+        gen = torch.Generator().manual_seed(0)
+        for u in tier.disk_units:
+            put = {k: torch.randn(u.flat_map.numel, generator=gen) for k in u.disk_fields}
+            tier.put_on_disk(u, put)
+            back = tier.from_disk(u)
+            assert back.keys() == put.keys() and all(torch.equal(back[k], put[k]) for k in put), u.flat_map.key
+            before = tier.store.read_bytes
+            master = tier.from_disk(u, ("master",))
+            assert list(master) == (["master"] if u.master_on_disk else []), u.flat_map.key
+            assert tier.store.read_bytes - before == (4 * sum(
+                field_numel(f.n) for (key, _), f in tier.store.files.items() if key == u.flat_map.key)
+                if u.master_on_disk else 0)
+    finally:
+        tier.store.close()
