@@ -20,6 +20,11 @@ the same decay to ``--min-lr`` at the new last step (:func:`resumed_schedule`)::
     state = trainer_state(cfg, steps_done=4, skipped=0, consecutive=0, data=fp, last_loss=2.3)
     check_compatible(state, cfg, data=fp, where="out/checkpoint-4", total_steps=cfg.steps)
     schedule = resumed_schedule(LRSchedule(...), state, where="out/checkpoint-4")  # the rate of every step
+
+A checkpoint of a :class:`~flowtrain.train.policy_session.PolicyTrainer` keeps, under
+:data:`POLICY_LOSS`, the loss settings that are the session's arguments rather than the
+config's (``loss_type``, ``beta``, ``epsilon``, ``epsilon_high``): a session resumes only such
+a checkpoint, with the same settings, and ``train`` resumes none.
 """
 
 from __future__ import annotations
@@ -43,6 +48,8 @@ MUST_MATCH = ("batch_size", "seq_len", "lr", "weight_decay", "betas", "eps", "gr
               "lr_schedule", "min_lr", "seed", "shuffle", "packing", "weight_decay_skip", "lora_rank", "lora_alpha",
               "lora_targets", "lora_dropout", "lora_gate_up_rank", "lora_rslora", "skip_idle_experts",
               "objective", "dpo_beta", "dpo_loss")
+#: The key of ``trainer_state.json`` that holds a PolicyTrainer's loss settings (see the module)
+POLICY_LOSS = "policy_loss"
 #: Learning-rate schedules whose rates depend on ``--steps``: they decay until the last step.
 DECAYING = ("cosine", "linear")
 

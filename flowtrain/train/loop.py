@@ -74,8 +74,11 @@ class TrainingLoop:
     signals. One instance per run."""
 
     def __init__(self, run: "Run", state: HostState, program: StepProgram, reporter: Reporter,
-                 shutdown: Shutdown, on_step, hooks: list[Instrument]) -> None:
+                 shutdown: Shutdown, on_step, hooks: list[Instrument], keep: dict | None = None) -> None:
         self.run, self.cfg, self.state, self.program = run, run.cfg, state, program
+        #: what every checkpoint's trainer_state.json keeps beside the run's own (a
+        #: PolicyTrainer's loss settings, which are not the config's)
+        self.keep = dict(keep or {})
         self.spec: StepSpec = run.plan.spec
         self.reporter, self.shutdown, self.on_step, self.hooks = reporter, shutdown, on_step, hooks
         self.metrics: list[StepMetrics] = []
@@ -349,7 +352,7 @@ class TrainingLoop:
         self.program.checkpoints.pop(s, None)
         ts = trainer_state(self.cfg, steps_done=s + 1, skipped=self.skipped, consecutive=self.consecutive,
                            data=self.run.data_fp, last_loss=m.loss, lineage=self.lineage.to_json(),
-                           schedule=self.run.schedule.record(), base=self.run.base_fp)
+                           schedule=self.run.schedule.record(), base=self.run.base_fp) | self.keep
         if self.reference is not None:  # DPO: the reference is the initial weights, which no checkpoint holds
             ts["reference_logps"] = base64.b64encode(self.reference.numpy().astype("<f4").tobytes()).decode()
         self.last_saved = writer.finish(ts, extra_files=tokenizer_files(self.run.tokenizer_dir))

@@ -18,9 +18,24 @@ Every tensor is aligned with ``input_ids`` (rows, T): ``completion_mask[r, t]`` 
 start at their first token (no left padding) and are right-padded to at most ``seq_len``.
 
 A step is the run's own step (:meth:`~flowtrain.train.loop.TrainingLoop.one_step`): the same
-graph, checkpoints (``save_every``), skipped non-finite steps, ``metrics`` file and progress
-lines as ``train``; only its data comes from the call. Forward-only log-probabilities
-(:meth:`PolicyTrainer.logprobs`) run the evaluation graph, as DPO's reference pass does.
+graph, checkpoints (``save_every``: ``out/checkpoint-N`` after step N), skipped non-finite
+steps, ``metrics`` file and progress lines as ``train``; only its data comes from the call.
+Forward-only log-probabilities (:meth:`PolicyTrainer.logprobs`) run the evaluation graph, as
+DPO's reference pass does.
+
+A session resumes as ``train`` does: ``resume`` in the config opens it with the checkpoint's
+weights, Adam state, learning-rate schedule and random state, and its ``steps_done`` at the
+checkpoint's step; the steps that follow compute what the session that wrote it would have,
+given the same rows::
+
+    cfg = TrainConfig(model="path/to/model", batch_size=8, seq_len=256, steps=100, out="out", save_every=10,
+                      resume="out/checkpoint-40")
+    with PolicyTrainer(cfg) as session:
+        session.steps_done                        # 40: the next step is step 41
+
+Each checkpoint keeps the loss's settings (``loss_type``, ``beta``, ``epsilon``,
+``epsilon_high``) beside the config's; a checkpoint of other settings, or one ``train`` wrote
+(SFT, or DPO with its reference log-probabilities), is refused in one line.
 """
 
 from __future__ import annotations
@@ -36,6 +51,7 @@ import msgspec
 import torch
 
 from ..ckpt.output import resolve_out
+from ..ckpt.resume import POLICY_LOSS
 from ..errors import ConfigError, DataError
 from ..model.attention import attention_backends
 from ..model.functional import IGNORE_INDEX
@@ -74,7 +90,9 @@ class PolicyTrainer:
     schedule runs over them). ``loss_type``: ``"dapo"`` (TRL's default: a token mean over the
     step) or ``"grpo"`` (each completion's token mean, averaged). ``beta``: the KL coefficient
     (TRL's default 0.0: no reference needed). ``epsilon``, ``epsilon_high``: the clip range
-    ``[1 - epsilon, 1 + epsilon_high]`` (``epsilon_high`` defaults to ``epsilon``).
+    ``[1 - epsilon, 1 + epsilon_high]`` (``epsilon_high`` defaults to ``epsilon``). With
+    ``resume`` in the config the session goes on from that checkpoint (see the module), whose
+    loss settings must be these.
     """
 
     def __init__(self, config: TrainConfig, *, loss_type: str = "dapo", beta: float = 0.0, epsilon: float = 0.2,
@@ -91,12 +109,15 @@ class PolicyTrainer:
         self._closed = False
         self._failed = False
         try:
-            self._opened = opened = open_run(cfg, world, self._held, rows_given=True)
+            record = {"loss_type": loss_type, "beta": float(beta), "epsilon": float(epsilon),
+                      "epsilon_high": float(epsilon if epsilon_high is None else epsilon_high)}
+            self._opened = opened = open_run(cfg, world, self._held, rows_given=True,
+                                             resume_check=lambda state, where: _check_resumed(state, where, record))
             self.cfg = cfg = opened.run.cfg
             opened.program.policy_loss = (beta, epsilon, epsilon_high)
             hooks: list[Instrument] = [*instruments, *([opened.recorder] if opened.recorder else [])]
             self._loop = TrainingLoop(opened.run, opened.state, opened.program, opened.reporter,
-                                      Shutdown(graceful=False), on_step, hooks)
+                                      Shutdown(graceful=False), on_step, hooks, keep={POLICY_LOSS: record})
             self._held.callback(close_run, opened, self._loop)
             self._held.enter_context(attention_backends(cfg.attention_backend, opened.run.device.type))
             use_uvloop()
@@ -226,7 +247,7 @@ class PolicyTrainer:
 
     @property
     def steps_done(self) -> int:
-        """Optimizer steps taken so far."""
+        """Optimizer steps taken so far (a resumed session's count from its checkpoint's)."""
         return self._next
 
     # ---- inside -------------------------------------------------------------------------------
@@ -254,12 +275,27 @@ def _check_config(cfg: TrainConfig, loss_type: str, beta: float, epsilon: float,
         if value is not None and not 0 < value:
             raise ConfigError(f"{name} must be > 0 (got {value})")
     for field, why in (("data", "each step's rows come from step()"),
-                       ("eval_data", "a held-out cross-entropy is not a policy's metric"),
-                       ("resume", "resuming a session is not supported yet")):
+                       ("eval_data", "a held-out cross-entropy is not a policy's metric")):
         if getattr(cfg, field) is not None:
             raise ConfigError(f"PolicyTrainer takes no {field} ({why}): leave it out")
     if cfg.objective != "sft":
         raise ConfigError(f"PolicyTrainer trains GRPO's loss; objective {cfg.objective} is for train()")
+
+
+def _check_resumed(state: dict, where: Path, record: dict) -> None:
+    """The checkpoint to resume is a session's, written with the loss settings ``record``
+    holds (the config's are checked as ``train`` checks them)."""
+    saved = state.get(POLICY_LOSS)
+    if not isinstance(saved, dict):
+        objective = state.get("settings", {}).get("objective", "sft")
+        raise ConfigError(f"resume {where} was written by train (objective {objective}), not by a PolicyTrainer, and "
+                          "a session resumes only its own checkpoints; to start one from its weights, give it as "
+                          "model (a new optimizer state)")
+    for name, value in record.items():
+        if saved.get(name) != value:
+            raise ConfigError(f"resume {where}: it was trained with {name}={saved.get(name)!r}, this session has "
+                              f"{name}={value!r}; give the same {name} to continue it, or start a new session from "
+                              "its weights (as model)")
 
 
 @dataclass

@@ -15,6 +15,7 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import msgspec
 import torch
@@ -23,7 +24,7 @@ from ..ckpt import checkpoints
 from ..ckpt.adapter_files import read_spec
 from ..ckpt.out_lock import check_free
 from ..ckpt.output import resolve_out, resolve_save_dtype
-from ..ckpt.resume import ContinuedSchedule, check_compatible, resumed_schedule, steps_done
+from ..ckpt.resume import POLICY_LOSS, ContinuedSchedule, check_compatible, resumed_schedule, steps_done
 from ..data.preference import load_pairs
 from ..data.rows import ColumnMap, parse_columns
 from ..data.source import FromData, Sequences, default_corpus_path, load_sequences
@@ -95,11 +96,14 @@ class Run:
         return self.resume_state.get("step", 0)
 
 
-def prepare(cfg: TrainConfig, world: World | None = None, *, rows_given: bool = False) -> Run:
+def prepare(cfg: TrainConfig, world: World | None = None, *, rows_given: bool = False,
+            resume_check: Callable[[dict, Path], None] | None = None) -> Run:
     """Check every input and output, read the resumed checkpoint's state, load and tokenise the
     data and plan memory: everything that bad input can make fail, before any large allocation.
     ``rows_given``: no data is read, each step's rows come from the caller at ``seq_len``
-    (:class:`~flowtrain.train.policy_session.PolicyTrainer`)."""
+    (:class:`~flowtrain.train.policy_session.PolicyTrainer`). ``resume_check``: called with the
+    resumed checkpoint's trainer state and path as soon as they are read, before anything else
+    is checked (the session refuses a checkpoint it did not write, or one of other settings)."""
     check_compile_backend(cfg.compile)
     check_trackers(cfg.report_to)  # a tracker's library missing: one line before anything is read
     cfg = msgspec.structs.replace(cfg, out=resolve_out(cfg.out))  # a symlink: write in the real folder
@@ -107,6 +111,10 @@ def prepare(cfg: TrainConfig, world: World | None = None, *, rows_given: bool = 
         check_free(cfg.out)  # another run writing there: refuse before reading or checking it
     check_metrics_free(cfg.metrics)  # the same for the --metrics file
     resume_from, resume_state = _find_resume(cfg)
+    if resume_from is not None:
+        _check_writer(resume_from, resume_state, rows_given)
+        if resume_check is not None:
+            resume_check(resume_state, resume_from)
     cfg = _resumed_lora(cfg, resume_state, resume_from)
     check_inputs_kept(cfg, resume=resume_from)  # before the rules below, which a resume relaxes for --out
     check_output_paths(cfg.out, cfg.overwrite, cfg.trace, cfg.metrics, resume=resume_from)
@@ -142,7 +150,7 @@ def prepare(cfg: TrainConfig, world: World | None = None, *, rows_given: bool = 
     resolve_policy(cfg.policy)
     resolve_save_dtype(cfg.save_dtype, model_dir)  # a bad name fails now, not after training
     tokenizer_dir = _tokenizer_dir(cfg, model_dir)
-    seqs = (_no_rows(int(cfg.seq_len)) if rows_given
+    seqs = (_no_rows(_rows_seq_len(cfg, resume_state)) if rows_given
             else _read_data(cfg, mcfg, tokenizer_dir, _data_seq_len(cfg, mcfg, resume_state, tokenizer_dir)))
     cfg = _with_data_seq_len(cfg, seqs)
     data_fp = seqs.fingerprint()  # from the data cache's index: no pass over the rows
@@ -307,6 +315,15 @@ def _no_rows(seq_len: int) -> Sequences:
     return Sequences(empty, empty.clone())
 
 
+def _rows_seq_len(cfg: TrainConfig, resume_state: dict) -> int:
+    """The seq_len of a run whose caller hands over the rows: ``seq_len`` as given; without
+    one, a resumed run's own, else the default."""
+    saved = resume_state.get("settings", {}).get("seq_len")
+    if not defaults.seq_len_given(cfg.seq_len) and isinstance(saved, int) and not isinstance(saved, bool):
+        return saved
+    return int(cfg.seq_len)
+
+
 def seq_len_of_data(cfg: TrainConfig, mcfg: ModelConfig, model_dir: Path | None) -> int:
     """The ``seq_len`` a run of ``cfg`` trains at: ``--seq-len`` as given, else the one its data
     chooses (:func:`_data_seq_len`); what ``flowtrain plan --data`` plans for. Reads the data as
@@ -398,6 +415,15 @@ def _find_resume(cfg: TrainConfig) -> tuple[Path | None, dict]:
     steps_done(state, str(path))
     _check_saved_settings(state["settings"], path)
     return path, state
+
+
+def _check_writer(resume_from: Path, resume_state: dict, rows_given: bool) -> None:
+    """A PolicyTrainer's checkpoint (its rows came from its caller, its loss is GRPO's) is
+    resumed by a PolicyTrainer only; ``train`` resumes the others."""
+    if not rows_given and POLICY_LOSS in resume_state:
+        raise ConfigError(f"{{resume}} {resume_from} was written by a PolicyTrainer (GRPO steps on rows its caller "
+                          "gave), which resumes it; to train on from its weights, give it as {model} (a new "
+                          "optimizer state)", named=True)
 
 
 def _check_nothing_replaced(cfg: TrainConfig, resume_from: Path | None, resume_state: dict) -> None:

@@ -182,12 +182,13 @@ class OpenRun(NamedTuple):
 
 
 def open_run(cfg: TrainConfig, world: World, held: contextlib.ExitStack, on_plan: Callable | None = None, *,
-             rows_given: bool = False) -> OpenRun:
-    """Prepare a run (:func:`prepare`; ``rows_given`` as there), take its output folder and
-    metrics file (held by ``held`` until it ends), join the data-parallel group, and build its
-    state and reporter: everything before the loop, shared by :func:`train` and
-    :class:`~flowtrain.train.policy_session.PolicyTrainer`. :func:`close_run` undoes it."""
-    run = prepare(cfg, world, rows_given=rows_given)
+             rows_given: bool = False, resume_check: Callable[[dict, Path], None] | None = None) -> OpenRun:
+    """Prepare a run (:func:`prepare`; ``rows_given`` and ``resume_check`` as there), take its
+    output folder and metrics file (held by ``held`` until it ends), join the data-parallel
+    group, and build its state and reporter: everything before the loop, shared by
+    :func:`train` and :class:`~flowtrain.train.policy_session.PolicyTrainer`.
+    :func:`close_run` undoes it."""
+    run = prepare(cfg, world, rows_given=rows_given, resume_check=resume_check)
     if cfg.out:  # held until the final model is in place; taken before the clean-up below
         held.enter_context(OutLock(cfg.out))
     if cfg.state_dir and run.plan.disk:  # one run per state folder, as per --out

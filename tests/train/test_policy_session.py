@@ -5,7 +5,8 @@ weights, GRPO's per-token loss written out here in torch (clipped ratio, k3 KL t
 reference, the step's token weights), and ``torch.optim.AdamW``. Two steps, the second against
 the first's log-probabilities as the old policy's, must give the same weights to a relative
 error of 1e-4 per tensor; every returned log-probability must equal transformers' log-softmax
-gathered at the token to 1e-5.
+gathered at the token to 1e-5. A session resumed from another's checkpoint goes on bit for bit
+as that one did.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from flowtrain.errors import ConfigError, DataError
-from flowtrain.train import PolicyTrainer, TrainConfig
+from flowtrain.train import PolicyTrainer, TrainConfig, train
 
 from test_train_vs_hf import assert_same_weights, make_checkpoint
 
@@ -33,10 +34,10 @@ BETA, EPS_LOW, EPS_HIGH = 0.04, 0.2, 0.28
 
 
 def config(model_dir, **more) -> TrainConfig:
-    return TrainConfig(model=str(model_dir), batch_size=ROWS, micro_batch_size=4, seq_len=SEQ, steps=2,
-                       lr=OPT["lr"], weight_decay=OPT["weight_decay"], betas=OPT["betas"], eps=OPT["eps"],
-                       device="cpu", precision="fp32", progress=False, lr_schedule="constant", warmup_steps=0,
-                       weight_decay_skip="none", **more)
+    base = dict(model=str(model_dir), batch_size=ROWS, micro_batch_size=4, seq_len=SEQ, steps=2, lr=OPT["lr"],
+                weight_decay=OPT["weight_decay"], betas=OPT["betas"], eps=OPT["eps"], device="cpu",
+                precision="fp32", progress=False, lr_schedule="constant", warmup_steps=0, weight_decay_skip="none")
+    return TrainConfig(**{**base, **more})
 
 
 def make_rows(seed, vocab=64):
@@ -201,6 +202,83 @@ def test_bad_inputs_are_refused_in_one_line(setup):
             PolicyTrainer(cfg)
     with pytest.raises(ConfigError, match="loss_type"):
         PolicyTrainer(config(d / "model"), loss_type="nope")
+
+
+RESUMED = dict(steps=4, lr_schedule="cosine", warmup_steps=1, min_lr=0.001)  # a rate that changes every step
+
+
+def resumable_steps(session, first, last, beta=BETA):
+    """Steps ``first``..``last`` (1-based) of a fixed run: each step's rows, advantages and
+    reference seeded by its number, the old policy's log-probabilities those of a step before
+    (so the ratio is clipped somewhere). Returns each step's metrics."""
+    out = []
+    for s in range(first, last + 1):
+        ids, mask = make_rows(70 + s)
+        g = torch.Generator().manual_seed(80 + s)
+        adv, ref = torch.randn(ROWS, generator=g), -4 - torch.rand(ROWS, WIDTH, generator=g)
+        old = (session.logprobs(ids, mask) + 0.3 * torch.randn(ROWS, WIDTH, generator=g)) * mask
+        out.append(session.step(ids, mask, adv, old_logps=old, ref_logps=ref if beta else None).metrics)
+    return out
+
+
+def saved_weights(folder):
+    from safetensors.torch import load_file
+
+    files = sorted(Path(folder).glob("*.safetensors"))
+    assert files, f"no weights in {folder}"
+    return {k: v for f in files for k, v in load_file(f).items()}
+
+
+def test_resume_goes_on_bit_for_bit(tmp_path):
+    """Session A takes 4 steps with a checkpoint every 2; session B resumes A's checkpoint-2 and
+    takes steps 3 and 4 on the same rows: the same step count, losses, rates and weights, bit
+    for bit (the weights, Adam's moments and step, the schedule's position all came back)."""
+    a_cfg = config("tiny", out=str(tmp_path / "a"), save_every=2, **RESUMED)
+    with PolicyTrainer(a_cfg, loss_type="grpo", beta=BETA, epsilon=EPS_LOW, epsilon_high=EPS_HIGH) as a:
+        whole = resumable_steps(a, 1, 4)
+        a_weights = a.state_dict()
+    assert sorted(p.name for p in (tmp_path / "a").glob("checkpoint-*")) == ["checkpoint-2", "checkpoint-4"]
+    b_cfg = config("tiny", out=str(tmp_path / "b"), resume=str(tmp_path / "a" / "checkpoint-2"), **RESUMED)
+    with PolicyTrainer(b_cfg, loss_type="grpo", beta=BETA, epsilon=EPS_LOW, epsilon_high=EPS_HIGH) as b:
+        assert b.steps_done == 2
+        resumed = resumable_steps(b, 3, 4)
+        assert b.steps_done == 4
+        b_weights = b.state_dict()
+    assert [m.step for m in resumed] == [3, 4]
+    assert [(m.loss, m.lr, m.grad_norm) for m in resumed] == [(m.loss, m.lr, m.grad_norm) for m in whole[2:]]
+    assert resumed[0].lr != resumed[1].lr
+    assert a_weights.keys() == b_weights.keys() and all(torch.equal(a_weights[k], b_weights[k]) for k in a_weights)
+    a_saved, b_saved = saved_weights(tmp_path / "a"), saved_weights(tmp_path / "b")
+    assert a_saved.keys() == b_saved.keys() and all(torch.equal(a_saved[k], b_saved[k]) for k in a_saved)
+    moved = saved_weights(tmp_path / "a" / "checkpoint-2")
+    assert any(not torch.equal(moved[k], a_saved[k]) for k in a_saved)  # steps 3 and 4 changed the weights
+
+
+def test_resume_refuses_other_settings_in_one_line(tmp_path):
+    """A session resumes only a session's checkpoint, with the same loss settings (kept in its
+    trainer_state.json) and the config's as train checks them, before a step is taken; train
+    resumes no session's checkpoint."""
+    cut = tmp_path / "cut" / "checkpoint-2"
+    with PolicyTrainer(config("tiny", out=str(tmp_path / "cut"), save_every=2), beta=BETA) as session:
+        resumable_steps(session, 1, 2)
+    sft = tmp_path / "sft"
+    train(config("tiny", out=str(sft), save_every=1, steps=1))
+    again = dict(out=str(tmp_path / "again"), steps=4)
+    cases = [
+        (dict(resume=str(cut), **again), dict(beta=0.0), "beta=0.04"),
+        (dict(resume=str(cut), **again), dict(beta=BETA, loss_type="grpo"), "loss_type='dapo'"),
+        (dict(resume=str(cut), **again), dict(beta=BETA, epsilon_high=0.28), "epsilon_high=0.2"),
+        (dict(resume=str(cut), out=str(tmp_path / "again")), dict(beta=BETA), "done 2 steps"),  # steps=2: no step left
+        (dict(resume=str(cut), lr=0.02, **again), dict(beta=BETA), "lr=0.01"),
+        (dict(resume=str(sft / "checkpoint-1"), **again), dict(beta=BETA), "written by train"),
+    ]
+    for more, kwargs, words in cases:
+        with pytest.raises(ConfigError) as e:
+            PolicyTrainer(config("tiny", **more), **kwargs)
+        assert words in str(e.value) and "\n" not in str(e.value), str(e.value)
+    assert not (tmp_path / "again").exists()  # nothing was written
+    with pytest.raises(ConfigError, match="written by a PolicyTrainer"):
+        train(config("tiny", out=str(tmp_path / "sft2"), resume=str(cut), steps=4))
 
 
 def test_grpo_loop_example_runs(tmp_path):
