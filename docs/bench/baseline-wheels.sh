@@ -1,0 +1,68 @@
+#!/usr/bin/env bash
+# Puts in .whl/ (ignored by git) the Python 3.12 wheels that the two baseline trainers need on the
+# lent GPU machine beyond its image (torch 2.11, transformers 5.17, peft, accelerate, triton,
+# tokenizers, pyarrow, pandas, xxhash, ... are there):
+#   torchtitan's Qwen3 MoE (docs/bench/torchtitan_moe.py): torchtitan 0.2.2, the release made against
+#     the PyTorch nightly that became 2.11, and what it imports: torchdata (its data loader), tyro and
+#     its needs (its config), datasets with dill and multiprocess (its qwen3 package imports its text
+#     data sets).
+#   Unsloth's LoRA (docs/bench/unsloth_lora.py): unsloth and unsloth_zoo 2026.10.9 (the newest that
+#     allow transformers 5.17), trl (imported unconditionally), datasets, and bitsandbytes, which a
+#     bf16 LoRA never calls but Unsloth's post-load patching imports for a type check.
+# Two wheels are slimmed to fit the 64 MiB a device call carries: unsloth's without its studio/
+# web application and unsloth_cli/ (27 of its 29 MB; neither is imported by `import unsloth`), and
+# bitsandbytes's with only the CUDA 13.0 and CPU libraries (torch 2.11+cu130 loads the first; 43 MB
+# to about 2). Not carried: xformers (Unsloth then uses PyTorch's SDPA), torchao, cut-cross-entropy,
+# hf-transfer, diffusers (none is imported on the bf16 LoRA path).
+# Run from the checkout; running it again downloads only what is missing:
+#   bash docs/bench/baseline-wheels.sh
+set -euo pipefail
+top=$(git rev-parse --show-toplevel)
+cd "$top"
+mkdir -p .whl
+grep -qx '/.whl/' "$(git rev-parse --git-path info/exclude)" 2>/dev/null || echo '/.whl/' >> "$(git rev-parse --git-path info/exclude)"
+PLAT="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
+  --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
+  --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
+dl() {  # NAME==VERSION...: each wheel not yet in .whl/
+  local want=()
+  for spec in "$@"; do
+    local name=${spec%%==*} version=${spec##*==}
+    compgen -G ".whl/${name//-/_}-${version}-*.whl" >/dev/null || want+=("$spec")
+  done
+  [[ ${#want[@]} == 0 ]] || python3 -m pip download -q --no-deps $PLAT -d .whl "${want[@]}" 2>&1 | grep -v '^WARNING' || true
+}
+slim() {  # NAME==VERSION PREFIX...: the wheel without the files under each PREFIX, named as before
+  local spec=$1; shift
+  local name=${spec%%==*} version=${spec##*==}
+  compgen -G ".whl/${name//-/_}-${version}-*.whl" >/dev/null && return 0
+  local tmp; tmp=$(mktemp -d)
+  python3 -m pip download -q --no-deps $PLAT -d "$tmp" "$spec" 2>&1 | grep -v '^WARNING' || true
+  python3 - "$tmp"/*.whl .whl "$@" <<'PY'
+import os, sys, zipfile
+src, dest, drop = sys.argv[1], sys.argv[2], tuple(sys.argv[3:])
+out = os.path.join(dest, os.path.basename(src))
+with zipfile.ZipFile(src) as zin, zipfile.ZipFile(out + ".part", "w", zipfile.ZIP_DEFLATED) as zout:
+    for item in zin.infolist():
+        if item.filename.startswith(drop):
+            continue
+        data = zin.read(item.filename)
+        if item.filename.endswith(".dist-info/RECORD"):  # the list of files, less those left out
+            data = b"".join(l for l in data.splitlines(keepends=True) if not l.decode().startswith(drop))
+        zout.writestr(item, data)
+os.replace(out + ".part", out)
+print(f"{os.path.basename(out)}: {os.path.getsize(src) / 2**20:.1f} MiB -> {os.path.getsize(out) / 2**20:.1f} MiB")
+PY
+  rm -rf "$tmp"
+}
+# shared: datasets and what it needs beyond the machine's image
+dl datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19
+# torchtitan
+dl torchtitan==0.2.2 torchdata==0.11.0 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1
+# Unsloth
+dl unsloth-zoo==2026.10.9 trl==1.15.0
+slim unsloth==2026.10.9 studio/ unsloth_cli/
+B=bitsandbytes/libbitsandbytes_
+slim bitsandbytes==0.50.2 ${B}cuda118 ${B}cuda121 ${B}cuda124 ${B}cuda126 ${B}cuda128 ${B}cuda132 ${B}rocm ${B}xpu
+ls -l .whl | awk 'NR > 1 {printf "%8.1f MiB  %s\n", $5 / 2^20, $9}'
+du -sh .whl
