@@ -39,6 +39,31 @@ mtrun() {  # SHAPE SEQ "BATCHES" STEPS: MegaTrain (docs/bench/megatrain_run.py) 
     tail -1 "$RES" | grep -q '"failed"' || break
   done
 }
+baseline() {  # NAME COMMAND...: one baseline runner's JSON line to $RES, its stderr to the log; a run
+              # killed by its timeout (${BLT:-300} s) or printing no JSON gets a failed line
+  local name=$1; shift
+  local line
+  line=$(timeout ${BLT:-300} "$@" 2>>"$OUT/log.txt" | grep '^{' | tail -1)
+  [[ -n $line ]] || line="{\"job\": \"$name\", \"failed\": true, \"error\": \"timed out or killed, no JSON line\"}"
+  echo "$line" | tee -a "$RES"
+  [[ $line != *'"failed": true'* ]]
+}
+titanrun() {  # "DTYPE:AC:MICRO ...": torchtitan's Qwen3 MoE (docs/bench/torchtitan_moe.py) at qwen3-moe-12l,
+              # 16 x 4096, at the first setting that runs
+  local s dtype ac mb
+  for s in $1; do
+    IFS=: read -r dtype ac mb <<<"$s"
+    log "torchtitan qwen3-moe-12l, $dtype, activation checkpointing $ac, micro-batch $mb"
+    TITAN_DTYPE=$dtype TITAN_AC=$ac baseline torchtitan-qwen3-moe-12l-4096 python3 docs/bench/torchtitan_moe.py 4096 16 "$mb" 3 && break
+  done
+}
+usrun() {  # SHAPE "MICROS": Unsloth's bf16 LoRA (docs/bench/unsloth_lora.py), 16 x 4096, at the first micro-batch that fits
+  local mb
+  for mb in $2; do
+    log "unsloth $1 LoRA 16, micro-batch $mb"
+    baseline "unsloth-$1-4096" python3 docs/bench/unsloth_lora.py "$1" 4096 16 "$mb" 3 && break
+  done
+}
 # The GPU tests: files whose tests need one (or compare it with the CPU), and files of CPU tests
 # with some marked `gpu` (tests/test_gpu_gate.py checks that every GPU test is in one of them).
 GPU_FILES="tests/train/test_gpu.py tests/model/test_model_gpu.py tests/model/test_attention.py tests/train/test_saved_attention.py tests/model/test_lora_experts.py tests/test_gpu_peak.py"
@@ -48,7 +73,8 @@ GATE=0
 if [[ "${1:-}" == gate ]]; then  # the GPU gate: docs/benchmarks.md, "The GPU gate"
   GATE=1; set -- info tests w1 w2 8b 8b10o long moe
 fi
-for job in "$@"; do
+run_job() {  # JOB: one job of the list below
+  local job=$1
   case $job in
     info) nvidia-smi --query-gpu=name,memory.used,memory.total --format=csv | tee -a "$OUT/log.txt"; free -g | tee -a "$OUT/log.txt" ;;
     tests) log tests  # every test that needs a GPU: whole files of them, then the GPU-marked ones among CPU tests
@@ -163,9 +189,19 @@ for job in "$@"; do
       log "ckpt: resume from checkpoint-5"
       $FT train $C --resume /tmp/ck/checkpoint-5 --out /tmp/ck2 --metrics "$OUT/ckpt-resumed.jsonl" 2>&1 | tail -2 | tee -a "$OUT/log.txt"
       log "ckpt: done" ;;
+    titanmoe)  # torchtitan's trainer on the MoE, then flowtrain's moe job (docs/benchmarks.md, "Beside torchtitan and Unsloth")
+      titanrun "${TITANS:-float32:selective:2 float32:selective:1 float32:full:1 bfloat16:selective:2 bfloat16:full:1}"
+      run_job moe ;;
+    unsloth8b)  # Unsloth's bf16 LoRA on llama-8b, then flowtrain's lora8 job
+      usrun llama-8b "${USB:-4 2 1}"
+      run_job lora8 ;;
+    unsloth32)  # the same on qwen2.5-32b, then flowtrain's lora32 job
+      BLT=${BLT:-360} usrun qwen2.5-32b "${USB:-2 1}"
+      run_job lora32 ;;
     *) echo "unknown job $job" ;;
   esac
-done
+}
+for job in "$@"; do run_job "$job"; done
 log done
 if [[ $GATE == 1 ]]; then
   python3 docs/bench/gate.py "$RES" docs/bench/gate-baseline.json ${GATE_RECORD:+--record "$GATE_RECORD"} 2>&1 | tee -a "$OUT/log.txt"
