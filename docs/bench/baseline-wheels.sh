@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Puts in .whl/ (ignored by git) the Python 3.12 wheels that the two baseline trainers need on the
+# Puts in .whl-base/ (ignored by git) the Python 3.12 wheels that the two baseline trainers need on the
 # lent GPU machine beyond its image (torch 2.11, transformers 5.17, peft, accelerate, triton,
 # tokenizers, pyarrow, pandas, xxhash, ... are there):
 #   torchtitan's Qwen3 MoE (docs/bench/torchtitan_moe.py): torchtitan 0.2.2, the release made against
@@ -19,26 +19,26 @@
 set -euo pipefail
 top=$(git rev-parse --show-toplevel)
 cd "$top"
-mkdir -p .whl
-grep -qx '/.whl/' "$(git rev-parse --git-path info/exclude)" 2>/dev/null || echo '/.whl/' >> "$(git rev-parse --git-path info/exclude)"
+mkdir -p .whl-base
+grep -qx '/.whl-base/' "$(git rev-parse --git-path info/exclude)" 2>/dev/null || echo '/.whl-base/' >> "$(git rev-parse --git-path info/exclude)"
 PLAT="--only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64
   --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 --platform manylinux_2_17_x86_64
   --platform manylinux2014_x86_64 --platform manylinux1_x86_64"
-dl() {  # NAME==VERSION...: each wheel not yet in .whl/
+dl() {  # NAME==VERSION...: each wheel not yet in .whl-base/
   local want=()
   for spec in "$@"; do
     local name=${spec%%==*} version=${spec##*==}
-    compgen -G ".whl/${name//-/_}-${version}-*.whl" >/dev/null || want+=("$spec")
+    compgen -G ".whl-base/${name//-/_}-${version}-*.whl" >/dev/null || want+=("$spec")
   done
-  [[ ${#want[@]} == 0 ]] || python3 -m pip download -q --no-deps $PLAT -d .whl "${want[@]}" 2>&1 | grep -v '^WARNING' || true
+  [[ ${#want[@]} == 0 ]] || python3 -m pip download -q --no-deps $PLAT -d .whl-base "${want[@]}" 2>&1 | grep -v '^WARNING' || true
 }
 slim() {  # NAME==VERSION PREFIX...: the wheel without the files under each PREFIX, named as before
   local spec=$1; shift
   local name=${spec%%==*} version=${spec##*==}
-  compgen -G ".whl/${name//-/_}-${version}-*.whl" >/dev/null && return 0
+  compgen -G ".whl-base/${name//-/_}-${version}-*.whl" >/dev/null && return 0
   local tmp; tmp=$(mktemp -d)
   python3 -m pip download -q --no-deps $PLAT -d "$tmp" "$spec" 2>&1 | grep -v '^WARNING' || true
-  python3 - "$tmp"/*.whl .whl "$@" <<'PY'
+  python3 - "$tmp"/*.whl .whl-base "$@" <<'PY'
 import os, sys, zipfile
 src, dest, drop = sys.argv[1], sys.argv[2], tuple(sys.argv[3:])
 out = os.path.join(dest, os.path.basename(src))
@@ -64,5 +64,5 @@ dl unsloth-zoo==2026.10.9 trl==1.15.0
 slim unsloth==2026.10.9 studio/ unsloth_cli/
 B=bitsandbytes/libbitsandbytes_
 slim bitsandbytes==0.50.2 ${B}cuda118 ${B}cuda121 ${B}cuda124 ${B}cuda126 ${B}cuda128 ${B}cuda132 ${B}rocm ${B}xpu
-ls -l .whl | awk 'NR > 1 {printf "%8.1f MiB  %s\n", $5 / 2^20, $9}'
-du -sh .whl
+ls -l .whl-base | awk 'NR > 1 {printf "%8.1f MiB  %s\n", $5 / 2^20, $9}'
+du -sh .whl-base

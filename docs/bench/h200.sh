@@ -43,7 +43,11 @@ baseline() {  # NAME COMMAND...: one baseline runner's JSON line to $RES, its st
               # killed by its timeout (${BLT:-300} s) or printing no JSON gets a failed line
   local name=$1; shift
   local line
-  line=$(timeout ${BLT:-300} "$@" 2>>"$OUT/log.txt" | grep '^{' | tail -1)
+  if [[ ! -d /tmp/site-base ]]; then  # the baselines' own wheels (docs/bench/baseline-wheels.sh), for them alone
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site-base .whl-base/*.whl \
+      >/dev/null 2>&1 || echo "warning: the baselines' wheel install failed (carry .whl-base)" | tee -a "$OUT/log.txt"
+  fi
+  line=$(PYTHONPATH=/tmp/site-base:$PYTHONPATH timeout ${BLT:-300} "$@" 2>>"$OUT/log.txt" | grep '^{' | tail -1)
   [[ -n $line ]] || line="{\"job\": \"$name\", \"failed\": true, \"error\": \"timed out or killed, no JSON line\"}"
   echo "$line" | tee -a "$RES"
   [[ $line != *'"failed": true'* ]]

@@ -4,8 +4,8 @@ random tokens, and prints one JSON line of its speed, counted as flowtrain count
 
 torchtitan is not part of this repository. Its release 0.2.2 (PyPI, BSD-3-Clause; released
 2026-02-20 against the PyTorch nightly that became 2.11, the benchmark machine's) goes in
-``.whl/`` with what it imports that the machine lacks (``bash docs/bench/baseline-wheels.sh``);
-``docs/bench/h200.sh`` installs every wheel there. Then::
+``.whl-base/`` with what it imports that the machine lacks (``bash docs/bench/baseline-wheels.sh``);
+``docs/bench/h200.sh`` installs those wheels for the baseline runners. Then::
 
     python3 docs/bench/torchtitan_moe.py 4096 16 2 3       # SEQ BATCH MICRO STEPS
 

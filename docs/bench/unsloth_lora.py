@@ -4,8 +4,8 @@ flowtrain counts a LoRA run.
 
 Unsloth is not part of this repository. Its wheels (``unsloth`` and ``unsloth_zoo``, PyPI,
 Apache-2.0; the ``unsloth`` wheel without its ``studio/`` web application) and what they import
-that the benchmark machine lacks go in ``.whl/`` (``bash docs/bench/baseline-wheels.sh``);
-``docs/bench/h200.sh`` installs every wheel there. Then::
+that the benchmark machine lacks go in ``.whl-base/`` (``bash docs/bench/baseline-wheels.sh``);
+``docs/bench/h200.sh`` installs those wheels for the baseline runners. Then::
 
     python3 docs/bench/unsloth_lora.py llama-8b 4096 16 4 3       # SHAPE SEQ BATCH MICRO STEPS
 
