@@ -30,7 +30,10 @@ Phases of a save and what a crash at each leaves behind:
 1. ``CheckpointWriter(...)`` makes ``ROOT/.checkpoint-STEP.tmp-XXXX``. Killed from here to the
    rename below: only that hidden folder, which :func:`remove_stale` deletes.
 2. ``write_unit``: two safetensors files per unit, streamed piece by piece (a unit resident on
-   a device comes to the host one piece at a time), hashed as written, fsynced.
+   a device comes to the host one piece at a time), hashed as written, fsynced. Each of the
+   unit's master, ``exp_avg`` and ``exp_avg_sq`` is taken from the unit only as its turn to be
+   written comes, and let go after it: a unit whose state is on disk reads each back then, so
+   one of its fields is in memory at a time.
 3. ``finish``: index, config, trainer state, extra files, then ``manifest.json``; the folder is
    fsynced. A folder without a manifest is never taken for a checkpoint.
 4. Rename into ``ROOT/checkpoint-STEP``. An existing one is first moved aside to
@@ -71,7 +74,7 @@ import secrets
 import shutil
 import tempfile
 import threading
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeVar
@@ -273,17 +276,18 @@ class CheckpointWriter:
             self._busy.add(index)
         try:
             step = step_of(unit)
-            weights = unit_tensors(unit.master, layout)
-            moments = [("exp_avg", unit.exp_avg[: layout.numel]),
-                       ("exp_avg_sq", unit.exp_avg_sq[: layout.numel]),
-                       ("step", torch.tensor(float(step)))]
+            described = torch.empty(layout.numel, device="meta")  # the files' headers; the data comes just in time
+            weights = unit_tensors(described, layout)
+            counts = [("step", torch.tensor(float(step)))]
             if unit.expert_steps is not None:  # a layer that skips idle experts: each expert's count
-                moments.append(("expert_steps", unit.expert_steps.cpu().clone()))
+                counts.append(("expert_steps", unit.expert_steps.cpu().clone()))
+            moments = [("exp_avg", described), ("exp_avg_sq", described), *counts]
             written = {}
-            for name, tensors in ((model_file(index, n), weights), (optimizer_file(index, n), moments)):
+            for name, tensors, data in ((model_file(index, n), weights, _weight_data(unit, layout)),
+                                        (optimizer_file(index, n), moments, _moment_data(unit, layout, counts))):
                 try:
                     written[name] = write_safetensors(self.tmp / name, tensors, torch.float32,
-                                                      metadata={"unit": layout.key})
+                                                      metadata={"unit": layout.key}, data=data)
                 except OSError as e:
                     raise CheckpointError(f"cannot write {self.tmp / name}: {e}") from e
             with self._lock:
@@ -373,6 +377,24 @@ class CheckpointWriter:
             raise CheckpointError(f"cannot move {self.final.name} into place in {str(self.root)!r}: {e}") from e
         if aside is not None:
             shutil.rmtree(aside, ignore_errors=True)
+
+
+def _weight_data(unit: SavedUnit, layout: FlatMap) -> Iterator[torch.Tensor]:
+    """The weight file's tensors in order: the unit's master taken at the first (for a unit whose
+    state is on disk, read back then) and no longer referenced here once its last is handed out."""
+    views = [t for _, t in unit_tensors(unit.master, layout)]
+    views.reverse()
+    while views:
+        yield views.pop()
+
+
+def _moment_data(unit: SavedUnit, layout: FlatMap, counts: list[tuple[str, torch.Tensor]]) -> Iterator[torch.Tensor]:
+    """The optimizer file's tensors in order, each moment taken (read back, for a unit on disk)
+    only as it is written, so one of them is in memory at a time; then the step counts."""
+    yield unit.exp_avg[: layout.numel]
+    yield unit.exp_avg_sq[: layout.numel]
+    for _, t in counts:
+        yield t
 
 
 def _write_file(path: Path, data: bytes) -> tuple[int, str]:
@@ -594,8 +616,7 @@ def load_training_state(path: str | os.PathLike[str], state: RestorableState[_Un
         _check_header(ckpt / expected[i], unit.flat_map)
     state.load_checkpoint(ckpt, units)  # masters, refused if not finite
     for i, unit in enumerate(units):
-        with state.filling(unit) as filled:  # a unit whose state is on disk: written back after
-            _load_moments(ckpt / expected[i], filled)
+        _load_moments(ckpt / expected[i], state, unit)
     state.refresh_copies()
     return ckpt
 
@@ -620,20 +641,22 @@ def _check_header(file: Path, layout: FlatMap) -> None:
         raise CheckpointError(f"{where}: no step count for {layout.key} (a 1-element 'step' tensor)")
 
 
-def _load_moments(file: Path, unit: SavedUnit) -> None:
-    """Copy exp_avg and exp_avg_sq piece by piece (bounded host memory) and set every chunk's
+def _load_moments(file: Path, state: RestorableState[_Unit], unit: _Unit) -> None:
+    """Copy exp_avg and exp_avg_sq piece by piece (bounded host memory), one after the other
+    (a unit whose state is on disk has one of them in memory at a time), and set every chunk's
     step count."""
     where, key, numel = f"{file.parent.name}/{file.name}", unit.flat_map.key, unit.flat_map.numel
     try:
         with safe_open(str(file), framework="pt") as f:
-            for name, dst in (("exp_avg", unit.exp_avg), ("exp_avg_sq", unit.exp_avg_sq)):
+            for name in ("exp_avg", "exp_avg_sq"):
                 src = f.get_slice(name)
-                for lo in range(0, numel, _READ_PIECE):
-                    hi = min(numel, lo + _READ_PIECE)
-                    piece = src[lo:hi]
-                    if not all_finite(piece):
-                        raise CheckpointError(f"{where}: {name} of {key} holds NaN or inf")
-                    dst[lo:hi].copy_(piece)
+                with state.filling(unit, name) as dst:  # on disk: written back after
+                    for lo in range(0, numel, _READ_PIECE):
+                        hi = min(numel, lo + _READ_PIECE)
+                        piece = src[lo:hi]
+                        if not all_finite(piece):
+                            raise CheckpointError(f"{where}: {name} of {key} holds NaN or inf")
+                        dst[lo:hi].copy_(piece)
             step = float(f.get_tensor("step").reshape(-1)[0])
             experts = f.get_tensor("expert_steps").float() if "expert_steps" in f.keys() else None
     except (SafetensorError, OSError) as e:

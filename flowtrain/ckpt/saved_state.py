@@ -30,7 +30,9 @@ class SavedUnit(Protocol):
     """One trained unit (the embedding, a decoder layer, the head, or a layer's adapters) as a
     checkpoint writes it and fills it back in place. Its tensors stay where the run keeps them
     (host memory, or the device for a resident unit); a checkpoint copies in and out of them and
-    never replaces one."""
+    never replaces one. A checkpoint asks for each of ``master``, ``exp_avg`` and ``exp_avg_sq``
+    once, as its turn to be written comes, and lets it go before asking for the next: a stand-in
+    for a unit whose state is on disk reads the field back when it is asked for."""
 
     @property
     def flat_map(self) -> FlatMap:
@@ -84,9 +86,10 @@ class RestorableState(Protocol[U]):
         """Bring every compute or streaming copy of a master up to date."""
         ...
 
-    def filling(self, unit: U) -> AbstractContextManager[SavedUnit]:
-        """The unit as its moments are filled in place: the unit itself, or where its state
-        lives elsewhere (on disk), a stand-in whose tensors go back there when the block ends."""
+    def filling(self, unit: U, field: str) -> AbstractContextManager[torch.Tensor]:
+        """The unit's ``exp_avg`` or ``exp_avg_sq`` (``field``) as a checkpoint fills it in place,
+        every element: the unit's own tensor, or where it lives elsewhere (on disk), a buffer of
+        that one field, which goes back there when the block ends (one field in memory)."""
         ...
 
 

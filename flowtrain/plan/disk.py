@@ -8,8 +8,13 @@ from the top, the embedding), each unit's moments first, then, where that still 
 and it frees memory (a compute copy smaller than the fp32 master), masters in the same order.
 
 The plan then counts the host staging slots the reads fill (``disk_staging``: ``disk_ahead``
-slots of the largest unit's, or staging chunk's, state) and the bytes the disk holds, reads and
-writes each step (:func:`disk_traffic`)::
+slots of the largest unit's, or staging chunk's, state), the field a save reads back
+(``disk_readback``: a checkpoint writes a unit on disk one field at a time, master, ``exp_avg``,
+``exp_avg_sq``, each read back whole just before it is written and let go after, and the final
+model its master the same way; so 4 bytes per parameter of the largest unit with any field on
+disk, padded as its files are; the saves run one at a time, on the one ``io`` lane, so one such
+field at once), and the bytes the disk holds, reads and writes each step (:func:`disk_traffic`).
+``auto`` counts both in the total it compares with the host limit::
 
     plan = place_on_disk(plan, cfg, req, compute_bytes=2)
     plan.disk            # {"head": ("exp_avg", "exp_avg_sq"), "layer.31": (...), ...}
@@ -68,8 +73,11 @@ def place_on_disk(plan: Any, cfg: ModelConfig, req: Any, compute_bytes: int) -> 
                 most = max(most, len(fields) * _padded(hi - lo) * 4)
         return ahead * most
 
+    def readback(d: dict[str, tuple[str, ...]]) -> int:
+        return max((4 * _padded(maps[key].numel) for key in d), default=0)
+
     def total(h: dict[str, int], d: dict[str, tuple[str, ...]]) -> int:
-        h = {**h, "disk_staging": staging(d)}
+        h = {**h, "disk_staging": staging(d), "disk_readback": readback(d)}
         return msgspec.structs.replace(plan, host=h).host_node_total
 
     def move(key: str, fields: tuple[str, ...]) -> None:
@@ -99,6 +107,7 @@ def place_on_disk(plan: Any, cfg: ModelConfig, req: Any, compute_bytes: int) -> 
     if not disk:
         return msgspec.structs.replace(plan, disk_tier=True, disk_note=note)
     host["disk_staging"] = staging(disk)
+    host["disk_readback"] = readback(disk)
     spec = msgspec.structs.replace(spec, disk=tuple(k for k in order if k in disk), disk_ahead=ahead)
     budgets = {**plan.budgets, HOST_STATE: ahead}
     return msgspec.structs.replace(plan, host=host, spec=spec, budgets=budgets, disk=disk, disk_tier=True,

@@ -198,7 +198,8 @@ class Plan(msgspec.Struct, kw_only=True):
     @property
     def host_state_bytes_per_param(self) -> float:
         """Host bytes of model and optimizer state (runtime excluded) per model parameter."""
-        transient = sum(self.host.get(k, 0) for k in ("runtime", "checkpoint_load", "data", "reference_logps"))
+        transient = sum(self.host.get(k, 0)
+                        for k in ("runtime", "checkpoint_load", "data", "reference_logps", "disk_readback"))
         return (sum(self.host.values()) - transient) / self.params
 
     @property

@@ -11,6 +11,7 @@ parameter), which its ``cpu_adam`` refreshes as ever::
     store.read(key, chunk, buf)        # read_state: the file into a host_state staging slot
     store.write(key, chunk, buf)       # write_state: the slot back into the file
     store.read_field(key, chunk, "master", buf)   # one field alone: a checkpoint's, the final model's
+    store.write_field(key, chunk, "exp_avg", buf)  # one field alone: a resumed run's, from its checkpoint
     store.close()                      # the files removed
 
 A file holds the unit's fields one after another (``master`` where it is on disk, then
@@ -237,6 +238,19 @@ class StateStore:
             raise DiskStateError(self._why(f"cannot read the {field} of {sf.name} from {sf.path}", e)) from e
         self.read_bytes += 4 * f
         return buf[: sf.n]
+
+    def write_field(self, key: str, chunk: int | None, field: str, buf: torch.Tensor) -> None:
+        """Write one field of the file of ``(key, chunk)``, and nothing else of it, from ``buf``
+        (aligned, at least :func:`field_numel` of the chunk's elements: those past the chunk's
+        go into the field's padding). How a resumed run puts a checkpoint's state back, a field
+        at a time (:meth:`read_field`'s counterpart)."""
+        sf = self.files[(key, chunk)]
+        f = field_numel(sf.n)
+        try:
+            self._pieces(sf, buf, write=True, start=4 * f * sf.fields.index(field), numel=f)
+        except OSError as e:
+            raise DiskStateError(self._why(f"cannot write the {field} of {sf.name} to {sf.path}", e)) from e
+        self.written_bytes += 4 * f
 
     def close(self) -> None:
         """Close and remove every file and the run's folder. Safe to call twice."""

@@ -344,21 +344,45 @@ class HostState:
         """The unit's fp32 master: its own, or where it is on disk a fresh tensor read back."""
         return self.from_disk(u, ("master",))["master"] if u.master_on_disk else u.master
 
+    def to_disk(self, u: UnitState, field: str, buf: torch.Tensor) -> None:
+        """Write one of a whole unit's disk fields (``field``) from ``buf`` (an
+        :func:`aligned_empty` of :func:`field_numel` of the unit's elements, its first ``numel``
+        the field), chunk by chunk, and nothing else of its files: :meth:`from_disk`'s
+        counterpart. Each chunk goes straight from ``buf`` where it starts on a 4 KiB boundary of
+        it and its padding is ``buf``'s zeroed tail (always for a unit in one file), else through
+        a zero-padded buffer of one chunk; the files' padding stays zeros."""
+        assert self.store is not None
+        key, n = u.flat_map.key, u.flat_map.numel
+        per = DISK_ALIGN // 4
+        buf[n: field_numel(n)].zero_()
+        scratch: torch.Tensor | None = None
+        for c in self.unit_chunks(u):
+            lo, hi = chunk_range(n, self.stage_n, c)
+            if lo % per == 0 and (hi == n or (hi - lo) % per == 0):
+                self.store.write_field(key, c, field, buf[lo:])
+                continue
+            if scratch is None:
+                scratch = aligned_empty(field_numel(self.stage_n))
+            scratch[hi - lo:].zero_()
+            scratch[: hi - lo].copy_(buf[lo:hi])
+            self.store.write_field(key, c, field, scratch)
+
     @contextlib.contextmanager
-    def filling(self, u: UnitState) -> Iterator["UnitState | DiskUnitView"]:
-        """``u`` as a checkpoint fills its moments in place; where its state is on disk, a
-        view of it read back, written to the files again once filled (one unit in memory)."""
-        if not u.disk_fields:
-            yield u
+    def filling(self, u: UnitState, field: str) -> Iterator[torch.Tensor]:
+        """The unit's moment ``field`` (``exp_avg`` or ``exp_avg_sq``) as a checkpoint fills it in
+        place, every element: its own tensor, or where it is on disk a buffer of that field
+        alone, written to the files once filled (:meth:`to_disk`; one field in memory)."""
+        if field not in u.disk_fields:
+            yield getattr(u, field)
             return
-        view = DiskUnitView(u, self.from_disk(u))
-        yield view
-        self.put_on_disk(u, {"master": view.master, "exp_avg": view.exp_avg, "exp_avg_sq": view.exp_avg_sq})
+        buf = aligned_empty(field_numel(u.flat_map.numel))
+        yield buf[: u.flat_map.numel]
+        self.to_disk(u, field, buf)
 
     def saved_unit(self, u: UnitState) -> "UnitState | DiskUnitView":
         """What a checkpoint writes of ``u``: the unit itself, or where its state is on disk a
-        view with that state read back (one unit in memory at a time)."""
-        return DiskUnitView(u, self.from_disk(u)) if u.disk_fields else u
+        view that reads each field back as the checkpoint asks for it (one field in memory)."""
+        return DiskUnitView(self, u) if u.disk_fields else u
 
     @property
     def flat_maps(self) -> list[FlatMap]:
@@ -506,13 +530,31 @@ class HostState:
 
 class DiskUnitView:
     """A unit whose state is on disk as a checkpoint writes it: its own layout, step counts and
-    compute copy, with the fields read back from its files (``fields``)."""
+    compute copy; each field that is on disk read back afresh from its files each time it is
+    asked for (a checkpoint asks once per field, as its turn to be written comes, and lets it go
+    before the next: :class:`~flowtrain.ckpt.saved_state.SavedUnit`)."""
 
-    def __init__(self, unit: UnitState, fields: dict[str, torch.Tensor]) -> None:
+    def __init__(self, state: HostState, unit: UnitState) -> None:
+        self.state = state
         self.unit = unit
         self.flat_map = unit.flat_map
-        self.master = fields.get("master", unit.master)
-        self.exp_avg = fields.get("exp_avg", unit.exp_avg)
-        self.exp_avg_sq = fields.get("exp_avg_sq", unit.exp_avg_sq)
         self.steps = unit.steps
         self.expert_steps = unit.expert_steps
+
+    def _field(self, name: str) -> torch.Tensor:
+        if name in self.unit.disk_fields:
+            return self.state.from_disk(self.unit, (name,))[name]
+        tensor: torch.Tensor = getattr(self.unit, name)
+        return tensor
+
+    @property
+    def master(self) -> torch.Tensor:
+        return self._field("master")
+
+    @property
+    def exp_avg(self) -> torch.Tensor:
+        return self._field("exp_avg")
+
+    @property
+    def exp_avg_sq(self) -> torch.Tensor:
+        return self._field("exp_avg_sq")

@@ -22,6 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from flowtrain.ckpt.checkpoints import CheckpointWriter, load_training_state
 from flowtrain.graph import StepSpec, compile_step, compile_steps
 from flowtrain.graph.tasks import ReadState, WriteState
 from flowtrain.model import model_flat_maps
@@ -244,6 +245,63 @@ def test_final_save_reads_the_masters_on_disk_one_unit_at_a_time(tmp_path, monke
         assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
     finally:
         assert tier.store is not None
+        tier.store.close()
+
+
+def _count_held_fields(monkeypatch) -> list[int]:
+    """Record, at each read of a field of a unit from disk, how many fields read before are
+    still held (alive through any view of them)."""
+    held: list[int] = []
+    earlier: list[weakref.ref] = []
+    read = HostState.from_disk
+
+    def from_disk(self, u, *args, **kwargs):
+        out = read(self, u, *args, **kwargs)
+        held.append(sum(r() is not None for r in earlier))
+        for t in out.values():
+            earlier.append(weakref.ref(t if t._base is None else t._base))
+        return out
+
+    monkeypatch.setattr(HostState, "from_disk", from_disk)
+    return held
+
+
+@pytest.mark.parametrize(("layout", "intermediate"), [("full", 172), ("staged", 172), ("staged", 170)])
+def test_a_checkpoint_reads_the_state_on_disk_one_field_at_a_time(tmp_path, monkeypatch, layout, intermediate):
+    """A checkpoint reads each field of a unit on disk back alone, just before it writes it, and
+    lets it go before the next (master, exp_avg, exp_avg_sq); its files are byte for byte those of
+    the same state saved from memory, and it loads back into the tier field by field."""
+    tier, plain = _tier_and_plain(tmp_path, layout, intermediate)
+    assert tier.store is not None
+    try:
+        gen = torch.Generator().manual_seed(1)
+        for u, p in zip(tier.units, plain.units):  # moments not zero, so the files tell them apart
+            moments = {k: torch.randn(u.flat_map.numel, generator=gen) for k in ("exp_avg", "exp_avg_sq")}
+            tier.put_on_disk(u, {**moments, "master": p.master} if u.master_on_disk else moments)
+            p.exp_avg.copy_(moments["exp_avg"])
+            p.exp_avg_sq.copy_(moments["exp_avg_sq"])
+        held = _count_held_fields(monkeypatch)
+        roots = {}
+        for name, state in (("tier", tier), ("plain", plain)):
+            roots[name] = tmp_path / f"ckpt-{name}"
+            writer = CheckpointWriter(roots[name], 2, state.cfg, state.flat_maps)
+            for i, u in enumerate(state.units):
+                writer.write_unit(i, state.saved_unit(u))
+            writer.finish({"step": 2})
+        on_disk = sum(len(u.disk_fields) for u in tier.units)
+        assert len(held) == on_disk and max(held) == 0, held  # each field read once, alone
+        files = sorted(p.name for p in (roots["plain"] / "checkpoint-2").iterdir())
+        assert files == sorted(p.name for p in (roots["tier"] / "checkpoint-2").iterdir())
+        for name in files:
+            assert (roots["tier"] / "checkpoint-2" / name).read_bytes() == (roots["plain"] / "checkpoint-2" / name).read_bytes()
+
+        for u in tier.units:  # the tier's files cleared, then filled back from the checkpoint
+            tier.put_on_disk(u, {})
+        load_training_state(roots["plain"] / "checkpoint-2", tier)
+        for u, p in zip(tier.units, plain.units):
+            back = {k: getattr(tier.saved_unit(u), k) for k in ("master", "exp_avg", "exp_avg_sq")}
+            assert all(torch.equal(back[k], getattr(p, k)) for k in back), u.flat_map.key
+    finally:
         tier.store.close()
 
 
