@@ -19,7 +19,7 @@ written each step over the step time the simulator predicts on ``--machine``, or
 machine model) against what the disk gives (``--disk-gbs``, else the machine file's rates,
 which ``flowtrain probe --state-dir DIR`` measures)::
 
-    flowtrain plan --model llama-8b --seq-len 4096 --batch-size 4 --micro-batch-size 2 --gpu-mem 10 \
+    flowtrain plan --model llama-8b --seq-len 4096 --batch-size 2 --micro-batch-size 2 --gpu-mem 10 \
         --host-mem 32 --state-dir /nvme/state --machine rtx3080-10gb
 
 With ``--objective dpo`` it also counts the reference pass that such a run makes before its first
