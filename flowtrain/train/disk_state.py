@@ -231,12 +231,7 @@ class StateStore:
         (aligned, at least :func:`field_numel` of the chunk's elements); returns its elements
         there. How a checkpoint or the final model takes a unit's state back, a field at a time."""
         sf = self.files[(key, chunk)]
-        f = field_numel(sf.n)
-        try:
-            self._pieces(sf, buf, write=False, start=4 * f * sf.fields.index(field), numel=f)
-        except OSError as e:
-            raise DiskStateError(self._why(f"cannot read the {field} of {sf.name} from {sf.path}", e)) from e
-        self.read_bytes += 4 * f
+        self.read_bytes += self._field(sf, field, buf, write=False)
         return buf[: sf.n]
 
     def write_field(self, key: str, chunk: int | None, field: str, buf: torch.Tensor) -> None:
@@ -244,13 +239,18 @@ class StateStore:
         (aligned, at least :func:`field_numel` of the chunk's elements: those past the chunk's
         go into the field's padding). How a resumed run puts a checkpoint's state back, a field
         at a time (:meth:`read_field`'s counterpart)."""
-        sf = self.files[(key, chunk)]
+        self.written_bytes += self._field(self.files[(key, chunk)], field, buf, write=True)
+
+    def _field(self, sf: StateFile, field: str, buf: torch.Tensor, write: bool) -> int:
+        """Transfer one field of ``sf`` (its padded elements) between ``buf`` and the file;
+        returns the bytes moved."""
         f = field_numel(sf.n)
         try:
-            self._pieces(sf, buf, write=True, start=4 * f * sf.fields.index(field), numel=f)
+            self._pieces(sf, buf, write=write, start=4 * f * sf.fields.index(field), numel=f)
         except OSError as e:
-            raise DiskStateError(self._why(f"cannot write the {field} of {sf.name} to {sf.path}", e)) from e
-        self.written_bytes += 4 * f
+            what = f"write the {field} of {sf.name} to" if write else f"read the {field} of {sf.name} from"
+            raise DiskStateError(self._why(f"cannot {what} {sf.path}", e)) from e
+        return 4 * f
 
     def close(self) -> None:
         """Close and remove every file and the run's folder. Safe to call twice."""
