@@ -52,7 +52,6 @@ prints a failed line saying that the trainer needs a GPU. Out of GPU memory prin
 from __future__ import annotations
 
 import dataclasses
-import json
 import logging
 import os
 import socket
@@ -63,6 +62,8 @@ import time
 os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 import torch
+
+import json_line  # docs/bench/json_line.py, beside this script
 
 T0 = time.perf_counter()
 TINY = os.environ.get("TITAN_TINY") == "1"
@@ -326,17 +327,7 @@ def main() -> int:
     seq, batch, micro, steps = (int(a) for a in (sys.argv[1:] + default[len(sys.argv) - 1:])[:4])
     fail = {"job": job_name(seq), "system": "torchtitan", "seq_len": seq, "batch_size": batch,
             "micro_batch_size": micro, "training_dtype": DTYPE, "activation_checkpoint": AC, "failed": True}
-    try:
-        result = run(seq, batch, micro, steps)
-    except torch.OutOfMemoryError as e:
-        print(json.dumps({**fail, "error": "out of GPU memory: " + str(e).splitlines()[0][:200]}), flush=True)
-        return 3
-    except BaseException as e:  # one JSON line whatever happens; the traceback goes to stderr
-        logging.exception("torchtitan run failed")
-        print(json.dumps({**fail, "error": f"{type(e).__name__}: {str(e)[:300]}"}), flush=True)
-        return 3 if "out of memory" in str(e) else 1
-    print(json.dumps(result), flush=True)
-    return 1 if result.get("failed") else 0
+    return json_line.report(fail, lambda: run(seq, batch, micro, steps), "torchtitan")
 
 
 if __name__ == "__main__":

@@ -63,6 +63,8 @@ os.environ.setdefault("UNSLOTH_COMPILE_LOCATION", "/tmp/unsloth_compiled_cache")
 
 import torch
 
+import json_line  # docs/bench/json_line.py, beside this script
+
 T0 = time.perf_counter()
 TINY = os.environ.get("UNSLOTH_TINY") == "1"
 TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -242,17 +244,7 @@ def main() -> int:
     if batch % micro:
         print(json.dumps({**fail, "error": f"batch {batch} is not a multiple of micro-batch {micro}"}), flush=True)
         return 2
-    try:
-        result = run(shape, seq, batch, micro, steps)
-    except torch.OutOfMemoryError as e:
-        print(json.dumps({**fail, "error": "out of GPU memory: " + str(e).splitlines()[0][:200]}), flush=True)
-        return 3
-    except BaseException as e:  # one JSON line whatever happens; the traceback goes to stderr
-        logging.exception("Unsloth run failed")
-        print(json.dumps({**fail, "error": f"{type(e).__name__}: {str(e)[:300]}"}), flush=True)
-        return 3 if "out of memory" in str(e) else 1
-    print(json.dumps(result), flush=True)
-    return 1 if result.get("failed") else 0
+    return json_line.report(fail, lambda: run(shape, seq, batch, micro, steps), "Unsloth")
 
 
 if __name__ == "__main__":
