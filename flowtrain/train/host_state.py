@@ -340,9 +340,13 @@ class HostState:
                 out[k][lo:hi].copy_(self.store.read_field(key, c, k, scratch))
         return {k: v[:n] for k, v in out.items()}
 
-    def master_of(self, u: UnitState) -> torch.Tensor:
-        """The unit's fp32 master: its own, or where it is on disk a fresh tensor read back."""
-        return self.from_disk(u, ("master",))["master"] if u.master_on_disk else u.master
+    def field_of(self, u: UnitState, name: str) -> torch.Tensor:
+        """The unit's ``master``, ``exp_avg`` or ``exp_avg_sq``: its own tensor, or where that
+        field is on disk a fresh tensor read back (held only as long as the caller holds it)."""
+        if name in u.disk_fields:
+            return self.from_disk(u, (name,))[name]
+        tensor: torch.Tensor = getattr(u, name)
+        return tensor
 
     def to_disk(self, u: UnitState, field: str, buf: torch.Tensor) -> None:
         """Write one of a whole unit's disk fields (``field``) from ``buf`` (an
@@ -436,7 +440,7 @@ class HostState:
         master on disk is read back when its unit comes, and no longer referenced here once the
         unit's last tensor is handed out (one such unit in memory, for a consumer that copies)."""
         for i, u in enumerate(self.units):
-            flat = self.master_of(u)
+            flat = self.field_of(u, "master")
             if self.lora is not None and 0 < i <= len(self.adapters):
                 a = self.adapters[i - 1]
                 flat = flat.clone()
@@ -523,7 +527,7 @@ class HostState:
         if self.lora is not None:
             self.merge_adapters()
         # a master on disk is read back as its unit's tensors are written: one unit in memory
-        masters = [functools.partial(self.master_of, u) if u.master_on_disk else u.master for u in self.units]
+        masters = [functools.partial(self.field_of, u, "master") if u.master_on_disk else u.master for u in self.units]
         save_hf(out_dir, self.cfg, self.flat_maps, masters, dtype,
                 max_shard_bytes=max_shard_bytes, source_config=source_config)
 
@@ -541,20 +545,14 @@ class DiskUnitView:
         self.steps = unit.steps
         self.expert_steps = unit.expert_steps
 
-    def _field(self, name: str) -> torch.Tensor:
-        if name in self.unit.disk_fields:
-            return self.state.from_disk(self.unit, (name,))[name]
-        tensor: torch.Tensor = getattr(self.unit, name)
-        return tensor
-
     @property
     def master(self) -> torch.Tensor:
-        return self._field("master")
+        return self.state.field_of(self.unit, "master")
 
     @property
     def exp_avg(self) -> torch.Tensor:
-        return self._field("exp_avg")
+        return self.state.field_of(self.unit, "exp_avg")
 
     @property
     def exp_avg_sq(self) -> torch.Tensor:
-        return self._field("exp_avg_sq")
+        return self.state.field_of(self.unit, "exp_avg_sq")
