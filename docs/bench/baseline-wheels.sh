@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Puts in .whl-base/ (ignored by git) the Python 3.12 wheels that the two baseline trainers need on the
-# lent GPU machine beyond its image (torch 2.11, transformers 5.17, peft, accelerate, triton,
+# benchmark GPU machine beyond its image (torch 2.11, transformers 5.17, peft, accelerate, triton,
 # tokenizers, pyarrow, pandas, xxhash, ... are there):
 #   torchtitan's Qwen3 MoE (docs/bench/torchtitan_moe.py): torchtitan 0.2.2, the release made against
 #     the PyTorch nightly that became 2.11, and what it imports: torchdata (its data loader), tyro and
@@ -9,7 +9,7 @@
 #   Unsloth's LoRA (docs/bench/unsloth_lora.py): unsloth and unsloth_zoo 2026.10.9 (the newest that
 #     allow transformers 5.17), trl (imported unconditionally), datasets, and bitsandbytes, which a
 #     bf16 LoRA never calls but Unsloth's post-load patching imports for a type check.
-# Two wheels are slimmed to fit the 64 MiB a device call carries: unsloth's without its studio/
+# Two wheels are slimmed to keep what is copied to the benchmark machine small: unsloth's without its studio/
 # web application and unsloth_cli/ (27 of its 29 MB; neither is imported by `import unsloth`), and
 # bitsandbytes's with only the CUDA 13.0 and CPU libraries (torch 2.11+cu130 loads the first; 43 MB
 # to about 2). Not carried: xformers (Unsloth then uses PyTorch's SDPA), torchao, cut-cross-entropy,
