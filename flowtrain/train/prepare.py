@@ -279,6 +279,9 @@ def _check_state_dir(cfg: TrainConfig, world: World | None) -> None:
     if world is not None and world.parallel:
         raise ConfigError("{state_dir} is for one training process; data-parallel runs keep their state in host "
                           "memory: leave it out", named=True)
+    if Path(cfg.state_dir).exists() and not Path(cfg.state_dir).is_dir():
+        raise ConfigError(f"{{state_dir}} {cfg.state_dir} is a file: give a folder on a fast disk (made if it is "
+                          "missing)", named=True)
 
 
 def check_objective(cfg: TrainConfig, *, needs_data: bool = True) -> None:

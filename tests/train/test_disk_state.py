@@ -176,6 +176,21 @@ def test_a_lora_run_refuses_a_state_folder_in_one_line(tmp_path, capsys):
     assert not out.exists() and not (tmp_path / "state").exists()
 
 
+def test_a_state_folder_that_is_a_file_is_refused_in_one_line(tmp_path, capsys):
+    """--state-dir naming a file ends the run in one line naming the flag, the file untouched
+    and nothing written."""
+    from flowtrain.cli import main
+
+    state, out = tmp_path / "state", tmp_path / "out"
+    state.write_text("not a folder")
+    code = main(["train", "--model", "tiny", "--steps", "1", "--batch-size", "2", "--micro-batch-size", "2",
+                 "--seq-len", "32", "--device", "cpu", "--no-progress", "--disk-state", "all",
+                 "--state-dir", str(state), "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert code != 0 and len(err) == 1 and "--state-dir" in err[0] and "is a file" in err[0], err
+    assert state.read_text() == "not a folder" and not out.exists()
+
+
 def _tier_and_plain(tmp_path: Path, layout: str, intermediate: int) -> tuple[HostState, HostState]:
     """The same seeded model twice: in memory, and with the masters of the layers and the head and
     every unit's moments on disk (the embedding's master stays in memory). vocab 2048 makes the
