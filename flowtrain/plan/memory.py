@@ -18,6 +18,7 @@ finite; see :mod:`flowtrain.train.nonfinite`) and ``data`` (the token batches in
 :func:`data_host_bytes`); a DPO run adds ``reference_logps`` (:func:`reference_host_bytes`). GPU bytes: ``weight_slots``,
 ``landing`` (the fp32 piece buffer of casting fetches), ``grad_slots``, ``resident`` (master, m,
 v, gradient and compute copy: 18 bytes per parameter in bf16), ``checkpoints``, ``recompute``,
+``layer_gradients`` (in the backward, the gradient of each live micro-batch's layer output),
 ``layer_work`` (one layer under autograd), ``kept_activations`` (the layers whose forward
 keeps its activations for backward instead of recomputing: :func:`.planner.plan_activations`),
 ``saved_attention`` (the recomputing layers whose forward keeps its attention output for the
@@ -449,6 +450,8 @@ def _gpu_items(cfg: ModelConfig, req: RunRequest, device: torch.device, cbytes: 
         "resident": resident_per * resident_n,
         "checkpoints": math.ceil(cfg.num_layers / k) * live_mbs * hidden,
         "recompute": (k - 1) * live_mbs * hidden,
+        # in the backward, each live micro-batch's gradient of the layer output it is at
+        "layer_gradients": live_mbs * hidden,
         "layer_work": layer_work_bytes(cfg, tokens, cbytes, compiled, grouped, frozen_base=lora),
         # fp32 logits and their softmax in place, the bf16 gradient, the head's gradient
         # before accumulation, and the micro-batch's hidden-state gradient (the generic path's
@@ -502,10 +505,27 @@ def layer_work_bytes(cfg: ModelConfig, tokens: int, cbytes: int, compiled: bool,
         per_token, mlp_units = 6 * h + 2 * q + 4 * kv, 4 * f
     layers = [lay for lay in unit_flat_maps(cfg) if lay.unit == "layer"]
     work = tokens * cbytes * per_token
-    work += tokens * (4 * q + (2 * cbytes * (q - kv) if kv < q else 0))  # attention backward's buffers
+    attention = tokens * (4 * q + (2 * cbytes * (q - kv) if kv < q else 0))  # attention backward's buffers
+    grads = cbytes * max((lay.numel for lay in layers), default=0)
     if cfg.moe:  # the larger of a sparse layer's routing and experts and a dense layer's MLP
-        return work + _moe_mlp_work(cfg, layers, tokens, cbytes, mlp_units, grouped, frozen_base, compiled)
-    return work + cbytes * max((lay.numel for lay in layers), default=0) + _dense_mlp_work(cfg, tokens, cbytes, mlp_units)
+        return work + attention + _moe_mlp_work(cfg, layers, tokens, cbytes, mlp_units, grouped, frozen_base, compiled)
+    if tokens > MLP_CHUNK_TOKENS and not frozen_base:
+        return work + grads + max(attention, _piecewise_mlp_backward(cfg, cbytes))
+    return work + attention + grads + _dense_mlp_work(cfg, tokens, cbytes, mlp_units)
+
+
+def _piecewise_mlp_backward(cfg: ModelConfig, cbytes: int) -> int:
+    """What the MLP's backward holds beside the layer's saved tensors when it runs in pieces
+    (:mod:`flowtrain.model.mlp`): one piece rebuilt under eager autograd, its three saved
+    ``tokens x intermediate`` tensors and the three gradients of SwiGLU's backward, the piece's
+    input gradient and output, the fp32 sums of the three weight gradients and the piece's own
+    three in the compute dtype (and a fourth of that size the down projection's backward
+    makes). The attention backward's buffers come later, when the pieces are freed, so a layer
+    in pieces counts the larger of the two, not both. On an H100, Qwen2.5-7B's shape at 80,896
+    tokens a micro-batch peaked in this backward with exactly these blocks alive
+    (``flowtrain bench --gpu-peak-report``; docs/benchmarks.md, "Beside MegaTrain")."""
+    h, f, piece = cfg.hidden_size, cfg.intermediate_size, MLP_CHUNK_TOKENS
+    return piece * cbytes * (6 * f + 2 * h) + 12 * h * f + 4 * cbytes * h * f
 
 
 def _generic_layer_work(cfg: ModelConfig, tokens: int, cbytes: int) -> int:

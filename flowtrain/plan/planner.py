@@ -339,7 +339,7 @@ def _bring_back(plan: Plan, cfg: ModelConfig, req: RunRequest) -> Plan:
     per_ck = plan.host["offloaded_activations"] // len(starts)
     slots = plan.gpu["checkpoints"]
     offloading = plan.gpu
-    recomputing = {k: v for k, v in offloading.items() if k not in ("offload_in_flight", "layer_gradients")}
+    recomputing = {k: v for k, v in offloading.items() if k != "offload_in_flight"}
     recomputing["checkpoints"] = len(starts) * per_ck
 
     def with_back(n_off: int) -> dict[str, int]:  # the GPU items with all but n_off checkpoints back

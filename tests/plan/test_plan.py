@@ -76,7 +76,7 @@ def test_capacity_placement_moves_layers_to_the_gpu_until_the_host_fits():
 
 
 def test_a_run_too_large_for_both_says_what_would_fit():
-    card = card_for(int(127.9 * GiB))  # a card that leaves the plan 127.9 GiB
+    card = card_for(int(128.5 * GiB))  # a card that leaves the plan 128.5 GiB
     p = plan(model="qwen-14b", batch_size=8, host_mem=104, gpu_mem=card)
     assert not p.fits and not p.host_fits
     assert p.max_micro_batch is not None and p.max_micro_batch < 4
@@ -130,7 +130,7 @@ def test_plan_cli_prints_text_and_json_and_exits_1_when_it_does_not_fit(capsys):
     assert data["fits"] and data["device"] == "cuda" and data["gpu_total"] <= 10 * GiB
     assert set(data["host"]) >= {"master", "adam", "staging", "runtime"}
     assert main(["plan", "--model", "qwen-14b", "--seq-len", "4096", "--batch-size", "8", "--micro-batch-size", "4",
-                 "--gpu-mem", f"{card_for(int(127.9 * GiB)):.3f}", "--host-mem", "104"]) == 1
+                 "--gpu-mem", f"{card_for(int(128.5 * GiB)):.3f}", "--host-mem", "104"]) == 1
     assert "to make it fit: use --micro-batch-size" in capsys.readouterr().out
 
 

@@ -53,8 +53,11 @@ GATE_ARGS = {
 @pytest.mark.parametrize("job", sorted(GATE_ARGS))
 def test_a_plan_for_the_h200_from_elsewhere_is_the_plan_the_h200_made(job, capsys):
     """``flowtrain plan --machine h200`` on a computer without a GPU plans each dense gate run as
-    the H200 planned it for itself (its GPU and host totals and its residency, as the gate's
-    result recorded them), with or without ``--gpu-mem``."""
+    the H200 planned it for itself (its host total, residency and slots, as the gate's result
+    recorded them), with or without ``--gpu-mem``. The GPU total has grown since that record by
+    what the count has learned (the live micro-batches' output gradients in the backward; a
+    layer whose MLP runs in pieces counts that backward's own peak): at or above the recorded
+    plan, and within 3% of it."""
     import json
     from pathlib import Path
 
@@ -64,6 +67,6 @@ def test_a_plan_for_the_h200_from_elsewhere_is_the_plan_the_h200_made(job, capsy
     row = next(r for r in map(json.loads, results.read_text().splitlines()) if r.get("job") == job)
     assert main(["plan", *GATE_ARGS[job], "--machine", "h200", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
-    assert round(plan["gpu_total"] / 2**30, 2) == row["planned_gpu_gib"]
+    assert row["planned_gpu_gib"] <= round(plan["gpu_total"] / 2**30, 2) <= 1.03 * row["planned_gpu_gib"]
     assert round(plan["host_total"] / 2**30, 2) == row["planned_host_gib"]
     assert plan["resident"] == row["resident"] and plan["budgets"] == row["budgets"]
