@@ -138,6 +138,9 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
     flops_per_token: float = 0.0
     #: units whose fp32 master is on disk beside their moments (``--disk-state``)
     disk_master: frozenset[str] = frozenset()
+    #: a dense layer's MLP runs in pieces (a micro-batch longer than
+    #: :data:`flowtrain.model.config.MLP_CHUNK_TOKENS`): its backward rebuilds gate and up
+    mlp_pieces: bool = False
 
     @property
     def per_node(self) -> int:
@@ -234,6 +237,8 @@ class CostModel:
         else:
             accumulate = self.hbm_seconds(s.layer_numel * (s.compute_bytes + 8))
             backward = forward + 2 * bwd_gemms + attn_bwd + 2 * ew + accumulate
+            if s.mlp_pieces:  # each piece's gate and up once more, under autograd in the backward
+                backward += 2 * self.gemm_seconds(T, i, h) / sw["in_step"]
         return {"forward": forward, "backward": backward, "gemms": gemms, "attention": attn_fwd + attn_bwd,
                 "attention_forward": attn_fwd}
 

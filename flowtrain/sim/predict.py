@@ -88,6 +88,7 @@ def predict_reference_pass(shape: Shape, plan: Any, machine: Machine, policy: An
 def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1, world: int = 1, nodes: int = 1) -> Shape:
     """The :class:`Shape` of model ``cfg`` (a ``ModelConfig``) run under ``plan`` for ``req``."""
     from ..model import model_flat_maps
+    from ..model.config import MLP_CHUNK_TOKENS
     from ..model.counts import model_flops_per_token
 
     from ..plan.adapters import adapter_active_numel, adapter_active_outputs, layer_adapter_numels
@@ -115,7 +116,8 @@ def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1, world: int = 
                  lora_rank=getattr(req, "lora_rank", 0) or 0,
                  adapter_outputs=adapter_active_outputs(cfg, req) if adapters else 0.0,
                  disk_master=frozenset(k for k, fields in plan.disk.items() if "master" in fields),
-                 flops_per_token=model_flops_per_token(cfg, req.seq_len, adapters or None))
+                 flops_per_token=model_flops_per_token(cfg, req.seq_len, adapters or None),
+                 mlp_pieces=not sparse and not adapters and req.micro_batch_size * req.seq_len > MLP_CHUNK_TOKENS)
 
 
 def predict_shape(shape: Shape, plan: Any, machine: Machine, policy: Any = "double_buffer", *,

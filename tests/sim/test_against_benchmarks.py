@@ -25,7 +25,7 @@ def test_predicted_tokens_per_s_within_the_runs_bound(name, row, extra):
     r = predict_run(row, extra)
     assert r["within"] <= 0.15
     if r["not_modelled"]:  # the table names the miss; once the simulator catches up, say so there
-        assert r["error"] > r["within"], r
+        assert abs(r["error"]) > r["within"], r  # a miss either way
         return
     assert abs(r["error"]) < r["within"], r
     # and the lane that bounds it is the one the run's busy fractions point at, or one nearly as
