@@ -14,8 +14,10 @@ to 1.0, ``DeepSpeedCPUAdam.step`` (AdamW mode) over ``get_parameters()``, then
 ``_sync_params_to_gpu`` and ``zero_grad``. The model is transformers' model of the shape's config
 in bf16 (MegaTrain loads it so: its trained weights are bf16, the Adam moments fp32), random weights
 from one pool (:func:`random_model`: transformers' own initialisation takes minutes on the CPU), with
-PyTorch's scaled-dot-product attention (its configs ask for flash-attn 2, which the benchmark
-machine lacks). Model FLOPs per token follow docs/benchmarks.md ("Model FLOPs"): 6 x the weights a
+PyTorch's scaled-dot-product attention, causal (its configs ask for flash-attn 2, which the
+benchmark machine lacks; its step hands each layer the batch's 2-D padding mask, which flash-attn 2
+takes and transformers' SDPA path refuses, so :func:`register_causal_sdpa` drops that mask, all
+ones here, and lets SDPA pick its flash kernel). Model FLOPs per token follow docs/benchmarks.md ("Model FLOPs"): 6 x the weights a
 token multiplies by (no input embedding) + 6 x layers x heads x head_dim x sequence. MegaTrain's
 own log counts 6 x every parameter, the embedding included, and no attention.
 
@@ -67,11 +69,27 @@ def flops_per_token(shape: str, seq: int) -> float:
     return 6 * (layers * per_layer + h * vocab) + 6 * layers * heads * head_dim * seq
 
 
+CAUSAL_SDPA = "sdpa_causal_unpadded"
+
+
+def register_causal_sdpa() -> None:
+    """transformers' SDPA attention under a new name that ignores the attention mask: MegaTrain passes
+    every layer the 2-D padding mask as flash-attn 2 wants it; with rows of only real tokens the
+    causal kernel computes the same thing."""
+    from transformers import AttentionInterface
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def causal_sdpa(module, query, key, value, attention_mask, **kwargs):
+        return sdpa_attention_forward(module, query, key, value, None, **kwargs)
+
+    AttentionInterface.register(CAUSAL_SDPA, causal_sdpa)
+
+
 def random_model(auto, config):
     """The model with random bf16 weights in seconds: built on the meta device, then each matrix a slice
     of one random pool (transformers' own initialisation of 7B bf16 weights on the CPU takes minutes)."""
     with torch.device("meta"):
-        model = auto.from_config(config, dtype=torch.bfloat16, attn_implementation="sdpa")
+        model = auto.from_config(config, dtype=torch.bfloat16, attn_implementation=CAUSAL_SDPA)
     model = model.to_empty(device="cpu")
     pool = torch.randn(1 << 24, generator=torch.Generator().manual_seed(0)).mul_(0.02).to(torch.bfloat16)
     offset = 0
@@ -100,6 +118,7 @@ def run(shape: str, seq: int, batch: int, steps: int) -> dict:
     t0 = time.perf_counter()
     torch.manual_seed(0)
     say(f"building {shape} in bf16 on the CPU", t0)
+    register_causal_sdpa()
     model = random_model(AutoModelForCausalLM, hf_config(shape))
     say("built; handing it to CPUMasterModel", t0)
     config = CPUMasterConfig(model_name=shape, dataset_path="random tokens", max_seq_len=seq, batch_size=batch, num_steps=steps,
