@@ -38,6 +38,14 @@ def test_a_gate_whose_jobs_hold_passes(tmp_path, capsys):
     assert "gate: 2 passed, 0 failed" in capsys.readouterr().out
 
 
+def test_the_baseline_is_shown_in_the_runs_flops_count(tmp_path, capsys):
+    """The baseline records tokens/s; its model TFLOP/s are printed in the count the run reports,
+    so a change of the count moves both."""
+    rows = [_row("w1", tokens_per_s=1100.0, model_tflops=440.0)]
+    assert _verdict(tmp_path, rows, {"w1": {"tokens_per_s": 1000}}) == 0
+    assert "1100.0 tok/s (1.100x) vs 1000 (400.0 TFLOP/s), 440.0 TFLOP/s" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("row, base, why", [
     (_row("w1", tokens_per_s=920.0), {"tokens_per_s": 1000}, "below the baseline"),
     (_row("w1", gpu_peak_gib=10.5), {"tokens_per_s": 1000}, "more than the 10.0 GiB planned"),

@@ -83,9 +83,11 @@ def line(job: str, row: dict | None, base: dict, bad: list[str]) -> str:
     if job == "tests":
         got = f"{row.get('passed', 0)} passed, {row.get('failures', 0)} failed"
     else:
-        tok, want = row.get("tokens_per_s"), base.get("tokens_per_s")
+        tok, want, tflops = row.get("tokens_per_s"), base.get("tokens_per_s"), row.get("model_tflops")
         ratio = f" ({tok / want:.3f}x)" if tok and want else ""
-        got = (f"{tok} tok/s{ratio} vs {want}, {row.get('model_tflops')} TFLOP/s, GPU {row.get('gpu_peak_gib')} "
+        # the baseline's model TFLOP/s in the run's own count (the same FLOPs a token)
+        then = f" ({want * tflops / tok:.1f} TFLOP/s)" if tok and want and tflops else ""
+        got = (f"{tok} tok/s{ratio} vs {want}{then}, {tflops} TFLOP/s, GPU {row.get('gpu_peak_gib')} "
                f"of {row.get('planned_gpu_gib')} GiB planned, process {row.get('gpu_process_peak_gib')} GiB")
         if row.get("gpu_alloc_retries"):
             got += f", {row['gpu_alloc_retries']} allocator retries"
