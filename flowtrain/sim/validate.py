@@ -20,13 +20,11 @@ the layers its trace shows (``save_attention``: its trace,
 docs/bench/2026-12-03/saved-attention-8b256k-trace.json, says so in the tasks' ``phase``) and
 offloaded the checkpoints it shows (``offload``); the simulator gets the same layers.
 
-Three rows name what the simulator does not model (``not_modelled``) and are held to their miss:
+Two rows name what the simulator does not model (``not_modelled``) and are held to their miss:
 the 10 GB card's allocator at its cap (the same step took 8.3 s with 1.75 GiB of room above its
 peak, 9.3-9.9 s with 0.37: docs/bench/history/2026-12-05-predicted-vs-measured.md), and the
 first mixture-of-experts run, whose expert backward added rows back with bf16 atomics and
-unit-sized weight-gradient copies, both since removed, and the mixture of experts on an H100
-beside torchtitan, predicted slow: the H100's machine file scales the datasheet by the H200's
-measured ratios and was never probed, and a grouped-expert step leans on the rates it guesses.
+unit-sized weight-gradient copies, both since removed.
 """
 
 from __future__ import annotations
