@@ -1,12 +1,13 @@
 """What would make a run that does not fit fit: the line under a refusal's ``try:``.
 
 A plan that does not fit answers with the one change that fits first, planned on the same
-machine: the largest micro-batch that fits, then single changes in the order a user would
-rather make them (what costs least speed or exactness first: offloading checkpoints, fewer
-micro-batches, sparser checkpoints, no residency, the staged layout, no exact clipping, the
-sequential policy), and, where full training's state cannot fit the host, LoRA adapters over a
-frozen base (``--lora-rank 16``). Where no single change fits, the memory the run would take,
-the largest model the host would hold (its arithmetic shown) and the GPU it would need::
+machine: the largest micro-batch that fits, then single changes in the order a user would rather
+make them (what costs least speed or exactness first: offloading checkpoints, the lookahead
+policy in place of double buffering, fewer micro-batches, sparser checkpoints, no residency, the
+staged layout, no exact clipping, the sequential policy), and, where full training's state
+cannot fit the host, LoRA adapters over a frozen base (``--lora-rank 16``). Where no single
+change fits, the memory the run would take, the largest model the host would hold (its
+arithmetic shown) and the GPU it would need::
 
     use --activations offload
     use --lora-rank 16 (LoRA adapters over the frozen base: host 30.2 GiB of 60.8 usable)
@@ -37,6 +38,8 @@ def _changes(plan: Plan, req: RunRequest, policy: Any) -> list[tuple[str, RunReq
         out.append(("--activations auto", replace(req, activations="auto"), policy))
     if req.activations in ("keep", "recompute", "attention"):  # checkpoints to host memory: PCIe time, often hidden
         out.append(("--activations offload", replace(req, activations="offload"), policy))
+    if policy == "double_buffer":  # the same step with other slots: what the GPU keeps, the host need not
+        out.append(("--policy lookahead", req, "lookahead"))
     for n in sorted({steps - 1, *(steps >> i for i in range(1, steps.bit_length()))} - {0}, reverse=True):
         # fewer micro-batches per step: fewer layer inputs kept for backward
         out.append((f"--batch-size {n * mbs}", replace(req, batch_size=n * mbs), policy))

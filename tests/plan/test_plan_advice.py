@@ -45,6 +45,19 @@ def test_the_advice_is_one_change_never_a_list():
     assert _plan("llama-1b", **{**kw, "activations": "offload"}).fits
 
 
+def test_a_policy_that_fits_the_same_step_comes_before_a_smaller_batch(tmp_path, capsys):
+    """llama-8b, 4 x 4,096 on a 10 GB card in a 32 GB desktop with its state on disk: under double
+    buffering the offloaded checkpoints do not fit the host, under lookahead (one gradient slot,
+    more checkpoints kept on the card) they do; the advice keeps the batch and names the policy,
+    and the plan under it fits."""
+    argv = ["plan", "--model", "llama-8b", "--seq-len", "4096", "--batch-size", "4", "--micro-batch-size", "2",
+            "--gpu-mem", "10", "--host-mem", "32", "--state-dir", str(tmp_path), "--device", "cuda"]
+    assert main(argv) == 1
+    assert "to make it fit: use --policy lookahead\n" in capsys.readouterr().out
+    assert main([*argv, "--policy", "lookahead"]) == 0
+    capsys.readouterr()
+
+
 def test_the_largest_model_is_arithmetic_a_reader_can_check():
     """Where no single change fits: the usable memory less the rest of the run, in GB, over the
     bytes per parameter, is the number of parameters shown."""
