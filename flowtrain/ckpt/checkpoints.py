@@ -86,7 +86,7 @@ from ..errors import CheckpointError
 from ..model import FlatMap, ModelConfig
 from ..model.flat_map import hub_tensors
 from .adapter_files import ADAPTER_CONFIG
-from .hf import CONFIG_NAME, INDEX_NAME, fsync_dir, hf_config_text, unit_tensors, write_safetensors
+from .hf import CONFIG_NAME, INDEX_NAME, fsync_dir, handed_out, hf_config_text, unit_tensors, write_safetensors
 from .saved_state import RestorableState, SavedUnit
 
 __all__ = [
@@ -382,10 +382,7 @@ class CheckpointWriter:
 def _weight_data(unit: SavedUnit, layout: FlatMap) -> Iterator[torch.Tensor]:
     """The weight file's tensors in order: the unit's master taken at the first (for a unit whose
     state is on disk, read back then) and no longer referenced here once its last is handed out."""
-    views = [t for _, t in unit_tensors(unit.master, layout)]
-    views.reverse()
-    while views:
-        yield views.pop()
+    yield from handed_out([t for _, t in unit_tensors(unit.master, layout)])
 
 
 def _moment_data(unit: SavedUnit, layout: FlatMap, counts: list[tuple[str, torch.Tensor]]) -> Iterator[torch.Tensor]:

@@ -32,7 +32,7 @@ import struct
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import islice
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 from safetensors import SafetensorError, safe_open
@@ -44,10 +44,11 @@ from flowtrain.model.model_dir import CONFIG_NAME, as_model_names, model_renames
 from flowtrain.model.flat_map import FlatMap, bind, hub_form, hub_tensors
 from ..model.hf_config import from_hf, to_hf
 
-__all__ = ["checkpoint_dtype", "hf_config_text", "load_into", "read_config", "save_hf", "shard_tensors",
-           "unit_tensors", "write_safetensors"]
+__all__ = ["checkpoint_dtype", "handed_out", "hf_config_text", "load_into", "read_config", "save_hf",
+           "saved_tensors", "shard_tensors", "unit_tensors", "write_safetensors"]
 
 log = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -249,7 +250,8 @@ def save_hf(
 
     tensors: list[tuple[str, Tensor]] = []  # a unit given as a function: meta tensors, for the headers
     for layout, flat in zip(layouts, flats):
-        tensors += _saved(cfg, flat if isinstance(flat, Tensor) else torch.empty(layout.numel, device="meta"), layout)
+        tensors += saved_tensors(cfg, flat if isinstance(flat, Tensor) else torch.empty(layout.numel, device="meta"),
+                                 layout)
     shards = shard_tensors(tensors, dtype, max_shard_bytes)
     data = _saved_data(cfg, layouts, flats)
     names = [WEIGHTS_NAME] if len(shards) == 1 else [
@@ -274,10 +276,20 @@ def save_hf(
         raise CheckpointError(f"cannot write a checkpoint to {str(out)!r}: {e}") from e
 
 
-def _saved(cfg: ModelConfig, flat: Tensor, layout: FlatMap) -> list[tuple[str, Tensor]]:
-    """The tensors of one unit a saved model holds: all of them but a tied ``lm_head.weight``."""
+def saved_tensors(cfg: ModelConfig, flat: Tensor, layout: FlatMap) -> list[tuple[str, Tensor]]:
+    """The tensors of one unit a saved model holds, by the Hub's names: all of them but a tied
+    ``lm_head.weight``."""
     return [(name, t) for name, t in unit_tensors(flat, layout)
             if not (cfg.tie_word_embeddings and name == "lm_head.weight")]
+
+
+def handed_out(items: list[_T]) -> Iterator[_T]:
+    """Each of ``items`` in order, taken out of the list as it is handed out (the list ends
+    empty), so that nothing here still refers to an item once its consumer lets it go: views
+    of a buffer read back for the occasion free it after the last one is written."""
+    items.reverse()
+    while items:
+        yield items.pop()
 
 
 def _saved_data(cfg: ModelConfig, layouts: Sequence[FlatMap],
@@ -285,10 +297,7 @@ def _saved_data(cfg: ModelConfig, layouts: Sequence[FlatMap],
     """The tensors :func:`save_hf` writes, in order, a unit's buffer taken (for a function:
     called) at its first tensor and no longer referenced here once its last is handed out."""
     for layout, flat in zip(layouts, flats):
-        views = [t for _, t in _saved(cfg, flat if isinstance(flat, Tensor) else flat(), layout)]
-        views.reverse()
-        while views:
-            yield views.pop()
+        yield from handed_out([t for _, t in saved_tensors(cfg, flat if isinstance(flat, Tensor) else flat(), layout)])
 
 
 def shard_tensors(

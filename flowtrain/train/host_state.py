@@ -64,7 +64,7 @@ from typing import Iterable
 import torch
 
 from ..ckpt.checkpoints import all_finite
-from ..ckpt.hf import load_into, save_hf, unit_tensors
+from ..ckpt.hf import handed_out, load_into, save_hf, saved_tensors, unit_tensors
 from ..errors import CheckpointError, ConfigError
 from ..model import FlatMap, ModelConfig, init_unit, model_flat_maps
 from ..model.adapters import LoraSpec, adapter_flat_maps
@@ -445,12 +445,9 @@ class HostState:
                 a = self.adapters[i - 1]
                 flat = flat.clone()
                 merge_adapter(flat, u.flat_map, a.master.cpu(), a.flat_map, self.lora.scale)
-            tensors = [(name, t) for name, t in unit_tensors(flat, u.flat_map)
-                       if not (self.cfg.tie_word_embeddings and name == "lm_head.weight")]
+            tensors = saved_tensors(self.cfg, flat, u.flat_map)
             del flat
-            tensors.reverse()
-            while tensors:
-                yield tensors.pop()
+            yield from handed_out(tensors)  # empties the list as it goes
 
     def merge_adapters(self) -> None:
         """Add each layer's adapters into its base weights, in place (the base is then no
