@@ -308,6 +308,7 @@ def reference_report(args: argparse.Namespace, req, reference=None) -> tuple[str
     total counts; without ``--data``, the same per pair. ``reference``: the simulator's
     prediction of the pass (``flowtrain simulate``), which adds its seconds."""
     from ..plan.memory import REFERENCE_BYTES_PER_ROW, reference_host_bytes
+    from ..viz.steps import fmt_bytes
 
     rows = req.reference_rows if args.data is not None else None
     per_pass = req.batch_size * req.processes  # the whole step's sequences (req: one process's share)
@@ -334,7 +335,7 @@ def reference_report(args: argparse.Namespace, req, reference=None) -> tuple[str
     if rows is None:
         what += f"; {2 * REFERENCE_BYTES_PER_ROW} bytes of host memory a pair (--data counts the pairs)"
     else:
-        what += f"; their log-probabilities take {_bytes(out['host_bytes'])} of host memory, in the host total"
+        what += f"; their log-probabilities take {fmt_bytes(out['host_bytes'])} of host memory, in the host total"
     if processes > 1:
         what += f"; each of the {processes} processes runs and keeps all of it"
     return f"reference pass (DPO): {what}", out
@@ -343,13 +344,6 @@ def reference_report(args: argparse.Namespace, req, reference=None) -> tuple[str
 def _digits(x: float) -> float:
     """``x`` to 6 significant digits (a small model's pass takes milliseconds)."""
     return float(f"{x:.6g}")
-
-
-def _bytes(n: int) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{n} B"
 
 
 def _gib(n: int | None) -> str:
