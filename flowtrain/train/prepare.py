@@ -48,7 +48,7 @@ from .reporters import check_trackers
 from .optimizer import AdamWConfig, LRSchedule
 
 __all__ = ["Run", "adamw_config", "check_objective", "data_rows", "prefer_expandable_segments", "prepare",
-           "resolve_defaults", "resolve_device", "resolve_dtype", "seq_len_of_data"]
+           "resolve_defaults", "resolve_device", "resolve_dtype"]
 
 
 def resolve_device(name: str) -> torch.device:
@@ -327,17 +327,12 @@ def _rows_seq_len(cfg: TrainConfig, resume_state: dict) -> int:
     return int(cfg.seq_len)
 
 
-def seq_len_of_data(cfg: TrainConfig, mcfg: ModelConfig, model_dir: Path | None) -> int:
-    """The ``seq_len`` a run of ``cfg`` trains at: ``--seq-len`` as given, else the one its data
-    chooses (:func:`_data_seq_len`); what ``flowtrain plan --data`` plans for. Reads the data as
-    the run would, so data the run would refuse is refused here (through the cache, so the run
-    that follows does not tokenise it again)."""
-    return data_rows(cfg, mcfg, model_dir)[0]
-
-
 def data_rows(cfg: TrainConfig, mcfg: ModelConfig, model_dir: Path | None) -> tuple[int, int]:
-    """``(seq_len, sequences)`` of ``cfg``'s data, read as the run reads it
-    (:func:`seq_len_of_data`): for ``--objective dpo`` its pairs' sequences, two a pair."""
+    """``(seq_len, sequences)`` of a run of ``cfg``: the ``seq_len`` it trains at (``--seq-len``
+    as given, else the one its data chooses, :func:`_data_seq_len`) and its data's sequences (for
+    ``--objective dpo`` its pairs', two a pair); what ``flowtrain plan --data`` plans for. Reads
+    the data as the run would, so data the run would refuse is refused here (through the cache,
+    so the run that follows does not tokenise it again)."""
     tokenizer_dir = _tokenizer_dir(cfg, model_dir)
     seqs = _read_data(cfg, mcfg, tokenizer_dir, _data_seq_len(cfg, mcfg, {}, tokenizer_dir))
     return int(seqs.seq_len), len(seqs)
