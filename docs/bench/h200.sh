@@ -163,6 +163,7 @@ run_job() {  # JOB: one job of the list below
     mt7b)  # MegaTrain beside flowtrain on MegaTrain's own configuration: Qwen2.5-7B's shape, 158 x 1024
       mtrun qwen2.5-7b 1024 "${MTB:-158 79}" 3
       BT=300 bench ft7b --model qwen2.5-7b --seq-len 1024 --batch-size 158 --micro-batch-size 79 --steps 3 --warmup 1 --host-mem 118 ;;
+    ft7b) BT=300 bench ft7b --model qwen2.5-7b --seq-len 1024 --batch-size 158 --micro-batch-size 79 --steps 3 --warmup 1 --host-mem 118 --trace "$OUT/ft7b-trace.json" ;;  # flowtrain's side of mt7b alone, traced
     ft7bpeak) PEAK=1 BT=300 bench ft7bpeak --model qwen2.5-7b --seq-len 1024 --batch-size 158 --micro-batch-size 79 --steps 2 --warmup 1 --host-mem 118 ;;  # what is alive at its GPU peak: 80,896 tokens a micro-batch allocate 4.5% over the plan
     mt8b)  # the same on this project's llama-8b configuration, 16 x 4096
       mtrun llama-3.1-8b 4096 "${MTB:-16 8}" 3
