@@ -47,8 +47,9 @@ it (:class:`~flowtrain.sim.machine.Machine`)::
   cost.
 
 :data:`SOFTWARE` holds the few numbers that describe flowtrain's kernels rather than the machine
-(how many elementwise passes a layer makes, ...). They were fitted once, to the H200 W1 trace
-(docs/bench/2026-12-02/w1-trace.json), and are the same for every machine.
+(how many elementwise passes a layer makes, ...), the same for every machine: most counted from
+the kernels, the rest fitted to task times of the H200 and H100 traces in docs/bench/, each
+entry saying which.
 """
 
 from __future__ import annotations
@@ -61,14 +62,19 @@ from ..graph.registry import KindTable
 from ..graph.tasks import STATE_PIECE, STATE_QUEUE_DEPTH, Task
 from .machine import Machine
 
-#: flowtrain's kernels, not the machine's: fitted to the H200 W1 trace (see module docstring).
+#: flowtrain's kernels, not the machine's: counted or fitted, as each says (see module docstring).
 SOFTWARE = {
     # bytes moved by a layer's elementwise work per token, in units of hidden / intermediate
     # elements of the compute dtype (compiled RMSNorm, rotary, SwiGLU and residual adds)
     "ew_hidden": 12.0,
     "ew_intermediate": 4.0,
-    # passes over a loss chunk's fp32 logits (cast, logsumexp, softmax, gradient, bf16 copy)
-    "loss_logit_passes": 20.0,
+    # passes over a loss chunk's fp32 logits (cast, logsumexp, softmax, gradient, bf16 copy), and
+    # each chunk's own cost beside them (its dozen kernels, the weight gradient's add), seconds:
+    # fitted to the loss tasks of the H100 gate's traces at chunks of 512, 1,536 and 2,048 tokens
+    # (docs/bench/2026-12-06/gate6-h100-*-trace.json, ft7b-h100-trace.json: llama-8b 72.5 ms,
+    # llama-3b 106.5, qwen3-moe-12l 99.0, Qwen2.5-7B's shape 678; within 8% each)
+    "loss_logit_passes": 14.0,
+    "loss_chunk_seconds": 680e-6,
     # attention backward FLOPs per forward FLOP (flash attention's convention)
     "attention_bwd_ratio": 2.5,
     # a mixture of experts' routed rows: hidden elements moved per (token, expert) pair in the
@@ -77,9 +83,21 @@ SOFTWARE = {
     # LoRA: output-sized elements moved per adapted map and token in the forward (the adapter's
     # product written, read back with the map's own output, their sum written), counted, not fitted
     "ew_adapter": 4.0,
+    # ... and in the backward: the output gradient scaled (read, written) and the input
+    # gradient added to the base map's (two read, one written), counted, not fitted
+    "ew_adapter_backward_out": 2.0,
+    "ew_adapter_backward_in": 3.0,
+    # an MLP in pieces (flowtrain.model.mlp), eager: intermediate-sized passes per token in its
+    # forward (the activation reads gate and writes; the product reads two and writes) and in its
+    # backward (the rebuild's 5; the product's backward 6, the activation's 3), counted, not fitted
+    "ew_pieces_forward": 5.0,
+    "ew_pieces_backward": 14.0,
     # GEMMs and fused attention inside a training step run at this share of the rates a probe of
-    # each kernel alone measures (the machine's matmul_tflops and attention_tflops); 1: as probed
-    "in_step": 1.0,
+    # each kernel alone measures (the machine's matmul_tflops and attention_tflops): the clock
+    # under sustained load, HBM shared with the copies beside them. The layer forward and backward
+    # tasks of the H100 gate's traces (docs/bench/2026-12-06/gate6-h100-*-trace.json) ran 2-7%
+    # over the probed rates' times, the H200's (docs/bench/2026-12-04/*-trace.json) 4-6%
+    "in_step": 0.97,
     # a layer's and the head's backward GEMMs (input and weight gradients) per FLOP against the
     # forward's rate; 1: the same rate
     "gemm_backward": 1.0,
@@ -133,14 +151,17 @@ class Shape(msgspec.Struct, frozen=True, kw_only=True):
     #: a layer (:func:`~flowtrain.plan.adapters.adapter_active_outputs`)
     lora_rank: int = 0
     adapter_outputs: float = 0
+    #: LoRA: the adapted maps' input features in a layer, added up (the widest layer's)
+    adapter_inputs: int = 0
     #: model FLOPs per trained token, the one count every report uses
     #: (:func:`flowtrain.model.counts.model_flops_per_token`; 0 in a shape built by hand)
     flops_per_token: float = 0.0
     #: units whose fp32 master is on disk beside their moments (``--disk-state``)
     disk_master: frozenset[str] = frozenset()
-    #: a dense layer's MLP runs in pieces (a micro-batch longer than
-    #: :data:`flowtrain.model.config.MLP_CHUNK_TOKENS`): its backward rebuilds gate and up
-    mlp_pieces: bool = False
+    #: the pieces a dense layer's MLP runs in (0: the plain, compiled path): a micro-batch longer
+    #: than :data:`flowtrain.model.config.MLP_CHUNK_TOKENS` runs it that many tokens at a time,
+    #: outside the compiled layer, and its backward rebuilds each piece's gate and up
+    mlp_pieces: int = 0
 
     @property
     def per_node(self) -> int:
@@ -230,28 +251,58 @@ class CostModel:
         routed = sw["ew_routed"] * s.experts_per_token * h if s.experts else 0.0
         ew = self.hbm_seconds(T * s.compute_bytes * (sw["ew_hidden"] * h + sw["ew_intermediate"] * i + routed))
         forward = gemms + attn_fwd + ew
+        if s.mlp_pieces and not s.adapter_params:
+            forward += self._pieces_forward_extra()
         if s.adapter_params:  # a frozen base: input gradients only, and the adapters' own work
-            adapters = self._adapter_seconds()
-            forward += adapters
-            backward = forward + bwd_gemms + attn_bwd + 2 * ew + 2 * adapters
+            adapter_gemms, adapter_ew = self._adapter_seconds()
+            forward += adapter_gemms + adapter_ew
+            backward = forward + bwd_gemms + attn_bwd + 2 * ew + 2 * adapter_gemms + self._adapter_backward_ew()
         else:
             accumulate = self.hbm_seconds(s.layer_numel * (s.compute_bytes + 8))
             backward = forward + 2 * bwd_gemms + attn_bwd + 2 * ew + accumulate
             if s.mlp_pieces:  # each piece's gate and up once more, under autograd in the backward
-                backward += 2 * self.gemm_seconds(T, i, h) / sw["in_step"]
+                backward += 2 * self.gemm_seconds(T, i, h) / sw["in_step"] + self._pieces_backward_extra()
         return {"forward": forward, "backward": backward, "gemms": gemms, "attention": attn_fwd + attn_bwd,
                 "attention_forward": attn_fwd}
 
-    def _adapter_seconds(self) -> float:
-        """A LoRA layer's adapters in its forward: their thin GEMMs (``x A^T``, then ``B``: 2
+    def _pieces_forward_extra(self) -> float:
+        """An MLP in pieces' forward beyond the compiled path's elementwise passes: its eager
+        passes over the intermediate (``ew_pieces_forward`` against ``ew_intermediate``) and each
+        piece's output copied into the layer's."""
+        s, sw = self.s, self.sw
+        T, cb = s.tokens, s.compute_bytes
+        return self.hbm_seconds(T * cb * ((sw["ew_pieces_forward"] - sw["ew_intermediate"]) * s.intermediate
+                                          + 2 * s.hidden))
+
+    def _pieces_backward_extra(self) -> float:
+        """An MLP in pieces' backward beyond the compiled path's: its eager passes over the
+        intermediate (``ew_pieces_backward`` against twice ``ew_intermediate``), each piece's input
+        gradient copied into the layer's, and the three weight gradients added in fp32 once a
+        piece (read, the piece's own read, written), then cast to the compute dtype."""
+        s, sw = self.s, self.sw
+        T, cb, h, i = s.tokens, s.compute_bytes, s.hidden, s.intermediate
+        weights = 3 * h * i
+        return self.hbm_seconds(T * cb * ((sw["ew_pieces_backward"] - 2 * sw["ew_intermediate"]) * i + 2 * h)
+                                + s.mlp_pieces * weights * (4 + cb + 4) + weights * (4 + cb))
+
+    def _adapter_seconds(self) -> tuple[float, float]:
+        """A LoRA layer's adapters in its forward: (their thin GEMMs, ``x A^T`` then ``B``: 2
         FLOPs per adapter parameter and token, at the rate of a GEMM one of whose sizes is the
-        rank), and the elementwise passes over each product as wide as its map's output. Their
-        backward runs twice as much: input and adapter gradients (two GEMMs each per map)."""
+        rank; the elementwise passes over each product as wide as its map's output). Their
+        backward runs twice the GEMMs: input and adapter gradients (two GEMMs each per map)."""
         s = self.s
         per_layer = s.adapter_params / s.layers
         rank = max(s.lora_rank, 1)
         gemm = self.gemm_seconds(s.tokens, rank, max(round(per_layer / rank), 1))
-        return gemm + self.hbm_seconds(s.tokens * s.compute_bytes * self.sw["ew_adapter"] * s.adapter_outputs)
+        return gemm, self.hbm_seconds(s.tokens * s.compute_bytes * self.sw["ew_adapter"] * s.adapter_outputs)
+
+    def _adapter_backward_ew(self) -> float:
+        """A LoRA layer's adapters' elementwise passes in its backward: the output gradient
+        scaled for each adapter (``ew_adapter_backward_out`` passes of its outputs) and each
+        adapter's input gradient added to its map's (``ew_adapter_backward_in`` of its inputs)."""
+        s, sw = self.s, self.sw
+        return self.hbm_seconds(s.tokens * s.compute_bytes * (sw["ew_adapter_backward_out"] * s.adapter_outputs
+                                                              + sw["ew_adapter_backward_in"] * s.adapter_inputs))
 
     def _mlp_gemm_seconds(self) -> float:
         """The MLP's GEMMs in a layer's forward. Dense: gate and up (T x h by h x i), down. A
@@ -273,8 +324,10 @@ class CostModel:
         bwd_products = 0 if not backward else 1 if s.adapter_params else 2  # a frozen head: no weight gradient
         gemms = (1 + bwd_products / self.sw["gemm_backward"]) * self.gemm_seconds(
             chunk, s.vocab, s.hidden, count=T / chunk) / self.sw["in_step"]
-        passes = self.sw["loss_logit_passes"] if backward else 3.0
-        return gemms + self.hbm_seconds(passes * T * s.vocab * 4)
+        if not backward:  # the logits' log-softmax at the targets, no gradient
+            return gemms + self.hbm_seconds(3.0 * T * s.vocab * 4)
+        return (gemms + self.hbm_seconds(self.sw["loss_logit_passes"] * T * s.vocab * 4)
+                + self.sw["loss_chunk_seconds"] * T / chunk)
 
     # ---- per task -------------------------------------------------------------------------
     def copy_bytes(self, task: Task) -> int:

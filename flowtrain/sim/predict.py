@@ -91,7 +91,7 @@ def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1, world: int = 
     from ..model.config import MLP_CHUNK_TOKENS
     from ..model.counts import model_flops_per_token
 
-    from ..plan.adapters import adapter_active_numel, adapter_active_outputs, layer_adapter_numels
+    from ..plan.adapters import adapter_active_numel, adapter_active_outputs, adapter_inputs, layer_adapter_numels
 
     layouts = model_flat_maps(cfg)
     numel = {lay.key: lay.numel for lay in layouts}
@@ -115,9 +115,15 @@ def shape_of(cfg: Any, plan: Any, req: Any, adam_workers: int = 1, world: int = 
                  owned=plan.spec.owned_by(0), adapter_params=adapters,  # the simulated process is the node's first
                  lora_rank=getattr(req, "lora_rank", 0) or 0,
                  adapter_outputs=adapter_active_outputs(cfg, req) if adapters else 0.0,
+                 adapter_inputs=adapter_inputs(cfg, req) if adapters else 0,
                  disk_master=frozenset(k for k, fields in plan.disk.items() if "master" in fields),
                  flops_per_token=model_flops_per_token(cfg, req.seq_len, adapters or None),
-                 mlp_pieces=not sparse and not adapters and req.micro_batch_size * req.seq_len > MLP_CHUNK_TOKENS)
+                 mlp_pieces=_mlp_pieces(req.micro_batch_size * req.seq_len, MLP_CHUNK_TOKENS) if not (sparse or adapters) else 0)
+
+
+def _mlp_pieces(tokens: int, piece: int) -> int:
+    """The pieces a dense MLP of ``tokens`` tokens a micro-batch runs in (0: one compiled pass)."""
+    return -(-tokens // piece) if tokens > piece else 0
 
 
 def predict_shape(shape: Shape, plan: Any, machine: Machine, policy: Any = "double_buffer", *,

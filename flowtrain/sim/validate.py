@@ -37,9 +37,9 @@ BENCH = Path(__file__).parents[2] / "docs" / "bench"
 #: the table of measured runs: for each, its name, the card it ran on (a machine file), its
 #: result file under docs/bench/ and how to pick its line (``result``, ``match``), the command
 #: that ran it, its measured tokens/s, what the simulator needs besides the result line
-#: (``settings``), the error it is held to (``within``: 8% for every run docs/benchmarks.md and
-#: the GPU gate show, 15% for the older runs of the dated records) and, for a run the simulator
-#: is known to miss, what it does not model (``not_modelled``; it must still miss)
+#: (``settings``), the error it is held to (``within``: 8%; 15% for three older runs that miss
+#: it, docs/benchmarks.md says why) and, for a run the simulator is known to miss, what it does
+#: not model (``not_modelled``; it must still miss)
 TABLE = BENCH / "measured_runs.json"
 #: the keys of a run's extra arguments that are the simulator's (or the table's), not the planner's
 _SIM_ONLY = ("attention_backend", "save_attention", "offload", "not_modelled", "within", "card")
@@ -119,6 +119,7 @@ def predict_run(row: dict, extra: dict, machine: str | None = None) -> dict:
             "predicted": round(s.tokens_per_s, 1), "measured": measured, "error": s.tokens_per_s / measured - 1,
             "step_seconds": round(s.step_seconds, 3), "measured_step_seconds": sorted(row["step_seconds"])[len(row["step_seconds"]) // 2],
             "busy_compute": round(s.busy_fraction.get("compute", 0.0), 3),
+            "busy": {k: round(v, 3) for k, v in s.busy_fraction.items()},
             "measured_busy_compute": row["busy_fraction"].get("compute"),
             "bound_by": max(((k, v) for k, v in s.critical_by_lane.items() if k != "wait"), key=lambda kv: kv[1])[0]}
 
@@ -138,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m flowtrain.sim.validate", description=__doc__.split("\n")[0])
-    p.add_argument("--current", action="store_true", help="only the runs held to 8%% (docs/benchmarks.md and the gate)")
+    p.add_argument("--current", action="store_true", help="only the runs held to 8%%")
     args = p.parse_args(argv)
     rows = [r for r in compare() if not args.current or r["within"] < 0.1]
     print("| run | measured tok/s | predicted tok/s | error | held to | step s measured / predicted |"

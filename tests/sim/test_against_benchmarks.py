@@ -28,11 +28,12 @@ def test_predicted_tokens_per_s_within_the_runs_bound(name, row, extra):
         assert abs(r["error"]) > r["within"], r  # a miss either way
         return
     assert abs(r["error"]) < r["within"], r
-    # and the lane that bounds it is the one the run's busy fractions point at, or one nearly as
-    # busy (a step that waits on CPU Adam while the GPU computes 0.68 of it: either may be on
-    # the chain more)
+    # and the lane that bounds it (the most of its critical path) or the lane it keeps busiest is
+    # the one the run's busy fractions point at, or one nearly as busy (a step that waits on CPU
+    # Adam while the GPU computes 0.6 of it: either may be on the chain more)
     busy = row["busy_fraction"]
-    assert busy.get(r["bound_by"], 0.0) >= max(busy.values()) - 0.1, (r, busy)
+    simulated_busiest = max(r["busy"], key=r["busy"].get)
+    assert max(busy.get(lane, 0.0) for lane in (r["bound_by"], simulated_busiest)) >= max(busy.values()) - 0.1, (r, busy)
 
 
 #: the dense runs of the GPU gate, as docs/bench/h200.sh gives them (no --gpu-mem but the 10 GB card)
@@ -57,7 +58,8 @@ def test_a_plan_for_the_h200_from_elsewhere_is_the_plan_the_h200_made(job, capsy
     recorded them), with or without ``--gpu-mem``. The GPU total has grown since that record by
     what the count has learned (the live micro-batches' output gradients in the backward; a
     layer whose MLP runs in pieces counts that backward's own peak): at or above the recorded
-    plan, and within 3% of it."""
+    plan, and within 3% of it. Where the residency chosen has changed since, the recorded one is
+    predicted no more than the choice's margin faster."""
     import json
     from pathlib import Path
 
@@ -67,6 +69,19 @@ def test_a_plan_for_the_h200_from_elsewhere_is_the_plan_the_h200_made(job, capsy
     row = next(r for r in map(json.loads, results.read_text().splitlines()) if r.get("job") == job)
     assert main(["plan", *GATE_ARGS[job], "--machine", "h200", "--json"]) == 0
     plan = json.loads(capsys.readouterr().out)
+    if plan["resident"] != row["resident"]:
+        # the simulator's costs have moved since the record, and with them the choice of
+        # --resident auto: only between plans it cannot tell apart (the recorded one predicted
+        # less than the choice's margin faster), the chosen one on less of the GPU
+        from flowtrain.sim.order_choice import MARGIN
+
+        def predicted(*extra: str) -> float:
+            assert main(["simulate", *GATE_ARGS[job], "--machine", "h200", "--json", *extra]) == 0
+            return json.loads(capsys.readouterr().out)["tokens_per_s"]
+
+        assert predicted("--resident", ",".join(row["resident"])) < MARGIN * predicted()
+        assert plan["gpu_total"] / 2**30 < row["planned_gpu_gib"]
+        return
     assert row["planned_gpu_gib"] <= round(plan["gpu_total"] / 2**30, 2) <= 1.03 * row["planned_gpu_gib"]
     assert round(plan["host_total"] / 2**30, 2) == row["planned_host_gib"]
     assert plan["resident"] == row["resident"] and plan["budgets"] == row["budgets"]

@@ -126,23 +126,27 @@ def test_experts_cost_more_than_a_dense_mlp_of_their_flops_the_fewer_rows_each_g
 
 def test_lora_adapters_add_their_gemms_and_passes_to_the_frozen_layer():
     """A LoRA layer: the base's forward and input gradients (no weight gradients), plus the
-    adapters' own work, whose backward runs twice its forward's. The adapters' GEMMs are thin
-    (one size is the rank), so they run below the base's rate per FLOP; their passes grow with
-    the adapted outputs."""
+    adapters' own work: their GEMMs, which the backward runs twice, and their elementwise passes
+    (the forward's over the adapted outputs; the backward's over outputs and inputs). The
+    adapters' GEMMs are thin (one size is the rank), so they run below the base's rate per FLOP;
+    their passes grow with the adapted outputs and inputs."""
     m = load_machine("h200")
     per_layer = 16 * (3072 * 4 + 2 * 1024 + 3 * 8192 + 3072 + 2 * 8192)  # rank 16 on every map of a layer
     lora = {**_fields(W1), "adapter_params": 28 * per_layer, "lora_rank": 16,
-            "adapter_outputs": 3072 * 2 + 2 * 1024 + 3 * 8192}
+            "adapter_outputs": 3072 * 2 + 2 * 1024 + 3 * 8192, "adapter_inputs": 3072 * 6 + 8192}
     c, full = CostModel(m, Shape(**lora)), CostModel(m, W1)
-    adapters = c._adapter_seconds()
+    gemms, passes = c._adapter_seconds()
+    backward_passes = c._adapter_backward_ew()
     fwd = Forward(layer=3, micro_batch=0)
     kept = Backward(layer=3, micro_batch=0, activations="keep")
-    assert adapters > 0
-    assert c.seconds(fwd) == pytest.approx(full.seconds(fwd) + adapters)
+    assert gemms > 0 and passes > 0 and backward_passes > 0
+    assert c.seconds(fwd) == pytest.approx(full.seconds(fwd) + gemms + passes)
     launch = m.launch_us * 1e-6
     assert c.seconds(Backward(layer=3, micro_batch=0)) == pytest.approx(c.seconds(fwd) + c.seconds(kept) - launch)
-    assert c.seconds(kept) - 2 * adapters < 0.8 * full.seconds(kept)  # the frozen base: input gradients only
+    assert c.seconds(kept) - 2 * gemms - backward_passes < 0.8 * full.seconds(kept)  # the frozen base: input gradients only
     flops = 2 * W1.tokens * per_layer
     assert c.gemm_seconds(W1.tokens, 16, per_layer // 16) > 2 * flops / (m.matmul_tflops * 1e12)  # thin: under half rate
-    wider = CostModel(m, Shape(**{**lora, "adapter_outputs": 2 * lora["adapter_outputs"]}))._adapter_seconds()
-    assert wider > adapters
+    wider = CostModel(m, Shape(**{**lora, "adapter_outputs": 2 * lora["adapter_outputs"]}))
+    assert wider._adapter_seconds()[1] > passes and wider._adapter_backward_ew() > backward_passes
+    more_inputs = CostModel(m, Shape(**{**lora, "adapter_inputs": 2 * lora["adapter_inputs"]}))
+    assert more_inputs._adapter_backward_ew() > backward_passes and more_inputs._adapter_seconds()[1] == passes
