@@ -169,6 +169,8 @@ run_job() {  # JOB: one job of the list below
       mtrun llama-3.1-8b 4096 "${MTB:-16 8}" 3
       BT=300 bench ft8b --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 --resident none ;;
     w2r12) bench w2r12 $W --batch-size 16 --steps 5 --resident embed,head,$(seq -s, -f 'layer.%g' 0 9) ;;  # W2 with 10 layers resident
+    w2r26) bench w2r26 $W --batch-size 16 --steps 5 --resident embed,head,$(seq -s, -f 'layer.%g' 0 25) ;;  # W2 with 26 layers resident, as the H200 planned it before the simulator's rates of 2026-12-06
+    moer10) bench moer10 --model qwen3-moe-12l --seq-len 4096 --batch-size 16 --micro-batch-size ${MBM:-4} --steps 3 --warmup 1 --host-mem 118 --resident embed,head,$(seq -s, -f 'layer.%g' 0 9) ;;  # the MoE with 10 layers resident, the same
     moer8) bench moer8 --model qwen3-moe-12l --seq-len 4096 --batch-size 16 --micro-batch-size ${MBM:-4} --steps 3 --warmup 1 --host-mem 118 --resident embed,head,$(seq -s, -f 'layer.%g' 0 7) ;;  # the MoE with 8 layers resident
     diskspeed)  # the state folder's disk: 4 GiB written and read back with direct I/O
       log diskspeed; df -h /tmp | tail -1 | tee -a "$OUT/log.txt"
