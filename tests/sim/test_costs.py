@@ -150,3 +150,30 @@ def test_lora_adapters_add_their_gemms_and_passes_to_the_frozen_layer():
     assert wider._adapter_seconds()[1] > passes and wider._adapter_backward_ew() > backward_passes
     more_inputs = CostModel(m, Shape(**{**lora, "adapter_inputs": 2 * lora["adapter_inputs"]}))
     assert more_inputs._adapter_backward_ew() > backward_passes and more_inputs._adapter_seconds()[1] == passes
+
+
+def test_an_mlp_in_pieces_pays_its_eager_passes_and_a_weight_gradient_add_per_piece():
+    """Past MLP_CHUNK_TOKENS the MLP runs eager, piece by piece (flowtrain.model.mlp): its forward
+    makes more passes over the intermediate than the compiled path, and its backward rebuilds
+    gate and up and adds the weight gradients in fp32 once a piece, so more pieces cost more."""
+    m = load_machine("h100-sxm")
+    long = {**_fields(W1), "seq_len": 65536, "micro_batch_size": 1}
+    plain, pieces = CostModel(m, Shape(**long)), CostModel(m, Shape(**{**long, "mlp_pieces": 2}))
+    fwd, bwd = Forward(layer=3, micro_batch=0), Backward(layer=3, micro_batch=0, activations="keep")
+    assert pieces.seconds(fwd) > plain.seconds(fwd)
+    extra = pieces.seconds(bwd) - plain.seconds(bwd)
+    assert extra > 2 * plain.gemm_seconds(65536, W1.intermediate, W1.hidden)  # the rebuild's GEMMs and more
+    more = CostModel(m, Shape(**{**long, "mlp_pieces": 4}))
+    added = 2 * 3 * W1.hidden * W1.intermediate * (4 + 2 + 4) / (m.hbm_gbps * 1e9)  # two more pieces' adds
+    assert more.seconds(bwd) - pieces.seconds(bwd) == pytest.approx(added)
+
+
+def test_the_loss_pays_for_each_chunk_of_logits():
+    """The same tokens in smaller loss chunks take longer: each chunk's own kernels cost beyond
+    their passes over the logits (fitted to the H100 traces' loss tasks)."""
+    m = load_machine("h100-sxm")
+    big, small = CostModel(m, W1), CostModel(m, Shape(**{**_fields(W1), "chunk_tokens": 512}))
+    loss = Loss(unit="head", micro_batch=0)
+    assert small.seconds(loss) > big.seconds(loss)
+    per_chunk = small.sw["loss_chunk_seconds"]
+    assert small.seconds(loss) - big.seconds(loss) > (W1.tokens / 512 - W1.tokens / 2048) * per_chunk
