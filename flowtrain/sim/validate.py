@@ -31,18 +31,21 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 BENCH = Path(__file__).parents[2] / "docs" / "bench"
 
 #: the table of measured runs: for each, its name, the card it ran on (a machine file), its
-#: result file under docs/bench/ and how to pick its line (``result``, ``match``), the command
+#: result file under docs/bench/ and how to pick its line (``result``, ``match``), its trace
+#: where one is kept (``trace``, :mod:`flowtrain.sim.task_times`; ``tasks_within``: the error
+#: its compute tasks' median times are held to, where the trace ran the code as it is), the command
 #: that ran it, its measured tokens/s, what the simulator needs besides the result line
 #: (``settings``), the error it is held to (``within``: 8%; 15% for three older runs that miss
 #: it, docs/benchmarks.md says why) and, for a run the simulator is known to miss, what it does
 #: not model (``not_modelled``; it must still miss)
 TABLE = BENCH / "measured_runs.json"
 #: the keys of a run's extra arguments that are the simulator's (or the table's), not the planner's
-_SIM_ONLY = ("attention_backend", "save_attention", "offload", "not_modelled", "within", "card")
+_SIM_ONLY = ("attention_backend", "save_attention", "offload", "not_modelled", "within", "card", "trace", "tasks_within")
 
 
 def table(path: Path = TABLE) -> list[dict]:
@@ -56,6 +59,9 @@ def _extra(entry: dict) -> dict:
     extra["card"] = entry.get("card", "h200")
     if entry.get("not_modelled"):
         extra["not_modelled"] = entry["not_modelled"]
+    for key in ("trace", "tasks_within"):  # its trace, kept under docs/bench/ (flowtrain.sim.task_times)
+        if key in entry:
+            extra[key] = entry[key]
     return extra
 
 
@@ -80,7 +86,22 @@ def measured_runs(bench: Path = BENCH) -> list[tuple[str, dict, dict]]:
 
 
 def predict_run(row: dict, extra: dict, machine: str | None = None) -> dict:
-    """Simulate one measured run with its recorded placement, slot budgets and attention kernel."""
+    """Simulate one measured run with its recorded placement, slot budgets and attention kernel:
+    its predicted and measured tokens/s, step time, busy lanes and bounding lane."""
+    s = simulate_run(row, extra, machine).summary
+    measured = row["tokens_per_s"]
+    return {"not_modelled": extra.get("not_modelled"), "within": extra.get("within", 0.15),
+            "predicted": round(s.tokens_per_s, 1), "measured": measured, "error": s.tokens_per_s / measured - 1,
+            "step_seconds": round(s.step_seconds, 3), "measured_step_seconds": sorted(row["step_seconds"])[len(row["step_seconds"]) // 2],
+            "busy_compute": round(s.busy_fraction.get("compute", 0.0), 3),
+            "busy": {k: round(v, 3) for k, v in s.busy_fraction.items()},
+            "measured_busy_compute": row["busy_fraction"].get("compute"),
+            "bound_by": max(((k, v) for k, v in s.critical_by_lane.items() if k != "wait"), key=lambda kv: kv[1])[0]}
+
+
+def simulate_run(row: dict, extra: dict, machine: str | None = None) -> Any:
+    """The :class:`~flowtrain.sim.predict.Prediction` of one measured run (its result line
+    ``row`` and table entry's ``extra``) on its card's machine file, or on ``machine``."""
     import msgspec
     import torch
 
@@ -112,16 +133,7 @@ def predict_run(row: dict, extra: dict, machine: str | None = None) -> dict:
     if placed:  # the layers the run saved attention outputs of and offloaded checkpoints of
         plan.spec = msgspec.structs.replace(plan.spec, **placed)
     shape = msgspec.structs.replace(shape_of(cfg, plan, req), attention_backend=extra.get("attention_backend", "auto"))
-    pred = predict_shape(shape, plan, m, row["policy"], batch_size=req.batch_size)
-    s = pred.summary
-    measured = row["tokens_per_s"]
-    return {"not_modelled": extra.get("not_modelled"), "within": extra.get("within", 0.15),
-            "predicted": round(s.tokens_per_s, 1), "measured": measured, "error": s.tokens_per_s / measured - 1,
-            "step_seconds": round(s.step_seconds, 3), "measured_step_seconds": sorted(row["step_seconds"])[len(row["step_seconds"]) // 2],
-            "busy_compute": round(s.busy_fraction.get("compute", 0.0), 3),
-            "busy": {k: round(v, 3) for k, v in s.busy_fraction.items()},
-            "measured_busy_compute": row["busy_fraction"].get("compute"),
-            "bound_by": max(((k, v) for k, v in s.critical_by_lane.items() if k != "wait"), key=lambda kv: kv[1])[0]}
+    return predict_shape(shape, plan, m, row["policy"], batch_size=req.batch_size)
 
 
 def compare(machine: str | None = None) -> list[dict]:
