@@ -22,7 +22,7 @@ GANTT_JS = r"""
   "use strict";
   var D = JSON.parse(document.getElementById("ft-data").textContent);
   var root = document.documentElement;
-  var GUTTER = 128, RPAD = 12, AXIS = 34, LANE_H = 22, GAP_H = 11, OCC_H = 30, MEM_H = 36, SLOT_H = 9, SEP = 8;
+  var GUTTER = 128, RPAD = 12, TICK_GAP = 24, AXIS = 34, LANE_H = 22, GAP_H = 11, OCC_H = 30, MEM_H = 36, SLOT_H = 9, SEP = 8;
   var maxWall = Math.max(D.maxWall, 1);
   var FULL = { x0: -maxWall * 0.005, x1: maxWall * 1.01 };
   var view = { x0: FULL.x0, x1: FULL.x1 };
@@ -75,6 +75,10 @@ GANTT_JS = r"""
     var m = [1, 2, 5, 10];
     for (var i = 0; i < m.length; i++) if (m[i] * p >= raw) return m[i] * p;
     return 10 * p;
+  }
+  function niceUp(step) { // the next 1-2-5 spacing above ``step``
+    var p = Math.pow(10, Math.floor(Math.log10(step) + 1e-9)), r = step / p;
+    return (r < 1.5 ? 2 : r < 3.5 ? 5 : 10) * p;
   }
   function tickLabel(us, step, relative) { // units from the tick spacing; "+" when time is relative
     var sign = relative && us > 0 ? "+" : "", unit = "\u00b5s", scale = 1;
@@ -234,18 +238,35 @@ GANTT_JS = r"""
     }
   };
 
+  Panel.prototype.tickStep = function (v0, v1, origin, rel) {
+    // The finest 1-2-5 spacing whose labels keep a clear gap between them: measured, not
+    // guessed, so a chart of any width gets as many readable ticks as fit (a few hundred
+    // pixels hold at least three).
+    var ctx = this.ctx, pxPerUs = (this.width - GUTTER - RPAD) / Math.max(v1 - v0, 1e-9);
+    var step = niceStep(v1 - v0, (this.width - GUTTER - RPAD) / 30);
+    for (var k = 0; k < 40; k++) {
+      var tw = Math.max(ctx.measureText(tickLabel(v0 - origin, step, rel)).width,
+                        ctx.measureText(tickLabel(v1 - origin, step, rel)).width);
+      if (step * pxPerUs >= tw + TICK_GAP) return step;
+      step = niceUp(step);
+    }
+    return step;
+  };
+
   Panel.prototype.drawTicks = function () {
     var ctx = this.ctx, v0 = this.v0(), v1 = this.v1(), origin = this.shift, rel = state.aligned !== null;
-    var step = niceStep(v1 - v0, (this.width - GUTTER - RPAD) / 90), right = this.width - RPAD;
+    var right = this.width - RPAD, lastRight = -Infinity;
     ctx.font = "11px sans-serif"; ctx.textBaseline = "middle";
+    var step = this.tickStep(v0, v1, origin, rel);
     ctx.strokeStyle = "rgba(0,0,0,.07)"; ctx.fillStyle = "#555"; ctx.lineWidth = 1;
     this.ticks = [];
     for (var t = Math.ceil((v0 - origin) / step) * step; t + origin <= v1; t += step) {
       var x = Math.round(this.X(t + origin)) + 0.5, text = tickLabel(Math.abs(t) < step * 1e-6 ? 0 : t, step, rel);
       var tw = ctx.measureText(text).width, at = x + 3 + tw <= right ? x + 3 : x - 3 - tw;  // the last one left of its line
       ctx.beginPath(); ctx.moveTo(x, AXIS - 12); ctx.lineTo(x, this.height); ctx.stroke();
-      if (at < GUTTER) continue;
+      if (at < GUTTER || at < lastRight + 4) continue;  // off the chart, or on its neighbour's label
       ctx.fillText(text, at, 9);
+      lastRight = at + tw;
       this.ticks.push({ x: x, left: at, right: at + tw, text: text });
     }
   };

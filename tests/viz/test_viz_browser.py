@@ -483,6 +483,13 @@ window.addEventListener("load", function () {
   var lane = p.rows[0], i = lane.idx[Math.floor(lane.idx.length / 2)];  // a compute task, a few times wider than its name
   F.show(T.s[i] - (T.e[i] - T.s[i]) * 2, T.e[i] + (T.e[i] - T.s[i]) * 2); F.redraw();
   out.labels = p.labels; out.zoomTicks = p.ticks;
+  out.sweep = [];  // views of every width from 3 us to 3 s, starting anywhere in a tick's period
+  [3, 7.3, 41, 218, 1420, 1444, 1610, 9e3, 7.7e4, 2.2e5, 3.1e6].forEach(function (span) {
+    [0, 0.13, 0.37, 0.61, 0.89].forEach(function (phase) {
+      var a = 75000 + phase * span; F.show(a, a + span); F.redraw();
+      out.sweep.push({ span: span, ticks: p.ticks });
+    });
+  });
   F.show(23.512e6, 23.518e6); F.redraw();   // deep zoom, 23.5 s into a run
   out.span = document.getElementById("ft-span").textContent;
   document.documentElement.setAttribute("data-test", JSON.stringify(out));
@@ -492,8 +499,8 @@ window.addEventListener("load", function () {
 
 def test_labels_fit_with_contrast_ticks_stay_in_the_chart_and_deep_zoom_has_digits(chromium, tmp_path, cpu_traces):
     """Task names are cut to their bar and drawn in whichever of white or near-black contrasts
-    more with it (at least 4.5:1); every tick label lies inside the chart, the last one too;
-    the view's span at deep zoom tells its ends apart ("23.512 s - 23.518 s")."""
+    more with it (at least 4.5:1); at any zoom at least three ticks are labelled, none on
+    another and every one inside the chart, the last one too; the view's span at deep zoom tells its ends apart ("23.512 s - 23.518 s")."""
     page = write_report(tmp_path / "report.html", [load_input(cpu_traces[1])])
     got = run_script(chromium, tmp_path, page, POLISH_JS)
     assert got["labels"], "no task was labelled when zoomed to a few tasks"
@@ -501,8 +508,9 @@ def test_labels_fit_with_contrast_ticks_stay_in_the_chart_and_deep_zoom_has_digi
         assert lab["width"] <= lab["x1"] - lab["x0"] - 6 + 0.5, lab  # fits its bar
         assert lab["contrast"] >= 4.5, lab
     assert any(lab["fg"] == "#ffffff" for lab in got["labels"]) or all(lab["contrast"] >= 4.5 for lab in got["labels"])
-    for ticks in (got["ticks"], got["zoomTicks"]):
-        assert len(ticks) >= 3
+    for ticks in [got["ticks"], got["zoomTicks"]] + [v["ticks"] for v in got["sweep"]]:
+        assert len(ticks) >= 3, ticks
         assert all(128 <= t["left"] and t["right"] <= got["width"] - 12 for t in ticks), ticks
+        assert all(a["right"] < b["left"] for a, b in zip(ticks, ticks[1:])), ticks  # no label on another
     m = re.fullmatch(r"view (\S+) – (\S+) s.*", "view " + got["span"])
     assert m and m.group(1) != m.group(2) and float(m.group(1)) == pytest.approx(23.512, abs=2e-3), got["span"]
