@@ -59,13 +59,35 @@ class _Lane:
         self.last: list[Task | None] = [None] * workers  # previous task on each worker
 
 
+class _Copy:
+    """A copy in flight on the shared link: the fraction of it still to move, the seconds it
+    takes whole while the other direction is idle (``alone``) and while it copies too
+    (``shared``), when its progress was last brought up to date, and the token of its
+    scheduled end (an end scheduled before its rate last changed is stale)."""
+
+    __slots__ = ("worker", "alone", "shared", "left", "since", "seconds", "token")
+
+    def __init__(self, worker: int, alone: float, shared: float, now: float) -> None:
+        self.worker, self.alone, self.shared = worker, alone, shared
+        self.left, self.since, self.seconds, self.token = 1.0, now, alone, 0
+
+    def advance(self, now: float) -> None:
+        """Bring the fraction left up to ``now`` at the rate it has run at since."""
+        if self.seconds > 0:
+            self.left = max(0.0, self.left - (now - self.since) / self.seconds)
+        self.since = now
+
+
 class VirtualRun:
     """One simulated engine: a :class:`Scheduler`, virtual lanes and a clock.
 
-    ``seconds(task, ctx)`` gives a task's duration; ``ctx`` is this run, so a copy may look at
-    whether the other direction is copying now (:meth:`busy`). ``costs`` may be a
-    :class:`~flowtrain.sim.costs.CostModel` (its ``seconds``/``copy_seconds`` are used) or any
-    callable ``task -> seconds`` (tests give exact durations).
+    ``costs`` may be a :class:`~flowtrain.sim.costs.CostModel` (its ``seconds``/``copy_seconds``
+    are used) or any callable ``task -> seconds`` (tests give exact durations).
+
+    The two copy directions share the link (:class:`_Copy`): a copy runs at its own direction's
+    rate while the other direction is idle and at its duplex share while both copy, switching
+    each time a copy in the other direction starts or ends, so a gradient offload that a fetch
+    overlaps for a tenth of its time is slowed for that tenth only.
     """
 
     def __init__(self, costs: Any, policy: Any = "double_buffer", *, cpu_workers: int = 1,
@@ -90,6 +112,7 @@ class VirtualRun:
         self.reported: dict[Task, float] = {}
         self._events: list[tuple[float, int, int, Any]] = []
         self._seq = 0
+        self._copies: dict[Task, _Copy] = {}  # copies in flight, at most one a direction
 
     # ---- adding work ------------------------------------------------------------------------
     def add(self, graph: nx.DiGraph, after: Iterable[tuple[Task, Task]] = ()) -> None:
@@ -157,9 +180,13 @@ class VirtualRun:
                     return
                 raise AssertionError("the simulation ran dry before the step finished")  # a scheduler bug
             t, _, kind, item = heapq.heappop(self._events)
+            if kind == _END and item[2] and (item[0] not in self._copies or self._copies[item[0]].token != item[2]):
+                continue  # a copy's end from before its rate last changed
             self.now = max(self.now, t)
             if kind == _END:
-                task, worker = item
+                task, worker = item[0], item[1]
+                if self._copies.pop(task, None) is not None:
+                    self._reshare()
                 lane = self.lanes[task.lane]
                 lane.running[worker] = None
                 lane.free_at[worker] = self.now
@@ -189,13 +216,24 @@ class VirtualRun:
                 lane.queue.popleft()
                 self._start(lane, worker, launch)
 
+    def _reshare(self) -> None:
+        """Set every copy in flight to the rate the link gives it now (its duplex share while
+        the other direction copies too) and move its end to match."""
+        lanes = {t.lane for t in self._copies}
+        for task, c in self._copies.items():
+            c.advance(self.now)
+            seconds = c.shared if len(lanes) > 1 else c.alone
+            if seconds == c.seconds and c.token:
+                continue
+            c.seconds, c.token = seconds, c.token + 1
+            end = self.now + c.left * seconds
+            self.records[task].end = end
+            self._push(end, _END, (task, c.worker, c.token))
+
     def _start(self, lane: _Lane, worker: int, launch: Launch) -> None:
         task = launch.task
-        if self._copy is not None and task.lane in ("h2d", "d2h"):
-            other = "d2h" if task.lane == "h2d" else "h2d"
-            dur = self._copy(task, self.busy(other))
-        else:
-            dur = self._seconds(task)
+        copy = self._copy is not None and task.lane in ("h2d", "d2h")
+        dur = self._copy(task, False) if copy else self._seconds(task)  # type: ignore[misc]
         lane.running[worker] = task
         # What this start waited for last: the lane (its previous task), a fence, or (host
         # work) the completion report of a dependency, or the launch itself.
@@ -208,4 +246,9 @@ class VirtualRun:
         self.records[task] = TaskRecord(task=task, lane=task.lane, worker=worker, start=self.now, end=self.now + dur,
                                         slot=launch.slot, reads=launch.reads, bytes=int(self._bytes(task)),
                                         deps=list(self.preds.get(task, ())))
-        self._push(self.now + dur, _END, (task, worker))
+        if copy:  # its end is scheduled by the link's share
+            assert self._copy is not None
+            self._copies[task] = _Copy(worker, dur, self._copy(task, True), self.now)
+            self._reshare()
+        else:
+            self._push(self.now + dur, _END, (task, worker, 0))

@@ -79,6 +79,40 @@ def test_rules_hold_for_random_durations(policy):
         assert _max_overlap(spans) <= n, pool
 
 
+class _LinkCosts:
+    """Random task times; a copy takes ``alone`` seconds while the other direction is idle and
+    twice that while it copies too."""
+
+    def __init__(self, seed):
+        self.rng, self.alone, self.other = random.Random(seed), {}, {}
+
+    def seconds(self, task):
+        return self.other.setdefault(task, self.rng.uniform(0.1, 2.0))
+
+    def copy_seconds(self, task, other_direction_busy):
+        alone = self.alone.setdefault(task, self.rng.uniform(0.5, 3.0))
+        return 2 * alone if other_direction_busy else alone
+
+
+@pytest.mark.parametrize("policy", ["double_buffer", "lookahead"])
+def test_a_copy_is_slowed_only_while_the_other_direction_copies(policy):
+    """The two directions share the link: over each copy's span, the time it ran beside a copy
+    the other way counts at half its progress and the rest at full, and the whole adds up to
+    exactly one copy; some copies here are overlapped for part of their time only."""
+    spec = StepSpec(layers=5, micro_batches=3, checkpoint_every=2, staged=True)
+    costs = _LinkCosts(policy)
+    records = [r for recs in VirtualRun(costs, policy, sync_us=100).run_steps(spec, steps=3) for r in recs]
+    spans = {lane: [(r.start, r.end) for r in records if r.lane == lane] for lane in ("h2d", "d2h")}
+    partly = 0
+    for r in (r for r in records if r.lane in spans):
+        other = spans["d2h" if r.lane == "h2d" else "h2d"]
+        shared = sum(max(0.0, min(r.end, b) - max(r.start, a)) for a, b in other)
+        alone = costs.alone[r.task]
+        assert shared / (2 * alone) + (r.end - r.start - shared) / alone == pytest.approx(1.0), r.task
+        partly += 1e-9 < shared < r.end - r.start - 1e-9
+    assert partly >= 5
+
+
 def _max_overlap(spans):
     events = sorted([(s, 1) for s, _ in spans] + [(e, -1) for _, e in spans], key=lambda x: (x[0], x[1]))
     cur = best = 0
