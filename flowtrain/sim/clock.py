@@ -175,13 +175,12 @@ class VirtualRun:
             self._dispatch()
             if until is not None and until():
                 return
+            self._drop_stale_ends()
             if not self._events:
                 if until is None:
                     return
                 raise AssertionError("the simulation ran dry before the step finished")  # a scheduler bug
             t, _, kind, item = heapq.heappop(self._events)
-            if kind == _END and item[2] and (item[0] not in self._copies or self._copies[item[0]].token != item[2]):
-                continue  # a copy's end from before its rate last changed
             self.now = max(self.now, t)
             if kind == _END:
                 task, worker = item[0], item[1]
@@ -199,6 +198,18 @@ class VirtualRun:
             elif kind == _REPORT:
                 self.reported[item] = self.now
                 sched.complete(item)
+
+    def _drop_stale_ends(self) -> None:
+        """Drop the copies' ends at the head of the queue that were scheduled before their rate
+        last changed (:meth:`_reshare` scheduled another)."""
+        while self._events:
+            _, _, kind, item = self._events[0]
+            if kind != _END or not item[2]:
+                return
+            c = self._copies.get(item[0])
+            if c is not None and c.token == item[2]:
+                return
+            heapq.heappop(self._events)
 
     def _push(self, t: float, kind: int, item: Any) -> None:
         self._seq += 1
