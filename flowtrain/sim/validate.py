@@ -96,7 +96,22 @@ def predict_run(row: dict, extra: dict, machine: str | None = None) -> dict:
             "busy_compute": round(s.busy_fraction.get("compute", 0.0), 3),
             "busy": {k: round(v, 3) for k, v in s.busy_fraction.items()},
             "measured_busy_compute": row["busy_fraction"].get("compute"),
+            "lane_seconds": lane_seconds(row, s),
             "bound_by": max(((k, v) for k, v in s.critical_by_lane.items() if k != "wait"), key=lambda kv: kv[1])[0]}
+
+
+#: the lanes :func:`lane_seconds` sets side by side
+LANES = ("compute", "h2d", "d2h", "cpu")
+
+
+def lane_seconds(row: dict, summary: Any) -> dict[str, tuple[float, float]]:
+    """Per lane of :data:`LANES`, the seconds it was busy in a step: ``(measured, predicted)``,
+    each the lane's busy fraction times the step's time (the measured step the median of the
+    run's). Where the two differ tells which work the simulator counts too fast or too slow,
+    even when the step's time comes out right."""
+    measured_step = sorted(row["step_seconds"])[len(row["step_seconds"]) // 2]
+    return {lane: (row["busy_fraction"].get(lane, 0.0) * measured_step, summary.busy_fraction.get(lane, 0.0) * summary.step_seconds)
+            for lane in LANES}
 
 
 def simulate_run(row: dict, extra: dict, machine: str | None = None) -> Any:
@@ -147,13 +162,27 @@ def holds(r: dict) -> bool:
     return abs(r["error"]) > r["within"] if r["not_modelled"] else abs(r["error"]) < r["within"]
 
 
+def print_lanes(rows: list[dict]) -> None:
+    """The ``--lanes`` table: per run, each lane's busy seconds a step, measured / predicted."""
+    print("| run | error | " + " | ".join(f"{lane} s measured / predicted" for lane in LANES) + " |")
+    print("| --- | --- |" + " --- |" * len(LANES))
+    for r in rows:
+        cells = [f"{m:.2f} / {q:.2f}" for m, q in (r["lane_seconds"][lane] for lane in LANES)]
+        print(f"| {r['run']} | {r['error']:+.1%} | " + " | ".join(cells) + " |")
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(prog="python -m flowtrain.sim.validate", description=__doc__.split("\n")[0])
     p.add_argument("--current", action="store_true", help="only the runs held to 8%%")
+    p.add_argument("--lanes", action="store_true",
+                   help="each lane's busy seconds a step, measured / predicted, instead of the error table")
     args = p.parse_args(argv)
     rows = [r for r in compare() if not args.current or r["within"] < 0.1]
+    if args.lanes:
+        print_lanes(rows)
+        return 0
     print("| run | measured tok/s | predicted tok/s | error | held to | step s measured / predicted |"
           " compute busy measured / predicted | bound by |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")

@@ -85,3 +85,24 @@ def test_a_plan_for_the_h200_from_elsewhere_is_the_plan_the_h200_made(job, capsy
     assert row["planned_gpu_gib"] <= round(plan["gpu_total"] / 2**30, 2) <= 1.03 * row["planned_gpu_gib"]
     assert round(plan["host_total"] / 2**30, 2) == row["planned_host_gib"]
     assert plan["resident"] == row["resident"] and plan["budgets"] == row["budgets"]
+
+
+def test_lanes_table_sets_each_lanes_busy_seconds_side_by_side(capsys):
+    """``python -m flowtrain.sim.validate --lanes``: a row per run, each lane's busy seconds a
+    step measured (its busy fraction times the run's median step) against predicted."""
+    from flowtrain.sim.validate import LANES, main
+
+    name, row, extra = RESULTS[0]
+    r = predict_run(row, extra)
+    step = sorted(row["step_seconds"])[len(row["step_seconds"]) // 2]
+    for lane in LANES:
+        measured, predicted = r["lane_seconds"][lane]
+        assert measured == pytest.approx(row["busy_fraction"].get(lane, 0.0) * step)
+        assert predicted == pytest.approx(r["busy"].get(lane, 0.0) * r["step_seconds"], abs=0.01)
+    assert main(["--lanes"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("| run | error | compute s measured / predicted")
+    rows = [line for line in out[2:] if line.startswith("| ")]
+    assert len(rows) == len(RESULTS) and rows[0].startswith(f"| {name} | ")
+    cells = rows[0].strip("| ").split(" | ")[2:]
+    assert cells == [f"{m:.2f} / {q:.2f}" for m, q in (r["lane_seconds"][lane] for lane in LANES)]
