@@ -242,8 +242,7 @@ GANTT_JS = r"""
     // The finest 1-2-5 spacing whose labels keep a clear gap between them: measured, not
     // guessed, so a chart of any width gets as many readable ticks as fit (a few hundred
     // pixels hold at least three).
-    var ctx = this.ctx, pxPerUs = (this.width - GUTTER - RPAD) / Math.max(v1 - v0, 1e-9);
-    var step = niceStep(v1 - v0, (this.width - GUTTER - RPAD) / 30);
+    var ctx = this.ctx, pxPerUs = this.scale(), step = niceStep(v1 - v0, (this.width - GUTTER - RPAD) / 30);
     for (var k = 0; k < 40; k++) {
       var tw = Math.max(ctx.measureText(tickLabel(v0 - origin, step, rel)).width,
                         ctx.measureText(tickLabel(v1 - origin, step, rel)).width);
