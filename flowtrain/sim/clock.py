@@ -127,10 +127,6 @@ class VirtualRun:
         for u, v in after:
             self.preds[v].append(u)
 
-    def busy(self, lane: str) -> bool:
-        """Whether ``lane`` is running a task at the current virtual time."""
-        return any(t is not None for t in self.lanes[lane].running)
-
     # ---- running ----------------------------------------------------------------------------
     def run(self, graph: nx.DiGraph) -> list[TaskRecord]:
         """Simulate one graph to its end; its records in start order."""

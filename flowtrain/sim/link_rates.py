@@ -17,11 +17,12 @@ median over the traces above.
 
 from __future__ import annotations
 
-import json
 import statistics
 import sys
 from collections import defaultdict
 from pathlib import Path
+
+from .task_times import steady_tasks
 
 COPIES = ("fetch", "offload_grad", "offload_act", "fetch_act")
 Key = tuple[str, str]  # (kind, "alone" | "part" | "shared")
@@ -34,8 +35,7 @@ def _overlap(start: float, end: float, spans: list[tuple[float, float]]) -> floa
 def copy_rates(trace: Path, min_bytes: float = 50e6) -> dict[Key, list[float]]:
     """``(kind, class) -> [GB/s, ...]`` of a trace's copies of at least ``min_bytes`` in the
     steps after the first (see the module's docstring for the classes)."""
-    events = [e for e in json.loads(trace.read_text())["traceEvents"]
-              if e.get("ph") == "X" and e.get("args", {}).get("step", 0) > 0 and e["args"].get("lane") in ("h2d", "d2h")]
+    events = [e for e in steady_tasks(trace) if e["args"].get("lane") in ("h2d", "d2h")]
     spans: dict[str, list[tuple[float, float]]] = {"h2d": [], "d2h": []}
     for e in events:
         spans[e["args"]["lane"]].append((e["ts"], e["ts"] + e["dur"]))

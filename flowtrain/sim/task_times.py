@@ -28,13 +28,18 @@ from .validate import BENCH, measured_runs, simulate_run
 Key = tuple[str, str | None]
 
 
+def steady_tasks(trace: Path) -> list[dict]:
+    """A trace's task events (``args`` naming their ``kind``) in the steps after the first, whose
+    times the first step's start-up does not stretch; ``ts`` and ``dur`` in microseconds."""
+    return [e for e in json.loads(trace.read_text())["traceEvents"]
+            if e.get("ph") == "X" and e.get("args", {}).get("kind") and e["args"].get("step", 0) > 0]
+
+
 def measured_medians(trace: Path) -> dict[Key, tuple[float, int]]:
     """``(kind, unit) -> (median seconds, count)`` of a trace's tasks in the steps after the first."""
     times: dict[Key, list[float]] = defaultdict(list)
-    for e in json.loads(trace.read_text())["traceEvents"]:
-        args = e.get("args", {})
-        if e.get("ph") == "X" and args.get("kind") and args.get("step", 0) > 0:
-            times[(args["kind"], args.get("unit"))].append(e["dur"] / 1e6)  # the trace's clock is microseconds
+    for e in steady_tasks(trace):
+        times[(e["args"]["kind"], e["args"].get("unit"))].append(e["dur"] / 1e6)
     return {k: (statistics.median(v), len(v)) for k, v in times.items()}
 
 

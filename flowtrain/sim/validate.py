@@ -92,12 +92,17 @@ def predict_run(row: dict, extra: dict, machine: str | None = None) -> dict:
     measured = row["tokens_per_s"]
     return {"not_modelled": extra.get("not_modelled"), "within": extra.get("within", 0.15),
             "predicted": round(s.tokens_per_s, 1), "measured": measured, "error": s.tokens_per_s / measured - 1,
-            "step_seconds": round(s.step_seconds, 3), "measured_step_seconds": sorted(row["step_seconds"])[len(row["step_seconds"]) // 2],
+            "step_seconds": round(s.step_seconds, 3), "measured_step_seconds": median_step(row),
             "busy_compute": round(s.busy_fraction.get("compute", 0.0), 3),
             "busy": {k: round(v, 3) for k, v in s.busy_fraction.items()},
             "measured_busy_compute": row["busy_fraction"].get("compute"),
             "lane_seconds": lane_seconds(row, s),
             "bound_by": max(((k, v) for k, v in s.critical_by_lane.items() if k != "wait"), key=lambda kv: kv[1])[0]}
+
+
+def median_step(row: dict) -> float:
+    """A result line's median step time (the upper one of an even count), seconds."""
+    return sorted(row["step_seconds"])[len(row["step_seconds"]) // 2]
 
 
 #: the lanes :func:`lane_seconds` sets side by side
@@ -109,7 +114,7 @@ def lane_seconds(row: dict, summary: Any) -> dict[str, tuple[float, float]]:
     each the lane's busy fraction times the step's time (the measured step the median of the
     run's). Where the two differ tells which work the simulator counts too fast or too slow,
     even when the step's time comes out right."""
-    measured_step = sorted(row["step_seconds"])[len(row["step_seconds"]) // 2]
+    measured_step = median_step(row)
     return {lane: (row["busy_fraction"].get(lane, 0.0) * measured_step, summary.busy_fraction.get(lane, 0.0) * summary.step_seconds)
             for lane in LANES}
 
