@@ -131,7 +131,7 @@ run_job() {  # JOB: one job of the list below
       python3 -c "import cProfile, pstats, sys; sys.argv = ['flowtrain', 'simulate', '--model', '/tmp/m100', '--seq-len', '4096', '--batch-size', '16', '--micro-batch-size', '1', '--host-mem', '2048', '--machine', 'h200']; from flowtrain.cli import main; cProfile.run('main()', '/tmp/prof')" >/dev/null 2>&1
       python3 -c "import pstats; pstats.Stats('/tmp/prof').sort_stats('cumulative').print_stats(22)" | tail -26 | cut -c1-160 | tee -a "$OUT/log.txt" ;;
     moe) bench moe --model qwen3-moe-12l --seq-len 4096 --batch-size 16 --micro-batch-size ${MBM:-4} --steps 3 --warmup 1 --host-mem 118 --trace "$OUT/moe-trace.json" ;;  # Qwen3-30B-A3B's layer, 12 layers
-    moe10) bench moe10 --model qwen3-moe-12l --seq-len 4096 --batch-size 16 --micro-batch-size ${MB10:-2} --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 ;;
+    moe10) bench moe10 --model qwen3-moe-12l --seq-len 4096 --batch-size 16 --micro-batch-size ${MB10:-2} --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 --trace "$OUT/moe10-trace.json" ;;
     moe10b64) bench moe10b64 --model qwen3-moe-12l --seq-len 4096 --batch-size 64 --micro-batch-size 2 --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 ;;  # the 10 GB card at 64 sequences: CPU AdamW spread over 4x the tokens
     moeidle)  # the share of expert bytes --skip-idle-experts leaves in host memory at 1, 4 and 16 sequences a step
       for b in ${MOEIDLE:-1 4 16}; do bench moeidle$b --model qwen3-moe-12l --seq-len 4096 --batch-size $b --micro-batch-size 1 --steps 2 --warmup 1 --host-mem 118 --gpu-mem 10 --skip-idle-experts; done ;;
