@@ -354,12 +354,14 @@ class CostModel:
         return nbytes / (rate * 1e9) + self.m.copy_latency_us * 1e-6
 
     def copy_seconds(self, task: Task, other_direction_busy: bool) -> float:
-        """A copy's time: its bytes over its direction's rate, or its half of the duplex rate
-        while the other direction is copying too."""
+        """A copy's time: its bytes over its direction's rate, or, while the other direction is
+        copying too, its share of the duplex rate (the two directions' rates scaled alike until
+        they sum to ``duplex_gbps``: each keeps the same fraction of its lone rate, as the traces
+        show, ``python -m flowtrain.sim.link_rates``)."""
         m = self.m
         rate = m.h2d_gbps if task.lane == "h2d" else m.d2h_gbps
         if other_direction_busy:
-            rate = min(rate, m.duplex_gbps / 2)
+            rate *= min(1.0, m.duplex_gbps / (m.h2d_gbps + m.d2h_gbps))
         t = self.copy_bytes(task) / (rate * 1e9) + m.copy_latency_us * 1e-6
         if task.kind == "fetch" and self.s.fetch_bytes == 4 and self.s.compute_bytes != 4:
             t += self.hbm_seconds(self.s.unit_numel(task) * (4 + self.s.compute_bytes))  # cast on the device

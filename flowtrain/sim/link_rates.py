@@ -13,6 +13,14 @@ A copy's time in a trace runs from its start on its stream to its end, so a fetc
 cast to bf16 on the device; the lone gradient offloads (``offload_grad alone``) are the cleanest
 measure of the device-to-host rate, and ``d2h_gbps`` in the shipped H200 and H100 files is their
 median over the traces above.
+
+Last, what each direction keeps of its lone rate while the other copies too: per trace, the median
+``shared`` rate over the median ``alone`` rate of the gradient offloads (device to host) and of the
+layer fetches (host to device), and the median of those ratios over the traces that have both.
+A machine file's ``duplex_gbps`` (both directions together) is its ``d2h_gbps`` and ``h2d_gbps``
+times these shares, over the kept traces of both cards (the same PCIe 5 link)::
+
+    python -m flowtrain.sim.link_rates docs/bench/2026-12-0[2-7]/*-trace.json
 """
 
 from __future__ import annotations
@@ -25,6 +33,7 @@ from pathlib import Path
 from .task_times import steady_tasks
 
 COPIES = ("fetch", "offload_grad", "offload_act", "fetch_act")
+DIRECTIONS = {"d2h": "offload_grad", "h2d": "fetch"}  # the copy kind that measures each direction
 Key = tuple[str, str]  # (kind, "alone" | "part" | "shared")
 
 
@@ -61,6 +70,18 @@ def medians(traces: list[Path], min_bytes: float = 50e6) -> tuple[dict[Path, dic
     return per, over
 
 
+def kept_shares(per: dict[Path, dict[Key, tuple[float, int]]]) -> dict[str, tuple[float, int]]:
+    """Per direction (``"d2h"``, ``"h2d"``): the median over the traces of its copies' ``shared``
+    rate over their ``alone`` rate (the kind of :data:`DIRECTIONS`), and how many traces had both."""
+    out = {}
+    for lane, kind in DIRECTIONS.items():
+        ratios = [m[(kind, "shared")][0] / m[(kind, "alone")][0] for m in per.values()
+                  if (kind, "shared") in m and (kind, "alone") in m]
+        if ratios:
+            out[lane] = (statistics.median(ratios), len(ratios))
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     import argparse
 
@@ -86,6 +107,10 @@ def main(argv: list[str] | None = None) -> int:
     print("| median of the traces | " + " | ".join(f"{over[k]:.1f}" for k in order) + " |")
     print("\nGB/s (copies counted); alone / part / shared: a copy the other way overlapped under a tenth, "
           "between, over nine tenths of it")
+    kept = kept_shares(per)
+    if kept:
+        print("kept of the lone rate while the other direction copies: " + ", ".join(
+            f"{lane} ({DIRECTIONS[lane]}) {share:.2f} over {n} traces" for lane, (share, n) in kept.items()))
     return 0
 
 

@@ -16,7 +16,8 @@ with a default below; ``extends`` names a machine whose fields it starts from.
 Fields, by the task kinds that use them (:mod:`flowtrain.sim.costs`):
 
 - copies (``fetch``, ``offload_grad``): ``h2d_gbps``, ``d2h_gbps`` (GB/s, one direction at a
-  time), ``duplex_gbps`` (both directions at once, the sum), ``copy_latency_us`` per copy.
+  time), ``duplex_gbps`` (both directions at once, the sum; while both copy, each direction's
+  rate is scaled by ``duplex_gbps / (h2d_gbps + d2h_gbps)``), ``copy_latency_us`` per copy.
 - compute (``forward``, ``recompute``, ``backward``, ``loss``, ``embed``): ``matmul_tflops``
   (bf16 GEMM, large shapes), ``matmul_half_dim`` (a GEMM dimension at which efficiency has
   fallen to half: small GEMMs are slower per FLOP), ``attention_fwd_tflops`` and

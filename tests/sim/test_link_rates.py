@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from flowtrain.sim.link_rates import copy_rates, main, medians
+from flowtrain.sim.link_rates import copy_rates, kept_shares, main, medians
 from flowtrain.sim.machine import load_machine
 
 BENCH = Path(__file__).parents[2] / "docs" / "bench"
@@ -58,3 +58,35 @@ def test_the_command_prints_a_table_and_refuses_what_is_not_a_trace(tmp_path, ca
     bad.write_text('{"rows": []}')
     assert main([str(bad)]) == 2
     assert "not a flowtrain trace" in capsys.readouterr().err
+
+
+def test_each_direction_keeps_its_share_of_its_lone_rate(tmp_path):
+    """Two traces: the offloads beside a fetch keep 0.5 and 0.9 of the lone ones', the fetches
+    beside an offload 0.8 in the one trace that has both kinds; medians over the traces."""
+    def trace(name, alone_d2h, shared_d2h, fetch_alone=None, fetch_shared=None):
+        events = [_copy("offload_grad", "d2h", 0, 100e6 / alone_d2h / 1e3, 100e6),
+                  _copy("fetch", "h2d", 10_000, 8000, 100e6),
+                  _copy("offload_grad", "d2h", 11_000, 100e6 / shared_d2h / 1e3, 100e6)]
+        if fetch_alone:  # a lone fetch, and one an offload overlaps throughout
+            events += [_copy("fetch", "h2d", 30_000, 100e6 / fetch_alone / 1e3, 100e6),
+                       _copy("offload_grad", "d2h", 39_000, 10_000, 100e6),
+                       _copy("fetch", "h2d", 40_000, 100e6 / fetch_shared / 1e3, 100e6)]
+        path = tmp_path / name
+        path.write_text(json.dumps({"traceEvents": events}))
+        return path
+
+    per, _ = medians([trace("a.json", 50.0, 25.0), trace("b.json", 50.0, 45.0, 40.0, 32.0)])
+    kept = kept_shares(per)
+    assert kept["d2h"] == (pytest.approx(0.7), 2)
+    assert kept["h2d"] == (pytest.approx(0.8), 1)
+
+
+@pytest.mark.parametrize("machine", ["h200", "h100-sxm"])
+def test_the_machine_files_duplex_rate_is_what_the_kept_traces_keep_of_each_direction(machine):
+    """Both cards sit on the same PCIe 5 link, so their kept traces are taken together."""
+    found = sorted(BENCH.glob("2026-12-0[2-7]/*-trace.json"))
+    assert len(found) >= 18
+    per, _ = medians(found)
+    kept = kept_shares(per)
+    m = load_machine(machine)
+    assert m.duplex_gbps == pytest.approx(kept["d2h"][0] * m.d2h_gbps + kept["h2d"][0] * m.h2d_gbps, abs=0.5)
