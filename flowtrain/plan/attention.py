@@ -15,7 +15,11 @@ tokens for llama-3b), and plans it the way such a step wants memory spent:
    minutes of compute, so fetches and CPU Adam hide anyway and a resident layer only takes GPU
    memory a saved output could use;
 2. layer inputs (checkpoints) offloaded to host memory as far as it holds them: their copies
-   too hide behind the compute;
+   too hide behind the compute. With a state folder (``--state-dir``), host memory also holds
+   what the folder frees: everything ``--disk-state moments`` or ``all`` moves there, and under
+   ``--activations attention`` with ``--disk-state auto``, as much as moving every streamed
+   unit's state would free (the disk tier then moves only what the plan needs: at these
+   lengths a step is long enough for the folder's reads and writes to hide too);
 3. the GPU memory left holds saved attention outputs, from the top layer down (their backward
    comes first), and what is left after every layer has one brings checkpoints back.
 
@@ -68,7 +72,8 @@ def saved_attention_bytes(cfg: ModelConfig, tokens: int, itemsize: int) -> int:
 
 
 def plan_saved_attention(cfg: ModelConfig, req: Any, itemsize: int, live_tokens: int, layer_work: int,
-                         state: Callable[[Any], Any], in_flight: int, act_slots: int, every: bool) -> Any:
+                         state: Callable[[Any], Any], in_flight: int, act_slots: int, every: bool,
+                         disk_room: Callable[[Any], int] = lambda plan: 0) -> Any:
     """The plan with saved attention outputs, built from ``state(request)``: the state placed
     for a request that recomputes, every checkpoint on the GPU (the caller decides whether its
     residency is for capacity only).
@@ -79,7 +84,8 @@ def plan_saved_attention(cfg: ModelConfig, req: Any, itemsize: int, live_tokens:
     micro-batches whose activations are alive at once; ``layer_work``: one layer's backward as
     eager autograd runs it (a saved output breaks a compiled layer's graph at attention);
     ``in_flight`` and ``act_slots``: the GPU bytes of checkpoints and the ``acts`` budget of a
-    step that offloads them."""
+    step that offloads them; ``disk_room(plan)``: the host bytes the state folder frees for
+    checkpoints beside what ``plan`` holds (0 without one)."""
     plan = state(msgspec.structs.replace(req, activations="recompute"))
     plan.gpu = {**plan.gpu, "layer_work": max(plan.gpu["layer_work"], layer_work)}
     L = cfg.num_layers
@@ -87,7 +93,7 @@ def plan_saved_attention(cfg: ModelConfig, req: Any, itemsize: int, live_tokens:
     per_ck = plan.gpu["checkpoints"] // n_ck
     per_attn = saved_attention_bytes(cfg, live_tokens, itemsize)
     gpu_base = plan.gpu_total - plan.gpu["checkpoints"]
-    host_room = None if plan.host_limit is None else plan.host_limit - plan.host_node_total
+    host_room = None if plan.host_limit is None else plan.host_limit - plan.host_node_total + disk_room(plan)
     gpu_room = None if plan.gpu_limit is None or plan.device == "cpu" else plan.gpu_limit - gpu_base
     most_off = n_ck if host_room is None or not per_ck else max(0, min(n_ck, host_room // (per_ck * plan.spec.share)))
 

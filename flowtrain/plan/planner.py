@@ -253,7 +253,8 @@ def _plan_placed(cfg, req, device, dtype, policy, host_limit, gpu_limit) -> Plan
     if (req.activations == "auto" and device.type == "cuda" and req.checkpoint_every == 1 and not cfg.generic
             and attention_pays(cfg, req.seq_len)):
         saving = _with_saved_attention(cfg, req, device, dtype, policy, host_limit, gpu_limit, every=False)
-        if saving is not None and saving.fits and (
+        # judged as the state folder will leave it (plan_once places the state on disk last)
+        if saving is not None and place_on_disk(saving, cfg, req, dtype.itemsize).fits and (
                 forward_flops_saved(saving, cfg, req.seq_len) > forward_flops_saved(plan, cfg, req.seq_len)):
             return saving
     return plan
@@ -270,7 +271,24 @@ def _with_saved_attention(cfg, req, device, dtype, policy, host_limit, gpu_limit
         cfg, req, dtype.itemsize, req.micro_batch_size * req.seq_len * live_micro_batches(req), eager_work,
         lambda r: _plan_state(cfg, r, device, dtype, policy, host_limit, gpu_limit, speed=speed),
         offload_in_flight(req, req.micro_batch_size * req.seq_len * cfg.hidden_size * dtype.itemsize),
-        offload_act_slots(req), every)
+        offload_act_slots(req), every, _disk_room(cfg, req, dtype.itemsize, every))
+
+
+def _disk_room(cfg: ModelConfig, req: RunRequest, compute_bytes: int, every: bool) -> Callable[[Plan], int]:
+    """The host bytes the state folder frees for offloaded checkpoints, beside a plan's: what
+    ``--disk-state moments`` or ``all`` moves there anyway; with ``auto``, only where every layer
+    was asked to save its attention output (``every``), what moving every streamed unit's state
+    would free, of which :func:`place_on_disk` then moves only what the plan needs. ``auto``
+    without ``every`` plans as without a folder: it brings no disk traffic of its own accord."""
+    mode = req.disk_state
+    if mode == "none" or (mode == "auto" and not every):
+        return lambda plan: 0
+    widest = msgspec.structs.replace(req, disk_state="all" if mode == "auto" else mode)
+
+    def room(plan: Plan) -> int:
+        return max(0, plan.host_node_total - place_on_disk(plan, cfg, widest, compute_bytes).host_node_total)
+
+    return room
 
 
 def _squeezed(plan: Plan, policy: Any, than: Plan | None = None) -> bool:

@@ -88,6 +88,19 @@ def test_disk_tier_examples(capsys, tmp_path, batch, host):
             quoted("docs/disk-tier.md", line)
 
 
+def test_disk_tier_long_context_example(capsys, tmp_path):
+    common = ["--machine", "h200", "--model", "llama-8b-256k", "--seq-len", "262144", "--batch-size", "1",
+              "--micro-batch-size", "1", "--host-mem", "118"]
+    out = simulate(capsys, *common, "--activations", "attention", "--state-dir", str(tmp_path), "--disk-gbs", "1.3")
+    for line in out.splitlines():
+        if line.startswith(("predicted:", "busy fraction:", "  moments on disk", "  on disk")):
+            quoted("docs/disk-tier.md", line)
+    slow = predicted(simulate(capsys, *common, "--activations", "attention", "--state-dir", str(tmp_path)))
+    quoted("docs/disk-tier.md", f"the disk sets the step at {float(slow[2]):.1f} s")
+    tok, tflops, _ = predicted(simulate(capsys, *common))
+    quoted("docs/disk-tier.md", f"without the folder predicts {tok} tokens/s ({tflops} TFLOP/s)")
+
+
 def test_two_gpus_against_one(capsys):
     common = ["--model", "llama-8b", "--seq-len", "4096", "--micro-batch-size", "4", "--host-mem", "256",
               "--resident", "none", "--machine", "h200"]

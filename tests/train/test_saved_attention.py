@@ -245,6 +245,37 @@ def test_asking_for_attention_saves_every_layer_or_says_what_fits():
         _plan("llama-3b", 8192, activations="attention", checkpoint_every=2)
 
 
+def test_a_state_folder_makes_room_for_every_layers_attention_moving_only_what_it_needs():
+    """262,144 tokens of llama-8b do not hold every saved output without one (above); with a
+    state folder under ``--disk-state auto`` the checkpoints the outputs displace go to host
+    memory, and as many units' Adam moments go to disk as that needs, from the head down."""
+    plan = _plan("llama-8b-256k", 262144, activations="attention", disk_state="auto")
+    L = 32
+    assert plan.fits and plan.spec.save_attention == tuple(range(L))
+    assert plan.host_node_total <= plan.host_limit and plan.gpu_total <= plan.gpu_limit
+    moments = [k for k, f in plan.disk.items() if "exp_avg" in f]
+    assert 0 < len(moments) < L + 2 and not any("master" in f for f in plan.disk.values())
+    assert list(plan.spec.disk) == ["head", *(f"layer.{i}" for i in range(L - 1, L - len(moments), -1))]
+    n_off = len(plan.spec.offload)
+    per_ck = plan.host["offloaded_activations"] // n_off
+    # more checkpoints offloaded than the host holds without the folder ...
+    without = _plan("llama-8b-256k", 262144, activations="attention")
+    assert n_off > len(without.spec.offload)
+    # ... and only as many as the GPU needs: one fewer would not fit it
+    assert plan.gpu_total + per_ck > plan.gpu_limit
+
+
+def test_moments_on_disk_leave_room_for_more_saved_outputs_and_auto_alone_moves_nothing():
+    base = _plan("llama-8b-256k", 262144)
+    auto = _plan("llama-8b-256k", 262144, disk_state="auto")
+    assert auto.disk == {} and auto.spec.save_attention == base.spec.save_attention  # no disk traffic unasked
+    moments = _plan("llama-8b-256k", 262144, disk_state="moments")
+    assert moments.fits and len(moments.spec.disk) == 34
+    assert len(moments.spec.save_attention) > len(base.spec.save_attention)
+    assert len(moments.spec.offload) > len(base.spec.offload)
+    assert moments.host_node_total <= moments.host_limit and moments.gpu_total <= moments.gpu_limit
+
+
 def test_the_cli_refuses_attention_with_spaced_checkpoints(tmp_path, capsys):
     model, data = tmp_path / "model", tmp_path / "data.jsonl"
     make_checkpoint(model, layers=2, seed=1)
