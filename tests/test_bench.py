@@ -59,3 +59,16 @@ def test_bench_refuses_an_output_it_could_not_write_before_it_runs(tmp_path, cap
     assert main([*argv, "--trace", str(tmp_path)]) == 2
     assert "is a folder; give a file name, e.g." in capsys.readouterr().err
     assert not any(tmp_path.iterdir()), "nothing was written"
+
+
+def test_a_model_bench_says_when_host_memory_grew(tmp_path):
+    """The result marks the process's peak resident memory when the plan was made and at the end
+    of every step, and its resident memory then: where a run's host peak comes from."""
+    out = tmp_path / "r.json"
+    assert main(["bench", "--model", "tiny", "--device", "cpu", "--seq-len", "64", "--batch-size", "4",
+                 "--micro-batch-size", "2", "--steps", "3", "--warmup", "1", "--json", str(out)]) == 0
+    r = json.loads(out.read_text())
+    peaks, resident = r["host_peak_by_step_gib"], r["host_resident_by_step_gib"]
+    assert len(peaks) == len(resident) == 3  # the warm-up step too
+    assert r["host_peak_at_plan_gib"] <= peaks[0] and peaks == sorted(peaks) and peaks[-1] <= r["host_peak_gib"]
+    assert all(0 < now <= peak + 0.01 for now, peak in zip(resident, peaks))

@@ -84,7 +84,7 @@ def run_model(args: argparse.Namespace) -> dict:
 
     _check_model_args(args)
     cfg_m, _ = load_model_config(args.model, args.layer_path)
-    cfg, metrics, recorder, plans, peak = _train(args, cfg_m.vocab_size)
+    cfg, metrics, recorder, plans, peak, host_marks = _train(args, cfg_m.vocab_size)
     adapters = adapter_numel(cfg_m, run_request(cfg)) if cfg.lora else None
     active = adapter_active_numel(cfg_m, run_request(cfg)) if cfg.lora else None
     result = {
@@ -92,7 +92,12 @@ def run_model(args: argparse.Namespace) -> dict:
         "micro_batch_size": args.micro_batch_size, "policy": args.policy,
         "order": plans[-1].spec.order if plans else args.order,
         **_speed(args, metrics, recorder.records, active),
-        "host_peak_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        "host_peak_gib": _peak_rss_gib(),
+        # when host memory grew: the peak when the plan was made (before any state), the peak and
+        # the resident memory at the end of each step (warm-up included)
+        "host_peak_at_plan_gib": host_marks["at_plan"][0] if host_marks["at_plan"] else None,
+        "host_peak_by_step_gib": host_marks["peak_by_step"],
+        "host_resident_by_step_gib": host_marks["resident_by_step"],
         "compile": args.compile, "data": args.data, "packing": args.packing,
     }
     if adapters is not None:
@@ -125,7 +130,7 @@ def _check_model_args(args: argparse.Namespace) -> None:
 
 def _train(args: argparse.Namespace, vocab_size: int) -> tuple:
     """The run: ``(its TrainConfig, per-step metrics, the trace recorder, the plans it followed,
-    the GPU peak report or None)``. Without ``--data`` it trains on random tokens, written to a
+    the GPU peak report or None, the host memory marks)``. Without ``--data`` it trains on random tokens, written to a
     temporary file for the run's length."""
     import numpy as np
     import torch
@@ -146,14 +151,38 @@ def _train(args: argparse.Namespace, vocab_size: int) -> tuple:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         plans: list = []
+        host_marks: dict[str, list[float | None]] = {"at_plan": [], "peak_by_step": [], "resident_by_step": []}
+
+        def planned(plan) -> None:
+            plans.append(plan)
+            host_marks["at_plan"].append(_peak_rss_gib())
+
+        def stepped(_metrics) -> None:
+            host_marks["peak_by_step"].append(_peak_rss_gib())
+            host_marks["resident_by_step"].append(_rss_gib())
 
         def run() -> list:
-            return train(cfg, instruments=[recorder], on_plan=plans.append)
+            return train(cfg, on_step=stepped, instruments=[recorder], on_plan=planned)
 
         if args.gpu_peak_report is None:
-            return cfg, run(), recorder, plans, None
-        metrics, peak = _recorded(args.gpu_peak_report, run, plans)
-        return cfg, metrics, recorder, plans, peak
+            metrics, peak = run(), None
+        else:
+            metrics, peak = _recorded(args.gpu_peak_report, run, plans)
+        return cfg, metrics, recorder, plans, peak, host_marks
+
+
+def _peak_rss_gib() -> float:
+    """The process's peak resident memory so far, GiB (what ``host_peak_gib`` reports at the end)."""
+    return round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2)
+
+
+def _rss_gib() -> float | None:
+    """The process's resident memory now, GiB (Linux; None elsewhere)."""
+    try:
+        pages = int(Path("/proc/self/statm").read_text().split()[1])
+    except (OSError, IndexError, ValueError):
+        return None
+    return round(pages * resource.getpagesize() / 2**30, 2)
 
 
 def _speed(args: argparse.Namespace, metrics: list, records: list, adapter_active: float | None) -> dict:
