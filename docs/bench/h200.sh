@@ -177,7 +177,7 @@ run_job() {  # JOB: one job of the list below
       dd if=/dev/zero of=/tmp/ddtest bs=16M count=256 oflag=direct 2>&1 | tail -1 | tee -a "$OUT/log.txt"
       dd if=/tmp/ddtest of=/dev/null bs=16M iflag=direct 2>&1 | tail -1 | tee -a "$OUT/log.txt"; rm -f /tmp/ddtest ;;
     8b256kd)  # one sequence of 262,144 tokens, every layer saving its attention output: the checkpoints
-              # that displaces wait in host memory, and the Adam moments they displace on disk (--state-dir)
+              # the outputs displace wait in host memory, and the Adam moments those displace on disk (--state-dir)
       rm -rf /tmp/ftstate; mkdir -p /tmp/ftstate; df -h /tmp | tail -1 | tee -a "$OUT/log.txt"
       BT=${BT:-560} PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True bench 8b256kd --model llama-8b-256k --seq-len 262144 --batch-size 1 --micro-batch-size 1 --steps ${DSTEPS:-2} --warmup 1 --host-mem 118 --activations attention --state-dir /tmp/ftstate --trace "$OUT/8b256kd-trace.json"
       rm -rf /tmp/ftstate ;;

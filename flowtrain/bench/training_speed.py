@@ -130,8 +130,8 @@ def _check_model_args(args: argparse.Namespace) -> None:
 
 def _train(args: argparse.Namespace, vocab_size: int) -> tuple:
     """The run: ``(its TrainConfig, per-step metrics, the trace recorder, the plans it followed,
-    the GPU peak report or None, the host memory marks)``. Without ``--data`` it trains on random tokens, written to a
-    temporary file for the run's length."""
+    the GPU peak report or None, the host memory marks)``. Without ``--data`` it trains on
+    random tokens, written to a temporary file for the run's length."""
     import numpy as np
     import torch
 

@@ -18,8 +18,9 @@ tokens for llama-3b), and plans it the way such a step wants memory spent:
    too hide behind the compute. With a state folder (``--state-dir``), host memory also holds
    what the folder frees: everything ``--disk-state moments`` or ``all`` moves there, and under
    ``--activations attention`` with ``--disk-state auto``, as much as moving every streamed
-   unit's state would free (the disk tier then moves only what the plan needs: at these
-   lengths a step is long enough for the folder's reads and writes to hide too);
+   unit's state would free (the disk tier then moves only what the plan needs; whether its
+   reads and writes hide behind the step depends on the disk, which ``flowtrain plan`` and
+   ``flowtrain simulate`` weigh);
 3. the GPU memory left holds saved attention outputs, from the top layer down (their backward
    comes first), and what is left after every layer has one brings checkpoints back.
 
