@@ -1,11 +1,14 @@
 #!/usr/bin/env bash
-# Puts in .whl-base/ (ignored by git) the Python 3.12 wheels that the two baseline trainers need on the
+# Puts in .whl-base/ (ignored by git) the Python 3.12 wheels that the baseline trainers need on the
 # benchmark GPU machine beyond its image (torch 2.11, transformers 5.17, peft, accelerate, triton,
 # tokenizers, pyarrow, pandas, xxhash, ... are there):
 #   torchtitan's Qwen3 MoE (docs/bench/torchtitan_moe.py): torchtitan 0.2.2, the release made against
 #     the PyTorch nightly that became 2.11, and what it imports: torchdata (its data loader), tyro and
 #     its needs (its config), datasets with dill and multiprocess (its qwen3 package imports its text
 #     data sets).
+#   NeMo AutoModel's Qwen3 MoE model (docs/bench/nemo_moe.py): nemo_automodel 0.7.0 alone (its model,
+#     activation checkpointing and loss import nothing more the machine lacks; it asks for transformers
+#     5.18 and runs on the machine's 5.17).
 #   Unsloth's LoRA (docs/bench/unsloth_lora.py): unsloth and unsloth_zoo 2026.10.9 (the newest that
 #     allow transformers 5.17), trl (imported unconditionally), datasets, and bitsandbytes, which a
 #     bf16 LoRA never calls but Unsloth's post-load patching imports for a type check.
@@ -59,6 +62,8 @@ PY
 dl datasets==4.8.5 dill==0.4.1 multiprocess==0.70.19
 # torchtitan
 dl torchtitan==0.2.2 torchdata==0.11.0 tyro==1.0.17 docstring-parser==0.18.0 typeguard==4.6.1
+# NeMo AutoModel
+dl nemo-automodel==0.7.0
 # Unsloth
 dl unsloth-zoo==2026.10.9 trl==1.15.0
 slim unsloth==2026.10.9 studio/ unsloth_cli/

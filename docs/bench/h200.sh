@@ -61,6 +61,15 @@ titanrun() {  # "DTYPE:AC:MICRO ...": torchtitan's Qwen3 MoE (docs/bench/torchti
     TITAN_DTYPE=$dtype TITAN_AC=$ac baseline torchtitan-qwen3-moe-12l-4096 python3 docs/bench/torchtitan_moe.py 4096 16 "$mb" 3 && break
   done
 }
+nemorun() {  # "AC:MICRO ...": NeMo AutoModel's Qwen3 MoE (docs/bench/nemo_moe.py) at qwen3-moe-12l, 16 x 4096,
+             # at the first setting that runs
+  local s ac mb
+  for s in $1; do
+    IFS=: read -r ac mb <<<"$s"
+    log "nemo automodel qwen3-moe-12l, activation checkpointing $ac, micro-batch $mb"
+    NEMO_AC=$ac baseline nemo-qwen3-moe-12l-4096 python3 docs/bench/nemo_moe.py 4096 16 "$mb" 3 && break
+  done
+}
 usrun() {  # SHAPE "MICROS": Unsloth's bf16 LoRA (docs/bench/unsloth_lora.py), 16 x 4096, at the first micro-batch that fits
   local mb
   for mb in $2; do
@@ -203,6 +212,9 @@ run_job() {  # JOB: one job of the list below
       log "ckpt: done" ;;
     titanmoe)  # torchtitan's trainer on the MoE, then flowtrain's moe job (docs/benchmarks.md, "Beside torchtitan and Unsloth")
       titanrun "${TITANS:-float32:selective:2 float32:selective:1 float32:full:1 bfloat16:selective:2 bfloat16:full:1}"
+      run_job moe ;;
+    nemomoe)  # NeMo AutoModel's Qwen3 MoE model on the MoE, then flowtrain's moe job
+      nemorun "${NEMOS:-selective:2 full:2 full:1}"
       run_job moe ;;
     unsloth8b)  # Unsloth's bf16 LoRA on llama-8b, then flowtrain's lora8 job
       usrun llama-8b "${USB:-4 2 1}"
