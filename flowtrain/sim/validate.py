@@ -40,7 +40,7 @@ BENCH = Path(__file__).parents[2] / "docs" / "bench"
 #: where one is kept (``trace``, :mod:`flowtrain.sim.task_times`; ``tasks_within``: the error
 #: its compute tasks' median times are held to, where the trace ran the code as it is), the command
 #: that ran it, its measured tokens/s, what the simulator needs besides the result line
-#: (``settings``), the error it is held to (``within``: 8%; 15% for two runs that miss
+#: (``settings``), the error it is held to (``within``: 8%; 15% for four runs that miss
 #: it, docs/simulate.md says why) and, for a run the simulator is known to miss, what it does
 #: not model (``not_modelled``; it must still miss)
 TABLE = BENCH / "measured_runs.json"
