@@ -210,7 +210,7 @@ run_job() {  # JOB: one job of the list below
       log "ckpt: resume from checkpoint-5"
       $FT train $C --resume /tmp/ck/checkpoint-5 --out /tmp/ck2 --metrics "$OUT/ckpt-resumed.jsonl" 2>&1 | tail -2 | tee -a "$OUT/log.txt"
       log "ckpt: done" ;;
-    titanmoe)  # torchtitan's trainer on the MoE, then flowtrain's moe job (docs/benchmarks.md, "Beside torchtitan and Unsloth")
+    titanmoe)  # torchtitan's trainer on the MoE, then flowtrain's moe job (docs/benchmarks.md, "Beside torchtitan, NeMo AutoModel and Unsloth")
       titanrun "${TITANS:-float32:selective:2 float32:selective:1 float32:full:1 bfloat16:selective:2 bfloat16:full:1}"
       run_job moe ;;
     nemomoe)  # NeMo AutoModel's Qwen3 MoE model on the MoE, then flowtrain's moe job
