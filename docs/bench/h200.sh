@@ -214,7 +214,7 @@ run_job() {  # JOB: one job of the list below
       titanrun "${TITANS:-float32:selective:2 float32:selective:1 float32:full:1 bfloat16:selective:2 bfloat16:full:1}"
       run_job moe ;;
     nemomoe)  # NeMo AutoModel's Qwen3 MoE model on the MoE, then flowtrain's moe job
-      nemorun "${NEMOS:-selective:2 full:2 full:1}"
+      nemorun "${NEMOS:-selective:2 selective:1 full:2 full:1}"
       run_job moe ;;
     unsloth8b)  # Unsloth's bf16 LoRA on llama-8b, then flowtrain's lora8 job
       usrun llama-8b "${USB:-4 2 1}"
