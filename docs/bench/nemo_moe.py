@@ -192,13 +192,10 @@ def run(seq: int, batch: int, micro: int, steps: int) -> dict:
     if not cuda:
         return {**head, "cpu_losses": losses, "failed": True,
                 "error": "no GPU: the speed needs one (NeMo's model built and stepped on the CPU)"}
-    timed = times[1:] or times
-    tok_s = batch * seq / (sum(timed) / len(timed))
+    tok_s = json_line.steady_tokens_per_s(times, batch * seq)
     return {**head, "step_s": [round(t, 3) for t in times], "losses": losses, "grad_norms": norms,
             "tokens_per_s": round(tok_s, 1), "model_tflops": round(tok_s * model_flops_per_token(cfg, seq) / 1e12, 1),
-            "setup_s": round(setup_s, 1), "gpu_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-            "gpu_reserved_peak_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
-            "gpu": torch.cuda.get_device_name()}
+            "setup_s": round(setup_s, 1), **json_line.gpu_fields()}
 
 
 def main() -> int:

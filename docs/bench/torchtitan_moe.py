@@ -308,17 +308,14 @@ def run(seq: int, batch: int, micro: int, steps: int) -> dict:
         trainer.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
-    timed = times[1:] or times
-    tok_s = batch * seq / (sum(timed) / len(timed))
+    tok_s = json_line.steady_tokens_per_s(times, batch * seq)
     later = [logged[s] for s in sorted(logged) if s > 1] or list(logged.values())
     mean = lambda key: round(sum(m.get(key, 0.0) for m in later) / max(len(later), 1), 1)  # noqa: E731
     return {**head, "step_s": [round(t, 3) for t in times],
             "losses": [round(logged[s].get("loss_metrics/global_avg_loss", float("nan")), 4) for s in sorted(logged)],
             "tokens_per_s": round(tok_s, 1), "model_tflops": round(tok_s * flops_per_token(args, seq) / 1e12, 1),
             "titan_tps": mean("throughput(tps)"), "titan_tflops": mean("tflops"), "setup_s": round(setup_s, 1),
-            "gpu_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-            "gpu_reserved_peak_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
-            "gpu": torch.cuda.get_device_name()}
+            **json_line.gpu_fields()}
 
 
 def main() -> int:

@@ -225,13 +225,9 @@ def run(shape: str, seq: int, batch: int, micro: int, steps: int) -> dict:
         times.append(time.perf_counter() - t)
         losses.append(round(total, 4))
         say(f"step {len(times)}: {times[-1]:.2f} s, loss {losses[-1]:.4f}")
-    timed = times[1:] or times
-    tok_s = batch * seq / (sum(timed) / len(timed))
+    tok_s = json_line.steady_tokens_per_s(times, batch * seq)
     return {**head, "step_s": [round(t, 3) for t in times], "losses": losses, "tokens_per_s": round(tok_s, 1),
-            "model_tflops": round(tok_s * fpt / 1e12, 1), "setup_s": round(setup_s, 1),
-            "gpu_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
-            "gpu_reserved_peak_gib": round(torch.cuda.max_memory_reserved() / 2**30, 2),
-            "gpu": torch.cuda.get_device_name()}
+            "model_tflops": round(tok_s * fpt / 1e12, 1), "setup_s": round(setup_s, 1), **json_line.gpu_fields()}
 
 
 def main() -> int:
