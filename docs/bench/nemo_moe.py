@@ -50,6 +50,7 @@ the next setting).
 
 from __future__ import annotations
 
+import json
 import logging
 import os
 import sys
@@ -205,7 +206,7 @@ def main() -> int:
     fail = {"job": job_name(seq), "system": "nemo-automodel", "seq_len": seq, "batch_size": batch,
             "micro_batch_size": micro, "activation_checkpoint": AC, "failed": True}
     if batch % micro:
-        print(f'{{"job": "{job_name(seq)}", "failed": true, "error": "BATCH {batch} is no multiple of MICRO {micro}"}}')
+        print(json.dumps({**fail, "error": f"batch {batch} is not a multiple of micro-batch {micro}"}), flush=True)
         return 1
     return json_line.report(fail, lambda: run(seq, batch, micro, steps), "NeMo AutoModel")
 
