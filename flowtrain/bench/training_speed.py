@@ -98,6 +98,11 @@ def run_model(args: argparse.Namespace) -> dict:
         "host_peak_at_plan_gib": host_marks["at_plan"][0] if host_marks["at_plan"] else None,
         "host_peak_by_step_gib": host_marks["peak_by_step"],
         "host_resident_by_step_gib": host_marks["resident_by_step"],
+        # what the resident memory is, when the plan was made and at the end of the last step:
+        # the process's own allocations (anon), mapped files (file: its libraries, the data),
+        # shared memory (shmem)
+        "host_rss_parts_at_plan_gib": host_marks["parts_at_plan"][0] if host_marks["parts_at_plan"] else None,
+        "host_rss_parts_gib": host_marks["parts_by_step"][-1] if host_marks["parts_by_step"] else None,
         "compile": args.compile, "data": args.data, "packing": args.packing,
     }
     if adapters is not None:
@@ -151,15 +156,18 @@ def _train(args: argparse.Namespace, vocab_size: int) -> tuple:
         if torch.cuda.is_available():
             torch.cuda.reset_peak_memory_stats()
         plans: list = []
-        host_marks: dict[str, list[float | None]] = {"at_plan": [], "peak_by_step": [], "resident_by_step": []}
+        host_marks: dict[str, list] = {"at_plan": [], "peak_by_step": [], "resident_by_step": [],
+                                       "parts_at_plan": [], "parts_by_step": []}
 
         def planned(plan) -> None:
             plans.append(plan)
             host_marks["at_plan"].append(_peak_rss_gib())
+            host_marks["parts_at_plan"].append(_rss_parts_gib())
 
         def stepped(_metrics) -> None:
             host_marks["peak_by_step"].append(_peak_rss_gib())
             host_marks["resident_by_step"].append(_rss_gib())
+            host_marks["parts_by_step"].append(_rss_parts_gib())
 
         def run() -> list:
             return train(cfg, on_step=stepped, instruments=[recorder], on_plan=planned)
@@ -183,6 +191,22 @@ def _rss_gib() -> float | None:
     except (OSError, IndexError, ValueError):
         return None
     return round(pages * resource.getpagesize() / 2**30, 2)
+
+
+def _rss_parts_gib() -> dict[str, float] | None:
+    """The process's resident memory now by kind, GiB: ``anon`` (its own allocations: the state,
+    buffers, the interpreter's heap), ``file`` (mapped files: the CUDA and torch libraries, a
+    memory-mapped data set) and ``shmem`` (shared memory). Linux; None elsewhere."""
+    names = {"RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
+    parts: dict[str, float] = {}
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            field = line.split()
+            if field and field[0] in names:
+                parts[names[field[0]]] = round(int(field[1]) / 2**20, 2)  # kB
+    except (OSError, ValueError, IndexError):
+        return None
+    return parts if len(parts) == len(names) else None
 
 
 def _speed(args: argparse.Namespace, metrics: list, records: list, adapter_active: float | None) -> dict:
