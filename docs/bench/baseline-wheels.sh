@@ -12,6 +12,10 @@
 #   Unsloth's LoRA (docs/bench/unsloth_lora.py): unsloth and unsloth_zoo 2026.10.9 (the newest that
 #     allow transformers 5.17), trl (imported unconditionally), datasets, and bitsandbytes, which a
 #     bf16 LoRA never calls but Unsloth's post-load patching imports for a type check.
+#   MegaTrain's loss (docs/bench/megatrain_run.py): flash-attn 2.8.3.post2's source archive, not a
+#     wheel (flash-attn publishes none for this machine, and its CUDA extension builds for hours); the
+#     runner takes only its Triton cross-entropy out of it (8.5 MB), which MegaTrain uses where
+#     flash-attn is installed.
 # Two wheels are slimmed to keep what is copied to the benchmark machine small: unsloth's without its studio/
 # web application and unsloth_cli/ (27 of its 29 MB; neither is imported by `import unsloth`), and
 # bitsandbytes's with only the CUDA 13.0 and CPU libraries (torch 2.11+cu130 loads the first; 43 MB
@@ -69,5 +73,18 @@ dl unsloth-zoo==2026.10.9 trl==1.15.0
 slim unsloth==2026.10.9 studio/ unsloth_cli/
 B=bitsandbytes/libbitsandbytes_
 slim bitsandbytes==0.50.2 ${B}cuda118 ${B}cuda121 ${B}cuda124 ${B}cuda126 ${B}cuda128 ${B}cuda132 ${B}rocm ${B}xpu
+# MegaTrain: flash-attn's source archive, by the name and digest the package index gives
+[[ -f .whl-base/flash_attn-2.8.3.post2.tar.gz ]] || python3 - <<'PY'
+import hashlib, json, os, urllib.request
+name = "flash_attn-2.8.3.post2.tar.gz"
+req = urllib.request.Request("https://pypi.org/simple/flash-attn/", headers={"Accept": "application/vnd.pypi.simple.v1+json"})
+entry = next(f for f in json.load(urllib.request.urlopen(req))["files"] if f["filename"] == name)
+data = urllib.request.urlopen(entry["url"]).read()
+if hashlib.sha256(data).hexdigest() != entry["hashes"]["sha256"]:
+    raise SystemExit(f"{name}: its sha256 is not the index's")
+with open(f".whl-base/{name}.part", "wb") as f:
+    f.write(data)
+os.replace(f".whl-base/{name}.part", f".whl-base/{name}")
+PY
 ls -l .whl-base | awk 'NR > 1 {printf "%8.1f MiB  %s\n", $5 / 2^20, $9}'
 du -sh .whl-base

@@ -21,6 +21,16 @@ ones here, and lets SDPA pick its flash kernel). Model FLOPs per token follow do
 token multiplies by (no input embedding) + 6 x layers x heads x head_dim x sequence. MegaTrain's
 own log counts 6 x every parameter, the embedding included, and no attention.
 
+MegaTrain's loss takes flash-attn's cross-entropy where flash-attn is installed (its configs' case:
+they ask for flash-attn 2), a Triton kernel whose backward writes the logits' gradient over the
+logits, and PyTorch's otherwise, which holds a second chunk of logits (158 sequences x 128 positions
+x 152,064 bf16 logits is 5.7 GiB). flash-attn publishes only its source (its CUDA extension builds
+for hours), but that cross-entropy is pure Python and Triton: where ``.whl-base/`` holds flash-attn's
+source archive (``docs/bench/baseline-wheels.sh`` fetches it), :func:`flash_cross_entropy` unpacks
+just its loss and kernel into a temporary folder and puts that first on the path, so MegaTrain
+imports it as it would from flash-attn (``MT_FLASH_CE=0`` keeps PyTorch's); the result line's
+``cross_entropy`` says which ran.
+
 A batch that runs out of GPU memory prints a JSON line with ``"failed": true`` and exits 3 (the
 benchmark script then tries a smaller one). The first step is a warm-up; the speed is over the
 steps after it.
@@ -85,6 +95,35 @@ def register_causal_sdpa() -> None:
     AttentionInterface.register(CAUSAL_SDPA, causal_sdpa)
 
 
+#: the files of flash-attn's source archive that its cross-entropy loss needs (the package's own
+#: ``__init__`` imports its CUDA extension, so an empty one stands in for it)
+FLASH_CE_FILES = ("flash_attn/losses/__init__.py", "flash_attn/losses/cross_entropy.py", "flash_attn/ops/__init__.py",
+                  "flash_attn/ops/triton/__init__.py", "flash_attn/ops/triton/cross_entropy.py", "LICENSE")
+
+
+def flash_cross_entropy(archives: str = ".whl-base", into: str = "/tmp/megatrain-flash-ce") -> str | None:
+    """Put flash-attn's cross-entropy (from its source archive in ``archives``) on the path as
+    ``flash_attn.losses.cross_entropy``; its version, or None where there is no archive or
+    ``MT_FLASH_CE=0``."""
+    import glob
+    import tarfile
+
+    found = sorted(glob.glob(os.path.join(archives, "flash_attn-*.tar.gz")))
+    if os.environ.get("MT_FLASH_CE", "1") == "0" or not found:
+        return None
+    top = os.path.basename(found[-1])[: -len(".tar.gz")]
+    with tarfile.open(found[-1]) as tar:
+        for name in FLASH_CE_FILES:
+            member = tar.getmember(f"{top}/{name}")
+            target = os.path.join(into, name)
+            os.makedirs(os.path.dirname(target), exist_ok=True)
+            with tar.extractfile(member) as src, open(target, "wb") as dst:  # type: ignore[union-attr]
+                dst.write(src.read())
+    open(os.path.join(into, "flash_attn", "__init__.py"), "w").close()
+    sys.path.insert(0, into)
+    return top.split("-", 1)[1]
+
+
 def random_model(auto, config):
     """The model with random bf16 weights in seconds: built on the meta device, then each matrix a slice
     of one random pool (transformers' own initialisation of 7B bf16 weights on the CPU takes minutes)."""
@@ -110,11 +149,13 @@ def random_model(auto, config):
     return model
 
 
-def run(shape: str, seq: int, batch: int, steps: int) -> dict:
+def run(shape: str, seq: int, batch: int, steps: int, flash_ce: str | None) -> dict:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from infinity import CPUMasterConfig, CPUMasterModel
+    from infinity.model import cpu_master
     from transformers import AutoModelForCausalLM
 
+    cross_entropy = f"flash-attn {flash_ce}" if cpu_master.FLASH_CE_AVAILABLE else "pytorch"
     t0 = time.perf_counter()
     torch.manual_seed(0)
     say(f"building {shape} in bf16 on the CPU", t0)
@@ -150,7 +191,8 @@ def run(shape: str, seq: int, batch: int, steps: int) -> dict:
     timed = times[1:] or times
     tok_s = batch * seq / (sum(timed) / len(timed))
     return {"job": f"megatrain-{shape}-{seq}", "system": "MegaTrain", "shape": shape, "seq_len": seq,
-            "batch_size": batch, "steps": steps, "step_s": times, "losses": losses, "tokens_per_s": round(tok_s, 1),
+            "batch_size": batch, "cross_entropy": cross_entropy, "steps": steps, "step_s": times, "losses": losses,
+            "tokens_per_s": round(tok_s, 1),
             "model_tflops": round(tok_s * flops_per_token(shape, seq) / 1e12, 1), "setup_s": round(setup_s, 1),
             "gpu_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
             "gpu": torch.cuda.get_device_name()}
@@ -159,10 +201,11 @@ def run(shape: str, seq: int, batch: int, steps: int) -> dict:
 def main() -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     shape, seq, batch, steps = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+    flash_ce = flash_cross_entropy()  # before MegaTrain's import, which looks for it
     try:
-        print(json.dumps(run(shape, seq, batch, steps)), flush=True)
+        print(json.dumps(run(shape, seq, batch, steps, flash_ce)), flush=True)
     except torch.OutOfMemoryError as e:
-        print(json.dumps({"job": f"megatrain-{shape}-{seq}", "batch_size": batch, "failed": True,
+        print(json.dumps({"job": f"megatrain-{shape}-{seq}", "batch_size": batch, "flash_attn_source": flash_ce, "failed": True,
                           "error": "out of GPU memory: " + str(e).splitlines()[0][:200]}), flush=True)
         return 3
     return 0
