@@ -73,6 +73,8 @@ def test_a_model_bench_says_when_host_memory_grew(tmp_path):
     assert r["host_peak_at_plan_gib"] <= peaks[0] and peaks == sorted(peaks) and peaks[-1] <= r["host_peak_gib"]
     assert all(0 < now <= peak + 0.01 for now, peak in zip(resident, peaks))
     parts = r["host_rss_parts_gib"]  # the last step's resident memory by kind adds up to it
-    assert set(parts) == {"anon", "file", "shmem"} and parts["anon"] > 0 and parts["file"] > 0
-    assert abs(sum(parts.values()) - resident[-1]) <= 0.05
+    assert set(parts) == {"anon", "file", "shmem", "anon_huge"} and parts["anon"] > 0 and parts["file"] > 0
+    assert abs(parts["anon"] + parts["file"] + parts["shmem"] - resident[-1]) <= 0.05
+    assert 0 <= parts["anon_huge"] <= parts["anon"]
+    assert r["transparent_hugepages"] in ("always", "madvise", "never")
     assert set(r["host_rss_parts_at_plan_gib"]) == set(parts)

@@ -103,6 +103,7 @@ def run_model(args: argparse.Namespace) -> dict:
         # shared memory (shmem)
         "host_rss_parts_at_plan_gib": host_marks["parts_at_plan"][0] if host_marks["parts_at_plan"] else None,
         "host_rss_parts_gib": host_marks["parts_by_step"][-1] if host_marks["parts_by_step"] else None,
+        "transparent_hugepages": _transparent_hugepages(),
         "compile": args.compile, "data": args.data, "packing": args.packing,
     }
     if adapters is not None:
@@ -196,17 +197,31 @@ def _rss_gib() -> float | None:
 def _rss_parts_gib() -> dict[str, float] | None:
     """The process's resident memory now by kind, GiB: ``anon`` (its own allocations: the state,
     buffers, the interpreter's heap), ``file`` (mapped files: the CUDA and torch libraries, a
-    memory-mapped data set) and ``shmem`` (shared memory). Linux; None elsewhere."""
-    names = {"RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem"}
+    memory-mapped data set) and ``shmem`` (shared memory); and ``anon_huge``, the part of ``anon``
+    in transparent huge pages (2 MiB each, resident whole once any byte of one is touched).
+    Linux; None elsewhere."""
+    names = {"RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem", "AnonHugePages:": "anon_huge"}
     parts: dict[str, float] = {}
     try:
-        for line in Path("/proc/self/status").read_text().splitlines():
-            field = line.split()
-            if field and field[0] in names:
-                parts[names[field[0]]] = round(int(field[1]) / 2**20, 2)  # kB
+        for path in ("/proc/self/status", "/proc/self/smaps_rollup"):
+            for line in Path(path).read_text().splitlines():
+                field = line.split()
+                if field and field[0] in names:
+                    parts[names[field[0]]] = round(int(field[1]) / 2**20, 2)  # kB
     except (OSError, ValueError, IndexError):
         return None
     return parts if len(parts) == len(names) else None
+
+
+def _transparent_hugepages() -> str | None:
+    """This machine's transparent huge page mode (``always``, ``madvise``, ``never``): under
+    ``always`` large allocations are backed by 2 MiB pages. Linux; None elsewhere."""
+    try:
+        text = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return None
+    chosen = [w.strip("[]") for w in text.split() if w.startswith("[")]
+    return chosen[0] if chosen else None
 
 
 def _speed(args: argparse.Namespace, metrics: list, records: list, adapter_active: float | None) -> dict:
