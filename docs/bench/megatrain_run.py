@@ -149,13 +149,19 @@ def random_model(auto, config):
     return model
 
 
+def cross_entropy_name(flash_ce: str | None) -> str:
+    """Which cross-entropy MegaTrain's loss takes, as it decided at its import: flash-attn's
+    (``flash_ce``, its version) or PyTorch's."""
+    from infinity.model import cpu_master
+
+    return f"flash-attn {flash_ce}" if cpu_master.FLASH_CE_AVAILABLE else "pytorch"
+
+
 def run(shape: str, seq: int, batch: int, steps: int, flash_ce: str | None) -> dict:
     from deepspeed.ops.adam import DeepSpeedCPUAdam
     from infinity import CPUMasterConfig, CPUMasterModel
-    from infinity.model import cpu_master
     from transformers import AutoModelForCausalLM
 
-    cross_entropy = f"flash-attn {flash_ce}" if cpu_master.FLASH_CE_AVAILABLE else "pytorch"
     t0 = time.perf_counter()
     torch.manual_seed(0)
     say(f"building {shape} in bf16 on the CPU", t0)
@@ -191,7 +197,7 @@ def run(shape: str, seq: int, batch: int, steps: int, flash_ce: str | None) -> d
     timed = times[1:] or times
     tok_s = batch * seq / (sum(timed) / len(timed))
     return {"job": f"megatrain-{shape}-{seq}", "system": "MegaTrain", "shape": shape, "seq_len": seq,
-            "batch_size": batch, "cross_entropy": cross_entropy, "steps": steps, "step_s": times, "losses": losses,
+            "batch_size": batch, "cross_entropy": cross_entropy_name(flash_ce), "steps": steps, "step_s": times, "losses": losses,
             "tokens_per_s": round(tok_s, 1),
             "model_tflops": round(tok_s * flops_per_token(shape, seq) / 1e12, 1), "setup_s": round(setup_s, 1),
             "gpu_peak_gib": round(torch.cuda.max_memory_allocated() / 2**30, 2),
@@ -205,7 +211,8 @@ def main() -> int:
     try:
         print(json.dumps(run(shape, seq, batch, steps, flash_ce)), flush=True)
     except torch.OutOfMemoryError as e:
-        print(json.dumps({"job": f"megatrain-{shape}-{seq}", "batch_size": batch, "flash_attn_source": flash_ce, "failed": True,
+        print(json.dumps({"job": f"megatrain-{shape}-{seq}", "batch_size": batch,
+                          "cross_entropy": cross_entropy_name(flash_ce), "failed": True,
                           "error": "out of GPU memory: " + str(e).splitlines()[0][:200]}), flush=True)
         return 3
     return 0

@@ -99,8 +99,8 @@ def run_model(args: argparse.Namespace) -> dict:
         "host_peak_by_step_gib": host_marks["peak_by_step"],
         "host_resident_by_step_gib": host_marks["resident_by_step"],
         # what the resident memory is, when the plan was made and at the end of the last step:
-        # the process's own allocations (anon), mapped files (file: its libraries, the data),
-        # shared memory (shmem)
+        # the process's own allocations (anon, and of those in huge pages anon_huge), mapped
+        # files (file: its libraries, the data), shared memory (shmem); the machine's THP mode
         "host_rss_parts_at_plan_gib": host_marks["parts_at_plan"][0] if host_marks["parts_at_plan"] else None,
         "host_rss_parts_gib": host_marks["parts_by_step"][-1] if host_marks["parts_by_step"] else None,
         "transparent_hugepages": _transparent_hugepages(),
