@@ -174,6 +174,9 @@ run_job() {  # JOB: one job of the list below
       BT=300 bench ft7b --model qwen2.5-7b --seq-len 1024 --batch-size 158 --micro-batch-size 79 --steps 3 --warmup 1 --host-mem 118 ;;
     ft7b) BT=300 bench ft7b --model qwen2.5-7b --seq-len 1024 --batch-size 158 --micro-batch-size 79 --steps 3 --warmup 1 --host-mem 118 --trace "$OUT/ft7b-trace.json" ;;  # flowtrain's side of mt7b alone, traced
     ft7bpeak) PEAK=1 BT=300 bench ft7bpeak --model qwen2.5-7b --seq-len 1024 --batch-size 158 --micro-batch-size 79 --steps 2 --warmup 1 --host-mem 118 ;;  # what is alive at its GPU peak: 80,896 tokens a micro-batch allocate 4.5% over the plan
+    mt8b1k)  # MegaTrain's Llama-3.1-8B configuration: 148 x 1024, then flowtrain on it
+      mtrun llama-3.1-8b 1024 "${MTB:-148 74}" 3
+      BT=300 bench ft8b1k --model llama-8b --seq-len 1024 --batch-size 148 --micro-batch-size ${MBF:-74} --steps 3 --warmup 1 --host-mem 118 ;;
     mt8b)  # the same on this project's llama-8b configuration, 16 x 4096
       mtrun llama-3.1-8b 4096 "${MTB:-16 8}" 3
       BT=300 bench ft8b --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 4 --steps 3 --warmup 1 --host-mem 118 --resident none ;;
