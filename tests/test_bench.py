@@ -78,3 +78,7 @@ def test_a_model_bench_says_when_host_memory_grew(tmp_path):
     assert 0 <= parts["anon_huge"] <= parts["anon"]
     assert r["transparent_hugepages"] in ("always", "madvise", "never")
     assert set(r["host_rss_parts_at_plan_gib"]) == set(parts)
+    mapped = r["host_mapped_gib"]  # the named mappings holding the most: torch's own library among them
+    assert any("libtorch" in name for name in mapped), mapped
+    assert list(mapped.values()) == sorted(mapped.values(), reverse=True)
+    assert 0 < sum(mapped.values()) <= resident[-1] and not any(name.startswith("[") for name in mapped)

@@ -103,6 +103,8 @@ def run_model(args: argparse.Namespace) -> dict:
         # files (file: its libraries, the data), shared memory (shmem); the machine's THP mode
         "host_rss_parts_at_plan_gib": host_marks["parts_at_plan"][0] if host_marks["parts_at_plan"] else None,
         "host_rss_parts_gib": host_marks["parts_by_step"][-1] if host_marks["parts_by_step"] else None,
+        # the named mappings (files, shared memory, devices) holding the most of it then
+        "host_mapped_gib": host_marks["mapped_last"][0] if host_marks["mapped_last"] else None,
         "transparent_hugepages": _transparent_hugepages(),
         "compile": args.compile, "data": args.data, "packing": args.packing,
     }
@@ -158,7 +160,7 @@ def _train(args: argparse.Namespace, vocab_size: int) -> tuple:
             torch.cuda.reset_peak_memory_stats()
         plans: list = []
         host_marks: dict[str, list] = {"at_plan": [], "peak_by_step": [], "resident_by_step": [],
-                                       "parts_at_plan": [], "parts_by_step": []}
+                                       "parts_at_plan": [], "parts_by_step": [], "mapped_last": []}
 
         def planned(plan) -> None:
             plans.append(plan)
@@ -169,6 +171,8 @@ def _train(args: argparse.Namespace, vocab_size: int) -> tuple:
             host_marks["peak_by_step"].append(_peak_rss_gib())
             host_marks["resident_by_step"].append(_rss_gib())
             host_marks["parts_by_step"].append(_rss_parts_gib())
+            if len(host_marks["parts_by_step"]) == args.steps:  # the last step: what the mappings hold
+                host_marks["mapped_last"].append(_largest_mappings_gib())
 
         def run() -> list:
             return train(cfg, on_step=stepped, instruments=[recorder], on_plan=planned)
@@ -211,6 +215,29 @@ def _rss_parts_gib() -> dict[str, float] | None:
     except (OSError, ValueError, IndexError):
         return None
     return parts if len(parts) == len(names) else None
+
+
+def _largest_mappings_gib(count: int = 4, least: float = 0.01) -> dict[str, float] | None:
+    """The ``count`` named mappings of the process holding the most resident memory now, GiB
+    (each at least ``least``), by name: a library, a data file, ``/dev/shm/...`` or a driver's
+    device file. Anonymous memory (the heap, torch's tensors) is left out: ``anon`` counts it.
+    Linux; None elsewhere."""
+    rss: dict[str, int] = {}
+    name = ""
+    try:
+        with open("/proc/self/smaps") as smaps:
+            for line in smaps:
+                field = line.split()
+                if not field:
+                    continue
+                if "-" in field[0] and not field[0].endswith(":"):  # a mapping's header line
+                    name = " ".join(field[5:])
+                elif field[0] == "Rss:" and name and not name.startswith("["):
+                    rss[name] = rss.get(name, 0) + int(field[1])
+    except (OSError, ValueError, IndexError):
+        return None
+    top = sorted(rss.items(), key=lambda kv: -kv[1])[:count]
+    return {path: round(kb / 2**20, 2) for path, kb in top if kb / 2**20 >= least}
 
 
 def _transparent_hugepages() -> str | None:
