@@ -82,3 +82,16 @@ def test_a_model_bench_says_when_host_memory_grew(tmp_path):
     assert any("libtorch" in name for name in mapped), mapped
     assert list(mapped.values()) == sorted(mapped.values(), reverse=True)
     assert 0 < sum(mapped.values()) <= resident[-1] and not any(name.startswith("[") for name in mapped)
+
+
+def test_the_pinned_host_memory_torch_holds_is_read_from_its_allocator():
+    """On a GPU the result carries what torch's pinned allocator holds (bytes in GiB, blocks);
+    a torch without the count adds nothing rather than failing the run."""
+    from types import SimpleNamespace
+
+    from flowtrain.bench.training_speed import _pinned_by_torch
+
+    stats = {"allocated_bytes.current": 3 * 2**29, "num_host_alloc": 31, "allocated_bytes.peak": 2**31}
+    counted = SimpleNamespace(cuda=SimpleNamespace(host_memory_stats=lambda: stats))
+    assert _pinned_by_torch(counted) == {"host_pinned_by_torch_gib": 1.5, "host_pinned_by_torch_blocks": 31}
+    assert _pinned_by_torch(SimpleNamespace(cuda=SimpleNamespace())) == {}

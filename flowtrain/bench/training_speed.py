@@ -357,7 +357,10 @@ def gpu_memory(torch) -> dict:  # torch: the module, imported by the caller
     ``gpu_alloc_retries``: how often the allocator, short of room under its cap, released its
     cached memory (a device synchronize each time) and tried again; ``gpu_device_frees``: how
     often it gave memory back to the driver. Both stay near zero unless the plan runs the
-    allocator at its cap."""
+    allocator at its cap. ``host_pinned_by_torch_gib`` and ``host_pinned_by_torch_blocks``: the
+    host memory torch's own pinned allocator holds (``pin_memory()`` and what falls back to it;
+    each block rounded up to a power of two), which the process's ``shmem`` shows, and how many
+    blocks it asked CUDA for."""
     free, total = torch.cuda.mem_get_info()
     outside = (total - free) - torch.cuda.memory_reserved()
     reserved_peak = torch.cuda.max_memory_reserved()
@@ -367,7 +370,18 @@ def gpu_memory(torch) -> dict:  # torch: the module, imported by the caller
             "gpu_outside_allocator_gib": round(outside / 2**30, 2),
             "gpu_process_peak_gib": round((outside + reserved_peak) / 2**30, 2),
             "gpu_alloc_retries": stats.get("num_alloc_retries", 0),
-            "gpu_device_frees": stats.get("num_device_free", 0)}
+            "gpu_device_frees": stats.get("num_device_free", 0),
+            **_pinned_by_torch(torch)}
+
+
+def _pinned_by_torch(torch) -> dict:
+    """Host memory held by torch's CUDA pinned allocator now, where this torch reports it."""
+    try:
+        host = torch.cuda.host_memory_stats()
+    except (AttributeError, RuntimeError):
+        return {}
+    return {"host_pinned_by_torch_gib": round(host.get("allocated_bytes.current", 0) / 2**30, 2),
+            "host_pinned_by_torch_blocks": host.get("num_host_alloc", 0)}
 
 
 def print_result(result: dict, json_path: str | None) -> None:
