@@ -93,5 +93,7 @@ def test_the_pinned_host_memory_torch_holds_is_read_from_its_allocator():
 
     stats = {"allocated_bytes.current": 3 * 2**29, "num_host_alloc": 31, "allocated_bytes.peak": 2**31}
     counted = SimpleNamespace(cuda=SimpleNamespace(host_memory_stats=lambda: stats))
-    assert _pinned_by_torch(counted) == {"host_pinned_by_torch_gib": 1.5, "host_pinned_by_torch_blocks": 31}
+    result = _pinned_by_torch(counted)
+    assert result["host_pinned_by_torch_gib"] == 1.5 and result["host_pinned_by_torch_blocks"] == 31
+    assert set(result["host_pin_in_place_failed"]) == {"ranges", "gib"}
     assert _pinned_by_torch(SimpleNamespace(cuda=SimpleNamespace())) == {}

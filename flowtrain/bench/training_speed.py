@@ -360,7 +360,8 @@ def gpu_memory(torch) -> dict:  # torch: the module, imported by the caller
     allocator at its cap. ``host_pinned_by_torch_gib`` and ``host_pinned_by_torch_blocks``: the
     host memory torch's own pinned allocator holds (``pin_memory()`` and what falls back to it;
     each block rounded up to a power of two), which the process's ``shmem`` shows, and how many
-    blocks it asked CUDA for."""
+    blocks it asked CUDA for; ``host_pin_in_place_failed``, the host buffers flowtrain could not
+    page-lock in place (ranges, GiB), which is what sends them to torch's allocator."""
     free, total = torch.cuda.mem_get_info()
     outside = (total - free) - torch.cuda.memory_reserved()
     reserved_peak = torch.cuda.max_memory_reserved()
@@ -380,8 +381,12 @@ def _pinned_by_torch(torch) -> dict:
         host = torch.cuda.host_memory_stats()
     except (AttributeError, RuntimeError):
         return {}
+    from ..train.pinning import failures
+
+    ranges, nbytes = failures()
     return {"host_pinned_by_torch_gib": round(host.get("allocated_bytes.current", 0) / 2**30, 2),
-            "host_pinned_by_torch_blocks": host.get("num_host_alloc", 0)}
+            "host_pinned_by_torch_blocks": host.get("num_host_alloc", 0),
+            "host_pin_in_place_failed": {"ranges": ranges, "gib": round(nbytes / 2**30, 2)}}
 
 
 def print_result(result: dict, json_path: str | None) -> None:

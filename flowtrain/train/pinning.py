@@ -21,17 +21,30 @@ import torch
 #: host ranges :func:`pin` registered with CUDA, until :func:`unpin_all`
 _REGISTERED: list[int] = []
 _REGISTERED_LOCK = threading.Lock()
+#: bytes of each range :func:`pin` could not lock, since the process started (:func:`failures`)
+_FAILED: list[int] = []
 
 
 def pin(t: torch.Tensor) -> bool:
     """Page-lock ``t``'s bytes in place; False (with CUDA's error cleared) where that failed,
     e.g. a range still registered from a freed tensor that was not unpinned."""
-    if int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)) != 0:
+    nbytes = t.numel() * t.element_size()
+    if int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), nbytes, 0)) != 0:
         clear_cuda_error()
+        with _REGISTERED_LOCK:
+            _FAILED.append(nbytes)
         return False
     with _REGISTERED_LOCK:
         _REGISTERED.append(t.data_ptr())
     return True
+
+
+def failures() -> tuple[int, int]:
+    """``(ranges, bytes)`` :func:`pin` could not lock in place since the process started: each
+    then either stayed pageable or (``pinned_zeros``) became a block of torch's pinned
+    allocator, rounded up to a power of two, which the plan does not count."""
+    with _REGISTERED_LOCK:
+        return len(_FAILED), sum(_FAILED)
 
 
 def unpin_all() -> None:
