@@ -24,8 +24,9 @@ router (PEFT's ``gate``). A stacked weight of E experts has one adapter per expe
 keeps them: ``A`` (E r, in), expert by expert, and ``B`` (out, r E), its columns rank-major, so
 expert e's pair is ``A.view(E, r, in)[e]`` and ``B.view(out, r, E)[:, :, e]``. The gate-and-up
 adapter has rank ``LoraSpec.fused_rank`` (PEFT: twice the rank, with twice the alpha, the same
-scale). Such a model's dense layers get no MLP adapters, since PEFT reads those names as the
-experts' only: what flowtrain trains is what PEFT loads.
+scale). Such a model's dense layers get no MLP adapters, since PEFT up to 0.21 reads those names
+as the experts' only: what flowtrain trains is what PEFT loads. (PEFT 0.22's ``all-linear`` adapts
+the dense layers' MLP too; docs/lora.md, "PEFT versions".)
 """
 
 from __future__ import annotations
