@@ -367,6 +367,24 @@ def _by_path(modules: list[Any], cfg: ModelConfig | None, path: Path) -> list[st
     return short + [t for t in layers if t not in short]
 
 
+_DENSE_MLP_ADAPTER = re.compile(r"\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.lora_")
+
+
+def _dense_mlp_note(extra: list[str], cfg: ModelConfig) -> str:
+    """Why a file's extra tensors have no place, where they are adapters on a mixture of
+    experts' dense-layer MLP: PEFT 0.22's ``all-linear`` makes those, PEFT up to 0.21 and
+    flowtrain do not (docs/lora.md, "PEFT versions"). Empty otherwise."""
+    if not cfg.sparse_layers():
+        return ""
+    for name in extra:
+        match = _DENSE_MLP_ADAPTER.search(name)
+        if match and not cfg.layer_sparse(int(match.group(1))):
+            return (f" (adapters on the MLP of layer {match.group(1)}, a layer without experts, as PEFT 0.22's "
+                    "all-linear makes them in a mixture of experts: flowtrain runs PEFT 0.21's layout, "
+                    "without them)")
+    return ""
+
+
 def read_adapter(adapter_dir: str | os.PathLike[str], cfg: ModelConfig
                  ) -> tuple[LoraSpec, list[FlatMap], list[Tensor]]:
     """A PEFT adapter for the model ``cfg``: its spec, its layouts and one fp32 buffer per
@@ -383,7 +401,8 @@ def read_adapter(adapter_dir: str | os.PathLike[str], cfg: ModelConfig
             if missing or extra:
                 raise CheckpointError(f"{path} does not fit the model: "
                                       + (f"{len(missing)} tensors missing, the first {missing[0]}" if missing else
-                                         f"{len(extra)} tensors it has no place for, the first {extra[0]}"))
+                                         f"{len(extra)} tensors it has no place for, the first {extra[0]}")
+                                      + _dense_mlp_note(extra, cfg))
             for name, (lay, flat, e) in wanted.items():
                 t = f.get_tensor(name)
                 if tuple(t.shape) != e.shape:

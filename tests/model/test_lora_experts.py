@@ -204,3 +204,26 @@ def test_moe_adapters_flowtrain_cannot_run_are_refused(tmp_path, config, says):
 def read_config_of(tmp_path):
     _, cfg, _ = _model(tmp_path, "qwen3-moe")
     return cfg
+
+
+def test_a_folder_with_dense_layer_mlp_adapters_is_refused_saying_why(tmp_path):
+    """PEFT 0.22's all-linear also adapts the MLP of a mixture of experts' layer without experts
+    (here layer 1), which flowtrain does not run: such a folder is refused in one error that names
+    the layer and the PEFT version, where a plain extra tensor gets no such reason."""
+    from safetensors.torch import load_file, save_file
+
+    model, cfg, _ = _model(tmp_path, "qwen3-moe")
+    _peft(model, "all-linear").save_pretrained(tmp_path / "peft")
+    weights = tmp_path / "peft" / "adapter_model.safetensors"
+    tensors = load_file(weights)
+    assert not any(".layers.1.mlp." in n for n in tensors)  # the layout flowtrain runs
+    dense = "base_model.model.model.layers.1.mlp.down_proj"
+    save_file({**tensors, f"{dense}.lora_A.weight": torch.zeros(2, 48), f"{dense}.lora_B.weight": torch.zeros(32, 2)},
+              str(weights))
+    with pytest.raises(CheckpointError, match=r"the first .*layers\.1\.mlp\.down_proj\.lora_A.* MLP of layer 1, "
+                                              r"a layer without experts, as PEFT 0\.22's all-linear"):
+        read_adapter(tmp_path / "peft", cfg)
+    save_file({**tensors, "base_model.model.model.layers.0.self_attn.q_proj.extra.weight": torch.zeros(1)}, str(weights))
+    with pytest.raises(CheckpointError, match="has no place for") as refused:
+        read_adapter(tmp_path / "peft", cfg)
+    assert "PEFT 0.22" not in str(refused.value)
