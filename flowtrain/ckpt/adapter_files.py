@@ -367,9 +367,6 @@ def _by_path(modules: list[Any], cfg: ModelConfig | None, path: Path) -> list[st
     return short + [t for t in layers if t not in short]
 
 
-_DENSE_MLP_ADAPTER = re.compile(r"\.layers\.(\d+)\.mlp\.(gate_proj|up_proj|down_proj)\.lora_")
-
-
 def _dense_mlp_note(extra: list[str], cfg: ModelConfig) -> str:
     """Why a file's extra tensors have no place, where they are adapters on a mixture of
     experts' dense-layer MLP: PEFT 0.22's ``all-linear`` makes those, PEFT up to 0.21 and
@@ -377,8 +374,9 @@ def _dense_mlp_note(extra: list[str], cfg: ModelConfig) -> str:
     if not cfg.sparse_layers():
         return ""
     for name in extra:
-        match = _DENSE_MLP_ADAPTER.search(name)
-        if match and not cfg.layer_sparse(int(match.group(1))):
+        match = _MAP_PATH.match(name)
+        if (match and ".lora_" in name and match.group(2) == "mlp" and match.group(3) in _MLP
+                and not cfg.layer_sparse(int(match.group(1)))):
             return (f" (adapters on the MLP of layer {match.group(1)}, a layer without experts, as PEFT 0.22's "
                     "all-linear makes them in a mixture of experts: flowtrain runs PEFT 0.21's layout, "
                     "without them)")
