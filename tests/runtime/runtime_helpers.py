@@ -430,7 +430,9 @@ class FenceLog:
         return [f for f in self.fences if not f.is_set()]
 
     def started_after(self, t: float) -> list:
-        """Fences of jobs that began running (``perf_counter``) after ``t``."""
+        """Fences of jobs that began running (``perf_counter``) after ``t``: on a thread lane
+        when the job's Python began; on a CUDA lane also when its waiter reached a job launched
+        earlier, so there it is no test of what started after ``t``."""
         return [f for f in self.fences if f.began > t]
 
 
