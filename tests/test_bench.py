@@ -82,6 +82,31 @@ def test_a_model_bench_says_when_host_memory_grew(tmp_path):
     assert any("libtorch" in name for name in mapped), mapped
     assert list(mapped.values()) == sorted(mapped.values(), reverse=True)
     assert 0 < sum(mapped.values()) <= resident[-1] and not any(name.startswith("[") for name in mapped)
+    full = r["gc_full_by_step"]  # Python's full collections, step by step (warm-up included)
+    assert len(full) == 3 and all(g["count"] >= 0 and 0 <= g["longest_ms"] <= g["ms"] for g in full)
+
+
+def test_full_collections_are_timed_in_the_step_they_ran():
+    """A full collection counts in the step it ran in, with its time; a step without one has none;
+    a collection of a younger generation is not counted; leaving stops the timing."""
+    import gc
+
+    from flowtrain.bench.collections_timer import FullCollections
+
+    def cycles(n: int) -> None:
+        for _ in range(n):
+            a: list = []
+            a.append(a)
+
+    with FullCollections() as full:
+        cycles(10_000)
+        gc.collect()  # full
+        full.mark()
+        gc.collect(0)
+        full.mark()
+    gc.collect()  # after leaving: not counted
+    (n1, t1, most1), (n2, t2, most2) = full.by_step
+    assert n1 == 1 and 0 < most1 == t1 and (n2, t2, most2) == (0, 0.0, 0.0)
 
 
 def test_the_pinned_host_memory_torch_holds_is_read_from_its_allocator():

@@ -34,6 +34,7 @@ from ..cli.train import KERNEL_FIELDS, MEMORY_FIELDS
 from ..errors import ConfigError
 from ..train.config.checks import check_output_file
 from ..runtime.trace import TraceRecorder, lane_busy, write_chrome_trace
+from .collections_timer import FullCollections
 
 # numpy, torch, the model and the trainer are imported where a benchmark runs, so that
 # ``flowtrain bench --help`` (which adds these options) stays instant.
@@ -106,6 +107,10 @@ def run_model(args: argparse.Namespace) -> dict:
         # the named mappings (files, shared memory, devices) holding the most of it then
         "host_mapped_gib": host_marks["mapped_last"][0] if host_marks["mapped_last"] else None,
         "transparent_hugepages": _transparent_hugepages(),
+        # Python's full garbage collections in each step (warm-up included), which stop the
+        # lane launchers while they run: how many, how long in all, and the longest one
+        "gc_full_by_step": [{"count": n, "ms": round(1e3 * t, 1), "longest_ms": round(1e3 * most, 1)}
+                            for n, t, most in host_marks["gc_by_step"]],
         "compile": args.compile, "data": args.data, "packing": args.packing,
     }
     if adapters is not None:
@@ -168,6 +173,7 @@ def _train(args: argparse.Namespace, vocab_size: int) -> tuple:
             host_marks["parts_at_plan"].append(_rss_parts_gib())
 
         def stepped(_metrics) -> None:
+            full.mark()
             host_marks["peak_by_step"].append(_peak_rss_gib())
             host_marks["resident_by_step"].append(_rss_gib())
             host_marks["parts_by_step"].append(_rss_parts_gib())
@@ -177,10 +183,12 @@ def _train(args: argparse.Namespace, vocab_size: int) -> tuple:
         def run() -> list:
             return train(cfg, on_step=stepped, instruments=[recorder], on_plan=planned)
 
-        if args.gpu_peak_report is None:
-            metrics, peak = run(), None
-        else:
-            metrics, peak = _recorded(args.gpu_peak_report, run, plans)
+        with FullCollections() as full:
+            if args.gpu_peak_report is None:
+                metrics, peak = run(), None
+            else:
+                metrics, peak = _recorded(args.gpu_peak_report, run, plans)
+        host_marks["gc_by_step"] = full.by_step
         return cfg, metrics, recorder, plans, peak, host_marks
 
 
