@@ -173,6 +173,9 @@ run_job() {  # JOB: one job of the list below
       mtrun qwen2.5-7b 1024 "${MTB:-158 79}" 3
       BT=300 bench ft7b --model qwen2.5-7b --seq-len 1024 --batch-size 158 --micro-batch-size 79 --steps 3 --warmup 1 --host-mem 118 ;;
     ft7b) BT=300 bench ft7b --model qwen2.5-7b --seq-len 1024 --batch-size 158 --micro-batch-size 79 --steps 3 --warmup 1 --host-mem 118 --trace "$OUT/ft7b-trace.json" ;;  # flowtrain's side of mt7b alone, traced
+    pinsrc) log "pinsrc: torch's pinned host memory by task, and the autotuner's host copies (qwen2.5-7b, 158 x 1024)"
+      timeout ${BT:-300} python3 docs/bench/pinned_by_task.py --model qwen2.5-7b --seq-len 1024 --batch-size 158 \
+        --micro-batch-size 79 --steps 2 --warmup 1 --host-mem 118 --json "$OUT/pinsrc.json" 2>&1 | grep -v '^{' | grep -v Warning | tail -40 | tee -a "$OUT/log.txt" ;;
     ft7bpeak) PEAK=1 BT=300 bench ft7bpeak --model qwen2.5-7b --seq-len 1024 --batch-size 158 --micro-batch-size 79 --steps 2 --warmup 1 --host-mem 118 ;;  # what is alive at its GPU peak: 80,896 tokens a micro-batch allocate 4.5% over the plan
     mt8b1k)  # MegaTrain's Llama-3.1-8B configuration: 148 x 1024, then flowtrain on it
       mtrun llama-3.1-8b 1024 "${MTB:-148 74}" 3

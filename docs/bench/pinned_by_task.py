@@ -9,8 +9,11 @@ grew is charged with the growth. After the bench's own result line it prints, to
 allocator holds at the end and the growth by task kind, with the first task of each kind that
 grew. Tasks run concurrently on their lanes, so growth inside a long task (a first forward that
 compiles the layer) is charged to it even where another thread allocated; ``pin_memory()`` calls
-of over 1 MiB are printed with their stack as they happen. flowtrain pins its own buffers in place
-(``cudaHostRegister``), outside that allocator: what shows here is torch's.
+of over 1 MiB are printed with their stack as they happen, and so is every copy Inductor's
+autotuner saves in host memory (``CachingAutotuner.copy_args_to_cpu_if_needed``: an argument the
+kernel writes in place, kept from the trials of its configurations), with its kernel and size.
+flowtrain pins its own buffers in place (``cudaHostRegister``), outside that allocator: what
+shows here is torch's.
 """
 
 import collections
@@ -61,7 +64,31 @@ def pin_memory_traced(pin_memory):
     return traced
 
 
+def autotuner_copies_traced(copy_args_to_cpu_if_needed):
+    def traced(self, *args, **kwargs):
+        copies = copy_args_to_cpu_if_needed(self, *args, **kwargs)
+        for name, (_, host) in copies.items():
+            kernel = self.inductor_meta.get("kernel_name", "?")
+            print(f"autotuner host copy {host.numel() * host.element_size() / 2**20:.1f} MiB: {kernel} argument {name}",
+                  file=sys.stderr)
+        return copies
+
+    return traced
+
+
+def trace_autotuner_copies() -> None:
+    """Wrap the autotuner's host copies where this torch has them (its name is torch's own)."""
+    try:
+        from torch._inductor.runtime.triton_heuristics import CachingAutotuner
+    except ImportError:
+        return
+    if hasattr(CachingAutotuner, "copy_args_to_cpu_if_needed"):
+        CachingAutotuner.copy_args_to_cpu_if_needed = autotuner_copies_traced(
+            CachingAutotuner.copy_args_to_cpu_if_needed)
+
+
 if __name__ == "__main__":
+    trace_autotuner_copies()
     loop.Engine = Charged  # the training loop builds its engine from this name
     torch.Tensor.pin_memory = pin_memory_traced(torch.Tensor.pin_memory)
     rc = main(["bench", *sys.argv[1:]])
