@@ -98,13 +98,17 @@ def test_full_collections_are_timed_in_the_step_they_ran():
             a: list = []
             a.append(a)
 
-    with FullCollections() as full:
-        cycles(10_000)
-        gc.collect()  # full
-        full.mark()
-        gc.collect(0)
-        full.mark()
-    gc.collect()  # after leaving: not counted
+    gc.disable()  # only the collections asked for below: none triggered by allocating
+    try:
+        with FullCollections() as full:
+            cycles(10_000)
+            gc.collect()  # full
+            full.mark()
+            gc.collect(0)
+            full.mark()
+        gc.collect()  # after leaving: not counted
+    finally:
+        gc.enable()
     (n1, t1, most1), (n2, t2, most2) = full.by_step
     assert n1 == 1 and 0 < most1 == t1 and (n2, t2, most2) == (0, 0.0, 0.0)
 
