@@ -11,7 +11,9 @@ answers (:class:`~.request.RunRequest`) and the budgets it must fit (the card an
 
 Host bytes: ``master`` (4 per streamed parameter), ``adam`` (8), ``gradients`` (4, full
 layout), ``streaming_copy`` (2, stream-bf16), ``staging`` (the ring), ``tied_gradient``,
-``runtime`` (the Python process with torch loaded, measured), ``checkpoint_load`` (the largest
+``runtime`` (the Python process with torch loaded, measured), ``autotune_copy`` (on CUDA with
+the layer compiled: the compiler's host copy of a micro-batch's layer input while it times its
+kernels, :func:`autotune_copy_bytes`), ``checkpoint_load`` (the largest
 checkpoint file, mapped while it is read) and ``undo_record`` (without clipping: up to
 ``--undo-mem`` of the master, m and v that ``cpu_adam`` copies aside until the step is known
 finite; see :mod:`flowtrain.train.nonfinite`) and ``data`` (the token batches in use, see
@@ -200,7 +202,8 @@ class Plan(msgspec.Struct, kw_only=True):
     def host_state_bytes_per_param(self) -> float:
         """Host bytes of model and optimizer state (runtime excluded) per model parameter."""
         transient = sum(self.host.get(k, 0)
-                        for k in ("runtime", "checkpoint_load", "data", "reference_logps", "disk_readback"))
+                        for k in ("runtime", "autotune_copy", "checkpoint_load", "data", "reference_logps",
+                                  "disk_readback"))
         return (sum(self.host.values()) - transient) / self.params
 
     @property
@@ -412,6 +415,8 @@ def _host_items(cfg: ModelConfig, req: RunRequest, device: torch.device, cbytes:
         if cfg.tie_word_embeddings and "head" not in resident:
             host["tied_gradient"] = 4 * layouts[0].numel
     host["runtime"] = RUNTIME_HOST["cuda" if device.type == "cuda" else "cpu"]
+    if device.type == "cuda" and compile_backend(req.compile, device.type) == "inductor":
+        host["autotune_copy"] = autotune_copy_bytes(req.micro_batch_size * req.seq_len * cfg.hidden_size * cbytes)
     host["data"] = data_host_bytes(req)
     if req.reference_rows:
         host["reference_logps"] = reference_host_bytes(req)
@@ -687,6 +692,17 @@ def kept_bytes_per_token(cfg: ModelConfig, dtype: torch.dtype, compiled: bool = 
         mlp = max(expert_kept_bytes_per_token(cfg, c, False, grouped), c * 4 * f if dense_mlp_layers(cfg) else 0)
         return int(c * (units - 4 * f)) + mlp + 4 * cfg.num_heads
     return int(c * units) + 4 * cfg.num_heads
+
+
+def autotune_copy_bytes(layer_input_bytes: int) -> int:
+    """Host bytes the compiled layer's first call pins: before Inductor times a kernel's candidate
+    configurations on the real arguments, it saves each argument the kernel writes in place, in
+    pinned host memory where the GPU's room below the run's peak so far cannot hold it
+    (``copy_args_to_cpu_if_needed`` in ``torch._inductor.runtime.triton_heuristics``). The one
+    seen is the residual stream a fused add-and-norm writes: a micro-batch's layer input in the
+    compute dtype (553 MiB for Qwen2.5-7B at 79 x 1,024), which torch's pinned allocator rounds up
+    to a power of two (1 GiB) and keeps cached."""
+    return 1 << max(0, layer_input_bytes - 1).bit_length()
 
 
 def compile_backend(name: str | None, device_type: str) -> str | None:

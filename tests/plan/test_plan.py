@@ -106,6 +106,21 @@ def test_largest_micro_batch_is_the_boundary_of_what_fits(gpu_mem):
     assert not any(plan(micro_batch_size=d, **kw).fits for d in sizes if d > b)
 
 
+@pytest.mark.parametrize("model,seq_len,micro", [("qwen2.5-7b", 1024, 79), ("llama-8b", 4096, 4), ("llama-3b", 4096, 3)])
+def test_a_compiled_run_counts_the_autotuners_host_copy_of_a_layer_input(model, seq_len, micro):
+    cfg = preset(model)
+    layer_input = micro * seq_len * cfg.hidden_size * 2  # bf16
+    p = plan(model, seq_len=seq_len, micro_batch_size=micro, batch_size=2 * micro)
+    copy = p.host["autotune_copy"]
+    assert copy & (copy - 1) == 0 and layer_input <= copy < 2 * layer_input  # the allocator's power of two
+    eager = plan(model, seq_len=seq_len, micro_batch_size=micro, batch_size=2 * micro, compile="none")
+    assert "autotune_copy" not in eager.host
+    assert p.host_total - eager.host_total == copy
+    assert p.host_state_bytes_per_param == eager.host_state_bytes_per_param  # a transient, not state
+    assert "autotune_copy" not in plan(model, device=torch.device("cpu"), seq_len=seq_len, micro_batch_size=micro,
+                                       batch_size=2 * micro).host
+
+
 def test_plan_counts_what_the_state_allocates():
     """The host categories are exactly the bytes HostState allocates, per layout."""
     cfg = preset("tiny")
@@ -115,7 +130,7 @@ def test_plan_counts_what_the_state_allocates():
                         for t in (u.master, u.exp_avg, u.exp_avg_sq, u.grad, u.stream) if t is not None)
         p = plan_run(cfg, RunRequest(seq_len=64, batch_size=2, micro_batch_size=2, layout=layout, resident="none"),
                      device=CUDA, dtype=BF16)
-        counted = sum(v for k, v in p.host.items() if k not in ("staging", "runtime", "undo_record", "data"))
+        counted = sum(v for k, v in p.host.items() if k not in ("staging", "runtime", "autotune_copy", "undo_record", "data"))
         assert counted == allocated, layout
 
 

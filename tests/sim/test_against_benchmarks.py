@@ -55,11 +55,12 @@ GATE_ARGS = {
 def test_a_plan_for_the_h200_from_elsewhere_is_the_plan_the_h200_made(job, capsys):
     """``flowtrain plan --machine h200`` on a computer without a GPU plans each dense gate run as
     the H200 planned it for itself (its host total, residency and slots, as the gate's result
-    recorded them), with or without ``--gpu-mem``. The GPU total has grown since that record by
-    what the count has learned (the live micro-batches' output gradients in the backward; a
-    layer whose MLP runs in pieces counts that backward's own peak): at or above the recorded
-    plan, and within 3% of it. Where the residency chosen has changed since, the recorded one is
-    predicted no more than the choice's margin faster."""
+    recorded them), with or without ``--gpu-mem``. Both totals have grown since that record by
+    what the count has learned: the host's by the compiler's host copy of a layer input, the GPU's
+    by the live micro-batches' output gradients in the backward and, for a layer whose MLP runs
+    in pieces, that backward's own peak (at or above the recorded plan, and within 3% of it).
+    Where the residency chosen has changed since, the recorded one is predicted no more than the
+    choice's margin faster."""
     import json
     from pathlib import Path
 
@@ -83,7 +84,9 @@ def test_a_plan_for_the_h200_from_elsewhere_is_the_plan_the_h200_made(job, capsy
         assert plan["gpu_total"] / 2**30 < row["planned_gpu_gib"]
         return
     assert row["planned_gpu_gib"] <= round(plan["gpu_total"] / 2**30, 2) <= 1.03 * row["planned_gpu_gib"]
-    assert round(plan["host_total"] / 2**30, 2) == row["planned_host_gib"]
+    # the record predates the count of the compiler's host copy of a layer input (autotune_copy)
+    assert plan["host"]["autotune_copy"] > 0
+    assert round((plan["host_total"] - plan["host"]["autotune_copy"]) / 2**30, 2) == row["planned_host_gib"]
     assert plan["resident"] == row["resident"] and plan["budgets"] == row["budgets"]
 
 
