@@ -80,7 +80,7 @@ usrun() {  # SHAPE "MICROS": Unsloth's bf16 LoRA (docs/bench/unsloth_lora.py), 1
 # The GPU tests: files whose tests need one (or compare it with the CPU), and files of CPU tests
 # with some marked `gpu` (tests/test_gpu_gate.py checks that every GPU test is in one of them).
 GPU_FILES="tests/train/test_gpu.py tests/model/test_model_gpu.py tests/model/test_attention.py tests/train/test_saved_attention.py tests/model/test_lora_experts.py tests/test_gpu_peak.py"
-GPU_MARKED="tests/ckpt/test_checkpoints.py tests/runtime/test_cancel.py tests/train/test_nonfinite.py"
+GPU_MARKED="tests/ckpt/test_checkpoints.py tests/runtime/test_cancel.py tests/train/test_nonfinite.py tests/train/test_first_step.py"
 W="--model llama-3b --seq-len 4096 --micro-batch-size 4 --host-mem 110"
 GATE=0
 if [[ "${1:-}" == gate ]]; then  # the GPU gate: docs/benchmarks.md, "The GPU gate"

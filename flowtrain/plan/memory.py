@@ -701,7 +701,8 @@ def autotune_copy_bytes(layer_input_bytes: int) -> int:
     (``copy_args_to_cpu_if_needed`` in ``torch._inductor.runtime.triton_heuristics``). The one
     seen is the residual stream a fused add-and-norm writes: a micro-batch's layer input in the
     compute dtype (553 MiB for Qwen2.5-7B at 79 x 1,024), which torch's pinned allocator rounds up
-    to a power of two (1 GiB) and keeps cached."""
+    to a power of two (1 GiB) and keeps cached until the run gives it back after its first step
+    (:func:`flowtrain.train.first_step.settle_after_first_step`)."""
     return 1 << max(0, layer_input_bytes - 1).bit_length()
 
 

@@ -7,6 +7,9 @@ let it overlap step ``s``) before step ``s`` is waited for and reported
 - a step that ends a checkpoint interval gets a ``save`` task per unit; once the step is done
   its checkpoint is completed and renamed into place (or, if the step was skipped, written at
   the next step instead: its saves may hold updates that were then undone);
+- once the run's first step is over, what building the compiled layer left is settled
+  (:mod:`.first_step`: frozen out of full garbage collections, torch's cached pinned blocks
+  given back);
 - skipped steps are counted, and more than ``max_skipped`` in a row end the run with
   :class:`~flowtrain.errors.NonFiniteError`;
 - with ``--eval-data`` and ``--eval-every N``, after every N-th step (and after the last) the
@@ -50,6 +53,7 @@ from ..runtime.engine import Engine
 from ..runtime.faults import from_env as faults_from_env
 from ..runtime.trace import Instrument
 from .distributed import PeerLost, agree_to_stop
+from .first_step import settle_after_first_step
 from .host_state import HostState
 from .out_of_memory import gpu_out_of_memory
 from .program import StepProgram
@@ -304,6 +308,8 @@ class TrainingLoop:
                         grad_norm=grad_norm, skipped=skipped, experts_unfetched=self.program.unfetched.pop(s, None),
                         rewards=self.program.rewards.pop(s, None), policy=self.program.policy_metrics.pop(s, None))
         self.metrics.append(m)
+        if len(self.metrics) == 1:  # the compiled layer is built: see first_step
+            settle_after_first_step(self.run.device.type)
         self._count_skipped(m)
         if s in self.writers:
             if skipped:  # its saves may hold updates that were then undone: write it again
