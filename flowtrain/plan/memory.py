@@ -415,7 +415,7 @@ def _host_items(cfg: ModelConfig, req: RunRequest, device: torch.device, cbytes:
         if cfg.tie_word_embeddings and "head" not in resident:
             host["tied_gradient"] = 4 * layouts[0].numel
     host["runtime"] = RUNTIME_HOST["cuda" if device.type == "cuda" else "cpu"]
-    if device.type == "cuda" and compile_backend(req.compile, device.type) == "inductor":
+    if inductor_on_cuda(req, device):
         host["autotune_copy"] = autotune_copy_bytes(req.micro_batch_size * req.seq_len * cfg.hidden_size * cbytes)
     host["data"] = data_host_bytes(req)
     if req.reference_rows:
@@ -445,7 +445,7 @@ def _gpu_items(cfg: ModelConfig, req: RunRequest, device: torch.device, cbytes: 
     hidden = tokens * cfg.hidden_size * cbytes
     live_mbs = live_micro_batches(req)
     k = req.checkpoint_every
-    compiled = device.type == "cuda" and compile_backend(req.compile, device.type) == "inductor"
+    compiled = inductor_on_cuda(req, device)
     casting = cbytes != 4 and slot_n > 0 and (host_adapters(req) if lora else layout != "stream-bf16")
     resident_per = cbytes if lora else 16 + (cbytes if cbytes != 4 else 0)
     gpu = {
@@ -704,6 +704,12 @@ def autotune_copy_bytes(layer_input_bytes: int) -> int:
     to a power of two (1 GiB) and keeps cached until the run gives it back after its first step
     (:func:`flowtrain.train.first_step.settle_after_first_step`)."""
     return 1 << max(0, layer_input_bytes - 1).bit_length()
+
+
+def inductor_on_cuda(req: RunRequest, device: torch.device) -> bool:
+    """Whether the run's layer is compiled by Inductor on a GPU: what it saves for backward, and
+    the autotuner's host copy, depend on it."""
+    return device.type == "cuda" and compile_backend(req.compile, device.type) == "inductor"
 
 
 def compile_backend(name: str | None, device_type: str) -> str | None:
