@@ -23,9 +23,7 @@ import traceback
 
 import torch
 
-import flowtrain.train.loop as loop
-from flowtrain.cli import main
-from flowtrain.runtime.engine import Engine
+from task_wrap import bench_with_tasks_wrapped
 
 
 def held() -> int:
@@ -37,21 +35,16 @@ first: dict[str, tuple[str, int]] = {}
 lock = threading.Lock()
 
 
-class Charged(Engine):
-    """The engine, each task's handler wrapped to charge the allocator's growth to the task."""
-
-    def __init__(self, program, *args, **kwargs):
-        def charged(task, ctx):
-            before = held()
-            out = program(task, ctx)
-            grew = held() - before
-            if grew > 0:
-                with lock:
-                    growth[type(task).__name__] += grew
-                    first.setdefault(type(task).__name__, (str(task), grew))
-            return out
-
-        super().__init__(charged, *args, **kwargs)
+def charged(task, call):
+    """Charge the allocator's growth during the task's handler to the task."""
+    before = held()
+    out = call()
+    grew = held() - before
+    if grew > 0:
+        with lock:
+            growth[type(task).__name__] += grew
+            first.setdefault(type(task).__name__, (str(task), grew))
+    return out
 
 
 def pin_memory_traced(pin_memory):
@@ -89,9 +82,8 @@ def trace_autotuner_copies() -> None:
 
 if __name__ == "__main__":
     trace_autotuner_copies()
-    loop.Engine = Charged  # the training loop builds its engine from this name
     torch.Tensor.pin_memory = pin_memory_traced(torch.Tensor.pin_memory)
-    rc = main(["bench", *sys.argv[1:]])
+    rc = bench_with_tasks_wrapped(charged, sys.argv[1:])
     print("before-exit pinned by torch:", held() / 2**30, "GiB", file=sys.stderr)
     for kind, nbytes in growth.most_common():  # the first task of the kind to grow it, and by how many bytes
         print(f"growth {kind}: {nbytes / 2**20:.1f} MiB, first {first[kind]}", file=sys.stderr)

@@ -20,9 +20,7 @@ import time
 
 import torch
 
-import flowtrain.train.loop as loop
-from flowtrain.cli import main
-from flowtrain.runtime.engine import Engine
+from task_wrap import bench_with_tasks_wrapped
 
 COUNTS = ("num_alloc_retries", "num_device_free", "num_device_alloc")
 LONG_S = 0.05
@@ -38,29 +36,23 @@ by_kind: dict[str, list[int]] = collections.defaultdict(lambda: [0] * len(COUNTS
 lock = threading.Lock()
 
 
-class Timed(Engine):
-    """The engine, each task's handler wrapped to time it and count the allocator's calls in it."""
-
-    def __init__(self, program, *args, **kwargs):
-        def timed(task, ctx):
-            before, start = counts(), time.perf_counter()
-            out = program(task, ctx)
-            seconds = time.perf_counter() - start
-            grew = tuple(a - b for a, b in zip(counts(), before))
-            with lock:
-                kind = by_kind[type(task).__name__]
-                for i, n in enumerate(grew):
-                    kind[i] += n
-                if seconds > LONG_S:
-                    long_calls.append((str(task), seconds, grew))
-            return out
-
-        super().__init__(timed, *args, **kwargs)
+def timed(task, call):
+    """Time the task's handler and count what the allocator did meanwhile."""
+    before, start = counts(), time.perf_counter()
+    out = call()
+    seconds = time.perf_counter() - start
+    grew = tuple(a - b for a, b in zip(counts(), before))
+    with lock:
+        kind = by_kind[type(task).__name__]
+        for i, n in enumerate(grew):
+            kind[i] += n
+        if seconds > LONG_S:
+            long_calls.append((str(task), seconds, grew))
+    return out
 
 
 if __name__ == "__main__":
-    loop.Engine = Timed  # the training loop builds its engine from this name
-    rc = main(["bench", *sys.argv[1:]])
+    rc = bench_with_tasks_wrapped(timed, sys.argv[1:])
     for name, seconds, grew in long_calls:
         print(f"long {name}: {seconds * 1e3:.1f} ms, " + ", ".join(f"{c} +{n}" for c, n in zip(COUNTS, grew)),
               file=sys.stderr)
