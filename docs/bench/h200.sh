@@ -178,7 +178,10 @@ run_job() {  # JOB: one job of the list below
         --micro-batch-size 79 --steps 2 --warmup 1 --host-mem 118 --json "$OUT/pinsrc.json" 2>&1 | grep -v '^{' | grep -v Warning | tail -40 | tee -a "$OUT/log.txt" ;;
     stalls8b10o) log "stalls8b10o: long task calls and the GPU allocator's retries in them (llama-8b on a 10 GB card)"
       timeout ${BT:-300} python3 docs/bench/stalls_by_task.py --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size 2 \
-        --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 --json "$OUT/stalls8b10o.json" 2>&1 | grep -E '^(long|kind) ' | tail -60 | tee -a "$OUT/log.txt" ;;
+        --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 --json "$OUT/stalls8b10o.json" >"$OUT/stalls8b10o-full.txt" 2>&1
+      # the 30 longest calls, then the counts by kind (every call of over 50 ms: stalls8b10o-full.txt)
+      grep '^long ' "$OUT/stalls8b10o-full.txt" | sort -t: -k2 -rn | head -30 | tee -a "$OUT/log.txt"
+      grep '^kind ' "$OUT/stalls8b10o-full.txt" | tee -a "$OUT/log.txt" ;;
     w1gc) bench w1gc $W --batch-size 4 --steps 30 ;;  # W1 over 30 steps: the full collections its steps meet (gc_full_by_step)
     ft7bpeak) PEAK=1 BT=300 bench ft7bpeak --model qwen2.5-7b --seq-len 1024 --batch-size 158 --micro-batch-size 79 --steps 2 --warmup 1 --host-mem 118 ;;  # what is alive at its GPU peak: 80,896 tokens a micro-batch allocate 4.5% over the plan
     mt8b1k)  # MegaTrain's Llama-3.1-8B configuration: 148 x 1024, then flowtrain on it

@@ -7,13 +7,19 @@ the call (on a CUDA lane the launch, which returns before the GPU has run it, un
 it waits) and the caching allocator's counts before and after it (``torch.cuda.memory_stats()``:
 ``num_alloc_retries``, a request that did not fit, after which the allocator waits for the GPU,
 returns its free cached memory to the driver and asks again; ``num_device_free`` and
-``num_device_alloc``, the driver calls). After the bench's own result line it prints, to stderr,
+``num_device_alloc``, the driver calls), and what the host did to the calling thread meanwhile:
+its CPU seconds, page faults (minor, major) and context switches (voluntary: it waited;
+involuntary: it was preempted), from ``getrusage(RUSAGE_THREAD)``, and the whole host's direct
+reclaims and compactions (``allocstall_*``, ``compact_stall`` in ``/proc/vmstat``: an allocation
+that had to free or move pages first). After the bench's own result line it prints, to stderr,
 each call of over 50 ms with its counts' growth, then the growth by task kind. Lanes run
-concurrently, so a count that grew during a long call may have grown in another thread; a long
-launch with a retry in it is the allocator's wait.
+concurrently, so a GPU or host-wide count that grew during a long call may have grown in another
+thread; a long launch with a retry in it is the allocator's wait, one spent on the CPU with faults
+in it the kernel's.
 """
 
 import collections
+import resource
 import sys
 import threading
 import time
@@ -22,13 +28,34 @@ import torch
 
 from task_wrap import bench_with_tasks_wrapped
 
-COUNTS = ("num_alloc_retries", "num_device_free", "num_device_alloc")
+GPU_COUNTS = ("num_alloc_retries", "num_device_free", "num_device_alloc")
+THREAD_COUNTS = ("cpu_ms", "minflt", "majflt", "nvcsw", "nivcsw")
+HOST_COUNTS = ("allocstall", "compact_stall")
+COUNTS = GPU_COUNTS + THREAD_COUNTS + HOST_COUNTS
 LONG_S = 0.05
+
+
+def host_counts() -> tuple[int, ...]:
+    """The host's direct reclaims (every ``allocstall_*`` zone summed) and compaction stalls."""
+    stall = compact = 0
+    try:
+        for line in open("/proc/vmstat"):
+            name, value = line.split()
+            if name.startswith("allocstall"):
+                stall += int(value)
+            elif name == "compact_stall":
+                compact = int(value)
+    except OSError:
+        pass
+    return stall, compact
 
 
 def counts() -> tuple[int, ...]:
     stats = torch.cuda.memory_stats()
-    return tuple(stats.get(name, 0) for name in COUNTS)
+    me = resource.getrusage(resource.RUSAGE_THREAD)
+    cpu_ms = round((me.ru_utime + me.ru_stime) * 1e3)
+    return (tuple(stats.get(name, 0) for name in GPU_COUNTS)
+            + (cpu_ms, me.ru_minflt, me.ru_majflt, me.ru_nvcsw, me.ru_nivcsw) + host_counts())
 
 
 long_calls: list[tuple[str, float, tuple[int, ...]]] = []
