@@ -134,7 +134,8 @@ def simulate_run(row: dict, extra: dict, machine: str | None = None) -> Any:
 
     cfg = preset(row["model"])
     resident = ",".join(row["resident"]) or "none"
-    m = load_machine(machine or extra.get("card", "h200"))
+    card = extra.get("card", "h200")  # a shipped machine's name, or a host's machine file kept under docs/bench/
+    m = load_machine(machine or (BENCH / card if card.endswith(".json") else card))
     # The runs of 2026-12-02 predate kept activations: every layer's backward ran its forward
     # again; later ones name their placement in ``extra``. The GPU is the H200's, and a run
     # without --gpu-mem planned for GPU_FILL of its free memory (the machine's gpu_mem_gib):
