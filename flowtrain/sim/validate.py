@@ -40,9 +40,10 @@ BENCH = Path(__file__).parents[2] / "docs" / "bench"
 #: where one is kept (``trace``, :mod:`flowtrain.sim.task_times`; ``tasks_within``: the error
 #: its compute tasks' median times are held to, where the trace ran the code as it is), the command
 #: that ran it, its measured tokens/s, what the simulator needs besides the result line
-#: (``settings``), the error it is held to (``within``: 8%; 15% for four runs that miss
+#: (``settings``), the error it is held to (``within``: 8%; 15% for the few runs that miss
 #: it, docs/simulate.md says why) and, for a run the simulator is known to miss, what it does
-#: not model (``not_modelled``; it must still miss)
+#: not model (``not_modelled``; it must still miss). ``card`` is a shipped machine's name, or
+#: a host's own machine file kept beside the results (``2026-12-07/gate12-h100-host.json``)
 TABLE = BENCH / "measured_runs.json"
 #: the keys of a run's extra arguments that are the simulator's (or the table's), not the planner's
 _SIM_ONLY = ("attention_backend", "save_attention", "offload", "not_modelled", "within", "card", "trace", "tasks_within")
