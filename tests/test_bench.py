@@ -86,6 +86,33 @@ def test_a_model_bench_says_when_host_memory_grew(tmp_path):
     assert len(full) == 3 and all(g["count"] >= 0 and 0 <= g["longest_ms"] <= g["ms"] for g in full)
 
 
+def test_a_model_bench_walks_the_page_tables_only_outside_the_measured_steps(monkeypatch):
+    """The resident memory by kind and the largest mappings (``smaps``, a walk over every resident
+    page, on the event loop) are read when the plan is made and after the last step, never at the
+    end of a step the next one overlaps; the cheap per-step marks are read every step."""
+    from flowtrain.bench import training_speed
+    from flowtrain.bench.collections_timer import FullCollections
+
+    calls: list[str] = []
+
+    def record(name, real):
+        def wrapped(*args, **kwargs):
+            calls.append(name)
+            return real(*args, **kwargs)
+        return wrapped
+
+    monkeypatch.setattr(FullCollections, "mark", record("step", FullCollections.mark))
+    for name in ("_rss_parts_gib", "_largest_mappings_gib", "_rss_gib"):
+        monkeypatch.setattr(training_speed, name, record(name, getattr(training_speed, name)))
+    assert main(["bench", "--model", "tiny", "--device", "cpu", "--seq-len", "32", "--batch-size", "2",
+                 "--micro-batch-size", "1", "--steps", "4", "--warmup", "1"]) == 0
+    steps = [i for i, c in enumerate(calls) if c == "step"]
+    assert len(steps) == 4 and calls.count("_rss_gib") == 4
+    walks = [i for i, c in enumerate(calls) if c in ("_rss_parts_gib", "_largest_mappings_gib")]
+    assert [calls[i] for i in walks] == ["_rss_parts_gib", "_rss_parts_gib", "_largest_mappings_gib"]
+    assert walks[0] < steps[0] and walks[1] > steps[-1], calls
+
+
 def test_full_collections_are_timed_in_the_step_they_ran():
     """A full collection counts in the step it ran in, with its time; a step without one has none;
     a collection of a younger generation is not counted; leaving stops the timing."""

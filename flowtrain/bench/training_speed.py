@@ -103,7 +103,7 @@ def run_model(args: argparse.Namespace) -> dict:
         # the process's own allocations (anon, and of those in huge pages anon_huge), mapped
         # files (file: its libraries, the data), shared memory (shmem); the machine's THP mode
         "host_rss_parts_at_plan_gib": host_marks["parts_at_plan"][0] if host_marks["parts_at_plan"] else None,
-        "host_rss_parts_gib": host_marks["parts_by_step"][-1] if host_marks["parts_by_step"] else None,
+        "host_rss_parts_gib": host_marks["parts_last"][0] if host_marks["parts_last"] else None,
         # the named mappings (files, shared memory, devices) holding the most of it then
         "host_mapped_gib": host_marks["mapped_last"][0] if host_marks["mapped_last"] else None,
         "transparent_hugepages": _transparent_hugepages(),
@@ -165,19 +165,23 @@ def _train(args: argparse.Namespace, vocab_size: int) -> tuple:
             torch.cuda.reset_peak_memory_stats()
         plans: list = []
         host_marks: dict[str, list] = {"at_plan": [], "peak_by_step": [], "resident_by_step": [],
-                                       "parts_at_plan": [], "parts_by_step": [], "mapped_last": []}
+                                       "parts_at_plan": [], "parts_last": [], "mapped_last": []}
 
         def planned(plan) -> None:
             plans.append(plan)
             host_marks["at_plan"].append(_peak_rss_gib())
             host_marks["parts_at_plan"].append(_rss_parts_gib())
 
-        def stepped(_metrics) -> None:
+        def stepped(_metrics) -> None:  # on the event loop, while the next step's tasks run
             full.mark()
             host_marks["peak_by_step"].append(_peak_rss_gib())
             host_marks["resident_by_step"].append(_rss_gib())
-            host_marks["parts_by_step"].append(_rss_parts_gib())
-            if len(host_marks["parts_by_step"]) == args.steps:  # the last step: what the mappings hold
+            if len(host_marks["peak_by_step"]) == args.steps:  # the last step: by kind, and the mappings
+                # Only now: reading smaps walks the page table entry of every resident page
+                # (8 to 18 ms per GiB of 4 KiB pages on a 2-core test machine), and this runs on
+                # the event loop, which dispatches nothing meanwhile: once a step, in a run
+                # holding tens of GiB, that held back the tasks that became ready.
+                host_marks["parts_last"].append(_rss_parts_gib())
                 host_marks["mapped_last"].append(_largest_mappings_gib())
 
         def run() -> list:
@@ -211,7 +215,8 @@ def _rss_parts_gib() -> dict[str, float] | None:
     buffers, the interpreter's heap), ``file`` (mapped files: the CUDA and torch libraries, a
     memory-mapped data set) and ``shmem`` (shared memory); and ``anon_huge``, the part of ``anon``
     in transparent huge pages (2 MiB each, resident whole once any byte of one is touched).
-    Linux; None elsewhere."""
+    Linux; None elsewhere. ``smaps_rollup`` walks every resident page: read it outside the
+    measured steps."""
     names = {"RssAnon:": "anon", "RssFile:": "file", "RssShmem:": "shmem", "AnonHugePages:": "anon_huge"}
     parts: dict[str, float] = {}
     try:
