@@ -6,13 +6,15 @@ file under docs/bench/ that ``flowtrain bench --trace`` wrote) is simulated as
 the steps after the first is set beside the trace's::
 
     python -m flowtrain.sim.task_times "gate on an H100: llama-3b W1"   # one run's table
+    python -m flowtrain.sim.task_times --machine h100-sxm "RUN"         # on another machine file
     python -m flowtrain.sim.task_times                                  # the runs with a trace
 
     for r in compare_tasks("gate on an H100: llama-3b W1"):
         r["kind"], r["unit"], r["predicted_ms"], r["measured_ms"], r["ratio"]   # measured / predicted
 
 A copy's measured time includes any wait for the other direction's copies and the link; a
-``cpu_adam`` task's is the run's host, which differs between hosts of one machine kind.
+``cpu_adam`` task's is the run's host, which differs between hosts of one machine kind: a run
+simulated on its own host's machine file is set beside the shipped one with ``--machine``.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+from ..errors import ConfigError
 from .validate import BENCH, measured_runs, simulate_run
 
 Key = tuple[str, str | None]
@@ -52,9 +55,10 @@ def predicted_medians(records: list[list]) -> dict[Key, tuple[float, int]]:
     return {k: (statistics.median(v), len(v)) for k, v in times.items()}
 
 
-def compare_tasks(name: str, bench: Path = BENCH) -> list[dict]:
-    """Each task kind and unit both the run's trace and its prediction hold: predicted and
-    measured median milliseconds and their ratio, measured over predicted."""
+def compare_tasks(name: str, bench: Path = BENCH, machine: str | None = None) -> list[dict]:
+    """Each task kind and unit both the run's trace and its prediction hold: predicted (on the
+    run's own machine file, or on ``machine``) and measured median milliseconds and their ratio,
+    measured over predicted."""
     found = {n: (row, extra) for n, row, extra in measured_runs(bench)}
     if name not in found:
         raise KeyError(f"no measured run named {name!r} (python -m flowtrain.sim.validate lists them)")
@@ -62,7 +66,7 @@ def compare_tasks(name: str, bench: Path = BENCH) -> list[dict]:
     if "trace" not in extra:
         raise KeyError(f"the run {name!r} keeps no trace")
     measured = measured_medians(bench / extra["trace"])
-    predicted = predicted_medians(simulate_run(row, extra).records)
+    predicted = predicted_medians(simulate_run(row, extra, machine).records)
     return [{"kind": k[0], "unit": k[1], "predicted_ms": round(predicted[k][0] * 1e3, 3),
              "measured_ms": round(measured[k][0] * 1e3, 3), "count": measured[k][1],
              "ratio": measured[k][0] / predicted[k][0]}
@@ -79,13 +83,15 @@ def main(argv: list[str] | None = None) -> int:
 
     p = argparse.ArgumentParser(prog="python -m flowtrain.sim.task_times", description=__doc__.split("\n")[0])
     p.add_argument("run", nargs="?", help="a measured run's name (default: list the runs with a trace)")
+    p.add_argument("--machine", metavar="NAME|FILE",
+                   help="predict on this machine file instead of the run's own (e.g. h100-sxm)")
     args = p.parse_args(argv)
     if args.run is None:
         print("\n".join(traced_runs()))
         return 0
     try:
-        rows = compare_tasks(args.run)
-    except KeyError as e:
+        rows = compare_tasks(args.run, machine=args.machine)
+    except (KeyError, ConfigError) as e:
         print(f"python -m flowtrain.sim.task_times: error: {e.args[0]}", file=sys.stderr)
         return 2
     print("| task | unit | predicted ms | measured ms | measured / predicted | tasks measured |")

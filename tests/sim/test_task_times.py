@@ -47,3 +47,27 @@ def test_the_command_line_names_a_run_it_cannot_compare(capsys):
     assert "keeps no trace" in capsys.readouterr().err
     assert main([HELD[0][0]]) == 0
     assert "| forward | layer |" in capsys.readouterr().out
+
+
+def test_a_run_on_its_own_hosts_file_can_be_set_beside_the_shipped_one(capsys):
+    """A run simulated on a host's own machine file (a CPU AdamW rate of its own) compares on the
+    shipped file with ``--machine``: the GPU tasks' predictions stay, cpu_adam's scale with the
+    rate; a machine that does not exist is one line and exit 2."""
+    import json
+
+    from flowtrain.sim.machine import load_machine
+
+    entry = next(e for e in json.loads((BENCH / "measured_runs.json").read_text())
+                 if e.get("card", "").endswith(".json") and "trace" in e)
+    name, card = entry["run"], entry["card"]
+    own = {(r["kind"], r["unit"]): r for r in compare_tasks(name)}
+    shipped = {(r["kind"], r["unit"]): r for r in compare_tasks(name, machine="h100-sxm")}
+    host, base = load_machine(BENCH / card), load_machine("h100-sxm")
+    assert host.cpu_adam_gparams != base.cpu_adam_gparams
+    adam = own[("cpu_adam", "layer")]
+    assert shipped[("cpu_adam", "layer")]["predicted_ms"] == pytest.approx(
+        adam["predicted_ms"] * host.cpu_adam_gparams / base.cpu_adam_gparams, rel=1e-3)
+    assert shipped[("forward", "layer")]["predicted_ms"] == own[("forward", "layer")]["predicted_ms"]
+    assert main(["--machine", "no-such-machine", name]) == 2
+    err = capsys.readouterr().err
+    assert "no-such-machine" in err and err.count("\n") == 1
