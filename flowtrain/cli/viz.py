@@ -5,6 +5,11 @@
     flowtrain viz trace.json --steps 2:5          # summaries over training steps 2 to 5
     flowtrain viz step.json --policy lookahead --out graph.html
 
+For each trace it prints the window's step time, how busy compute was and how much copying
+was hidden, then what the schedule does not explain: tasks that started well after all they
+waited for had finished (ready work nobody dispatched), and tasks far past their kind's median
+(:mod:`flowtrain.viz.outliers`).
+
 Each INPUT is a trace (Chrome trace JSON from ``write_chrome_trace`` or ``flowtrain train
 --trace``) or a graph (``flowtrain graph`` JSON); the kind is read from the file. Traces share
 one time scale; graphs show the planned order of ``--policy``. Summaries cover a window of
@@ -22,6 +27,7 @@ from pathlib import Path
 from ..errors import ConfigError
 from ..viz.html import trace_views, write_report
 from ..viz.load import GraphInput, Trace, load_input
+from ..viz.outliers import outlier_lines
 from ..viz.steps import fmt_time, parse_steps
 
 
@@ -72,6 +78,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {v.trace.label}: {v.window.label}: step time {fmt_time(s.step_time)}, "
               f"compute busy {100 * s.compute_busy:.1f}% of busy + idle, "
               f"copy hidden {100 * s.overlap.copy_hidden:.1f}%" + (f" ({v.window.why})" if v.missed else ""))
+        for line in outlier_lines(v.trace, v.late, v.long, v.window):
+            print(f"    {line}")
     if args.png:
         from ..viz.png import write_png
 

@@ -2,9 +2,9 @@
 
 Reads files only (Chrome trace JSON and ``flowtrain graph`` JSON); imports nothing from
 ``flowtrain.runtime`` and no torch. ``flowtrain viz INPUT... --out report.html`` is the command
-line. ``load`` reads, ``analysis`` explains waits and gaps, ``steps`` cuts time at step ends
-and sums windows of steps, ``memory`` counts slots and bytes held, ``html``/``page_js`` and
-``png`` draw.
+line. ``load`` reads, ``analysis`` explains waits and gaps, ``outliers`` finds what the
+schedule does not explain (late starts, long tasks), ``steps`` cuts time at step ends and sums
+windows of steps, ``memory`` counts slots and bytes held, ``html``/``page_js`` and ``png`` draw.
 """
 
 from .analysis import (

@@ -44,6 +44,7 @@ from .compute import SLOW_LAYER, ComputeTable, KindTime, compute_table, flops_pe
 from .graphview import CRITICAL, KIND_COLORS, REASON_COLORS, color, graph_section
 from .load import GraphInput, Trace
 from .memory import Memory, caption, memory
+from .outliers import Late, Long, late_starts, long_tasks
 from .page_js import GANTT_JS
 from .steps import (
     StepStats,
@@ -106,6 +107,8 @@ class TraceView:
         self.compute: ComputeTable = compute_table(trace, self.kinds, self.window)
         self.memory: Memory = memory(trace, self.uses)
         self.verdicts: list[GapVerdict] = gap_verdicts(trace, self.gaps, self.waits, self.budgets, self.memory)
+        self.late: list[Late] = late_starts(trace, self.waits, self.window)  # ready work not started
+        self.long: list[Long] = long_tasks(trace, self.window)  # tasks far past their kind's median
 
 
 def trace_views(traces: Sequence[Trace], min_gap: float | None = None, steps: str | None = None) -> list[TraceView]:
