@@ -113,6 +113,35 @@ def test_a_model_bench_walks_the_page_tables_only_outside_the_measured_steps(mon
     assert walks[0] < steps[0] and walks[1] > steps[-1], calls
 
 
+def test_asked_to_the_bench_walks_the_memory_map_every_step(tmp_path, monkeypatch):
+    """--walk-memory-map-each-step puts the walk back at the end of every step, on the event
+    loop, to measure what it costs: one walk a step (the last step's read serves for the end
+    too), and the parts of each step in the result."""
+    from flowtrain.bench import training_speed
+
+    calls: list[str] = []
+    real = training_speed._rss_parts_gib
+
+    def counted():
+        calls.append("walk")
+        return real()
+
+    monkeypatch.setattr(training_speed, "_rss_parts_gib", counted)
+    out = tmp_path / "r.json"
+    assert main(["bench", "--model", "tiny", "--device", "cpu", "--seq-len", "32", "--batch-size", "2",
+                 "--micro-batch-size", "1", "--steps", "3", "--warmup", "1", "--walk-memory-map-each-step",
+                 "--json", str(out)]) == 0
+    assert len(calls) == 1 + 3  # the plan's, then one a step
+    r = json.loads(out.read_text())
+    by_step = r["host_rss_parts_by_step_gib"]
+    assert len(by_step) == 3 and by_step[-1] == r["host_rss_parts_gib"]
+    assert all(set(p) == {"anon", "file", "shmem", "anon_huge"} and p["anon"] > 0 for p in by_step)
+    plain = tmp_path / "plain.json"
+    assert main(["bench", "--model", "tiny", "--device", "cpu", "--seq-len", "32", "--batch-size", "2",
+                 "--micro-batch-size", "1", "--steps", "3", "--warmup", "1", "--json", str(plain)]) == 0
+    assert json.loads(plain.read_text())["host_rss_parts_by_step_gib"] is None
+
+
 def test_full_collections_are_timed_in_the_step_they_ran():
     """A full collection counts in the step it ran in, with its time; a step without one has none;
     a collection of a younger generation is not counted; leaving stops the timing."""

@@ -65,6 +65,10 @@ def add_model_arguments(p: argparse.ArgumentParser | argparse._ArgumentGroup) ->
     a("--gpu-peak-report", metavar="FILE", default=None,
       help="record the CUDA allocator's history and write what was alive at the GPU peak, grouped by "
            "where it was allocated, beside the plan's items (JSON; slows the run: its speed is no measurement)")
+    a("--walk-memory-map-each-step", action="store_true",
+      help="also read the resident memory by kind (/proc/self/smaps_rollup, a walk over every resident page) "
+           "at the end of every step, on the event loop while the next step runs, as the bench once did: "
+           "to measure what that walk costs a run (host_rss_parts_by_step_gib)")
 
 
 def model_flops_per_token(model: str, seq_len: int, adapter_params: float | None = None) -> float:
@@ -104,6 +108,8 @@ def run_model(args: argparse.Namespace) -> dict:
         # files (file: its libraries, the data), shared memory (shmem); the machine's THP mode
         "host_rss_parts_at_plan_gib": host_marks["parts_at_plan"][0] if host_marks["parts_at_plan"] else None,
         "host_rss_parts_gib": host_marks["parts_last"][0] if host_marks["parts_last"] else None,
+        # with --walk-memory-map-each-step: the same at the end of every step (else None)
+        "host_rss_parts_by_step_gib": host_marks["parts_by_step"] if args.walk_memory_map_each_step else None,
         # the named mappings (files, shared memory, devices) holding the most of it then
         "host_mapped_gib": host_marks["mapped_last"][0] if host_marks["mapped_last"] else None,
         "transparent_hugepages": _transparent_hugepages(),
@@ -165,7 +171,8 @@ def _train(args: argparse.Namespace, vocab_size: int) -> tuple:
             torch.cuda.reset_peak_memory_stats()
         plans: list = []
         host_marks: dict[str, list] = {"at_plan": [], "peak_by_step": [], "resident_by_step": [],
-                                       "parts_at_plan": [], "parts_last": [], "mapped_last": []}
+                                       "parts_at_plan": [], "parts_by_step": [], "parts_last": [],
+                                       "mapped_last": []}
 
         def planned(plan) -> None:
             plans.append(plan)
@@ -176,12 +183,15 @@ def _train(args: argparse.Namespace, vocab_size: int) -> tuple:
             full.mark()
             host_marks["peak_by_step"].append(_peak_rss_gib())
             host_marks["resident_by_step"].append(_rss_gib())
+            if args.walk_memory_map_each_step:  # asked for: what the walk below costs when it runs every step
+                host_marks["parts_by_step"].append(_rss_parts_gib())
             if len(host_marks["peak_by_step"]) == args.steps:  # the last step: by kind, and the mappings
                 # Only now: reading smaps walks the page table entry of every resident page
                 # (8 to 18 ms per GiB of 4 KiB pages on a 2-core test machine), and this runs on
                 # the event loop, which dispatches nothing meanwhile: once a step, in a run
                 # holding tens of GiB, that held back the tasks that became ready.
-                host_marks["parts_last"].append(_rss_parts_gib())
+                last = host_marks["parts_by_step"][-1] if args.walk_memory_map_each_step else _rss_parts_gib()
+                host_marks["parts_last"].append(last)
                 host_marks["mapped_last"].append(_largest_mappings_gib())
 
         def run() -> list:
