@@ -3,9 +3,12 @@ fails and why, and that the gate runs every job its baseline names."""
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
+import os
 import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -117,3 +120,32 @@ def test_recording_on_a_card_writes_only_that_cards_baseline(tmp_path):
     saved = json.loads((tmp_path / "baseline.json").read_text())
     assert saved["jobs"]["w1"]["tokens_per_s"] == 1000 and saved["commit"] == "h200"
     assert saved["cards"]["H100"] == {"commit": "new", "jobs": {"w1": {"tokens_per_s": 850.0}}}
+
+
+def _bench_jobs(script: str) -> list[tuple[str, list[str]]]:
+    """Each ``bench NAME ARGS`` job of h200.sh with its arguments as bash passes them: ``$W`` as
+    the script sets it, ``${VAR:-default}`` at its default, ``$(seq ...)`` run, ``$OUT`` a folder."""
+    w = re.search(r'^W="([^"]*)"', script, re.M).group(1)
+    jobs = []
+    for name, args in re.findall(r"(?<![\w$-])bench ([a-z0-9]+) ([^;\n]*);;", script):
+        words = subprocess.run(["bash", "-c", 'eval "set -- $1"; printf "%s\\0" "$@"', "-", args],
+                               env={"W": w, "OUT": "/out", "PATH": os.environ["PATH"]},
+                               capture_output=True, text=True, check=True).stdout
+        jobs.append((name, words.split("\0")[:-1]))
+    return jobs
+
+
+def test_every_bench_job_of_the_gpu_script_takes_flags_flowtrain_bench_has():
+    """The script's jobs run only on a GPU machine, where a misspelt flag costs a device call:
+    each must parse with ``flowtrain bench``'s own arguments."""
+    from flowtrain.bench import add_arguments
+
+    jobs = _bench_jobs((BENCH / "h200.sh").read_text())
+    assert len(jobs) > 30 and {"w1", "8b10o", "w1walk", "8b10owalk"} <= {name for name, _ in jobs}
+    parser = argparse.ArgumentParser(prog="flowtrain bench", exit_on_error=False)
+    add_arguments(parser)
+    for name, args in jobs:
+        try:
+            parser.parse_args(args)
+        except (argparse.ArgumentError, SystemExit) as exc:
+            raise AssertionError(f"h200.sh job {name}: {args}: {exc}") from exc

@@ -102,11 +102,11 @@ run_job() {  # JOB: one job of the list below
     w1) bench w1 $W --batch-size 4 --steps 7 --trace "$OUT/w1-trace.json" ;;
     w1tr) FT="python3 -m torch.distributed.run --standalone --nproc-per-node 1 -m flowtrain" bench w1tr $W --batch-size 4 --steps 7 ;;  # W1 under torchrun, one process
     w1s) bench w1s $W --batch-size 4 --steps 7 --layout stream-bf16 ;;  # half the fetch bytes, a CPU refresh per update
-    w1c) bench w1c $W --batch-size 4 --steps 7 --compile ;;
+    w1c) bench w1c $W --batch-size 4 --steps 7 --compile inductor ;;  # what auto chooses on a GPU, named
     w1none) bench w1none $W --batch-size 4 --steps 6 --resident none ;;
     w2) bench w2 $W --batch-size 16 --steps 5 --trace "$OUT/w2-trace.json" ;;
     w2m) bench w2m $W --batch-size 16 --steps 5 --order micro --policy lookahead --trace "$OUT/w2m-trace.json" ;;  # each micro-batch through the model
-    w2c) bench w2c $W --batch-size 16 --steps 5 --compile ;;
+    w2c) bench w2c $W --batch-size 16 --steps 5 --compile inductor ;;  # what auto chooses on a GPU, named
     gpu1) anchor gpu 1 4 ;;
     liger1) LIGER=1 CKPT=0 anchor gpu 1 4 ;;   # the strongest all-on-GPU run at W1
     liger4) LIGER=1 CKPT=0 anchor gpu 4 3 ;;   # ... and at W2
@@ -182,6 +182,10 @@ run_job() {  # JOB: one job of the list below
       # the 30 longest calls, then the counts by kind (every call of over 50 ms: stalls8b10o-full.txt)
       grep '^long ' "$OUT/stalls8b10o-full.txt" | sort -t: -k2 -rn | head -30 | tee -a "$OUT/log.txt"
       grep '^kind ' "$OUT/stalls8b10o-full.txt" | tee -a "$OUT/log.txt" ;;
+    # w1 and 8b10o with the memory-map walk at every step's end, on the event loop (as the bench
+    # did until 2026-12-08): run beside w1 and 8b10o, what the walk costs and whether it stalls
+    w1walk) bench w1walk $W --batch-size 4 --steps 7 --walk-memory-map-each-step --trace "$OUT/w1walk-trace.json" ;;
+    8b10owalk) bench 8b10owalk --model llama-8b --seq-len 4096 --batch-size 16 --micro-batch-size ${MB10:-2} --steps 3 --warmup 1 --host-mem 118 --gpu-mem 10 --walk-memory-map-each-step --trace "$OUT/8b10owalk-trace.json" ;;
     w1gc) bench w1gc $W --batch-size 4 --steps 30 ;;  # W1 over 30 steps: the full collections its steps meet (gc_full_by_step)
     ft7bpeak) PEAK=1 BT=300 bench ft7bpeak --model qwen2.5-7b --seq-len 1024 --batch-size 158 --micro-batch-size 79 --steps 2 --warmup 1 --host-mem 118 ;;  # what is alive at its GPU peak: 80,896 tokens a micro-batch allocate 4.5% over the plan
     mt8b1k)  # MegaTrain's Llama-3.1-8B configuration: 148 x 1024, then flowtrain on it
