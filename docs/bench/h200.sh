@@ -244,6 +244,10 @@ run_job() {  # JOB: one job of the list below
 }
 for job in "$@"; do run_job "$job"; done
 log done
+traces=("$OUT"/*-trace.json)  # what the schedules do not explain: late starts, long tasks (docs/viz.md)
+if [[ -e ${traces[0]} ]]; then
+  $FT viz "${traces[@]}" --out /tmp/traces.html 2>&1 | tee -a "$OUT/log.txt"
+fi
 if [[ $GATE == 1 ]]; then
   python3 docs/bench/gate.py "$RES" docs/bench/gate-baseline.json ${GATE_RECORD:+--record "$GATE_RECORD"} 2>&1 | tee -a "$OUT/log.txt"
   exit "${PIPESTATUS[0]}"
