@@ -44,7 +44,7 @@ from .compute import SLOW_LAYER, ComputeTable, KindTime, compute_table, flops_pe
 from .graphview import CRITICAL, KIND_COLORS, REASON_COLORS, color, graph_section
 from .load import GraphInput, Trace
 from .memory import Memory, caption, memory
-from .outliers import Late, Long, late_starts, long_tasks
+from .outliers import FACTOR, LATE, MIN_SAMPLES, Late, Long, late_starts, long_tasks
 from .page_js import GANTT_JS
 from .steps import (
     StepStats,
@@ -129,15 +129,24 @@ def _why(view: TraceView, i: int) -> str:
     return describe_wait(view.trace, w) + (f" (then {delay * 1e3:.3f} ms until it started)" if delay > 1e-6 else "")
 
 
+def _ready(view: TraceView, i: int) -> float | None:
+    """When task ``i`` could have started (us), where late starts count it
+    (:func:`~flowtrain.viz.outliers.late_starts`: it waited for something, and the trace records
+    its dependencies); else None."""
+    w = view.waits[i]
+    return _us(w.end) if w is not None and view.trace.dep_indices[i] else None
+
+
 def _task_columns(view: TraceView, kinds: list[str]) -> dict[str, list]:
     tr = view.trace
     lane_index = {lane: i for i, lane in enumerate(tr.lanes)}
-    cols: dict[str, list] = {k: [] for k in ("s", "e", "k", "l", "name", "layer", "mb", "step", "bytes",
+    cols: dict[str, list] = {k: [] for k in ("s", "e", "r", "k", "l", "name", "layer", "mb", "step", "bytes",
                                              "slot", "reads", "deps", "why", "part")}
     part = partial_fetches(tr)
     for t in tr.tasks:
         cols["s"].append(_us(t.start))
         cols["e"].append(_us(t.end))
+        cols["r"].append(_ready(view, t.index))
         cols["k"].append(kinds.index(t.kind))
         cols["l"].append(lane_index[t.lane_name])
         cols["name"].append(t.name)
@@ -277,6 +286,7 @@ def render_report(inputs: Sequence[Trace | GraphInput], policy: str | Policy = "
         "colors": [color(k) for k in kinds],
         "critical": CRITICAL,
         "slowLayer": SLOW_LAYER,
+        "late": _us(LATE), "longFactor": FACTOR, "longMin": MIN_SAMPLES,  # flowtrain.viz.outliers
         "traces": [trace_payload(v, kinds) for v in views],
     }
     parts = [f"<h1>{_esc(title)}</h1>",

@@ -50,6 +50,7 @@ SUMMARY_JS = r"""
     w.computeBusy = computeBusy(w.busy.compute || 0, w.active);
     w.copyHidden = w.co ? w.cc / w.co : 0; w.cpuHidden = w.cp ? w.cu / w.cp : 0;
     w.compute = F.foldCompute(p, w);
+    w.outliers = F.foldOutliers(p, w);
     return w;
   }
   function windowLabel(p, w) {
@@ -128,6 +129,7 @@ SUMMARY_JS = r"""
       }).join("; ") + "</div>");
     }
     h.push(F.computeHtml(p, w.compute));
+    h.push(F.outliersHtml(p, w.outliers));
     var lanes = tr.lanes.map(function (l) {
       var gbs = laneKind(l) === "h2d" || laneKind(l) === "d2h" ? F.rate(w.bytes[l] || 0, w.busy[l] || 0) : "";
       return "<tr><td>" + esc(l) + "</td><td>" + (w.tasks[l] || 0) + "</td><td>" + fmtTime(w.busy[l] || 0) + "</td><td>" +
@@ -169,7 +171,9 @@ SUMMARY_JS = r"""
       copyHidden: w.copyHidden, idle: w.idle, why: w.why, peak: w.peak,
       patterns: patternRows(p, w).map(function (g) { return [p.tr.patterns[g.p].text, g.n, g.verdict]; }),
       compute: w.compute.kinds.map(function (o) { return { kind: o.kind, tasks: o.n, us: o.t, share: o.share, slow: o.slow }; }),
-      flops: w.compute.flops } : { steps: 0 }));
+      flops: w.compute.flops,
+      late: w.outliers.late.map(function (x) { return [p.tr.t.name[x.i], x.v]; }),
+      long: w.outliers.long.map(function (x) { return [p.tr.t.name[x.i], x.v, x.med]; }) } : { steps: 0 }));
     Array.prototype.forEach.call(box.querySelectorAll("tr.pattern"), function (row) {
       row.addEventListener("click", function () { nextGap(p, +row.getAttribute("data-p"), w); });
     });

@@ -3,7 +3,10 @@
 ``TABLES_JS`` adds to ``window.ftViz`` what :mod:`flowtrain.viz.summary_js` draws under each
 trace for its window: ``foldCompute(p, w)`` sums the window's steps' compute time by kind and
 layer (Python's :func:`flowtrain.viz.compute.compute_table`: the same rows, shares and model
-FLOP/s) and ``computeHtml`` draws it, a slow layer called out beside its kind.
+FLOP/s) and ``computeHtml`` draws it, a slow layer called out beside its kind;
+``foldOutliers(p, w)`` finds the window's late starts and long tasks (Python's
+:mod:`flowtrain.viz.outliers`, from each task's ready time ``t.r``) and ``outliersHtml`` lists
+them, a row per lane or kind.
 """
 
 TABLES_JS = r"""
@@ -73,6 +76,53 @@ TABLES_JS = r"""
           fmtTime(o.n ? o.t / o.n : 0) + "</td><td class=layers>" + layerCell(o) + "</td></tr>";
       }).join("") + "</table><div class=flopsline>" + flops + "</div>";
   }
+  // What the schedule does not explain in the window (Python's flowtrain.viz.outliers): tasks
+  // that began over D.late after all they waited for had finished (t.r: when that was), and
+  // tasks over D.longFactor times the median of their kind on their lane kind and D.late more.
+  function foldOutliers(p, w) {
+    var t = p.tr.t, late = [], groups = {}, long = [];
+    for (var i = 0; i < t.s.length; i++) {
+      if (t.s[i] < w.s || t.s[i] >= w.e) continue;
+      var lane = p.tr.lanes[t.l[i]].split(":")[0], key = F.D.kinds[t.k[i]] + " tasks on " + lane;
+      if (t.r[i] !== null && t.s[i] - t.r[i] > F.D.late) late.push({ i: i, what: "late starts on " + lane, v: t.s[i] - t.r[i] });
+      (groups[key] = groups[key] || []).push(i);
+    }
+    Object.keys(groups).forEach(function (key) {
+      var is = groups[key];
+      if (is.length < F.D.longMin) return;
+      var med = median(is.map(function (i) { return t.e[i] - t.s[i]; }));
+      is.forEach(function (i) {
+        var d = t.e[i] - t.s[i];
+        if (d > F.D.longFactor * med && d - med > F.D.late) long.push({ i: i, what: "long " + key, v: d, med: med });
+      });
+    });
+    return { late: late, long: long };
+  }
+  // One row per lane (late starts) or kind (long tasks), the worst first in each part.
+  function outliersHtml(p, o) {
+    var t = p.tr.t;
+    function rows(xs, worst) {
+      var by = {};
+      xs.forEach(function (x) { (by[x.what] = by[x.what] || []).push(x); });
+      return Object.keys(by).map(function (k) {
+        var g = by[k].slice().sort(function (a, b) { return b.v - a.v; });
+        return { what: k, g: g, worst: worst(g[0]) };
+      }).sort(function (a, b) { return b.worst - a.worst; });
+    }
+    var all = rows(o.late, function (x) { return x.v; }).concat(rows(o.long, function (x) { return x.v - x.med; }));
+    if (!all.length) return "<div class=outliers>late starts and long tasks: none in the window</div>";
+    return "<table class=outliers><tr><th>not explained by the schedule</th><th>tasks</th><th>how late or long</th>" +
+      "<th>steps</th><th>worst</th></tr>" + all.map(function (r) {
+        var lo = r.g[r.g.length - 1].v, hi = r.g[0].v, steps = [];
+        r.g.forEach(function (x) { if (steps.indexOf(t.step[x.i]) < 0) steps.push(t.step[x.i]); });
+        steps.sort(function (a, b) { return a - b; });
+        return "<tr><td>" + esc(r.what) + (r.g[0].med !== undefined ? " (median " + fmtTime(r.g[0].med) + ")" : "") +
+          "</td><td>" + r.g.length + "</td><td>" + fmtTime(lo) + (hi > lo ? "–" + fmtTime(hi) : "") + "</td><td>" +
+          steps.join(", ") + "</td><td>" + r.g.slice(0, 3).map(function (x) { return esc(t.name[x.i]) + " " + fmtTime(x.v); }).join(", ") +
+          (r.g.length > 3 ? " and " + (r.g.length - 3) + " more" : "") + "</td></tr>";
+      }).join("") + "</table>";
+  }
   F.foldCompute = foldCompute; F.computeHtml = computeHtml; F.fmtFlops = fmtFlops; F.median = median;
+  F.foldOutliers = foldOutliers; F.outliersHtml = outliersHtml;
 })();
 """

@@ -514,3 +514,44 @@ def test_labels_fit_with_contrast_ticks_stay_in_the_chart_and_deep_zoom_has_digi
         assert all(a["right"] < b["left"] for a, b in zip(ticks, ticks[1:])), ticks  # no label on another
     m = re.fullmatch(r"view (\S+) – (\S+) s.*", "view " + got["span"])
     assert m and m.group(1) != m.group(2) and float(m.group(1)) == pytest.approx(23.512, abs=2e-3), got["span"]
+
+
+OUTLIERS_JS = r"""
+window.addEventListener("load", function () {
+  var F = window.ftViz, p = F.panels[0], out = {};
+  out.before = JSON.parse(p.el.getAttribute("data-window"));
+  out.table = p.el.querySelector("table.outliers").innerText;
+  F.setWindow(3, 3, 0);
+  out.after = JSON.parse(p.el.getAttribute("data-window"));
+  document.documentElement.setAttribute("data-test", JSON.stringify(out));
+});
+"""
+
+
+def test_the_page_lists_late_starts_and_long_tasks_as_python_finds_them(chromium, tmp_path):
+    """An H100 run on a 10 GB card whose trace has both: CPU AdamW started up to 135 ms after
+    its gradient reached the host, and two forwards of 377 and 412 ms against a 6 ms median.
+    The page's lists for its window, and for step 3 alone once brushed, are Python's."""
+    from flowtrain.viz.html import TraceView
+
+    path = Path(__file__).parents[2] / "docs/bench/2026-12-07/gate10-h100-8b10o-trace.json"
+    trace = load_input(path)
+    page = write_report(tmp_path / "report.html", [trace])
+    got = run_script(chromium, tmp_path, page, OUTLIERS_JS)
+
+    def python(steps):
+        v = TraceView(trace, steps=steps)
+        late = [[v.trace.tasks[x.task].name, x.delay * 1e6] for x in v.late]
+        long = [[v.trace.tasks[y.task].name, v.trace.tasks[y.task].duration * 1e6, y.median * 1e6] for y in v.long]
+        return late, long
+
+    for window, steps in ((got["before"], None), (got["after"], "3")):
+        late, long = python(steps)
+        assert late and long
+        assert [n for n, _ in window["late"]] == [n for n, _ in late]
+        assert [d for _, d in window["late"]] == pytest.approx([d for _, d in late], abs=0.01)
+        assert sorted(n for n, *_ in window["long"]) == sorted(n for n, *_ in long)
+        for a, b in zip(sorted(window["long"]), sorted(long)):
+            assert a[1:] == pytest.approx(b[1:], abs=0.01)
+    assert (got["after"]["first"], got["after"]["last"]) == (3, 3) and len(got["after"]["late"]) < len(got["before"]["late"])
+    assert "late starts on cpu" in got["table"] and "long forward tasks on compute (median 6.1" in got["table"]
