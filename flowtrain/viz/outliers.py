@@ -148,10 +148,8 @@ def outlier_lines(trace: Trace, late: Sequence[Late], slow: Sequence[Long], wind
     for y in slow:
         t = trace.tasks[y.task]
         by_kind[(t.kind, t.lane)].append(y)
-    def excess(ys: list[Long]) -> float:
-        return max(trace.tasks[y.task].duration - y.median for y in ys)
-
-    for (kind, lane), ys in sorted(by_kind.items(), key=lambda kv: -excess(kv[1])):
+    excess = {key: max(trace.tasks[y.task].duration - y.median for y in ys) for key, ys in by_kind.items()}
+    for (kind, lane), ys in sorted(by_kind.items(), key=lambda kv: -excess[kv[0]]):  # worst first
         worst = sorted((y.task for y in ys), key=lambda i: -trace.tasks[i].duration)
         lines.append(f"long {kind} tasks on {lane}: {len(ys)} took over {ys[0].factor:g}x their median of "
                      f"{_ms(ys[0].median)}, {_steps(trace, worst, window)} "
