@@ -44,7 +44,7 @@ from .compute import SLOW_LAYER, ComputeTable, KindTime, compute_table, flops_pe
 from .graphview import CRITICAL, KIND_COLORS, REASON_COLORS, color, graph_section
 from .load import GraphInput, Trace
 from .memory import Memory, caption, memory
-from .outliers import FACTOR, LATE, MIN_SAMPLES, Late, Long, late_starts, long_tasks
+from .outliers import FACTOR, LATE, MIN_SAMPLES, Late, Long, late_starts, long_tasks, ready_wait
 from .page_js import GANTT_JS
 from .steps import (
     StepStats,
@@ -130,11 +130,10 @@ def _why(view: TraceView, i: int) -> str:
 
 
 def _ready(view: TraceView, i: int) -> float | None:
-    """When task ``i`` could have started (us), where late starts count it
-    (:func:`~flowtrain.viz.outliers.late_starts`: it waited for something, and the trace records
-    its dependencies); else None."""
-    w = view.waits[i]
-    return _us(w.end) if w is not None and view.trace.dep_indices[i] else None
+    """When task ``i`` could have started (us), as late starts count it
+    (:func:`~flowtrain.viz.outliers.ready_wait`); else None."""
+    w = ready_wait(view.trace, view.waits, i)
+    return None if w is None else _us(w.end)
 
 
 def _task_columns(view: TraceView, kinds: list[str]) -> dict[str, list]:

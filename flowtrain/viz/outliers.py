@@ -72,16 +72,22 @@ def _in_window(t: TraceTask, window: Window | None) -> bool:
     return window is None or window.start <= t.start < window.end
 
 
+def ready_wait(trace: Trace, waits: Sequence[Wait | None], i: int) -> Wait | None:
+    """What task ``i`` last waited for, whose end is when it could have started; None where
+    that moment is unknown. Only tasks whose dependencies the trace records have one: for a
+    task without any (a trace that leaves ``deps`` out, a task the graph starts from), the end
+    of the task before it on its lane is no sign that it could have started then."""
+    return waits[i] if trace.dep_indices[i] else None
+
+
 def late_starts(trace: Trace, waits: Sequence[Wait | None], window: Window | None = None,
                 late: float = LATE) -> list[Late]:
     """Tasks of the window that started more than ``late`` seconds after the last thing they
-    waited for finished, in start order. Only tasks whose dependencies the trace records count:
-    for a task without any (a trace that leaves ``deps`` out, a task the graph starts from),
-    the end of the task before it on its lane is no sign that it could have started then."""
+    waited for finished (:func:`ready_wait`), in start order."""
     out: list[Late] = []
     for t in trace.tasks:
-        w = waits[t.index]
-        if w is None or not trace.dep_indices[t.index] or not _in_window(t, window):
+        w = ready_wait(trace, waits, t.index)
+        if w is None or not _in_window(t, window):
             continue
         delay = t.start - w.end
         if delay > late:
